@@ -1,0 +1,59 @@
+"""arraycheckpoint: sharded, reshardable training checkpoints stored as open Zarr v3 arrays.
+
+Public API::
+
+    import arraycheckpoint as acp
+    acp.save(path, {"model": model, "optimizer": opt, "extra_state": {...}})
+    fut = acp.save_async(path, state); fut.staged.result(); ...; fut.result()
+    acp.load(path, state)
+
+Importing this package imports neither torch nor jax; adapters load lazily.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .api import load, read_metadata, save, save_async  # noqa: E402
+from .errors import (  # noqa: E402
+    ArrayCheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MetadataError,
+    PickleNotAllowedError,
+    PlanError,
+    SaveFailedError,
+    StateMismatchError,
+    StorageError,
+    UnsafeNameError,
+    UnsupportedDTypeError,
+)
+from .future import CheckpointFuture  # noqa: E402
+from .metadata import CheckpointMetadata, ShardMeta, TensorMeta  # noqa: E402
+from .plan import PlanOptions  # noqa: E402
+
+__all__ = [
+    "ArrayCheckpointError",
+    "CheckpointExistsError",
+    "CheckpointFuture",
+    "CheckpointMetadata",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "MetadataError",
+    "PickleNotAllowedError",
+    "PlanError",
+    "PlanOptions",
+    "SaveFailedError",
+    "ShardMeta",
+    "StateMismatchError",
+    "StorageError",
+    "TensorMeta",
+    "UnsafeNameError",
+    "UnsupportedDTypeError",
+    "__version__",
+    "load",
+    "read_metadata",
+    "save",
+    "save_async",
+]

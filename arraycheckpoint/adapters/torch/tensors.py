@@ -1,0 +1,148 @@
+"""torch tensors as regions: dtype mapping, host copies in and out, and the layout of a (sharded) tensor.
+
+A tensor's layout is the list of ``(global box, local view)`` pairs it holds on this rank:
+
+* a plain tensor holds its whole box (under DDP every rank holds it: a replica the planner writes once);
+* a DTensor holds the box ``compute_local_shape_and_global_offset`` gives for its mesh and placements;
+* an FSDP1 original parameter (``use_orig_params=True``) holds a flat element range of the unsharded
+  parameter, decomposed into at most ``2 * ndim - 1`` regular boxes (see :func:`flat_range_to_boxes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from ...errors import UnsupportedDTypeError
+from ...regions import Box, flat_range_to_boxes
+
+_TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+    torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
+    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
+}
+for _t, _n in (("float8_e4m3fnuz", "float8_e4m3fnuz"), ("float8_e5m2fnuz", "float8_e5m2fnuz"),
+               ("uint16", "uint16"), ("uint32", "uint32"), ("uint64", "uint64")):
+    if hasattr(torch, _t):
+        _TORCH_TO_NUMPY[getattr(torch, _t)] = np.dtype(getattr(ml_dtypes, _n, None) or getattr(np, _n))
+_NUMPY_TO_TORCH = {v: k for k, v in _TORCH_TO_NUMPY.items()}
+# numpy has no bfloat16/float8: move their bytes through a same-width integer view
+_BITS = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16)}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy (ml_dtypes) dtype of a torch dtype; raises naming the dtype when there is none."""
+    try:
+        return _TORCH_TO_NUMPY[dtype]
+    except KeyError:
+        raise UnsupportedDTypeError(f"torch dtype {dtype} has no checkpoint representation") from None
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return _NUMPY_TO_TORCH[np.dtype(dtype)]
+
+
+def _exotic(dtype: np.dtype) -> bool:
+    return dtype.kind == "V" or dtype.type.__module__.startswith("ml_dtypes")
+
+
+def as_torch(arr: np.ndarray) -> torch.Tensor:
+    """A torch view of a host numpy array (bfloat16/float8 through an integer view)."""
+    arr = np.ascontiguousarray(arr)
+    if _exotic(arr.dtype):
+        np_int, _ = _BITS[arr.dtype.itemsize]
+        return torch.from_numpy(arr.view(np_int)).view(torch_dtype(arr.dtype))
+    return torch.from_numpy(arr)
+
+
+def host_view(out: np.ndarray) -> torch.Tensor:
+    """A torch tensor aliasing ``out`` so torch can copy into it (no copy of its own)."""
+    if _exotic(out.dtype):
+        np_int, _ = _BITS[out.dtype.itemsize]
+        return torch.from_numpy(out.view(np_int)).view(torch_dtype(out.dtype))
+    return torch.from_numpy(out)
+
+
+@dataclass
+class TorchSource:
+    """Copies a (possibly strided, possibly CUDA) tensor region into a host buffer."""
+
+    tensor: torch.Tensor
+
+    def copy_into(self, out: np.ndarray) -> None:
+        src = self.tensor.detach()
+        dst = host_view(out)
+        if src.is_cuda:
+            dst.copy_(src.reshape(dst.shape), non_blocking=False)
+        else:
+            dst.copy_(src.reshape(dst.shape))
+
+
+def sink_for(view: torch.Tensor) -> Any:
+    """A load sink that copies a host array into ``view`` in place (casting if dtypes differ)."""
+
+    def sink(arr: np.ndarray) -> None:
+        with torch.no_grad():
+            view.copy_(as_torch(arr).reshape(view.shape))
+
+    return sink
+
+
+@dataclass(frozen=True)
+class FlatFragment:
+    """This rank's slice of a flattened parameter (FSDP1): elements ``[start, stop)`` of ``shape``."""
+
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def layout(t: torch.Tensor, fragment: FlatFragment | None = None) -> tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]:
+    """Global shape of ``t`` and the ``(box, local view)`` pairs this rank holds."""
+    if fragment is not None:
+        local = t.detach().reshape(-1)
+        pieces = []
+        cursor = 0
+        for box in flat_range_to_boxes(fragment.shape, fragment.start, fragment.stop):
+            n = box.volume
+            pieces.append((box, local[cursor : cursor + n].view(box.lengths)))
+            cursor += n
+        return fragment.shape, pieces
+    if is_dtensor(t):
+        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(isinstance(p, Partial) for p in t.placements):
+            raise ValueError("a DTensor with Partial placement holds unreduced values; reduce it before saving")
+        shape = tuple(t.shape)
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t._local_tensor.detach()
+        box = Box(tuple(int(o) for o in offset), tuple(int(s) for s in local_shape))
+        if box.volume == 0:
+            return shape, []
+        return shape, [(box, local.reshape(box.lengths))]
+    shape = tuple(t.shape)
+    return shape, [(Box.full(shape), t.detach())]

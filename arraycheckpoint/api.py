@@ -1,0 +1,185 @@
+"""The public verbs: :func:`save`, :func:`save_async`, :func:`load`, :func:`read_metadata`.
+
+They pick the adapter from the objects in ``state`` (or the ``framework=`` argument), let it translate, and
+hand the result to the engine. ``save`` is ``save_async(...).result()``: one code path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .adapters.base import Adapter, AdapterOptions, check_expected
+from .collectives import Communicator, default_communicator
+from .engine import SaveOptions, engine
+from .errors import ArrayCheckpointError
+from .future import CheckpointFuture
+from .metadata import CheckpointMetadata
+from .plan import PlanOptions
+
+_FRAMEWORKS = {
+    "torch": "torch",
+    "ddp": "torch",
+    "fsdp": "torch",
+    "fsdp1": "torch",
+    "fsdp2": "torch",
+    "megatron": "megatron",
+    "jax": "jax",
+}
+
+
+def _adapter(framework: str) -> Adapter:
+    kind = _FRAMEWORKS.get(framework)
+    if kind is None:
+        raise ArrayCheckpointError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
+    if kind == "torch":
+        from .adapters.torch import TorchAdapter
+
+        return TorchAdapter()
+    if kind == "megatron":
+        from .adapters.torch.megatron import MegatronAdapter
+
+        return MegatronAdapter()
+    from .adapters.jax import JaxAdapter
+
+    return JaxAdapter()
+
+
+def detect_framework(state: Mapping[str, Any]) -> str:
+    """The framework of ``state``'s objects: megatron, jax or torch (modules, optimizers, tensors)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
+    if "megatron.core" in sys.modules:
+        from .adapters.torch.megatron import is_megatron_state
+
+        if is_megatron_state(state):
+            return "megatron"
+    if "jax" in sys.modules:
+        from .adapters.jax import is_jax_state
+
+        if is_jax_state(state):
+            return "jax"
+    return "torch"
+
+
+def _communicator(comm: Communicator | None, framework: str) -> Communicator:
+    if comm is not None:
+        return comm
+    if _FRAMEWORKS.get(framework) == "jax":
+        from .adapters.jax import jax_communicator
+
+        return jax_communicator()
+    return default_communicator()
+
+
+def save_async(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    framework: str | None = None,
+    step: int | None = None,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    compression: str | None = None,
+    plan_options: PlanOptions | None = None,
+    comm: Communicator | None = None,
+    max_inflight_bytes: int | None = None,
+) -> CheckpointFuture:
+    """Start saving ``state`` to ``path``; returns once the snapshot is taken.
+
+    Call on every rank with the same structure. ``fut.staged`` completes when training may mutate its
+    tensors again; ``fut.result()`` when the checkpoint is committed (or raises the error of any rank).
+
+    Args:
+        path: local path or URL (``file://``, ``memory://``, ``s3://``, any fsspec URL).
+        state: ``{"model": module or state_dict, "optimizer": optimizer, "extra_state": {...}, ...}``.
+        framework: ``torch``/``ddp``/``fsdp``/``fsdp2``/``megatron``/``jax``; detected when omitted.
+        step: training step recorded in the metadata.
+        overwrite: replace a committed checkpoint at ``path``.
+        allow_pickle: permit values JSON cannot hold (then loading needs ``allow_pickle=True`` too).
+        compression: ``None`` or ``"zstd"`` for the stored chunks.
+        plan_options: chunk-size knobs of the planner.
+        comm: the communicator; defaults to torch.distributed's world (a dedicated gloo group) or one process.
+        max_inflight_bytes: bound on bytes handed to storage and not yet written.
+
+    Example:
+        >>> fut = acp.save_async("ckpt/step_100", {"model": model, "optimizer": opt}, step=100)
+        >>> fut.staged.result(); train_more(); fut.result()
+    """
+    framework = framework or detect_framework(state)
+    adapter = _adapter(framework)
+    request = adapter.save_request(state, AdapterOptions(allow_pickle=allow_pickle, step=step))
+    request.framework = framework
+    comm = _communicator(comm, framework)
+    request.topology = {"world_size": comm.world_size, "framework": framework, **request.topology}
+    plan = plan_options or PlanOptions()
+    if compression is not None:
+        plan = PlanOptions(plan.min_chunk_bytes, plan.max_chunk_bytes, plan.inner_chunk_bytes, compression)
+    options = SaveOptions(overwrite=overwrite, plan=plan)
+    if max_inflight_bytes is not None:
+        options = SaveOptions(overwrite, plan, max_inflight_bytes)
+    return engine().save_async(os.fspath(path), request, comm, options)
+
+
+def save(path: str | os.PathLike[str], state: Mapping[str, Any], **kwargs: Any) -> CheckpointMetadata:
+    """Save ``state`` and wait until it is committed. Same arguments as :func:`save_async`.
+
+    Returns the committed metadata on the coordinator (None on other ranks).
+    """
+    return save_async(path, state, **kwargs).result()
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    framework: str | None = None,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    allow_cast: bool = False,
+    key_map: Callable[[str], str | None] | Mapping[str, str] | None = None,
+    comm: Communicator | None = None,
+    report: dict[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """Load a committed checkpoint into ``state`` under the current (any) parallel layout.
+
+    torch objects are restored in place; jax targets (arrays or ``ShapeDtypeStruct`` with shardings) come
+    back as new arrays in the returned dict. Each rank reads only the regions its shards need.
+
+    Args:
+        path: checkpoint path or URL.
+        state: the load target, structured like the saved state (a subset of namespaces is fine).
+        strict: raise :class:`StateMismatchError` listing missing/unexpected keys and shape/dtype mismatches;
+            with ``strict=False`` the intersection loads and ``report`` (if given) receives the rest.
+        allow_pickle: permit unpickling values saved with ``allow_pickle=True`` (trusted checkpoints only).
+        allow_cast: load into targets whose dtype differs from the stored one (converting).
+        key_map: target name -> stored name (a mapping or a function returning None to skip a key).
+
+    Returns:
+        ``state`` with loaded values (the same objects for torch; new arrays for jax).
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at ``path``.
+        StateMismatchError: strict load of a non-matching target.
+        CorruptCheckpointError: stored bytes failed their checksums (the tensor is named).
+    """
+    framework = framework or detect_framework(state)
+    eng = engine()
+    storage, root, meta = eng.read_metadata(os.fspath(path))
+    if isinstance(key_map, Mapping):
+        mapping = dict(key_map)
+        key_map = lambda name: mapping.get(name, name)  # noqa: E731
+    options = AdapterOptions(allow_pickle=allow_pickle, strict=strict, allow_cast=allow_cast, key_map=key_map)
+    job = _adapter(framework).load_job(meta, state, options)
+    found = check_expected(meta, job, options)
+    if report is not None:
+        report.update(found)
+    eng.load(storage, root, meta, job.targets)
+    return job.finish()
+
+
+def read_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
+    """The validated metadata of the committed checkpoint at ``path``."""
+    return engine().read_metadata(os.fspath(path))[2]

@@ -1,0 +1,59 @@
+"""The one error hierarchy of arraycheckpoint.
+
+Every error raised on purpose derives from :class:`ArrayCheckpointError`; leaves also inherit the builtin they
+resemble so that ``except FileNotFoundError`` keeps working for callers who do not know this library.
+Messages name the tensor, the rank and the fix.
+"""
+
+from __future__ import annotations
+
+
+class ArrayCheckpointError(Exception):
+    """Root of every error raised by arraycheckpoint."""
+
+
+class CheckpointNotFoundError(ArrayCheckpointError, FileNotFoundError):
+    """No committed checkpoint exists at the path (missing, or never committed)."""
+
+
+class CheckpointExistsError(ArrayCheckpointError, FileExistsError):
+    """A committed checkpoint (or a save in progress) already occupies the target path."""
+
+
+class MetadataError(ArrayCheckpointError, ValueError):
+    """``.metadata.json`` is malformed, of an unknown format version, or describes impossible tensors."""
+
+
+class UnsafeNameError(ArrayCheckpointError, ValueError):
+    """A tensor or object name would escape the checkpoint directory or clash with the format's own files."""
+
+
+class StateMismatchError(ArrayCheckpointError, KeyError):
+    """A strict load found missing keys, unexpected keys, or shape/dtype mismatches."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class PlanError(ArrayCheckpointError, ValueError):
+    """The global save plan is invalid: a region out of bounds, overlapping regions, or a coverage hole."""
+
+
+class CorruptCheckpointError(ArrayCheckpointError, OSError):
+    """Stored bytes failed their checksum or could not be decoded."""
+
+
+class PickleNotAllowedError(ArrayCheckpointError, TypeError):
+    """A value needs pickle, which is refused unless ``allow_pickle=True`` is passed."""
+
+
+class UnsupportedDTypeError(ArrayCheckpointError, TypeError):
+    """A tensor's dtype has no Zarr v3 representation."""
+
+
+class SaveFailedError(ArrayCheckpointError, RuntimeError):
+    """A save failed on one or more ranks; the message names each failing rank and its error."""
+
+
+class StorageError(ArrayCheckpointError, OSError):
+    """A storage operation failed permanently (after retries where they apply)."""

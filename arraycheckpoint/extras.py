@@ -1,0 +1,129 @@
+"""Arbitrary training state (step, RNG, scheduler, user dicts) as JSON plus arrays, without pickle.
+
+:func:`encode` turns nested Python values into a JSON document in which arrays and tensors are replaced by
+references to separately stored Zarr arrays; :func:`decode` inverts it. Tuples, non-string dict keys, bytes
+and non-finite floats are tagged so they come back as they went in. Anything else needs pickle, which is
+refused unless the caller opts in with ``allow_pickle=True`` on save *and* on load.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle  # only behind allow_pickle=True
+from collections.abc import Callable
+from typing import Any
+
+from .errors import PickleNotAllowedError, UnsafeNameError
+from .metadata import check_name
+
+_TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__", "__array__", "__pickle__")
+
+
+def encode(
+    value: Any,
+    prefix: str,
+    is_array: Callable[[Any], bool],
+    allow_pickle: bool = False,
+) -> tuple[Any, dict[str, Any]]:
+    """Encode ``value``; returns ``(json_doc, {array_name: array})`` with names under ``prefix``.
+
+    ``is_array`` says which leaves are arrays/tensors (the adapter knows its framework's types).
+    Raises :class:`PickleNotAllowedError` naming the path of a value JSON cannot hold.
+    """
+    arrays: dict[str, Any] = {}
+
+    def name_for(path: list[str]) -> str:
+        candidate = "/".join([prefix, *path]) if path else prefix
+        try:
+            return check_name(candidate)
+        except UnsafeNameError:
+            return f"{prefix}/~a{len(arrays)}"
+
+    def enc(v: Any, path: list[str]) -> Any:
+        if v is None or isinstance(v, (bool, str)):
+            return v
+        if isinstance(v, int):
+            return int(v)
+        if isinstance(v, float):
+            return v if math.isfinite(v) else {"__float__": repr(v)}
+        if is_array(v):
+            name = name_for(path)
+            arrays[name] = v
+            return {"__array__": name}
+        if isinstance(v, (bytes, bytearray)):
+            return {"__bytes__": base64.b64encode(bytes(v)).decode()}
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return {"__tuple__": [enc(x, [*path, str(i)]) for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [enc(x, [*path, str(i)]) for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            if all(isinstance(k, str) and k not in _TAGS for k in v):
+                return {k: enc(x, [*path, k]) for k, x in v.items()}
+            return {"__dict__": [[enc(k, [*path, "key"]), enc(x, [*path, str(k)])] for k, x in v.items()]}
+        if hasattr(v, "item") and getattr(v, "shape", None) == () and not is_array(v):
+            return enc(v.item(), path)  # numpy scalars
+        if allow_pickle:
+            return {"__pickle__": base64.b64encode(pickle.dumps(v)).decode()}
+        where = "/".join([prefix, *path])
+        raise PickleNotAllowedError(
+            f"{where}: a {type(v).__name__} cannot be stored as JSON; convert it to plain data (dicts, lists, "
+            "numbers, strings, tensors) or pass allow_pickle=True to save and load"
+        )
+
+    return enc(value, []), arrays
+
+
+def decode(doc: Any, arrays: dict[str, Any], allow_pickle: bool = False) -> Any:
+    """Inverse of :func:`encode`. ``arrays`` maps the stored array names to loaded arrays."""
+
+    def dec(v: Any) -> Any:
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        if not isinstance(v, dict):
+            return v
+        if len(v) == 1:
+            (tag, body), = v.items()
+            if tag == "__tuple__":
+                return tuple(dec(x) for x in body)
+            if tag == "__dict__":
+                return {_hashable(dec(k)): dec(x) for k, x in body}
+            if tag == "__bytes__":
+                return base64.b64decode(body)
+            if tag == "__float__":
+                return float(body)
+            if tag == "__array__":
+                return arrays[body]
+            if tag == "__pickle__":
+                if not allow_pickle:
+                    raise PickleNotAllowedError(
+                        "the checkpoint holds a pickled value; pass allow_pickle=True to load it (only for "
+                        "checkpoints you trust: unpickling runs code)"
+                    )
+                return pickle.loads(base64.b64decode(body))  # noqa: S301 - explicit opt-in
+        return {k: dec(x) for k, x in v.items()}
+
+    return dec(doc)
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
+
+
+def array_refs(doc: Any) -> list[str]:
+    """Names of every array an encoded document refers to."""
+    out: list[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            if len(v) == 1 and "__array__" in v:
+                out.append(v["__array__"])
+            else:
+                for x in v.values():
+                    walk(x)
+
+    walk(doc)
+    return out

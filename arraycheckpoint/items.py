@@ -1,0 +1,84 @@
+"""What adapters hand the engine: framework-free descriptions of local data and load targets.
+
+Adapters translate framework objects (modules, DTensors, FSDP flat shards, megatron ShardedTensors, jax.Arrays)
+into these; the engine never imports a framework. A :class:`SaveShard` is one region of a global tensor that
+this rank holds, with a :class:`HostSource` that copies it into a host buffer; a :class:`LoadShard` is one
+region this rank wants, with a sink that receives the host array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .regions import Box
+
+
+class HostSource(Protocol):
+    """Local data of one region. ``copy_into`` fills ``out`` (shape = region lengths, the tensor's dtype)."""
+
+    def copy_into(self, out: np.ndarray) -> None: ...
+
+
+@dataclass
+class ArraySource:
+    """A :class:`HostSource` over anything numpy can view (numpy arrays, host jax shards)."""
+
+    array: Any
+
+    def copy_into(self, out: np.ndarray) -> None:
+        np.copyto(out, np.asarray(self.array).reshape(out.shape), casting="no")
+
+
+@dataclass
+class SaveShard:
+    box: Box
+    source: HostSource
+
+
+@dataclass
+class SaveTensor:
+    """One global tensor and the regions of it this rank holds (replicas may appear on several ranks)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    shards: list[SaveShard] = field(default_factory=list)
+
+
+@dataclass
+class SaveObject:
+    """A JSON-able value. ``scope="global"``: rank 0's value is stored; ``"rank"``: every rank's value is."""
+
+    name: str
+    value: Any
+    scope: str = "global"
+
+
+@dataclass
+class SaveRequest:
+    """Everything one rank contributes to a save."""
+
+    tensors: list[SaveTensor]
+    objects: list[SaveObject]
+    framework: str
+    step: int | None = None
+    topology: dict[str, Any] = field(default_factory=dict)
+    roles: tuple[str, ...] = ()
+
+
+@dataclass
+class LoadShard:
+    box: Box
+    sink: Callable[[np.ndarray], None]
+
+
+@dataclass
+class LoadTensor:
+    """One stored tensor this rank reads, as regions delivered to sinks."""
+
+    name: str
+    shards: list[LoadShard] = field(default_factory=list)

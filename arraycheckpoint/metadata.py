@@ -1,0 +1,250 @@
+"""Checkpoint metadata: frozen dataclasses and their strict JSON (de)serialisation.
+
+``.metadata.json`` maps every stored tensor to its global shape, dtype, chunk grid and the regions that were
+saved (:class:`ShardMeta`), plus the JSON objects of the checkpoint. Loading validates every field before any
+byte of tensor data is touched: malformed, hostile or absurd metadata raises :class:`MetadataError` and
+nothing is executed (there is no pickle here; pickled user objects are opaque strings only decoded on request).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import MetadataError, UnsafeNameError
+from .regions import Box
+
+FORMAT_VERSION = 1
+METADATA_FILE = ".metadata.json"
+COMMIT_MARKER = ".committed"
+MAX_ELEMENTS = 1 << 50  # refuse absurd shapes before allocating anything
+MAX_NDIM = 64
+
+_FORBIDDEN_CHARS = ("\\", "\x00", ":")
+
+
+def check_name(name: str) -> str:
+    """Validate a checkpoint entry name (``model/layers.0.w``) and return it.
+
+    Components are separated by ``/``; each must be non-empty, must not be ``.``/``..`` or start with ``.``
+    (reserved for the format's own files) or ``__`` (reserved by Zarr v3), and must not contain ``\\``, ``:``
+    or NUL. Absolute names are refused. Raises :class:`UnsafeNameError` naming the offending name.
+    """
+    if not isinstance(name, str) or not name:
+        raise UnsafeNameError(f"invalid entry name {name!r}: names must be non-empty strings")
+    if name.startswith("/"):
+        raise UnsafeNameError(f"entry name {name!r} is absolute; names are relative to the checkpoint root")
+    for part in name.split("/"):
+        if not part or part.startswith(".") or part.startswith("__") or any(c in part for c in _FORBIDDEN_CHARS):
+            raise UnsafeNameError(
+                f"entry name {name!r} has an unsafe component {part!r}: components must be non-empty, must not "
+                "start with '.' or '__' and must not contain '\\', ':' or NUL (rename the key before saving)"
+            )
+        if part == "zarr.json":
+            raise UnsafeNameError(f"entry name {name!r} clashes with Zarr's metadata file name")
+    return name
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """One saved region of a tensor: global offsets/lengths and the rank that held it at save time."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    rank: int
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offsets, self.lengths)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A stored tensor: one Zarr v3 array at ``<ckpt>/<name>`` with its global shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # zarr v3 data_type name
+    chunk_shape: tuple[int, ...]  # one stored file per chunk (sharding_indexed outer chunk)
+    inner_chunk_shape: tuple[int, ...]
+    compression: str | None
+    shards: tuple[ShardMeta, ...]
+    writers: tuple[int, ...] = ()  # writer rank per stored chunk, row-major over the chunk grid
+
+    @property
+    def nbytes(self) -> int:
+        from .codecs import numpy_dtype
+
+        return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """A JSON object entry. ``scope="global"`` holds one value; ``scope="rank"`` one value per saving rank."""
+
+    name: str
+    scope: str  # "global" | "rank"
+    value: Any = None
+    per_rank: Mapping[int, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """Everything ``.metadata.json`` holds."""
+
+    framework: str
+    world_size: int
+    tensors: Mapping[str, TensorMeta]
+    objects: Mapping[str, ObjectMeta]
+    step: int | None = None
+    topology: Mapping[str, Any] = field(default_factory=dict)
+    roles: tuple[str, ...] = ()
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    library_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        """Serialise to the canonical JSON text of ``.metadata.json``."""
+        doc = {
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "framework": self.framework,
+            "world_size": self.world_size,
+            "step": self.step,
+            "topology": dict(self.topology),
+            "roles": list(self.roles),
+            "tensors": {
+                name: {
+                    "shape": list(t.shape),
+                    "dtype": t.dtype,
+                    "chunk_shape": list(t.chunk_shape),
+                    "inner_chunk_shape": list(t.inner_chunk_shape),
+                    "compression": t.compression,
+                    "shards": [[list(s.offsets), list(s.lengths), s.rank] for s in t.shards],
+                    "writers": list(t.writers),
+                }
+                for name, t in sorted(self.tensors.items())
+            },
+            "objects": {
+                name: (
+                    {"scope": "global", "value": o.value}
+                    if o.scope == "global"
+                    else {"scope": "rank", "per_rank": {str(r): v for r, v in sorted(o.per_rank.items())}}
+                )
+                for name, o in sorted(self.objects.items())
+            },
+            "metrics": dict(self.metrics),
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+
+    @staticmethod
+    def from_json(text: str | bytes) -> CheckpointMetadata:
+        """Parse and validate ``.metadata.json``; raises :class:`MetadataError` on anything malformed."""
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MetadataError(f"metadata is not valid JSON ({e}); the checkpoint is damaged") from None
+        return _parse(doc)
+
+
+def _req(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(doc, Mapping) or key not in doc:
+        raise MetadataError(f"metadata: {where} lacks required field {key!r}")
+    value = doc[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise MetadataError(f"metadata: {where}.{key} has type {type(value).__name__}, expected {kind}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _int_list(value: Any, where: str, minimum: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise MetadataError(f"metadata: {where} must be a list of at most {MAX_NDIM} integers")
+    out = []
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum or v > MAX_ELEMENTS:
+            raise MetadataError(f"metadata: {where} holds {v!r}; expected integers in [{minimum}, 2**50]")
+        out.append(v)
+    return tuple(out)
+
+
+def _parse(doc: Any) -> CheckpointMetadata:
+    from .codecs import SUPPORTED_DTYPES
+
+    if not isinstance(doc, dict):
+        raise MetadataError("metadata: top level must be a JSON object")
+    version = _req(doc, "format_version", int, "metadata")
+    if version != FORMAT_VERSION:
+        raise MetadataError(
+            f"checkpoint format_version {version} is not supported by this arraycheckpoint "
+            f"(which reads version {FORMAT_VERSION}); upgrade arraycheckpoint"
+        )
+    world_size = _req(doc, "world_size", int, "metadata")
+    if world_size < 1:
+        raise MetadataError(f"metadata: world_size {world_size} must be >= 1")
+    tensors: dict[str, TensorMeta] = {}
+    for name, t in _req(doc, "tensors", dict, "metadata").items():
+        check_name(name)
+        where = f"tensors[{name!r}]"
+        shape = _int_list(_req(t, "shape", list, where), f"{where}.shape")
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise MetadataError(f"metadata: {where} has an absurd shape {shape}")
+        dtype = _req(t, "dtype", str, where)
+        if dtype not in SUPPORTED_DTYPES:
+            raise MetadataError(f"metadata: {where} has unsupported dtype {dtype!r}")
+        chunk = _int_list(_req(t, "chunk_shape", list, where), f"{where}.chunk_shape", minimum=1)
+        inner = _int_list(_req(t, "inner_chunk_shape", list, where), f"{where}.inner_chunk_shape", minimum=1)
+        if len(chunk) != len(shape) or len(inner) != len(shape) or any(c % i for c, i in zip(chunk, inner)):
+            raise MetadataError(f"metadata: {where} has an inconsistent chunk grid {chunk} / {inner} for {shape}")
+        compression = t.get("compression")
+        if compression not in (None, "zstd"):
+            raise MetadataError(f"metadata: {where} has unknown compression {compression!r}")
+        shards = []
+        for s in _req(t, "shards", list, where):
+            if not isinstance(s, list) or len(s) != 3:
+                raise MetadataError(f"metadata: {where}.shards entries must be [offsets, lengths, rank]")
+            box = Box(_int_list(s[0], f"{where}.offsets"), _int_list(s[1], f"{where}.lengths"))
+            if not box.within(shape) or not isinstance(s[2], int) or not 0 <= s[2] < world_size:
+                raise MetadataError(f"metadata: {where} has a shard {s} outside shape {shape} or world")
+            shards.append(ShardMeta(box.offsets, box.lengths, s[2]))
+        writers = _int_list(t.get("writers", []), f"{where}.writers")
+        tensors[name] = TensorMeta(name, shape, dtype, chunk, inner, compression, tuple(shards), writers)
+    objects: dict[str, ObjectMeta] = {}
+    for name, o in _req(doc, "objects", dict, "metadata").items():
+        check_name(name)
+        scope = _req(o, "scope", str, f"objects[{name!r}]")
+        if scope == "global":
+            objects[name] = ObjectMeta(name, "global", value=o.get("value"))
+        elif scope == "rank":
+            per_rank = _req(o, "per_rank", dict, f"objects[{name!r}]")
+            try:
+                parsed = {int(r): v for r, v in per_rank.items()}
+            except ValueError:
+                raise MetadataError(f"metadata: objects[{name!r}].per_rank keys must be ranks") from None
+            objects[name] = ObjectMeta(name, "rank", per_rank=parsed)
+        else:
+            raise MetadataError(f"metadata: objects[{name!r}] has unknown scope {scope!r}")
+    step = doc.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise MetadataError("metadata: step must be an integer or null")
+    roles = doc.get("roles", [])
+    if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
+        raise MetadataError("metadata: roles must be a list of strings")
+    return CheckpointMetadata(
+        framework=_req(doc, "framework", str, "metadata"),
+        world_size=world_size,
+        tensors=tensors,
+        objects=objects,
+        step=step,
+        topology=doc.get("topology") if isinstance(doc.get("topology"), dict) else {},
+        roles=tuple(roles),
+        metrics=doc.get("metrics") if isinstance(doc.get("metrics"), dict) else {},
+        library_version=str(doc.get("library_version", "")),
+        format_version=version,
+    )
