@@ -140,14 +140,14 @@ class Engine:
         """Snapshot ``request`` and write it in the background; returns once the snapshot is taken."""
         options = options or SaveOptions()
         storage, final = storage_for(url)
+        decls = _declare(request.tensors)  # bad input raises here, identically on every rank
+        key = _structure_key(decls, comm, options)
         future = CheckpointFuture(final)
         if self._last is not None:
             self._last.exception()  # buffers and the checkpoint group are reused: wait, do not raise
         self._last = future
         recorder = PhaseRecorder()
         token = f"{comm.session_id}-{next(self._counter)}"
-        decls = _declare(request.tensors)
-        key = _structure_key(decls, comm, options)
         job = _Job(
             storage=storage,
             final=final,
@@ -447,9 +447,8 @@ class Engine:
             for t in targets:
                 check_name(t.name)
                 if t.name not in opening and t.shards:
-                    tm = meta.tensors[t.name]
-                    opening[t.name] = ts.open(_meta_spec(storage, root, tm), open=True, assume_metadata=True,
-                                              context=context())
+                    spec = {"driver": "zarr3", "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}")}
+                    opening[t.name] = ts.open(spec, open=True, context=context())  # the stored zarr.json
             stores = {}
             for name, fut in opening.items():
                 try:
@@ -542,15 +541,6 @@ def _array_spec(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
     }
 
 
-def _meta_spec(storage: Storage, root: str, tm: TensorMeta) -> dict[str, Any]:
-    return {
-        "driver": "zarr3",
-        "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{tm.name}"),
-        "metadata": array_metadata(tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape,
-                                   tm.compression),
-    }
-
-
 def _wait(fut: Any, name: str) -> None:
     try:
         fut.result()
@@ -558,12 +548,16 @@ def _wait(fut: Any, name: str) -> None:
         raise StorageError(f"tensor {name!r}: write failed: {e}") from e
 
 
+# tensorstore reports checksum failures as DATA_LOSS "Digest mismatch"; truncation as decode errors.
+_CORRUPTION_WORDS = ("data_loss", "digest", "checksum", "crc", "decod", "corrupt", "invalid", "truncat")
+
+
 def _read_result(fut: Any, name: str, box: Box, root: str) -> np.ndarray:
     try:
         return fut.result()
     except Exception as e:  # noqa: BLE001
         msg = str(e)
-        kind = CorruptCheckpointError if any(w in msg.lower() for w in ("checksum", "crc", "decod", "corrupt", "invalid")) else StorageError
+        kind = CorruptCheckpointError if any(w in msg.lower() for w in _CORRUPTION_WORDS) else StorageError
         raise kind(f"tensor {name!r}: reading region {box} from {root} failed: {msg}") from e
 
 

@@ -170,7 +170,7 @@ class _MLFloat(ZDType[TBaseDType, np.generic], HasItemSize):
         return self._ml_type(float(data))  # type: ignore[arg-type]
 
     def default_scalar(self) -> np.generic:
-        """Zero (for ``float8_e8m0fnu``, which has no zero, the value zero rounds to)."""
+        """Zero as this type (``float8_e8m0fnu`` has no zero; ml_dtypes turns 0 into its NaN, 0xff)."""
         return self._ml_type(0.0)
 
     def from_json_scalar(self, data: JSON, *, zarr_format: ZarrFormat) -> np.generic:
@@ -265,7 +265,12 @@ class Float8E3M4(_MLFloat):
 
 @dataclass(frozen=True, kw_only=True)
 class Float8E8M0FNU(_MLFloat):
-    """zarr v3 ``float8_e8m0fnu`` (exponent only, no zero), numpy dtype ``ml_dtypes.float8_e8m0fnu``."""
+    """zarr v3 ``float8_e8m0fnu`` (exponent only, no zero), numpy dtype ``ml_dtypes.float8_e8m0fnu``.
+
+    Data crosses bit-exactly, but tensorstore 0.1.86 reads JSON fill values for this type differently from
+    ml_dtypes (``1.0`` -> 2**-64, ``0.0`` -> bits 0x00 where ml_dtypes gives NaN); the presets therefore
+    do not offer it for checkpoints.
+    """
 
     _ml_type = ml_dtypes.float8_e8m0fnu
     _zarr_v3_name = "float8_e8m0fnu"

@@ -16,7 +16,8 @@ Format facts encoded here (checked against tensorstore 0.1.86 and zarr-python 3.
 * ``float8_e8m0fnu`` is deliberately not supported: it has no zero, and tensorstore 0.1.86 converts JSON
   fill values for it differently from ml_dtypes (1.0 -> 2**-64, 0.0 -> bits 0x00 where ml_dtypes gives NaN).
 
-This module imports only numpy (ml_dtypes on demand), never zarr, tensorstore, torch or jax.
+This module imports only numpy and :mod:`arraycheckpoint.errors` (ml_dtypes on demand), never zarr,
+tensorstore, torch or jax.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from arraycheckpoint.errors import UnsupportedDTypeError as _ProjectUnsupportedDTypeError
 
 __all__ = [
     "ML_DTYPE_NAMES",
@@ -71,8 +74,11 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _COMPRESSIONS = ("zstd",)
 
 
-class UnsupportedDTypeError(ValueError):
-    """A dtype that has no zarr v3 representation both tensorstore and zarr-python read."""
+class UnsupportedDTypeError(_ProjectUnsupportedDTypeError, ValueError):
+    """A dtype with no zarr v3 representation both tensorstore and zarr-python read.
+
+    It is an :class:`arraycheckpoint.UnsupportedDTypeError` (so also a ``TypeError``) and a ``ValueError``.
+    """
 
 
 def zarr_dtype_name(dtype: Any) -> str:
@@ -157,8 +163,9 @@ def array_metadata(
 
     One outer chunk (``chunk_shape``) is one stored file: a ``sharding_indexed`` codec whose inner chunks
     are ``inner_chunk_shape`` (default: ``chunk_shape``, i.e. one inner chunk per shard), encoded with
-    ``bytes`` (little-endian) then ``zstd`` at ``compression_level`` if ``compression == "zstd"``; the shard
-    index is ``bytes`` + ``crc32c`` at the end of the file. The fill value is zero (``false`` for bool).
+    ``bytes`` (little-endian), then ``zstd`` at ``compression_level`` if ``compression == "zstd"``, then
+    ``crc32c`` (every inner chunk is checksummed); the shard index is ``bytes`` + ``crc32c`` at the end of
+    the file. The fill value is zero (``false`` for bool).
 
     A chunk dimension of 0 is accepted only where the array dimension is 0 and is stored as 1 (both
     libraries require chunk dimensions >= 1). A 0-d array (``shape == ()``) uses ``chunk_shape == ()``.
@@ -210,6 +217,8 @@ def array_metadata(
         inner_codecs.append(
             {"name": "zstd", "configuration": {"level": int(compression_level), "checksum": False}}
         )
+    # The index crc32c only protects the offsets; this one makes a flipped data byte fail its read.
+    inner_codecs.append({"name": "crc32c"})
 
     metadata: dict[str, Any] = {
         "zarr_format": 3,

@@ -101,9 +101,12 @@ def test_byte_order_is_not_part_of_the_name() -> None:
     ids=str,
 )
 def test_unsupported_dtype(dtype: np.dtype) -> None:
+    import arraycheckpoint
+
     with pytest.raises(UnsupportedDTypeError) as info:
         zarr_dtype_name(dtype)
     assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, arraycheckpoint.UnsupportedDTypeError)
     assert dtype.name in str(info.value)
     with pytest.raises(ValueError):
         array_metadata((2,), dtype, (2,))
@@ -134,6 +137,7 @@ def test_metadata_layout() -> None:
     assert cfg["codecs"] == [
         {"name": "bytes", "configuration": {"endian": "little"}},
         {"name": "zstd", "configuration": {"level": 5, "checksum": False}},
+        {"name": "crc32c"},
     ]
     assert cfg["index_codecs"] == [
         {"name": "bytes", "configuration": {"endian": "little"}},
@@ -147,7 +151,8 @@ def test_metadata_defaults_and_dimension_names() -> None:
     md = array_metadata((3, 4), "int16", (3, 4), dimension_names=["row", None])
     assert md["codecs"][0]["configuration"]["chunk_shape"] == [3, 4]
     assert md["codecs"][0]["configuration"]["codecs"] == [
-        {"name": "bytes", "configuration": {"endian": "little"}}
+        {"name": "bytes", "configuration": {"endian": "little"}},
+        {"name": "crc32c"},
     ]
     assert md["dimension_names"] == ["row", None]
     with pytest.raises(ValueError, match="dimension_names"):
@@ -167,7 +172,8 @@ def test_metadata_fill_value_and_endian(name: str) -> None:
         assert fill == [0.0, 0.0]
     else:
         assert fill == 0.0 and type(fill) is float
-    (inner,) = md["codecs"][0]["configuration"]["codecs"]
+    inner, checksum = md["codecs"][0]["configuration"]["codecs"]
+    assert checksum == {"name": "crc32c"}
     if dt.itemsize == 1:
         assert inner == {"name": "bytes"}
     else:
@@ -360,3 +366,26 @@ def test_entry_points_declared() -> None:
     for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2", *ML_DTYPE_NAMES):
         assert name in eps, f"zarr.data_type entry point {name} missing (pip install -e . ?)"
         assert eps[name].load()._zarr_v3_name == name
+
+
+@pytest.mark.parametrize("name", ML_DTYPE_NAMES)
+def test_zarr_python_in_process_all_ml_dtypes(tmp_path: Path, name: str) -> None:
+    """Every ml_dtypes type crosses tensorstore <-> zarr-python both ways (registered in process)."""
+    import zarr
+
+    from arraycheckpoint.codecs import register_zarr_dtypes
+
+    register_zarr_dtypes()
+    dt = numpy_dtype(name)
+    data = random_values(dt, (5, 7), seed=7)
+    ts_write_read(tmp_path / "ts", array_metadata((5, 7), dt, (4, 4), (2, 2), compression="zstd"), data)
+    got = zarr.open_array(str(tmp_path / "ts"), mode="r")[...]
+    assert got.dtype == dt
+    np.testing.assert_array_equal(bits(got), bits(data))
+
+    arr = zarr.create_array(
+        store=str(tmp_path / "zp"), shape=data.shape, dtype=dt, chunks=(2, 2), shards=(4, 4), compressors=None
+    )
+    arr[...] = data
+    back = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "zp")}}).result()
+    np.testing.assert_array_equal(bits(back.read().result()), bits(data))

@@ -1,0 +1,161 @@
+"""Collectives for multi-controller JAX over the coordination service's key-value store.
+
+``jax.distributed.initialize`` starts a coordination service (gRPC) that every process is connected to; its
+key-value store is how :class:`JaxCommunicator` moves checkpoint control messages and fragments. This is JAX's
+own multi-controller facility (the same one ``multihost_utils`` and the preemption manager use), it needs no
+device collective (so it never interleaves with training computations, and it is safe from the engine's
+background thread), and it works on CPU, GPU and TPU alike.
+
+What it deliberately does not do: move bulk tensor data. The planner sends only fragments of chunks that
+straddle ranks, which JAX's regular shardings rarely produce; values are split into parts of at most
+:data:`PART_BYTES` so no single RPC grows large.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ...collectives import Communicator, SingleProcessCommunicator
+from ...errors import ArrayCheckpointError
+
+PART_BYTES = 8 << 20
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class JaxCommunicator(Communicator):
+    """A :class:`Communicator` over ``jax.distributed``'s key-value store (one rank per JAX process).
+
+    Every operation has a sequence number; rank ``r``'s contribution to operation ``n`` for rank ``d`` lives
+    at ``arraycheckpoint/<session>/<n>/<r>/<d>``. Keys are deleted two operations later: finishing operation
+    ``n + 1`` needs every rank's contribution to it, which a rank publishes only after reading all of ``n``.
+    Construct it on every process at the same point (:func:`jax_communicator` does so once per process).
+    """
+
+    def __init__(self, client: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        import jax
+
+        if client is None:
+            from jax._src import distributed
+
+            client = distributed.global_state.client
+        if client is None:
+            raise ArrayCheckpointError(
+                "jax runs with several processes but jax.distributed is not initialised on this process; call "
+                "jax.distributed.initialize() before saving or loading"
+            )
+        self._client = client
+        self._rank = jax.process_index()
+        self._world = jax.process_count()
+        self._timeout_ms = int(timeout_s * 1000)
+        self._seq = 0
+        self._own: dict[int, list[str]] = {}
+        self._lock = threading.Lock()
+        generation = _next_generation()
+        key = f"arraycheckpoint/comm/{generation}"
+        if self._rank == 0:
+            client.key_value_set_bytes(key, uuid.uuid4().hex[:12].encode())
+        self._session = self._get(key).decode()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def session_id(self) -> str:
+        return self._session
+
+    # --------------------------------------------------------------------------------------- primitives
+    def _get(self, key: str) -> bytes:
+        try:
+            return bytes(self._client.blocking_key_value_get_bytes(key, self._timeout_ms))
+        except Exception as e:  # noqa: BLE001 - a timeout or a dead coordinator
+            raise ArrayCheckpointError(
+                f"rank {self._rank}: waiting for {key!r} from another JAX process failed ({e}); a process died, "
+                "or the processes issued different save/load calls"
+            ) from e
+
+    def _put(self, key: str, data: bytes | memoryview) -> None:
+        """Store ``data`` under ``key`` as ``<key>/<i>`` parts plus a ``<key>/n`` count written last."""
+        view = memoryview(data)
+        parts = max(1, -(-len(view) // PART_BYTES))
+        for i in range(parts):
+            self._client.key_value_set_bytes(f"{key}/{i}", bytes(view[i * PART_BYTES : (i + 1) * PART_BYTES]))
+        self._client.key_value_set_bytes(f"{key}/n", str(parts).encode())
+        self._own.setdefault(self._seq, []).extend([f"{key}/{i}" for i in range(parts)] + [f"{key}/n"])
+
+    def _fetch(self, key: str) -> bytes:
+        parts = int(self._get(f"{key}/n"))
+        return b"".join(self._get(f"{key}/{i}") for i in range(parts))
+
+    def _begin(self) -> str:
+        self._seq += 1
+        for old in [s for s in self._own if s <= self._seq - 2]:
+            for k in self._own.pop(old):
+                try:
+                    self._client.key_value_delete(k)
+                except Exception:  # noqa: BLE001, S110 - cleanup only; the key expires with the service
+                    pass
+        return f"arraycheckpoint/{self._session}/{self._seq}"
+
+    # -------------------------------------------------------------------------------------- collectives
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        with self._lock:
+            base = self._begin()
+            self._put(f"{base}/{self._rank}/all", data)
+            return [data if r == self._rank else self._fetch(f"{base}/{r}/all") for r in range(self._world)]
+
+    def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
+        with self._lock:
+            base = self._begin()
+            for dst in range(self._world):
+                if dst != self._rank:
+                    self._put(
+                        f"{base}/{self._rank}/{dst}", np.ascontiguousarray(send[dst], dtype=np.uint8).data
+                    )
+            out = []
+            for src in range(self._world):
+                if src == self._rank:
+                    out.append(np.ascontiguousarray(send[src], dtype=np.uint8).ravel())
+                    continue
+                got = np.frombuffer(self._fetch(f"{base}/{src}/{self._rank}"), dtype=np.uint8)
+                if got.size != recv_sizes[src]:
+                    raise ArrayCheckpointError(
+                        f"rank {self._rank}: expected {recv_sizes[src]} bytes from rank {src}, got {got.size}"
+                    )
+                out.append(got)
+            return out
+
+
+_GENERATION = [0]
+_COMMS: dict[tuple[int, int], Communicator] = {}
+
+
+def _next_generation() -> int:
+    _GENERATION[0] += 1
+    return _GENERATION[0]
+
+
+def jax_communicator() -> Communicator:
+    """The communicator for this JAX process group.
+
+    One process: a :class:`SingleProcessCommunicator`. Several (``jax.distributed.initialize`` was called):
+    a :class:`JaxCommunicator`, created once per process and reused (its creation is collective).
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return SingleProcessCommunicator()
+    key = (jax.process_count(), jax.process_index())
+    comm = _COMMS.get(key)
+    if comm is None:
+        comm = _COMMS[key] = JaxCommunicator()
+    return comm

@@ -1,0 +1,388 @@
+"""The ``arraycheckpoint`` console command: inspect, verify, export, import, rename, diff, metrics.
+
+Exit codes scripts can rely on:
+
+* ``0``: success (for ``verify``: the checkpoint is intact; for ``diff``: no difference);
+* ``1``: a check failed (``verify`` found a problem, ``diff`` found a difference);
+* ``2``: usage or input error (bad arguments, no checkpoint at the path, unreadable source, bad map file);
+* ``3``: an unexpected internal error (a bug: the traceback is printed).
+
+The work itself lives in :mod:`arraycheckpoint.tools`; this module parses arguments and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+
+
+class UsageError(Exception):
+    """Bad input detected by the command itself (exit code 2)."""
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm byte counter on stderr (shown on terminals only unless ``--progress`` forces it)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        leave=False,
+        disable=None if not enabled else False,
+        file=sys.stderr,
+    )
+
+
+def _load_map(path: str) -> dict[str, str]:
+    try:
+        with open(path) as f:
+            mapping = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"cannot read the mapping file {path}: {e}") from None
+    if not isinstance(mapping, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
+    ):
+        raise UsageError(f"mapping file {path} must hold one JSON object of old name -> new name strings")
+    return mapping
+
+
+# ------------------------------------------------------------------------------------------- commands
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..tools.common import open_checkpoint
+    from ..tools.summary import format_summary, summarize
+
+    summary = summarize(open_checkpoint(args.path))
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..tools.verify import verify
+
+    total = _verify_total(args.path)
+    with _progress(total, "verify", args.progress) as bar:
+        report = verify(args.path, progress=bar.update, read_data=not args.no_data)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "path": report.path,
+                    "ok": report.ok,
+                    "tensors": report.tensors,
+                    "chunks": report.chunks,
+                    "bytes": report.bytes,
+                    "problems": [str(p) for p in report.problems],
+                },
+                indent=2,
+            )
+        )
+    else:
+        for p in report.problems:
+            print(f"BAD  {p}")
+        state = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
+        print(
+            f"{state}: {report.path}: {report.tensors} tensors, {report.chunks} chunks, {report.bytes} bytes checked"
+        )
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _verify_total(path: str) -> int:
+    from ..codecs import numpy_dtype
+    from ..metadata import METADATA_FILE, CheckpointMetadata
+    from ..storage import storage_for
+
+    try:
+        storage, root = storage_for(path)
+        raw = storage.read(root, METADATA_FILE)
+        meta = CheckpointMetadata.from_json(raw) if raw else None
+    except Exception:  # noqa: BLE001 - verify itself reports what is wrong
+        return 0
+    if meta is None:
+        return 0
+    total = 0
+    for t in meta.tensors.values():
+        n = numpy_dtype(t.dtype).itemsize
+        for s in t.shape:
+            n *= s
+        total += n
+    return total
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..tools.common import open_checkpoint, parse_size
+    from ..tools.export import export_safetensors, export_torch, select
+
+    try:
+        cap = parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    ckpt = open_checkpoint(args.path)
+    rename = _load_map(args.rename) if args.rename else None
+    entries = select(ckpt, args.what, args.dtype, rename)
+    total = sum(e.nbytes for e in entries)
+    with _progress(total, "export", args.progress) as bar:
+        if args.format == "safetensors":
+            result = export_safetensors(
+                ckpt, args.out, entries, cap, progress=bar.update, overwrite=args.overwrite
+            )
+        else:
+            result = export_torch(ckpt, args.out, entries, progress=bar.update, overwrite=args.overwrite)
+    where = result.index or result.files[0]
+    print(
+        f"exported {result.tensors} tensors, {result.total_size} bytes, in {len(result.files)} file(s): {where}"
+    )
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from ..tools.importer import import_checkpoint
+
+    with _progress(0, "import", args.progress) as bar:
+
+        def update(n: int) -> None:
+            bar.total = (bar.total or 0) + n
+            bar.update(n)
+
+        result = import_checkpoint(
+            args.src,
+            args.path,
+            namespace=args.namespace,
+            strip_prefix=args.strip_prefix,
+            step=args.step,
+            overwrite=args.overwrite,
+            progress=update,
+        )
+    for s in result.skipped:
+        print(f"skipped  {s}", file=sys.stderr)
+    print(
+        f"imported {result.tensors} tensors ({result.bytes} bytes) from {result.kind} source {args.src} "
+        f"into {args.path} under {args.namespace}/"
+    )
+    return EXIT_OK
+
+
+def cmd_rename(args: argparse.Namespace) -> int:
+    from ..tools.rename import rename_checkpoint
+
+    mapping = _load_map(args.map) if args.map else None
+    result = rename_checkpoint(args.path, mapping)
+    if result.resumed:
+        print("finished an interrupted rename")
+    for old, new in sorted({**result.tensors, **result.objects}.items()):
+        print(f"{old} -> {new}")
+    print(f"renamed {len(result.tensors)} tensors and {len(result.objects)} objects in {args.path}")
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from ..tools.common import open_checkpoint
+    from ..tools.diff import diff_checkpoints
+
+    a, b = open_checkpoint(args.a), open_checkpoint(args.b)
+    total = sum(t.nbytes for n, t in a.meta.tensors.items() if n in b.meta.tensors)
+    with _progress(total, "diff", args.progress) as bar:
+        report = diff_checkpoints(
+            a,
+            b,
+            atol=args.atol,
+            progress=bar.update,
+            namespaces=args.namespace,
+            objects=not args.tensors_only,
+        )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "same": report.same,
+                    "objects": report.objects,
+                    "tensors": [t.__dict__ for t in report.tensors],
+                },
+                indent=2,
+            )
+        )
+    else:
+        for t in report.tensors:
+            if t.status == "equal" and not args.all:
+                continue
+            extra = f"  max_abs_diff={t.max_abs_diff:g}" if t.max_abs_diff is not None else ""
+            print(f"{t.status:<9} {t.name}{extra}  {t.detail}".rstrip())
+        for o in report.objects:
+            print(f"object    {o}")
+        n_diff = sum(t.status != "equal" for t in report.tensors) + len(report.objects)
+        print(
+            "identical" if report.same else f"{n_diff} difference(s)",
+            f"({len(report.tensors)} tensors compared)",
+        )
+    return EXIT_OK if report.same else EXIT_FAILED
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from ..tools.common import open_checkpoint
+    from ..tools.metrics import format_table, phase_table, plot
+
+    ckpt = open_checkpoint(args.path)
+    try:
+        table = phase_table(ckpt.meta, args.kind)
+    except KeyError as e:
+        raise UsageError(str(e.args[0])) from None
+    print(json.dumps(table.to_json(), indent=2) if args.json else format_table(table))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'arraycheckpoint[plot]'") from None
+        out = plot(table, args.plot, title=f"{args.kind} of {ckpt.root} (step {ckpt.meta.step})")
+        print(f"wrote {out}", file=sys.stderr)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the command (one sub-parser per subcommand, each with ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog="arraycheckpoint",
+        description="Inspect, verify, convert and compare arraycheckpoint checkpoints.",
+        epilog="exit codes: 0 ok, 1 check failed / differences found, 2 usage or input error, 3 internal error",
+    )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"arraycheckpoint {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=fn)
+        return p
+
+    def progress_flag(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--progress", action="store_true", help="show progress bars even when stderr is not a terminal"
+        )
+
+    p = add(
+        "inspect", cmd_inspect, "list tensors, shapes, dtypes, sizes, save-time sharding, topology and step"
+    )
+    p.add_argument("path", help="checkpoint path or URL")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    p = add(
+        "verify",
+        cmd_verify,
+        "check the commit marker, region coverage and every chunk's checksums "
+        "(exit 1 when anything is wrong)",
+    )
+    p.add_argument("path", help="checkpoint path or URL")
+    p.add_argument(
+        "--no-data", action="store_true", help="skip reading chunks (metadata, coverage, files only)"
+    )
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    progress_flag(p)
+
+    p = add(
+        "export", cmd_export, "merge a checkpoint (any save layout) into HF-style safetensors or a torch file"
+    )
+    p.add_argument("path", help="checkpoint path or URL")
+    p.add_argument("out", help="output directory (safetensors) or file (torch)")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument(
+        "--what",
+        choices=("model", "all"),
+        default="model",
+        help="model tensors only (default) or every tensor, optimizer state included",
+    )
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="cap per safetensors file, e.g. 5GB, 500MB (default 5GB)"
+    )
+    p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16, float16, float32")
+    p.add_argument("--rename", metavar="FILE", help="JSON object mapping exported key -> new key")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace safetensors files / the torch file in OUT"
+    )
+    progress_flag(p)
+
+    p = add(
+        "import", cmd_import, "import a safetensors file / HF directory, torch.save file or DCP directory"
+    )
+    p.add_argument(
+        "src",
+        help="*.safetensors, a directory with model.safetensors.index.json, a DCP directory "
+        "or a torch.save file",
+    )
+    p.add_argument("path", help="new checkpoint path or URL")
+    p.add_argument("--namespace", default="model", help="namespace of the imported tensors (default: model)")
+    p.add_argument("--strip-prefix", help="remove this prefix from source keys (e.g. 'module.')")
+    p.add_argument("--step", type=int, help="training step to record")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at PATH")
+    progress_flag(p)
+
+    p = add(
+        "rename", cmd_rename, "rename keys in place (directory renames + metadata rewrite, local paths only)"
+    )
+    p.add_argument("path", help="local checkpoint path")
+    p.add_argument(
+        "--map",
+        metavar="FILE",
+        help="JSON object old -> new; a key without '/' is a parameter FQN "
+        "renamed in every namespace (model, optimizer)",
+    )
+
+    p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor (exit 1 when they differ)")
+    p.add_argument("a", help="first checkpoint")
+    p.add_argument("b", help="second checkpoint")
+    p.add_argument("--atol", type=float, default=0.0, help="treat max abs differences <= ATOL as equal")
+    p.add_argument("--all", action="store_true", help="also list equal tensors")
+    p.add_argument(
+        "--tensors-only", action="store_true", help="ignore JSON objects (param groups, extra state)"
+    )
+    p.add_argument(
+        "--namespace",
+        action="append",
+        help="compare only this top-level namespace (model, optimizer, ...); repeatable",
+    )
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    progress_flag(p)
+
+    p = add("metrics", cmd_metrics, "per-rank phase timings of the save: table, heat-map and timeline")
+    p.add_argument("path", help="checkpoint path or URL")
+    p.add_argument("--kind", default="save", help="which recorded metrics (default: save)")
+    p.add_argument("--plot", metavar="PNG", help="draw the heat-map and timeline into this PNG")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit code (see the module docstring)."""
+    from ..errors import ArrayCheckpointError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (UsageError, ArrayCheckpointError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        print(f"arraycheckpoint {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `arraycheckpoint inspect ... | head`: the reader left; not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - a bug: show it, with its own exit code
+        import traceback
+
+        traceback.print_exc()
+        print(f"arraycheckpoint {args.command}: internal error (please report)", file=sys.stderr)
+        return EXIT_INTERNAL

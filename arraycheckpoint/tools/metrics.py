@@ -1,0 +1,157 @@
+"""``arraycheckpoint metrics``: per-rank, per-phase timings the engine recorded during the save.
+
+The engine stores each rank's :class:`~arraycheckpoint.monitoring.PhaseRecorder` record in the metadata under
+``metrics["save"][str(rank)] = {"wall_start": ..., "phases": [{"phase", "start", "seconds", "bytes"}]}``.
+This module turns it into a rank-by-phase table and draws a heat-map (seconds per rank and phase, annotated)
+plus a per-rank timeline on one wall clock (matplotlib, Agg backend; install the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..metadata import CheckpointMetadata
+from .common import human_bytes
+
+#: The order phases are shown in (others follow alphabetically).
+PHASE_ORDER = ("snapshot", "plan", "exchange", "write", "flush", "commit", "read")
+
+
+@dataclass
+class PhaseTable:
+    """Seconds and bytes per (rank, phase), and each rank's timeline on a shared clock."""
+
+    kind: str
+    ranks: list[int]
+    phases: list[str]
+    seconds: list[list[float]]  # [rank][phase]
+    bytes: list[list[int]]
+    #: rank -> [(phase, start seconds on the shared clock, duration seconds)]
+    timeline: dict[int, list[tuple[str, float, float]]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "ranks": self.ranks,
+            "phases": self.phases,
+            "seconds": self.seconds,
+            "bytes": self.bytes,
+            "timeline": {str(r): [list(x) for x in v] for r, v in self.timeline.items()},
+        }
+
+
+def phase_table(meta: CheckpointMetadata, kind: str = "save") -> PhaseTable:
+    """Build the table from ``meta.metrics[kind]``; raises ``KeyError`` when nothing was recorded."""
+    records = meta.metrics.get(kind)
+    if not isinstance(records, dict) or not records:
+        raise KeyError(
+            f"the checkpoint holds no {kind!r} metrics (recorded: {sorted(meta.metrics) or 'none'})"
+        )
+    ranks = sorted(int(r) for r in records)
+    seen: set[str] = set()
+    for r in ranks:
+        seen.update(p["phase"] for p in records[str(r)].get("phases", []))
+    phases = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
+    walls = [records[str(r)].get("wall_start", 0.0) for r in ranks]
+    t0 = min(walls) if walls else 0.0
+    seconds, nbytes, timeline = [], [], {}
+    for r, wall in zip(ranks, walls):
+        row_s = dict.fromkeys(phases, 0.0)
+        row_b = dict.fromkeys(phases, 0)
+        spans = []
+        for p in records[str(r)].get("phases", []):
+            row_s[p["phase"]] += float(p.get("seconds", 0.0))
+            row_b[p["phase"]] += int(p.get("bytes", 0))
+            spans.append((p["phase"], wall - t0 + float(p.get("start", 0.0)), float(p.get("seconds", 0.0))))
+        seconds.append([row_s[p] for p in phases])
+        nbytes.append([row_b[p] for p in phases])
+        timeline[r] = spans
+    return PhaseTable(kind, ranks, phases, seconds, nbytes, timeline)
+
+
+def format_table(t: PhaseTable) -> str:
+    """Rank-by-phase seconds (and the bytes each rank moved per phase), plus per-phase max/mean."""
+    head = ["rank", *t.phases, "total"]
+    rows = [head]
+    for r, secs in zip(t.ranks, t.seconds):
+        rows.append([str(r), *(f"{s:.4f}" for s in secs), f"{sum(secs):.4f}"])
+    n = len(t.ranks)
+    cols = list(zip(*t.seconds)) if t.seconds else []
+    rows.append(["max", *(f"{max(c):.4f}" for c in cols), ""])
+    rows.append(["mean", *(f"{sum(c) / n:.4f}" for c in cols), ""])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [f"{t.kind} phases, seconds per rank"]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if i == 0 or i == n:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("bytes moved per rank and phase")
+    for r, byts in zip(t.ranks, t.bytes):
+        moved = ", ".join(f"{p} {human_bytes(b)}" for p, b in zip(t.phases, byts) if b)
+        lines.append(f"  rank {r}: {moved or '-'}")
+    return "\n".join(lines)
+
+
+def plot(t: PhaseTable, out: str | os.PathLike[str], title: str = "") -> str:
+    """Draw the heat-map and the timeline into the PNG ``out``; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    data = np.array(t.seconds, dtype=float) * 1000.0  # milliseconds read better at checkpoint scale
+    n_ranks, n_phases = data.shape
+    height = max(4.0, 1.2 + 0.45 * n_ranks) * 2
+    fig, (ax_h, ax_t) = plt.subplots(
+        2, 1, figsize=(max(9.0, 1.3 * n_phases + 3), height), gridspec_kw={"height_ratios": [1, 1]}
+    )
+    im = ax_h.imshow(data, aspect="auto", cmap="viridis")
+    ax_h.set_xticks(range(n_phases), t.phases)
+    ax_h.set_yticks(range(n_ranks), [f"rank {r}" for r in t.ranks])
+    ax_h.set_title("time per rank and phase (ms; brighter = slower)")
+    vmax = data.max() if data.size else 0.0
+    for i in range(n_ranks):
+        for j in range(n_phases):
+            v = data[i, j]
+            ax_h.text(
+                j,
+                i,
+                f"{v:.1f}",
+                ha="center",
+                va="center",
+                fontsize=9,
+                color="black" if vmax and v > 0.6 * vmax else "white",
+            )
+    fig.colorbar(im, ax=ax_h, label="ms")
+
+    colors = plt.get_cmap("tab10")
+    color = {p: colors(i % 10) for i, p in enumerate(t.phases)}
+    for i, r in enumerate(t.ranks):
+        for phase, start, dur in t.timeline.get(r, []):
+            ax_t.broken_barh(
+                [(start * 1000.0, max(dur * 1000.0, 1e-3))], (i - 0.4, 0.8), facecolors=color[phase]
+            )
+    ax_t.set_yticks(range(n_ranks), [f"rank {r}" for r in t.ranks])
+    ax_t.invert_yaxis()
+    ax_t.set_xlabel("ms since the first rank started")
+    ax_t.set_title("timeline per rank")
+    ax_t.grid(axis="x", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color[p]) for p in t.phases]
+    ax_t.legend(
+        handles,
+        t.phases,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=min(len(t.phases), 7),
+        frameon=False,
+    )
+    fig.suptitle(title or f"arraycheckpoint {t.kind}: {n_ranks} rank(s)")
+    fig.tight_layout()
+    out = os.fspath(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

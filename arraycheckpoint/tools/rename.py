@@ -1,0 +1,237 @@
+"""``arraycheckpoint rename``: rename keys of a committed checkpoint in place, without rewriting data.
+
+Each tensor is a Zarr array in the directory named after it, so renaming a tensor is a directory rename plus a
+metadata rewrite; JSON objects live in the metadata only. A mapping key without ``/`` is a parameter FQN and
+renames it in every namespace (``model/<fqn>``, ``optimizer/<fqn>/...``), in the optimizer's param groups and
+in the tied-weight aliases; a key with ``/`` is an entry name (or entry prefix) renamed as is.
+
+Crash safety on a local file system: a journal (``.acp-rename.json``) holding the moves and the new metadata is
+written first, then the commit marker is removed, so readers see no checkpoint rather than a half-renamed one.
+Directories move in two steps through a private temporary directory (so swaps and chains work), the new
+metadata replaces the old one by an atomic ``os.replace``, and the commit marker comes back last. If the
+process dies on the way, running ``rename`` again on the path finishes the journal. On object stores a rename
+would be a copy of every object plus a delete; that is refused here (export/import or a re-save instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ArrayCheckpointError, CheckpointNotFoundError
+from ..metadata import COMMIT_MARKER, METADATA_FILE, CheckpointMetadata, ObjectMeta, check_name
+from ..storage import LocalStorage, storage_for
+
+JOURNAL = ".acp-rename.json"
+TMP_DIR = ".acp-rename-tmp"
+
+
+@dataclass
+class RenameResult:
+    """Entries renamed by :func:`rename_checkpoint` (old -> new)."""
+
+    tensors: dict[str, str]
+    objects: dict[str, str]
+    resumed: bool = False
+
+
+def _expand(
+    meta: CheckpointMetadata, mapping: Mapping[str, str]
+) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """Full-name prefix rules (longest first) and the bare-FQN map."""
+    names = list(meta.tensors) + list(meta.objects)
+    namespaces = sorted({n.split("/", 1)[0] for n in names})
+    rules: list[tuple[str, str]] = []
+    fqn_map: dict[str, str] = {}
+    for old, new in mapping.items():
+        if not isinstance(old, str) or not isinstance(new, str) or not old or not new:
+            raise ArrayCheckpointError(f"rename map entries must be non-empty strings, got {old!r}: {new!r}")
+        if "/" in old:
+            rules.append((old, new))
+        else:
+            fqn_map[old] = new
+            rules.extend((f"{ns}/{old}", f"{ns}/{new}") for ns in namespaces)
+    rules.sort(key=lambda r: -len(r[0]))
+    return rules, fqn_map
+
+
+def _apply(rules: list[tuple[str, str]], name: str) -> str:
+    for old, new in rules:
+        if name == old:
+            return new
+        if name.startswith(old + "/"):
+            return new + name[len(old) :]
+    return name
+
+
+def _rewrite_value(name: str, value: Any, fqn_map: Mapping[str, str]) -> Any:
+    if not fqn_map:
+        return value
+    if name.endswith("~param_groups") and isinstance(value, list):
+        return [
+            {**g, "params": [fqn_map.get(p, p) for p in g["params"]]}
+            if isinstance(g, dict) and "params" in g
+            else g
+            for g in value
+        ]
+    if name.endswith("~aliases") and isinstance(value, dict):
+        return {fqn_map.get(k, k): fqn_map.get(v, v) if isinstance(v, str) else v for k, v in value.items()}
+    return value
+
+
+def plan_rename(
+    meta: CheckpointMetadata, mapping: Mapping[str, str]
+) -> tuple[CheckpointMetadata, RenameResult]:
+    """The renamed metadata and what moves; raises on unknown keys, unsafe or clashing new names."""
+    rules, fqn_map = _expand(meta, mapping)
+    tensors = {}
+    moved_t: dict[str, str] = {}
+    for name, tm in meta.tensors.items():
+        new = check_name(_apply(rules, name))
+        if new != name:
+            moved_t[name] = new
+        tensors[new] = dataclasses.replace(tm, name=new)
+    objects = {}
+    moved_o: dict[str, str] = {}
+    for name, om in meta.objects.items():
+        new = check_name(_apply(rules, name))
+        if new != name:
+            moved_o[name] = new
+        objects[new] = ObjectMeta(
+            new,
+            om.scope,
+            _rewrite_value(name, om.value, fqn_map),
+            {r: _rewrite_value(name, v, fqn_map) for r, v in om.per_rank.items()},
+        )
+    if len(tensors) != len(meta.tensors) or len(objects) != len(meta.objects) or set(tensors) & set(objects):
+        raise ArrayCheckpointError("the rename map makes two entries share one name; fix the map")
+    all_new = set(tensors)
+    for new in all_new:  # a tensor directory may not end up inside another tensor's directory
+        parts = new.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in all_new:
+                raise ArrayCheckpointError(
+                    f"renamed tensor {new!r} would live inside tensor {'/'.join(parts[:i])!r}"
+                )
+    used = {old for old, _n in mapping.items()}
+    matched = {
+        o
+        for o in used
+        if any(
+            _apply(_expand(meta, {o: mapping[o]})[0], n) != n for n in list(meta.tensors) + list(meta.objects)
+        )
+    }
+    if used - matched:
+        raise ArrayCheckpointError(
+            f"rename map keys match no entry of the checkpoint: {sorted(used - matched)[:10]}"
+        )
+    return dataclasses.replace(meta, tensors=tensors, objects=objects), RenameResult(moved_t, moved_o)
+
+
+def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] | None) -> RenameResult:
+    """Rename entries of the checkpoint at ``path`` in place (see the module docstring).
+
+    With ``mapping=None`` only an interrupted rename is finished. Raises :class:`ArrayCheckpointError` for an
+    object-store URL, an uncommitted checkpoint, or a map that matches nothing or makes names clash.
+    """
+    storage, root = storage_for(os.fspath(path))
+    if not isinstance(storage, LocalStorage):
+        raise ArrayCheckpointError(
+            f"rename works on local file systems only ({root}): on an object store every object would have to "
+            "be copied and deleted; export and re-import, or load and re-save under the new names instead"
+        )
+    journal = os.path.join(root, JOURNAL)
+    if os.path.exists(journal):
+        with open(journal) as f:
+            doc = json.load(f)
+        _execute(root, doc)
+        return RenameResult(dict(doc["tensors"]), dict(doc["objects"]), resumed=True)
+    if mapping is None:
+        raise ArrayCheckpointError("rename needs --map FILE (no interrupted rename to finish here)")
+    if not storage.is_committed(root):
+        raise CheckpointNotFoundError(f"no committed checkpoint at {root}")
+    raw = storage.read(root, METADATA_FILE)
+    if raw is None:
+        raise CheckpointNotFoundError(f"checkpoint {root} has no {METADATA_FILE}")
+    new_meta, result = plan_rename(CheckpointMetadata.from_json(raw), mapping)
+    if not result.tensors and not result.objects:
+        return result
+    doc = {"tensors": result.tensors, "objects": result.objects, "metadata": new_meta.to_json()}
+    _write_durable(journal, json.dumps(doc).encode())
+    _execute(root, doc)
+    return result
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _execute(root: str, doc: dict[str, Any]) -> None:
+    """Carry out a journal; idempotent, so an interrupted run can simply be repeated."""
+    marker = os.path.join(root, COMMIT_MARKER)
+    if os.path.exists(marker):
+        os.unlink(marker)
+        _fsync_dir(root)
+    tmp = os.path.join(root, TMP_DIR)
+    os.makedirs(tmp, exist_ok=True)
+    moves = sorted(doc["tensors"].items())
+    for i, (old, _new) in enumerate(moves):  # step 1: out of the way (makes swaps and chains safe)
+        src = os.path.join(root, old)
+        if os.path.isdir(src) and not os.path.exists(os.path.join(tmp, str(i))):
+            os.rename(src, os.path.join(tmp, str(i)))
+    new_meta = CheckpointMetadata.from_json(doc["metadata"])
+    group_doc = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
+    for i, (_old, new) in enumerate(moves):  # step 2: into place, creating parent groups
+        staged = os.path.join(tmp, str(i))
+        if os.path.isdir(staged):
+            dst = os.path.join(root, new)
+            parent = os.path.dirname(dst)
+            os.makedirs(parent, exist_ok=True)
+            os.rename(staged, dst)
+    for name in list(new_meta.tensors) + list(new_meta.objects):
+        parts = name.split("/")
+        for j in range(1, len(parts)):
+            group = os.path.join(root, *parts[:j])
+            zj = os.path.join(group, "zarr.json")
+            if os.path.isdir(group) and not os.path.exists(zj):
+                with open(zj, "wb") as f:
+                    f.write(group_doc)
+    _prune_groups(root, new_meta)
+    _write_durable(os.path.join(root, METADATA_FILE), doc["metadata"].encode())
+    shutil.rmtree(tmp, ignore_errors=True)
+    _write_durable(marker, b"committed\n")
+    os.unlink(os.path.join(root, JOURNAL))
+    _fsync_dir(root)
+
+
+def _prune_groups(root: str, meta: CheckpointMetadata) -> None:
+    """Remove group directories that only held ``zarr.json`` and no longer contain any entry."""
+    keep = {""}
+    for name in list(meta.tensors) + list(meta.objects):
+        parts = name.split("/")
+        keep.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for dirpath in sorted((w[0] for w in os.walk(root)), key=len, reverse=True):
+        rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        if rel == "." or rel.split("/")[0].startswith(".") or rel in keep:
+            continue
+        if set(os.listdir(dirpath)) <= {"zarr.json"}:
+            shutil.rmtree(dirpath, ignore_errors=True)

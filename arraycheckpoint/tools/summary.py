@@ -1,0 +1,106 @@
+"""``arraycheckpoint inspect``: what a checkpoint holds and how it was sharded when saved."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..metadata import COMMIT_MARKER
+from .common import Checkpoint, human_bytes, jsonable
+
+
+def summarize(ckpt: Checkpoint) -> dict[str, Any]:
+    """A JSON-able summary: per-tensor rows, totals per namespace, topology, roles, step, versions.
+
+    Each tensor row has ``name, dtype, shape, bytes, regions`` (saved regions), ``ranks`` (distinct ranks that
+    held a region), ``chunks`` (stored chunk files) and ``chunk_shape``.
+    """
+    meta = ckpt.meta
+    rows = []
+    per_ns: dict[str, dict[str, int]] = {}
+    for name, tm in sorted(meta.tensors.items()):
+        chunks = math.prod(math.ceil(s / c) for s, c in zip(tm.shape, tm.chunk_shape)) if all(tm.shape) else 0
+        rows.append(
+            {
+                "name": name,
+                "dtype": tm.dtype,
+                "shape": list(tm.shape),
+                "bytes": tm.nbytes,
+                "regions": len(tm.shards),
+                "ranks": len({s.rank for s in tm.shards}),
+                "chunks": chunks,
+                "chunk_shape": list(tm.chunk_shape),
+                "compression": tm.compression,
+            }
+        )
+        ns = name.split("/", 1)[0]
+        acc = per_ns.setdefault(ns, {"tensors": 0, "bytes": 0})
+        acc["tensors"] += 1
+        acc["bytes"] += tm.nbytes
+    return jsonable(
+        {
+            "path": ckpt.root,
+            "committed": ckpt.storage.exists(ckpt.root, COMMIT_MARKER),
+            "format_version": meta.format_version,
+            "library_version": meta.library_version,
+            "framework": meta.framework,
+            "world_size": meta.world_size,
+            "step": meta.step,
+            "topology": dict(meta.topology),
+            "roles": list(meta.roles),
+            "tensors": rows,
+            "objects": sorted(meta.objects),
+            "totals": {
+                "tensors": len(rows),
+                "bytes": sum(r["bytes"] for r in rows),
+                "objects": len(meta.objects),
+                "namespaces": per_ns,
+            },
+        }
+    )
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The human-readable table of :func:`summarize`'s result."""
+    lines = [
+        f"checkpoint  {s['path']}",
+        f"format      version {s['format_version']} (written by arraycheckpoint {s['library_version'] or '?'})",
+        f"framework   {s['framework']}   step {s['step']}   saved by {s['world_size']} rank(s)",
+        f"topology    {_kv(s['topology'])}",
+        f"roles       {', '.join(s['roles']) or '-'}",
+        "",
+    ]
+    header = ("name", "dtype", "shape", "bytes", "regions", "ranks", "chunks")
+    table = [header] + [
+        (
+            r["name"],
+            r["dtype"],
+            "x".join(map(str, r["shape"])) or "scalar",
+            human_bytes(r["bytes"]),
+            str(r["regions"]),
+            str(r["ranks"]),
+            str(r["chunks"]),
+        )
+        for r in s["tensors"]
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])] + [
+            c.rjust(w) for c, w in zip(row[2:], widths[2:])
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    t = s["totals"]
+    lines.append("")
+    lines.append(
+        f"total       {t['tensors']} tensors, {human_bytes(t['bytes'])} ({t['bytes']} bytes), "
+        f"{t['objects']} JSON objects"
+    )
+    for ns, acc in sorted(t["namespaces"].items()):
+        lines.append(f"  {ns:<10}{acc['tensors']} tensors, {human_bytes(acc['bytes'])}")
+    return "\n".join(lines)
+
+
+def _kv(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items()) or "-"
