@@ -191,6 +191,12 @@ class Engine:
                         continue
                     if wanted is not None and not any(shard.box.contains(w) or _overlaps(shard.box, w) for w in wanted):
                         continue
+                    stable = getattr(shard.source, "stable_view", None)
+                    view = stable() if stable is not None else None
+                    if view is not None and tuple(view.shape) == shard.box.lengths and view.dtype == dtype:
+                        job.local.setdefault(t.name, []).append((shard.box, view))  # immutable: no copy
+                        nbytes += view.nbytes
+                        continue
                     buf = self._pool.take(shard.box.lengths, dtype)
                     job.buffers.append(buf)
                     shard.source.copy_into(buf)
