@@ -443,11 +443,81 @@ class Engine:
         meta: CheckpointMetadata,
         targets: list[LoadTensor],
         max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+        comm: Communicator | None = None,
+        dedup_reads: bool = False,
     ) -> PhaseRecorder:
-        """Read every target region concurrently and hand it to its sink (in the calling thread)."""
+        """Read every target region concurrently and hand it to its sink (in the calling thread).
+
+        With ``dedup_reads`` (and more than one rank in ``comm``), a region several ranks want is read by one
+        of them and shared through the communicator in one batched all-to-all (collective: every rank calls).
+        """
+        recorder = PhaseRecorder()
+        if dedup_reads and comm is not None and comm.world_size > 1:
+            if self._last is not None:
+                self._last.exception()  # the checkpoint group must be idle before load collectives
+            with recorder.phase("read-shared") as rec:
+                targets, rec["bytes"] = self._shared_reads(storage, root, meta, targets, comm, max_inflight_bytes)
+        self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
+        return recorder
+
+    def _shared_reads(
+        self, storage: Storage, root: str, meta: CheckpointMetadata, targets: list[LoadTensor],
+        comm: Communicator, max_inflight_bytes: int,
+    ) -> tuple[list[LoadTensor], int]:
+        """Read regions wanted by several ranks once, ship them; return the targets left to read locally."""
+        from .items import LoadShard
+        from .plan import assign_shared_reads
+
+        mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
+        wanted = comm.all_gather_json([[n, list(b.offsets), list(b.lengths)] for n, b in mine])
+        requests = [[(n, Box(tuple(o), tuple(ln))) for n, o, ln in w] for w in wanted]
+        itemsize = {n: numpy_dtype(meta.tensors[n].dtype).itemsize for w in requests for n, _ in w if n in meta.tensors}
+        readers = assign_shared_reads(requests, itemsize)  # (name, box) -> reader, only for shared regions
+        me = comm.rank
+        asked = [set(w) for w in requests]
+        got: dict[tuple[str, Box], np.ndarray] = {}
+        reads = [LoadTensor(n, [LoadShard(b, lambda a, k=(n, b): got.__setitem__(k, a))])
+                 for (n, b), r in sorted(readers.items()) if r == me]
+        self._read(storage, root, meta, reads, max_inflight_bytes, PhaseRecorder())
+        send = [[] for _ in range(comm.world_size)]
+        recv_sizes = [0] * comm.world_size
+        for key, reader in sorted(readers.items()):
+            n, b = key
+            nbytes = b.volume * itemsize[n]
+            for r in range(comm.world_size):
+                if r != reader and key in asked[r]:
+                    if reader == me:
+                        send[r].append(np.ascontiguousarray(got[key]).view(np.uint8).ravel())
+                    if r == me:
+                        recv_sizes[reader] += nbytes
+        flat = [np.concatenate(x) if x else np.empty(0, np.uint8) for x in send]
+        received = comm.all_to_all_bytes(flat, recv_sizes)
+        cursor = [0] * comm.world_size
+        for key, reader in sorted(readers.items()):
+            if reader != me and key in asked[me]:
+                n, b = key
+                dtype = numpy_dtype(meta.tensors[n].dtype)
+                size = b.volume * dtype.itemsize
+                got[key] = received[reader][cursor[reader] : cursor[reader] + size].view(dtype).reshape(b.lengths)
+                cursor[reader] += size
+        rest = []
+        for t in targets:
+            local = []
+            for shard in t.shards:
+                key = (t.name, shard.box)
+                if key in got:
+                    shard.sink(got[key])
+                else:
+                    local.append(shard)
+            rest.append(LoadTensor(t.name, local))
+        return rest, sum(a.nbytes for a in got.values())
+
+    def _read(
+        self, storage: Storage, root: str, meta: CheckpointMetadata, targets: list[LoadTensor],
+        max_inflight_bytes: int, recorder: PhaseRecorder,
+    ) -> None:
         import tensorstore as ts
 
-        recorder = PhaseRecorder()
         with recorder.phase("read") as rec:
             opening = {}
             for t in targets:
@@ -481,7 +551,6 @@ class Engine:
             while inflight:
                 drain_one()
             rec["bytes"] = total
-        return recorder
 
 
 # ---------------------------------------------------------------------------------------------- helpers

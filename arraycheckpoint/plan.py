@@ -316,6 +316,27 @@ def split_chunk(chunk: tuple[int, ...], itemsize: int, limit: int) -> tuple[int,
     return tuple(max(c, 1) for c in out)
 
 
+def assign_shared_reads(requests: Sequence[Sequence[tuple[str, Box]]], itemsize: dict[str, int]) -> dict[tuple[str, Box], int]:
+    """For load-time read sharing: one reader per region that several ranks request.
+
+    ``requests[r]`` lists the (tensor, region) pairs rank r needs. Regions wanted by one rank only are left
+    out (that rank reads them itself). Readers are chosen among the requesting ranks by worst fit on bytes.
+    """
+    wanters: dict[tuple[str, Box], list[int]] = defaultdict(list)
+    for rank, wanted in enumerate(requests):
+        for key in dict.fromkeys(wanted):
+            wanters[key].append(rank)
+    shared = sorted((k for k, ranks in wanters.items() if len(ranks) > 1),
+                    key=lambda k: (-k[1].volume * itemsize.get(k[0], 1), k[0], k[1]))
+    load = [0] * len(requests)
+    readers = {}
+    for key in shared:
+        rank = min(wanters[key], key=lambda r: (load[r], r))
+        readers[key] = rank
+        load[rank] += key[1].volume * itemsize.get(key[0], 1)
+    return readers
+
+
 # JSON form of a RankPlan (plans travel between ranks as JSON, never pickle) ---------------------------
 def _box_json(b: Box) -> list[list[int]]:
     return [list(b.offsets), list(b.lengths)]
