@@ -170,7 +170,9 @@ class TorchCommunicator(Communicator):
     def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
         torch, dist = self._torch, self._dist
         send_sizes = [int(s.size) for s in send]
-        flat = np.concatenate([np.asarray(s, dtype=np.uint8).ravel() for s in send]) if sum(send_sizes) else None
+        flat = (
+            np.concatenate([np.asarray(s, dtype=np.uint8).ravel() for s in send]) if sum(send_sizes) else None
+        )
         inp = torch.from_numpy(flat) if flat is not None else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
         dist.all_to_all_single(out, inp, list(recv_sizes), send_sizes, group=self._group)

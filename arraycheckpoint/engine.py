@@ -189,7 +189,9 @@ class Engine:
                 for shard in t.shards:
                     if shard.box.volume == 0:
                         continue
-                    if wanted is not None and not any(shard.box.contains(w) or _overlaps(shard.box, w) for w in wanted):
+                    if wanted is not None and not any(
+                        shard.box.contains(w) or _overlaps(shard.box, w) for w in wanted
+                    ):
                         continue
                     stable = getattr(shard.source, "stable_view", None)
                     view = stable() if stable is not None else None
@@ -267,7 +269,9 @@ class Engine:
         with job.recorder.phase("exchange") as rec:
             send: list[list[np.ndarray]] = [[] for _ in range(comm.world_size)]
             for t in plan.sends:
-                send[t.dst].append(np.ascontiguousarray(_local_view(job, t.name, t.box)).view(np.uint8).ravel())
+                send[t.dst].append(
+                    np.ascontiguousarray(_local_view(job, t.name, t.box)).view(np.uint8).ravel()
+                )
             recv_sizes = [0] * comm.world_size
             for t in plan.recvs:
                 recv_sizes[t.src] += t.box.volume * job_itemsize(plan, t.name)
@@ -348,8 +352,10 @@ class Engine:
             errors = [s.get("error") for s in statuses if s.get("kind") != "commit" or s.get("error")]
             plan_ids = {s.get("plan_id") for s in statuses}
             if not errors and len(plan_ids) != 1:
-                errors = [f"ranks executed different save plans {sorted(map(str, plan_ids))}: the state "
-                          "structure changed on some ranks but not others between saves"]
+                errors = [
+                    f"ranks executed different save plans {sorted(map(str, plan_ids))}: the state "
+                    "structure changed on some ranks but not others between saves"
+                ]
             if errors:
                 outcome["error"] = "; ".join(str(e) for e in errors)
             else:
@@ -413,8 +419,14 @@ class Engine:
         for name in list(tensors) + list(objects):
             parts = name.split("/")
             groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        attrs = {"format_version": meta.format_version, "framework": meta.framework, "step": meta.step,
-                 "world_size": meta.world_size, "topology": dict(meta.topology), "roles": list(meta.roles)}
+        attrs = {
+            "format_version": meta.format_version,
+            "framework": meta.framework,
+            "step": meta.step,
+            "world_size": meta.world_size,
+            "topology": dict(meta.topology),
+            "roles": list(meta.roles),
+        }
         writes = [kv.write(METADATA_FILE, meta.to_json().encode())]
         for g in sorted(groups):
             doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs if g == "" else {}}
@@ -429,7 +441,11 @@ class Engine:
         """Open a committed checkpoint's metadata; raises if it is absent or uncommitted."""
         storage, root = storage_for(url)
         if not storage.is_committed(root):
-            what = "has no commit marker (a save did not finish)" if storage.exists(root, METADATA_FILE) else "does not exist"
+            what = (
+                "has no commit marker (a save did not finish)"
+                if storage.exists(root, METADATA_FILE)
+                else "does not exist"
+            )
             raise CheckpointNotFoundError(f"no committed checkpoint at {root}: it {what}")
         raw = storage.read(root, METADATA_FILE)
         if raw is None:
@@ -456,13 +472,20 @@ class Engine:
             if self._last is not None:
                 self._last.exception()  # the checkpoint group must be idle before load collectives
             with recorder.phase("read-shared") as rec:
-                targets, rec["bytes"] = self._shared_reads(storage, root, meta, targets, comm, max_inflight_bytes)
+                targets, rec["bytes"] = self._shared_reads(
+                    storage, root, meta, targets, comm, max_inflight_bytes
+                )
         self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
         return recorder
 
     def _shared_reads(
-        self, storage: Storage, root: str, meta: CheckpointMetadata, targets: list[LoadTensor],
-        comm: Communicator, max_inflight_bytes: int,
+        self,
+        storage: Storage,
+        root: str,
+        meta: CheckpointMetadata,
+        targets: list[LoadTensor],
+        comm: Communicator,
+        max_inflight_bytes: int,
     ) -> tuple[list[LoadTensor], int]:
         """Read regions wanted by several ranks once, ship them; return the targets left to read locally."""
         from .items import LoadShard
@@ -471,13 +494,21 @@ class Engine:
         mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
         wanted = comm.all_gather_json([[n, list(b.offsets), list(b.lengths)] for n, b in mine])
         requests = [[(n, Box(tuple(o), tuple(ln))) for n, o, ln in w] for w in wanted]
-        itemsize = {n: numpy_dtype(meta.tensors[n].dtype).itemsize for w in requests for n, _ in w if n in meta.tensors}
+        itemsize = {
+            n: numpy_dtype(meta.tensors[n].dtype).itemsize
+            for w in requests
+            for n, _ in w
+            if n in meta.tensors
+        }
         readers = assign_shared_reads(requests, itemsize)  # (name, box) -> reader, only for shared regions
         me = comm.rank
         asked = [set(w) for w in requests]
         got: dict[tuple[str, Box], np.ndarray] = {}
-        reads = [LoadTensor(n, [LoadShard(b, lambda a, k=(n, b): got.__setitem__(k, a))])
-                 for (n, b), r in sorted(readers.items()) if r == me]
+        reads = [
+            LoadTensor(n, [LoadShard(b, lambda a, k=(n, b): got.__setitem__(k, a))])
+            for (n, b), r in sorted(readers.items())
+            if r == me
+        ]
         self._read(storage, root, meta, reads, max_inflight_bytes, PhaseRecorder())
         send = [[] for _ in range(comm.world_size)]
         recv_sizes = [0] * comm.world_size
@@ -498,7 +529,9 @@ class Engine:
                 n, b = key
                 dtype = numpy_dtype(meta.tensors[n].dtype)
                 size = b.volume * dtype.itemsize
-                got[key] = received[reader][cursor[reader] : cursor[reader] + size].view(dtype).reshape(b.lengths)
+                got[key] = (
+                    received[reader][cursor[reader] : cursor[reader] + size].view(dtype).reshape(b.lengths)
+                )
                 cursor[reader] += size
         rest = []
         for t in targets:
@@ -513,8 +546,13 @@ class Engine:
         return rest, sum(a.nbytes for a in got.values())
 
     def _read(
-        self, storage: Storage, root: str, meta: CheckpointMetadata, targets: list[LoadTensor],
-        max_inflight_bytes: int, recorder: PhaseRecorder,
+        self,
+        storage: Storage,
+        root: str,
+        meta: CheckpointMetadata,
+        targets: list[LoadTensor],
+        max_inflight_bytes: int,
+        recorder: PhaseRecorder,
     ) -> None:
         import tensorstore as ts
 
@@ -523,7 +561,10 @@ class Engine:
             for t in targets:
                 check_name(t.name)
                 if t.name not in opening and t.shards:
-                    spec = {"driver": "zarr3", "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}")}
+                    spec = {
+                        "driver": "zarr3",
+                        "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}"),
+                    }
                     opening[t.name] = ts.open(spec, open=True, context=context())  # the stored zarr.json
             stores = {}
             for name, fut in opening.items():
@@ -545,7 +586,9 @@ class Engine:
                     n = shard.box.volume * itemsize
                     while inflight and pending + n > max_inflight_bytes:
                         pending -= drain_one()
-                    inflight.append((stores[t.name][shard.box.slices()].read(), shard.sink, t.name, shard.box, n))
+                    inflight.append(
+                        (stores[t.name][shard.box.slices()].read(), shard.sink, t.name, shard.box, n)
+                    )
                     pending += n
                     total += n
             while inflight:
@@ -584,8 +627,13 @@ def _declare(tensors: list[SaveTensor]) -> list[TensorDecl]:
         seen.add(t.name)
         dtype = np.dtype(t.dtype)
         decls.append(
-            TensorDecl(t.name, tuple(int(s) for s in t.shape), zarr_dtype_name(dtype), dtype.itemsize,
-                       tuple(s.box for s in t.shards))
+            TensorDecl(
+                t.name,
+                tuple(int(s) for s in t.shape),
+                zarr_dtype_name(dtype),
+                dtype.itemsize,
+                tuple(s.box for s in t.shards),
+            )
         )
     return decls
 
@@ -610,7 +658,10 @@ def _array_spec(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
         "driver": "zarr3",
         "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{layout.name}"),
         "metadata": array_metadata(
-            layout.shape, numpy_dtype(layout.dtype), layout.chunk_shape, layout.inner_chunk_shape,
+            layout.shape,
+            numpy_dtype(layout.dtype),
+            layout.chunk_shape,
+            layout.inner_chunk_shape,
             layout.compression,
         ),
     }

@@ -83,7 +83,7 @@ def decode(doc: Any, arrays: dict[str, Any], allow_pickle: bool = False) -> Any:
         if not isinstance(v, dict):
             return v
         if len(v) == 1:
-            (tag, body), = v.items()
+            ((tag, body),) = v.items()
             if tag == "__tuple__":
                 return tuple(dec(x) for x in body)
             if tag == "__dict__":

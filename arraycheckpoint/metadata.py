@@ -38,7 +38,12 @@ def check_name(name: str) -> str:
     if name.startswith("/"):
         raise UnsafeNameError(f"entry name {name!r} is absolute; names are relative to the checkpoint root")
     for part in name.split("/"):
-        if not part or part.startswith(".") or part.startswith("__") or any(c in part for c in _FORBIDDEN_CHARS):
+        if (
+            not part
+            or part.startswith(".")
+            or part.startswith("__")
+            or any(c in part for c in _FORBIDDEN_CHARS)
+        ):
             raise UnsafeNameError(
                 f"entry name {name!r} has an unsafe component {part!r}: components must be non-empty, must not "
                 "start with '.' or '__' and must not contain '\\', ':' or NUL (rename the key before saving)"
@@ -201,7 +206,9 @@ def _parse(doc: Any) -> CheckpointMetadata:
         chunk = _int_list(_req(t, "chunk_shape", list, where), f"{where}.chunk_shape", minimum=1)
         inner = _int_list(_req(t, "inner_chunk_shape", list, where), f"{where}.inner_chunk_shape", minimum=1)
         if len(chunk) != len(shape) or len(inner) != len(shape) or any(c % i for c, i in zip(chunk, inner)):
-            raise MetadataError(f"metadata: {where} has an inconsistent chunk grid {chunk} / {inner} for {shape}")
+            raise MetadataError(
+                f"metadata: {where} has an inconsistent chunk grid {chunk} / {inner} for {shape}"
+            )
         compression = t.get("compression")
         if compression not in (None, "zstd"):
             raise MetadataError(f"metadata: {where} has unknown compression {compression!r}")

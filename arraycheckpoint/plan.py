@@ -129,7 +129,9 @@ class GlobalPlan:
     ranks: tuple[RankPlan, ...]
 
 
-def build_global_plan(local: Sequence[Sequence[TensorDecl]], options: PlanOptions | None = None) -> GlobalPlan:
+def build_global_plan(
+    local: Sequence[Sequence[TensorDecl]], options: PlanOptions | None = None
+) -> GlobalPlan:
     """Combine every rank's local declarations into a validated global plan.
 
     Args:
@@ -316,7 +318,9 @@ def split_chunk(chunk: tuple[int, ...], itemsize: int, limit: int) -> tuple[int,
     return tuple(max(c, 1) for c in out)
 
 
-def assign_shared_reads(requests: Sequence[Sequence[tuple[str, Box]]], itemsize: dict[str, int]) -> dict[tuple[str, Box], int]:
+def assign_shared_reads(
+    requests: Sequence[Sequence[tuple[str, Box]]], itemsize: dict[str, int]
+) -> dict[tuple[str, Box], int]:
     """For load-time read sharing: one reader per region that several ranks request.
 
     ``requests[r]`` lists the (tensor, region) pairs rank r needs. Regions wanted by one rank only are left
@@ -326,8 +330,10 @@ def assign_shared_reads(requests: Sequence[Sequence[tuple[str, Box]]], itemsize:
     for rank, wanted in enumerate(requests):
         for key in dict.fromkeys(wanted):
             wanters[key].append(rank)
-    shared = sorted((k for k, ranks in wanters.items() if len(ranks) > 1),
-                    key=lambda k: (-k[1].volume * itemsize.get(k[0], 1), k[0], k[1]))
+    shared = sorted(
+        (k for k, ranks in wanters.items() if len(ranks) > 1),
+        key=lambda k: (-k[1].volume * itemsize.get(k[0], 1), k[0], k[1]),
+    )
     load = [0] * len(requests)
     readers = {}
     for key in shared:
@@ -351,11 +357,13 @@ def rank_plan_to_json(p: RankPlan) -> dict:
     return {
         "rank": p.rank,
         "layouts": [
-            [l.name, list(l.shape), l.dtype, list(l.chunk_shape), list(l.inner_chunk_shape), l.compression]
-            for l in p.layouts
+            [a.name, list(a.shape), a.dtype, list(a.chunk_shape), list(a.inner_chunk_shape), a.compression]
+            for a in p.layouts
         ],
         "create": list(p.create),
-        "writes": [[w.name, _box_json(w.chunk), [[_box_json(x.box), x.src] for x in w.pieces]] for w in p.writes],
+        "writes": [
+            [w.name, _box_json(w.chunk), [[_box_json(x.box), x.src] for x in w.pieces]] for w in p.writes
+        ],
         "sends": [[t.name, _box_json(t.box), t.src, t.dst] for t in p.sends],
         "recvs": [[t.name, _box_json(t.box), t.src, t.dst] for t in p.recvs],
         "exchange": p.exchange,
@@ -367,10 +375,13 @@ def rank_plan_from_json(j: dict) -> RankPlan:
     """Inverse of :func:`rank_plan_to_json`."""
     return RankPlan(
         rank=j["rank"],
-        layouts=tuple(ArrayLayout(n, tuple(s), d, tuple(c), tuple(i), z) for n, s, d, c, i, z in j["layouts"]),
+        layouts=tuple(
+            ArrayLayout(n, tuple(s), d, tuple(c), tuple(i), z) for n, s, d, c, i, z in j["layouts"]
+        ),
         create=tuple(j["create"]),
         writes=tuple(
-            ChunkWrite(n, _box(c), tuple(Piece(_box(b), s) for b, s in pieces)) for n, c, pieces in j["writes"]
+            ChunkWrite(n, _box(c), tuple(Piece(_box(b), s) for b, s in pieces))
+            for n, c, pieces in j["writes"]
         ),
         sends=tuple(Transfer(n, _box(b), s, d) for n, b, s, d in j["sends"]),
         recvs=tuple(Transfer(n, _box(b), s, d) for n, b, s, d in j["recvs"]),

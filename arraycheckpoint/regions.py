@@ -135,9 +135,7 @@ def chunks_overlapping(box: Box, shape: Sequence[int], chunk_shape: Sequence[int
     """The grid chunks (clipped to ``shape``) that intersect ``box``."""
     if box.volume == 0:
         return
-    ranges = [
-        range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(box.offsets, box.lengths, chunk_shape)
-    ]
+    ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(box.offsets, box.lengths, chunk_shape)]
     for index in itertools.product(*ranges):
         offsets = tuple(i * c for i, c in zip(index, chunk_shape))
         lengths = tuple(min(c, s - o) for o, c, s in zip(offsets, chunk_shape, shape))

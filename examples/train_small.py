@@ -46,7 +46,9 @@ def main() -> None:
     fresh, fresh_opt = build(seed=123)
     extra: dict = {}
     acp.load(path, {"model": fresh, "optimizer": fresh_opt, "extra_state": extra})
-    same_model = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    same_model = all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+    )
     state_a, state_b = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
     same_opt = all(torch.equal(state_a[i][k], state_b[i][k]) for i in state_a for k in state_a[i])
     continued = train(model, opt, 3, seed=2) == train(fresh, fresh_opt, 3, seed=2)

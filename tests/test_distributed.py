@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dist import run_distributed
 
 import arraycheckpoint as acp
-from dist import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 
@@ -84,7 +84,9 @@ def _full_state(model, opt) -> dict[str, np.ndarray]:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(model):
-            out.update({f"model/{k}": v.detach().clone().numpy() for k, v in ModuleView(model).tensors.items()})
+            out.update(
+                {f"model/{k}": v.detach().clone().numpy() for k, v in ModuleView(model).tensors.items()}
+            )
     else:
         out.update({f"model/{k}": _full(v) for k, v in view.tensors.items()})
     for group in opt.param_groups:
@@ -244,7 +246,9 @@ def dtensor_save(rank, world, path):
     # a second save of the same structure reuses the cached plan: no planning collective
     acp.save(path + "-again", {"model": _dtensor_state(world)[1]})
     phases = [p["phase"] for p in acp.read_metadata(path + "-again").metrics["save"][str(rank)]["phases"]]
-    return {k: v.numpy() if v.dtype != torch.bfloat16 else v.view(torch.int16).numpy() for k, v in full.items()}, phases
+    return {
+        k: v.numpy() if v.dtype != torch.bfloat16 else v.view(torch.int16).numpy() for k, v in full.items()
+    }, phases
 
 
 def dtensor_load(rank, world, path):

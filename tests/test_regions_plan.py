@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from arraycheckpoint.errors import PlanError
-from arraycheckpoint.plan import PlanOptions, TensorDecl, build_global_plan, rank_plan_from_json, rank_plan_to_json
+from arraycheckpoint.plan import (
+    PlanOptions,
+    TensorDecl,
+    build_global_plan,
+    rank_plan_from_json,
+    rank_plan_to_json,
+)
 from arraycheckpoint.regions import Box, chunk_boxes, flat_range_to_boxes, intersect
 
 
@@ -55,7 +61,7 @@ def test_replicas_written_once_and_balanced() -> None:
     assert sum(written) == 16 * (1 << 20)
     assert max(written) == min(written) == 4 * (1 << 20)
     assert not any(rp.sends for rp in plan.ranks)
-    for name, tp in plan.tensors.items():
+    for _name, tp in plan.tensors.items():
         assert len(tp.writers) == 1 and len(tp.regions) == 1
 
 
@@ -98,7 +104,10 @@ def test_plan_validation_errors() -> None:
 
 def test_large_tensor_is_split_along_shard_boundaries() -> None:
     shape = (4096, 4096)  # 64 MiB float32, two shards
-    local = [[_decl("w", shape, [Box((0, 0), (2048, 4096))])], [_decl("w", shape, [Box((2048, 0), (2048, 4096))])]]
+    local = [
+        [_decl("w", shape, [Box((0, 0), (2048, 4096))])],
+        [_decl("w", shape, [Box((2048, 0), (2048, 4096))])],
+    ]
     plan = build_global_plan(local, PlanOptions(max_chunk_bytes=8 << 20))
     layout = plan.tensors["w"].layout
     assert 2048 % layout.chunk_shape[0] == 0 and math.prod(layout.chunk_shape) * 4 <= 8 << 20

@@ -16,8 +16,19 @@ import torch
 import arraycheckpoint as acp
 
 DTYPES = [
-    torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
+    torch.float32,
+    torch.float16,
+    torch.float64,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
 ]
 
 
@@ -62,7 +73,9 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path, dtype):
 
 def _model():
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3))
+    m = torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3)
+    )
     m.register_buffer("counter", torch.zeros((), dtype=torch.int64))
     return m
 
@@ -97,7 +110,9 @@ def test_resume_matches_uninterrupted_run_bit_exactly(tmp_path):
 
     m, opt, sched = _setup()
     first = _train(m, opt, sched, 3, seed=1)
-    acp.save(tmp_path / "ck", {"model": m, "optimizer": opt, "extra_state": {"sched": sched.state_dict()}}, step=3)
+    acp.save(
+        tmp_path / "ck", {"model": m, "optimizer": opt, "extra_state": {"sched": sched.state_dict()}}, step=3
+    )
 
     m2, opt2, sched2 = _setup()
     torch.nn.init.zeros_(m2[0].weight)
@@ -115,7 +130,9 @@ def test_optimizer_state_is_keyed_by_fqn(tmp_path):
     m, opt, sched = _setup()
     _train(m, opt, sched, 1, seed=0)
     meta = acp.save(tmp_path / "ck", {"model": m, "optimizer": opt})
-    assert {"optimizer/0.weight/exp_avg", "optimizer/0.weight/exp_avg_sq", "optimizer/3.bias/step"} <= set(meta.tensors)
+    assert {"optimizer/0.weight/exp_avg", "optimizer/0.weight/exp_avg_sq", "optimizer/3.bias/step"} <= set(
+        meta.tensors
+    )
     groups = meta.objects["optimizer/~param_groups"].value
     assert groups[0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
     assert groups[0]["lr"] == pytest.approx(1e-2) and groups[0]["weight_decay"] == 0.1
@@ -143,8 +160,14 @@ def test_extra_state_rng_and_nested_values(tmp_path):
     np.random.seed(3)
     random.seed(3)
     extra = {
-        "step": 7, "name": "run-1", "lr": 1.5e-4, "nan": float("nan"), "nested": {"a": [1, 2, (3, 4)], "b": None},
-        "int_keys": {1: "x", 2: "y"}, "blob": b"\x00\x01", "mask": torch.tensor([True, False]),
+        "step": 7,
+        "name": "run-1",
+        "lr": 1.5e-4,
+        "nan": float("nan"),
+        "nested": {"a": [1, 2, (3, 4)], "b": None},
+        "int_keys": {1: "x", 2: "y"},
+        "blob": b"\x00\x01",
+        "mask": torch.tensor([True, False]),
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
     }
     acp.save(tmp_path / "ck", {"extra_state": extra})
@@ -261,7 +284,11 @@ def test_memory_url_round_trip():
 def test_zstd_compression_round_trip(tmp_path):
     state = {"w": torch.zeros(512, 512)}
     acp.save(tmp_path / "ck", {"model": state}, compression="zstd")
-    size = sum(os.path.getsize(p) for p in glob.glob(str(tmp_path / "ck" / "model" / "w" / "c" / "**"), recursive=True) if os.path.isfile(p))
+    size = sum(
+        os.path.getsize(p)
+        for p in glob.glob(str(tmp_path / "ck" / "model" / "w" / "c" / "**"), recursive=True)
+        if os.path.isfile(p)
+    )
     assert size < 512 * 512 * 4 / 10
     out = {"w": torch.ones(512, 512)}
     acp.load(tmp_path / "ck", {"model": out})
@@ -291,7 +318,9 @@ def test_external_readers_open_a_checkpoint_without_arraycheckpoint(tmp_path):
         "w_f32": torch.randn(3, 5, 7, generator=gen),
     }
     acp.save(tmp_path / "ck", {"model": state})
-    res = subprocess.run([sys.executable, "-c", _READER, str(tmp_path / "ck")], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-c", _READER, str(tmp_path / "ck")], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     for key, t in state.items():

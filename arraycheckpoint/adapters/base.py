@@ -58,7 +58,9 @@ class Adapter(ABC):
         """Describe this rank's part of ``state``."""
 
     @abstractmethod
-    def load_job(self, meta: CheckpointMetadata, state: Mapping[str, Any], options: AdapterOptions) -> LoadJob:
+    def load_job(
+        self, meta: CheckpointMetadata, state: Mapping[str, Any], options: AdapterOptions
+    ) -> LoadJob:
         """Plan reading ``meta``'s checkpoint into ``state``."""
 
 
@@ -79,19 +81,28 @@ def check_expected(meta: CheckpointMetadata, job: LoadJob, options: AdapterOptio
         if tuple(exp.shape) != tm.shape:
             mismatched.append(f"{name}: checkpoint shape {list(tm.shape)} != target shape {list(exp.shape)}")
         elif exp.dtype is not None and exp.dtype != tm.dtype and not options.allow_cast:
-            mismatched.append(f"{name}: checkpoint dtype {tm.dtype} != target dtype {exp.dtype} "
-                              "(pass allow_cast=True to convert)")
+            mismatched.append(
+                f"{name}: checkpoint dtype {tm.dtype} != target dtype {exp.dtype} "
+                "(pass allow_cast=True to convert)"
+            )
     unexpected = sorted(
-        n for n in stored
-        if n.split("/", 1)[0] in job.namespaces and n not in job.expected and "~" not in n
+        n
+        for n in stored
+        if n.split("/", 1)[0] in job.namespaces
+        and n not in job.expected
+        and "~" not in n
         and not any(n.startswith(e + "/") for e in job.expected if e in meta.objects)
     )
     report = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
     if options.strict and any(report.values()):
-        lines = [f"{k} ({len(v)}): " + ", ".join(v[:50]) + (" ..." if len(v) > 50 else "")
-                 for k, v in report.items() if v]
+        lines = [
+            f"{k} ({len(v)}): " + ", ".join(v[:50]) + (" ..." if len(v) > 50 else "")
+            for k, v in report.items()
+            if v
+        ]
         raise StateMismatchError(
-            "checkpoint does not match the load target:\n  " + "\n  ".join(lines)
+            "checkpoint does not match the load target:\n  "
+            + "\n  ".join(lines)
             + "\n(pass strict=False to load the intersection)"
         )
     bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}

@@ -75,7 +75,9 @@ class TorchAdapter(Adapter):
                 tensors.extend(_tensor_item(name, a) for name, a in arrays.items())
         return SaveRequest(tensors, objects, framework=self.framework, step=options.step)
 
-    def _save_module(self, ns: str, view: ModuleView, tensors: list, objects: list, options: AdapterOptions) -> None:
+    def _save_module(
+        self, ns: str, view: ModuleView, tensors: list, objects: list, options: AdapterOptions
+    ) -> None:
         for fqn, t in view.tensors.items():
             shape, pieces = view.layout(t)
             tensors.append(_tensor_item(f"{ns}/{fqn}", t, pieces, shape))
@@ -86,7 +88,9 @@ class TorchAdapter(Adapter):
             objects.append(SaveObject(f"{ns}/{fqn}", doc))
             tensors.extend(_tensor_item(name, a) for name, a in arrays.items())
 
-    def _save_optimizer(self, ns: str, opt: torch.optim.Optimizer, view: ModuleView, tensors: list, objects: list) -> None:
+    def _save_optimizer(
+        self, ns: str, opt: torch.optim.Optimizer, view: ModuleView, tensors: list, objects: list
+    ) -> None:
         groups = []
         for group in opt.param_groups:
             fqns = [_fqn_of(view, p) for p in group["params"]]
@@ -103,7 +107,9 @@ class TorchAdapter(Adapter):
         objects.append(SaveObject(f"{ns}/~param_groups", groups))
 
     # ------------------------------------------------------------------------------------------- load
-    def load_job(self, meta: CheckpointMetadata, state: Mapping[str, Any], options: AdapterOptions) -> LoadJob:
+    def load_job(
+        self, meta: CheckpointMetadata, state: Mapping[str, Any], options: AdapterOptions
+    ) -> LoadJob:
         targets: list[LoadTensor] = []
         expected: dict[str, Expected] = {}
         finishers: list[Any] = []
@@ -115,7 +121,9 @@ class TorchAdapter(Adapter):
                 self._load_module(ns, views[ns], meta, targets, expected, options)
             elif isinstance(value, torch.optim.Optimizer):
                 finishers.append(
-                    self._load_optimizer(ns, value, _owner_view(views, value), meta, targets, expected, optional)
+                    self._load_optimizer(
+                        ns, value, _owner_view(views, value), meta, targets, expected, optional
+                    )
                 )
             elif _is_state_dict(ns, value):
                 for fqn, t in value.items():
@@ -156,7 +164,13 @@ class TorchAdapter(Adapter):
             for p in group["params"]:
                 fqn = _fqn_of(view, p)
                 prefix = f"{ns}/{fqn}/"
-                keys = sorted({n[len(prefix):] for n in list(meta.tensors) + list(meta.objects) if n.startswith(prefix)})
+                keys = sorted(
+                    {
+                        n[len(prefix) :]
+                        for n in list(meta.tensors) + list(meta.objects)
+                        if n.startswith(prefix)
+                    }
+                )
                 current = opt.state.get(p, {})
                 for key in keys:
                     name = prefix + key
@@ -184,7 +198,9 @@ class TorchAdapter(Adapter):
             by_params = {tuple(g["params"]): g for g in stored_groups.value}
             for i, group in enumerate(opt.param_groups):
                 fqns = tuple(_fqn_of(view, p) for p in group["params"])
-                saved = by_params.get(fqns) or (stored_groups.value[i] if i < len(stored_groups.value) else None)
+                saved = by_params.get(fqns) or (
+                    stored_groups.value[i] if i < len(stored_groups.value) else None
+                )
                 if saved:
                     for k, v in saved.items():
                         if k != "params":
@@ -203,7 +219,11 @@ class TorchAdapter(Adapter):
             expected[ref] = Expected(tm.shape, tm.dtype)
             buf = np.empty(tm.shape, dtype=np.dtype(_np_dtype(tm.dtype)))
             loaded[ref] = buf
-            targets.append(LoadTensor(ref, [LoadShard(Box.full(tm.shape), _fill(buf))] if buf.size or tm.shape == () else []))
+            targets.append(
+                LoadTensor(
+                    ref, [LoadShard(Box.full(tm.shape), _fill(buf))] if buf.size or tm.shape == () else []
+                )
+            )
 
         def finish() -> None:
             arrays = {k: as_torch(v).clone() for k, v in loaded.items()}
@@ -296,4 +316,8 @@ def _restore_like(current: Any, saved: Any) -> Any:
 
 def _is_state_dict(ns: str, value: Any) -> bool:
     """A ``model`` entry given as a state dict (FQN -> tensor/DTensor) rather than a module."""
-    return ns == "model" and isinstance(value, Mapping) and all(isinstance(v, torch.Tensor) for v in value.values())
+    return (
+        ns == "model"
+        and isinstance(value, Mapping)
+        and all(isinstance(v, torch.Tensor) for v in value.values())
+    )

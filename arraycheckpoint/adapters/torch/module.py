@@ -50,7 +50,9 @@ def fsdp1_fragments(model: torch.nn.Module) -> dict[int, FlatFragment]:
                 "parameter is addressable by name"
             )
         for p, shape, info in zip(params, flat._shapes, flat._shard_param_infos):
-            start, stop = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
+            start, stop = (
+                (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
+            )
             out[id(p)] = FlatFragment(tuple(int(s) for s in shape), start, stop)
     return out
 

@@ -36,8 +36,13 @@ _TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
     torch.complex64: np.dtype(np.complex64),
     torch.complex128: np.dtype(np.complex128),
 }
-for _t, _n in (("float8_e4m3fnuz", "float8_e4m3fnuz"), ("float8_e5m2fnuz", "float8_e5m2fnuz"),
-               ("uint16", "uint16"), ("uint32", "uint32"), ("uint64", "uint64")):
+for _t, _n in (
+    ("float8_e4m3fnuz", "float8_e4m3fnuz"),
+    ("float8_e5m2fnuz", "float8_e5m2fnuz"),
+    ("uint16", "uint16"),
+    ("uint32", "uint32"),
+    ("uint64", "uint64"),
+):
     if hasattr(torch, _t):
         _TORCH_TO_NUMPY[getattr(torch, _t)] = np.dtype(getattr(ml_dtypes, _n, None) or getattr(np, _n))
 _NUMPY_TO_TORCH = {v: k for k, v in _TORCH_TO_NUMPY.items()}
@@ -120,7 +125,9 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def layout(t: torch.Tensor, fragment: FlatFragment | None = None) -> tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]:
+def layout(
+    t: torch.Tensor, fragment: FlatFragment | None = None
+) -> tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]:
     """Global shape of ``t`` and the ``(box, local view)`` pairs this rank holds."""
     if fragment is not None:
         local = t.detach().reshape(-1)
@@ -136,7 +143,9 @@ def layout(t: torch.Tensor, fragment: FlatFragment | None = None) -> tuple[tuple
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         if any(isinstance(p, Partial) for p in t.placements):
-            raise ValueError("a DTensor with Partial placement holds unreduced values; reduce it before saving")
+            raise ValueError(
+                "a DTensor with Partial placement holds unreduced values; reduce it before saving"
+            )
         shape = tuple(t.shape)
         local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t._local_tensor.detach()
