@@ -22,25 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from ..codecs import numpy_dtype
+from ..codecs import ML_DTYPE_NAMES, SUPPORTED_DTYPES, numpy_dtype
 from ..errors import ArrayCheckpointError
 from .common import Checkpoint, read_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
-FLOAT_DTYPES = frozenset(
-    {
-        "float16",
-        "float32",
-        "float64",
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e4m3b11fnuz",
-        "float8_e3m4",
-    }
-)
+FLOAT_DTYPES = frozenset(n for n in SUPPORTED_DTYPES if n in ML_DTYPE_NAMES or n.startswith("float"))
 
 
 @dataclass(frozen=True)
