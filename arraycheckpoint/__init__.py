@@ -30,17 +30,21 @@ from .errors import (  # noqa: E402
     UnsupportedDTypeError,
 )
 from .future import CheckpointFuture  # noqa: E402
+from .manager import CheckpointManager  # noqa: E402
 from .metadata import CheckpointMetadata, ShardMeta, TensorMeta  # noqa: E402
 from .plan import PlanOptions  # noqa: E402
+from .stateful import PerRank, list_roles  # noqa: E402
 
 __all__ = [
     "ArrayCheckpointError",
     "CheckpointExistsError",
     "CheckpointFuture",
+    "CheckpointManager",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "MetadataError",
+    "PerRank",
     "PickleNotAllowedError",
     "PlanError",
     "PlanOptions",
@@ -52,6 +56,7 @@ __all__ = [
     "UnsafeNameError",
     "UnsupportedDTypeError",
     "__version__",
+    "list_roles",
     "load",
     "read_metadata",
     "save",

@@ -11,10 +11,10 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .adapters.base import Adapter, AdapterOptions, check_expected
+from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
 from .collectives import Communicator, default_communicator
 from .engine import SaveOptions, engine
-from .errors import ArrayCheckpointError
+from .errors import ArrayCheckpointError, StateMismatchError
 from .future import CheckpointFuture
 from .metadata import CheckpointMetadata
 from .plan import PlanOptions
@@ -86,6 +86,7 @@ def save_async(
     plan_options: PlanOptions | None = None,
     comm: Communicator | None = None,
     max_inflight_bytes: int | None = None,
+    role: str | None = None,
 ) -> CheckpointFuture:
     """Start saving ``state`` to ``path``; returns once the snapshot is taken.
 
@@ -103,16 +104,26 @@ def save_async(
         plan_options: chunk-size knobs of the planner.
         comm: the communicator; defaults to torch.distributed's world (a dedicated gloo group) or one process.
         max_inflight_bytes: bound on bytes handed to storage and not yet written.
+        role: save as role ``role`` (e.g. ``"actor"``): a checkpoint of its own at ``<path>/<role>``.
 
     Example:
         >>> fut = acp.save_async("ckpt/step_100", {"model": model, "optimizer": opt}, step=100)
         >>> fut.staged.result(); train_more(); fut.result()
     """
+    # -- roles and special values (PerRank, state_dict objects, dataloaders): arraycheckpoint.stateful --
+    from . import stateful
+
+    path = stateful.role_path(path, role)
+    special, state = stateful.split(state)
+    # --
     framework = framework or detect_framework(state)
     adapter = _adapter(framework)
     request = adapter.save_request(state, AdapterOptions(allow_pickle=allow_pickle, step=step))
     request.framework = framework
     comm = _communicator(comm, framework)
+    stateful.extend_request(
+        request, special, comm, AdapterOptions(allow_pickle=allow_pickle, step=step), role
+    )
     request.topology = {"world_size": comm.world_size, "framework": framework, **request.topology}
     plan = plan_options or PlanOptions()
     if compression is not None:
@@ -140,8 +151,12 @@ def load(
     allow_pickle: bool = False,
     allow_cast: bool = False,
     key_map: Callable[[str], str | None] | Mapping[str, str] | None = None,
+    transforms: Mapping[str, Callable[[Any], Any]] | None = None,
+    indivisible: str = "error",
+    dedup_reads: bool = False,
     comm: Communicator | None = None,
     report: dict[str, list[str]] | None = None,
+    role: str | None = None,
 ) -> dict[str, Any]:
     """Load a committed checkpoint into ``state`` under the current (any) parallel layout.
 
@@ -156,6 +171,14 @@ def load(
         allow_pickle: permit unpickling values saved with ``allow_pickle=True`` (trusted checkpoints only).
         allow_cast: load into targets whose dtype differs from the stored one (converting).
         key_map: target name -> stored name (a mapping or a function returning None to skip a key).
+        transforms: jax: ``{target_name: fn}``; ``fn`` maps the whole stored tensor (numpy) to the target's
+            global layout (e.g. ``np.transpose`` for torch Linear -> flax Dense kernels).
+        indivisible: jax: ``"error"`` (default) or ``"replicate"`` for a target dimension that does not
+            divide by its mesh axis.
+        dedup_reads: read each region that several ranks need once and share it through the
+            communicator (collective; see the README's measurements for when it pays).
+        comm: the communicator (default: as for :func:`save_async`).
+        role: load role ``role`` (``<path>/<role>``); other roles under ``path`` are not touched.
 
     Returns:
         ``state`` with loaded values (the same objects for torch; new arrays for jax).
@@ -165,19 +188,54 @@ def load(
         StateMismatchError: strict load of a non-matching target.
         CorruptCheckpointError: stored bytes failed their checksums (the tensor is named).
     """
-    framework = framework or detect_framework(state)
+    # -- roles and special values: arraycheckpoint.stateful --
+    from . import stateful
+
+    path = stateful.role_path(path, role)
     eng = engine()
     storage, root, meta = eng.read_metadata(os.fspath(path))
+    special, state = stateful.split(state, meta)
+    # --
+    framework = framework or detect_framework(state)
     if isinstance(key_map, Mapping):
         mapping = dict(key_map)
         key_map = lambda name: mapping.get(name, name)  # noqa: E731
-    options = AdapterOptions(allow_pickle=allow_pickle, strict=strict, allow_cast=allow_cast, key_map=key_map)
+    options = AdapterOptions(
+        allow_pickle=allow_pickle,
+        strict=strict,
+        allow_cast=allow_cast,
+        key_map=key_map,
+        transforms=dict(transforms or {}),
+        indivisible=indivisible,
+    )
     job = _adapter(framework).load_job(meta, state, options)
+    job = stateful.merge_load(job, special, meta, lambda: _communicator(comm, framework), options)  # stateful
     found = check_expected(meta, job, options)
+    needs_comm = dedup_reads or (strict and job.global_namespaces)
+    communicator = _communicator(comm, framework) if needs_comm else None
+    if strict and job.global_namespaces:
+        _check_unexpected_across_ranks(meta, job, communicator)
     if report is not None:
         report.update(found)
-    eng.load(storage, root, meta, job.targets)
+    recorder = eng.load(storage, root, meta, job.targets, comm=communicator, dedup_reads=dedup_reads)
+    if report is not None:
+        report["metrics"] = recorder.to_json()["phases"]
     return job.finish()
+
+
+def _check_unexpected_across_ranks(meta: CheckpointMetadata, job: LoadJob, comm: Communicator) -> None:
+    """Stored keys of split namespaces (megatron pipeline stages) that no rank loads: a strict error."""
+    wanted = set(job.expected)
+    if comm.world_size > 1:
+        engine().wait_idle()  # the checkpoint group must be idle before this collective
+        wanted = set().union(*(set(names) for names in comm.all_gather_json(sorted(job.expected))))
+    extra = unexpected_names(meta, wanted, job.global_namespaces)
+    if extra:
+        raise StateMismatchError(
+            f"checkpoint keys no rank loads ({len(extra)}): "
+            + ", ".join(extra[:50])
+            + "\n(pass strict=False to load the intersection)"
+        )
 
 
 def read_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:

@@ -62,6 +62,7 @@ from .storage import Storage, storage_for
 log = logging.getLogger("arraycheckpoint")
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
+MAX_CACHED_PLANS = 16
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,7 @@ class Engine:
         decls = _declare(request.tensors)  # bad input raises here, identically on every rank
         key = _structure_key(decls, comm, options)
         future = CheckpointFuture(final)
-        if self._last is not None:
-            self._last.exception()  # buffers and the checkpoint group are reused: wait, do not raise
+        self.wait_idle()  # buffers and the checkpoint group are reused
         self._last = future
         recorder = PhaseRecorder()
         token = f"{comm.session_id}-{next(self._counter)}"
@@ -224,8 +224,16 @@ class Engine:
             job.local.clear()
         try:
             meta = self._commit(job)
-        except Exception as e:  # noqa: BLE001
+        except ArrayCheckpointError as e:
             job.future._set_committed(error=e)
+        except Exception as e:  # noqa: BLE001 - a collective failed: a peer died or the group broke
+            job.future._set_committed(
+                error=SaveFailedError(
+                    f"save to {job.final} did not complete: rank {comm.rank} lost contact with the other ranks "
+                    f"during commit ({type(e).__name__}: {e}); unless the path loads, it was not committed and "
+                    "CheckpointManager removes its leftovers on the next start"
+                )
+            )
         else:
             job.future._set_committed(meta)
 
@@ -259,6 +267,8 @@ class Engine:
         job.cached = cached
         if job.error is None:
             self._plans[job.key] = cached
+            while len(self._plans) > MAX_CACHED_PLANS:  # structures that keep changing (dataloader buffers)
+                self._plans.pop(next(iter(self._plans)))
         return cached
 
     def _exchange(self, job: _Job, plan: RankPlan) -> dict[tuple[str, Box], np.ndarray]:
@@ -436,6 +446,11 @@ class Engine:
         job.storage.flush(job.staging)
         return meta
 
+    def wait_idle(self) -> None:
+        """Wait (without raising) until the last save has finished with the checkpoint group."""
+        if self._last is not None:
+            self._last.exception()
+
     # ------------------------------------------------------------------------------------------ load
     def read_metadata(self, url: str) -> tuple[Storage, str, CheckpointMetadata]:
         """Open a committed checkpoint's metadata; raises if it is absent or uncommitted."""
@@ -469,11 +484,10 @@ class Engine:
         """
         recorder = PhaseRecorder()
         if dedup_reads and comm is not None and comm.world_size > 1:
-            if self._last is not None:
-                self._last.exception()  # the checkpoint group must be idle before load collectives
+            self.wait_idle()  # the checkpoint group must be idle before load collectives
             with recorder.phase("read-shared") as rec:
                 targets, rec["bytes"] = self._shared_reads(
-                    storage, root, meta, targets, comm, max_inflight_bytes
+                    storage, root, meta, targets, comm, max_inflight_bytes, recorder
                 )
         self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
         return recorder
@@ -486,6 +500,7 @@ class Engine:
         targets: list[LoadTensor],
         comm: Communicator,
         max_inflight_bytes: int,
+        recorder: PhaseRecorder,
     ) -> tuple[list[LoadTensor], int]:
         """Read regions wanted by several ranks once, ship them; return the targets left to read locally."""
         from .items import LoadShard
@@ -509,7 +524,7 @@ class Engine:
             for (n, b), r in sorted(readers.items())
             if r == me
         ]
-        self._read(storage, root, meta, reads, max_inflight_bytes, PhaseRecorder())
+        self._read(storage, root, meta, reads, max_inflight_bytes, recorder)
         send = [[] for _ in range(comm.world_size)]
         recv_sizes = [0] * comm.world_size
         for key, reader in sorted(readers.items()):
@@ -564,6 +579,7 @@ class Engine:
                     spec = {
                         "driver": "zarr3",
                         "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}"),
+                        "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
                     }
                     opening[t.name] = ts.open(spec, open=True, context=context())  # the stored zarr.json
             stores = {}
@@ -664,6 +680,8 @@ def _array_spec(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
             layout.inner_chunk_shape,
             layout.compression,
         ),
+        # every chunk gets its file, also an all-zero one: a missing file on load then means damage
+        "store_data_equal_to_fill_value": True,
     }
 
 
@@ -675,7 +693,17 @@ def _wait(fut: Any, name: str) -> None:
 
 
 # tensorstore reports checksum failures as DATA_LOSS "Digest mismatch"; truncation as decode errors.
-_CORRUPTION_WORDS = ("data_loss", "digest", "checksum", "crc", "decod", "corrupt", "invalid", "truncat")
+_CORRUPTION_WORDS = (
+    "data_loss",
+    "digest",
+    "checksum",
+    "crc",
+    "decod",
+    "corrupt",
+    "invalid",
+    "truncat",
+    "is missing",
+)
 
 
 def _read_result(fut: Any, name: str, box: Box, root: str) -> np.ndarray:

@@ -319,3 +319,27 @@ def test_training_continues_after_resharding_4_to_2(tmp_path):
     uninterrupted = run_distributed(continuity_save, 4, (path, 3, 3))[0]
     resumed = run_distributed(continuity_load, 2, (path, 3))[0]
     np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-5, atol=1e-7)
+
+
+def shared_read_body(rank, world, path, dedup):
+    model = _model(rank + 50)  # plain replicated targets: every rank needs every full tensor
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    report: dict = {}
+    acp.load(path, {"model": model, "optimizer": opt, "extra_state": {}}, dedup_reads=dedup, report=report)
+    read: dict[str, int] = {}
+    for p in report["metrics"]:
+        read[p["phase"]] = read.get(p["phase"], 0) + p["bytes"]
+    return _full_state(model, opt), read
+
+
+def test_dedup_reads_read_each_shared_region_once(fsdp2_checkpoints):
+    path, saved = fsdp2_checkpoints[4]
+    plain = run_distributed(shared_read_body, 3, (path, False))
+    shared = run_distributed(shared_read_body, 3, (path, True))
+    for state, _ in plain + shared:
+        _assert_same(saved, state, "4 -> 3 replicated targets")
+    total = plain[0][1]["read"]
+    assert all(r[1]["read"] == total for r in plain)  # without sharing every rank reads everything
+    # with sharing each shared region is read by one rank: the ranks' reads add up to one copy
+    assert sum(r[1]["read"] for r in shared) == total
+    assert all(r[1]["read-shared"] == total for r in shared)

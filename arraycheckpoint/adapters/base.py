@@ -27,6 +27,7 @@ class AdapterOptions:
     step: int | None = None
     key_map: Callable[[str], str | None] | None = None  # load: target name -> stored name (None: skip)
     transforms: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    indivisible: str = "error"  # jax: "replicate" loads a non-dividing NamedSharding dimension replicated
 
 
 @dataclass
@@ -46,6 +47,9 @@ class LoadJob:
     namespaces: set[str]
     finish: Callable[[], Any]
     optional: set[str] = field(default_factory=set)  # expected names whose absence is not an error
+    # namespaces whose keys are split over ranks (megatron pipeline stages): "unexpected" is decided across
+    # ranks, since no single rank can tell a key nobody loads from a key another stage loads
+    global_namespaces: set[str] = field(default_factory=set)
 
 
 class Adapter(ABC):
@@ -62,6 +66,18 @@ class Adapter(ABC):
         self, meta: CheckpointMetadata, state: Mapping[str, Any], options: AdapterOptions
     ) -> LoadJob:
         """Plan reading ``meta``'s checkpoint into ``state``."""
+
+
+def unexpected_names(meta: CheckpointMetadata, wanted: set[str], namespaces: set[str]) -> list[str]:
+    """Stored names under ``namespaces`` that nobody wants (format-internal ``~`` entries excepted)."""
+    return sorted(
+        n
+        for n in set(meta.tensors) | set(meta.objects)
+        if n.split("/", 1)[0] in namespaces
+        and n not in wanted
+        and "~" not in n
+        and not any(n.startswith(e + "/") for e in wanted if e in meta.objects)
+    )
 
 
 def check_expected(meta: CheckpointMetadata, job: LoadJob, options: AdapterOptions) -> dict[str, list[str]]:

@@ -1,27 +1,42 @@
 """The storage seam: where checkpoint bytes live and how a checkpoint becomes visible (commit).
 
 A :class:`Storage` resolves a checkpoint root to a tensorstore kvstore spec (the engine opens arrays on it),
-offers small-object reads/writes for metadata (also through tensorstore, so every backend shares one code path),
-and implements a commit strategy:
+offers small-object reads/writes for metadata (through tensorstore by default, so every kvstore-backed
+backend shares one code path, with bounded retries, see :mod:`.retry`), and implements a commit strategy:
 
 * ``rename`` (POSIX file systems): ranks write into a private staging root; the coordinator writes the
   metadata and commit marker there and renames the staging root onto the final path. A crash leaves only a
   staging directory that no reader looks at.
-* ``marker`` (object stores, memory): ranks write in place; the commit marker ``.committed`` is written last.
-  Readers treat a root without the marker as absent.
+* ``marker`` (object stores, memory, fsspec): ranks write in place; the commit marker ``.committed`` is
+  written last. Readers treat a root without the marker as absent.
 
 Call order (the engine's): ``check_target`` and ``acquire`` on the coordinator at snapshot time, then every rank
 writes under ``staging_root``, calls ``flush`` on what it wrote, then the coordinator writes metadata and calls
-``commit`` (or ``abort`` on failure) and finally ``release``.
+``commit`` (or ``abort`` on failure) and finally ``release``. One :class:`Storage` instance serves one save or
+one load (``storage_for`` makes a fresh one), so a backend may keep per-save state on ``self``.
+
+The checkpoint manager additionally uses :meth:`children`, :meth:`remove_checkpoint` and
+:meth:`cleanup_leftovers`.
+
+This module does not decide *where* a checkpoint goes (the caller's URL does) and never retries bulk array
+I/O (tensorstore does that per request where the transport needs it).
 """
 
 from __future__ import annotations
 
+import json
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..errors import CheckpointExistsError, StorageError
+from ..errors import CheckpointExistsError
 from ..metadata import COMMIT_MARKER
+from .retry import DEFAULT_POLICY, RetryPolicy, retry_call
+
+#: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
+LOCK_KEY = ".acp-lock"
+#: tensorstore's storage generation meaning "no value": a conditional write with it creates only if absent.
+_NO_VALUE = b"\x02"
 
 
 class Storage(ABC):
@@ -29,6 +44,8 @@ class Storage(ABC):
 
     #: "rename" or "marker"; see the module docstring.
     commit_strategy: str = "marker"
+    #: Bounded retries of the small-object operations.
+    retry_policy: RetryPolicy = DEFAULT_POLICY
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -38,6 +55,15 @@ class Storage(ABC):
         """The canonical root string of ``url`` for this backend."""
         return url.rstrip("/")
 
+    def join(self, root: str, name: str) -> str:
+        """The root of child ``name`` under ``root``."""
+        return f"{root.rstrip('/')}/{name}"
+
+    def parent(self, root: str) -> tuple[str, str]:
+        """``(parent root, last component)`` of ``root``."""
+        head, _, name = root.rstrip("/").rpartition("/")
+        return head, name
+
     # Small objects through tensorstore --------------------------------------------------------------
     def _kv(self, root: str) -> Any:
         import tensorstore as ts
@@ -46,36 +72,52 @@ class Storage(ABC):
 
         return ts.KvStore.open(self.kvstore_spec(root), context=context()).result()
 
+    def _retry(self, operation: str, path: str, fn: Any) -> Any:
+        return retry_call(operation, path, fn, self.retry_policy)
+
     def read(self, root: str, key: str) -> bytes | None:
         """The bytes stored at ``root/key``, or None when absent."""
-        try:
+
+        def op() -> bytes | None:
             result = self._kv(root).read(key).result()
-        except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError/OSError variants
-            raise StorageError(f"reading {root}/{key} failed: {e}") from e
-        return bytes(result.value) if result.state == "value" else None
+            return bytes(result.value) if result.state == "value" else None
+
+        return self._retry("read", f"{root}/{key}", op)
 
     def write(self, root: str, key: str, data: bytes) -> None:
         """Store ``data`` at ``root/key`` (overwriting)."""
-        try:
-            self._kv(root).write(key, data).result()
-        except Exception as e:  # noqa: BLE001
-            raise StorageError(f"writing {root}/{key} failed: {e}") from e
+        self._retry("write", f"{root}/{key}", lambda: self._kv(root).write(key, data).result())
 
     def exists(self, root: str, key: str) -> bool:
+        """Whether ``root/key`` holds a value."""
         return self.read(root, key) is not None
 
     def list(self, root: str) -> list[str]:
-        """Every key below ``root`` (relative)."""
-        return sorted(k.decode() if isinstance(k, bytes) else k for k in self._kv(root).list().result())
+        """Every key below ``root`` (relative, sorted)."""
+
+        def op() -> list[str]:
+            keys = self._kv(root).list().result()
+            return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
+
+        return self._retry("list", root, op)
 
     def delete(self, root: str) -> None:
-        """Remove everything below ``root``."""
+        """Remove everything below ``root`` (nothing outside it; a missing root is not an error)."""
         import tensorstore as ts
 
-        self._kv(root).delete_range(ts.KvStore.KeyRange()).result()
+        self._retry("delete", root, lambda: self._kv(root).delete_range(ts.KvStore.KeyRange()).result())
+
+    def delete_key(self, root: str, key: str) -> None:
+        """Remove the single object ``root/key`` (absent is fine)."""
+        self._retry("delete", f"{root}/{key}", lambda: self._kv(root).write(key, None).result())
 
     def is_committed(self, root: str) -> bool:
+        """Whether ``root`` holds a committed checkpoint (its commit marker exists)."""
         return self.exists(root, COMMIT_MARKER)
+
+    def children(self, root: str) -> list[str]:
+        """Names of the immediate children (files and directories/prefixes) of ``root``, sorted."""
+        return sorted({k.split("/", 1)[0] for k in self.list(root)})
 
     # Commit strategy -----------------------------------------------------------------------------------
     def staging_root(self, final: str, token: str) -> str:
@@ -90,26 +132,87 @@ class Storage(ABC):
                 "or save to a new path (CheckpointManager uses one directory per step)"
             )
 
-    @abstractmethod
     def acquire(self, final: str, token: str) -> None:
-        """Claim ``final`` for one save; raise :class:`CheckpointExistsError` if another save holds it."""
+        """Claim ``final`` for one save; raise :class:`CheckpointExistsError` if another save holds it.
 
-    @abstractmethod
+        Default (object stores, memory): a lock object ``<final>/.acp-lock`` created with a conditional
+        write that succeeds only if the key is absent, then read back to confirm the token. Marker strategy
+        writes in place, so whatever is already under ``final`` (a checkpoint being overwritten, a crashed
+        save's objects) is removed next, its commit marker first: the old checkpoint never appears committed
+        with mixed contents.
+        """
+        body = json.dumps({"token": token, "time": time.time()}).encode()
+
+        self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
+        # Decide by what is stored, not by the create call: a retried create whose first attempt landed
+        # reports "exists" although the lock is ours.
+        holder = self._lock_token(final)
+        if holder != token:
+            raise CheckpointExistsError(
+                f"another save to {final} is in progress (lock {final}/{LOCK_KEY} held by save {holder}); wait "
+                "for it, or, if no save is running, a crashed run left the lock: remove it or let "
+                "CheckpointManager clean up on start"
+            )
+        if self.commit_strategy == "marker":
+            # Writing in place: start from an empty prefix, so nothing of an older checkpoint (committed and
+            # being overwritten, or left by a crashed save) mixes with this one. The marker goes first.
+            self.delete_key(final, COMMIT_MARKER)
+            for key in self.list(final):
+                if key != LOCK_KEY:
+                    self.delete_key(final, key)
+
+    def _create_lock(self, final: str, body: bytes) -> bool:
+        """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
+        stamp = self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE).result()
+        return bool(stamp.generation)
+
+    def _lock_token(self, final: str) -> str | None:
+        raw = self.read(final, LOCK_KEY)
+        if raw is None:
+            return None
+        try:
+            return str(json.loads(raw)["token"])
+        except (ValueError, KeyError, TypeError):
+            return raw.decode(errors="replace")
+
     def release(self, final: str, token: str) -> None:
-        """Drop the claim taken by :meth:`acquire` (idempotent)."""
+        """Drop the claim taken by :meth:`acquire` (idempotent; a lock held by another token stays)."""
+        if self._lock_token(final) == token:
+            self.delete_key(final, LOCK_KEY)
 
     def flush(self, root: str) -> None:
         """Make this rank's writes under ``root`` durable (one batched flush; a no-op where writes are)."""
+        return None
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         """Make the checkpoint visible: the marker is written last."""
-        if overwrite and staging == final:
-            pass  # data was written in place; the new marker below supersedes the old one
         self.write(final, COMMIT_MARKER, b"committed\n")
 
     def abort(self, staging: str, final: str) -> None:
-        """Remove what a failed save wrote (best effort)."""
+        """Remove what a failed save wrote (best effort; never raises)."""
         try:
-            self.delete(staging)
+            for key in self.list(staging):
+                if key != LOCK_KEY:
+                    self.delete_key(staging, key)
         except Exception:  # noqa: BLE001 - cleanup must not mask the save's own error
             pass
+
+    # Checkpoint manager support ---------------------------------------------------------------------
+    def remove_checkpoint(self, root: str) -> None:
+        """Delete the checkpoint at ``root``: the commit marker first, so a partial delete reads as absent."""
+        self.delete_key(root, COMMIT_MARKER)
+        self.delete(root)
+
+    def cleanup_leftovers(self, parent: str) -> list[str]:
+        """Remove what crashed saves of this backend's commit protocol left directly under ``parent``.
+
+        Marker strategy: stale lock objects inside uncommitted children. (Uncommitted step directories
+        themselves are removed by the checkpoint manager, which knows its naming.) Returns what was removed.
+        """
+        removed = []
+        for name in self.children(parent):
+            child = self.join(parent, name)
+            if self.exists(child, LOCK_KEY):
+                self.delete_key(child, LOCK_KEY)
+                removed.append(f"{child}/{LOCK_KEY}")
+        return removed

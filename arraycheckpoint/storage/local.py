@@ -1,16 +1,33 @@
-"""POSIX file systems: tensorstore's ``file`` kvstore, atomic rename commit, a lock file per target, syncfs."""
+"""POSIX file systems: tensorstore's ``file`` kvstore, atomic rename commit, a lock file per target, syncfs.
+
+Layout of one save of ``<dir>/<name>``:
+
+* ``<dir>/.<name>.acp-lock``: created with ``O_EXCL`` by the coordinator; holds the save's token;
+* ``<dir>/.<name>.acp-staging-<token>/``: every rank writes here; the coordinator adds ``.metadata.json``
+  and ``.committed`` and renames it onto ``<dir>/<name>`` (one atomic ``rename(2)``);
+* ``<dir>/<name>.acp-old-<...>``: the replaced checkpoint during an ``overwrite=True`` commit (removed after);
+* ``<dir>/.<name>.acp-trash-<...>``: a checkpoint being deleted by retention (renamed first, so a partial
+  delete is never visible under the step's name).
+
+Anything of these left by a crash is invisible to readers and removed by :meth:`cleanup_leftovers`.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointExistsError, StorageError
 from ..metadata import COMMIT_MARKER
 from .base import Storage
+
+_LEFTOVER = re.compile(r"^(\.(?P<a>.+)\.acp-(staging|trash)-.+|\.(?P<b>.+)\.acp-lock|(?P<c>.+)\.acp-old-.+)$")
 
 
 class LocalStorage(Storage):
@@ -26,6 +43,13 @@ class LocalStorage(Storage):
     def kvstore_spec(self, root: str) -> dict[str, Any]:
         return {"driver": "file", "path": root.rstrip("/") + "/"}
 
+    def join(self, root: str, name: str) -> str:
+        return os.path.join(root, name)
+
+    def parent(self, root: str) -> tuple[str, str]:
+        p = Path(root)
+        return str(p.parent), p.name
+
     def staging_root(self, final: str, token: str) -> str:
         p = Path(final)
         return str(p.parent / f".{p.name}.acp-staging-{token}")
@@ -36,15 +60,18 @@ class LocalStorage(Storage):
 
     def acquire(self, final: str, token: str) -> None:
         lock = self._lock(final)
-        lock.parent.mkdir(parents=True, exist_ok=True)
         try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             holder = lock.read_text(errors="replace").strip() if lock.exists() else "?"
             raise CheckpointExistsError(
                 f"another save to {final} is in progress (lock {lock} held by save {holder}); wait for it, or, "
-                "if no save is running, a crashed run left the lock: remove it or run CheckpointManager cleanup"
+                "if no save is running, a crashed run left the lock: remove it or let CheckpointManager clean "
+                "up on start"
             ) from None
+        except OSError as e:
+            raise StorageError(f"storage lock of {lock} failed: {e}") from e
         with os.fdopen(fd, "w") as f:
             f.write(token)
 
@@ -80,7 +107,9 @@ class LocalStorage(Storage):
         try:
             os.rename(staging, final)
         except OSError as e:
-            raise StorageError(f"commit rename {staging} -> {final} failed: {e}") from e
+            if old is not None:
+                os.rename(old, final)
+            raise StorageError(f"storage commit (rename {staging} -> {final}) failed: {e}") from e
         _fsync_path(os.path.dirname(final))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -88,6 +117,63 @@ class LocalStorage(Storage):
     def abort(self, staging: str, final: str) -> None:
         if staging != final:
             shutil.rmtree(staging, ignore_errors=True)
+
+    # Small-object and manager operations with plain POSIX calls -----------------------------------------
+    def delete(self, root: str) -> None:
+        try:
+            shutil.rmtree(root)
+        except FileNotFoundError:
+            pass
+        except NotADirectoryError:
+            os.remove(root)
+        except OSError as e:
+            raise StorageError(f"storage delete of {root} failed: {e}") from e
+
+    def delete_key(self, root: str, key: str) -> None:
+        try:
+            os.remove(os.path.join(root, key))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"storage delete of {root}/{key} failed: {e}") from e
+
+    def children(self, root: str) -> list[str]:
+        try:
+            return sorted(os.listdir(root))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StorageError(f"storage list of {root} failed: {e}") from e
+
+    def remove_checkpoint(self, root: str) -> None:
+        """Rename ``root`` aside (atomic: the step disappears at once), then delete it."""
+        parent, name = self.parent(root)
+        trash = os.path.join(parent, f".{name}.acp-trash-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(root, trash)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EBUSY):
+                raise StorageError(f"storage delete of {root} failed: {e}") from e
+            trash = root
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def cleanup_leftovers(self, parent: str) -> list[str]:
+        """Remove staging directories, lock files, ``.acp-old-`` and ``.acp-trash-`` leftovers in ``parent``."""
+        removed = []
+        for name in self.children(parent):
+            if _LEFTOVER.match(name):
+                path = os.path.join(parent, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.remove(path)
+                    except FileNotFoundError:
+                        continue
+                removed.append(path)
+        return removed
 
 
 def _fsync_path(path: str) -> None:

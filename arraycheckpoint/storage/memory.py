@@ -1,15 +1,15 @@
-"""``memory://`` checkpoints: tensorstore's in-process memory kvstore (tests, fast scratch checkpoints)."""
+"""``memory://`` checkpoints: tensorstore's in-process memory kvstore (tests, fast scratch checkpoints).
+
+All ``memory://`` roots of a process live in the one memory kvstore of the shared tensorstore context
+(:mod:`arraycheckpoint._tscontext`); they vanish with the process. Commit is the marker strategy; the save
+lock is the default conditional-create lock object of :class:`~arraycheckpoint.storage.base.Storage`.
+"""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-from ..errors import CheckpointExistsError
 from .base import Storage
-
-_locks: set[str] = set()
-_guard = threading.Lock()
 
 
 class MemoryStorage(Storage):
@@ -21,14 +21,8 @@ class MemoryStorage(Storage):
         return "memory://" + url[len("memory://") :].strip("/")
 
     def kvstore_spec(self, root: str) -> dict[str, Any]:
-        return {"driver": "memory", "path": root[len("memory://") :].rstrip("/") + "/"}
+        return {"driver": "memory", "path": root[len("memory://") :].strip("/") + "/"}
 
-    def acquire(self, final: str, token: str) -> None:
-        with _guard:
-            if final in _locks:
-                raise CheckpointExistsError(f"another save to {final} is in progress in this process")
-            _locks.add(final)
-
-    def release(self, final: str, token: str) -> None:
-        with _guard:
-            _locks.discard(final)
+    def parent(self, root: str) -> tuple[str, str]:
+        head, _, name = root[len("memory://") :].strip("/").rpartition("/")
+        return "memory://" + head, name

@@ -7,9 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...collectives import Communicator
-from ...engine import engine
-from ..base import AdapterOptions, check_expected
-from .adapter import JaxAdapter, Transform
+from .adapter import Transform
 
 
 def load_jax(
@@ -25,7 +23,8 @@ def load_jax(
     comm: Communicator | None = None,
     report: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint (saved by JAX or PyTorch) into new jax arrays in the target shardings.
+    """Load a checkpoint (saved by JAX or PyTorch) into new jax arrays: :func:`arraycheckpoint.load` with
+    ``framework="jax"``.
 
     Args:
         path: checkpoint path or URL.
@@ -38,7 +37,7 @@ def load_jax(
             ``Linear.weight``. A transformed tensor is read in full on every process, then sliced.
         indivisible: ``"error"`` raises when a ``NamedSharding`` dimension does not divide by its mesh axis
             (the message names the tensor and axis); ``"replicate"`` loads that dimension replicated.
-        comm: unused by loads today (each process reads its own regions); accepted for symmetry.
+        comm: the communicator (as in :func:`arraycheckpoint.load`).
 
     Returns:
         A dict shaped like ``state`` with new arrays (leaves the checkpoint lacks, under ``strict=False``,
@@ -48,23 +47,18 @@ def load_jax(
         >>> abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params)
         >>> restored = load_jax("ckpt", {"model": abstract}, transforms={"model/fc.kernel": np.transpose})
     """
-    del comm
+    from ...api import load
 
-    eng = engine()
-    storage, root, meta = eng.read_metadata(os.fspath(path))
-    if isinstance(key_map, Mapping):
-        mapping = dict(key_map)
-        key_map = lambda name: mapping.get(name, name)  # noqa: E731
-    options = AdapterOptions(
-        allow_pickle=allow_pickle,
+    return load(
+        path,
+        state,
+        framework="jax",
         strict=strict,
+        allow_pickle=allow_pickle,
         allow_cast=allow_cast,
         key_map=key_map,
-        transforms=dict(transforms or {}),
+        transforms=transforms,
+        indivisible=indivisible,
+        comm=comm,
+        report=report,
     )
-    job = JaxAdapter(indivisible=indivisible).load_job(meta, state, options)
-    found = check_expected(meta, job, options)
-    if report is not None:
-        report.update(found)
-    eng.load(storage, root, meta, job.targets)
-    return job.finish()

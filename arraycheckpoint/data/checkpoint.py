@@ -1,0 +1,142 @@
+"""How a :class:`~arraycheckpoint.data.ReshardableLoader` becomes checkpoint entries, and back.
+
+Entries under namespace ``ns`` (usually ``dataloader``):
+
+* ``<ns>`` (global object, rank 0's value): ``{"__acp_state__": "dataloader", "replicated": ..., "dp_size": D,
+  "num_workers": W, "step": S}``;
+* ``<ns>/~shards`` (per-rank object): ``{"dp_rank": d, "shards": {"<d>_<w>": {"meta": ..., "arrays": {name:
+  entry}}}}``: the index of every sharded part, in the global metadata;
+* ``<ns>/shard_<d>_<w>/<array>`` (tensors): the sharded parts' arrays (token buffers). Ranks sharing a DP rank
+  declare identical arrays, which the planner writes once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..adapters.base import Expected, LoadJob
+from ..errors import ArrayCheckpointError
+from ..items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
+from ..metadata import CheckpointMetadata, check_name
+from ..regions import Box
+from .protocol import LoaderState, ReshardableLoader, SavedLoaderState, ShardKey, ShardState
+
+MARKER = "dataloader"
+
+
+def is_loader(value: Any) -> bool:
+    """Whether ``value`` implements the dataloader checkpoint protocol."""
+    return isinstance(value, ReshardableLoader) and not isinstance(value, type)
+
+
+def is_saved_loader(meta: CheckpointMetadata, ns: str) -> bool:
+    """Whether ``ns`` in ``meta`` holds a dataloader saved through this module."""
+    obj = meta.objects.get(ns)
+    return obj is not None and isinstance(obj.value, dict) and obj.value.get("__acp_state__") == MARKER
+
+
+def save_items(
+    ns: str, loader: ReshardableLoader, step: int | None
+) -> tuple[list[SaveTensor], list[SaveObject]]:
+    """This rank's entries for ``loader`` (collects its state: a queue poll when it was prepared)."""
+    state: LoaderState = loader.checkpoint_state(step)
+    tensors: list[SaveTensor] = []
+    index: dict[str, Any] = {}
+    for (d, w), shard in sorted(state.shards.items()):
+        if d != state.dp_rank:
+            raise ArrayCheckpointError(
+                f"dataloader {ns!r}: rank with dp_rank {state.dp_rank} returned a shard of dp rank {d}; "
+                "each rank returns only its own DP rank's shards"
+            )
+        arrays = {}
+        for name, arr in sorted(shard.arrays.items()):
+            full = check_name(f"{ns}/shard_{d}_{w}/{name}")
+            a = np.ascontiguousarray(arr)
+            tensors.append(
+                SaveTensor(full, tuple(a.shape), a.dtype, [SaveShard(Box.full(a.shape), ArraySource(a))])
+            )
+            arrays[name] = full
+        index[f"{d}_{w}"] = {"meta": shard.meta, "arrays": arrays}
+    head = {
+        "__acp_state__": MARKER,
+        "replicated": state.replicated,
+        "dp_size": state.dp_size,
+        "num_workers": state.num_workers,
+        "step": state.step if state.step is not None else step,
+    }
+    objects = [
+        SaveObject(ns, head),
+        SaveObject(f"{ns}/~shards", {"dp_rank": state.dp_rank, "shards": index}, scope="rank"),
+    ]
+    return tensors, objects
+
+
+def saved_state(meta: CheckpointMetadata, ns: str) -> SavedLoaderState:
+    """The saved layout of ``ns``: replicated part and every shard's JSON (arrays not yet read)."""
+    return _saved(meta, ns)[0]
+
+
+def _saved(meta: CheckpointMetadata, ns: str) -> tuple[SavedLoaderState, dict[ShardKey, dict[str, str]]]:
+    head = meta.objects[ns].value
+    idx = meta.objects.get(f"{ns}/~shards")
+    if idx is None or idx.scope != "rank":
+        raise ArrayCheckpointError(f"dataloader {ns!r}: the checkpoint has no shard index {ns}/~shards")
+    shards: dict[ShardKey, ShardState] = {}
+    shapes: dict[ShardKey, dict[str, tuple[int, ...]]] = {}
+    names: dict[ShardKey, dict[str, str]] = {}
+    for _rank, doc in sorted(idx.per_rank.items()):
+        for key, entry in doc["shards"].items():
+            d, w = (int(x) for x in key.split("_"))
+            if (d, w) in shards:
+                continue  # a TP/PP peer of the same DP rank saved the same shard
+            shards[(d, w)] = ShardState(meta=entry["meta"], arrays={})
+            names[(d, w)] = dict(entry["arrays"])
+            shapes[(d, w)] = {
+                a: tuple(meta.tensors[n].shape) for a, n in entry["arrays"].items() if n in meta.tensors
+            }
+    saved = SavedLoaderState(
+        head["replicated"], int(head["dp_size"]), int(head["num_workers"]), shards, shapes, head.get("step")
+    )
+    return saved, names
+
+
+def load_job(ns: str, loader: ReshardableLoader, meta: CheckpointMetadata) -> LoadJob:
+    """Read only the arrays of the shards ``loader`` asks for, then let it rebuild its state."""
+    from ..codecs import numpy_dtype
+
+    expected: dict[str, Expected] = {ns: Expected()}
+    if ns not in meta.objects:
+        return LoadJob([], expected, {ns}, lambda: loader)
+    saved, names = _saved(meta, ns)
+    targets: list[LoadTensor] = []
+    for key in loader.shards_to_load(saved):
+        key = (int(key[0]), int(key[1]))
+        if key not in saved.shards:
+            raise ArrayCheckpointError(
+                f"dataloader {ns!r}: the loader asked for shard {key}, which was not saved "
+                f"(saved: {saved.ordered_keys()})"
+            )
+        for arr_name, entry in names[key].items():
+            tm = meta.tensors.get(entry)
+            if tm is None:
+                raise ArrayCheckpointError(f"dataloader {ns!r}: array {entry!r} is indexed but not stored")
+            buf = np.empty(tm.shape, dtype=numpy_dtype(tm.dtype))
+            saved.shards[key].arrays[arr_name] = buf
+            expected[entry] = Expected(tm.shape, tm.dtype)
+            if buf.size:
+                targets.append(LoadTensor(entry, [LoadShard(Box.full(tm.shape), _fill(buf))]))
+
+    def finish() -> ReshardableLoader:
+        loader.load_checkpoint_state(saved)
+        return loader
+
+    return LoadJob(targets, expected, {ns}, finish)
+
+
+def _fill(buf: np.ndarray) -> Any:
+    def sink(arr: np.ndarray) -> None:
+        buf[...] = arr
+
+    return sink

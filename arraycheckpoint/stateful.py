@@ -1,0 +1,421 @@
+"""Special state values: per-rank extra state, objects with ``state_dict``, dataloaders, and roles.
+
+:func:`arraycheckpoint.save` / :func:`~arraycheckpoint.load` hand the namespaces this module recognises to it
+(:func:`split`) instead of to the framework adapter, and merge the result with the adapter's:
+
+* a namespace containing :class:`PerRank` values (anywhere inside nested dicts/lists), or objects with
+  ``state_dict()`` / ``load_state_dict()`` (LR schedulers, ...), is stored as one global JSON document (rank 0's,
+  ``<ns>``) in which each ``PerRank`` is a placeholder, plus one per-rank object ``<ns>/~per_rank`` holding every
+  rank's own values; arrays become tensors (``<ns>/...`` global, ``<ns>/~r<rank>/<i>/...`` per rank);
+* a dataloader implementing :class:`~arraycheckpoint.data.ReshardableLoader` (see :mod:`arraycheckpoint.data`).
+
+**Per-rank rule on load.** Global values load on every rank. Rank ``r`` of the loading world takes the value
+saved by rank ``r`` when that rank existed; otherwise it takes saved rank ``r % saved_world`` 's value passed
+through ``derive(value, r, source_rank)``: the target ``PerRank``'s own ``derive`` when given, else
+:func:`default_derive` (RNG states captured by :func:`arraycheckpoint.rng.capture` are reseeded
+deterministically from the source state and ``r``, so no two ranks share a stream; other values are copied).
+Saved ranks beyond the new world are dropped.
+
+**Roles.** ``role="actor"`` saves to and loads from ``<root>/actor``: a complete committed checkpoint of its own,
+so roles are saved, loaded and resharded independently; :func:`list_roles` lists a root's committed roles.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import extras
+from .adapters.base import AdapterOptions, Expected, LoadJob
+from .collectives import Communicator
+from .errors import ArrayCheckpointError, UnsafeNameError
+from .items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveRequest, SaveShard, SaveTensor
+from .metadata import COMMIT_MARKER, CheckpointMetadata, check_name
+from .regions import Box
+
+__all__ = ["PerRank", "default_derive", "list_roles", "role_path", "source_rank", "split"]
+
+MARKER = "extra"
+_PR = "__acp_per_rank__"
+PER_RANK_SUFFIX = "~per_rank"
+
+
+@dataclass
+class PerRank:
+    """A value that differs per rank (an RNG stream, a per-rank counter) inside saved state.
+
+    ``{"extra_state": {"step": 10, "rng": acp.PerRank(rng.capture())}}``: every rank's value is saved; on load
+    each rank's ``PerRank.value`` is replaced following the per-rank rule (module docstring). ``derive``
+    (``(value, rank, source_rank) -> value``) overrides how a rank with no saved counterpart derives its value.
+    """
+
+    value: Any = None
+    derive: Callable[[Any, int, int], Any] | None = None
+
+
+# ------------------------------------------------------------------------------------------- recognise
+def _is_framework_object(v: Any) -> bool:
+    """Modules, optimizers and megatron objects: the framework adapters' business, never ours."""
+    if type(v).__module__.startswith(("megatron.", "torch.distributed.")):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(v, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def is_stateful(v: Any) -> bool:
+    """An object restored through ``load_state_dict`` (LR schedulers, custom trackers); not modules/optimizers."""
+    return (
+        not isinstance(v, type)
+        and not _is_framework_object(v)
+        and callable(getattr(v, "state_dict", None))
+        and callable(getattr(v, "load_state_dict", None))
+        and not _is_array(v)
+    )
+
+
+def _contains_special(v: Any) -> bool:
+    if _is_framework_object(v):
+        return False
+    if isinstance(v, PerRank) or is_stateful(v):
+        return True
+    if isinstance(v, Mapping):
+        return any(_contains_special(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_contains_special(x) for x in v)
+    return False
+
+
+def _is_loader(v: Any) -> bool:
+    from .data.checkpoint import is_loader
+
+    return is_loader(v)
+
+
+def split(
+    state: Mapping[str, Any], meta: CheckpointMetadata | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(special, rest)``: namespaces this module handles, and those for the framework adapter.
+
+    On load, ``meta`` also routes namespaces that were *saved* through this module (so a plain dict target
+    receives per-rank values saved with :class:`PerRank`).
+    """
+    special: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for ns, value in state.items():
+        saved_here = meta is not None and _saved_marker(meta, ns) is not None
+        if _is_framework_object(value):
+            rest[ns] = value
+        elif _is_loader(value) or _contains_special(value) or saved_here:
+            special[ns] = value
+        else:
+            rest[ns] = value
+    return special, rest
+
+
+def _saved_marker(meta: CheckpointMetadata, ns: str) -> str | None:
+    obj = meta.objects.get(ns)
+    if obj is None or obj.scope != "global" or not isinstance(obj.value, dict):
+        return None
+    kind = obj.value.get("__acp_state__")
+    return kind if kind in (MARKER, "dataloader") else None
+
+
+# ------------------------------------------------------------------------------------------------ save
+def _is_array(v: Any) -> bool:
+    if isinstance(v, np.ndarray):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        return True
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(v, jax.Array)
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, np.ndarray):
+        return "numpy"
+    torch = sys.modules.get("torch")
+    return "torch" if torch is not None and isinstance(v, torch.Tensor) else "jax"
+
+
+def _tensor(name: str, v: Any) -> SaveTensor:
+    kind = _kind(v)
+    if kind == "torch":
+        from .adapters.torch.tensors import TorchSource, numpy_dtype
+
+        t = v.detach()
+        return SaveTensor(
+            name, tuple(t.shape), numpy_dtype(t.dtype), [SaveShard(Box.full(tuple(t.shape)), TorchSource(t))]
+        )
+    a = np.array(v, copy=True) if kind == "jax" else v
+    return SaveTensor(name, tuple(a.shape), a.dtype, [SaveShard(Box.full(tuple(a.shape)), ArraySource(a))])
+
+
+def _plain(v: Any, per_rank: list[Any] | None, where: str) -> Any:
+    """``v`` with stateful objects replaced by their state dicts and PerRank values by placeholders."""
+    if isinstance(v, PerRank):
+        if per_rank is None:
+            raise ArrayCheckpointError(
+                f"{where}: a PerRank value inside another PerRank; nest plain values only"
+            )
+        per_rank.append(_plain(v.value, None, where))
+        return {_PR: len(per_rank) - 1}
+    if is_stateful(v) and not _is_array(v):
+        return _plain(v.state_dict(), per_rank, where)
+    if isinstance(v, dict):
+        return {k: _plain(x, per_rank, f"{where}/{k}") for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x, per_rank, f"{where}/{i}") for i, x in enumerate(v)]
+    if isinstance(v, tuple) and not hasattr(v, "_fields"):
+        return tuple(_plain(x, per_rank, f"{where}/{i}") for i, x in enumerate(v))
+    return v
+
+
+def save_items(
+    ns: str, value: Any, comm: Communicator, options: AdapterOptions
+) -> tuple[list[SaveTensor], list[SaveObject]]:
+    """This rank's tensors and objects for one special namespace."""
+    if _is_loader(value):
+        from .data.checkpoint import save_items as loader_items
+
+        return loader_items(ns, value, options.step)
+    per_rank: list[Any] = []
+    plain = _plain(value, per_rank, ns)
+    doc, arrays = extras.encode(plain, ns, _is_array, options.allow_pickle)
+    tensors = [_tensor(name, a) for name, a in arrays.items()]
+    objects = [
+        SaveObject(
+            ns, {"__acp_state__": MARKER, "doc": doc, "arrays": {n: _kind(a) for n, a in arrays.items()}}
+        )
+    ]
+    if per_rank:
+        docs, kinds = [], {}
+        for i, v in enumerate(per_rank):
+            d, arrs = extras.encode(v, f"{ns}/~r{comm.rank}/{i}", _is_array, options.allow_pickle)
+            docs.append(d)
+            kinds.update({n: _kind(a) for n, a in arrs.items()})
+            tensors.extend(_tensor(name, a) for name, a in arrs.items())
+        objects.append(SaveObject(f"{ns}/{PER_RANK_SUFFIX}", {"values": docs, "arrays": kinds}, scope="rank"))
+    return tensors, objects
+
+
+def extend_request(
+    request: SaveRequest,
+    special: Mapping[str, Any],
+    comm: Communicator,
+    options: AdapterOptions,
+    role: str | None = None,
+) -> SaveRequest:
+    """Add the special namespaces' items (and the role) to the adapter's ``request``."""
+    for ns, value in special.items():
+        tensors, objects = save_items(ns, value, comm, options)
+        request.tensors.extend(tensors)
+        request.objects.extend(objects)
+    if role is not None:
+        request.roles = (role,)
+    return request
+
+
+# ------------------------------------------------------------------------------------------------ load
+def source_rank(rank: int, saved_ranks: list[int]) -> int:
+    """The saved rank whose per-rank value ``rank`` loads: itself if saved, else ``saved_ranks[rank % n]``."""
+    if not saved_ranks:
+        raise ArrayCheckpointError(f"rank {rank}: the checkpoint holds no per-rank values")
+    return rank if rank in saved_ranks else sorted(saved_ranks)[rank % len(saved_ranks)]
+
+
+def default_derive(value: Any, rank: int, source: int) -> Any:
+    """A value for ``rank`` from saved rank ``source``'s: RNG states are reseeded, other values copied."""
+    from . import rng
+
+    if rng.is_rng_state(value):
+        return rng.derive(value, rank)
+    return value
+
+
+@dataclass
+class _Loaded:
+    value: Any
+    source: int
+
+
+def _fill(buf: np.ndarray) -> Callable[[np.ndarray], None]:
+    def sink(arr: np.ndarray) -> None:
+        buf[...] = arr
+
+    return sink
+
+
+def _as_kind(buf: np.ndarray, kind: str) -> Any:
+    if kind == "torch":
+        from .adapters.torch.tensors import as_torch
+
+        return as_torch(buf).clone()
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(buf)
+    return buf
+
+
+def _restore(placeholders: Any, per_rank: list[Any], source: int) -> Any:
+    if isinstance(placeholders, dict):
+        if len(placeholders) == 1 and _PR in placeholders and isinstance(placeholders[_PR], int):
+            return _Loaded(per_rank[placeholders[_PR]], source)
+        return {k: _restore(x, per_rank, source) for k, x in placeholders.items()}
+    if isinstance(placeholders, list):
+        return [_restore(x, per_rank, source) for x in placeholders]
+    if isinstance(placeholders, tuple):
+        return tuple(_restore(x, per_rank, source) for x in placeholders)
+    return placeholders
+
+
+def _apply(target: Any, loaded: Any, rank: int) -> Any:
+    """Put ``loaded`` into ``target`` in place where possible; returns the value to store."""
+    if isinstance(loaded, _Loaded):
+        pr = target if isinstance(target, PerRank) else PerRank()
+        value = loaded.value
+        if loaded.source != rank:
+            value = (pr.derive or default_derive)(value, rank, loaded.source)
+        pr.value = _apply(pr.value, value, rank) if pr.value is not None else value
+        return pr
+    if isinstance(target, PerRank):  # saved as a global value: every rank takes it
+        target.value = _apply(target.value, loaded, rank)
+        return target
+    if is_stateful(target) and not _is_array(target):
+        target.load_state_dict(loaded)
+        return target
+    if isinstance(target, dict) and isinstance(loaded, dict):
+        for k, v in loaded.items():
+            target[k] = _apply(target[k], v, rank) if k in target else v
+        return target
+    return loaded
+
+
+def load_job(
+    ns: str,
+    value: Any,
+    meta: CheckpointMetadata,
+    comm: Callable[[], Communicator],
+    options: AdapterOptions,
+    result: dict[str, Any],
+) -> LoadJob:
+    """Plan reading special namespace ``ns`` into ``value``; ``finish`` stores the outcome in ``result[ns]``."""
+    if _is_loader(value):
+        from .data.checkpoint import load_job as loader_job
+
+        job = loader_job(ns, value, meta)
+        inner = job.finish
+
+        def finish_loader() -> None:
+            result[ns] = inner()
+
+        job.finish = finish_loader
+        return job
+    expected: dict[str, Expected] = {ns: Expected()}
+    obj = meta.objects.get(ns)
+    if obj is None:
+        return LoadJob([], expected, {ns}, lambda: None)
+    head = obj.value
+    if _saved_marker(meta, ns) == MARKER:
+        doc, kinds = head["doc"], dict(head.get("arrays", {}))
+    else:  # saved by the framework adapter as plain extra state
+        doc, kinds = head, {}
+    docs: list[Any] = []
+    src = -1
+    rank = 0
+    pr = meta.objects.get(f"{ns}/{PER_RANK_SUFFIX}")
+    if pr is not None:
+        expected[pr.name] = Expected()
+        rank = comm().rank
+        src = source_rank(rank, sorted(pr.per_rank))
+        docs = pr.per_rank[src]["values"]
+        kinds.update(pr.per_rank[src].get("arrays", {}))
+    from .codecs import numpy_dtype
+
+    bufs: dict[str, np.ndarray] = {}
+    targets: list[LoadTensor] = []
+    for ref in extras.array_refs(doc) + extras.array_refs(docs):
+        tm = meta.tensors.get(ref)
+        if tm is None:
+            raise ArrayCheckpointError(f"{ns}: array {ref!r} is referenced but not stored (rank {rank})")
+        buf = np.empty(tm.shape, dtype=numpy_dtype(tm.dtype))
+        bufs[ref] = buf
+        expected[ref] = Expected(tm.shape, tm.dtype)
+        if buf.size:
+            targets.append(LoadTensor(ref, [LoadShard(Box.full(tm.shape), _fill(buf))]))
+
+    def finish() -> None:
+        default = "torch" if "torch" in sys.modules else "numpy"
+        arrays = {n: _as_kind(b, kinds.get(n, default)) for n, b in bufs.items()}
+        per_rank = [extras.decode(d, arrays, options.allow_pickle) for d in docs]
+        loaded = _restore(extras.decode(doc, arrays, options.allow_pickle), per_rank, src)
+        result[ns] = _apply(value, loaded, rank)
+
+    return LoadJob(targets, expected, {ns}, finish)
+
+
+def merge_load(
+    job: LoadJob,
+    special: Mapping[str, Any],
+    meta: CheckpointMetadata,
+    comm: Callable[[], Communicator],
+    options: AdapterOptions,
+) -> LoadJob:
+    """The adapter's ``job`` plus the special namespaces' reads; ``finish`` returns the combined state."""
+    if not special:
+        return job
+    extra: dict[str, Any] = {}
+    jobs = [load_job(ns, v, meta, comm, options, extra) for ns, v in special.items()]
+    for j in jobs:
+        job.targets.extend(j.targets)
+        job.expected.update(j.expected)
+        job.namespaces |= j.namespaces
+        job.optional |= j.optional
+    inner = job.finish
+
+    def finish() -> dict[str, Any]:
+        out = inner()
+        out = dict(out) if isinstance(out, Mapping) else {}
+        for j in jobs:
+            j.finish()
+        out.update(extra)
+        return out
+
+    return LoadJob(job.targets, job.expected, job.namespaces, finish, job.optional, job.global_namespaces)
+
+
+# ----------------------------------------------------------------------------------------------- roles
+def role_path(path: str | os.PathLike[str], role: str | None) -> str:
+    """``<path>/<role>`` (or ``path`` when ``role`` is None); the role must be one safe name component."""
+    url = os.fspath(path)
+    if role is None:
+        return url
+    try:
+        if "/" in role:
+            raise UnsafeNameError(f"role {role!r} contains '/'")
+        check_name(role)
+    except UnsafeNameError as e:
+        raise UnsafeNameError(f"invalid role {role!r}: use one plain name such as 'actor' ({e})") from None
+    return url.rstrip("/") + "/" + role
+
+
+def list_roles(path: str | os.PathLike[str]) -> list[str]:
+    """The roles with a committed checkpoint under the root ``path`` (e.g. ``["actor", "critic"]``)."""
+    from .storage import LocalStorage, storage_for
+
+    storage, root = storage_for(os.fspath(path))
+    if isinstance(storage, LocalStorage):
+        if not os.path.isdir(root):
+            return []
+        names = [
+            n for n in os.listdir(root) if not n.startswith(".") and os.path.isdir(os.path.join(root, n))
+        ]
+        return sorted(n for n in names if os.path.exists(os.path.join(root, n, COMMIT_MARKER)))
+    keys = storage.list(root)
+    return sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT_MARKER)})

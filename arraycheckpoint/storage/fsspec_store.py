@@ -1,0 +1,247 @@
+"""Any fsspec URL (``hdfs://``, ``gcs://`` through gcsfs, ``abfs://``, ``local://``, ...) through fsspec.
+
+tensorstore cannot call into Python file systems, so arrays reach fsspec through a tensorstore *memory*
+kvstore that acts as a per-save buffer:
+
+* **save**: ``staging_root`` names a private memory area; the engine encodes and writes chunk files there
+  with tensorstore exactly as for any other backend. :meth:`FsspecStorage.flush` (one per rank, after its
+  writes, and once more by the coordinator after the metadata) uploads every buffered object with one
+  batched ``fs.pipe`` and frees it. The commit marker is written last, straight through fsspec.
+* **load**: the first time the engine asks for the kvstore of an array (``kvstore_spec(<root>/<tensor>)``),
+  every stored object of that array is downloaded with one batched ``fs.cat`` into a memory area; the area
+  is freed when the storage object is dropped (at the end of the load).
+
+Trade-off: peak host memory of a rank grows by the encoded size of what it writes (save) or of the whole
+arrays it reads from (load), and a load fetches whole arrays even when the rank needs a slice of them.
+Backends that tensorstore drives natively (local files, ``s3://``) avoid both and should be preferred; the
+fsspec path is for file systems nothing else reaches (HDFS through pyarrow, vendor object stores).
+
+Commit is the marker strategy. fsspec has no portable create-if-absent, so the save lock is
+check-write-verify (best effort: two saves starting within one round trip of each other may both proceed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+import weakref
+from typing import Any
+
+from ..errors import StorageError
+from ..metadata import COMMIT_MARKER
+from .base import LOCK_KEY, Storage
+
+_STAGING = "#acp-staging-"
+_UPLOAD_BATCH_BYTES = 256 << 20
+
+
+class FsspecStorage(Storage):
+    """One fsspec file system (``fsspec.filesystem(scheme, **options)``); marker commit."""
+
+    commit_strategy = "marker"
+
+    def __init__(self, scheme: str, options: dict[str, Any] | None = None) -> None:
+        import fsspec
+
+        options = dict(options or {})
+        if scheme in ("local", "file"):
+            options.setdefault("auto_mkdir", True)
+        try:
+            self.fs = fsspec.filesystem(scheme, **options)
+        except (ImportError, ValueError) as e:
+            raise StorageError(
+                f"no storage backend for {scheme}:// URLs: fsspec says {e}; install the fsspec implementation "
+                f"for {scheme!r} (e.g. s3fs, gcsfs, adlfs, pyarrow) or use a local path, memory:// or s3://"
+            ) from e
+        self.scheme = scheme
+        self._id = uuid.uuid4().hex
+        self._hydrated: set[str] = set()
+        weakref.finalize(self, _drop_memory, f"acp-fsspec/{self._id}/")
+
+    # Paths -----------------------------------------------------------------------------------------
+    def _strip(self, url: str) -> str:
+        """The file system's own path for ``url`` (``fs._strip_protocol``, also for subclassed protocols)."""
+        path = self.fs._strip_protocol(url)
+        if path.startswith(f"{self.scheme}://"):
+            path = self.fs._strip_protocol(path[len(self.scheme) + 3 :])
+        return path.rstrip("/")
+
+    def normalize(self, url: str) -> str:
+        return f"{self.scheme}://{self._strip(url)}"
+
+    def _rpath(self, root: str, key: str = "") -> str:
+        path = self._strip(root)
+        return f"{path}/{key}" if key else path
+
+    def _split_staging(self, root: str) -> tuple[str, str, str] | None:
+        """``(final, token, subpath)`` if ``root`` is (below) a staging root, else None."""
+        if _STAGING not in root:
+            return None
+        final, _, rest = root.partition(_STAGING)
+        token, _, sub = rest.partition("/")
+        return final, token, sub.strip("/")
+
+    def _memory_spec(self, area: str, sub: str) -> dict[str, Any]:
+        path = f"acp-fsspec/{self._id}/{area}/"
+        return {"driver": "memory", "path": path + (sub + "/" if sub else "")}
+
+    def staging_root(self, final: str, token: str) -> str:
+        return f"{final}{_STAGING}{token}"
+
+    def kvstore_spec(self, root: str) -> dict[str, Any]:
+        staged = self._split_staging(root)
+        if staged is not None:
+            _final, token, sub = staged
+            return self._memory_spec(f"stage-{token}", sub)
+        area = "read-" + hashlib.sha1(root.rstrip("/").encode()).hexdigest()[:20]
+        if root not in self._hydrated:
+            self._download(root, self._memory_spec(area, ""))
+            self._hydrated.add(root)
+        return self._memory_spec(area, "")
+
+    # Bulk transfer between the memory buffer and the file system -------------------------------------
+    def _download(self, root: str, spec: dict[str, Any]) -> None:
+        base = self._rpath(root)
+        files = self._retry("list", root, lambda: self.fs.find(base) if self.fs.exists(base) else [])
+        if not files:
+            return
+        blobs = self._retry("read", root, lambda: self.fs.cat(files, on_error="raise"))
+        kv = _memory_kv(spec)
+        prefix = base.rstrip("/") + "/"
+        writes = []
+        for path, data in blobs.items():
+            rel = self._strip(path)[len(prefix) :]
+            writes.append(kv.write(rel, data))
+        for w in writes:
+            w.result()
+
+    def flush(self, root: str) -> None:
+        """Upload everything this rank buffered for ``root`` (a staging root) and free the buffer."""
+        staged = self._split_staging(root)
+        if staged is None:
+            return
+        final, token, sub = staged
+        kv = _memory_kv(self._memory_spec(f"stage-{token}", sub))
+        target = self.join(final, sub) if sub else final
+        batch: dict[str, bytes] = {}
+        uploaded: list[str] = []
+        size = 0
+        for key in [k.decode() for k in kv.list().result()]:
+            data = bytes(kv.read(key).result().value)
+            batch[self._rpath(target, key)] = data
+            uploaded.append(key)
+            size += len(data)
+            if size >= _UPLOAD_BATCH_BYTES:
+                self._upload(final, batch)
+                for done in uploaded:  # free each batch once it is stored: peak stays ~one batch above
+                    kv.write(done, None).result()
+                batch, uploaded, size = {}, [], 0
+        if batch:
+            self._upload(final, batch)
+            for done in uploaded:
+                kv.write(done, None).result()
+
+    def _upload(self, final: str, batch: dict[str, bytes]) -> None:
+        self._retry("upload", f"{final} ({len(batch)} objects)", lambda: self.fs.pipe(batch))
+
+    def commit(self, staging: str, final: str, overwrite: bool) -> None:
+        self.flush(staging)  # anything the coordinator wrote after its last flush
+        self.write(final, COMMIT_MARKER, b"committed\n")
+
+    def abort(self, staging: str, final: str) -> None:
+        staged = self._split_staging(staging)
+        if staged is not None:
+            _drop_memory(self._memory_spec(f"stage-{staged[1]}", "")["path"])
+        super().abort(final, final)
+
+    # Small objects straight through fsspec (staging roots: the memory buffer) ---------------------------
+    def read(self, root: str, key: str) -> bytes | None:
+        if self._split_staging(root):
+            return super().read(root, key)
+        path = self._rpath(root, key)
+
+        def op() -> bytes | None:
+            try:
+                return bytes(self.fs.cat_file(path))
+            except FileNotFoundError:
+                return None
+
+        return self._retry("read", path, op)
+
+    def write(self, root: str, key: str, data: bytes) -> None:
+        if self._split_staging(root):
+            return super().write(root, key, data)
+        path = self._rpath(root, key)
+        self._retry("write", path, lambda: self.fs.pipe_file(path, data))
+
+    def exists(self, root: str, key: str) -> bool:
+        path = self._rpath(root, key)
+        return bool(self._retry("exists", path, lambda: self.fs.isfile(path)))
+
+    def list(self, root: str) -> list[str]:
+        if self._split_staging(root):
+            return super().list(root)
+        base = self._rpath(root)
+
+        def op() -> list[str]:
+            if not self.fs.exists(base):
+                return []
+            prefix = base.rstrip("/") + "/"
+            return sorted(self._strip(p)[len(prefix) :] for p in self.fs.find(base))
+
+        return self._retry("list", base, op)
+
+    def children(self, root: str) -> list[str]:
+        base = self._rpath(root)
+
+        def op() -> list[str]:
+            if not self.fs.isdir(base):
+                return []
+            return sorted(self._strip(p).rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
+
+        return self._retry("list", base, op)
+
+    def delete(self, root: str) -> None:
+        base = self._rpath(root)
+
+        def op() -> None:
+            if self.fs.exists(base):
+                self.fs.rm(base, recursive=True)
+
+        self._retry("delete", base, op)
+
+    def delete_key(self, root: str, key: str) -> None:
+        path = self._rpath(root, key)
+
+        def op() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._retry("delete", path, op)
+
+    def _create_lock(self, final: str, body: bytes) -> bool:
+        if self.exists(final, LOCK_KEY):
+            return False
+        self.write(final, LOCK_KEY, body)
+        return json.loads(self.read(final, LOCK_KEY) or b"{}") == json.loads(body)
+
+
+def _memory_kv(spec: dict[str, Any]) -> Any:
+    import tensorstore as ts
+
+    from .._tscontext import context
+
+    return ts.KvStore.open(spec, context=context()).result()
+
+
+def _drop_memory(path: str) -> None:
+    """Free the memory-kvstore area ``path`` (called when a storage object is collected)."""
+    try:
+        import tensorstore as ts
+
+        _memory_kv({"driver": "memory", "path": path}).delete_range(ts.KvStore.KeyRange()).result()
+    except Exception:  # noqa: BLE001 - interpreter shutdown or already gone
+        pass

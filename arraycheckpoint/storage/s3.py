@@ -1,0 +1,134 @@
+"""``s3://bucket/prefix``: Amazon S3 and S3-compatible stores through tensorstore's own ``s3`` kvstore driver.
+
+Every rank writes its chunk files straight to the bucket (no local copy); the commit is the marker strategy:
+``.committed`` is written last by the coordinator, and readers treat a prefix without it as absent. S3 has
+no rename, and deleting is not atomic: retention removes the marker first, so a half-deleted checkpoint is
+never read.
+
+Configuration, first match wins: :func:`arraycheckpoint.storage.configure` ``("s3", ...)`` options, then the
+usual environment variables (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, ``AWS_REGION``/
+``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
+``AWS_PROFILE``), then tensorstore's default credential chain (profile files, ECS, instance metadata).
+tensorstore cannot take keys inline, so keys given as options are written to a private (0600) credentials
+file for the process.
+
+tensorstore retries each HTTP request itself (``s3_request_retries``: ``max_retries`` attempts with
+exponential backoff from ``initial_delay`` to ``max_delay``); the small-object operations (metadata,
+marker, lock, listing) are additionally wrapped in :func:`~.retry.retry_call`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Any
+
+from ..errors import StorageError
+from .base import Storage
+
+
+class S3Storage(Storage):
+    """An S3 bucket prefix. ``s3://bucket`` alone is the bucket's top level."""
+
+    commit_strategy = "marker"
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        profile: str | None = None,
+        requester_pays: bool = False,
+        max_retries: int = 8,
+        initial_delay: str = "100ms",
+        max_delay: str = "10s",
+        request_concurrency: int | None = None,
+    ) -> None:
+        env = os.environ
+        self.endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        # A custom endpoint (MinIO, moto, ...) rarely answers region discovery: default to us-east-1 there.
+        self.region = (
+            region
+            or env.get("AWS_REGION")
+            or env.get("AWS_DEFAULT_REGION")
+            or ("us-east-1" if self.endpoint else None)
+        )
+        self.requester_pays = requester_pays
+        self.context: dict[str, Any] = {
+            "s3_request_retries": {
+                "max_retries": max_retries,
+                "initial_delay": initial_delay,
+                "max_delay": max_delay,
+            }
+        }
+        if request_concurrency:
+            self.context["s3_request_concurrency"] = {"limit": request_concurrency}
+        if access_key_id and secret_access_key:
+            path = _credentials_file(access_key_id, secret_access_key, session_token)
+            self.credentials: dict[str, Any] = {
+                "type": "profile",
+                "profile": "default",
+                "credentials_file": path,
+                "config_file": path,  # tensorstore insists on a readable config file; this one will do
+            }
+        elif profile:
+            self.credentials = {"type": "profile", "profile": profile}
+        elif env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+            self.credentials = {"type": "environment"}
+        else:
+            self.credentials = {"type": "default"}
+
+    def normalize(self, url: str) -> str:
+        if not url.startswith("s3://"):
+            raise StorageError(f"not an S3 URL: {url!r} (expected s3://bucket/prefix)")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        if not bucket:
+            raise StorageError(f"S3 URL {url!r} names no bucket (expected s3://bucket/prefix)")
+        prefix = "/".join(p for p in prefix.split("/") if p)
+        return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+    def kvstore_spec(self, root: str) -> dict[str, Any]:
+        bucket, _, prefix = root[len("s3://") :].partition("/")
+        prefix = prefix.strip("/")
+        spec: dict[str, Any] = {
+            "driver": "s3",
+            "bucket": bucket,
+            "path": prefix + "/" if prefix else "",
+            "aws_credentials": self.credentials,
+            "context": self.context,
+        }
+        if self.endpoint:
+            spec["endpoint"] = self.endpoint
+        if self.region:
+            spec["aws_region"] = self.region
+        if self.requester_pays:
+            spec["requester_pays"] = True
+        return spec
+
+    def parent(self, root: str) -> tuple[str, str]:
+        head, _, name = root.rstrip("/").rpartition("/")
+        if head in ("s3:", "s3:/"):
+            raise StorageError(f"{root} is a bucket; checkpoints live under a prefix (s3://bucket/prefix)")
+        return head, name
+
+
+_cred_files: dict[str, str] = {}
+
+
+def _credentials_file(key_id: str, secret: str, token: str | None) -> str:
+    """A 0600 AWS credentials file with one ``default`` profile, written once per distinct key per process."""
+    digest = hashlib.sha256(f"{key_id}\0{secret}\0{token}".encode()).hexdigest()[:16]
+    path = _cred_files.get(digest)
+    if path and os.path.exists(path):
+        return path
+    fd, path = tempfile.mkstemp(prefix="acp-aws-", suffix=".ini")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"[default]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n")
+        if token:
+            f.write(f"aws_session_token = {token}\n")
+    os.chmod(path, 0o600)
+    _cred_files[digest] = path
+    return path

@@ -1,0 +1,165 @@
+"""Fixtures for the storage tests: a real S3-compatible server (moto's server mode) on loopback, and a real
+HTTP proxy in front of it that can answer with throttling/5xx/403 errors to exercise retries."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "acp-test",
+    "AWS_SECRET_ACCESS_KEY": "acp-test-secret",
+    "AWS_REGION": "us-east-1",
+}
+
+
+class S3Server:
+    """A moto S3 server on 127.0.0.1 with one bucket; ``client`` is a boto3 client for checks."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.bucket = "acp-test-bucket"
+        import boto3
+
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+        )
+        self.client.create_bucket(Bucket=self.bucket)
+
+    def keys(self, prefix: str) -> list[str]:
+        out: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            out.extend(o["Key"] for o in page.get("Contents", []))
+        return sorted(out)
+
+    def zarr_store(self, root: str) -> Any:
+        """A zarr-python MemoryStore holding every object under ``root``, downloaded with boto3.
+
+        (zarr-python reaches S3 itself only through s3fs, which is not installed here; this reads the very
+        objects tensorstore stored, byte for byte.)
+        """
+        import zarr
+
+        prefix = root[len(f"s3://{self.bucket}/") :].rstrip("/") + "/"
+        data = {}
+        for key in self.keys(prefix):
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            from zarr.core.buffer import default_buffer_prototype
+
+            data[key[len(prefix) :]] = default_buffer_prototype().buffer.from_bytes(body)
+        return zarr.storage.MemoryStore(data, read_only=True)
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    saved = {k: os.environ.get(k) for k in (*AWS_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
+    os.environ.update(AWS_ENV)
+    server = S3Server()
+    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_prefix(s3_server: S3Server) -> str:
+    """A fresh ``s3://bucket/<unique>`` location."""
+    return f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:10]}"
+
+
+class FaultProxy:
+    """An HTTP proxy to the S3 server that fails the next ``fail_next`` requests with ``status``."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.removeprefix("http://")
+        self.fail_next = 0
+        self.status = 503
+        self.body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+        self.failed = 0
+        self.forwarded = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    fail = proxy.fail_next > 0
+                    if fail:
+                        proxy.fail_next -= 1
+                        proxy.failed += 1
+                    else:
+                        proxy.forwarded += 1
+                if fail:
+                    self.send_response(proxy.status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(proxy.body)))
+                    self.end_headers()
+                    self.wfile.write(proxy.body)
+                    return
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
+                headers = {k: v for k, v in self.headers.items()}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def fault_proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(s3_server.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

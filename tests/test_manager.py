@@ -1,0 +1,220 @@
+"""CheckpointManager: step directories, latest/all steps, restore, retention, the save queue, cleanup."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_distributed
+
+import arraycheckpoint as acp
+from arraycheckpoint.errors import CheckpointNotFoundError, SaveFailedError
+from arraycheckpoint.manager import CheckpointManager
+from arraycheckpoint.storage import LocalStorage, register_scheme
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)},
+        "extra_state": {"step": step},
+    }
+
+
+def empty_state() -> dict:
+    return {"model": {"w": torch.zeros(16, 8), "b": torch.zeros(8)}, "extra_state": {}}
+
+
+def assert_state(loaded: dict, step: int) -> None:
+    want = state_for(step)
+    for k, v in want["model"].items():
+        assert torch.equal(loaded["model"][k], v), (step, k)
+    assert loaded["extra_state"] == {"step": step}
+
+
+class GatedLocal(LocalStorage):
+    """Local storage whose flush waits for a gate (makes "a save is still running" deterministic)."""
+
+    gate = threading.Event()
+    fail = False
+
+    def normalize(self, url: str) -> str:
+        return super().normalize(url.removeprefix("gated://"))
+
+    def flush(self, root: str) -> None:
+        assert GatedLocal.gate.wait(120), "gate never opened"
+        if GatedLocal.fail:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().flush(root)
+
+
+@pytest.fixture
+def gated():
+    register_scheme("gated", GatedLocal)
+    GatedLocal.gate.set()
+    GatedLocal.fail = False
+    yield GatedLocal
+    GatedLocal.gate.set()
+    GatedLocal.fail = False
+    register_scheme("gated", None)
+
+
+def test_steps_latest_and_restore(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path / "run")
+    assert mgr.all_steps() == [] and mgr.latest_step() is None
+    with pytest.raises(CheckpointNotFoundError, match="nothing to restore"):
+        mgr.restore(state=empty_state())
+    for step in (20, 5, 10):
+        handle = mgr.save(step, state_for(step))
+        handle.staged.result()
+        handle.result()
+    mgr.close()
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_00000005", "step_00000010", "step_00000020"]
+    mgr = CheckpointManager(f"file://{tmp_path}/run")
+    assert mgr.all_steps() == [5, 10, 20] and mgr.latest_step() == 20
+    assert_state(mgr.restore(state=empty_state()), 20)
+    assert_state(mgr.restore(10, state=empty_state()), 10)
+    assert acp.read_metadata(mgr.step_path(5)).step == 5
+    mgr.close()
+
+
+def test_retention_keep_last_and_keep_every(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep_last=2, keep_every=30) as mgr:
+        for step in range(10, 70, 10):
+            mgr.save(step, state_for(step))
+        mgr.wait()
+        assert mgr.all_steps() == [30, 50, 60]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000030", "step_00000050", "step_00000060"]
+    assert_state(acp.load(tmp_path / "step_00000030", empty_state()), 30)
+
+
+def test_retention_policy_is_pure_and_keeps_newest() -> None:
+    mgr = CheckpointManager(f"memory://policy-{uuid.uuid4().hex[:6]}", keep_last=1, keep_every=4)
+    assert mgr.steps_to_delete([1, 2, 3, 4, 5, 6]) == [1, 2, 3, 5]
+    assert mgr.steps_to_delete([7]) == []
+    assert mgr.steps_to_delete([]) == []
+    keep_all = CheckpointManager(f"memory://policy-{uuid.uuid4().hex[:6]}")
+    assert keep_all.steps_to_delete([1, 2, 3]) == []
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointManager("memory://x", keep_last=0)
+
+
+def test_failed_save_keeps_newest_committed(tmp_path: Path, gated) -> None:
+    mgr = CheckpointManager(f"gated://{tmp_path}", keep_last=1)
+    mgr.save(1, state_for(1)).result()
+    mgr.save(2, state_for(2)).result()
+    assert mgr.all_steps() == [2]
+    gated.fail = True
+    with pytest.raises(SaveFailedError, match="No space left"):
+        mgr.save(3, state_for(3)).result()
+    gated.fail = False
+    assert mgr.all_steps() == [2]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002"]  # the failed save's staging was removed
+    assert_state(mgr.restore(state=empty_state()), 2)
+    mgr.close()
+
+
+def test_skip_policy_while_a_save_runs(tmp_path: Path, gated) -> None:
+    mgr = CheckpointManager(f"gated://{tmp_path}", if_busy="skip")
+    gated.gate.clear()
+    first = mgr.save(1, state_for(1))
+    first.staged.result()
+    assert mgr.save(2, state_for(2)) is None  # skipped: step 1 is still being written
+    gated.gate.set()
+    first.result()
+    mgr.save(3, state_for(3)).result()
+    assert mgr.all_steps() == [1, 3]
+    mgr.close()
+
+
+def test_wait_policy_queues_saves(tmp_path: Path, gated) -> None:
+    mgr = CheckpointManager(f"gated://{tmp_path}")
+    gated.gate.clear()
+    first = mgr.save(1, state_for(1))
+    first.staged.result()
+    second: list = []
+    t = threading.Thread(target=lambda: second.append(mgr.save(2, state_for(2))))
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive() and not second, "the second save did not wait for the first commit"
+    assert not first.done()
+    gated.gate.set()
+    t.join(timeout=120)
+    assert first.done() and second
+    second[0].result()
+    assert mgr.all_steps() == [1, 2]
+    assert_state(mgr.restore(1, state=empty_state()), 1)
+    mgr.close()
+
+
+def test_cleanup_on_start(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state_for(1)).result()
+    (tmp_path / ".step_00000002.acp-staging-dead").mkdir()
+    (tmp_path / ".step_00000002.acp-staging-dead" / "junk").write_bytes(b"x" * 100)
+    (tmp_path / ".step_00000002.acp-lock").write_text("dead")
+    (tmp_path / "step_00000003" / "model").mkdir(parents=True)  # marker-less step directory
+    (tmp_path / "step_00000003" / ".metadata.json").write_text("{}")
+    (tmp_path / ".step_00000000.acp-trash-1").mkdir()
+    (tmp_path / "README.txt").write_text("not ours")
+    mgr = CheckpointManager(tmp_path)
+    assert len(mgr.removed) == 4
+    assert sorted(os.listdir(tmp_path)) == ["README.txt", "step_00000001"]
+    assert mgr.all_steps() == [1]
+    mgr.save(2, state_for(2)).result()  # the stale lock no longer blocks step 2
+    assert mgr.all_steps() == [1, 2]
+    mgr.close()
+
+
+def test_manager_on_memory_marker_backend() -> None:
+    root = f"memory://mgr-{uuid.uuid4().hex[:8]}"
+    with CheckpointManager(root, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_for(step)).result()
+        assert mgr.all_steps() == [2, 3]
+        assert_state(mgr.restore(state=empty_state()), 3)
+        # a marker-less step (a crashed in-place save) is absent and removed on the next start
+        mgr.storage.write(mgr.step_path(4), "model/w/c/0/0", b"partial")
+    mgr = CheckpointManager(root, keep_last=2)
+    assert mgr.removed == [mgr.step_path(4)] and mgr.all_steps() == [2, 3]
+    assert mgr.storage.list(mgr.step_path(4)) == []
+
+
+def _two_rank_manager(rank: int, world: int, root: str) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    mgr = CheckpointManager(root, keep_last=2)
+    for step in (1, 2, 3):
+        full = state_for(step)
+        sharded = {
+            "model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full["model"].items()},
+            "extra_state": full["extra_state"],
+        }
+        mgr.save(step, sharded)
+    mgr.wait()
+    target = {
+        "model": {
+            k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
+            for k, v in state_for(0)["model"].items()
+        },
+        "extra_state": {},
+    }
+    mgr.restore(state=target)
+    for k, v in state_for(3)["model"].items():
+        assert torch.equal(target["model"][k].full_tensor(), v), k
+    steps = mgr.all_steps()
+    mgr.close()
+    return steps
+
+
+def test_two_rank_manager(tmp_path: Path) -> None:
+    steps = run_distributed(_two_rank_manager, world=2, args=(str(tmp_path / "run"),))
+    assert steps == [[2, 3], [2, 3]]
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_00000002", "step_00000003"]
