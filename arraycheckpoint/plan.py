@@ -41,9 +41,14 @@ class TensorDecl:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """Knobs of the chunk grid. Sizes are bytes of one stored chunk file / one inner (read) chunk."""
+    """Knobs of the chunk grid. Sizes are bytes of one stored chunk file / one inner (read) chunk.
 
-    min_chunk_bytes: int = 4 << 20
+    ``min_chunk_bytes`` trades file count against data movement: a grid coarser than the ranks' shards makes
+    chunks straddle ranks, and their fragments travel to one writer. It is kept small so that only really
+    small shards (biases, norms) are coalesced; shards above it are written where they are.
+    """
+
+    min_chunk_bytes: int = 1 << 20
     max_chunk_bytes: int = 64 << 20
     inner_chunk_bytes: int = 1 << 20
     compression: str | None = None
