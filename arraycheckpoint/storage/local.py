@@ -97,7 +97,7 @@ class LocalStorage(Storage):
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         self.write(staging, COMMIT_MARKER, b"committed\n")
         marker = os.path.join(staging, COMMIT_MARKER)
-        _fsync_path(marker)
+        fsync_path(marker)
         old = None
         if os.path.lexists(final):
             if not overwrite and self.is_committed(final):
@@ -110,7 +110,7 @@ class LocalStorage(Storage):
             if old is not None:
                 os.rename(old, final)
             raise StorageError(f"storage commit (rename {staging} -> {final}) failed: {e}") from e
-        _fsync_path(os.path.dirname(final))
+        fsync_path(os.path.dirname(final))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -176,7 +176,8 @@ class LocalStorage(Storage):
         return removed
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by path (directories: makes renames and creations in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import ArrayCheckpointError, CheckpointNotFoundError
 from ..metadata import COMMIT_MARKER, METADATA_FILE, CheckpointMetadata, ObjectMeta, check_name
 from ..storage import LocalStorage, storage_for
+from ..storage.local import fsync_path
 
 JOURNAL = ".acp-rename.json"
 TMP_DIR = ".acp-rename-tmp"
@@ -174,15 +175,7 @@ def _write_durable(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(os.path.dirname(path))
 
 
 def _execute(root: str, doc: dict[str, Any]) -> None:
@@ -190,7 +183,7 @@ def _execute(root: str, doc: dict[str, Any]) -> None:
     marker = os.path.join(root, COMMIT_MARKER)
     if os.path.exists(marker):
         os.unlink(marker)
-        _fsync_dir(root)
+        fsync_path(root)
     tmp = os.path.join(root, TMP_DIR)
     os.makedirs(tmp, exist_ok=True)
     moves = sorted(doc["tensors"].items())
@@ -220,7 +213,7 @@ def _execute(root: str, doc: dict[str, Any]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     _write_durable(marker, b"committed\n")
     os.unlink(os.path.join(root, JOURNAL))
-    _fsync_dir(root)
+    fsync_path(root)
 
 
 def _prune_groups(root: str, meta: CheckpointMetadata) -> None:
