@@ -13,7 +13,7 @@ from typing import Any
 
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
 from .collectives import Communicator, default_communicator
-from .engine import SaveOptions, engine
+from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
 from .errors import ArrayCheckpointError, StateMismatchError
 from .future import CheckpointFuture
 from .metadata import CheckpointMetadata
@@ -87,6 +87,7 @@ def save_async(
     comm: Communicator | None = None,
     max_inflight_bytes: int | None = None,
     role: str | None = None,
+    _blocking: bool = False,
 ) -> CheckpointFuture:
     """Start saving ``state`` to ``path``; returns once the snapshot is taken.
 
@@ -128,9 +129,12 @@ def save_async(
     plan = plan_options or PlanOptions()
     if compression is not None:
         plan = PlanOptions(plan.min_chunk_bytes, plan.max_chunk_bytes, plan.inner_chunk_bytes, compression)
-    options = SaveOptions(overwrite=overwrite, plan=plan)
-    if max_inflight_bytes is not None:
-        options = SaveOptions(overwrite, plan, max_inflight_bytes)
+    options = SaveOptions(
+        overwrite=overwrite,
+        plan=plan,
+        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
+        blocking=_blocking,
+    )
     return engine().save_async(os.fspath(path), request, comm, options)
 
 
@@ -139,7 +143,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **kwargs: Any) 
 
     Returns the committed metadata on the coordinator (None on other ranks).
     """
-    return save_async(path, state, **kwargs).result()
+    return save_async(path, state, _blocking=True, **kwargs).result()
 
 
 def load(

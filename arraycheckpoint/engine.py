@@ -33,7 +33,7 @@ import numpy as np
 
 from . import __version__
 from ._tscontext import context
-from .codecs import array_metadata, numpy_dtype, zarr_dtype_name
+from .codecs import CODEC_PRESET, array_metadata, numpy_dtype, zarr_dtype_name
 from .collectives import Communicator
 from .errors import (
     ArrayCheckpointError,
@@ -72,6 +72,8 @@ class SaveOptions:
     overwrite: bool = False
     plan: PlanOptions = field(default_factory=PlanOptions)
     max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
+    # the caller waits for the commit (``save()``): sources may lend their memory instead of being copied
+    blocking: bool = False
 
 
 @dataclass
@@ -193,8 +195,7 @@ class Engine:
                         shard.box.contains(w) or _overlaps(shard.box, w) for w in wanted
                     ):
                         continue
-                    stable = getattr(shard.source, "stable_view", None)
-                    view = stable() if stable is not None else None
+                    view = _zero_copy_view(shard.source, job.options.blocking)
                     if view is not None and tuple(view.shape) == shard.box.lengths and view.dtype == dtype:
                         job.local.setdefault(t.name, []).append((shard.box, view))  # immutable: no copy
                         nbytes += view.nbytes
@@ -423,6 +424,7 @@ class Engine:
             roles=req.roles,
             metrics=metrics,
             library_version=__version__,
+            codec_preset=CODEC_PRESET,
         )
         kv = ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
         groups = {""}
@@ -581,7 +583,17 @@ class Engine:
                         "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}"),
                         "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
                     }
-                    opening[t.name] = ts.open(spec, open=True, context=context())  # the stored zarr.json
+                    known = meta.codec_preset == CODEC_PRESET  # else: read the array's own zarr.json
+                    if known:
+                        tm = meta.tensors[t.name]
+                        spec["metadata"] = array_metadata(
+                            tm.shape,
+                            numpy_dtype(tm.dtype),
+                            tm.chunk_shape,
+                            tm.inner_chunk_shape,
+                            tm.compression,
+                        )
+                    opening[t.name] = ts.open(spec, open=True, assume_metadata=known, context=context())
             stores = {}
             for name, fut in opening.items():
                 try:
@@ -618,6 +630,20 @@ def job_itemsize(plan: RankPlan, name: str) -> int:
         if layout.name == name:
             return numpy_dtype(layout.dtype).itemsize
     raise KeyError(name)
+
+
+def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:
+    """A host view the engine may write from without a staging copy, or None.
+
+    ``stable_view()``: memory that never changes (immutable jax arrays on CPU). ``borrowed_view()``: memory the
+    caller will not touch while it waits for the commit, so only usable by a blocking ``save()``.
+    """
+    stable = getattr(source, "stable_view", None)
+    view = stable() if stable is not None else None
+    if view is None and blocking:
+        borrowed = getattr(source, "borrowed_view", None)
+        view = borrowed() if borrowed is not None else None
+    return view
 
 
 def _overlaps(a: Box, b: Box) -> bool:

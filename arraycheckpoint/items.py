@@ -21,7 +21,9 @@ class HostSource(Protocol):
     """Local data of one region. ``copy_into`` fills ``out`` (shape = region lengths, the tensor's dtype).
 
     A source may also offer ``stable_view() -> np.ndarray | None``: a host array that will not change until
-    the save completes (immutable jax arrays on CPU). The engine then writes from it without a staging copy.
+    the save completes (immutable jax arrays on CPU), and ``borrowed_view() -> np.ndarray | None``: a host
+    array valid while the caller waits for the commit (a blocking ``save()``). The engine then writes from
+    it without a staging copy.
     """
 
     def copy_into(self, out: np.ndarray) -> None: ...

@@ -110,12 +110,14 @@ class CheckpointMetadata:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     library_version: str = ""
     format_version: int = FORMAT_VERSION
+    codec_preset: int = 0  # arraycheckpoint.codecs.CODEC_PRESET the arrays were written with (0: unknown)
 
     def to_json(self) -> str:
         """Serialise to the canonical JSON text of ``.metadata.json``."""
         doc = {
             "format_version": self.format_version,
             "library_version": self.library_version,
+            "codec_preset": self.codec_preset,
             "framework": self.framework,
             "world_size": self.world_size,
             "step": self.step,
@@ -254,4 +256,5 @@ def _parse(doc: Any) -> CheckpointMetadata:
         metrics=doc.get("metrics") if isinstance(doc.get("metrics"), dict) else {},
         library_version=str(doc.get("library_version", "")),
         format_version=version,
+        codec_preset=doc.get("codec_preset") if isinstance(doc.get("codec_preset"), int) else 0,
     )

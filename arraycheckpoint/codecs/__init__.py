@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from arraycheckpoint.codecs.presets import (
+    CODEC_PRESET,
     ML_DTYPE_NAMES,
     SUPPORTED_DTYPES,
     UnsupportedDTypeError,
@@ -19,6 +20,7 @@ from arraycheckpoint.codecs.presets import (
 )
 
 __all__ = [
+    "CODEC_PRESET",
     "ML_DTYPE_NAMES",
     "SUPPORTED_DTYPES",
     "UnsupportedDTypeError",

@@ -149,6 +149,12 @@ def _check_shape(label: str, value: Sequence[int], allow_zero: bool) -> tuple[in
     return out
 
 
+#: Version of the codec pipeline :func:`array_metadata` builds. Checkpoints record it; a reader whose preset
+#: matches can open arrays from ``.metadata.json`` alone, others read each array's ``zarr.json``.
+#: 1: sharding_indexed, bytes little-endian, optional zstd, crc32c per inner chunk, crc32c index.
+CODEC_PRESET = 1
+
+
 def array_metadata(
     shape: tuple[int, ...],
     dtype: Any,

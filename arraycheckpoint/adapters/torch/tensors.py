@@ -89,6 +89,17 @@ class TorchSource:
 
     tensor: torch.Tensor
 
+    def borrowed_view(self) -> np.ndarray | None:
+        """The tensor's own host memory as numpy (CPU tensors only), for saves the caller waits for."""
+        t = self.tensor.detach()
+        if t.device.type != "cpu" or t.is_conj() or t.is_neg():
+            return None
+        np_dtype = numpy_dtype(t.dtype)
+        if _exotic(np_dtype):
+            _, torch_int = _BITS[np_dtype.itemsize]
+            return t.view(torch_int).numpy().view(np_dtype)
+        return t.numpy()
+
     def copy_into(self, out: np.ndarray) -> None:
         src = self.tensor.detach()
         dst = host_view(out)
