@@ -605,18 +605,24 @@ class Engine:
 
             def drain_one() -> int:
                 fut, sink, name, box, n = inflight.popleft()
-                sink(_read_result(fut, name, box, root))
+                result = _read_result(fut, name, box, root)
+                if sink is not None:
+                    sink(result)
                 return n
 
             for t in targets:
-                itemsize = numpy_dtype(meta.tensors[t.name].dtype).itemsize if t.shards else 0
+                stored = numpy_dtype(meta.tensors[t.name].dtype) if t.shards else None
                 for shard in t.shards:
-                    n = shard.box.volume * itemsize
+                    n = shard.box.volume * stored.itemsize
                     while inflight and pending + n > max_inflight_bytes:
                         pending -= drain_one()
-                    inflight.append(
-                        (stores[t.name][shard.box.slices()].read(), shard.sink, t.name, shard.box, n)
-                    )
+                    region = stores[t.name][shard.box.slices()]
+                    if shard.target is not None and shard.target.dtype == stored:
+                        # straight into the destination: no intermediate array, no second copy
+                        dest = ts.array(shard.target, copy=False, write=True)
+                        inflight.append((dest.write(region), None, t.name, shard.box, n))
+                    else:
+                        inflight.append((region.read(), shard.sink, t.name, shard.box, n))
                     pending += n
                     total += n
             while inflight:

@@ -78,8 +78,12 @@ class SaveRequest:
 
 @dataclass
 class LoadShard:
+    """A region to read. With ``target`` (a writable host view of the destination, in the stored dtype) the
+    engine reads straight into it; otherwise, or when dtypes differ, it reads an array and calls ``sink``."""
+
     box: Box
     sink: Callable[[np.ndarray], None]
+    target: np.ndarray | None = None
 
 
 @dataclass

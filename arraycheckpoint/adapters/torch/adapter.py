@@ -23,7 +23,7 @@ from ...metadata import CheckpointMetadata
 from ...regions import Box
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
 from .module import ModuleView
-from .tensors import TorchSource, as_torch, is_dtensor, layout, numpy_dtype, sink_for
+from .tensors import TorchSource, as_torch, is_dtensor, layout, load_shard, numpy_dtype
 
 
 def _is_array(v: Any) -> bool:
@@ -132,7 +132,7 @@ class TorchAdapter(Adapter):
                         continue
                     shape, pieces = layout(t)
                     expected[name] = Expected(shape, _dtype_name(t))
-                    targets.append(LoadTensor(name, [LoadShard(box, sink_for(v)) for box, v in pieces]))
+                    targets.append(LoadTensor(name, [load_shard(box, v) for box, v in pieces]))
             else:
                 finishers.append(self._load_extra(ns, value, meta, targets, expected, result, options))
 
@@ -151,7 +151,7 @@ class TorchAdapter(Adapter):
                 continue
             shape, pieces = view.layout(t)
             expected[stored] = Expected(shape, _dtype_name(t))
-            targets.append(LoadTensor(stored, [LoadShard(box, sink_for(v)) for box, v in pieces]))
+            targets.append(LoadTensor(stored, [load_shard(box, v) for box, v in pieces]))
         for fqn in view.extra:
             expected[f"{ns}/{fqn}"] = Expected()
         if f"{ns}/~aliases" in meta.objects:
@@ -184,7 +184,7 @@ class TorchAdapter(Adapter):
                         t = _new_state_tensor(view, p, tm)
                     shape, pieces = _state_layout(view, p, t)
                     expected[name] = Expected(shape, _dtype_name(t))
-                    targets.append(LoadTensor(name, [LoadShard(box, sink_for(v)) for box, v in pieces]))
+                    targets.append(LoadTensor(name, [load_shard(box, v) for box, v in pieces]))
                     plan.append((p, key, t))
         if stored_groups is not None:
             expected[f"{ns}/~param_groups"] = Expected()

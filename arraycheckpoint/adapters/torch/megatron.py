@@ -35,7 +35,7 @@ from ...items import LoadShard, LoadTensor, SaveObject, SaveRequest, SaveShard, 
 from ...metadata import CheckpointMetadata
 from ...regions import Box, flat_range_to_boxes, intersect
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
-from .tensors import TorchSource, as_torch, numpy_dtype, sink_for
+from .tensors import TorchSource, as_torch, load_shard, numpy_dtype
 
 Path = tuple[Any, ...]
 STACKED = "~stacked"  # per-namespace object: {tensor name: number of stacked-layer axes}, one value per rank
@@ -309,7 +309,7 @@ class _LoadBuilder:
             return False
         self.expected[stored] = Expected(shape, _dtype_name(dtype))
         target = self.targets.setdefault(stored, LoadTensor(stored))
-        target.shards.extend(LoadShard(b, sink_for(v)) for b, v in pieces)
+        target.shards.extend(load_shard(b, v) for b, v in pieces)
         return True
 
     def sharded_tensor(self, name: str, st: Any) -> None:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import StateMismatchError
-from ...items import LoadShard, LoadTensor
+from ...items import LoadTensor
 from ...metadata import CheckpointMetadata
 from ...regions import Box
 from .megatron import STACKED
-from .tensors import sink_for
+from .tensors import load_shard
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def load_unstacked(
         used.add(src.name)
         box = Box(tuple(src.index) + (0,) * len(shape), (1,) * k + shape)
         view = t.detach()[(None,) * k] if k else t.detach()
-        targets.append(LoadTensor(src.name, [LoadShard(box, sink_for(view))] if box.volume else []))
+        targets.append(LoadTensor(src.name, [load_shard(box, view)] if box.volume else []))
     names = (
         {v.name if isinstance(v, StoredSlice) else v for v in mapping.values()}
         if isinstance(mapping, Mapping)

@@ -109,6 +109,14 @@ class TorchSource:
             dst.copy_(src.reshape(dst.shape))
 
 
+def load_shard(box: Box, view: torch.Tensor) -> Any:
+    """A :class:`LoadShard` filling ``view`` in place; CPU views are read into directly, without a copy."""
+    from ...items import LoadShard
+
+    target = TorchSource(view).borrowed_view() if box.volume else None
+    return LoadShard(box, sink_for(view), target)
+
+
 def sink_for(view: torch.Tensor) -> Any:
     """A load sink that copies a host array into ``view`` in place (casting if dtypes differ)."""
 
