@@ -106,12 +106,14 @@ class HostBufferPool:
     """Host staging buffers reused from save to save (a save returns them when its writes are done)."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = defaultdict(list)
+        # keyed by the dtype itself: dtype.str is "<V1" for most float8 types, so a float8_e4m3fn buffer
+        # would be handed out for float8_e4m3fnuz and the snapshot copy would convert the values
+        self._free: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = defaultdict(list)
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         with self._lock:
-            free = self._free.get((shape, dtype.str))
+            free = self._free.get((shape, np.dtype(dtype)))
             if free:
                 return free.pop()
         return np.empty(shape, dtype=dtype)
@@ -119,7 +121,7 @@ class HostBufferPool:
     def give(self, buffers: Iterable[np.ndarray]) -> None:
         with self._lock:
             for b in buffers:
-                self._free[(b.shape, b.dtype.str)].append(b)
+                self._free[(b.shape, b.dtype)].append(b)
 
     def clear(self) -> None:
         with self._lock:
@@ -211,7 +213,9 @@ class Engine:
         comm = job.comm
         try:
             plan = self._plan(job)
-            received = self._exchange(job, plan.rank_plan) if job.error is None else {}
+            # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
+            # the all-to-all while it waits in the commit gather (e.g. rank 0's CheckpointExistsError)
+            received = self._exchange(job, plan.rank_plan)
             if job.error is None:
                 self._write(job, plan.rank_plan, received)
                 with job.recorder.phase("flush"):
@@ -280,9 +284,15 @@ class Engine:
         with job.recorder.phase("exchange") as rec:
             send: list[list[np.ndarray]] = [[] for _ in range(comm.world_size)]
             for t in plan.sends:
-                send[t.dst].append(
-                    np.ascontiguousarray(_local_view(job, t.name, t.box)).view(np.uint8).ravel()
-                )
+                part = None
+                if job.error is None:
+                    try:
+                        part = np.ascontiguousarray(_local_view(job, t.name, t.box)).view(np.uint8).ravel()
+                    except Exception as e:  # noqa: BLE001 - reported at commit; the collective must still run
+                        job.error = _describe(e, comm.rank)
+                if part is None:  # this rank failed: keep the collective's shape, the save will not commit
+                    part = np.zeros(t.box.volume * job.dtypes[t.name].itemsize, np.uint8)
+                send[t.dst].append(part)
             recv_sizes = [0] * comm.world_size
             for t in plan.recvs:
                 recv_sizes[t.src] += t.box.volume * job_itemsize(plan, t.name)

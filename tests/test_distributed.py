@@ -343,3 +343,18 @@ def test_dedup_reads_read_each_shared_region_once(fsdp2_checkpoints):
     # with sharing each shared region is read by one rank: the ranks' reads add up to one copy
     assert sum(r[1]["read"] for r in shared) == total
     assert all(r[1]["read-shared"] == total for r in shared)
+
+
+def save_twice_body(rank, world, path):
+    model = _fsdp2(_model(0), _mesh((world,)))
+    acp.save(path, {"model": model})
+    try:  # rank 0 refuses (committed, no overwrite); every rank must hear of it, none may hang
+        acp.save(path, {"model": model})
+    except acp.SaveFailedError as e:
+        return str(e)
+    return None
+
+
+def test_refused_save_fails_on_every_rank_without_hanging(tmp_path):
+    errors = run_distributed(save_twice_body, 2, (str(tmp_path / "ck"),), timeout=120)
+    assert all(e is not None and "already exists" in e for e in errors), errors

@@ -327,3 +327,15 @@ def test_external_readers_open_a_checkpoint_without_arraycheckpoint(tmp_path):
         dtype, hexbytes = got[f"model/{key}"]
         assert bytes.fromhex(hexbytes) == t.contiguous().view(torch.uint8).numpy().tobytes()
     assert got["model/w_bf16"][0] == "bfloat16"
+
+
+def test_float8_variants_never_share_staging_buffers(tmp_path):
+    """The host buffer pool must key on the dtype itself: float8 types all look like '<V1' to numpy."""
+    gen = torch.Generator().manual_seed(9)
+    bits = torch.randint(0, 256, (8, 8), generator=gen, dtype=torch.uint8)
+    for i, dtype in enumerate([torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz]):
+        t = bits.view(dtype)
+        acp.save_async(tmp_path / f"ck{i}", {"model": {"w": t}}).result()  # async: staged through the pool
+        out = {"w": torch.zeros(8, 8, dtype=dtype)}
+        acp.load(tmp_path / f"ck{i}", {"model": out})
+        assert torch.equal(out["w"].view(torch.uint8), bits), dtype
