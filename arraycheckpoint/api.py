@@ -158,6 +158,7 @@ def load(
     transforms: Mapping[str, Callable[[Any], Any]] | None = None,
     indivisible: str = "error",
     dedup_reads: bool = False,
+    record_metrics: bool = False,
     comm: Communicator | None = None,
     report: dict[str, list[str]] | None = None,
     role: str | None = None,
@@ -181,6 +182,9 @@ def load(
             divide by its mesh axis.
         dedup_reads: read each region that several ranks need once and share it through the
             communicator (collective; see the README's measurements for when it pays).
+        record_metrics: store every rank's load phases in the checkpoint as ``.metrics-load.json``
+            (collective; the checkpoint's storage must be writable). ``report["metrics"]`` always receives
+            this rank's phases.
         comm: the communicator (default: as for :func:`save_async`).
         role: load role ``role`` (``<path>/<role>``); other roles under ``path`` are not touched.
 
@@ -215,7 +219,7 @@ def load(
     job = _adapter(framework).load_job(meta, state, options)
     job = stateful.merge_load(job, special, meta, lambda: _communicator(comm, framework), options)  # stateful
     found = check_expected(meta, job, options)
-    needs_comm = dedup_reads or (strict and job.global_namespaces)
+    needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
     communicator = _communicator(comm, framework) if needs_comm else None
     if strict and job.global_namespaces:
         _check_unexpected_across_ranks(meta, job, communicator)
@@ -224,6 +228,10 @@ def load(
     recorder = eng.load(storage, root, meta, job.targets, comm=communicator, dedup_reads=dedup_reads)
     if report is not None:
         report["metrics"] = recorder.to_json()["phases"]
+    if record_metrics:
+        from .engine import record_load_metrics
+
+        record_load_metrics(root, recorder, communicator)
     return job.finish()
 
 

@@ -45,7 +45,16 @@ from .errors import (
 )
 from .future import CheckpointFuture
 from .items import LoadTensor, SaveRequest, SaveTensor
-from .metadata import METADATA_FILE, CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
+from .metadata import (
+    LOAD_METRICS_FILE,
+    METADATA_FILE,
+    METRICS_FILE,
+    CheckpointMetadata,
+    ObjectMeta,
+    ShardMeta,
+    TensorMeta,
+    check_name,
+)
 from .monitoring import PhaseRecorder
 from .plan import (
     GlobalPlan,
@@ -388,6 +397,12 @@ class Engine:
                     outcome["error"] = _describe(e, 0)
             if outcome["error"]:
                 job.storage.abort(job.staging, job.final)
+            else:
+                # the metadata was written inside the commit phase, so the complete record (commit included)
+                # goes to a sidecar after it; best effort: the checkpoint is committed either way
+                save = {str(r): s.get("metrics", {}) for r, s in enumerate(statuses)}
+                save["0"] = job.recorder.to_json()
+                _write_sidecar(job.storage, job.final, METRICS_FILE, {"save": save})
             job.storage.release(job.final, job.token)
         outcome = comm.broadcast_json(outcome, src=0)
         if outcome["error"]:
@@ -646,6 +661,22 @@ def job_itemsize(plan: RankPlan, name: str) -> int:
         if layout.name == name:
             return numpy_dtype(layout.dtype).itemsize
     raise KeyError(name)
+
+
+def record_load_metrics(url: str, recorder: PhaseRecorder, comm: Communicator) -> None:
+    """Gather every rank's load phases; the coordinator stores them as ``.metrics-load.json`` (collective)."""
+    records = comm.gather_json(recorder.to_json(), dst=0)
+    if records is not None:
+        storage, root = storage_for(url)
+        doc = {"load": {str(r): rec for r, rec in enumerate(records)}}
+        _write_sidecar(storage, root, LOAD_METRICS_FILE, doc)
+
+
+def _write_sidecar(storage: Storage, root: str, key: str, doc: dict[str, Any]) -> None:
+    try:
+        storage.write(root, key, json.dumps(doc).encode())
+    except Exception:  # noqa: BLE001 - metrics never fail a save or a load (read-only storage, ...)
+        log.warning("could not write %s/%s", root, key, exc_info=True)
 
 
 def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:

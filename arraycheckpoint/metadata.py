@@ -20,6 +20,8 @@ from .regions import Box
 FORMAT_VERSION = 1
 METADATA_FILE = ".metadata.json"
 COMMIT_MARKER = ".committed"
+METRICS_FILE = ".metrics.json"  # complete save metrics (commit phase included), written after the commit
+LOAD_METRICS_FILE = ".metrics-load.json"  # the most recent opt-in load record
 MAX_ELEMENTS = 1 << 50  # refuse absurd shapes before allocating anything
 MAX_NDIM = 64
 

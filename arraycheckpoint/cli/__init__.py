@@ -229,11 +229,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_metrics(args: argparse.Namespace) -> int:
     from ..tools.common import open_checkpoint
-    from ..tools.metrics import format_table, phase_table, plot
+    from ..tools.metrics import format_table, phase_table, plot, recorded_metrics
 
     ckpt = open_checkpoint(args.path)
     try:
-        table = phase_table(ckpt.meta, args.kind)
+        table = phase_table(recorded_metrics(ckpt.storage, ckpt.root, ckpt.meta), args.kind)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
     print(json.dumps(table.to_json(), indent=2) if args.json else format_table(table))
@@ -242,7 +242,12 @@ def cmd_metrics(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'arraycheckpoint[plot]'") from None
-        out = plot(table, args.plot, title=f"{args.kind} of {ckpt.root} (step {ckpt.meta.step})")
+        out = plot(
+            table,
+            args.plot,
+            title=f"{args.kind} of {ckpt.root}"
+            + (f" (step {ckpt.meta.step})" if ckpt.meta.step is not None else ""),
+        )
         print(f"wrote {out}", file=sys.stderr)
     return EXIT_OK
 
@@ -353,9 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     progress_flag(p)
 
-    p = add("metrics", cmd_metrics, "per-rank phase timings of the save: table, heat-map and timeline")
+    p = add("metrics", cmd_metrics, "per-rank phase timings of the save (or a recorded load): table, plots")
     p.add_argument("path", help="checkpoint path or URL")
-    p.add_argument("--kind", default="save", help="which recorded metrics (default: save)")
+    p.add_argument(
+        "--kind", default="save", help="save (default), or load: the last acp.load(..., record_metrics=True)"
+    )
     p.add_argument("--plot", metavar="PNG", help="draw the heat-map and timeline into this PNG")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser

@@ -8,11 +8,13 @@ plus a per-rank timeline on one wall clock (matplotlib, Agg backend; install the
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metadata import CheckpointMetadata
+from ..metadata import LOAD_METRICS_FILE, METRICS_FILE, CheckpointMetadata
+from ..storage import Storage
 from .common import human_bytes
 
 #: The order phases are shown in (others follow alphabetically).
@@ -42,13 +44,27 @@ class PhaseTable:
         }
 
 
-def phase_table(meta: CheckpointMetadata, kind: str = "save") -> PhaseTable:
-    """Build the table from ``meta.metrics[kind]``; raises ``KeyError`` when nothing was recorded."""
-    records = meta.metrics.get(kind)
+def recorded_metrics(storage: Storage, root: str, meta: CheckpointMetadata) -> dict[str, Any]:
+    """Every record of a checkpoint: the metadata's, the complete save record of the ``.metrics.json``
+    sidecar (it adds the coordinator's commit phase) and the last opt-in load record (``.metrics-load.json``)."""
+    out: dict[str, Any] = dict(meta.metrics)
+    for key in (METRICS_FILE, LOAD_METRICS_FILE):
+        raw = storage.read(root, key)
+        try:
+            doc = json.loads(raw) if raw else {}
+        except ValueError:
+            continue  # a damaged sidecar does not hide the metadata's own record
+        out.update({k: v for k, v in doc.items() if isinstance(v, dict)})
+    return out
+
+
+def phase_table(meta: CheckpointMetadata | dict[str, Any], kind: str = "save") -> PhaseTable:
+    """Build the table from the records of ``kind`` (``meta.metrics`` or :func:`recorded_metrics`'s result);
+    raises ``KeyError`` when nothing was recorded."""
+    metrics = meta.metrics if isinstance(meta, CheckpointMetadata) else meta
+    records = metrics.get(kind)
     if not isinstance(records, dict) or not records:
-        raise KeyError(
-            f"the checkpoint holds no {kind!r} metrics (recorded: {sorted(meta.metrics) or 'none'})"
-        )
+        raise KeyError(f"the checkpoint holds no {kind!r} metrics (recorded: {sorted(metrics) or 'none'})")
     ranks = sorted(int(r) for r in records)
     seen: set[str] = set()
     for r in ranks:
