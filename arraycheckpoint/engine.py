@@ -65,7 +65,7 @@ from .plan import (
     rank_plan_from_json,
     rank_plan_to_json,
 )
-from .regions import Box
+from .regions import Box, intersect
 from .storage import Storage, storage_for
 
 log = logging.getLogger("arraycheckpoint")
@@ -131,10 +131,6 @@ class HostBufferPool:
         with self._lock:
             for b in buffers:
                 self._free[(b.shape, b.dtype)].append(b)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
 
 
 class Engine:
@@ -202,9 +198,7 @@ class Engine:
                 for shard in t.shards:
                     if shard.box.volume == 0:
                         continue
-                    if wanted is not None and not any(
-                        shard.box.contains(w) or _overlaps(shard.box, w) for w in wanted
-                    ):
+                    if wanted is not None and not any(intersect(shard.box, w) is not None for w in wanted):
                         continue
                     view = _zero_copy_view(shard.source, job.options.blocking)
                     if view is not None and tuple(view.shape) == shard.box.lengths and view.dtype == dtype:
@@ -291,27 +285,33 @@ class Engine:
         if comm.world_size == 1 or not plan.exchange:
             return {}
         with job.recorder.phase("exchange") as rec:
-            send: list[list[np.ndarray]] = [[] for _ in range(comm.world_size)]
+            # one send buffer per peer, each fragment copied into it once (no concatenate of copies)
+            sizes = [0] * comm.world_size
             for t in plan.sends:
-                part = None
-                if job.error is None:
+                sizes[t.dst] += t.box.volume * job.dtypes[t.name].itemsize
+            flat = [np.zeros(n, np.uint8) for n in sizes]  # zeros: what a failed rank sends
+            cursor = [0] * comm.world_size
+            for t in plan.sends:
+                dtype = job.dtypes[t.name]
+                n = t.box.volume * dtype.itemsize
+                if job.error is None:  # a failed rank still enters the collective, with zeros
                     try:
-                        part = np.ascontiguousarray(_local_view(job, t.name, t.box)).view(np.uint8).ravel()
+                        dest = (
+                            flat[t.dst][cursor[t.dst] : cursor[t.dst] + n].view(dtype).reshape(t.box.lengths)
+                        )
+                        dest[...] = _local_view(job, t.name, t.box)
                     except Exception as e:  # noqa: BLE001 - reported at commit; the collective must still run
                         job.error = _describe(e, comm.rank)
-                if part is None:  # this rank failed: keep the collective's shape, the save will not commit
-                    part = np.zeros(t.box.volume * job.dtypes[t.name].itemsize, np.uint8)
-                send[t.dst].append(part)
+                cursor[t.dst] += n
+            recv_dtypes = {layout.name: numpy_dtype(layout.dtype) for layout in plan.layouts}
             recv_sizes = [0] * comm.world_size
             for t in plan.recvs:
-                recv_sizes[t.src] += t.box.volume * job_itemsize(plan, t.name)
-            flat = [np.concatenate(s) if s else np.empty(0, np.uint8) for s in send]
+                recv_sizes[t.src] += t.box.volume * recv_dtypes[t.name].itemsize
             got = comm.all_to_all_bytes(flat, recv_sizes)
             out: dict[tuple[str, Box], np.ndarray] = {}
             cursor = [0] * comm.world_size
-            layouts = {layout.name: layout for layout in plan.layouts}
             for t in plan.recvs:
-                dtype = numpy_dtype(layouts[t.name].dtype)
+                dtype = recv_dtypes[t.name]
                 n = t.box.volume * dtype.itemsize
                 raw = got[t.src][cursor[t.src] : cursor[t.src] + n]
                 cursor[t.src] += n
@@ -656,13 +656,6 @@ class Engine:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def job_itemsize(plan: RankPlan, name: str) -> int:
-    for layout in plan.layouts:
-        if layout.name == name:
-            return numpy_dtype(layout.dtype).itemsize
-    raise KeyError(name)
-
-
 def record_load_metrics(url: str, recorder: PhaseRecorder, comm: Communicator) -> None:
     """Gather every rank's load phases; the coordinator stores them as ``.metrics-load.json`` (collective)."""
     records = comm.gather_json(recorder.to_json(), dst=0)
@@ -691,12 +684,6 @@ def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:
         borrowed = getattr(source, "borrowed_view", None)
         view = borrowed() if borrowed is not None else None
     return view
-
-
-def _overlaps(a: Box, b: Box) -> bool:
-    from .regions import intersect
-
-    return intersect(a, b) is not None
 
 
 def _local_view(job: _Job, name: str, box: Box) -> np.ndarray:

@@ -339,3 +339,21 @@ def test_float8_variants_never_share_staging_buffers(tmp_path):
         out = {"w": torch.zeros(8, 8, dtype=dtype)}
         acp.load(tmp_path / f"ck{i}", {"model": out})
         assert torch.equal(out["w"].view(torch.uint8), bits), dtype
+
+
+def test_param_groups_and_plain_state_values_round_trip_exactly(tmp_path):
+    """Tuples stay tuples, inf survives the JSON metadata, non-tensor state values come back as saved."""
+    m, opt, sched = _setup()
+    opt.param_groups[0]["clip"] = float("inf")
+    opt.param_groups[0]["schedule"] = {"warmup": (10, 0.5)}
+    _train(m, opt, sched, 1, seed=0)
+    opt.state[m[0].weight]["note"] = {"seen": (1, 2), "ratio": float("nan")}
+    acp.save(tmp_path / "ck", {"model": m, "optimizer": opt})
+    m2, opt2, _ = _setup()
+    opt2.param_groups[0]["clip"] = 1.0
+    acp.load(tmp_path / "ck", {"model": m2, "optimizer": opt2})
+    group = opt2.param_groups[0]
+    assert group["betas"] == (0.9, 0.999) and isinstance(group["betas"], tuple)
+    assert group["clip"] == float("inf") and group["schedule"] == {"warmup": (10, 0.5)}
+    note = opt2.state[m2[0].weight]["note"]
+    assert note["seen"] == (1, 2) and np.isnan(note["ratio"])

@@ -64,7 +64,7 @@ class TorchAdapter(Adapter):
             if isinstance(value, torch.nn.Module):
                 self._save_module(ns, views[ns], tensors, objects, options)
             elif isinstance(value, torch.optim.Optimizer):
-                self._save_optimizer(ns, value, _owner_view(views, value), tensors, objects)
+                self._save_optimizer(ns, value, _owner_view(views, value), tensors, objects, options)
             elif _is_state_dict(ns, value):
                 for fqn, t in value.items():
                     shape, pieces = layout(t)
@@ -89,12 +89,21 @@ class TorchAdapter(Adapter):
             tensors.extend(_tensor_item(name, a) for name, a in arrays.items())
 
     def _save_optimizer(
-        self, ns: str, opt: torch.optim.Optimizer, view: ModuleView, tensors: list, objects: list
+        self,
+        ns: str,
+        opt: torch.optim.Optimizer,
+        view: ModuleView,
+        tensors: list,
+        objects: list,
+        options: AdapterOptions,
     ) -> None:
+        def encode(value: Any) -> Any:  # tuples, inf/nan, non-str keys survive; arrays become lists
+            return extras.encode(_plain(value), ns, lambda _: False, options.allow_pickle)[0]
+
         groups = []
         for group in opt.param_groups:
             fqns = [_fqn_of(view, p) for p in group["params"]]
-            hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
+            hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({**hyper, "params": fqns})
             for p, fqn in zip(group["params"], fqns):
                 for key, value in opt.state.get(p, {}).items():
@@ -103,8 +112,8 @@ class TorchAdapter(Adapter):
                         shape, pieces = _state_layout(view, p, value)
                         tensors.append(_tensor_item(name, value, pieces, shape))
                     else:
-                        objects.append(SaveObject(name, _plain(value)))
-        objects.append(SaveObject(f"{ns}/~param_groups", groups))
+                        objects.append(SaveObject(name, encode(value)))
+        objects.append(SaveObject(f"{ns}/~param_groups", encode(groups)))
 
     # ------------------------------------------------------------------------------------------- load
     def load_job(
@@ -122,7 +131,7 @@ class TorchAdapter(Adapter):
             elif isinstance(value, torch.optim.Optimizer):
                 finishers.append(
                     self._load_optimizer(
-                        ns, value, _owner_view(views, value), meta, targets, expected, optional
+                        ns, value, _owner_view(views, value), meta, targets, expected, optional, options
                     )
                 )
             elif _is_state_dict(ns, value):
@@ -157,7 +166,7 @@ class TorchAdapter(Adapter):
         if f"{ns}/~aliases" in meta.objects:
             expected[f"{ns}/~aliases"] = Expected()
 
-    def _load_optimizer(self, ns, opt, view, meta, targets, expected, optional):
+    def _load_optimizer(self, ns, opt, view, meta, targets, expected, optional, options):
         stored_groups = meta.objects.get(f"{ns}/~param_groups")
         plan: list[tuple[torch.Tensor, str, torch.Tensor]] = []
         for group in opt.param_groups:
@@ -191,16 +200,16 @@ class TorchAdapter(Adapter):
 
         def finish() -> None:
             for p, key, t in plan:
-                value = t if t is not None else meta.objects[f"{ns}/{_fqn_of(view, p)}/{key}"].value
+                stored = meta.objects[f"{ns}/{_fqn_of(view, p)}/{key}"] if t is None else None
+                value = t if t is not None else extras.decode(stored.value, {}, options.allow_pickle)
                 opt.state.setdefault(p, {})[key] = value
             if stored_groups is None:
                 return
-            by_params = {tuple(g["params"]): g for g in stored_groups.value}
+            saved_groups = extras.decode(stored_groups.value, {}, options.allow_pickle)
+            by_params = {tuple(g["params"]): g for g in saved_groups}
             for i, group in enumerate(opt.param_groups):
                 fqns = tuple(_fqn_of(view, p) for p in group["params"])
-                saved = by_params.get(fqns) or (
-                    stored_groups.value[i] if i < len(stored_groups.value) else None
-                )
+                saved = by_params.get(fqns) or (saved_groups[i] if i < len(saved_groups) else None)
                 if saved:
                     for k, v in saved.items():
                         if k != "params":
@@ -297,20 +306,19 @@ def _new_state_tensor(view: ModuleView, p: torch.Tensor, tm: Any) -> torch.Tenso
 
 
 def _plain(v: Any) -> Any:
+    """Tensors inside optimizer hyper-parameters and state become Python numbers/lists (JSON-able)."""
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, tuple):
-        return [_plain(x) for x in v]
-    if isinstance(v, (list, dict)):
-        return extras.encode(v, "x", lambda _: False)[0]
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
     return v
 
 
 def _restore_like(current: Any, saved: Any) -> Any:
     if isinstance(current, torch.Tensor):
         return torch.tensor(saved, dtype=current.dtype, device=current.device)
-    if isinstance(current, tuple) and isinstance(saved, list):
-        return tuple(saved)
     return saved
 
 
