@@ -23,8 +23,7 @@ import json
 import logging
 import threading
 import traceback
-from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from .errors import (
     StorageError,
 )
 from .future import CheckpointFuture
+from .hostpool import HostBufferPool
 from .items import LoadTensor, SaveRequest, SaveTensor
 from .metadata import (
     LOAD_METRICS_FILE,
@@ -109,28 +109,6 @@ class _Job:
     recorder: PhaseRecorder
     error: str | None = None
     buffers: list[np.ndarray] = field(default_factory=list)
-
-
-class HostBufferPool:
-    """Host staging buffers reused from save to save (a save returns them when its writes are done)."""
-
-    def __init__(self) -> None:
-        # keyed by the dtype itself: dtype.str is "<V1" for most float8 types, so a float8_e4m3fn buffer
-        # would be handed out for float8_e4m3fnuz and the snapshot copy would convert the values
-        self._free: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = defaultdict(list)
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        with self._lock:
-            free = self._free.get((shape, np.dtype(dtype)))
-            if free:
-                return free.pop()
-        return np.empty(shape, dtype=dtype)
-
-    def give(self, buffers: Iterable[np.ndarray]) -> None:
-        with self._lock:
-            for b in buffers:
-                self._free[(b.shape, b.dtype)].append(b)
 
 
 class Engine:
