@@ -2,15 +2,20 @@
 
 Per save, in the background thread of every rank, in this order:
 
-1. *plan*: unless the structure's plan is cached, every rank sends its declarations (what it holds of each
-   tensor) to the coordinator (rank 0), which builds and validates the global plan
-   (:func:`arraycheckpoint.plan.build_global_plan`) and sends each rank its part;
+0. *agree* (before the snapshot, in the caller's thread): one fixed-size all-reduce decides, identically on
+   every rank, whether the cached plan is reused, whether every rank declared the same thing, and whether
+   any rank failed to declare (:meth:`Coordinator.agree`);
+1. *plan*: a rank declares each tensor by its layout rule (:mod:`arraycheckpoint.rules`). When every rank's
+   declaration is the same (FSDP2, DDP), each rank plans by itself with no collective. Otherwise the
+   coordinator (rank 0) gathers 16-byte digests, then one declaration per distinct digest, and broadcasts
+   the distinct declarations once; every rank then plans (:mod:`arraycheckpoint.groupplan`: deterministic,
+   the same plan everywhere) and derives its own work. No rank receives O(world size x payload) bytes;
 2. (the save pipeline exchanges fragments and writes its chunks)
 3. *commit*: the coordinator gathers every rank's status, writes ``.metadata.json`` and the group
    ``zarr.json`` files, commits through the storage's strategy and broadcasts the outcome, so an error on
    any rank surfaces on every rank.
 
-No bytes of tensor data pass through here.
+No bytes of tensor data pass through here. The plan id every rank executed is compared at commit.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import zlib
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -27,18 +35,19 @@ from .._tscontext import context
 from ..codecs import CODEC_PRESET, zarr_dtype_name
 from ..collectives import Communicator
 from ..errors import ArrayCheckpointError, SaveFailedError
-from ..items import SaveTensor
+from ..groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
+from ..groupplan import rank_plan as rank_plan_of
+from ..items import SaveRequest, SaveTensor
 from ..metadata import (
     METADATA_FILE,
     METRICS_FILE,
     CheckpointMetadata,
     ObjectMeta,
-    ShardMeta,
     TensorMeta,
     check_name,
 )
-from ..plan import TensorDecl, build_global_plan, rank_plan_from_json, rank_plan_to_json
 from ..regions import Box
+from ..rules import Mesh, digest, encode_ranks, rule_boxes
 from .common import describe, write_sidecar
 from .job import CachedPlan, SaveJob, SaveOptions
 
@@ -53,36 +62,46 @@ class Coordinator:
     def __init__(self) -> None:
         self._plans: dict[str, CachedPlan] = {}
 
-    def cached(self, key: str) -> CachedPlan | None:
-        return self._plans.get(key)
+    def agree(self, job: SaveJob) -> None:
+        """The one collective before the snapshot: do all ranks reuse the same cached plan, do all ranks hold
+        identical declarations (then each plans alone), did any rank fail to declare?
 
-    def plan(self, job: SaveJob) -> CachedPlan:
-        """Coordinator builds the global plan from every rank's declarations, or the cache supplies it."""
-        if job.cached is not None:
+        A fixed-size all-reduce: ``[ok, d, -d, c, -c]`` where ``d`` is the declaration digest and ``c`` the
+        cached plan's id (-1 without one). Every rank reaches the same decision, so the collectives that
+        follow are the same on every rank: a structure change on one rank replans everywhere, never hangs.
+        """
+        cached = self._plans.get(job.key) if job.decl is not None else None
+        d = _as_int(job.decl_digest) if job.decl is not None else 0
+        c = cached.plan_hash if cached is not None else -1
+        ok, dmin, dmax_neg, cmin, cmax_neg = job.comm.all_reduce_min(
+            [int(job.decl is not None), d, -d, c, -c]
+        )
+        if not ok:
+            job.mode = "skip"  # a rank could not declare: it reports why at commit, nobody plans or writes
+        elif cmin >= 0 and cmin == -cmax_neg:
+            job.mode, job.cached = "cached", cached
+        elif dmin == -dmax_neg:
+            job.mode = "local"
+        else:
+            job.mode = "gather"
+
+    def plan(self, job: SaveJob) -> CachedPlan | None:
+        """This rank's part of the plan (None when the save is skipped); see :meth:`agree` for the path."""
+        if job.mode == "skip":
+            return None
+        if job.mode == "cached":
+            assert job.cached is not None
             return job.cached
-        comm = job.comm
-        with job.recorder.phase("plan"):
-            payload = {"kind": "plan", "decls": [decl_json(d) for d in job.decls]}
-            gathered = comm.gather_json(payload, dst=0)
-            global_plan = None
-            if comm.rank == 0:
-                assert gathered is not None
-                if any(g.get("kind") != "plan" for g in gathered):
-                    raise SaveFailedError("ranks disagree on the checkpoint collective sequence")
-                try:
-                    global_plan = build_global_plan(
-                        [[decl_from_json(d) for d in g["decls"]] for g in gathered], job.options.plan
-                    )
-                    parts: list[Any] = [rank_plan_to_json(p) for p in global_plan.ranks]
-                except ArrayCheckpointError as e:
-                    parts = [{"error": str(e)}] * comm.world_size
+        comm, world = job.comm, job.comm.world_size
+        with job.recorder.phase("plan") as rec:
+            if job.mode == "local":
+                # every rank declared the same thing: each derives the whole plan, no collective at all
+                groups = [(job.decl, tuple(range(world)))]
             else:
-                parts = None
-            mine = comm.scatter_json(parts, src=0)
-            if "error" in mine:
-                raise SaveFailedError(f"planning failed: {mine['error']}")
-            rank_plan = rank_plan_from_json(mine)
-        cached = CachedPlan(rank_plan, global_plan)
+                groups, rec["bytes"] = _gather_declarations(job)
+            compact = build_compact_plan(groups, world, job.options.plan)
+            rank_plan = rank_plan_of(compact, comm.rank)
+        cached = CachedPlan(rank_plan, compact, _as_int(bytes.fromhex(compact.plan_id)))
         job.cached = cached
         if job.error is None:
             self._plans[job.key] = cached
@@ -139,48 +158,12 @@ class Coordinator:
     def _write_metadata(self, job: SaveJob, statuses: list[dict[str, Any]]) -> CheckpointMetadata:
         import tensorstore as ts
 
-        plan = job.cached.global_plan if job.cached else None
-        assert plan is not None, "coordinator lost its global plan"
-        tensors = {}
-        for name, tp in plan.tensors.items():
-            layout = tp.layout
-            tensors[name] = TensorMeta(
-                name=name,
-                shape=layout.shape,
-                dtype=layout.dtype,
-                chunk_shape=layout.chunk_shape,
-                inner_chunk_shape=layout.inner_chunk_shape,
-                compression=layout.compression,
-                shards=tuple(ShardMeta(b.offsets, b.lengths, r) for b, r in tp.regions),
-                writers=tp.writers,
-            )
-        objects: dict[str, ObjectMeta] = {}
-        for o in job.request.objects:
-            if o.scope == "global":
-                objects[o.name] = ObjectMeta(o.name, "global", value=o.value)
-        for rank, s in enumerate(statuses):
-            for name, value in s.get("objects", {}).items():
-                prev = objects.get(name)
-                per_rank = dict(prev.per_rank) if prev else {}
-                per_rank[rank] = value
-                objects[name] = ObjectMeta(name, "rank", per_rank=per_rank)
-        req = job.request
-        metrics = {"save": {str(r): s.get("metrics", {}) for r, s in enumerate(statuses)}}
-        meta = CheckpointMetadata(
-            framework=req.framework,
-            world_size=job.comm.world_size,
-            tensors=tensors,
-            objects=objects,
-            step=req.step,
-            topology=req.topology,
-            roles=req.roles,
-            metrics=metrics,
-            library_version=__version__,
-            codec_preset=CODEC_PRESET,
-        )
+        plan = job.cached.compact if job.cached else None
+        assert plan is not None, "coordinator lost its plan"
+        meta = build_metadata(plan, job.request, statuses)
         kv = ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
         groups = {""}
-        for name in list(tensors) + list(objects):
+        for name in list(meta.tensors) + list(meta.objects):
             parts = name.split("/")
             groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
         attrs = {
@@ -201,8 +184,60 @@ class Coordinator:
         return meta
 
 
-def declare(tensors: list[SaveTensor]) -> list[TensorDecl]:
-    decls = []
+def build_metadata(
+    plan: CompactPlan, request: SaveRequest, statuses: list[dict[str, Any]]
+) -> CheckpointMetadata:
+    """The checkpoint's metadata (format 2): the plan's decisions and rules, objects, per-rank metrics."""
+    group_index = {id(d): i for i, (d, _r) in enumerate(plan.groups)}
+    tensors = {}
+    for name, td in plan.tensors.items():
+        layout = td.layout
+        tensors[name] = TensorMeta(
+            name=name,
+            shape=layout.shape,
+            dtype=layout.dtype,
+            chunk_shape=layout.chunk_shape,
+            inner_chunk_shape=layout.inner_chunk_shape,
+            compression=layout.compression,
+            shards=(),
+            writers=td.writers,
+            regions=tuple((group_index[id(d)], rule_json(t.rule)) for d, t in plan.contributions(name)),
+        )
+    objects: dict[str, ObjectMeta] = {}
+    for o in request.objects:
+        if o.scope == "global":
+            objects[o.name] = ObjectMeta(o.name, "global", value=o.value)
+    for rank, s in enumerate(statuses):
+        for name, value in s.get("objects", {}).items():
+            prev = objects.get(name)
+            per_rank = dict(prev.per_rank) if prev else {}
+            per_rank[rank] = value
+            objects[name] = ObjectMeta(name, "rank", per_rank=per_rank)
+    metrics = {"save": {str(r): s.get("metrics", {}) for r, s in enumerate(statuses)}}
+    return CheckpointMetadata(
+        framework=request.framework,
+        world_size=plan.world,
+        tensors=tensors,
+        objects=objects,
+        step=request.step,
+        topology=request.topology,
+        roles=request.roles,
+        metrics=metrics,
+        library_version=__version__,
+        codec_preset=CODEC_PRESET,
+        layout_groups=tuple(
+            {"meshes": [m.to_json() for m in d.meshes], "ranks": encode_ranks(r)} for d, r in plan.groups
+        ),
+    )
+
+
+def declare(tensors: list[SaveTensor], rank: int) -> Decl:
+    """This rank's declaration: one rule per tensor (a checked DTensor mesh rule, replica, or boxes).
+
+    Bad input (unsafe or duplicate names) raises here; the caller reports it through the agreement.
+    """
+    meshes: list[Mesh] = []
+    out = []
     seen = set()
     for t in tensors:
         check_name(t.name)
@@ -210,28 +245,110 @@ def declare(tensors: list[SaveTensor]) -> list[TensorDecl]:
             raise ArrayCheckpointError(f"tensor {t.name!r} appears twice in one save request")
         seen.add(t.name)
         dtype = np.dtype(t.dtype)
-        decls.append(
-            TensorDecl(
-                t.name,
-                tuple(int(s) for s in t.shape),
-                zarr_dtype_name(dtype),
-                dtype.itemsize,
-                tuple(s.box for s in t.shards),
-            )
-        )
-    return decls
+        shape = tuple(int(s) for s in t.shape)
+        boxes = tuple(s.box for s in t.shards if s.box.volume)
+        rule: tuple[Any, ...]
+        if t.rule is not None and t.rule[0] == "mesh":
+            mesh = t.rule[1]
+            if mesh not in meshes:
+                meshes.append(mesh)
+            rule = ("mesh", meshes.index(mesh), tuple(t.rule[2]))
+            if rank not in mesh.ranks or set(rule_boxes(shape, rule, meshes, rank)) != set(boxes):
+                rule = ("boxes", boxes)  # the rule does not describe what this rank holds: say it plainly
+        elif math.prod(shape) and boxes == (Box.full(shape),):
+            rule = ("replica",)
+        else:
+            rule = ("boxes", boxes)
+        out.append(TensorRule(t.name, shape, zarr_dtype_name(dtype), dtype.itemsize, rule))
+    used = sorted({r[1] for r in (x.rule for x in out) if r[0] == "mesh"})
+    if len(used) != len(meshes):  # drop meshes no rule kept
+        remap = {old: new for new, old in enumerate(used)}
+        out = [
+            TensorRule(x.name, x.shape, x.dtype, x.itemsize, ("mesh", remap[x.rule[1]], x.rule[2]))
+            if x.rule[0] == "mesh"
+            else x
+            for x in out
+        ]
+        meshes = [meshes[i] for i in used]
+    return Decl(tuple(meshes), tuple(out))
 
 
-def decl_json(d: TensorDecl) -> list[Any]:
-    return [d.name, list(d.shape), d.dtype, d.itemsize, [[list(b.offsets), list(b.lengths)] for b in d.boxes]]
-
-
-def decl_from_json(j: list[Any]) -> TensorDecl:
-    return TensorDecl(j[0], tuple(j[1]), j[2], j[3], tuple(Box(tuple(o), tuple(n)) for o, n in j[4]))
-
-
-def structure_key(decls: list[TensorDecl], comm: Communicator, options: SaveOptions) -> str:
-    h = hashlib.sha1()
-    h.update(json.dumps([decl_json(d) for d in decls]).encode())
+def structure_key(decl_digest: bytes, comm: Communicator, options: SaveOptions) -> str:
+    """The plan-cache key of this rank's structure (its declaration, world and planning options)."""
+    h = hashlib.sha1(decl_digest)
     h.update(repr((comm.rank, comm.world_size, options.plan)).encode())
     return h.hexdigest()
+
+
+def declaration_digest(decl: Decl, comm: Communicator, options: SaveOptions) -> bytes:
+    """16 bytes standing for the declaration (equal on ranks that declared the same thing)."""
+    return digest([decl.to_json(), comm.world_size, repr(options.plan)])
+
+
+def _as_int(b: bytes) -> int:
+    return int.from_bytes(b[:8], "little") >> 2  # non-negative, fits int64 with room for negation
+
+
+def _gather_declarations(job: SaveJob) -> tuple[list[tuple[Decl, tuple[int, ...]]], int]:
+    """Distinct declarations to every rank: digests to the coordinator (16 bytes per rank), full
+    declarations from one representative per digest, then one compressed broadcast of the distinct
+    declarations and each rank's group. Returns the groups and the bytes this rank received."""
+    comm = job.comm
+    me = comm.rank
+    got = 0
+    digests = comm.gather_bytes(job.decl_digest, dst=0)
+    reps_raw = None
+    if me == 0:
+        assert digests is not None
+        got += sum(len(x) for x in digests)
+        reps, group_of = group_digests(digests)
+        reps_raw = np.asarray(reps, dtype=np.int32).tobytes()
+    reps_raw = comm.broadcast_bytes(reps_raw, 0)
+    got += len(reps_raw) if me else 0
+    reps = np.frombuffer(reps_raw, dtype=np.int32).tolist()
+    payload = zlib.compress(_dumps(job.decl.to_json())) if me in set(reps) else b""
+    decls = comm.gather_bytes(payload, dst=0)
+    blob = None
+    if me == 0:
+        assert decls is not None
+        got += sum(len(x) for x in decls)
+        blob = pack_groups([decls[r] for r in reps], group_of)
+    blob = comm.broadcast_bytes(blob, 0)
+    got += len(blob) if me else 0
+    return unpack_groups(blob), got
+
+
+def group_digests(digests: list[bytes]) -> tuple[list[int], np.ndarray]:
+    """Coordinator: one representative rank per distinct digest, and every rank's group index."""
+    first: dict[bytes, int] = {}
+    reps: list[int] = []
+    group_of = np.zeros(len(digests), dtype=np.int32)
+    for r, dg in enumerate(digests):
+        g = group_of[r] = first.setdefault(dg, len(first))
+        if g == len(reps):
+            reps.append(r)
+    return reps, group_of
+
+
+def pack_groups(rep_payloads: list[bytes], group_of: np.ndarray) -> bytes:
+    """Coordinator: the compressed broadcast of the distinct declarations and each rank's group."""
+    try:
+        parsed = [json.loads(zlib.decompress(p)) for p in rep_payloads]
+        return zlib.compress(_dumps({"decls": parsed, "group_of": group_of.tolist()}))
+    except Exception as e:  # noqa: BLE001 - a malformed declaration fails the save on every rank
+        return zlib.compress(_dumps({"error": f"a declaration could not be read: {e}"}))
+
+
+def unpack_groups(blob: bytes) -> list[tuple[Decl, tuple[int, ...]]]:
+    """Every rank: the groups of the broadcast (planning then runs identically everywhere)."""
+    doc = json.loads(zlib.decompress(blob))
+    if "error" in doc:
+        raise SaveFailedError(f"planning failed: {doc['error']}")
+    members: dict[int, list[int]] = defaultdict(list)
+    for r, g in enumerate(doc["group_of"]):
+        members[g].append(r)
+    return [(Decl.from_json(d), tuple(members[g])) for g, d in enumerate(doc["decls"])]
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

@@ -8,9 +8,10 @@ import numpy as np
 
 from ..collectives import Communicator
 from ..future import CheckpointFuture
+from ..groupplan import CompactPlan, Decl
 from ..items import SaveRequest
 from ..monitoring import PhaseRecorder
-from ..plan import GlobalPlan, PlanOptions, RankPlan, TensorDecl
+from ..plan import PlanOptions, RankPlan
 from ..regions import Box
 from ..storage import Storage
 from .common import DEFAULT_INFLIGHT_BYTES
@@ -29,8 +30,9 @@ class SaveOptions:
 
 @dataclass
 class CachedPlan:
-    rank_plan: RankPlan
-    global_plan: GlobalPlan | None  # coordinator only
+    rank_plan: RankPlan  # this rank's work
+    compact: CompactPlan  # the whole plan (every rank has it; the coordinator writes metadata from it)
+    plan_hash: int  # the plan id as a non-negative int64, for the agreement
 
 
 @dataclass
@@ -44,10 +46,12 @@ class SaveJob:
     options: SaveOptions
     future: CheckpointFuture
     key: str
-    decls: list[TensorDecl]
+    decl: Decl | None  # None: this rank could not declare (its error is in ``error``)
+    decl_digest: bytes
     cached: CachedPlan | None
     local: dict[str, list[tuple[Box, np.ndarray]]]
     dtypes: dict[str, np.dtype]
     recorder: PhaseRecorder
     error: str | None = None
+    mode: str = ""  # agreed by all ranks: "cached", "local", "gather" or "skip" (see Coordinator.agree)
     buffers: list[np.ndarray] = field(default_factory=list)

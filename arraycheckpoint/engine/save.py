@@ -28,7 +28,7 @@ from ..plan import RankPlan
 from ..regions import Box, intersect
 from ..storage import storage_for
 from .common import array_spec, describe, wait_write
-from .coordinate import Coordinator, declare, structure_key
+from .coordinate import Coordinator, declaration_digest, declare, structure_key
 from .job import SaveJob, SaveOptions
 
 log = logging.getLogger("arraycheckpoint")
@@ -43,6 +43,7 @@ class SavePipeline:
         self._pool = pool
         self._last: CheckpointFuture | None = None
         self._counter = itertools.count()
+        self._last_mode = ""
 
     def wait_idle(self) -> None:
         """Wait (without raising) until the last save has finished with the checkpoint group."""
@@ -55,10 +56,15 @@ class SavePipeline:
         """Snapshot ``request`` and write it in the background; returns once the snapshot is taken."""
         options = options or SaveOptions()
         storage, final = storage_for(url)
-        decls = declare(request.tensors)  # bad input raises here, identically on every rank
-        key = structure_key(decls, comm, options)
         future = CheckpointFuture(final)
         self.wait_idle()  # buffers and the checkpoint group are reused
+        decl, decl_error, decl_digest = None, None, b""
+        try:
+            decl = declare(request.tensors, comm.rank)
+            decl_digest = declaration_digest(decl, comm, options)
+        except Exception as e:  # noqa: BLE001 - every rank must still reach the agreement
+            decl_error = e
+        key = structure_key(decl_digest, comm, options)
         self._last = future
         recorder = PhaseRecorder()
         token = f"{comm.session_id}-{next(self._counter)}"
@@ -72,19 +78,31 @@ class SavePipeline:
             options=options,
             future=future,
             key=key,
-            decls=decls,
-            cached=self._coordinator.cached(key),
+            decl=decl,
+            decl_digest=decl_digest,
+            cached=None,
             local={},
             dtypes={t.name: np.dtype(t.dtype) for t in request.tensors},
             recorder=recorder,
         )
+        if decl_error is not None:
+            job.error = describe(decl_error, comm.rank)
+        self._coordinator.agree(job)  # the one collective before the snapshot (fixed size)
+        self._last_mode = job.mode  # for tests and monitoring: which planning path this save took
+        if decl_error is not None and comm.world_size == 1:
+            future._set_committed(error=decl_error)
+            return future
         try:
+            if job.mode == "skip":
+                raise SaveFailedError(
+                    job.error or "another rank could not describe its state (see its error)"
+                )
             if comm.rank == 0:
                 storage.check_target(final, options.overwrite)
                 storage.acquire(final, token)
             self._snapshot(job)
         except Exception as e:  # noqa: BLE001 - reported through the commit collective on every rank
-            job.error = describe(e, comm.rank)
+            job.error = job.error or describe(e, comm.rank)
             if comm.world_size == 1:
                 self._pool.give(job.buffers)
                 future._set_committed(error=e)
@@ -122,9 +140,9 @@ class SavePipeline:
         try:
             plan = self._coordinator.plan(job)
             # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
-            # the all-to-all while it waits in the commit gather (e.g. rank 0's CheckpointExistsError)
-            received = self._exchange(job, plan.rank_plan)
-            if job.error is None:
+            # the exchange while it waits in the commit gather (e.g. rank 0's CheckpointExistsError)
+            received = self._exchange(job, plan.rank_plan) if plan is not None else {}
+            if job.error is None and plan is not None:
                 self._write(job, plan.rank_plan, received)
                 with job.recorder.phase("flush"):
                     job.storage.flush(job.staging)
