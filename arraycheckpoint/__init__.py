@@ -33,6 +33,7 @@ from .future import CheckpointFuture  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
 from .metadata import CheckpointMetadata, ShardMeta, TensorMeta  # noqa: E402
 from .plan import PlanOptions  # noqa: E402
+from .prepare import prepare  # noqa: E402
 from .stateful import PerRank, list_roles  # noqa: E402
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "__version__",
     "list_roles",
     "load",
+    "prepare",
     "read_metadata",
     "save",
     "save_async",

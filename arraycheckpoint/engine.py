@@ -43,7 +43,7 @@ from .errors import (
     StorageError,
 )
 from .future import CheckpointFuture
-from .hostpool import HostBufferPool
+from .hostpool import shared_pool
 from .items import LoadTensor, SaveRequest, SaveTensor
 from .metadata import (
     LOAD_METRICS_FILE,
@@ -109,6 +109,7 @@ class _Job:
     recorder: PhaseRecorder
     error: str | None = None
     buffers: list[np.ndarray] = field(default_factory=list)
+    fences: list[Any] = field(default_factory=list)  # asynchronous device copies of the snapshot
 
 
 class Engine:
@@ -117,7 +118,7 @@ class Engine:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-save")
         self._plans: dict[str, _CachedPlan] = {}
-        self._pool = HostBufferPool()
+        self._pool = shared_pool()
         self._last: CheckpointFuture | None = None
         self._counter = itertools.count()
 
@@ -159,10 +160,12 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - reported through the commit collective on every rank
             job.error = _describe(e, comm.rank)
             if comm.world_size == 1:
+                _await_fences(job)  # copies still landing in the buffers
                 self._pool.give(job.buffers)
                 future._set_committed(error=e)
                 return future
-        future._set_staged()
+        if not job.fences:
+            future._set_staged()
         self._executor.submit(self._run, job)
         return future
 
@@ -185,13 +188,18 @@ class Engine:
                         continue
                     buf = self._pool.take(shard.box.lengths, dtype)
                     job.buffers.append(buf)
-                    shard.source.copy_into(buf)
+                    fence = shard.source.copy_into(buf)
+                    if fence is not None:
+                        job.fences.append(fence)
                     job.local.setdefault(t.name, []).append((shard.box, buf))
                     nbytes += buf.nbytes
             rec["bytes"] = nbytes
 
     def _run(self, job: _Job) -> None:
         comm = job.comm
+        if job.fences:
+            job.error = _await_fences(job) or job.error
+            job.future._set_staged()
         try:
             plan = self._plan(job)
             # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
@@ -624,6 +632,11 @@ class Engine:
                         # straight into the destination: no intermediate array, no second copy
                         dest = ts.array(shard.target, copy=False, write=True)
                         inflight.append((dest.write(region), None, t.name, shard.box, n))
+                    elif shard.staging is not None:  # e.g. a pinned buffer on its way to a device
+                        buf = shard.staging(shard.box.lengths, stored)
+                        dest = ts.array(buf, copy=False, write=True)
+                        sink = lambda _r, s=shard.sink, b=buf: s(b)  # noqa: E731
+                        inflight.append((dest.write(region), sink, t.name, shard.box, n))
                     else:
                         inflight.append((region.read(), shard.sink, t.name, shard.box, n))
                     pending += n
@@ -662,6 +675,18 @@ def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:
         borrowed = getattr(source, "borrowed_view", None)
         view = borrowed() if borrowed is not None else None
     return view
+
+
+def _await_fences(job: _Job) -> str | None:
+    """Wait for the snapshot's asynchronous copies; the first failure, described, or None."""
+    error = None
+    for fence in job.fences:
+        try:
+            fence.wait()
+        except Exception as e:  # noqa: BLE001 - reported through the commit like any snapshot error
+            error = error or _describe(e, job.comm.rank)
+    job.fences.clear()
+    return error
 
 
 def _local_view(job: _Job, name: str, box: Box) -> np.ndarray:
