@@ -105,8 +105,8 @@ def dcp_async(sd: dict, path: str, stager) -> tuple[object, object]:
 def dcp_blocking(model: torch.nn.Module, root: str, repeats: int, make_stager) -> dict:
     """DCP async_save (PROCESS) timed like ours; ``make_stager()`` gives the stager of each save (or None)."""
     blocking, total = [], []
-    stager = make_stager()
     for _ in range(repeats + 1):
+        stager = make_stager()
         shutil.rmtree(f"{root}/dcp", ignore_errors=True)
         sd = dict(model.state_dict())  # a plain dict, as DCP's docs show
         torch.cuda.synchronize()
@@ -244,6 +244,7 @@ def main() -> None:
     r: dict = {"device": torch.cuda.get_device_name(), "bytes": size, "tensors": len(model.state_dict())}
     r["bare_pinned_copy_s"] = bare_pinned_copy(model, args.repeats)
     r["ours"] = ours_blocking(model, root, args.repeats)
+    print("ours:", r["ours"], "bare:", r["bare_pinned_copy_s"], flush=True)
     r["dcp_configs"] = dcp_configs(model, root, args.repeats)
     pinned = "pinned_reused" if "pinned_reused" in r["dcp_configs"] else "pinned_fresh"
     r["dcp"] = r["dcp_configs"][pinned]

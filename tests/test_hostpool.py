@@ -142,11 +142,12 @@ def test_prepare_fills_the_pool_for_the_first_save(tmp_path):
 
 class _Fence:
     def __init__(self) -> None:
-        self.released = threading.Event()
+        self.released = threading.Event()  # the test lets the copy run
+        self.landed = threading.Event()  # the copy's bytes are in the buffer
         self.waited = False
 
     def wait(self) -> None:
-        assert self.released.wait(10)
+        assert self.landed.wait(10)
         self.waited = True
 
 
@@ -161,6 +162,7 @@ class _AsyncSource:
         def land() -> None:
             self.fence.released.wait(10)
             out[...] = self.value
+            self.fence.landed.set()
 
         threading.Thread(target=land, daemon=True).start()
         return self.fence
