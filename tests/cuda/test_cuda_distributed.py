@@ -4,10 +4,9 @@ ranks share the device for DTensor)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
-from dist import free_port, run_distributed
+from dist import run_distributed
+from nccl1 import run_nccl_world1
 
 WIDTH = 256
 
@@ -19,61 +18,38 @@ def _net() -> torch.nn.Module:
     )
 
 
-def _nccl_fsdp2_body(path: str, port: int, queue) -> None:
+def _fsdp2_body(path: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import arraycheckpoint as acp
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    )
-    try:
-        torch.cuda.set_device(0)
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-        mesh = init_device_mesh("cuda", (1,))
-        model = _net().cuda()
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        x = torch.randn(16, WIDTH, device="cuda")
-        for _ in range(2):
-            model(x).sum().backward()
-            t = torch.ones(1, device="cuda")
-            dist.all_reduce(t)  # the NCCL training group is busy while the checkpoint group works
-            opt.step()
-            opt.zero_grad()
-        fut = acp.save_async(path, {"model": model, "optimizer": opt}, step=2)
-        fut.staged.result()
-        model(x).sum().backward()  # training goes on (NCCL) while the save writes (gloo)
-        dist.all_reduce(torch.ones(1, device="cuda"))
-        fut.result()
-        full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
-        queue.put(("ok", full))
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        queue.put(("error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    mesh = init_device_mesh("cuda", (1,))
+    model = _net().cuda()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(16, WIDTH, device="cuda")
+    for _ in range(2):
+        model(x).sum().backward()
+        dist.all_reduce(torch.ones(1, device="cuda"))  # the NCCL training group is busy too
+        opt.step()
+        opt.zero_grad()
+    fut = acp.save_async(path, {"model": model, "optimizer": opt}, step=2)
+    fut.staged.result()
+    model(x).sum().backward()  # training goes on (NCCL) while the save writes (gloo)
+    dist.all_reduce(torch.ones(1, device="cuda"))
+    fut.result()
+    return {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
 
 
 def test_fsdp2_cuda_on_nccl_saved_then_loaded_on_cpu(tmp_path):
-    import torch.multiprocessing as mp
-
     import arraycheckpoint as acp
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_nccl_fsdp2_body, args=(str(tmp_path / "c"), free_port(), queue))
-    proc.start()
-    status, value = queue.get(timeout=300)
-    proc.join(60)
-    assert status == "ok", value
+    value = run_nccl_world1(_fsdp2_body, str(tmp_path / "c"))
     cpu = _net()
     opt = torch.optim.Adam(cpu.parameters(), lr=1e-2)
     acp.load(tmp_path / "c", {"model": cpu, "optimizer": opt})

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from dist import free_port, run_distributed
+from dist import run_distributed
+from nccl1 import run_nccl_world1
 
 pytest.importorskip("megatron.core")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "megatron"))
@@ -28,56 +29,38 @@ def _records(sts) -> list[tuple]:
     return out
 
 
-def _distopt_save_body(path: str, port: int, queue) -> None:
-    import torch.distributed as dist
+def _distopt_save_body(path: str) -> tuple:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron_helpers import build_gpt, fill_model
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    import arraycheckpoint as acp
+
+    gpt = build_gpt(1, 1, seed=0, glu=False)
+    fill_model(gpt)
+    gpt.cuda()
+    ddp = DistributedDataParallel(
+        config=gpt.config,
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+        module=gpt,
     )
-    try:
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron_helpers import build_gpt, fill_model
-
-        import arraycheckpoint as acp
-
-        torch.cuda.set_device(0)
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-        gpt = build_gpt(1, 1, seed=0, glu=False)
-        fill_model(gpt)
-        gpt.cuda()
-        ddp = DistributedDataParallel(
-            config=gpt.config,
-            ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
-            module=gpt,
-        )
-        opt = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [ddp]
-        )
-        torch.manual_seed(3)
-        for _ in range(2):
-            for p in ddp.parameters():
-                p.main_grad.copy_(torch.randn_like(p))
-            opt.step()
-        model_sd = gpt.sharded_state_dict()
-        opt_sd = opt.sharded_state_dict(
-            model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
-        )
-        fut = acp.save_async(path, {"model": model_sd, "optimizer": opt_sd}, framework="megatron")
-        fut.staged.result()
-        fut.result()
-        param_state = opt_sd["param_state"]
-        sts = [(st.key, st) for group in param_state.values() for st in group.values()]
-        model = [(st.key, st) for st in model_sd.values() if isinstance(st, ShardedTensor)]
-        queue.put(("ok", (_records(model), _records(sts))))
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        queue.put(("error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [ddp]
+    )
+    torch.manual_seed(3)
+    for _ in range(2):
+        for p in ddp.parameters():
+            p.main_grad.copy_(torch.randn_like(p))
+        opt.step()
+    model_sd = gpt.sharded_state_dict()
+    opt_sd = opt.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    fut = acp.save_async(path, {"model": model_sd, "optimizer": opt_sd}, framework="megatron")
+    fut.staged.result()
+    fut.result()
+    sts = [(st.key, st) for group in opt_sd["param_state"].values() for st in group.values()]
+    model = [(st.key, st) for st in model_sd.values() if isinstance(st, ShardedTensor)]
+    return _records(model), _records(sts)
 
 
 def _load_tp2_body(rank: int, world: int, path: str) -> tuple:
@@ -104,17 +87,10 @@ def _load_tp2_body(rank: int, world: int, path: str) -> tuple:
 
 
 def test_distributed_optimizer_fully_reshardable_saved_on_gpu_loads_on_cpu_at_tp2(tmp_path):
-    import torch.multiprocessing as mp
     from megatron_helpers import assemble
 
     path = str(tmp_path / "distopt")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_distopt_save_body, args=(path, free_port(), queue))
-    proc.start()
-    status, value = queue.get(timeout=300)
-    proc.join(60)
-    assert status == "ok", value
+    value = run_nccl_world1(_distopt_save_body, path)
     saved_model, saved_optim = (assemble([v]) for v in value)
     assert saved_optim and all(k.startswith("optimizer.state.") for k in saved_optim)
     assert {k.split(".")[2] for k in saved_optim} == set(STATES)
