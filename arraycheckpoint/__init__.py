@@ -33,6 +33,7 @@ from .future import CheckpointFuture  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
 from .metadata import CheckpointMetadata, ShardMeta, TensorMeta  # noqa: E402
 from .plan import PlanOptions  # noqa: E402
+from .prepare import prepare  # noqa: E402
 from .stateful import PerRank, list_roles  # noqa: E402
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "list_roles",
     "load",
     "load_jax",
+    "prepare",
     "read_metadata",
     "save",
     "save_async",

@@ -141,7 +141,7 @@ class _Class:
     holders: list[list[int]]  # sorted ranks per region
     layout_shape: tuple[tuple[int, ...], tuple[int, ...]]  # chunk, inner
     chunks: list[Box]
-    candidates: list[np.ndarray]
+    candidates: list[np.ndarray | None]  # None: any rank of the world may write the chunk
     pieces: list[list[tuple[Box, int]]]  # per chunk: (piece box, region index)
     by_min_holder: dict[int, list[tuple[int, int]]]  # rank -> (chunk index, piece index) it sources
     nbytes: list[int]
@@ -196,7 +196,10 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
             cands = held[whole[0]]
         else:
             chunk_pieces = [(p, i) for i, p in parts]
-            cands = np.asarray(sorted({r for i, _ in parts for r in holders[i]}), dtype=np.int64)
+            if options.straddle_writers == "any":
+                cands = None  # any rank of the world
+            else:
+                cands = np.asarray(sorted({r for i, _ in parts for r in holders[i]}), dtype=np.int64)
             partial.append(ci)
         for pi, (_p, region) in enumerate(chunk_pieces):
             by_min[holders[region][0]].append((ci, pi))
@@ -271,7 +274,10 @@ def build_compact_plan(
     writers: dict[str, np.ndarray] = {n: np.empty(len(classes[n].chunks), dtype=np.int64) for n in names}
     for neg, name, ci in order:
         cands = classes[name].candidates[ci]
-        r = int(cands[np.argmin(load[cands])]) if len(cands) > 1 else int(cands[0])
+        if cands is None:
+            r = int(np.argmin(load))
+        else:
+            r = int(cands[np.argmin(load[cands])]) if len(cands) > 1 else int(cands[0])
         writers[name][ci] = r
         load[r] -= neg
 

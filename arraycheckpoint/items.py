@@ -26,7 +26,10 @@ class HostSource(Protocol):
     it without a staging copy.
     """
 
-    def copy_into(self, out: np.ndarray) -> None: ...
+    def copy_into(self, out: np.ndarray) -> Any:
+        """Fill ``out``. Returns None when the bytes are in ``out``, or a fence whose ``wait()`` returns once
+        they are (an asynchronous device copy); the engine waits on every fence before ``staged``."""
+        ...
 
 
 @dataclass
@@ -82,11 +85,14 @@ class SaveRequest:
 @dataclass
 class LoadShard:
     """A region to read. With ``target`` (a writable host view of the destination, in the stored dtype) the
-    engine reads straight into it; otherwise, or when dtypes differ, it reads an array and calls ``sink``."""
+    engine reads straight into it; with ``staging`` (``(shape, dtype) -> host buffer``, e.g. pinned memory for a
+    device destination) it reads into the buffer it returns and hands that to ``sink``; otherwise, or when
+    dtypes differ, it reads an array and calls ``sink``."""
 
     box: Box
     sink: Callable[[np.ndarray], None]
     target: np.ndarray | None = None
+    staging: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None
 
 
 @dataclass

@@ -43,15 +43,19 @@ class TensorDecl:
 class PlanOptions:
     """Knobs of the chunk grid. Sizes are bytes of one stored chunk file / one inner (read) chunk.
 
-    ``min_chunk_bytes`` trades file count against data movement: a grid coarser than the ranks' shards makes
-    chunks straddle ranks, and their fragments travel to one writer. It is kept small so that only really
-    small shards (biases, norms) are coalesced; shards above it are written where they are.
+    ``min_chunk_bytes`` is the target file size: it bounds the number of files by the checkpoint's bytes
+    (about bytes / 16 MiB) instead of tensors x ranks. Shards smaller than it are assembled by one writer from
+    its neighbours' fragments (one batched exchange in the background); shards above it are written where
+    they are. Lower it to trade more files for less data movement.
     """
 
-    min_chunk_bytes: int = 1 << 20
+    min_chunk_bytes: int = 16 << 20
     max_chunk_bytes: int = 64 << 20
     inner_chunk_bytes: int = 1 << 20
     compression: str | None = None
+    # who may write a chunk that no single rank holds entirely (its pieces travel to the writer anyway):
+    # "any" rank (worst fit over the whole world: balanced writes at scale) or only its "holders"
+    straddle_writers: str = "any"
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,12 @@ def build_global_plan(
             parts = [(b, p) for b, p in parts if p is not None]
             full = sorted({r for b, p in parts if p == chunk for r in regions[b]})
             pieces = [Piece(p, -1) for b, p in parts if p != chunk] if not full else [Piece(chunk, -1)]
-            candidates = full or sorted({r for b, _ in parts for r in regions[b]})
+            if full:
+                candidates = full
+            elif options.straddle_writers == "any":
+                candidates = list(range(world))
+            else:
+                candidates = sorted({r for b, _ in parts for r in regions[b]})
             chunk_list.append((chunk.volume * d.itemsize, name, index, chunk, pieces, candidates))
 
     load = [0] * world

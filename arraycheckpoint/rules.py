@@ -65,12 +65,14 @@ class Mesh:
 
 def chunk_bounds(extent: int, parts: int) -> list[tuple[int, int]]:
     """``torch.chunk`` / DTensor ``Shard`` split of ``extent`` into ``parts``: (offset, length) per part."""
+    return [chunk_part(extent, parts, i) for i in range(parts)]
+
+
+def chunk_part(extent: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of :func:`chunk_bounds` (O(1)): ``ceil(extent / parts)`` each, trailing parts short."""
     size = -(-extent // parts) if parts else 0
-    out = []
-    for i in range(parts):
-        start = min(size * i, extent)
-        out.append((start, max(0, min(start + size, extent) - start)))
-    return out
+    start = min(size * index, extent)
+    return start, max(0, min(start + size, extent) - start)
 
 
 def mesh_box(shape: Sequence[int], mesh: Mesh, placements: Sequence[int], coord: Sequence[int]) -> Box:
@@ -80,7 +82,7 @@ def mesh_box(shape: Sequence[int], mesh: Mesh, placements: Sequence[int], coord:
     for i, dim in enumerate(placements):
         if dim < 0:
             continue
-        start, length = chunk_bounds(lengths[dim], mesh.shape[i])[coord[i]]
+        start, length = chunk_part(lengths[dim], mesh.shape[i], coord[i])
         offsets[dim] += start
         lengths[dim] = length
     return Box(tuple(offsets), tuple(lengths))

@@ -11,7 +11,7 @@ import threading
 
 from ..collectives import Communicator
 from ..future import CheckpointFuture
-from ..hostpool import HostBufferPool
+from ..hostpool import shared_pool
 from ..items import SaveRequest
 from .common import DEFAULT_INFLIGHT_BYTES
 from .job import SaveOptions
@@ -25,7 +25,7 @@ class Engine:
     """Runs saves and loads. One per process (see :func:`engine`); saves run strictly one after another."""
 
     def __init__(self) -> None:
-        self.pool = HostBufferPool()
+        self.pool = shared_pool()
         self._save = SavePipeline(self.pool)
         self._load = LoadPipeline(self._save.wait_idle)
         self.read_metadata = self._load.read_metadata

@@ -54,6 +54,7 @@ from .job import CachedPlan, SaveJob, SaveOptions
 log = logging.getLogger("arraycheckpoint")
 
 MAX_CACHED_PLANS = 16
+METRICS_SAMPLE = 64  # ranks whose phase records reach the coordinator (all of them in worlds up to 64)
 
 
 class Coordinator:
@@ -113,24 +114,26 @@ class Coordinator:
         """Gather statuses; the coordinator writes metadata and commits; the outcome reaches every rank."""
         comm = job.comm
         rank_objects = {o.name: o.value for o in job.request.objects if o.scope == "rank"}
-        status = {
-            "kind": "commit",
-            "plan_id": job.cached.rank_plan.plan_id if job.cached else None,
-            "error": job.error,
-            "objects": rank_objects,
-            "metrics": job.recorder.to_json(),
-        }
-        statuses = comm.gather_json(status, dst=0)
+        # fixed size for everyone: did every rank succeed, and did all execute the same plan?
+        pid = job.cached.plan_hash if job.cached else -1
+        ok, pmin, pmax_neg = comm.all_reduce_min([int(job.error is None), pid, -pid])
+        # text only from ranks with something to say: an error, per-rank objects, or a metrics sample
+        sampled = comm.rank % max(1, comm.world_size // METRICS_SAMPLE) == 0
+        status = {"error": job.error, "objects": rank_objects, "metrics": job.recorder.to_json()}
+        payload = _dumps(status) if job.error or rank_objects or sampled else b""
+        raw = comm.gather_bytes(payload, dst=0)
         outcome: dict[str, Any] = {"error": None}
         meta = None
         if comm.rank == 0:
-            assert statuses is not None
-            errors = [s.get("error") for s in statuses if s.get("kind") != "commit" or s.get("error")]
-            plan_ids = {s.get("plan_id") for s in statuses}
-            if not errors and len(plan_ids) != 1:
+            assert raw is not None
+            statuses = [json.loads(b) if b else {} for b in raw]
+            errors = [s["error"] for s in statuses if s.get("error")]
+            if not errors and not ok:
+                errors = ["a rank failed without saying why"]
+            if not errors and pmin != -pmax_neg:
                 errors = [
-                    f"ranks executed different save plans {sorted(map(str, plan_ids))}: the state "
-                    "structure changed on some ranks but not others between saves"
+                    "ranks executed different save plans: the state structure changed on some ranks but not "
+                    "others between saves"
                 ]
             if errors:
                 outcome["error"] = "; ".join(str(e) for e in errors)
@@ -146,7 +149,7 @@ class Coordinator:
             else:
                 # the metadata was written inside the commit phase, so the complete record (commit included)
                 # goes to a sidecar after it; best effort: the checkpoint is committed either way
-                save = {str(r): s.get("metrics", {}) for r, s in enumerate(statuses)}
+                save = {str(r): s["metrics"] for r, s in enumerate(statuses) if "metrics" in s}
                 save["0"] = job.recorder.to_json()
                 write_sidecar(job.storage, job.final, METRICS_FILE, {"save": save})
             job.storage.release(job.final, job.token)
@@ -213,7 +216,7 @@ def build_metadata(
             per_rank = dict(prev.per_rank) if prev else {}
             per_rank[rank] = value
             objects[name] = ObjectMeta(name, "rank", per_rank=per_rank)
-    metrics = {"save": {str(r): s.get("metrics", {}) for r, s in enumerate(statuses)}}
+    metrics = {"save": {str(r): s["metrics"] for r, s in enumerate(statuses) if "metrics" in s}}
     return CheckpointMetadata(
         framework=request.framework,
         world_size=plan.world,

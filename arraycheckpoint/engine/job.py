@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -55,3 +56,4 @@ class SaveJob:
     error: str | None = None
     mode: str = ""  # agreed by all ranks: "cached", "local", "gather" or "skip" (see Coordinator.agree)
     buffers: list[np.ndarray] = field(default_factory=list)
+    fences: list[Any] = field(default_factory=list)  # asynchronous device copies of the snapshot

@@ -198,6 +198,11 @@ class LoadPipeline:
                         # straight into the destination: no intermediate array, no second copy
                         dest = ts.array(shard.target, copy=False, write=True)
                         inflight.append((dest.write(region), None, t.name, shard.box, n))
+                    elif shard.staging is not None:  # e.g. a pinned buffer on its way to a device
+                        buf = shard.staging(shard.box.lengths, stored)
+                        dest = ts.array(buf, copy=False, write=True)
+                        sink = lambda _r, s=shard.sink, b=buf: s(b)  # noqa: E731
+                        inflight.append((dest.write(region), sink, t.name, shard.box, n))
                     else:
                         inflight.append((region.read(), shard.sink, t.name, shard.box, n))
                     pending += n

@@ -104,10 +104,12 @@ class SavePipeline:
         except Exception as e:  # noqa: BLE001 - reported through the commit collective on every rank
             job.error = job.error or describe(e, comm.rank)
             if comm.world_size == 1:
+                _await_fences(job)  # copies still landing in the buffers
                 self._pool.give(job.buffers)
                 future._set_committed(error=e)
                 return future
-        future._set_staged()
+        if not job.fences:
+            future._set_staged()
         self._executor.submit(self._run, job)
         return future
 
@@ -130,13 +132,18 @@ class SavePipeline:
                         continue
                     buf = self._pool.take(shard.box.lengths, dtype)
                     job.buffers.append(buf)
-                    shard.source.copy_into(buf)
+                    fence = shard.source.copy_into(buf)
+                    if fence is not None:
+                        job.fences.append(fence)
                     job.local.setdefault(t.name, []).append((shard.box, buf))
                     nbytes += buf.nbytes
             rec["bytes"] = nbytes
 
     def _run(self, job: SaveJob) -> None:
         comm = job.comm
+        if job.fences:
+            job.error = _await_fences(job) or job.error
+            job.future._set_staged()
         try:
             plan = self._coordinator.plan(job)
             # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
@@ -265,6 +272,18 @@ def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:
         borrowed = getattr(source, "borrowed_view", None)
         view = borrowed() if borrowed is not None else None
     return view
+
+
+def _await_fences(job: SaveJob) -> str | None:
+    """Wait for the snapshot's asynchronous copies; the first failure, described, or None."""
+    error = None
+    for fence in job.fences:
+        try:
+            fence.wait()
+        except Exception as e:  # noqa: BLE001 - reported through the commit like any snapshot error
+            error = error or describe(e, job.comm.rank)
+    job.fences.clear()
+    return error
 
 
 def local_view(job: SaveJob, name: str, box: Box) -> np.ndarray:

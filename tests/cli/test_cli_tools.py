@@ -74,7 +74,7 @@ def test_installed_console_script(saved):
 def test_inspect_table_and_json(saved):
     path, model, _ = saved
     doc = cli_json("inspect", path)
-    assert doc["step"] == 42 and doc["format_version"] == 1 and doc["world_size"] == 1
+    assert doc["step"] == 42 and doc["format_version"] == 2 and doc["world_size"] == 1
     assert doc["committed"] is True
     rows = {r["name"]: r for r in doc["tensors"]}
     w = rows["model/0.weight"]

@@ -18,6 +18,7 @@ from arraycheckpoint.regions import Box, flat_range_to_boxes
 from arraycheckpoint.rules import Mesh, rule_boxes
 
 SMALL = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=4096, inner_chunk_bytes=128)
+HOLDERS = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=4096, inner_chunk_bytes=128, straddle_writers="holders")
 
 
 def _expand(groups, world):
@@ -49,18 +50,20 @@ def _shapes(rng, n):
     return [tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3))) for _ in range(n)]
 
 
+@pytest.mark.parametrize("options", [SMALL, HOLDERS], ids=["any", "holders"])
 @pytest.mark.parametrize("world", [1, 3, 8, 13])
-def test_fsdp2_mesh_rule(world):
+def test_fsdp2_mesh_rule(world, options):
     rng = random.Random(world)
     mesh = Mesh((world,), tuple(range(world)))
     tensors = tuple(
         TensorRule(f"t{i}", s, "float32", 4, ("mesh", 0, (0,))) for i, s in enumerate(_shapes(rng, 12))
     )
-    _same([(Decl((mesh,), tensors), range(world))], world)
+    _same([(Decl((mesh,), tensors), range(world))], world, options)
 
 
+@pytest.mark.parametrize("options", [SMALL, HOLDERS], ids=["any", "holders"])
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (3, 3)])
-def test_hsdp_and_2d_mesh_rules(shape):
+def test_hsdp_and_2d_mesh_rules(shape, options):
     world = shape[0] * shape[1]
     rng = random.Random(7)
     mesh = Mesh(shape, tuple(range(world)))
@@ -71,7 +74,7 @@ def test_hsdp_and_2d_mesh_rules(shape):
         )
         for i in range(12)
     )
-    _same([(Decl((mesh,), tensors), range(world))], world)
+    _same([(Decl((mesh,), tensors), range(world))], world, options)
 
 
 def test_ddp_replicas_balance():
@@ -111,8 +114,9 @@ def test_megatron_like_groups():
     _same(groups, world)
 
 
+@pytest.mark.parametrize("options", [SMALL, HOLDERS], ids=["any", "holders"])
 @pytest.mark.parametrize("seed", range(4))
-def test_fsdp1_irregular_flat_ranges(seed):
+def test_fsdp1_irregular_flat_ranges(seed, options):
     rng = random.Random(seed)
     world = rng.randint(2, 6)
     groups = []
@@ -127,7 +131,7 @@ def test_fsdp1_irregular_flat_ranges(seed):
             per_rank[r].append(TensorRule(f"f{i}", s, "float32", 4, ("boxes", boxes)))
     for r in range(world):
         groups.append((Decl((), tuple(per_rank[r])), [r]))
-    _same(groups, world)
+    _same(groups, world, options)
 
 
 def test_identical_declarations_share_one_analysis():

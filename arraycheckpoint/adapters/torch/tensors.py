@@ -85,9 +85,19 @@ def host_view(out: np.ndarray) -> torch.Tensor:
 
 @dataclass
 class TorchSource:
-    """Copies a (possibly strided, possibly CUDA) tensor region into a host buffer."""
+    """Copies a (possibly strided, possibly CUDA) tensor region into a host buffer.
+
+    CUDA regions are copied asynchronously on a side stream into pinned memory (see
+    :mod:`arraycheckpoint.adapters.torch.device`): :meth:`copy_into` then returns the copy's fence.
+    """
 
     tensor: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.tensor.is_cuda:
+            from .device import use_cuda
+
+            use_cuda()  # before the engine takes the staging buffers: they come pinned
 
     def borrowed_view(self) -> np.ndarray | None:
         """The tensor's own host memory as numpy (CPU tensors only), for saves the caller waits for."""
@@ -100,21 +110,42 @@ class TorchSource:
             return t.view(torch_int).numpy().view(np_dtype)
         return t.numpy()
 
-    def copy_into(self, out: np.ndarray) -> None:
+    def copy_into(self, out: np.ndarray) -> Any:
+        """Fill ``out``; returns None when done, or a fence (``wait()``) for an asynchronous device copy."""
         src = self.tensor.detach()
         dst = host_view(out)
         if src.is_cuda:
-            dst.copy_(src.reshape(dst.shape), non_blocking=False)
-        else:
-            dst.copy_(src.reshape(dst.shape))
+            from .device import snapshot_copy
+
+            return snapshot_copy(src, dst)
+        dst.copy_(src.reshape(dst.shape))
+        return None
 
 
 def load_shard(box: Box, view: torch.Tensor) -> Any:
-    """A :class:`LoadShard` filling ``view`` in place; CPU views are read into directly, without a copy."""
+    """A :class:`LoadShard` filling ``view`` in place.
+
+    CPU views are read into directly, without a copy; CUDA views are read into a pinned pool buffer and
+    copied to the device asynchronously (the caller's stream waits for the copy on the device).
+    """
     from ...items import LoadShard
 
+    if view.is_cuda:
+        from .device import staging_buffer, use_cuda
+
+        use_cuda()
+        return LoadShard(box, _device_sink(view), staging=staging_buffer)
     target = TorchSource(view).borrowed_view() if box.volume else None
     return LoadShard(box, sink_for(view), target)
+
+
+def _device_sink(view: torch.Tensor) -> Any:
+    from .device import upload
+
+    def sink(arr: np.ndarray) -> None:
+        upload(view, as_torch(arr), arr)
+
+    return sink
 
 
 def sink_for(view: torch.Tensor) -> Any:

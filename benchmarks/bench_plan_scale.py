@@ -1,0 +1,262 @@
+"""The save control plane at scale, simulated in one process (no processes, no I/O).
+
+Runs the real code of a save's control plane for N ranks: each layout's per-rank declarations
+(``engine.coordinate.declare`` input built the way the adapters build it), the digest agreement, the
+declaration gather (``group_digests`` / ``pack_groups`` / ``unpack_groups``), the planner
+(``groupplan.build_compact_plan``), each rank's work list (``groupplan.rank_plan``) and the metadata
+(``build_metadata`` -> JSON -> ``CheckpointMetadata.from_json``). A ledger stands in for the communicator: it
+counts the bytes each rank would send and receive in every collective of one save (agreement, declarations,
+plan, commit statuses and outcome), payload bytes only.
+
+    python benchmarks/bench_plan_scale.py --ranks 10000 --tensors 1000 --layout fsdp2 --json
+
+Layouts (transformer-like tensors: qkv, out, fc1, fc2 in bf16 with two fp32 optimizer states each, norms):
+``fsdp2`` every tensor Shard(0) over all ranks (DTensor rule); ``ddp`` every tensor replicated;
+``megatron`` TP=8 x PP=16 x DP (ranks rounded to a multiple of 128), column/row parallel splits, only DP
+rank 0 of each (TP, PP) position holds the main replica, as the megatron adapter declares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import sys
+import time
+import zlib
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+from arraycheckpoint.engine.coordinate import (
+    METRICS_SAMPLE,
+    build_metadata,
+    group_digests,
+    pack_groups,
+    unpack_groups,
+)
+from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
+from arraycheckpoint.items import SaveObject, SaveRequest
+from arraycheckpoint.metadata import CheckpointMetadata
+from arraycheckpoint.monitoring import PhaseRecorder
+from arraycheckpoint.plan import PlanOptions
+from arraycheckpoint.regions import Box
+from arraycheckpoint.rules import Mesh, chunk_bounds, digest
+
+H, FFN, HEADS_KV = 8192, 28672, 10240
+
+
+def model_tensors(count: int) -> list[tuple[str, tuple[int, ...], str, int, str]]:
+    """(name, shape, dtype, itemsize, tp_split) for ``count`` tensors: params and their two Adam states."""
+    kinds = [
+        ("qkv", (HEADS_KV, H), "col"),
+        ("out", (H, H), "row"),
+        ("fc1", (FFN, H), "col"),
+        ("fc2", (H, FFN), "row"),
+        ("norm", (H,), "rep"),
+    ]
+    out = []
+    layer = 0
+    while len(out) < count:
+        for kind, shape, split in kinds:
+            base = f"layers.{layer}.{kind}"
+            out.append((f"model/{base}", shape, "bfloat16", 2, split))
+            out.append((f"optimizer/{base}/exp_avg", shape, "float32", 4, split))
+            out.append((f"optimizer/{base}/exp_avg_sq", shape, "float32", 4, split))
+        layer += 1
+    return out[:count]
+
+
+def groups_for(layout: str, ranks: int, tensors) -> tuple[list[tuple[Decl, list[int]]], int]:
+    """The distinct declarations of ``layout`` and which ranks made each; returns (groups, world)."""
+    if layout == "ddp":
+        decl = Decl((), tuple(TensorRule(n, s, d, i, ("replica",)) for n, s, d, i, _ in tensors))
+        return [(decl, list(range(ranks)))], ranks
+    if layout == "fsdp2":
+        mesh = Mesh((ranks,), tuple(range(ranks)))
+        decl = Decl((mesh,), tuple(TensorRule(n, s, d, i, ("mesh", 0, (0,))) for n, s, d, i, _ in tensors))
+        return [(decl, list(range(ranks)))], ranks
+    tp, pp = 8, 16
+    dp = max(1, ranks // (tp * pp))
+    world = tp * pp * dp
+    stage_of = {n: (k * pp) // len(tensors) for k, (n, *_r) in enumerate(tensors)}
+    groups = []
+    empty = Decl((), ())
+    idle: list[int] = []
+    for p in range(pp):
+        for t in range(tp):
+            rules = []
+            for n, s, d, i, split in tensors:
+                if stage_of[n] != p:
+                    continue
+                if split == "rep":
+                    rules.append(TensorRule(n, s, d, i, ("replica",)))
+                    continue
+                dim = 0 if split == "col" else 1
+                off, length = chunk_bounds(s[dim], tp)[t]
+                offs, lens = [0, 0], list(s)
+                offs[dim], lens[dim] = off, length
+                rules.append(TensorRule(n, s, d, i, ("boxes", (Box(tuple(offs), tuple(lens)),))))
+            decl = Decl((), tuple(rules))
+            ranks_here = [t + tp * (q + dp * p) for q in range(dp)]
+            groups.append((decl, ranks_here[:1]))  # DP rank 0 declares the main replica
+            idle.extend(ranks_here[1:])
+    if idle:
+        groups.append((empty, sorted(idle)))
+    return groups, world
+
+
+def status_bytes() -> int:
+    """A typical commit status: no error, no per-rank objects, five recorded phases."""
+    rec = PhaseRecorder()
+    for phase in ("snapshot", "plan", "exchange", "write", "flush"):
+        with rec.phase(phase) as r:
+            r["bytes"] = 123456789
+    return len(
+        json.dumps(
+            {"kind": "commit", "plan_id": "0" * 16, "error": None, "objects": {}, "metrics": rec.to_json()},
+            separators=(",", ":"),
+        )
+    )
+
+
+def run(ranks: int, count: int, layout: str, options: PlanOptions, sample: int, per_host: int = 8) -> dict:
+    tensors = model_tensors(count)
+    groups, world = groups_for(layout, ranks, tensors)
+    send = np.zeros(world, dtype=np.int64)
+    recv = np.zeros(world, dtype=np.int64)
+    t0 = time.process_time()
+    # agreement: one all-reduce of five int64 (payload counted once each way per rank)
+    send += 40
+    recv += 40
+    group_of_rank = np.zeros(world, dtype=np.int64)
+    for g, (_d, rs) in enumerate(groups):
+        group_of_rank[rs] = g
+    digests = [digest(d.to_json()) for d, _r in groups]
+    if len(groups) > 1:
+        # declarations: digests (16 B + 8 B size) to rank 0, representatives' declarations, one broadcast
+        send += 24
+        recv[0] += 24 * world
+        reps, group_of = group_digests([digests[g] for g in group_of_rank])
+        recv[1:] += 4 * len(reps)
+        payloads = [
+            zlib.compress(json.dumps(groups[group_of_rank[r]][0].to_json(), separators=(",", ":")).encode())
+            for r in reps
+        ]
+        for r, p in zip(reps, payloads):
+            send[r] += len(p)
+            recv[0] += len(p)
+        blob = pack_groups(payloads, group_of)
+        recv[1:] += len(blob)
+        send[0] += len(blob) * (world - 1)
+        decoded = unpack_groups(blob)
+    else:
+        decoded = [(groups[0][0], tuple(groups[0][1]))]
+    decode_s = time.process_time() - t0
+    t1 = time.process_time()
+    plan = build_compact_plan(decoded, world, options)
+    plan_s = time.process_time() - t1
+    # commit: an all-reduce of three int64, every rank's payload size (8 B) to rank 0, status text from the
+    # metrics sample (METRICS_SAMPLE ranks), outcome broadcast
+    sb = status_bytes()
+    send += 24 + 8
+    recv += 24
+    recv[0] += 8 * world
+    step = max(1, world // METRICS_SAMPLE)
+    sampled = np.arange(0, world, step)
+    send[sampled] += sb
+    recv[0] += sb * len(sampled)
+    recv[1:] += 16
+    # each rank's own work list and fragment traffic (a sample of ranks; every rank at small worlds)
+    rng = random.Random(0)
+    picks = sorted(
+        set(range(world)) if world <= sample else {0, world - 1, *rng.sample(range(world), sample)}
+    )
+    derive = []
+    frag_out = frag_in = cross_in = 0
+    isz = {n: 4 if d.layout.dtype == "float32" else 2 for n, d in plan.tensors.items()}
+    for r in picks:
+        t = time.process_time()
+        rp = rank_plan(plan, r)
+        derive.append(time.process_time() - t)
+        frag_out = max(frag_out, sum(x.box.volume * isz[x.name] for x in rp.sends))
+        frag_in = max(frag_in, sum(x.box.volume * isz[x.name] for x in rp.recvs))
+        far = [x for x in rp.recvs if x.src // per_host != r // per_host]
+        cross_in = max(cross_in, sum(x.box.volume * isz[x.name] for x in far))
+    t2 = time.process_time()
+    request = SaveRequest([], [SaveObject("extra_state", {"step": 1})], framework=layout, step=1)
+    statuses = [{"metrics": json.loads("{}")} if r % step == 0 else {} for r in range(world)]
+    meta = build_metadata(plan, request, statuses)
+    text = meta.to_json()
+    meta_s = time.process_time() - t2
+    t3 = time.perf_counter()
+    CheckpointMetadata.from_json(text)
+    parse_s = time.perf_counter() - t3
+    files = sum(len(d.writers) for d in plan.tensors.values())
+    total = sum(
+        int(np.prod(d.layout.shape)) * (4 if d.layout.dtype == "float32" else 2)
+        for d in plan.tensors.values()
+    )
+    per_rank = np.bincount(
+        np.concatenate([np.asarray(d.writers) for d in plan.tensors.values()]),
+        weights=np.concatenate(
+            [
+                [c.volume * (4 if d.layout.dtype == "float32" else 2) for c in plan._classes[n].chunks]
+                for n, d in plan.tensors.items()
+            ]
+        ),
+        minlength=world,
+    )
+    return {
+        "layout": layout,
+        "ranks": world,
+        "tensors": len(plan.tensors),
+        "groups": len(decoded),
+        "state_bytes": total,
+        "coordinator_s": round(decode_s + plan_s, 3),
+        "decode_s": round(decode_s, 3),
+        "plan_s": round(plan_s, 3),
+        "rank_plan_s_max": round(max(derive), 4),
+        "metadata_build_s": round(meta_s, 3),
+        "max_rank_recv_bytes": int(recv.max()),
+        "max_rank_send_bytes": int(send.max()),
+        "coordinator_recv_bytes": int(recv[0]),
+        "other_rank_recv_bytes_max": int(recv[1:].max()) if world > 1 else 0,
+        "metadata_bytes": len(text),
+        "metadata_parse_s": round(parse_s, 3),
+        "files": files,
+        "write_balance_max_over_mean": round(float(per_rank.max() / per_rank.mean()), 3),
+        "fragment_send_bytes_max_sampled": int(frag_out),
+        "fragment_recv_bytes_max_sampled": int(frag_in),
+        "cross_host_recv_bytes_max_sampled": int(cross_in),
+        "sampled_ranks": len(picks),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=512)
+    ap.add_argument("--tensors", type=int, default=1000)
+    ap.add_argument("--layout", choices=["fsdp2", "megatron", "ddp"], default="fsdp2")
+    ap.add_argument("--min-chunk-mib", type=float, default=16.0, help="PlanOptions.min_chunk_bytes in MiB")
+    ap.add_argument("--ranks-per-host", type=int, default=8, help="for the cross-host byte count")
+    ap.add_argument("--max-chunk-mib", type=float, default=64.0, help="PlanOptions.max_chunk_bytes in MiB")
+    ap.add_argument("--sample", type=int, default=64, help="ranks whose work lists are derived and timed")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    opts = PlanOptions(
+        min_chunk_bytes=int(a.min_chunk_mib * (1 << 20)), max_chunk_bytes=int(a.max_chunk_mib * (1 << 20))
+    )
+    out = run(a.ranks, a.tensors, a.layout, opts, a.sample, a.ranks_per_host)
+    if a.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:32s} {v}")
+
+
+if __name__ == "__main__":
+    main()
