@@ -14,7 +14,12 @@ from typing import Any
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
 from .collectives import Communicator, default_communicator
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
-from .errors import ArrayCheckpointError, StateMismatchError
+from .errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    InvalidStateError,
+    StateMismatchError,
+)
 from .future import CheckpointFuture
 from .metadata import CheckpointMetadata
 from .plan import PlanOptions
@@ -33,7 +38,7 @@ _FRAMEWORKS = {
 def _adapter(framework: str) -> Adapter:
     kind = _FRAMEWORKS.get(framework)
     if kind is None:
-        raise ArrayCheckpointError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
+        raise InvalidArgumentError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
     if kind == "torch":
         from .adapters.torch import TorchAdapter
 
@@ -49,8 +54,7 @@ def _adapter(framework: str) -> Adapter:
 
 def detect_framework(state: Mapping[str, Any]) -> str:
     """The framework of ``state``'s objects: megatron, jax or torch (modules, optimizers, tensors)."""
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
+    check_state(state)
     if "megatron.core" in sys.modules:
         from .adapters.torch.megatron import is_megatron_state
 
@@ -62,6 +66,107 @@ def detect_framework(state: Mapping[str, Any]) -> str:
         if is_jax_state(state):
             return "jax"
     return "torch"
+
+
+def check_state(state: Any, framework: str | None = None) -> None:
+    """Refuse a ``state`` argument that cannot be what the caller meant, naming the fix.
+
+    Raises:
+        InvalidStateError: ``state`` is not a mapping, holds a plain torch ``DataLoader``, or holds objects
+            of another framework than ``framework``.
+    """
+    if not isinstance(state, Mapping):
+        kind = type(state).__name__
+        raise InvalidStateError(
+            f"state must be a mapping of names to objects, got a {kind}: "
+            f"wrap it, e.g. acp.save(path, {{'model': model}})"
+        )
+    for ns, value in state.items():
+        if type(value).__name__ == "DataLoader" and type(value).__module__.startswith("torch.utils.data"):
+            raise InvalidStateError(
+                f"{ns}: a plain torch DataLoader has no resumable state (pickling it would not save its "
+                "position). Use a loader implementing arraycheckpoint.data.ReshardableLoader, or torchdata's "
+                f"StatefulDataLoader (restored through its state_dict()), or leave {ns!r} out of the state"
+            )
+    if framework is None:
+        return
+    kind = _FRAMEWORKS.get(framework)
+    if kind is None:
+        raise InvalidArgumentError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
+    torch = sys.modules.get("torch")
+    if kind == "jax" and torch is not None:
+        for ns, value in state.items():
+            if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+                raise InvalidStateError(
+                    f"{ns}: a torch {type(value).__name__} with framework={framework!r}: pass "
+                    "framework='torch' (or a torch variant), or omit framework= to detect it"
+                )
+    if kind != "jax" and "jax" in sys.modules:
+        from .adapters.jax import is_jax_state
+
+        if is_jax_state(state):
+            raise InvalidStateError(
+                f"the state holds jax arrays but framework={framework!r}: pass framework='jax', or omit "
+                "framework= to detect it"
+            )
+
+
+def _check_kwargs(verb: str, kwargs: Mapping[str, Any], fn: Callable[..., Any]) -> None:
+    import inspect
+
+    known = [n for n in inspect.signature(fn).parameters if not n.startswith("_")]
+    unknown = sorted(k for k in kwargs if k not in known or k.startswith("_"))
+    if unknown:
+        raise InvalidArgumentError(
+            f"{verb}() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"it accepts {', '.join(known[2:])}"
+        )
+
+
+def _key_map(
+    key_map: Callable[[str], str | None] | Mapping[str, str | None] | None, state: Mapping[str, Any]
+) -> Callable[[str], str | None] | None:
+    """``key_map`` as a function; a mapping's keys must be namespaced target names (``model/0.weight``)."""
+    if key_map is None or callable(key_map):
+        return key_map
+    if not isinstance(key_map, Mapping):
+        raise InvalidArgumentError(
+            f"key_map must be a mapping or a function of target names, got {type(key_map).__name__}"
+        )
+    bare = sorted(k for k in key_map if not isinstance(k, str) or k.split("/", 1)[0] not in state)
+    if bare:
+        ns = next(iter(state), "model")
+        raise InvalidArgumentError(
+            f"key_map keys must be target names starting with a namespace of the state ({sorted(state)}); "
+            f"these are not: {', '.join(map(repr, bare[:20]))}. Write them in full, "
+            f"e.g. {f'{ns}/{bare[0]}'!r} -> {f'{ns}/<stored fqn>'!r}"
+        )
+    mapping = dict(key_map)
+    return lambda name: mapping.get(name, name)
+
+
+def _not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNotFoundError:
+    """A not-found error that tells a missing path from a directory holding no committed checkpoint."""
+    from .metadata import COMMIT_MARKER
+    from .storage import LocalStorage, storage_for
+
+    try:
+        storage, root = storage_for(path)
+        keys = storage.list(root)
+    except Exception:  # noqa: BLE001 - the original error is the better message
+        return error
+    if not keys and not (isinstance(storage, LocalStorage) and os.path.isdir(root)):
+        return CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
+    inner = sorted({k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + COMMIT_MARKER)})
+    if inner:
+        return CheckpointNotFoundError(
+            f"no committed checkpoint at {path} itself, but it holds committed checkpoints in "
+            f"{', '.join(inner[:10])}: load one of those (a role: pass role=...)"
+        )
+    return CheckpointNotFoundError(
+        f"{path} exists but holds no committed checkpoint ({error}): a save there did not finish, or it is "
+        "not a checkpoint directory"
+    )
 
 
 def _communicator(comm: Communicator | None, framework: str) -> Communicator:
@@ -114,6 +219,7 @@ def save_async(
     # -- roles and special values (PerRank, state_dict objects, dataloaders): arraycheckpoint.stateful --
     from . import stateful
 
+    check_state(state, framework)
     path = stateful.role_path(path, role)
     special, state = stateful.split(state)
     # --
@@ -143,6 +249,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **kwargs: Any) 
 
     Returns the committed metadata on the coordinator (None on other ranks).
     """
+    _check_kwargs("save", kwargs, save_async)
     return save_async(path, state, _blocking=True, **kwargs).result()
 
 
@@ -162,6 +269,7 @@ def load(
     comm: Communicator | None = None,
     report: dict[str, list[str]] | None = None,
     role: str | None = None,
+    device: Any = None,
 ) -> dict[str, Any]:
     """Load a committed checkpoint into ``state`` under the current (any) parallel layout.
 
@@ -175,7 +283,9 @@ def load(
             with ``strict=False`` the intersection loads and ``report`` (if given) receives the rest.
         allow_pickle: permit unpickling values saved with ``allow_pickle=True`` (trusted checkpoints only).
         allow_cast: load into targets whose dtype differs from the stored one (converting).
-        key_map: target name -> stored name (a mapping or a function returning None to skip a key).
+        key_map: target name -> stored name: a mapping or a function (returning None to skip a key). Names
+            are namespaced (``"model/head.weight"``); a mapping key without a namespace of ``state`` is
+            refused. An optimizer's per-parameter state follows its parameter's mapping.
         transforms: jax: ``{target_name: fn}``; ``fn`` maps the whole stored tensor (numpy) to the target's
             global layout (e.g. ``np.transpose`` for torch Linear -> flax Dense kernels).
         indivisible: jax: ``"error"`` (default) or ``"replicate"`` for a target dimension that does not
@@ -187,6 +297,8 @@ def load(
             this rank's phases.
         comm: the communicator (default: as for :func:`save_async`).
         role: load role ``role`` (``<path>/<role>``); other roles under ``path`` are not touched.
+        device: torch: materialise modules built on the meta device on this device (``to_empty``) and
+            fill them from the checkpoint; without it a meta-device target is refused.
 
     Returns:
         ``state`` with loaded values (the same objects for torch; new arrays for jax).
@@ -195,19 +307,23 @@ def load(
         CheckpointNotFoundError: nothing committed at ``path``.
         StateMismatchError: strict load of a non-matching target.
         CorruptCheckpointError: stored bytes failed their checksums (the tensor is named).
+        MetaDeviceError: a module on the meta device and no ``device``.
+        InvalidArgumentError / InvalidStateError: arguments that cannot work (the message says the fix).
     """
     # -- roles and special values: arraycheckpoint.stateful --
     from . import stateful
 
+    check_state(state, framework)
+    key_map = _key_map(key_map, state)
     path = stateful.role_path(path, role)
     eng = engine()
-    storage, root, meta = eng.read_metadata(os.fspath(path))
+    try:
+        storage, root, meta = eng.read_metadata(os.fspath(path))
+    except CheckpointNotFoundError as e:
+        raise _not_found(os.fspath(path), e) from None
     special, state = stateful.split(state, meta)
     # --
     framework = framework or detect_framework(state)
-    if isinstance(key_map, Mapping):
-        mapping = dict(key_map)
-        key_map = lambda name: mapping.get(name, name)  # noqa: E731
     options = AdapterOptions(
         allow_pickle=allow_pickle,
         strict=strict,
@@ -215,6 +331,7 @@ def load(
         key_map=key_map,
         transforms=dict(transforms or {}),
         indivisible=indivisible,
+        device=device,
     )
     job = _adapter(framework).load_job(meta, state, options)
     job = stateful.merge_load(job, special, meta, lambda: _communicator(comm, framework), options)  # stateful
@@ -237,10 +354,10 @@ def load(
 
 def _check_unexpected_across_ranks(meta: CheckpointMetadata, job: LoadJob, comm: Communicator) -> None:
     """Stored keys of split namespaces (megatron pipeline stages) that no rank loads: a strict error."""
-    wanted = set(job.expected)
+    wanted = job.stored_names()
     if comm.world_size > 1:
         engine().wait_idle()  # the checkpoint group must be idle before this collective
-        wanted = set().union(*(set(names) for names in comm.all_gather_json(sorted(job.expected))))
+        wanted = set().union(*(set(names) for names in comm.all_gather_json(sorted(wanted))))
     extra = unexpected_names(meta, wanted, job.global_namespaces)
     if extra:
         raise StateMismatchError(
