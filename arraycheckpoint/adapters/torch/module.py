@@ -160,7 +160,14 @@ def materialise(model: torch.nn.Module, ns: str, device: Any) -> None:
         )
     # to_empty re-allocates every tensor: keep the real non-persistent buffers of a partly-meta module
     kept = {n: _get(model, n).detach().clone() for n in non_persistent_buffers(model)}
-    model.to_empty(device=device)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(
+        True
+    )  # keep each Parameter object: optimizers hold them
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
     with torch.no_grad():
         for n, value in kept.items():
             _get(model, n).copy_(value)
