@@ -350,3 +350,66 @@ def test_unimportable_pickled_class_names_the_entry(tmp_path):
         assert isinstance(e.value, pickle.UnpicklingError)
     finally:
         sys.modules[__name__]._Gone = saved
+
+
+# ---------------------------------------------------------------------------------- module extra state
+class _WithExtra(torch.nn.Module):
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.tag = {"name": tag, "scale": torch.tensor([1.5, 2.5]) if tag == "saved" else torch.zeros(2)}
+
+    def get_extra_state(self):
+        return self.tag
+
+    def set_extra_state(self, state):
+        self.tag = state
+
+
+def test_module_extra_state_is_restored(tmp_path):
+    src = torch.nn.Sequential(_WithExtra("saved"))
+    acp.save(tmp_path / "ck", {"model": src})
+    dst = torch.nn.Sequential(_WithExtra("fresh"))
+    acp.load(tmp_path / "ck", {"model": dst})
+    assert dst[0].tag["name"] == "saved" and torch.equal(dst[0].tag["scale"], torch.tensor([1.5, 2.5]))
+
+
+# ---------------------------------------------------------------------------------- 1 under FSDP2
+def _fsdp2_meta_body(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp(hidden=7)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    opt = _trained(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {
+        (names[id(p)], k): v.full_tensor() for p, st in opt.state.items() for k, v in st.items() if v.ndim
+    }
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    acp.save(os.path.join(root, "ck"), {"model": model, "optimizer": opt})
+    with torch.device("meta"):
+        target = _mlp(hidden=7)
+    for layer in (target[0], target[2], target):
+        fully_shard(layer, mesh=mesh)
+    target_opt = torch.optim.AdamW(target.parameters(), lr=0.5)
+    acp.load(os.path.join(root, "ck"), {"model": target, "optimizer": target_opt}, device="cpu")
+    names = {id(p): n for n, p in target.named_parameters()}
+    got = {
+        (names[id(p)], k): v.full_tensor()
+        for p, st in target_opt.state.items()
+        for k, v in st.items()
+        if v.ndim
+    }
+    ok = all(torch.equal(v.full_tensor(), full[k]) for k, v in target.state_dict().items())
+    ok = ok and got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+    target(torch.randn(2, 4)).sum().backward()
+    target_opt.step()
+    return ok
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_model_built_on_meta_materialises_and_trains(tmp_path):
+    assert run_distributed(_fsdp2_meta_body, world=2, args=(str(tmp_path),)) == [True, True]

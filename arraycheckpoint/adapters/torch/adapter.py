@@ -90,6 +90,7 @@ class TorchAdapter(Adapter):
         for ns, value in state.items():
             if isinstance(value, torch.nn.Module):
                 finishers.append(_load_module(ns, views[ns], names, targets, expected, dropped))
+                finishers.extend(_load_module_extra(ns, views[ns], meta, targets, expected, options))
             elif isinstance(value, torch.optim.Optimizer):
                 model_ns, view = owner(views, value)
                 finishers.append(
@@ -147,8 +148,6 @@ def _load_module(
     """Plan a module's tensors; ``finish`` checks that tied target weights were stored equal."""
     for fqn, t in view.tensors.items():
         _expect_tensor(f"{ns}/{fqn}", t, view.layout(t), names, targets, expected)
-    for fqn in view.extra:
-        expected[f"{ns}/{fqn}"] = Expected(stored=names(f"{ns}/{fqn}"))
     if names.aliases(ns):
         expected[f"{ns}/~aliases"] = Expected()
     checks: list[tuple[str, str, list[torch.Tensor], list[torch.Tensor]]] = []
@@ -179,6 +178,32 @@ def _load_module(
                 )
 
     return finish
+
+
+def _load_module_extra(
+    ns: str,
+    view: ModuleView,
+    meta: CheckpointMetadata,
+    targets: list[LoadTensor],
+    expected: dict[str, Expected],
+    options: AdapterOptions,
+) -> list[Callable[[], None]]:
+    """Module extra state (``get_extra_state``): decoded like extra state, handed to ``set_extra_state``."""
+    finishers = []
+    for fqn, current in view.extra.items():
+        name = f"{ns}/{fqn}"
+        out: dict[str, Any] = {}
+        load = _load_extra(name, current, meta, targets, expected, out, options)
+        owner_name = fqn[: -len("._extra_state")] if fqn.endswith("._extra_state") else ""
+        module = view.model.get_submodule(owner_name)
+
+        def finish(load=load, out=out, name=name, module=module) -> None:
+            load()
+            if name in out:
+                module.set_extra_state(out[name])
+
+        finishers.append(finish)
+    return finishers
 
 
 def _module_views(state: Mapping[str, Any]) -> dict[str, ModuleView]:
