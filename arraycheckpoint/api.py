@@ -11,15 +11,11 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._validate import check_kwargs, check_state, explain_not_found, key_map_function
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
 from .collectives import Communicator, default_communicator
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
-from .errors import (
-    CheckpointNotFoundError,
-    InvalidArgumentError,
-    InvalidStateError,
-    StateMismatchError,
-)
+from .errors import CheckpointNotFoundError, InvalidArgumentError, StateMismatchError
 from .future import CheckpointFuture
 from .metadata import CheckpointMetadata
 from .plan import PlanOptions
@@ -66,107 +62,6 @@ def detect_framework(state: Mapping[str, Any]) -> str:
         if is_jax_state(state):
             return "jax"
     return "torch"
-
-
-def check_state(state: Any, framework: str | None = None) -> None:
-    """Refuse a ``state`` argument that cannot be what the caller meant, naming the fix.
-
-    Raises:
-        InvalidStateError: ``state`` is not a mapping, holds a plain torch ``DataLoader``, or holds objects
-            of another framework than ``framework``.
-    """
-    if not isinstance(state, Mapping):
-        kind = type(state).__name__
-        raise InvalidStateError(
-            f"state must be a mapping of names to objects, got a {kind}: "
-            f"wrap it, e.g. acp.save(path, {{'model': model}})"
-        )
-    for ns, value in state.items():
-        if type(value).__name__ == "DataLoader" and type(value).__module__.startswith("torch.utils.data"):
-            raise InvalidStateError(
-                f"{ns}: a plain torch DataLoader has no resumable state (pickling it would not save its "
-                "position). Use a loader implementing arraycheckpoint.data.ReshardableLoader, or torchdata's "
-                f"StatefulDataLoader (restored through its state_dict()), or leave {ns!r} out of the state"
-            )
-    if framework is None:
-        return
-    kind = _FRAMEWORKS.get(framework)
-    if kind is None:
-        raise InvalidArgumentError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
-    torch = sys.modules.get("torch")
-    if kind == "jax" and torch is not None:
-        for ns, value in state.items():
-            if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
-                raise InvalidStateError(
-                    f"{ns}: a torch {type(value).__name__} with framework={framework!r}: pass "
-                    "framework='torch' (or a torch variant), or omit framework= to detect it"
-                )
-    if kind != "jax" and "jax" in sys.modules:
-        from .adapters.jax import is_jax_state
-
-        if is_jax_state(state):
-            raise InvalidStateError(
-                f"the state holds jax arrays but framework={framework!r}: pass framework='jax', or omit "
-                "framework= to detect it"
-            )
-
-
-def _check_kwargs(verb: str, kwargs: Mapping[str, Any], fn: Callable[..., Any]) -> None:
-    import inspect
-
-    known = [n for n in inspect.signature(fn).parameters if not n.startswith("_")]
-    unknown = sorted(k for k in kwargs if k not in known or k.startswith("_"))
-    if unknown:
-        raise InvalidArgumentError(
-            f"{verb}() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
-            f"it accepts {', '.join(known[2:])}"
-        )
-
-
-def _key_map(
-    key_map: Callable[[str], str | None] | Mapping[str, str | None] | None, state: Mapping[str, Any]
-) -> Callable[[str], str | None] | None:
-    """``key_map`` as a function; a mapping's keys must be namespaced target names (``model/0.weight``)."""
-    if key_map is None or callable(key_map):
-        return key_map
-    if not isinstance(key_map, Mapping):
-        raise InvalidArgumentError(
-            f"key_map must be a mapping or a function of target names, got {type(key_map).__name__}"
-        )
-    bare = sorted(k for k in key_map if not isinstance(k, str) or k.split("/", 1)[0] not in state)
-    if bare:
-        ns = next(iter(state), "model")
-        raise InvalidArgumentError(
-            f"key_map keys must be target names starting with a namespace of the state ({sorted(state)}); "
-            f"these are not: {', '.join(map(repr, bare[:20]))}. Write them in full, "
-            f"e.g. {f'{ns}/{bare[0]}'!r} -> {f'{ns}/<stored fqn>'!r}"
-        )
-    mapping = dict(key_map)
-    return lambda name: mapping.get(name, name)
-
-
-def _not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNotFoundError:
-    """A not-found error that tells a missing path from a directory holding no committed checkpoint."""
-    from .metadata import COMMIT_MARKER
-    from .storage import LocalStorage, storage_for
-
-    try:
-        storage, root = storage_for(path)
-        keys = storage.list(root)
-    except Exception:  # noqa: BLE001 - the original error is the better message
-        return error
-    if not keys and not (isinstance(storage, LocalStorage) and os.path.isdir(root)):
-        return CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
-    inner = sorted({k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + COMMIT_MARKER)})
-    if inner:
-        return CheckpointNotFoundError(
-            f"no committed checkpoint at {path} itself, but it holds committed checkpoints in "
-            f"{', '.join(inner[:10])}: load one of those (a role: pass role=...)"
-        )
-    return CheckpointNotFoundError(
-        f"{path} exists but holds no committed checkpoint ({error}): a save there did not finish, or it is "
-        "not a checkpoint directory"
-    )
 
 
 def _communicator(comm: Communicator | None, framework: str) -> Communicator:
@@ -249,7 +144,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **kwargs: Any) 
 
     Returns the committed metadata on the coordinator (None on other ranks).
     """
-    _check_kwargs("save", kwargs, save_async)
+    check_kwargs("save", kwargs, save_async)
     return save_async(path, state, _blocking=True, **kwargs).result()
 
 
@@ -314,13 +209,13 @@ def load(
     from . import stateful
 
     check_state(state, framework)
-    key_map = _key_map(key_map, state)
+    key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)
     eng = engine()
     try:
         storage, root, meta = eng.read_metadata(os.fspath(path))
     except CheckpointNotFoundError as e:
-        raise _not_found(os.fspath(path), e) from None
+        raise explain_not_found(os.fspath(path), e) from None
     special, state = stateful.split(state, meta)
     # --
     framework = framework or detect_framework(state)

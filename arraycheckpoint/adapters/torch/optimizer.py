@@ -109,7 +109,7 @@ def load_optimizer(
     plan: list[tuple[torch.Tensor, str, torch.Tensor | None, str]] = []
     stored_fqn: dict[int, str] = {}
     for group in opt.param_groups:
-        probe: list[set[str] | None] = []
+        probes: dict[int, set[str] | None] = {}  # by parameter rank: state can depend on it (Adafactor)
         for p in group["params"]:
             fqn = fqn_of(view, p)
             param_name = f"{model_ns}/{fqn}"
@@ -122,9 +122,9 @@ def load_optimizer(
             if not keys:
                 continue
             current = opt.state.get(p, {})
-            if not current and not probe:
-                probe.append(_probe_state_keys(opt, group))
-            target_keys = set(current) if current else probe[0]
+            if not current and p.dim() not in probes:
+                probes[p.dim()] = _probe_state_keys(opt, group, p)
+            target_keys = set(current) if current else probes[p.dim()]
             group_name = f"{ns}/{fqn}"
             if target_keys is not None and target_keys != set(keys):
                 expected[group_name] = Expected(
@@ -214,16 +214,18 @@ def _restore_groups(
                     group[k] = _restore_like(group.get(k), v)
 
 
-def _probe_state_keys(opt: torch.optim.Optimizer, group: dict[str, Any]) -> set[str] | None:
-    """The per-parameter state keys ``opt`` creates for a parameter of ``group`` (None if unknowable).
+def _probe_state_keys(
+    opt: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
+) -> set[str] | None:
+    """The per-parameter state keys ``opt`` creates for ``param`` of ``group`` (None if unknowable).
 
     A fresh optimizer has no state to compare with, so one step of a twin optimizer of the same class and
-    hyper-parameters on a private one-element parameter shows the keys; the real parameters are untouched.
+    hyper-parameters on a private one-element parameter of ``param``'s rank, dtype and device shows the
+    keys; the real parameters are untouched.
     """
     try:
-        p0 = group["params"][0]
-        local = getattr(p0, "_local_tensor", p0)
-        dummy = torch.zeros(1, dtype=local.dtype, device=local.device, requires_grad=True)
+        local = getattr(param, "_local_tensor", param)
+        dummy = torch.zeros((1,) * param.dim(), dtype=local.dtype, device=local.device, requires_grad=True)
         twin = type(opt)([dummy], **opt.defaults)
         twin.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         dummy.grad = torch.zeros_like(dummy)
