@@ -413,3 +413,11 @@ def _fsdp2_meta_body(rank, world, root):
 @pytest.mark.multiprocess
 def test_fsdp2_model_built_on_meta_materialises_and_trains(tmp_path):
     assert run_distributed(_fsdp2_meta_body, world=2, args=(str(tmp_path),)) == [True, True]
+
+
+def test_meta_tensors_in_extra_state_are_replaced_not_left(tmp_path):
+    ema = {"w": torch.randn(3, 2)}
+    acp.save(tmp_path / "ck", {"ema": ema})
+    target = {"w": torch.empty(3, 2, device="meta")}
+    out = acp.load(tmp_path / "ck", {"ema": target})["ema"]
+    assert not out["w"].is_meta and torch.equal(out["w"], ema["w"])

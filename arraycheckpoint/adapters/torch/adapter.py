@@ -268,6 +268,13 @@ def _load_extra(ns, value, meta, targets, expected, result, options) -> Callable
     for ref in extras.array_refs(obj.value):
         tm = meta.tensors[ref]
         t = in_place.get(ref)
+        if t is not None and getattr(t, "_local_tensor", t).is_meta:
+            if is_dtensor(t):
+                raise MetaDeviceError(
+                    f"{ref}: a DTensor on the meta device cannot be filled in place; give it storage first "
+                    "(e.g. distribute_tensor(torch.empty(...), mesh, placements)) and load again"
+                )
+            t = None  # a plain meta tensor is replaced by the loaded value
         if t is not None and ref not in numpy and (is_dtensor(t) or _same_kind(t, tm)):
             # fill the target's own tensor in its own layout (a DTensor reshards like a parameter)
             shape, pieces = layout(t)
