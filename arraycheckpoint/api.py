@@ -264,4 +264,7 @@ def _check_unexpected_across_ranks(meta: CheckpointMetadata, job: LoadJob, comm:
 
 def read_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
     """The validated metadata of the committed checkpoint at ``path``."""
-    return engine().read_metadata(os.fspath(path))[2]
+    try:
+        return engine().read_metadata(os.fspath(path))[2]
+    except CheckpointNotFoundError as e:
+        raise explain_not_found(os.fspath(path), e) from None

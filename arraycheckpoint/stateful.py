@@ -145,13 +145,10 @@ def _kind(v: Any) -> str:
 
 def _tensor(name: str, v: Any) -> SaveTensor:
     kind = _kind(v)
-    if kind == "torch":
-        from .adapters.torch.tensors import TorchSource, numpy_dtype
+    if kind == "torch":  # a DTensor contributes its local box, as in the torch adapter
+        from .adapters.torch.common import tensor_item
 
-        t = v.detach()
-        return SaveTensor(
-            name, tuple(t.shape), numpy_dtype(t.dtype), [SaveShard(Box.full(tuple(t.shape)), TorchSource(t))]
-        )
+        return tensor_item(name, v.detach())
     a = np.array(v, copy=True) if kind == "jax" else v
     return SaveTensor(name, tuple(a.shape), a.dtype, [SaveShard(Box.full(tuple(a.shape)), ArraySource(a))])
 

@@ -239,6 +239,11 @@ def _ema_body(rank, world, root):
     acp.load(os.path.join(root, "ck"), {"ema": target})
     plain = {k: torch.zeros_like(v) for k, v in full.items()}
     acp.load(os.path.join(root, "ck"), {"ema": plain})
+    # beside per-rank values (the arraycheckpoint.stateful path): saved sharded, loaded whole
+    acp.save(os.path.join(root, "pr"), {"extra_state": {"ema": ema["w"], "rank": acp.PerRank(rank)}})
+    mixed = acp.load(os.path.join(root, "pr"), {"extra_state": {}})["extra_state"]
+    if not (torch.equal(mixed["ema"], full["w"]) and mixed["rank"].value == rank):
+        return False
     return all(torch.equal(target[k].full_tensor(), v) and torch.equal(plain[k], v) for k, v in full.items())
 
 
@@ -338,6 +343,10 @@ def test_errors_name_the_fix(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(acp.CheckpointNotFoundError, match="exists but holds no committed checkpoint"):
         acp.load(tmp_path / "empty", {"model": model})
+    with pytest.raises(acp.CheckpointNotFoundError, match="exists but holds no committed checkpoint"):
+        acp.read_metadata(tmp_path / "empty")
+    with pytest.raises(acp.CheckpointNotFoundError, match=r"holds committed checkpoints in ck"):
+        acp.load(tmp_path, {"model": model})
 
 
 def test_unimportable_pickled_class_names_the_entry(tmp_path):

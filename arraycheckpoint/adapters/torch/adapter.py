@@ -31,9 +31,10 @@ from ...regions import Box
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
 from .common import dtype_name, fill, np_dtype, tensor_item
 from .module import ModuleView, StoredNames, materialise
-from .optimizer import load_optimizer, owner, save_optimizer
+from .optimizer import _plain, _restore_like, load_optimizer, owner, save_optimizer  # noqa: F401
 from .tensors import as_torch, is_dtensor, layout, load_shard
 
+# _plain and _restore_like are imported from here by megatron_optim
 ARRAY_TYPES = "~arrays"  # <ns>/~arrays: {array name: "numpy"} for arrays that were not torch tensors
 
 
