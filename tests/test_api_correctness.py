@@ -311,11 +311,20 @@ def test_optimizer_type_mismatch_fails_strict_and_is_skipped_otherwise(tmp_path)
     acp.load(tmp_path / "ck", {"model": target, "optimizer": sgd}, strict=False, report=report)
     assert not sgd.state and torch.equal(target[0].weight, model[0].weight)
     assert any("momentum_buffer" in m for m in report["mismatched"])
-    # the same optimizer class with state already present compares its own keys
-    other = _mlp(seed=2)
-    amsgrad = _trained(other, torch.optim.Adam, amsgrad=True)
-    with pytest.raises(acp.StateMismatchError, match="max_exp_avg_sq"):
-        acp.load(tmp_path / "ck", {"model": other, "optimizer": amsgrad})
+    assert sgd.param_groups[0]["lr"] == 0.1 and sgd.param_groups[0]["momentum"] == 0.9  # its own, kept
+
+
+def test_optimizer_keys_are_compared_under_the_restored_hyper_parameters(tmp_path):
+    model = _mlp()
+    opt = _trained(model, torch.optim.Adam, amsgrad=True)
+    acp.save(tmp_path / "ck", {"model": model, "optimizer": opt})
+    target = _mlp(seed=1)
+    target_opt = torch.optim.Adam(target.parameters(), lr=0.5)  # amsgrad=False until the groups load
+    acp.load(tmp_path / "ck", {"model": target, "optimizer": target_opt})
+    assert target_opt.param_groups[0]["amsgrad"] is True
+    want, got = _state_by_fqn(model, opt), _state_by_fqn(target, target_opt)
+    assert all(torch.equal(want[f][k], got[f][k]) for f in want for k in want[f])
+    assert all("max_exp_avg_sq" in st for st in got.values())
 
 
 # ---------------------------------------------------------------------------------- 10: errors

@@ -106,26 +106,39 @@ def load_optimizer(
         head, _, key = n.rpartition("/")
         if head.startswith(ns + "/") and "/" not in key:
             by_stored_prefix.setdefault(head, []).append(key)
+    sources = {id(p): names(f"{model_ns}/{fqn_of(view, p)}") for g in opt.param_groups for p in g["params"]}
+    stored_fqn = {
+        id(p): _stored_fqn(sources[id(p)], model_ns, fqn_of(view, p))
+        for g in opt.param_groups
+        for p in g["params"]
+        if sources[id(p)] is not None
+    }
+    stored_groups = meta.objects.get(f"{ns}/{GROUPS}")
+    saved_groups = extras.decode(stored_groups.value, {}, options.allow_pickle) if stored_groups else []
+    if stored_groups is not None:
+        expected[f"{ns}/{GROUPS}"] = Expected()
     plan: list[tuple[torch.Tensor, str, torch.Tensor | None, str]] = []
-    stored_fqn: dict[int, str] = {}
-    for group in opt.param_groups:
+    restore: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = []  # (group, saved, its entry groups)
+    for i, group in enumerate(opt.param_groups):
+        fqns = tuple(stored_fqn.get(id(p), fqn_of(view, p)) for p in group["params"])
+        saved = _saved_group(saved_groups, i, fqns)
+        # the state keys the optimizer will keep once the saved hyper-parameters are restored
+        hyper = {k: v for k, v in {**group, **(saved or {})}.items() if k != "params"}
         probes: dict[int, set[str] | None] = {}  # by parameter rank: state can depend on it (Adafactor)
+        entry_groups = []
         for p in group["params"]:
             fqn = fqn_of(view, p)
-            param_name = f"{model_ns}/{fqn}"
-            source = names(param_name)
-            if source is None:
+            if id(p) not in stored_fqn:
                 continue  # key_map skips the parameter: its state stays as it is
-            sfqn = source.split("/", 1)[1] if source.startswith(model_ns + "/") else fqn
-            stored_fqn[id(p)] = sfqn
-            keys = sorted(by_stored_prefix.get(f"{ns}/{sfqn}", []))
+            keys = sorted(by_stored_prefix.get(f"{ns}/{stored_fqn[id(p)]}", []))
             if not keys:
                 continue
+            if p.dim() not in probes:
+                probes[p.dim()] = _probe_state_keys(opt, hyper, p)
             current = opt.state.get(p, {})
-            if not current and p.dim() not in probes:
-                probes[p.dim()] = _probe_state_keys(opt, group, p)
-            target_keys = set(current) if current else probes[p.dim()]
+            target_keys = probes[p.dim()] if probes[p.dim()] is not None else (set(current) or None)
             group_name = f"{ns}/{fqn}"
+            entry_groups.append(group_name)
             if target_keys is not None and target_keys != set(keys):
                 expected[group_name] = Expected(
                     problem=(
@@ -135,28 +148,23 @@ def load_optimizer(
                     ),
                     group=group_name,
                 )
-            stored_param = meta.tensors.get(source)
-            for key in keys:
-                stored = f"{ns}/{sfqn}/{key}"
-                name = f"{ns}/{fqn}/{key}"
-                entry = Expected(stored=stored, group=group_name, requires=param_name)
-                if stored in meta.objects:
-                    plan.append((p, key, None, name))
-                else:
-                    tm = meta.tensors[stored]
-                    t = current.get(key)
-                    if not isinstance(t, torch.Tensor):
-                        t = _new_state_tensor(view, p, tm, stored_param)
-                    shape, pieces = state_layout(view, p, t)
-                    read = LoadTensor(stored, [load_shard(box, v) for box, v in pieces])
-                    targets.append(read)
-                    entry.shape, entry.dtype, entry.reads = shape, dtype_name(t), [read]
-                    plan.append((p, key, t, name))
-                expected[name] = entry
+            plan += _plan_state(
+                ns,
+                p,
+                current,
+                fqn,
+                stored_fqn[id(p)],
+                keys,
+                view,
+                meta,
+                f"{model_ns}/{fqn}",
+                sources[id(p)],
+                targets,
+                expected,
+            )
+        if saved:
+            restore.append((group, saved, entry_groups))
     _account_untied(ns, model_ns, view, names, by_stored_prefix, expected)
-    stored_groups = meta.objects.get(f"{ns}/{GROUPS}")
-    if stored_groups is not None:
-        expected[f"{ns}/{GROUPS}"] = Expected()
 
     def finish() -> None:
         for p, key, t, name in plan:
@@ -167,10 +175,67 @@ def load_optimizer(
             else:
                 value = t
             opt.state.setdefault(p, {})[key] = value
-        if stored_groups is not None:
-            _restore_groups(opt, view, stored_groups.value, stored_fqn, options)
+        for group, saved, entry_groups in restore:
+            if any(g in dropped for g in entry_groups):
+                continue  # a group whose state did not match keeps its own hyper-parameters too
+            for k, v in saved.items():
+                if k != "params":
+                    group[k] = _restore_like(group.get(k), v)
 
     return finish
+
+
+def _stored_fqn(source: str, model_ns: str, fqn: str) -> str:
+    return source.split("/", 1)[1] if source.startswith(model_ns + "/") else fqn
+
+
+def _saved_group(saved_groups: list[Any], i: int, fqns: tuple[str, ...]) -> dict[str, Any] | None:
+    """The stored group with the same (stored) parameter names, else the ``i``-th one."""
+    for g in saved_groups:
+        if isinstance(g, dict) and tuple(g.get("params", ())) == fqns:
+            return g
+    return saved_groups[i] if i < len(saved_groups) and isinstance(saved_groups[i], dict) else None
+
+
+def _plan_state(
+    ns: str,
+    p: torch.Tensor,
+    current: dict[str, Any],
+    fqn: str,
+    sfqn: str,
+    keys: list[str],
+    view: ModuleView,
+    meta: CheckpointMetadata,
+    param_name: str,
+    param_source: str,
+    targets: list[LoadTensor],
+    expected: dict[str, Expected],
+) -> list[tuple[torch.Tensor, str, torch.Tensor | None, str]]:
+    """Plan reading parameter ``p``'s stored state ``keys``; returns ``(param, key, tensor or None, name)``.
+
+    Entries are keyed ``<ns>/<fqn>/<key>`` (target names), grouped per parameter and requiring the
+    parameter's own entry ``param_name`` (stored as ``param_source``).
+    """
+    plan: list[tuple[torch.Tensor, str, torch.Tensor | None, str]] = []
+    stored_param = meta.tensors.get(param_source)
+    for key in keys:
+        stored = f"{ns}/{sfqn}/{key}"
+        name = f"{ns}/{fqn}/{key}"
+        entry = Expected(stored=stored, group=f"{ns}/{fqn}", requires=param_name)
+        if stored in meta.objects:
+            plan.append((p, key, None, name))
+        else:
+            tm = meta.tensors[stored]
+            t = current.get(key)
+            if not isinstance(t, torch.Tensor):
+                t = _new_state_tensor(view, p, tm, stored_param)
+            shape, pieces = state_layout(view, p, t)
+            read = LoadTensor(stored, [load_shard(box, v) for box, v in pieces])
+            targets.append(read)
+            entry.shape, entry.dtype, entry.reads = shape, dtype_name(t), [read]
+            plan.append((p, key, t, name))
+        expected[name] = entry
+    return plan
 
 
 def _account_untied(
@@ -195,39 +260,20 @@ def _account_untied(
             expected.setdefault(f"{ns}/{alias}/{key}", Expected(stored=f"{ns}/{sfqn}/{key}"))
 
 
-def _restore_groups(
-    opt: torch.optim.Optimizer,
-    view: ModuleView,
-    doc: Any,
-    stored_fqn: dict[int, str],
-    options: AdapterOptions,
-) -> None:
-    """Hyper-parameters of each group from the stored group with the same (stored) parameter names."""
-    saved_groups = extras.decode(doc, {}, options.allow_pickle)
-    by_params = {tuple(g["params"]): g for g in saved_groups}
-    for i, group in enumerate(opt.param_groups):
-        fqns = tuple(stored_fqn.get(id(p), fqn_of(view, p)) for p in group["params"])
-        saved = by_params.get(fqns) or (saved_groups[i] if i < len(saved_groups) else None)
-        if saved:
-            for k, v in saved.items():
-                if k != "params":
-                    group[k] = _restore_like(group.get(k), v)
-
-
 def _probe_state_keys(
-    opt: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
+    opt: torch.optim.Optimizer, hyper: dict[str, Any], param: torch.Tensor
 ) -> set[str] | None:
-    """The per-parameter state keys ``opt`` creates for ``param`` of ``group`` (None if unknowable).
+    """The per-parameter state keys ``opt``'s class creates for ``param`` under ``hyper`` (None if unknowable).
 
-    A fresh optimizer has no state to compare with, so one step of a twin optimizer of the same class and
-    hyper-parameters on a private one-element parameter of ``param``'s rank, dtype and device shows the
-    keys; the real parameters are untouched.
+    A fresh optimizer has no state to compare with, so one step of a twin optimizer of the same class, with
+    the hyper-parameters the group will have after the load, on a private one-element parameter of
+    ``param``'s rank, dtype and device shows the keys; the real parameters are untouched.
     """
     try:
         local = getattr(param, "_local_tensor", param)
         dummy = torch.zeros((1,) * param.dim(), dtype=local.dtype, device=local.device, requires_grad=True)
         twin = type(opt)([dummy], **opt.defaults)
-        twin.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        twin.param_groups[0].update(hyper)
         dummy.grad = torch.zeros_like(dummy)
         twin.step()
         return set(twin.state.get(dummy, {}))
