@@ -11,10 +11,11 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._validate import check_kwargs, check_state, explain_not_found, key_map_function
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
 from .collectives import Communicator, default_communicator
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
-from .errors import ArrayCheckpointError, StateMismatchError
+from .errors import CheckpointNotFoundError, InvalidArgumentError, StateMismatchError
 from .future import CheckpointFuture
 from .metadata import CheckpointMetadata
 from .plan import PlanOptions
@@ -33,7 +34,7 @@ _FRAMEWORKS = {
 def _adapter(framework: str) -> Adapter:
     kind = _FRAMEWORKS.get(framework)
     if kind is None:
-        raise ArrayCheckpointError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
+        raise InvalidArgumentError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
     if kind == "torch":
         from .adapters.torch import TorchAdapter
 
@@ -49,8 +50,7 @@ def _adapter(framework: str) -> Adapter:
 
 def detect_framework(state: Mapping[str, Any]) -> str:
     """The framework of ``state``'s objects: megatron, jax or torch (modules, optimizers, tensors)."""
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
+    check_state(state)
     if "megatron.core" in sys.modules:
         from .adapters.torch.megatron import is_megatron_state
 
@@ -114,6 +114,7 @@ def save_async(
     # -- roles and special values (PerRank, state_dict objects, dataloaders): arraycheckpoint.stateful --
     from . import stateful
 
+    check_state(state, framework)
     path = stateful.role_path(path, role)
     special, state = stateful.split(state)
     # --
@@ -143,6 +144,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **kwargs: Any) 
 
     Returns the committed metadata on the coordinator (None on other ranks).
     """
+    check_kwargs("save", kwargs, save_async)
     return save_async(path, state, _blocking=True, **kwargs).result()
 
 
@@ -162,6 +164,7 @@ def load(
     comm: Communicator | None = None,
     report: dict[str, list[str]] | None = None,
     role: str | None = None,
+    device: Any = None,
 ) -> dict[str, Any]:
     """Load a committed checkpoint into ``state`` under the current (any) parallel layout.
 
@@ -175,7 +178,9 @@ def load(
             with ``strict=False`` the intersection loads and ``report`` (if given) receives the rest.
         allow_pickle: permit unpickling values saved with ``allow_pickle=True`` (trusted checkpoints only).
         allow_cast: load into targets whose dtype differs from the stored one (converting).
-        key_map: target name -> stored name (a mapping or a function returning None to skip a key).
+        key_map: target name -> stored name: a mapping or a function (returning None to skip a key). Names
+            are namespaced (``"model/head.weight"``); a mapping key without a namespace of ``state`` is
+            refused. An optimizer's per-parameter state follows its parameter's mapping.
         transforms: jax: ``{target_name: fn}``; ``fn`` maps the whole stored tensor (numpy) to the target's
             global layout (e.g. ``np.transpose`` for torch Linear -> flax Dense kernels).
         indivisible: jax: ``"error"`` (default) or ``"replicate"`` for a target dimension that does not
@@ -187,6 +192,8 @@ def load(
             this rank's phases.
         comm: the communicator (default: as for :func:`save_async`).
         role: load role ``role`` (``<path>/<role>``); other roles under ``path`` are not touched.
+        device: torch: materialise modules built on the meta device on this device (``to_empty``) and
+            fill them from the checkpoint; without it a meta-device target is refused.
 
     Returns:
         ``state`` with loaded values (the same objects for torch; new arrays for jax).
@@ -195,19 +202,23 @@ def load(
         CheckpointNotFoundError: nothing committed at ``path``.
         StateMismatchError: strict load of a non-matching target.
         CorruptCheckpointError: stored bytes failed their checksums (the tensor is named).
+        MetaDeviceError: a module on the meta device and no ``device``.
+        InvalidArgumentError / InvalidStateError: arguments that cannot work (the message says the fix).
     """
     # -- roles and special values: arraycheckpoint.stateful --
     from . import stateful
 
+    check_state(state, framework)
+    key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)
     eng = engine()
-    storage, root, meta = eng.read_metadata(os.fspath(path))
+    try:
+        storage, root, meta = eng.read_metadata(os.fspath(path))
+    except CheckpointNotFoundError as e:
+        raise explain_not_found(os.fspath(path), e) from None
     special, state = stateful.split(state, meta)
     # --
     framework = framework or detect_framework(state)
-    if isinstance(key_map, Mapping):
-        mapping = dict(key_map)
-        key_map = lambda name: mapping.get(name, name)  # noqa: E731
     options = AdapterOptions(
         allow_pickle=allow_pickle,
         strict=strict,
@@ -215,6 +226,7 @@ def load(
         key_map=key_map,
         transforms=dict(transforms or {}),
         indivisible=indivisible,
+        device=device,
     )
     job = _adapter(framework).load_job(meta, state, options)
     job = stateful.merge_load(job, special, meta, lambda: _communicator(comm, framework), options)  # stateful
@@ -288,10 +300,10 @@ def load_jax(
 
 def _check_unexpected_across_ranks(meta: CheckpointMetadata, job: LoadJob, comm: Communicator) -> None:
     """Stored keys of split namespaces (megatron pipeline stages) that no rank loads: a strict error."""
-    wanted = set(job.expected)
+    wanted = job.stored_names()
     if comm.world_size > 1:
         engine().wait_idle()  # the checkpoint group must be idle before this collective
-        wanted = set().union(*(set(names) for names in comm.all_gather_json(sorted(job.expected))))
+        wanted = set().union(*(set(names) for names in comm.all_gather_json(sorted(wanted))))
     extra = unexpected_names(meta, wanted, job.global_namespaces)
     if extra:
         raise StateMismatchError(
@@ -303,4 +315,7 @@ def _check_unexpected_across_ranks(meta: CheckpointMetadata, job: LoadJob, comm:
 
 def read_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
     """The validated metadata of the committed checkpoint at ``path``."""
-    return engine().read_metadata(os.fspath(path))[2]
+    try:
+        return engine().read_metadata(os.fspath(path))[2]
+    except CheckpointNotFoundError as e:
+        raise explain_not_found(os.fspath(path), e) from None

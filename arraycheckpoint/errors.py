@@ -7,6 +7,8 @@ Messages name the tensor, the rank and the fix.
 
 from __future__ import annotations
 
+import pickle
+
 
 class ArrayCheckpointError(Exception):
     """Root of every error raised by arraycheckpoint."""
@@ -57,3 +59,19 @@ class SaveFailedError(ArrayCheckpointError, RuntimeError):
 
 class StorageError(ArrayCheckpointError, OSError):
     """A storage operation failed permanently (after retries where they apply)."""
+
+
+class InvalidArgumentError(ArrayCheckpointError, TypeError, ValueError):
+    """An argument of :func:`~arraycheckpoint.save` / :func:`~arraycheckpoint.load` is unknown or invalid."""
+
+
+class InvalidStateError(ArrayCheckpointError, TypeError, ValueError):
+    """The ``state`` mapping holds something that cannot be checkpointed as given (the message says the fix)."""
+
+
+class MetaDeviceError(ArrayCheckpointError, RuntimeError):
+    """The load target holds tensors on the meta device that the checkpoint cannot fill in place."""
+
+
+class UnpicklingError(ArrayCheckpointError, pickle.UnpicklingError):
+    """A pickled value (saved with ``allow_pickle=True``) could not be restored; the entry is named."""

@@ -14,7 +14,7 @@ import pickle  # only behind allow_pickle=True
 from collections.abc import Callable
 from typing import Any
 
-from .errors import PickleNotAllowedError, UnsafeNameError
+from .errors import PickleNotAllowedError, UnpicklingError, UnsafeNameError
 from .metadata import check_name
 
 _TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__", "__array__", "__pickle__")
@@ -34,11 +34,16 @@ def encode(
     arrays: dict[str, Any] = {}
 
     def name_for(path: list[str]) -> str:
-        candidate = "/".join([prefix, *path]) if path else prefix
+        # escaped components keep names injective: {"a/b": x} and {"a": {"b": y}} are two arrays
+        candidate = "/".join([prefix, *(_escape(p) for p in path)]) if path else prefix
         try:
-            return check_name(candidate)
+            check_name(candidate)
         except UnsafeNameError:
-            return f"{prefix}/~a{len(arrays)}"
+            candidate = ""
+        n = len(arrays)
+        while not candidate or candidate in arrays:
+            candidate, n = f"{prefix}/~a{n}", n + 1
+        return candidate
 
     def enc(v: Any, path: list[str]) -> Any:
         if v is None or isinstance(v, (bool, str)):
@@ -74,20 +79,33 @@ def encode(
     return enc(value, []), arrays
 
 
-def decode(doc: Any, arrays: dict[str, Any], allow_pickle: bool = False) -> Any:
-    """Inverse of :func:`encode`. ``arrays`` maps the stored array names to loaded arrays."""
+def _escape(component: str) -> str:
+    """A path component with ``/`` (the separator) and ``~`` (the escape) escaped: ``~`` -> ``~~``, ``/`` -> ``~s``."""
+    return component.replace("~", "~~").replace("/", "~s")
 
-    def dec(v: Any) -> Any:
+
+def decode(doc: Any, arrays: dict[str, Any], allow_pickle: bool = False, where: str = "") -> Any:
+    """Inverse of :func:`encode`. ``arrays`` maps the stored array names to loaded arrays.
+
+    ``where`` (the entry's name) prefixes the path of a value in errors.
+
+    Raises:
+        PickleNotAllowedError: the document holds a pickled value and ``allow_pickle`` is False.
+        UnpicklingError: a pickled value could not be restored (its class is not importable); the
+            entry path is named.
+    """
+
+    def dec(v: Any, path: str = where) -> Any:
         if isinstance(v, list):
-            return [dec(x) for x in v]
+            return [dec(x, f"{path}/{i}") for i, x in enumerate(v)]
         if not isinstance(v, dict):
             return v
         if len(v) == 1:
             ((tag, body),) = v.items()
             if tag == "__tuple__":
-                return tuple(dec(x) for x in body)
+                return tuple(dec(x, f"{path}/{i}") for i, x in enumerate(body))
             if tag == "__dict__":
-                return {_hashable(dec(k)): dec(x) for k, x in body}
+                return {_hashable(dec(k, path)): dec(x, f"{path}/{k}") for k, x in body}
             if tag == "__bytes__":
                 return base64.b64decode(body)
             if tag == "__float__":
@@ -97,11 +115,18 @@ def decode(doc: Any, arrays: dict[str, Any], allow_pickle: bool = False) -> Any:
             if tag == "__pickle__":
                 if not allow_pickle:
                     raise PickleNotAllowedError(
-                        "the checkpoint holds a pickled value; pass allow_pickle=True to load it (only for "
-                        "checkpoints you trust: unpickling runs code)"
+                        f"{path or 'a value'}: the checkpoint holds a pickled value; pass allow_pickle=True to "
+                        "load it (only for checkpoints you trust: unpickling runs code)"
                     )
-                return pickle.loads(base64.b64decode(body))  # noqa: S301 - explicit opt-in
-        return {k: dec(x) for k, x in v.items()}
+                try:
+                    return pickle.loads(base64.b64decode(body))  # noqa: S301 - explicit opt-in
+                except Exception as e:  # noqa: BLE001 - any failure of user code run by pickle
+                    raise UnpicklingError(
+                        f"{path or 'a value'}: the pickled value could not be restored "
+                        f"({type(e).__name__}: {e}); make its class importable under the module path it "
+                        "was saved from (install or import that code) before loading"
+                    ) from e
+        return {k: dec(x, f"{path}/{k}") for k, x in v.items()}
 
     return dec(doc)
 

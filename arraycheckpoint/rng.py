@@ -77,6 +77,10 @@ def restore(state: Mapping[str, Any]) -> dict[str, Any]:
 
     Accepts the loaded form too (arrays may come back as torch tensors when saved through the torch adapter).
     """
+    from .stateful import PerRank
+
+    if isinstance(state, PerRank):  # as loaded into a target that had no PerRank placeholder
+        state = state.value
     if not is_rng_state(state):
         raise ValueError("not an RNG state captured by arraycheckpoint.rng.capture()")
     py = state["python"]

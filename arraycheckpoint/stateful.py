@@ -145,13 +145,10 @@ def _kind(v: Any) -> str:
 
 def _tensor(name: str, v: Any) -> SaveTensor:
     kind = _kind(v)
-    if kind == "torch":
-        from .adapters.torch.tensors import TorchSource, numpy_dtype
+    if kind == "torch":  # a DTensor contributes its local box, as in the torch adapter
+        from .adapters.torch.common import tensor_item
 
-        t = v.detach()
-        return SaveTensor(
-            name, tuple(t.shape), numpy_dtype(t.dtype), [SaveShard(Box.full(tuple(t.shape)), TorchSource(t))]
-        )
+        return tensor_item(name, v.detach())
     a = np.array(v, copy=True) if kind == "jax" else v
     return SaveTensor(name, tuple(a.shape), a.dtype, [SaveShard(Box.full(tuple(a.shape)), ArraySource(a))])
 
@@ -290,10 +287,14 @@ def _apply(target: Any, loaded: Any, rank: int) -> Any:
     if is_stateful(target) and not _is_array(target):
         target.load_state_dict(loaded)
         return target
-    if isinstance(target, dict) and isinstance(loaded, dict):
-        for k, v in loaded.items():
-            target[k] = _apply(target[k], v, rank) if k in target else v
-        return target
+    if isinstance(loaded, dict):
+        if isinstance(target, dict):
+            for k, v in loaded.items():
+                target[k] = _apply(target.get(k), v, rank)
+            return target
+        return {k: _apply(None, v, rank) for k, v in loaded.items()}
+    if isinstance(loaded, (list, tuple)) and not isinstance(target, (list, tuple)):
+        return type(loaded)(_apply(None, v, rank) for v in loaded)  # no target: PerRank values still resolve
     return loaded
 
 
@@ -324,8 +325,9 @@ def load_job(
     head = obj.value
     if _saved_marker(meta, ns) == MARKER:
         doc, kinds = head["doc"], dict(head.get("arrays", {}))
-    else:  # saved by the framework adapter as plain extra state
-        doc, kinds = head, {}
+    else:  # saved by the framework adapter as plain extra state (numpy arrays listed in <ns>/~arrays)
+        types = meta.objects.get(f"{ns}/~arrays")
+        doc, kinds = head, dict(types.value) if types is not None and isinstance(types.value, dict) else {}
     docs: list[Any] = []
     src = -1
     rank = 0
@@ -353,8 +355,8 @@ def load_job(
     def finish() -> None:
         default = "torch" if "torch" in sys.modules else "numpy"
         arrays = {n: _as_kind(b, kinds.get(n, default)) for n, b in bufs.items()}
-        per_rank = [extras.decode(d, arrays, options.allow_pickle) for d in docs]
-        loaded = _restore(extras.decode(doc, arrays, options.allow_pickle), per_rank, src)
+        per_rank = [extras.decode(d, arrays, options.allow_pickle, where=ns) for d in docs]
+        loaded = _restore(extras.decode(doc, arrays, options.allow_pickle, where=ns), per_rank, src)
         result[ns] = _apply(value, loaded, rank)
 
     return LoadJob(targets, expected, {ns}, finish)
@@ -387,7 +389,8 @@ def merge_load(
         out.update(extra)
         return out
 
-    return LoadJob(job.targets, job.expected, job.namespaces, finish, job.optional, job.global_namespaces)
+    job.finish = finish  # the same job object: check_expected's ``dropped`` reaches the adapter's finishers
+    return job
 
 
 # ----------------------------------------------------------------------------------------------- roles

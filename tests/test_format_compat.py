@@ -73,3 +73,29 @@ def test_format1_fsdp2_checkpoint_loads_into_plain_model(tmp_path, world) -> Non
     for k, v in model.state_dict().items():
         assert np.array_equal(v.numpy(), expected[f"model/{k}"]), k
     assert out["extra_state"]["step"] == 12
+
+
+def test_format1_tied_checkpoint_loads_untied_on_the_meta_device(tmp_path) -> None:
+    """Issue 13 read paths on a format-1 checkpoint: stored aliases resolved for an untied target, optimizer
+    state following each parameter, materialisation from the meta device, numpy-free extra state."""
+    from fixtures.make_format1 import Tied
+
+    path = _copy(tmp_path, "single")
+    expected = load_file(os.path.join(FIXTURES, "single.expected.safetensors"))
+    with torch.device("meta"):
+        model = Tied()
+        model.head.weight = torch.nn.Parameter(torch.empty(11, 6))  # untied
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    acp.load(path, {"model": model, "optimizer": opt}, device="cpu")
+    assert model.head.weight is not model.emb.weight
+    assert np.array_equal(_np(model.head.weight), expected["model/emb.weight"])
+    for k, v in model.state_dict().items():
+        if k != "head.weight":
+            assert np.array_equal(_np(v), expected[f"model/{k}"]), k
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        stored = "emb.weight" if names[id(p)] == "head.weight" else names[id(p)]
+        for key, v in st.items():
+            if torch.is_tensor(v) and v.ndim:
+                assert np.array_equal(_np(v), expected[f"optimizer/{stored}/{key}"]), (names[id(p)], key)
+    assert len(opt.state) == 6

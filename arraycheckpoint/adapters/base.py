@@ -28,14 +28,24 @@ class AdapterOptions:
     key_map: Callable[[str], str | None] | None = None  # load: target name -> stored name (None: skip)
     transforms: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
     indivisible: str = "error"  # jax: "replicate" loads a non-dividing NamedSharding dimension replicated
+    device: Any = None  # torch load: materialise meta-device modules on this device (``to_empty``)
 
 
 @dataclass
 class Expected:
-    """A name the load target wants: a tensor (shape, dtype) or an object (shape None)."""
+    """A name the load target wants: a tensor (shape, dtype) or an object (shape None).
+
+    ``expected`` dicts are keyed by the *target* name; ``stored`` names the checkpoint entry it reads when
+    that differs (``key_map``, tied weights), so two targets may read one stored entry and each is checked.
+    """
 
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
+    stored: str | None = None  # the checkpoint entry read (default: the key itself)
+    group: str | None = None  # entries of one group load all-or-nothing (one parameter's optimizer state)
+    requires: str | None = None  # key of an entry this one is useless without (the parameter it belongs to)
+    problem: str | None = None  # a mismatch only the adapter can see (e.g. optimizer state keys differ)
+    reads: list[LoadTensor] = field(default_factory=list)  # this entry's reads (dropped when it is skipped)
 
 
 @dataclass
@@ -50,6 +60,12 @@ class LoadJob:
     # namespaces whose keys are split over ranks (megatron pipeline stages): "unexpected" is decided across
     # ranks, since no single rank can tell a key nobody loads from a key another stage loads
     global_namespaces: set[str] = field(default_factory=set)
+    # expected keys that strict=False left out (filled by check_expected; finishers skip their values)
+    dropped: set[str] = field(default_factory=set)
+
+    def stored_names(self) -> set[str]:
+        """The checkpoint entries this job reads or accounts for."""
+        return {e.stored or n for n, e in self.expected.items() if e.problem is None}
 
 
 class Adapter(ABC):
@@ -83,32 +99,39 @@ def unexpected_names(meta: CheckpointMetadata, wanted: set[str], namespaces: set
 def check_expected(meta: CheckpointMetadata, job: LoadJob, options: AdapterOptions) -> dict[str, list[str]]:
     """Compare what the target expects with what is stored.
 
-    Returns a report ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``. With ``strict`` any
-    entry raises :class:`StateMismatchError` listing every offending name; without it, targets of missing
-    or mismatched names are dropped (the intersection loads).
+    Returns a report ``{"missing": [...], "unexpected": [...], "mismatched": [...], "skipped": [...]}``. With
+    ``strict`` any missing, unexpected or mismatched entry raises :class:`StateMismatchError` listing every
+    offending name; without it, the targets of missing or mismatched names are dropped (the intersection
+    loads), and so are the entries that depend on them (``skipped``: e.g. the optimizer state of a parameter
+    whose shape changed).
     """
     stored = set(meta.tensors) | set(meta.objects)
-    missing = sorted(n for n in job.expected if n not in stored and n not in job.optional)
-    mismatched = []
-    for name, exp in job.expected.items():
-        tm = meta.tensors.get(name)
-        if tm is None or exp.shape is None:
-            continue
-        if tuple(exp.shape) != tm.shape:
-            mismatched.append(f"{name}: checkpoint shape {list(tm.shape)} != target shape {list(exp.shape)}")
-        elif exp.dtype is not None and exp.dtype != tm.dtype and not options.allow_cast:
-            mismatched.append(
-                f"{name}: checkpoint dtype {tm.dtype} != target dtype {exp.dtype} "
-                "(pass allow_cast=True to convert)"
-            )
-    unexpected = sorted(
+    missing = sorted(
         n
-        for n in stored
-        if n.split("/", 1)[0] in job.namespaces
-        and n not in job.expected
-        and "~" not in n
-        and not any(n.startswith(e + "/") for e in job.expected if e in meta.objects)
+        for n, e in job.expected.items()
+        if e.problem is None and (e.stored or n) not in stored and n not in job.optional
     )
+    mismatched = []
+    bad = set(missing)
+    for name, exp in job.expected.items():
+        source = exp.stored or name
+        where = name if source == name else f"{name} (stored as {source})"
+        tm = meta.tensors.get(source)
+        if exp.problem is not None:
+            problem = exp.problem
+        elif tm is None or exp.shape is None:
+            continue
+        elif tuple(exp.shape) != tm.shape:
+            problem = f"checkpoint shape {list(tm.shape)} != target shape {list(exp.shape)}"
+        elif exp.dtype is not None and exp.dtype != tm.dtype and not options.allow_cast:
+            problem = (
+                f"checkpoint dtype {tm.dtype} != target dtype {exp.dtype} (pass allow_cast=True to convert)"
+            )
+        else:
+            continue
+        mismatched.append(f"{where}: {problem}")
+        bad.add(name)
+    unexpected = unexpected_names(meta, job.stored_names(), job.namespaces)
     report = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
     if options.strict and any(report.values()):
         lines = [
@@ -121,6 +144,30 @@ def check_expected(meta: CheckpointMetadata, job: LoadJob, options: AdapterOptio
             + "\n  ".join(lines)
             + "\n(pass strict=False to load the intersection)"
         )
-    bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
-    job.targets[:] = [t for t in job.targets if t.name not in bad and t.name in meta.tensors]
+    report["skipped"] = _skip_dependents(job.expected, bad)
+    job.dropped |= bad
+    dropped_reads = {id(r) for n in bad for r in job.expected[n].reads}
+    # entries of adapters that do not list their reads are dropped by stored name
+    bad_stored = {job.expected[n].stored or n for n in bad if not job.expected[n].reads}
+    job.targets[:] = [
+        t
+        for t in job.targets
+        if id(t) not in dropped_reads and t.name not in bad_stored and t.name in meta.tensors
+    ]
     return report
+
+
+def _skip_dependents(expected: dict[str, Expected], bad: set[str]) -> list[str]:
+    """Add to ``bad`` every entry whose ``requires`` or ``group`` is bad; return those added."""
+    skipped: list[str] = []
+    while True:
+        groups = {expected[n].group for n in bad if expected[n].group is not None}
+        more = [
+            n
+            for n, e in expected.items()
+            if n not in bad and (e.requires in bad or (e.group is not None and e.group in groups))
+        ]
+        if not more:
+            return sorted(skipped)
+        bad.update(more)
+        skipped.extend(more)

@@ -91,9 +91,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for p in report.problems:
             print(f"BAD  {p}")
         state = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
-        print(
-            f"{state}: {report.path}: {report.tensors} tensors, {report.chunks} chunks, {report.bytes} bytes checked"
+        checked = (
+            "metadata, coverage and files checked (chunk data not read: --no-data)"
+            if args.no_data
+            else f"{report.bytes} bytes checked"
         )
+        print(f"{state}: {report.path}: {report.tensors} tensors, {report.chunks} chunks, {checked}")
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
@@ -146,23 +149,30 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from ..errors import CheckpointExistsError
     from ..tools.importer import import_checkpoint
 
     with _progress(0, "import", args.progress) as bar:
 
-        def update(n: int) -> None:
-            bar.total = (bar.total or 0) + n
-            bar.update(n)
+        def total(n: int) -> None:  # known once the source is read, before any byte is copied
+            bar.reset(total=n)
 
-        result = import_checkpoint(
-            args.src,
-            args.path,
-            namespace=args.namespace,
-            strip_prefix=args.strip_prefix,
-            step=args.step,
-            overwrite=args.overwrite,
-            progress=update,
-        )
+        try:
+            result = import_checkpoint(
+                args.src,
+                args.path,
+                namespace=args.namespace,
+                strip_prefix=args.strip_prefix,
+                step=args.step,
+                overwrite=args.overwrite,
+                progress=bar.update,
+                allow_pickle=args.allow_pickle,
+                on_total=total,
+            )
+        except CheckpointExistsError:
+            raise UsageError(
+                f"a committed checkpoint already exists at {args.path}; pass --overwrite to replace it"
+            ) from None
     for s in result.skipped:
         print(f"skipped  {s}", file=sys.stderr)
     print(
@@ -299,7 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help="checkpoint path or URL")
     p.add_argument("out", help="output directory (safetensors) or file (torch)")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        default="safetensors",
+        help="safetensors: HF-style sharded files with an index (default); torch: one torch.save file",
+    )
     p.add_argument(
         "--what",
         choices=("model", "all"),
@@ -329,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strip-prefix", help="remove this prefix from source keys (e.g. 'module.')")
     p.add_argument("--step", type=int, help="training step to record")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at PATH")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="needed for a DCP source: its .metadata is a pickle, which runs code when read (trusted sources only)",
+    )
     progress_flag(p)
 
     p = add(
@@ -361,7 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("metrics", cmd_metrics, "per-rank phase timings of the save (or a recorded load): table, plots")
     p.add_argument("path", help="checkpoint path or URL")
     p.add_argument(
-        "--kind", default="save", help="save (default), or load: the last acp.load(..., record_metrics=True)"
+        "--kind",
+        choices=("save", "load"),
+        default="save",
+        help="save (default), or load: the last acp.load(..., record_metrics=True)",
     )
     p.add_argument("--plot", metavar="PNG", help="draw the heat-map and timeline into this PNG")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -4,9 +4,10 @@ Sources, detected from the path:
 
 * a ``.safetensors`` file, or a directory holding ``model.safetensors.index.json`` (Hugging Face sharded) or
   ``*.safetensors`` files: tensors are read lazily, one at a time, while the engine takes its snapshot;
-* a torch.distributed.checkpoint (DCP) directory (it holds ``.metadata``): tensors are read with DCP's own
-  ``FileSystemReader`` into a state dict built from its metadata; non-tensor entries (pickled in DCP) are skipped
-  and reported;
+* a torch.distributed.checkpoint (DCP) directory (it holds ``.metadata``): DCP's ``.metadata`` file is a
+  pickle, and unpickling runs code from the file, so this needs ``allow_pickle=True`` (``--allow-pickle``); tensors
+  are read with DCP's own ``FileSystemReader`` into a state dict built from its metadata; non-tensor entries
+  (pickled in DCP) are skipped and reported;
 * any other file: a ``torch.save`` state dict, loaded with ``torch.load(weights_only=True)`` (no arbitrary
   unpickling); nested dicts are flattened with ``.``; non-tensor values are skipped and reported.
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from ..collectives import SingleProcessCommunicator
 from ..engine import SaveOptions, engine
-from ..errors import ArrayCheckpointError
+from ..errors import ArrayCheckpointError, PickleNotAllowedError
 from ..items import SaveRequest, SaveShard, SaveTensor
 from ..metadata import check_name
 from ..regions import Box
@@ -188,6 +189,8 @@ def import_checkpoint(
     step: int | None = None,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    allow_pickle: bool = False,
+    on_total: Callable[[int], None] | None = None,
 ) -> ImportResult:
     """Import ``src`` (see the module docstring) into a new checkpoint at ``path``.
 
@@ -197,8 +200,11 @@ def import_checkpoint(
         step: training step recorded in the metadata.
         overwrite: replace a committed checkpoint at ``path``.
         progress: called with the byte count of each tensor as it is copied.
+        allow_pickle: permit reading a DCP directory, whose ``.metadata`` is a pickle (trusted sources only).
+        on_total: called once with the total byte count before any tensor is copied.
 
     Raises:
+        PickleNotAllowedError: a DCP source without ``allow_pickle``.
         ArrayCheckpointError: unreadable source, unsupported dtype, or a key that is not a valid entry name.
     """
     import torch
@@ -207,6 +213,11 @@ def import_checkpoint(
 
     src = os.fspath(src)
     kind = detect_kind(src)
+    if kind == "dcp" and not allow_pickle:
+        raise PickleNotAllowedError(
+            f"{src} is a torch DCP checkpoint: its .metadata file is a pickle, and unpickling runs code stored "
+            "in the file. Pass --allow-pickle (allow_pickle=True) only for a checkpoint you trust"
+        )
     result = ImportResult(kind)
     tensors: dict[str, tuple[Any, Any]] = {}
     if kind in ("safetensors", "hf"):
@@ -230,6 +241,8 @@ def import_checkpoint(
         items.append(SaveTensor(full, shape, dtype, [SaveShard(Box.full(shape), source)]))
         result.bytes += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     result.tensors = len(items)
+    if on_total is not None:
+        on_total(result.bytes)
     request = SaveRequest(
         tensors=items,
         objects=[],

@@ -58,11 +58,16 @@ def recorded_metrics(storage: Storage, root: str, meta: CheckpointMetadata) -> d
     return out
 
 
+KINDS = ("save", "load")
+
+
 def phase_table(meta: CheckpointMetadata | dict[str, Any], kind: str = "save") -> PhaseTable:
     """Build the table from the records of ``kind`` (``meta.metrics`` or :func:`recorded_metrics`'s result);
     raises ``KeyError`` when nothing was recorded."""
     metrics = meta.metrics if isinstance(meta, CheckpointMetadata) else meta
     records = metrics.get(kind)
+    if kind not in KINDS:
+        raise KeyError(f"unknown metrics kind {kind!r}: use one of {', '.join(KINDS)}")
     if not isinstance(records, dict) or not records:
         raise KeyError(f"the checkpoint holds no {kind!r} metrics (recorded: {sorted(metrics) or 'none'})")
     ranks = sorted(int(r) for r in records)
@@ -111,6 +116,21 @@ def format_table(t: PhaseTable) -> str:
     return "\n".join(lines)
 
 
+# the engine's phases, each with its own tab10 colour; any other phase takes a colour from its name's hash
+_PHASE_COLOURS = ("snapshot", "plan", "exchange", "write", "flush", "commit", "read", "read-shared")
+
+
+def phase_color(phase: str) -> tuple[float, float, float, float]:
+    """A phase's colour, fixed by its name (stable across pictures, whichever phases a picture shows)."""
+    import zlib
+
+    from matplotlib import colormaps
+
+    if phase in _PHASE_COLOURS:
+        return colormaps["tab10"](_PHASE_COLOURS.index(phase))
+    return colormaps["tab20b"](zlib.crc32(phase.encode()) % 20)
+
+
 def plot(t: PhaseTable, out: str | os.PathLike[str], title: str = "") -> str:
     """Draw the heat-map and the timeline into the PNG ``out``; returns its path."""
     import matplotlib
@@ -144,8 +164,7 @@ def plot(t: PhaseTable, out: str | os.PathLike[str], title: str = "") -> str:
             )
     fig.colorbar(im, ax=ax_h, label="ms")
 
-    colors = plt.get_cmap("tab10")
-    color = {p: colors(i % 10) for i, p in enumerate(t.phases)}
+    color = {p: phase_color(p) for p in t.phases}
     for i, r in enumerate(t.ranks):
         for phase, start, dur in t.timeline.get(r, []):
             ax_t.broken_barh(

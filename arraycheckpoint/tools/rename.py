@@ -92,8 +92,19 @@ def plan_rename(
     rules, fqn_map = _expand(meta, mapping)
     tensors = {}
     moved_t: dict[str, str] = {}
+    sources: dict[str, str] = {}  # new name -> the old name it came from (for clash messages)
+
+    def claim(old: str, new: str) -> None:
+        if new in sources:
+            raise ArrayCheckpointError(
+                f"the rename map makes two entries share one name: {sources[new]!r} and {old!r} would both "
+                f"become {new!r}; fix the map"
+            )
+        sources[new] = old
+
     for name, tm in meta.tensors.items():
         new = check_name(_apply(rules, name))
+        claim(name, new)
         if new != name:
             moved_t[name] = new
         tensors[new] = dataclasses.replace(tm, name=new)
@@ -101,6 +112,7 @@ def plan_rename(
     moved_o: dict[str, str] = {}
     for name, om in meta.objects.items():
         new = check_name(_apply(rules, name))
+        claim(name, new)
         if new != name:
             moved_o[name] = new
         objects[new] = ObjectMeta(
@@ -109,8 +121,6 @@ def plan_rename(
             _rewrite_value(name, om.value, fqn_map),
             {r: _rewrite_value(name, v, fqn_map) for r, v in om.per_rank.items()},
         )
-    if len(tensors) != len(meta.tensors) or len(objects) != len(meta.objects) or set(tensors) & set(objects):
-        raise ArrayCheckpointError("the rename map makes two entries share one name; fix the map")
     all_new = set(tensors)
     for new in all_new:  # a tensor directory may not end up inside another tensor's directory
         parts = new.split("/")

@@ -92,13 +92,17 @@ def format_summary(s: dict[str, Any]) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     t = s["totals"]
+    rows = [(f"  {ns}", acc["tensors"], acc["bytes"]) for ns, acc in sorted(t["namespaces"].items())]
+    rows.append(("total", t["tensors"], t["bytes"]))
+    label_w = max(len(r[0]) for r in rows)
+    count_w = max(len(str(r[1])) for r in rows)
+    size_w = max(len(human_bytes(r[2])) for r in rows)
     lines.append("")
-    lines.append(
-        f"total       {t['tensors']} tensors, {human_bytes(t['bytes'])} ({t['bytes']} bytes), "
-        f"{t['objects']} JSON objects"
-    )
-    for ns, acc in sorted(t["namespaces"].items()):
-        lines.append(f"  {ns:<10}{acc['tensors']} tensors, {human_bytes(acc['bytes'])}")
+    for label, count, nbytes in rows:
+        line = f"{label:<{label_w}}  {count:>{count_w}} tensors  {human_bytes(nbytes):>{size_w}}"
+        if label == "total":
+            line += f"  ({nbytes} bytes), {t['objects']} JSON objects"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -157,7 +157,7 @@ def test_import_dcp_then_load(tmp_path):
     dcp_dir = str(tmp_path / "dcp")
     dcp.save(src.state_dict(), checkpoint_id=dcp_dir, no_dist=True)
     path = str(tmp_path / "ckpt")
-    cli("import", dcp_dir, path)
+    cli("import", dcp_dir, path, "--allow-pickle")
     dst = _model(6)
     acp.load(path, {"model": dst})
     _assert_same_model(src, dst)

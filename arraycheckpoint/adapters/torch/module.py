@@ -109,3 +109,100 @@ class ModuleView:
 
     def fragment_of(self, param: torch.Tensor) -> FlatFragment | None:
         return self.fragments.get(id(param))
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's own storage
+    return bool(local.is_meta)
+
+
+def non_persistent_buffers(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s non-persistent buffers (never saved: rotary ``inv_freq``, causal masks...)."""
+    return {
+        f"{mn}.{bn}" if mn else bn
+        for mn, m in model.named_modules()
+        for bn in m._non_persistent_buffers_set
+        if m._buffers.get(bn) is not None
+    }
+
+
+def materialise(model: torch.nn.Module, ns: str, device: Any) -> None:
+    """Give a module built on the meta device real (uninitialised) storage for the checkpoint to fill.
+
+    Without ``device`` a module with meta tensors is refused: filling meta tensors in place would load
+    nothing. Non-persistent buffers are not in any checkpoint, so a meta one is refused too (naming it):
+    its value comes from the module's own initialisation, which only the caller can re-run.
+
+    Raises:
+        MetaDeviceError: naming the meta tensors and the fix.
+    """
+    from ...errors import MetaDeviceError
+
+    model = unwrap(model)
+    metas = [clean_fqn(n) for n, t in _all_tensors(model) if _is_meta(t)]
+    if not metas:
+        return
+    shown = ", ".join(f"{ns}/{n}" for n in metas[:8]) + (
+        f" (+{len(metas) - 8} more)" if len(metas) > 8 else ""
+    )
+    if device is None:
+        raise MetaDeviceError(
+            f"{shown}: on the meta device, where loading would fill nothing. Pass device=... to acp.load "
+            f"(e.g. device='cuda') to materialise {ns!r} from the checkpoint, or call "
+            f"{ns}.to_empty(device=...) yourself first"
+        )
+    lost = sorted(clean_fqn(n) for n in non_persistent_buffers(model) if _is_meta(_get(model, n)))
+    if lost:
+        raise MetaDeviceError(
+            f"{', '.join(f'{ns}/{n}' for n in lost)}: non-persistent buffers on the meta device. They are not "
+            "saved in checkpoints, so materialising from one would leave them uninitialised: call "
+            f"{ns}.to_empty(device=...), re-run their initialisation (e.g. recompute rotary inv_freq), then load"
+        )
+    # to_empty re-allocates every tensor: keep the real non-persistent buffers of a partly-meta module
+    kept = {n: _get(model, n).detach().clone() for n in non_persistent_buffers(model)}
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(
+        True
+    )  # keep each Parameter object: optimizers hold them
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with torch.no_grad():
+        for n, value in kept.items():
+            _get(model, n).copy_(value)
+
+
+def _all_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=True)
+    yield from model.named_buffers(remove_duplicate=True)
+
+
+def _get(model: torch.nn.Module, name: str) -> torch.Tensor:
+    mod, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(mod) if mod else model, leaf)
+
+
+class StoredNames:
+    """Target name -> checkpoint entry: the caller's ``key_map``, then the checkpoint's tied-weight aliases.
+
+    A checkpoint stores tied weights once (``<ns>/~aliases`` maps the other names to the stored one), so a
+    target where they are separate parameters reads the one stored tensor into each.
+    """
+
+    def __init__(self, meta: Any, key_map: Any) -> None:
+        self.meta = meta
+        self.key_map = key_map
+
+    def __call__(self, name: str) -> str | None:
+        stored = self.key_map(name) if self.key_map else name
+        if stored is None or stored in self.meta.tensors:
+            return stored
+        ns, _, fqn = stored.partition("/")
+        primary = self.aliases(ns).get(fqn)
+        return f"{ns}/{primary}" if isinstance(primary, str) else stored
+
+    def aliases(self, ns: str) -> dict[str, Any]:
+        """The stored alias table of namespace ``ns`` (``{alias_fqn: stored_fqn}``), empty when untied."""
+        obj = self.meta.objects.get(f"{ns}/~aliases")
+        return obj.value if obj is not None and isinstance(obj.value, dict) else {}

@@ -1,0 +1,118 @@
+"""Argument checks of the public verbs: refusals that say what is wrong and how to fix it.
+
+:mod:`arraycheckpoint.api` calls these before any I/O; they read the arguments only (and, to explain a
+missing checkpoint, list the path).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import CheckpointNotFoundError, InvalidArgumentError, InvalidStateError
+
+
+def check_state(state: Any, framework: str | None = None) -> None:
+    """Refuse a ``state`` argument that cannot be what the caller meant, naming the fix.
+
+    Raises:
+        InvalidStateError: ``state`` is not a mapping, holds a plain torch ``DataLoader``, or holds objects
+            of another framework than ``framework``.
+    """
+    if not isinstance(state, Mapping):
+        kind = type(state).__name__
+        raise InvalidStateError(
+            f"state must be a mapping of names to objects, got a {kind}: "
+            f"wrap it, e.g. acp.save(path, {{'model': model}})"
+        )
+    for ns, value in state.items():
+        if type(value).__name__ == "DataLoader" and type(value).__module__.startswith("torch.utils.data"):
+            raise InvalidStateError(
+                f"{ns}: a plain torch DataLoader has no resumable state (pickling it would not save its "
+                "position). Use a loader implementing arraycheckpoint.data.ReshardableLoader, or torchdata's "
+                f"StatefulDataLoader (restored through its state_dict()), or leave {ns!r} out of the state"
+            )
+    if framework is None:
+        return
+    from .api import _FRAMEWORKS
+
+    kind = _FRAMEWORKS.get(framework)
+    if kind is None:
+        raise InvalidArgumentError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
+    torch = sys.modules.get("torch")
+    if kind == "jax" and torch is not None:
+        for ns, value in state.items():
+            if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+                raise InvalidStateError(
+                    f"{ns}: a torch {type(value).__name__} with framework={framework!r}: pass "
+                    "framework='torch' (or a torch variant), or omit framework= to detect it"
+                )
+    if kind != "jax" and "jax" in sys.modules:
+        from .adapters.jax import is_jax_state
+
+        if is_jax_state(state):
+            raise InvalidStateError(
+                f"the state holds jax arrays but framework={framework!r}: pass framework='jax', or omit "
+                "framework= to detect it"
+            )
+
+
+def check_kwargs(verb: str, kwargs: Mapping[str, Any], fn: Callable[..., Any]) -> None:
+    """Refuse keyword arguments ``fn`` (which ``verb`` forwards to) does not take, under ``verb``'s name."""
+    import inspect
+
+    known = [n for n in inspect.signature(fn).parameters if not n.startswith("_")]
+    unknown = sorted(k for k in kwargs if k not in known or k.startswith("_"))
+    if unknown:
+        raise InvalidArgumentError(
+            f"{verb}() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"it accepts {', '.join(known[2:])}"
+        )
+
+
+def key_map_function(
+    key_map: Callable[[str], str | None] | Mapping[str, str | None] | None, state: Mapping[str, Any]
+) -> Callable[[str], str | None] | None:
+    """``key_map`` as a function; a mapping's keys must be namespaced target names (``model/0.weight``)."""
+    if key_map is None or callable(key_map):
+        return key_map
+    if not isinstance(key_map, Mapping):
+        raise InvalidArgumentError(
+            f"key_map must be a mapping or a function of target names, got {type(key_map).__name__}"
+        )
+    bare = sorted(k for k in key_map if not isinstance(k, str) or k.split("/", 1)[0] not in state)
+    if bare:
+        ns = next(iter(state), "model")
+        raise InvalidArgumentError(
+            f"key_map keys must be target names starting with a namespace of the state ({sorted(state)}); "
+            f"these are not: {', '.join(map(repr, bare[:20]))}. Write them in full, "
+            f"e.g. {f'{ns}/{bare[0]}'!r} -> {f'{ns}/<stored fqn>'!r}"
+        )
+    mapping = dict(key_map)
+    return lambda name: mapping.get(name, name)
+
+
+def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNotFoundError:
+    """A not-found error that tells a missing path from a directory holding no committed checkpoint."""
+    from .metadata import COMMIT_MARKER
+    from .storage import LocalStorage, storage_for
+
+    try:
+        storage, root = storage_for(path)
+        keys = storage.list(root)
+    except Exception:  # noqa: BLE001 - the original error is the better message
+        return error
+    if not keys and not (isinstance(storage, LocalStorage) and os.path.isdir(root)):
+        return CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
+    inner = sorted({k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + COMMIT_MARKER)})
+    if inner:
+        return CheckpointNotFoundError(
+            f"no committed checkpoint at {path} itself, but it holds committed checkpoints in "
+            f"{', '.join(inner[:10])}: load one of those (a role: pass role=...)"
+        )
+    return CheckpointNotFoundError(
+        f"{path} exists but holds no committed checkpoint ({error}): a save there did not finish, or it is "
+        "not a checkpoint directory"
+    )

@@ -1,0 +1,50 @@
+"""Small helpers the torch adapter's modules share: save items of tensors, dtype names, host buffers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...items import SaveShard, SaveTensor
+from .dtensor_rule import dtensor_rule
+from .tensors import TorchSource, as_torch, layout, numpy_dtype
+
+
+def tensor_item(name: str, t: Any, pieces: list | None = None, shape: tuple | None = None) -> SaveTensor:
+    """The save item of tensor ``t`` (numpy arrays too); a DTensor contributes only its local box."""
+    if isinstance(t, np.ndarray):
+        t = as_torch(t)
+    if pieces is None:
+        shape, pieces = layout(t)
+    return SaveTensor(
+        name=name,
+        shape=shape,
+        dtype=numpy_dtype(t.dtype),
+        shards=[SaveShard(box, TorchSource(view)) for box, view in pieces],
+        rule=dtensor_rule(t),
+    )
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """The zarr v3 data type name of a torch tensor's dtype."""
+    from ...codecs import zarr_dtype_name
+
+    return zarr_dtype_name(numpy_dtype(t.dtype))
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a stored zarr v3 data type name."""
+    from ...codecs import numpy_dtype as nd
+
+    return nd(name)
+
+
+def fill(buf: np.ndarray) -> Any:
+    """A load sink copying a read region into the host buffer ``buf``."""
+
+    def sink(arr: np.ndarray) -> None:
+        buf[...] = arr
+
+    return sink
