@@ -141,11 +141,12 @@ class _Class:
     holders: list[list[int]]  # sorted ranks per region
     layout_shape: tuple[tuple[int, ...], tuple[int, ...]]  # chunk, inner
     chunks: list[Box]
-    candidates: list[np.ndarray | None]  # None: any rank of the world may write the chunk
+    candidates: list[np.ndarray]  # ranks holding part of the chunk (sorted)
     pieces: list[list[tuple[Box, int]]]  # per chunk: (piece box, region index)
     by_min_holder: dict[int, list[tuple[int, int]]]  # rank -> (chunk index, piece index) it sources
     nbytes: list[int]
     partial: list[int]  # chunks no single region holds entirely (their pieces may travel)
+    is_partial: list[bool] = field(default_factory=list)
 
 
 def _regions_of(name: str, contribs: list[tuple[Decl, tuple[int, ...], TensorRule]]) -> dict[Box, list[int]]:
@@ -196,10 +197,7 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
             cands = held[whole[0]]
         else:
             chunk_pieces = [(p, i) for i, p in parts]
-            if options.straddle_writers == "any":
-                cands = None  # any rank of the world
-            else:
-                cands = np.asarray(sorted({r for i, _ in parts for r in holders[i]}), dtype=np.int64)
+            cands = np.asarray(sorted({r for i, _ in parts for r in holders[i]}), dtype=np.int64)
             partial.append(ci)
         for pi, (_p, region) in enumerate(chunk_pieces):
             by_min[holders[region][0]].append((ci, pi))
@@ -207,6 +205,9 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
         candidates.append(cands)
         pieces.append(chunk_pieces)
         nbytes.append(chunk.volume * itemsize)
+    flags = [False] * len(chunks)
+    for ci in partial:
+        flags[ci] = True
     return _Class(
         unique,
         holders,
@@ -217,6 +218,7 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
         dict(by_min),
         nbytes,
         partial,
+        flags,
     )
 
 
@@ -272,12 +274,15 @@ def build_compact_plan(
     )
     load = np.zeros(world, dtype=np.int64)
     writers: dict[str, np.ndarray] = {n: np.empty(len(classes[n].chunks), dtype=np.int64) for n in names}
+    mode = options.straddle_writers
     for neg, name, ci in order:
-        cands = classes[name].candidates[ci]
-        if cands is None:
-            r = int(np.argmin(load))
-        else:
-            r = int(cands[np.argmin(load[cands])]) if len(cands) > 1 else int(cands[0])
+        c = classes[name]
+        cands = c.candidates[ci]
+        r = int(cands[np.argmin(load[cands])]) if len(cands) > 1 else int(cands[0])
+        if mode != "holders" and c.is_partial[ci]:
+            least = int(np.argmin(load))  # the first minimum: ties to the lowest rank
+            if mode == "any" or load[r] - load[least] > -neg:
+                r = least
         writers[name][ci] = r
         load[r] -= neg
 

@@ -129,7 +129,7 @@ class CheckpointMetadata:
             "step": self.step,
             "topology": dict(self.topology),
             "roles": list(self.roles),
-            "layout_groups": list(self.layout_groups),
+            **({"layout_groups": list(self.layout_groups)} if self.format_version >= 2 else {}),
             "tensors": {
                 name: {
                     "shape": list(t.shape),
@@ -137,7 +137,11 @@ class CheckpointMetadata:
                     "chunk_shape": list(t.chunk_shape),
                     "inner_chunk_shape": list(t.inner_chunk_shape),
                     "compression": t.compression,
-                    "regions": [[g, r] for g, r in t.regions],
+                    **(
+                        {"shards": [[list(x.offsets), list(x.lengths), x.rank] for x in t.shards]}
+                        if self.format_version == 1  # tools rewriting an old checkpoint keep its format
+                        else {"regions": [[g, r] for g, r in t.regions]}
+                    ),
                     "writers": list(t.writers),
                 }
                 for name, t in sorted(self.tensors.items())

@@ -53,9 +53,11 @@ class PlanOptions:
     max_chunk_bytes: int = 64 << 20
     inner_chunk_bytes: int = 1 << 20
     compression: str | None = None
-    # who may write a chunk that no single rank holds entirely (its pieces travel to the writer anyway):
-    # "any" rank (worst fit over the whole world: balanced writes at scale) or only its "holders"
-    straddle_writers: str = "any"
+    # who writes a chunk that no single rank holds entirely (its pieces travel to the writer anyway):
+    # "balanced": its least-loaded holder, unless that rank is loaded more than the chunk's bytes above the
+    # least-loaded rank of the world, which then writes it (locality while it is free, balance at scale);
+    # "holders": only ranks holding part of it; "any": the least-loaded rank of the world
+    straddle_writers: str = "balanced"
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ def build_global_plan(
 
     # Chunks of every tensor, to be balanced together.
     layouts: dict[str, ArrayLayout] = {}
-    chunk_list: list[tuple[int, str, int, Box, list[Piece], list[int]]] = []
+    chunk_list: list[tuple[int, str, int, Box, list[Piece], tuple[list[int], bool]]] = []
     regions_of: dict[str, tuple[tuple[Box, int], ...]] = {}
     for name in sorted(decls):
         d = decls[name]
@@ -186,18 +188,21 @@ def build_global_plan(
             parts = [(b, p) for b, p in parts if p is not None]
             full = sorted({r for b, p in parts if p == chunk for r in regions[b]})
             pieces = [Piece(p, -1) for b, p in parts if p != chunk] if not full else [Piece(chunk, -1)]
-            if full:
-                candidates = full
-            elif options.straddle_writers == "any":
-                candidates = list(range(world))
-            else:
-                candidates = sorted({r for b, _ in parts for r in regions[b]})
+            held_by = full or sorted({r for b, _ in parts for r in regions[b]})
+            # candidates, and whether the whole world may take the chunk when its holders are busy
+            candidates = (held_by, not full and options.straddle_writers != "holders")
             chunk_list.append((chunk.volume * d.itemsize, name, index, chunk, pieces, candidates))
 
     load = [0] * world
     owner: dict[tuple[str, int], int] = {}
-    for nbytes, name, index, _c, _p, candidates in sorted(chunk_list, key=lambda c: (-c[0], c[1], c[2])):
-        rank = min(candidates, key=lambda r: (load[r], r))
+    for nbytes, name, index, _c, _p, (held_by, open_) in sorted(
+        chunk_list, key=lambda c: (-c[0], c[1], c[2])
+    ):
+        rank = min(held_by, key=lambda r: (load[r], r))
+        if open_:
+            least = min(range(world), key=lambda r: (load[r], r))
+            if options.straddle_writers == "any" or load[rank] - load[least] > nbytes:
+                rank = least
         owner[(name, index)] = rank
         load[rank] += nbytes
 

@@ -12,8 +12,8 @@ plan, commit statuses and outcome), payload bytes only.
 
 Layouts (transformer-like tensors: qkv, out, fc1, fc2 in bf16 with two fp32 optimizer states each, norms):
 ``fsdp2`` every tensor Shard(0) over all ranks (DTensor rule); ``ddp`` every tensor replicated;
-``megatron`` TP=8 x PP=16 x DP (ranks rounded to a multiple of 128), column/row parallel splits, only DP
-rank 0 of each (TP, PP) position holds the main replica, as the megatron adapter declares.
+``megatron`` TP=8 x PP=16 x DP (ranks rounded down to a multiple of 128), column/row parallel splits, every
+DP replica of a (TP, PP) position declares its regions, as the megatron adapter does.
 """
 
 from __future__ import annotations
@@ -83,8 +83,6 @@ def groups_for(layout: str, ranks: int, tensors) -> tuple[list[tuple[Decl, list[
     world = tp * pp * dp
     stage_of = {n: (k * pp) // len(tensors) for k, (n, *_r) in enumerate(tensors)}
     groups = []
-    empty = Decl((), ())
-    idle: list[int] = []
     for p in range(pp):
         for t in range(tp):
             rules = []
@@ -100,11 +98,8 @@ def groups_for(layout: str, ranks: int, tensors) -> tuple[list[tuple[Decl, list[
                 offs[dim], lens[dim] = off, length
                 rules.append(TensorRule(n, s, d, i, ("boxes", (Box(tuple(offs), tuple(lens)),))))
             decl = Decl((), tuple(rules))
-            ranks_here = [t + tp * (q + dp * p) for q in range(dp)]
-            groups.append((decl, ranks_here[:1]))  # DP rank 0 declares the main replica
-            idle.extend(ranks_here[1:])
-    if idle:
-        groups.append((empty, sorted(idle)))
+            # every DP replica declares its (TP, PP) position's regions, as the megatron adapter does
+            groups.append((decl, [t + tp * (q + dp * p) for q in range(dp)]))
     return groups, world
 
 

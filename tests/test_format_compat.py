@@ -99,3 +99,14 @@ def test_format1_tied_checkpoint_loads_untied_on_the_meta_device(tmp_path) -> No
             if torch.is_tensor(v) and v.ndim:
                 assert np.array_equal(_np(v), expected[f"optimizer/{stored}/{key}"]), (names[id(p)], key)
     assert len(opt.state) == 6
+
+
+def test_format1_metadata_rewritten_by_tools_stays_format1(tmp_path) -> None:
+    """Tools that rewrite metadata (rename) keep an old checkpoint in its own format."""
+    from arraycheckpoint.metadata import CheckpointMetadata
+
+    meta = acp.read_metadata(os.path.join(FIXTURES, "fsdp2"))
+    again = CheckpointMetadata.from_json(meta.to_json())
+    assert again.format_version == 1
+    assert again.tensors["model/0.weight"].shards == meta.tensors["model/0.weight"].shards
+    assert len(meta.tensors["model/0.weight"].shards) == 2

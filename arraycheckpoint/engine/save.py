@@ -253,7 +253,9 @@ class SavePipeline:
         me = job.comm.rank
         if len(w.pieces) == 1 and w.pieces[0].box == w.chunk and w.pieces[0].src == me:
             return local_view(job, w.name, w.chunk)
-        out = np.empty(w.chunk.lengths, dtype=job.dtypes[w.name])
+        # the plan's dtype: a writer of a straddling chunk need not hold any of the tensor itself
+        dtype = job.dtypes.get(w.name) or numpy_dtype(job.cached.compact.tensors[w.name].layout.dtype)
+        out = np.empty(w.chunk.lengths, dtype=dtype)
         for p in w.pieces:
             src = local_view(job, w.name, p.box) if p.src == me else received[(w.name, p.box)]
             out[p.box.slices(w.chunk)] = src

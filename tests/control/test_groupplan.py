@@ -18,7 +18,10 @@ from arraycheckpoint.regions import Box, flat_range_to_boxes
 from arraycheckpoint.rules import Mesh, rule_boxes
 
 SMALL = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=4096, inner_chunk_bytes=128)
-HOLDERS = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=4096, inner_chunk_bytes=128, straddle_writers="holders")
+HOLDERS = PlanOptions(
+    min_chunk_bytes=256, max_chunk_bytes=4096, inner_chunk_bytes=128, straddle_writers="holders"
+)
+ANY = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=4096, inner_chunk_bytes=128, straddle_writers="any")
 
 
 def _expand(groups, world):
@@ -50,7 +53,7 @@ def _shapes(rng, n):
     return [tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("options", [SMALL, HOLDERS], ids=["any", "holders"])
+@pytest.mark.parametrize("options", [SMALL, HOLDERS, ANY], ids=["balanced", "holders", "any"])
 @pytest.mark.parametrize("world", [1, 3, 8, 13])
 def test_fsdp2_mesh_rule(world, options):
     rng = random.Random(world)
@@ -61,7 +64,7 @@ def test_fsdp2_mesh_rule(world, options):
     _same([(Decl((mesh,), tensors), range(world))], world, options)
 
 
-@pytest.mark.parametrize("options", [SMALL, HOLDERS], ids=["any", "holders"])
+@pytest.mark.parametrize("options", [SMALL, HOLDERS, ANY], ids=["balanced", "holders", "any"])
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (3, 3)])
 def test_hsdp_and_2d_mesh_rules(shape, options):
     world = shape[0] * shape[1]
@@ -114,7 +117,7 @@ def test_megatron_like_groups():
     _same(groups, world)
 
 
-@pytest.mark.parametrize("options", [SMALL, HOLDERS], ids=["any", "holders"])
+@pytest.mark.parametrize("options", [SMALL, HOLDERS, ANY], ids=["balanced", "holders", "any"])
 @pytest.mark.parametrize("seed", range(4))
 def test_fsdp1_irregular_flat_ranges(seed, options):
     rng = random.Random(seed)

@@ -100,3 +100,48 @@ def test_fsdp2_ranks_declare_identically_and_plan_without_collectives(tmp_path):
     acp.load(tmp_path / "ck", {"model": model})
     for k, v in model.state_dict().items():
         assert np.array_equal(v.numpy(), results[0][3][k]), k
+
+
+def _straddle_writer_holds_nothing(rank, world, root):
+    """Rank 2 holds no part of ``w`` but is the least-loaded rank: it writes the straddling chunk."""
+    import numpy as np
+
+    from arraycheckpoint.collectives import default_communicator
+    from arraycheckpoint.engine import SaveOptions, engine
+    from arraycheckpoint.items import ArraySource, SaveRequest, SaveShard, SaveTensor
+    from arraycheckpoint.plan import PlanOptions
+    from arraycheckpoint.regions import Box
+
+    full = np.arange(40, dtype=np.float32).reshape(10, 4)
+    big = np.ones((64, 4), dtype=np.float64)
+    tensors = []
+    if rank < 2:
+        lo, hi = (0, 5) if rank == 0 else (5, 10)
+        tensors.append(
+            SaveTensor(
+                "model/w",
+                (10, 4),
+                full.dtype,
+                [SaveShard(Box((lo, 0), (hi - lo, 4)), ArraySource(full[lo:hi]))],
+            )
+        )
+        for name in ("model/big0", "model/big1"):  # replicas on ranks 0 and 1: one each
+            shard = SaveShard(Box((0, 0), (64, 4)), ArraySource(big))
+            tensors.append(SaveTensor(name, (64, 4), big.dtype, [shard]))
+    req = SaveRequest(tensors, [], framework="torch")
+    opts = SaveOptions(
+        plan=PlanOptions(min_chunk_bytes=1 << 20, max_chunk_bytes=1 << 20, straddle_writers="any")
+    )
+    engine().save_async(f"{root}/ck", req, default_communicator(), opts).result()
+    return full
+
+
+def test_a_writer_that_holds_none_of_a_straddling_chunk(tmp_path):
+    import numpy as np
+
+    full = run_distributed(_straddle_writer_holds_nothing, world=3, args=(str(tmp_path),), timeout=120)[0]
+    meta = acp.read_metadata(tmp_path / "ck")
+    assert meta.tensors["model/w"].writers == (2,)  # the only rank with no load
+    out = {"w": torch.zeros(10, 4), "big0": torch.zeros(64, 4, dtype=torch.float64)}
+    acp.load(tmp_path / "ck", {"model": out}, strict=False)
+    assert np.array_equal(out["w"].numpy(), full)

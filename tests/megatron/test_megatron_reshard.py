@@ -122,10 +122,13 @@ def test_tp2_to_tp2_pp2_and_back_with_dp(tp2_checkpoint: tuple, tmp_path) -> Non
     before = assemble([r[1] for r in results], replicas_agree=False)
     assert all(not np.array_equal(before[k], salted[k]) for k in salted)
     assert_equal_tensors(assemble([r[2] for r in results]), salted)
-    # TP=2/PP=1 on 4 ranks has DP=2: only data-parallel rank 0's ranks report (and so write) regions
+    # TP=2/PP=1 on 4 ranks has DP=2: every replica is declared and each region is written once, by a
+    # writer chosen among its replicas, so the writes spread over both data-parallel groups
     dp0 = {rank for rank, r in enumerate(results) if r[3] == 0}
     assert len(dp0) == 2
     meta = acp.read_metadata(path3)
+    writers = set()
     for name, tm in meta.tensors.items():
-        assert {s.rank for s in tm.shards} <= dp0, name
-        assert set(tm.writers) <= dp0, name
+        assert {s.rank for s in tm.shards} <= dp0, name  # credited to the lowest holder
+        writers |= set(tm.writers)
+    assert writers - dp0, "no data-parallel replica outside DP rank 0 wrote anything"

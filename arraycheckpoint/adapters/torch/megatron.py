@@ -13,8 +13,9 @@ whose leaves are
   filled and ``merge_fn`` folds them back into the factory's tensor, in place;
 * ``LocalNonpersistentObject``: never stored; restored from the local value.
 
-Only the *main* replica of a region (``replica_id`` all zeros) is reported to the engine on save, so data- and
-tensor-parallel replicas are never snapshotted; on load every rank asks for all of its regions.
+Every replica of a region is declared on save; the planner writes each region once, choosing its writer among
+all replicas by worst fit (so writes spread over the data-parallel ranks), and once the plan is cached the
+snapshot copies only what this rank writes or sends. On load every rank asks for all of its regions.
 
 Names in the checkpoint: ``<ns>/<ShardedTensor.key>`` (``model/decoder.layers.mlp.linear_fc2.weight``, with
 the stacked layer axis first), ``<ns>/<key>/shard_<offset>_<shape>`` for sharded objects, and

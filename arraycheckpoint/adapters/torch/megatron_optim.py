@@ -9,8 +9,8 @@ over the module's parameters works everywhere. Its per-parameter state is stored
   where ``stack`` are the prepended stacked-layer axes of the parameter (one value per layer);
 * JSON objects for non-tensor state, and ``optimizer/~param_groups`` (hyper-parameters, per group index).
 
-Factories (e.g. the SwiGLU ``linear_fc1`` split) apply to the state like to the parameter. Only main
-replicas are reported, so data-parallel copies of the optimizer state are written once.
+Factories (e.g. the SwiGLU ``linear_fc1`` split) apply to the state like to the parameter. Every
+replica is declared; the planner writes each region once, by one of its replicas (worst fit).
 """
 
 from __future__ import annotations

@@ -211,9 +211,13 @@ class SaveBuilder:
                 f"tensor {name!r} on rank {global_rank()}: two shards disagree on the global tensor "
                 f"({list(item.shape)} {item.dtype} vs {list(shape)} {np_dtype}); keys must name one global tensor"
             )
-        if main:
-            known = {s.box for s in item.shards}
-            item.shards.extend(SaveShard(b, TorchSource(v)) for b, v in pieces if b not in known)
+        # every replica is declared (``main`` only documents which one megatron calls the main copy): the
+        # planner writes each region once and picks its writer among all holders by worst fit, so writes
+        # spread over the data-parallel replicas instead of piling onto DP rank 0; the snapshot copies only
+        # what this rank was assigned once the plan is cached
+        del main
+        known = {s.box for s in item.shards}
+        item.shards.extend(SaveShard(b, TorchSource(v)) for b, v in pieces if b not in known)
 
     def sharded_tensor(self, name: str, st: Any) -> None:
         shape = tuple(int(s) for s in st.global_shape)
