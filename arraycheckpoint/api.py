@@ -201,7 +201,7 @@ def load(
 
     path = stateful.role_path(path, role)
     eng = engine()
-    storage, root, meta = eng.read_metadata(os.fspath(path))
+    storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
     special, state = stateful.split(state, meta)
     # --
     framework = framework or detect_framework(state)
