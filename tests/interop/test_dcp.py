@@ -1,5 +1,6 @@
-"""The DCP storage plug-in on real gloo processes: DCP saves through ``acp.dcp.Writer`` and ``acp.load``
-reshards it; ``acp.save`` writes and DCP loads through ``acp.dcp.Reader`` under another world size.
+"""DCP on real gloo processes: the storage plug-in (DCP saves through ``acp.dcp.Writer`` and ``acp.load``
+reshards it; ``acp.save`` writes and DCP loads through ``acp.dcp.Reader`` under another world size), and DCP's
+own directories as a load source (``acp.load(dcp_dir, state, allow_pickle=True)``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dist import run_distributed
 
 import arraycheckpoint as acp
 from arraycheckpoint.dcp import Writer, entry_name, fit_chunk_grid
 from arraycheckpoint.errors import PlanError
 from arraycheckpoint.regions import Box
-from dist import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,7 +49,6 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def _full(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, np.ndarray]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
     from torch.distributed.tensor import DTensor
 
     def full(t: torch.Tensor) -> np.ndarray:
@@ -75,11 +75,26 @@ def dcp_save_body(rank: int, world: int, path: str) -> dict:
     return _full(model, opt)
 
 
-def acp_load_body(rank: int, world: int, path: str) -> dict:
+def acp_load_body(rank: int, world: int, path: str, allow_pickle: bool = False) -> dict:
     model = _fsdp2(_model(100 + rank), world)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_step(model, opt)
     report: dict = {}
-    acp.load(path, {"model": model}, report=report)
-    return _full(model)
+    acp.load(path, {"model": model, "optimizer": opt}, report=report, allow_pickle=allow_pickle)
+    (read,) = [p for p in report["metrics"] if p["phase"] == "read"]
+    return {**_full(model, opt), "read": read}
+
+
+def dcp_native_save_body(rank: int, world: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _fsdp2(_model(0), world)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_step(model, opt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path)  # DCP's own FileSystemWriter
+    return _full(model, opt)
 
 
 def acp_save_body(rank: int, world: int, path: str) -> dict:
@@ -119,7 +134,7 @@ def test_dcp_saves_through_writer_at_4_and_acp_loads_at_3(tmp_path: Path) -> Non
         assert len(tm.writers) == len({s.offsets for s in tm.shards}), name
     loaded = run_distributed(acp_load_body, 3, (path,))
     for r in loaded:
-        _same(r, saved, [f"model/{k}" for k in SHAPES])
+        _same(r, saved, sorted(saved))
     z = json.loads((Path(path) / "model" / "1.weight" / "zarr.json").read_text())
     assert z["dimension_names"] == ["1.weight.dim0", "1.weight.dim1"]
 
@@ -132,12 +147,30 @@ def test_acp_saves_at_3_and_dcp_loads_through_reader_at_4(tmp_path: Path) -> Non
         _same(r, saved, sorted(saved))
 
 
+def test_dcp_directory_loads_at_3_with_allow_pickle_only(tmp_path: Path) -> None:
+    from arraycheckpoint.errors import PickleNotAllowedError
+
+    path = str(tmp_path / "dcp")
+    saved = run_distributed(dcp_native_save_body, 4, (path,))[0]
+    with pytest.raises(PickleNotAllowedError, match="allow_pickle=True"):
+        acp.load(path, {"model": _model(1)})
+    loaded = run_distributed(acp_load_body, 3, (path, True))
+    for r in loaded:
+        _same(r, saved, sorted(saved))
+        assert r["read"]["bytes"] <= 1.1 * r["read"]["wanted_bytes"]
+
+
 def test_uneven_layout_fails_naming_the_tensor() -> None:
-    assert fit_chunk_grid("w", (10, 4), [Box((0, 0), (3, 4)), Box((3, 0), (3, 4)), Box((6, 0), (3, 4)), Box((9, 0), (1, 4))]) == (3, 4)
+    assert fit_chunk_grid(
+        "w", (10, 4), [Box((0, 0), (3, 4)), Box((3, 0), (3, 4)), Box((6, 0), (3, 4)), Box((9, 0), (1, 4))]
+    ) == (3, 4)
     with pytest.raises(PlanError, match=r"'model/w'.*\[10, 4\]"):
         fit_chunk_grid("model/w", (10, 4), [Box((0, 0), (4, 4)), Box((4, 0), (2, 4)), Box((6, 0), (4, 4))])
     with pytest.raises(PlanError, match="overlap"):
         fit_chunk_grid("w", (4,), [Box((0,), (2,)), Box((0,), (2,))])
-    assert entry_name("optimizer.state.a.b.exp_avg", ("optimizer", "state", "a.b", "exp_avg")) == "optimizer/a.b/exp_avg"
+    assert (
+        entry_name("optimizer.state.a.b.exp_avg", ("optimizer", "state", "a.b", "exp_avg"))
+        == "optimizer/a.b/exp_avg"
+    )
     assert entry_name("model.a.b", ("model", "a.b")) == "model/a.b"
     assert Writer("x").validate_checkpoint_id("x")
