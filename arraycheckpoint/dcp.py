@@ -47,6 +47,7 @@ from ._tscontext import context
 from .codecs import CODEC_PRESET, array_metadata, numpy_dtype, zarr_dtype_name
 from .errors import ArrayCheckpointError, PlanError
 from .metadata import METADATA_FILE, CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
+from .plan import PlanOptions, split_chunk
 from .regions import Box, chunk_boxes
 from .storage import storage_for
 
@@ -176,8 +177,13 @@ class Writer(StorageWriter):
                 t["items"].append((Box(tuple(td.chunk.offsets), tuple(td.chunk.sizes)), rank))
         if len(set(names.values())) != len(names):
             raise PlanError("two DCP keys map to one arraycheckpoint entry; rename a state dict key")
+        options = PlanOptions()
         for fqn, t in tensors.items():
-            t["chunk"] = fit_chunk_grid(names[fqn], t["shape"], [b for b, _ in t["items"]])
+            per_item = fit_chunk_grid(names[fqn], t["shape"], [b for b, _ in t["items"]])
+            itemsize = numpy_dtype(t["dtype"]).itemsize
+            # an item larger than a file may be gets several files (divisors keep the item edges on the grid)
+            t["chunk"] = split_chunk(per_item, itemsize, options.max_chunk_bytes) if per_item else ()
+            t["inner"] = split_chunk(t["chunk"], itemsize, options.inner_chunk_bytes) if per_item else ()
         self._global = {
             "staging": staging,
             "final": final,
@@ -189,7 +195,7 @@ class Writer(StorageWriter):
         for p in plans:
             mine = {i.index.fqn for i in p.items}
             arrays = {
-                fqn: [names[fqn], list(t["shape"]), t["dtype"], list(t["chunk"])]
+                fqn: [names[fqn], list(t["shape"]), t["dtype"], list(t["chunk"]), list(t["inner"])]
                 for fqn, t in tensors.items()
                 if fqn in mine
             }
@@ -211,13 +217,13 @@ class Writer(StorageWriter):
                 {
                     "driver": "zarr3",
                     "kvstore": storage.kvstore_spec(f"{staging.rstrip('/')}/{entry}"),
-                    "metadata": array_metadata(shape, numpy_dtype(dtype), chunk, name=entry),
+                    "metadata": array_metadata(shape, numpy_dtype(dtype), chunk, inner, name=entry),
                     "store_data_equal_to_fill_value": True,
                 },
                 assume_metadata=True,  # the coordinator writes zarr.json once, in finish()
                 context=context(),
             )
-            for fqn, (entry, shape, dtype, chunk) in plan.storage_data["arrays"].items()
+            for fqn, (entry, shape, dtype, chunk, inner) in plan.storage_data["arrays"].items()
         }
         results, writes = [], []
         for item in plan.items:
@@ -233,7 +239,7 @@ class Writer(StorageWriter):
                 continue
             chunk = item.tensor_data.chunk
             box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
-            _entry, _shape, dtype, _chunk = plan.storage_data["arrays"][item.index.fqn]
+            dtype = plan.storage_data["arrays"][item.index.fqn][2]
             host = np.empty(box.lengths, numpy_dtype(dtype))
             TorchSource(data.detach()).copy_into(host)
             arr = stores[item.index.fqn].result()
@@ -258,14 +264,15 @@ class Writer(StorageWriter):
         tensors = {}
         for fqn, t in g["tensors"].items():
             entry = names[fqn]
-            owner = {b.offsets: r for b, r in t["items"]}
-            writers = tuple(owner[c.offsets] for c in chunk_boxes(t["shape"], t["chunk"]))
+            writers = tuple(
+                next(r for b, r in t["items"] if b.contains(c)) for c in chunk_boxes(t["shape"], t["chunk"])
+            )
             tensors[entry] = TensorMeta(
                 entry,
                 t["shape"],
                 t["dtype"],
                 tuple(t["chunk"]),
-                tuple(t["chunk"]),
+                tuple(t["inner"]),
                 None,
                 tuple(
                     ShardMeta(b.offsets, b.lengths, r)
@@ -306,7 +313,7 @@ class Writer(StorageWriter):
         }
         for entry, tm in tensors.items():
             docs[f"{entry}/zarr.json"] = array_metadata(
-                tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, name=entry
+                tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, name=entry
             )
         writes = [kv.write(key, json.dumps(doc).encode()) for key, doc in sorted(docs.items())]
         writes.append(kv.write(METADATA_FILE, meta.to_json().encode()))

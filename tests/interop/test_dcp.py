@@ -174,3 +174,35 @@ def test_uneven_layout_fails_naming_the_tensor() -> None:
     )
     assert entry_name("model.a.b", ("model", "a.b")) == "model/a.b"
     assert Writer("x").validate_checkpoint_id("x")
+
+
+def _plan(items: list[tuple[str, tuple, tuple, tuple]]) -> object:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    out = []
+    for fqn, size, offsets, sizes in items:
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        data = TensorWriteData(
+            chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size(size)
+        )
+        out.append(WriteItem(MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD, tensor_data=data))
+    return SavePlan(out, planner_data={i[0]: ("model", i[0].split(".", 1)[1]) for i in items})
+
+
+def test_writer_global_plan_refuses_uneven_items_and_splits_big_ones(tmp_path: Path) -> None:
+    w = Writer(tmp_path / "ckpt")
+    w.set_up_storage_writer(True, rank=0)
+    uneven = [
+        _plan([("model.w", (10, 4), (0, 0), (4, 4))]),
+        _plan([("model.w", (10, 4), (4, 0), (2, 4))]),
+        _plan([("model.w", (10, 4), (6, 0), (4, 4))]),
+    ]
+    with pytest.raises(PlanError, match=r"tensor 'model/w' of shape \[10, 4\].*\[4, 0\]\+\[2, 4\]"):
+        w.prepare_global_plan(uneven)
+    rows = (64 << 20) // (4 * 1024)  # one 64 MiB file per item holds this many rows
+    big = [_plan([("model.big", (4 * rows, 1024), (r * 2 * rows, 0), (2 * rows, 1024))]) for r in range(2)]
+    plans = w.prepare_global_plan(big)
+    entry, shape, dtype, chunk, inner = plans[1].storage_data["arrays"]["model.big"]
+    assert entry == "model/big" and shape == [4 * rows, 1024] and dtype == "float32"
+    assert chunk[0] <= rows and (2 * rows) % chunk[0] == 0 and chunk[0] % inner[0] == 0
