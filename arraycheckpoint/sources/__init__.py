@@ -12,7 +12,8 @@ Sources, detected from the files at the path when it holds no committed arrayche
 * :class:`~arraycheckpoint.sources.dcp.DcpSource`: a torch.distributed.checkpoint directory (``.metadata``),
   only with ``allow_pickle=True`` (its metadata is a pickle).
 
-Sources read only; they never write, never communicate and import no framework.
+Sources only read: they never write and never communicate. The safetensors source imports no framework; the
+DCP source needs torch to unpickle DCP's metadata classes.
 """
 
 from __future__ import annotations
