@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 from typing import Any  # noqa: E402
 
-from .api import load, read_metadata, save, save_async  # noqa: E402
+from .api import load, load_jax, read_metadata, save, save_async  # noqa: E402
 from .errors import (  # noqa: E402
     ArrayCheckpointError,
     CheckpointExistsError,
@@ -69,6 +69,7 @@ __all__ = [
     "__version__",
     "list_roles",
     "load",
+    "load_jax",
     "read_metadata",
     "save",
     "save_async",

@@ -1,6 +1,8 @@
 """The Communicator seam: every collective arraycheckpoint runs goes through one of these.
 
-Objects travel as JSON (never pickle); bulk fragments travel as raw byte buffers in one batched all-to-all.
+Objects travel as JSON (never pickle); bulk fragments travel as raw byte buffers, point to point between the
+pairs that have bytes to move. Nothing on the save path sends a rank O(world size x payload) bytes: agreements
+are fixed-size all-reduces, declarations are gathered on the coordinator only, and the plan is broadcast once.
 Implementations: :class:`SingleProcessCommunicator` (no process group at all), :class:`TorchCommunicator`
 (a dedicated gloo group created once, never the training group, so background checkpoint collectives cannot
 interleave with training collectives), and the JAX multi-controller one in ``adapters.jax``.
@@ -36,28 +38,55 @@ class Communicator(ABC):
 
     @abstractmethod
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data``, in rank order, on every rank."""
+        """Every rank's ``data``, in rank order, on every rank. Every rank receives the sum of all payloads:
+        used only where that is bounded (opt-in load read sharing, cross-rank strict checks), never on the
+        save path."""
 
     @abstractmethod
     def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
-        """Send ``send[r]`` (uint8) to rank r; receive ``recv_sizes[r]`` bytes from rank r. One batched call."""
+        """Send ``send[r]`` (uint8) to rank r; receive ``recv_sizes[r]`` bytes from rank r.
+
+        Sparse: only pairs with bytes to move exchange messages (both sides know the sizes from the plan),
+        so the message count grows with the data, not with the square of the world size.
+        """
+
+    @abstractmethod
+    def all_reduce_min(self, values: Sequence[int]) -> list[int]:
+        """Element-wise minimum of a few int64 ``values`` over all ranks (fixed size: an agreement)."""
 
     def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
-        """Every rank's ``data`` on ``dst`` (None elsewhere). Defaults to an all-gather."""
-        out = self.all_gather_bytes(data)
-        return out if self.rank == dst else None
+        """Every rank's ``data`` on ``dst`` (None elsewhere); ``dst`` receives the sum of the payloads, the
+        others nothing. Ranks with empty payloads send only their size."""
+        sizes = self.gather_sizes(len(data), dst)
+        send = [np.empty(0, np.uint8)] * self.world_size
+        send[dst] = np.frombuffer(bytearray(data), dtype=np.uint8)
+        recv = sizes if sizes is not None else [0] * self.world_size
+        if self.rank == dst:
+            recv = list(recv)
+            recv[dst] = len(data)
+        got = self.all_to_all_bytes(send, recv)
+        return [g.tobytes() for g in got] if self.rank == dst else None
+
+    def gather_sizes(self, size: int, dst: int = 0) -> list[int] | None:
+        """Every rank's ``size`` on ``dst`` (a fixed-size gather; 8 bytes per rank arrive at ``dst``)."""
+        out = self.all_gather_bytes(int(size).to_bytes(8, "little"))
+        return [int.from_bytes(b, "little") for b in out] if self.rank == dst else None
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """``src``'s ``data`` on every rank."""
         return self.all_gather_bytes(data if self.rank == src else b"")[src]
 
     def scatter_bytes(self, data: Sequence[bytes] | None, src: int = 0) -> bytes:
-        """``data[r]`` from ``src`` to each rank r, through the batched all-to-all."""
-        payload = [np.frombuffer(d, dtype=np.uint8) for d in data] if self.rank == src and data else None
-        sizes = self.broadcast_bytes(json.dumps([len(p) for p in payload]).encode() if payload else None, src)
-        mine = json.loads(sizes)
+        """``data[r]`` from ``src`` to each rank r: one size broadcast, then point-to-point messages."""
+        payload = (
+            [np.frombuffer(bytearray(d), dtype=np.uint8) for d in data] if self.rank == src and data else None
+        )
+        sizes = self.broadcast_bytes(
+            np.asarray([len(p) for p in payload], dtype=np.int64).tobytes() if payload else None, src
+        )
+        mine = int(np.frombuffer(sizes, dtype=np.int64)[self.rank])
         send = payload if payload is not None else [np.empty(0, np.uint8)] * self.world_size
-        recv = [mine[self.rank] if r == src else 0 for r in range(self.world_size)]
+        recv = [mine if r == src else 0 for r in range(self.world_size)]
         return self.all_to_all_bytes(send, recv)[src].tobytes()
 
     def barrier(self) -> None:
@@ -106,6 +135,9 @@ class SingleProcessCommunicator(Communicator):
 
     def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
         return [np.asarray(send[0], dtype=np.uint8)]
+
+    def all_reduce_min(self, values: Sequence[int]) -> list[int]:
+        return [int(v) for v in values]
 
 
 class TorchCommunicator(Communicator):
@@ -169,16 +201,40 @@ class TorchCommunicator(Communicator):
 
     def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
         torch, dist = self._torch, self._dist
-        send_sizes = [int(s.size) for s in send]
-        flat = (
-            np.concatenate([np.asarray(s, dtype=np.uint8).ravel() for s in send]) if sum(send_sizes) else None
-        )
-        inp = torch.from_numpy(flat) if flat is not None else torch.empty(0, dtype=torch.uint8)
-        out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        dist.all_to_all_single(out, inp, list(recv_sizes), send_sizes, group=self._group)
-        arr = out.numpy()
-        bounds = np.cumsum([0, *recv_sizes])
-        return [arr[bounds[r] : bounds[r + 1]] for r in range(self._world)]
+        me = self._rank
+        out: list[np.ndarray] = [np.empty(0, np.uint8)] * self._world
+        ops = []
+        keep = []
+        for r in range(self._world):
+            if r == me:
+                out[r] = np.ascontiguousarray(send[r], dtype=np.uint8).ravel()
+                continue
+            if recv_sizes[r]:
+                buf = torch.empty(int(recv_sizes[r]), dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.irecv, buf, group=self._group, group_peer=r))
+                out[r] = buf.numpy()
+            data = send[r]
+            if data.size:
+                t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8).ravel())
+                keep.append(t)
+                ops.append(dist.P2POp(dist.isend, t, group=self._group, group_peer=r))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return out
+
+    def all_reduce_min(self, values: Sequence[int]) -> list[int]:
+        torch, dist = self._torch, self._dist
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        return [int(v) for v in t.tolist()]
+
+    def gather_sizes(self, size: int, dst: int = 0) -> list[int] | None:
+        torch, dist = self._torch, self._dist
+        t = torch.tensor([int(size)], dtype=torch.int64)
+        out = [torch.empty(1, dtype=torch.int64) for _ in range(self._world)] if self._rank == dst else None
+        dist.gather(t, out, group=self._group, group_dst=dst)
+        return [int(o.item()) for o in out] if out is not None else None
 
 
 _TORCH_COMMS: dict[int, TorchCommunicator] = {}

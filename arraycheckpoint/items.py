@@ -53,6 +53,9 @@ class SaveTensor:
     shape: tuple[int, ...]
     dtype: np.dtype
     shards: list[SaveShard] = field(default_factory=list)
+    # optional layout rule valid on every rank that holds the tensor this way, e.g. a DTensor's
+    # ``("mesh", rules.Mesh, placements)``; the engine checks it against ``shards`` and falls back to boxes
+    rule: tuple[Any, ...] | None = None
 
 
 @dataclass

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-from .errors import MetadataError, UnsafeNameError
+from .errors import ArrayCheckpointError, MetadataError, UnsafeNameError
 from .regions import Box
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: regions stored as layout rules (format 1 listed every rank's region); 1 still loads
+READABLE_VERSIONS = (1, 2)
 METADATA_FILE = ".metadata.json"
 COMMIT_MARKER = ".committed"
 METRICS_FILE = ".metrics.json"  # complete save metrics (commit phase included), written after the commit
@@ -78,8 +80,9 @@ class TensorMeta:
     chunk_shape: tuple[int, ...]  # one stored file per chunk (sharding_indexed outer chunk)
     inner_chunk_shape: tuple[int, ...]
     compression: str | None
-    shards: tuple[ShardMeta, ...]
+    shards: Sequence[ShardMeta]  # a tuple (format 1) or regions expanded on first use from rules (format 2)
     writers: tuple[int, ...] = ()  # writer rank per stored chunk, row-major over the chunk grid
+    regions: tuple[tuple[int, Any], ...] = ()  # format 2: (layout group, rule) pairs the shards follow from
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +116,7 @@ class CheckpointMetadata:
     library_version: str = ""
     format_version: int = FORMAT_VERSION
     codec_preset: int = 0  # arraycheckpoint.codecs.CODEC_PRESET the arrays were written with (0: unknown)
+    layout_groups: tuple[Any, ...] = ()  # format 2: [{"meshes": [...], "ranks": <ranges>}], see rules.py
 
     def to_json(self) -> str:
         """Serialise to the canonical JSON text of ``.metadata.json``."""
@@ -125,6 +129,7 @@ class CheckpointMetadata:
             "step": self.step,
             "topology": dict(self.topology),
             "roles": list(self.roles),
+            "layout_groups": list(self.layout_groups),
             "tensors": {
                 name: {
                     "shape": list(t.shape),
@@ -132,7 +137,7 @@ class CheckpointMetadata:
                     "chunk_shape": list(t.chunk_shape),
                     "inner_chunk_shape": list(t.inner_chunk_shape),
                     "compression": t.compression,
-                    "shards": [[list(s.offsets), list(s.lengths), s.rank] for s in t.shards],
+                    "regions": [[g, r] for g, r in t.regions],
                     "writers": list(t.writers),
                 }
                 for name, t in sorted(self.tensors.items())
@@ -172,9 +177,10 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
-def _int_list(value: Any, where: str, minimum: int = 0) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > MAX_NDIM:
-        raise MetadataError(f"metadata: {where} must be a list of at most {MAX_NDIM} integers")
+def _int_list(value: Any, where: str, minimum: int = 0, limit: int = MAX_NDIM) -> tuple[int, ...]:
+    """A list of at most ``limit`` integers (dimensions by default; chunk counts for writer lists)."""
+    if not isinstance(value, list) or len(value) > limit:
+        raise MetadataError(f"metadata: {where} must be a list of at most {limit} integers")
     out = []
     for v in value:
         if not isinstance(v, int) or isinstance(v, bool) or v < minimum or v > MAX_ELEMENTS:
@@ -189,14 +195,15 @@ def _parse(doc: Any) -> CheckpointMetadata:
     if not isinstance(doc, dict):
         raise MetadataError("metadata: top level must be a JSON object")
     version = _req(doc, "format_version", int, "metadata")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise MetadataError(
             f"checkpoint format_version {version} is not supported by this arraycheckpoint "
-            f"(which reads version {FORMAT_VERSION}); upgrade arraycheckpoint"
+            f"(which reads versions {list(READABLE_VERSIONS)}); upgrade arraycheckpoint"
         )
     world_size = _req(doc, "world_size", int, "metadata")
     if world_size < 1:
         raise MetadataError(f"metadata: world_size {world_size} must be >= 1")
+    groups = _parse_groups(doc.get("layout_groups", []), world_size) if version >= 2 else ()
     tensors: dict[str, TensorMeta] = {}
     for name, t in _req(doc, "tensors", dict, "metadata").items():
         check_name(name)
@@ -216,16 +223,20 @@ def _parse(doc: Any) -> CheckpointMetadata:
         compression = t.get("compression")
         if compression not in (None, "zstd"):
             raise MetadataError(f"metadata: {where} has unknown compression {compression!r}")
-        shards = []
-        for s in _req(t, "shards", list, where):
-            if not isinstance(s, list) or len(s) != 3:
-                raise MetadataError(f"metadata: {where}.shards entries must be [offsets, lengths, rank]")
-            box = Box(_int_list(s[0], f"{where}.offsets"), _int_list(s[1], f"{where}.lengths"))
-            if not box.within(shape) or not isinstance(s[2], int) or not 0 <= s[2] < world_size:
-                raise MetadataError(f"metadata: {where} has a shard {s} outside shape {shape} or world")
-            shards.append(ShardMeta(box.offsets, box.lengths, s[2]))
-        writers = _int_list(t.get("writers", []), f"{where}.writers")
-        tensors[name] = TensorMeta(name, shape, dtype, chunk, inner, compression, tuple(shards), writers)
+        nchunks = math.prod(-(-n // c) for n, c in zip(shape, chunk)) if shape else 1
+        writers = _int_list(t.get("writers", []), f"{where}.writers", limit=nchunks)
+        if writers and (len(writers) != nchunks or max(writers) >= world_size):
+            raise MetadataError(
+                f"metadata: {where}.writers lists {len(writers)} writers for {nchunks} chunks, or a rank "
+                f"outside the world of {world_size}"
+            )
+        if version == 1:
+            shards = _parse_shards(t, where, shape, world_size)
+            regions: tuple[tuple[int, Any], ...] = ()
+        else:
+            regions = _parse_regions(_req(t, "regions", list, where), where, shape, groups)
+            shards = LazyShards(name, shape, regions, groups)
+        tensors[name] = TensorMeta(name, shape, dtype, chunk, inner, compression, shards, writers, regions)
     objects: dict[str, ObjectMeta] = {}
     for name, o in _req(doc, "objects", dict, "metadata").items():
         check_name(name)
@@ -259,4 +270,85 @@ def _parse(doc: Any) -> CheckpointMetadata:
         library_version=str(doc.get("library_version", "")),
         format_version=version,
         codec_preset=doc.get("codec_preset") if isinstance(doc.get("codec_preset"), int) else 0,
+        layout_groups=tuple(doc.get("layout_groups", [])) if version >= 2 else (),
     )
+
+
+def _parse_shards(t: Any, where: str, shape: tuple[int, ...], world_size: int) -> tuple[ShardMeta, ...]:
+    """Format 1: one [offsets, lengths, rank] record per saved region."""
+    shards = []
+    for s in _req(t, "shards", list, where):
+        if not isinstance(s, list) or len(s) != 3:
+            raise MetadataError(f"metadata: {where}.shards entries must be [offsets, lengths, rank]")
+        box = Box(_int_list(s[0], f"{where}.offsets"), _int_list(s[1], f"{where}.lengths"))
+        if not box.within(shape) or not isinstance(s[2], int) or not 0 <= s[2] < world_size:
+            raise MetadataError(f"metadata: {where} has a shard {s} outside shape {shape} or world")
+        shards.append(ShardMeta(box.offsets, box.lengths, s[2]))
+    return tuple(shards)
+
+
+def _parse_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
+    """Format 2 layout groups: each a declaration's meshes and the ranks that made it."""
+    from .groupplan import Decl
+    from .rules import decode_ranks
+
+    if not isinstance(raw, list):
+        raise MetadataError("metadata: layout_groups must be a list")
+    out = []
+    for i, g in enumerate(raw):
+        try:
+            decl = Decl.from_json({"meshes": g["meshes"], "tensors": []})
+            ranks = decode_ranks(g["ranks"], world_size)
+        except Exception as e:  # noqa: BLE001 - any malformed field is the same damage
+            raise MetadataError(f"metadata: layout_groups[{i}] is malformed ({e})") from None
+        out.append((decl, ranks))
+    return tuple(out)
+
+
+def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[Any, ...]) -> tuple:
+    from .rules import check_rule
+
+    out = []
+    for entry in raw:
+        if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], int):
+            raise MetadataError(f"metadata: {where}.regions entries must be [group, rule]")
+        g, rule = entry
+        if not 0 <= g < len(groups):
+            raise MetadataError(f"metadata: {where}.regions names layout group {g} of {len(groups)}")
+        try:
+            check_rule(shape, rule, len(groups[g][0].meshes))
+        except ArrayCheckpointError as e:
+            raise MetadataError(f"metadata: {where}: {e}") from None
+        out.append((g, rule))
+    return tuple(out)
+
+
+class LazyShards(Sequence):
+    """The saved regions of a format-2 tensor, expanded from its rules only when asked for (tools)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], regions: tuple, groups: tuple) -> None:
+        self._args = (name, shape, regions, groups)
+
+    @cached_property
+    def _items(self) -> tuple[ShardMeta, ...]:
+        from .groupplan import TensorRule, _regions_of, _rule_tuple
+
+        name, shape, regions, groups = self._args
+        contribs = [
+            (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
+            for g, rule in regions
+        ]
+        try:
+            held = _regions_of(name, contribs)
+        except ArrayCheckpointError as e:
+            raise MetadataError(f"metadata: tensor {name!r}: {e}") from None
+        return tuple(ShardMeta(b.offsets, b.lengths, min(r)) for b, r in sorted(held.items()))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._items[i]
+
+    def __iter__(self) -> Iterator[ShardMeta]:
+        return iter(self._items)

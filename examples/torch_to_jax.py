@@ -48,7 +48,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from arraycheckpoint.adapters.jax import load_jax
+    from arraycheckpoint import load_jax
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
 

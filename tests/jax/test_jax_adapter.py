@@ -176,7 +176,7 @@ def body_transform_cast_keymap(tmp):
     import ml_dtypes
 
     import arraycheckpoint as acp
-    from arraycheckpoint.adapters.jax import load_jax
+    from arraycheckpoint import load_jax
 
     w = np.random.default_rng(1).standard_normal((24, 16)).astype(np.float32)  # [out, in]
     b = np.arange(24, dtype=np.float32)
@@ -236,7 +236,7 @@ def body_indivisible(tmp):
     """DTensor-style uneven shapes: a clear error naming tensor and axis, or a replicated load on request."""
     jax, np, NS, P, mesh1, mesh2 = _setup()
     import arraycheckpoint as acp
-    from arraycheckpoint.adapters.jax import load_jax
+    from arraycheckpoint import load_jax
 
     x = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
     acp.save(f"{tmp}/ck", {"model": {"w": jax.device_put(x, NS(mesh2, P(None, "a")))}})

@@ -113,11 +113,44 @@ class JaxCommunicator(Communicator):
             self._put(f"{base}/{self._rank}/all", data)
             return [data if r == self._rank else self._fetch(f"{base}/{r}/all") for r in range(self._world)]
 
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        with self._lock:
+            base = self._begin()
+            if self._rank == src:
+                self._put(f"{base}/bcast", data or b"")
+                return data or b""
+            return self._fetch(f"{base}/bcast")
+
+    def all_reduce_min(self, values: Sequence[int]) -> list[int]:
+        # reduce on rank 0 (N reads there), then one broadcast read per rank: never N reads on every rank
+        with self._lock:
+            base = self._begin()
+            mine = np.asarray([int(v) for v in values], dtype=np.int64)
+            if self._rank != 0:
+                self._put(f"{base}/{self._rank}/min", mine.tobytes())
+                return np.frombuffer(self._fetch(f"{base}/min"), dtype=np.int64).tolist()
+            for r in range(1, self._world):
+                mine = np.minimum(mine, np.frombuffer(self._fetch(f"{base}/{r}/min"), dtype=np.int64))
+            self._put(f"{base}/min", mine.tobytes())
+            return mine.tolist()
+
+    def gather_sizes(self, size: int, dst: int = 0) -> list[int] | None:
+        with self._lock:
+            base = self._begin()
+            if self._rank != dst:
+                self._put(f"{base}/{self._rank}/size", int(size).to_bytes(8, "little"))
+                return None
+            return [
+                int(size) if r == dst else int.from_bytes(self._fetch(f"{base}/{r}/size"), "little")
+                for r in range(self._world)
+            ]
+
     def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
+        # sparse: keys only for the pairs with bytes to move (both sides know the sizes from the plan)
         with self._lock:
             base = self._begin()
             for dst in range(self._world):
-                if dst != self._rank:
+                if dst != self._rank and send[dst].size:
                     self._put(
                         f"{base}/{self._rank}/{dst}", np.ascontiguousarray(send[dst], dtype=np.uint8).data
                     )
@@ -125,6 +158,9 @@ class JaxCommunicator(Communicator):
             for src in range(self._world):
                 if src == self._rank:
                     out.append(np.ascontiguousarray(send[src], dtype=np.uint8).ravel())
+                    continue
+                if not recv_sizes[src]:
+                    out.append(np.empty(0, np.uint8))
                     continue
                 got = np.frombuffer(self._fetch(f"{base}/{src}/{self._rank}"), dtype=np.uint8)
                 if got.size != recv_sizes[src]:

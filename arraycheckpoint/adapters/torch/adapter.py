@@ -22,6 +22,7 @@ from ...items import LoadShard, LoadTensor, SaveObject, SaveRequest, SaveShard, 
 from ...metadata import CheckpointMetadata
 from ...regions import Box
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
+from .dtensor_rule import dtensor_rule
 from .module import ModuleView
 from .tensors import TorchSource, as_torch, is_dtensor, layout, load_shard, numpy_dtype
 
@@ -41,6 +42,7 @@ def _tensor_item(name: str, t: Any, pieces: list | None = None, shape: tuple | N
         shape=shape,
         dtype=numpy_dtype(t.dtype),
         shards=[SaveShard(box, TorchSource(view)) for box, view in pieces],
+        rule=dtensor_rule(t),
     )
 
 

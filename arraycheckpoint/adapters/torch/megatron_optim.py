@@ -24,16 +24,16 @@ import torch
 from ...errors import ArrayCheckpointError
 from ...regions import Box
 from ..base import Expected
-from .megatron import _LoadBuilder, _mapping, _rank, _SaveBuilder, _walk, is_main_replica
+from .megatron_shards import LoadBuilder, SaveBuilder, global_rank, is_main_replica, megatron_mapping, walk
 from .tensors import torch_dtype
 
 
 def _param_entries(trees: Mapping[str, Any]) -> dict[int, Any]:
     """``id(parameter) -> ShardedTensor | ShardedTensorFactory`` over every megatron tree in the state."""
-    m = _mapping()
+    m = megatron_mapping()
     out: dict[int, Any] = {}
     for tree in trees.values():
-        for _, leaf in _walk(tree):
+        for _, leaf in walk(tree):
             if isinstance(leaf, (m.ShardedTensor, m.ShardedTensorFactory)) and isinstance(
                 leaf.data, torch.Tensor
             ):
@@ -45,7 +45,7 @@ def _entry_of(entries: dict[int, Any], p: torch.Tensor, ns: str) -> Any:
     entry = entries.get(id(p))
     if entry is None:
         raise ArrayCheckpointError(
-            f"rank {_rank()}: optimizer {ns!r} holds a parameter of shape {list(p.shape)} that is in no megatron "
+            f"rank {global_rank()}: optimizer {ns!r} holds a parameter of shape {list(p.shape)} that is in no megatron "
             "module's sharded_state_dict(); save the model in the same call, e.g. "
             "acp.save(path, {'model': model, 'optimizer': optimizer}, framework='megatron')"
         )
@@ -54,10 +54,10 @@ def _entry_of(entries: dict[int, Any], p: torch.Tensor, ns: str) -> Any:
 
 def _stack(entry: Any) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
     """Stacked-layer axes of a parameter entry: (their global shape, this layer's offsets, main replica)."""
-    m = _mapping()
+    m = megatron_mapping()
     st = entry
     if isinstance(entry, m.ShardedTensorFactory):
-        st = next((x for _, x in _walk(entry.build()) if isinstance(x, m.ShardedTensor)), None)
+        st = next((x for _, x in walk(entry.build()) if isinstance(x, m.ShardedTensor)), None)
         if st is None:
             return (), (), is_main_replica(entry.replica_id)
     pre = int(st.prepend_axis_num)
@@ -71,19 +71,19 @@ def _param_shaped(value: Any, p: torch.Tensor) -> bool:
 
 
 def _with_data(entry: Any, t: torch.Tensor) -> Any:
-    m = _mapping()
+    m = megatron_mapping()
     if isinstance(entry, m.ShardedTensorFactory):
         return dataclasses.replace(entry, data=t)
     return dataclasses.replace(entry, data=t, dtype=t.dtype)
 
 
 def save_optimizer(
-    ns: str, opt: torch.optim.Optimizer, trees: Mapping[str, Any], builder: _SaveBuilder
+    ns: str, opt: torch.optim.Optimizer, trees: Mapping[str, Any], builder: SaveBuilder
 ) -> None:
     """Add ``opt``'s state to ``builder`` under ``<ns>/<ShardedTensor key>/<state>``."""
     from .adapter import _plain
 
-    m = _mapping()
+    m = megatron_mapping()
     entries = _param_entries(trees)
     groups = []
     for group in opt.param_groups:
@@ -107,16 +107,16 @@ def save_optimizer(
                     builder.tensor(name, shape, value.dtype, [(box, view)] if box.volume else [], main)
                 else:
                     builder.value(name, value, main)
-    builder.value(f"{ns}/~param_groups", groups, _rank() == 0, scope="global")
+    builder.value(f"{ns}/~param_groups", groups, global_rank() == 0, scope="global")
 
 
 def load_optimizer(
-    ns: str, opt: torch.optim.Optimizer, trees: Mapping[str, Any], builder: _LoadBuilder
+    ns: str, opt: torch.optim.Optimizer, trees: Mapping[str, Any], builder: LoadBuilder
 ) -> Callable[[], None]:
     """Plan loading ``opt``'s state saved by :func:`save_optimizer` under any layout; returns the finish step."""
     from .adapter import _restore_like
 
-    m = _mapping()
+    m = megatron_mapping()
     meta = builder.meta
     entries = _param_entries(trees)
     index: dict[str, set[str]] = {}
@@ -131,7 +131,7 @@ def load_optimizer(
             entry = _entry_of(entries, p, ns)
             current = opt.state.get(p, {})
             built = entry.build() if isinstance(entry, m.ShardedTensorFactory) else entry
-            sts = [x for _, x in _walk(built) if isinstance(x, m.ShardedTensor)]
+            sts = [x for _, x in walk(built) if isinstance(x, m.ShardedTensor)]
             keys = {entry.key} | {st.key for st in sts}
             for state in sorted(set().union(*(index.get(k, set()) for k in keys))):
                 plan.append((p, state, _load_state(ns, p, entry, sts, state, current.get(state), builder)))
@@ -151,10 +151,10 @@ def load_optimizer(
 
 
 def _load_state(
-    ns: str, p: torch.Tensor, entry: Any, sts: list[Any], state: str, current: Any, builder: _LoadBuilder
+    ns: str, p: torch.Tensor, entry: Any, sts: list[Any], state: str, current: Any, builder: LoadBuilder
 ) -> Callable[[], Any]:
     """Plan one state entry of one parameter; returns the getter of its loaded value."""
-    m = _mapping()
+    m = megatron_mapping()
     meta = builder.meta
     param_names = [f"{ns}/{st.key}/{state}" for st in sts]
     # laid out like the parameter when stored with the parameter's rank (a different global shape, e.g. other

@@ -1,0 +1,80 @@
+"""Helpers the save and load pipelines share: tensorstore specs, error translation, sidecar files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from typing import Any
+
+import numpy as np
+
+from ..codecs import array_metadata, numpy_dtype
+from ..errors import CorruptCheckpointError, StorageError
+from ..regions import Box
+from ..storage import Storage
+
+log = logging.getLogger("arraycheckpoint")
+
+DEFAULT_INFLIGHT_BYTES = 1 << 30
+
+
+def write_sidecar(storage: Storage, root: str, key: str, doc: dict[str, Any]) -> None:
+    """Best-effort JSON sidecar (metrics): never fails a save or a load."""
+    try:
+        storage.write(root, key, json.dumps(doc).encode())
+    except Exception:  # noqa: BLE001 - metrics never fail a save or a load (read-only storage, ...)
+        log.warning("could not write %s/%s", root, key, exc_info=True)
+
+
+def array_spec(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
+    return {
+        "driver": "zarr3",
+        "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{layout.name}"),
+        "metadata": array_metadata(
+            layout.shape,
+            numpy_dtype(layout.dtype),
+            layout.chunk_shape,
+            layout.inner_chunk_shape,
+            layout.compression,
+            name=layout.name,  # dimension_names (xarray needs them)
+        ),
+        # every chunk gets its file, also an all-zero one: a missing file on load then means damage
+        "store_data_equal_to_fill_value": True,
+    }
+
+
+def wait_write(fut: Any, name: str) -> None:
+    try:
+        fut.result()
+    except Exception as e:  # noqa: BLE001
+        raise StorageError(f"tensor {name!r}: write failed: {e}") from e
+
+
+# tensorstore reports checksum failures as DATA_LOSS "Digest mismatch"; truncation as decode errors.
+_CORRUPTION_WORDS = (
+    "data_loss",
+    "digest",
+    "checksum",
+    "crc",
+    "decod",
+    "corrupt",
+    "invalid",
+    "truncat",
+    "is missing",
+)
+
+
+def read_result(fut: Any, name: str, box: Box, root: str) -> np.ndarray:
+    try:
+        return fut.result()
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        kind = CorruptCheckpointError if any(w in msg.lower() for w in _CORRUPTION_WORDS) else StorageError
+        raise kind(f"tensor {name!r}: reading region {box} from {root} failed: {msg}") from e
+
+
+def describe(e: BaseException, rank: int) -> str:
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
+    return f"rank {rank}: {type(e).__name__}: {e}{where}"

@@ -1,0 +1,354 @@
+"""How a save is coordinated: who plans, what travels between ranks, and how the commit is agreed.
+
+Per save, in the background thread of every rank, in this order:
+
+0. *agree* (before the snapshot, in the caller's thread): one fixed-size all-reduce decides, identically on
+   every rank, whether the cached plan is reused, whether every rank declared the same thing, and whether
+   any rank failed to declare (:meth:`Coordinator.agree`);
+1. *plan*: a rank declares each tensor by its layout rule (:mod:`arraycheckpoint.rules`). When every rank's
+   declaration is the same (FSDP2, DDP), each rank plans by itself with no collective. Otherwise the
+   coordinator (rank 0) gathers 16-byte digests, then one declaration per distinct digest, and broadcasts
+   the distinct declarations once; every rank then plans (:mod:`arraycheckpoint.groupplan`: deterministic,
+   the same plan everywhere) and derives its own work. No rank receives O(world size x payload) bytes;
+2. (the save pipeline exchanges fragments and writes its chunks)
+3. *commit*: the coordinator gathers every rank's status, writes ``.metadata.json`` and the group
+   ``zarr.json`` files, commits through the storage's strategy and broadcasts the outcome, so an error on
+   any rank surfaces on every rank.
+
+No bytes of tensor data pass through here. The plan id every rank executed is compared at commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import zlib
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from .._tscontext import context
+from ..codecs import CODEC_PRESET, zarr_dtype_name
+from ..collectives import Communicator
+from ..errors import ArrayCheckpointError, SaveFailedError
+from ..groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
+from ..groupplan import rank_plan as rank_plan_of
+from ..items import SaveRequest, SaveTensor
+from ..metadata import (
+    METADATA_FILE,
+    METRICS_FILE,
+    CheckpointMetadata,
+    ObjectMeta,
+    TensorMeta,
+    check_name,
+)
+from ..regions import Box
+from ..rules import Mesh, digest, encode_ranks, rule_boxes
+from .common import describe, write_sidecar
+from .job import CachedPlan, SaveJob, SaveOptions
+
+log = logging.getLogger("arraycheckpoint")
+
+MAX_CACHED_PLANS = 16
+
+
+class Coordinator:
+    """Plans and commits saves; keeps the plan cache (one per process, used from the save thread only)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[str, CachedPlan] = {}
+
+    def agree(self, job: SaveJob) -> None:
+        """The one collective before the snapshot: do all ranks reuse the same cached plan, do all ranks hold
+        identical declarations (then each plans alone), did any rank fail to declare?
+
+        A fixed-size all-reduce: ``[ok, d, -d, c, -c]`` where ``d`` is the declaration digest and ``c`` the
+        cached plan's id (-1 without one). Every rank reaches the same decision, so the collectives that
+        follow are the same on every rank: a structure change on one rank replans everywhere, never hangs.
+        """
+        cached = self._plans.get(job.key) if job.decl is not None else None
+        d = _as_int(job.decl_digest) if job.decl is not None else 0
+        c = cached.plan_hash if cached is not None else -1
+        ok, dmin, dmax_neg, cmin, cmax_neg = job.comm.all_reduce_min(
+            [int(job.decl is not None), d, -d, c, -c]
+        )
+        if not ok:
+            job.mode = "skip"  # a rank could not declare: it reports why at commit, nobody plans or writes
+        elif cmin >= 0 and cmin == -cmax_neg:
+            job.mode, job.cached = "cached", cached
+        elif dmin == -dmax_neg:
+            job.mode = "local"
+        else:
+            job.mode = "gather"
+
+    def plan(self, job: SaveJob) -> CachedPlan | None:
+        """This rank's part of the plan (None when the save is skipped); see :meth:`agree` for the path."""
+        if job.mode == "skip":
+            return None
+        if job.mode == "cached":
+            assert job.cached is not None
+            return job.cached
+        comm, world = job.comm, job.comm.world_size
+        with job.recorder.phase("plan") as rec:
+            if job.mode == "local":
+                # every rank declared the same thing: each derives the whole plan, no collective at all
+                groups = [(job.decl, tuple(range(world)))]
+            else:
+                groups, rec["bytes"] = _gather_declarations(job)
+            compact = build_compact_plan(groups, world, job.options.plan)
+            rank_plan = rank_plan_of(compact, comm.rank)
+        cached = CachedPlan(rank_plan, compact, _as_int(bytes.fromhex(compact.plan_id)))
+        job.cached = cached
+        if job.error is None:
+            self._plans[job.key] = cached
+            while len(self._plans) > MAX_CACHED_PLANS:  # structures that keep changing (dataloader buffers)
+                self._plans.pop(next(iter(self._plans)))
+        return cached
+
+    def commit(self, job: SaveJob) -> CheckpointMetadata | None:
+        """Gather statuses; the coordinator writes metadata and commits; the outcome reaches every rank."""
+        comm = job.comm
+        rank_objects = {o.name: o.value for o in job.request.objects if o.scope == "rank"}
+        status = {
+            "kind": "commit",
+            "plan_id": job.cached.rank_plan.plan_id if job.cached else None,
+            "error": job.error,
+            "objects": rank_objects,
+            "metrics": job.recorder.to_json(),
+        }
+        statuses = comm.gather_json(status, dst=0)
+        outcome: dict[str, Any] = {"error": None}
+        meta = None
+        if comm.rank == 0:
+            assert statuses is not None
+            errors = [s.get("error") for s in statuses if s.get("kind") != "commit" or s.get("error")]
+            plan_ids = {s.get("plan_id") for s in statuses}
+            if not errors and len(plan_ids) != 1:
+                errors = [
+                    f"ranks executed different save plans {sorted(map(str, plan_ids))}: the state "
+                    "structure changed on some ranks but not others between saves"
+                ]
+            if errors:
+                outcome["error"] = "; ".join(str(e) for e in errors)
+            else:
+                try:
+                    with job.recorder.phase("commit"):
+                        meta = self._write_metadata(job, statuses)
+                        job.storage.commit(job.staging, job.final, job.options.overwrite)
+                except Exception as e:  # noqa: BLE001
+                    outcome["error"] = describe(e, 0)
+            if outcome["error"]:
+                job.storage.abort(job.staging, job.final)
+            else:
+                # the metadata was written inside the commit phase, so the complete record (commit included)
+                # goes to a sidecar after it; best effort: the checkpoint is committed either way
+                save = {str(r): s.get("metrics", {}) for r, s in enumerate(statuses)}
+                save["0"] = job.recorder.to_json()
+                write_sidecar(job.storage, job.final, METRICS_FILE, {"save": save})
+            job.storage.release(job.final, job.token)
+        outcome = comm.broadcast_json(outcome, src=0)
+        if outcome["error"]:
+            raise SaveFailedError(f"save to {job.final} failed and was not committed: {outcome['error']}")
+        return meta
+
+    def _write_metadata(self, job: SaveJob, statuses: list[dict[str, Any]]) -> CheckpointMetadata:
+        import tensorstore as ts
+
+        plan = job.cached.compact if job.cached else None
+        assert plan is not None, "coordinator lost its plan"
+        meta = build_metadata(plan, job.request, statuses)
+        kv = ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
+        groups = {""}
+        for name in list(meta.tensors) + list(meta.objects):
+            parts = name.split("/")
+            groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        attrs = {
+            "format_version": meta.format_version,
+            "framework": meta.framework,
+            "step": meta.step,
+            "world_size": meta.world_size,
+            "topology": dict(meta.topology),
+            "roles": list(meta.roles),
+        }
+        writes = [kv.write(METADATA_FILE, meta.to_json().encode())]
+        for g in sorted(groups):
+            doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs if g == "" else {}}
+            writes.append(kv.write(f"{g}/zarr.json" if g else "zarr.json", json.dumps(doc).encode()))
+        for w in writes:
+            w.result()
+        job.storage.flush(job.staging)
+        return meta
+
+
+def build_metadata(
+    plan: CompactPlan, request: SaveRequest, statuses: list[dict[str, Any]]
+) -> CheckpointMetadata:
+    """The checkpoint's metadata (format 2): the plan's decisions and rules, objects, per-rank metrics."""
+    group_index = {id(d): i for i, (d, _r) in enumerate(plan.groups)}
+    tensors = {}
+    for name, td in plan.tensors.items():
+        layout = td.layout
+        tensors[name] = TensorMeta(
+            name=name,
+            shape=layout.shape,
+            dtype=layout.dtype,
+            chunk_shape=layout.chunk_shape,
+            inner_chunk_shape=layout.inner_chunk_shape,
+            compression=layout.compression,
+            shards=(),
+            writers=td.writers,
+            regions=tuple((group_index[id(d)], rule_json(t.rule)) for d, t in plan.contributions(name)),
+        )
+    objects: dict[str, ObjectMeta] = {}
+    for o in request.objects:
+        if o.scope == "global":
+            objects[o.name] = ObjectMeta(o.name, "global", value=o.value)
+    for rank, s in enumerate(statuses):
+        for name, value in s.get("objects", {}).items():
+            prev = objects.get(name)
+            per_rank = dict(prev.per_rank) if prev else {}
+            per_rank[rank] = value
+            objects[name] = ObjectMeta(name, "rank", per_rank=per_rank)
+    metrics = {"save": {str(r): s.get("metrics", {}) for r, s in enumerate(statuses)}}
+    return CheckpointMetadata(
+        framework=request.framework,
+        world_size=plan.world,
+        tensors=tensors,
+        objects=objects,
+        step=request.step,
+        topology=request.topology,
+        roles=request.roles,
+        metrics=metrics,
+        library_version=__version__,
+        codec_preset=CODEC_PRESET,
+        layout_groups=tuple(
+            {"meshes": [m.to_json() for m in d.meshes], "ranks": encode_ranks(r)} for d, r in plan.groups
+        ),
+    )
+
+
+def declare(tensors: list[SaveTensor], rank: int) -> Decl:
+    """This rank's declaration: one rule per tensor (a checked DTensor mesh rule, replica, or boxes).
+
+    Bad input (unsafe or duplicate names) raises here; the caller reports it through the agreement.
+    """
+    meshes: list[Mesh] = []
+    out = []
+    seen = set()
+    for t in tensors:
+        check_name(t.name)
+        if t.name in seen:
+            raise ArrayCheckpointError(f"tensor {t.name!r} appears twice in one save request")
+        seen.add(t.name)
+        dtype = np.dtype(t.dtype)
+        shape = tuple(int(s) for s in t.shape)
+        boxes = tuple(s.box for s in t.shards if s.box.volume)
+        rule: tuple[Any, ...]
+        if t.rule is not None and t.rule[0] == "mesh":
+            mesh = t.rule[1]
+            if mesh not in meshes:
+                meshes.append(mesh)
+            rule = ("mesh", meshes.index(mesh), tuple(t.rule[2]))
+            if rank not in mesh.ranks or set(rule_boxes(shape, rule, meshes, rank)) != set(boxes):
+                rule = ("boxes", boxes)  # the rule does not describe what this rank holds: say it plainly
+        elif math.prod(shape) and boxes == (Box.full(shape),):
+            rule = ("replica",)
+        else:
+            rule = ("boxes", boxes)
+        out.append(TensorRule(t.name, shape, zarr_dtype_name(dtype), dtype.itemsize, rule))
+    used = sorted({r[1] for r in (x.rule for x in out) if r[0] == "mesh"})
+    if len(used) != len(meshes):  # drop meshes no rule kept
+        remap = {old: new for new, old in enumerate(used)}
+        out = [
+            TensorRule(x.name, x.shape, x.dtype, x.itemsize, ("mesh", remap[x.rule[1]], x.rule[2]))
+            if x.rule[0] == "mesh"
+            else x
+            for x in out
+        ]
+        meshes = [meshes[i] for i in used]
+    return Decl(tuple(meshes), tuple(out))
+
+
+def structure_key(decl_digest: bytes, comm: Communicator, options: SaveOptions) -> str:
+    """The plan-cache key of this rank's structure (its declaration, world and planning options)."""
+    h = hashlib.sha1(decl_digest)
+    h.update(repr((comm.rank, comm.world_size, options.plan)).encode())
+    return h.hexdigest()
+
+
+def declaration_digest(decl: Decl, comm: Communicator, options: SaveOptions) -> bytes:
+    """16 bytes standing for the declaration (equal on ranks that declared the same thing)."""
+    return digest([decl.to_json(), comm.world_size, repr(options.plan)])
+
+
+def _as_int(b: bytes) -> int:
+    return int.from_bytes(b[:8], "little") >> 2  # non-negative, fits int64 with room for negation
+
+
+def _gather_declarations(job: SaveJob) -> tuple[list[tuple[Decl, tuple[int, ...]]], int]:
+    """Distinct declarations to every rank: digests to the coordinator (16 bytes per rank), full
+    declarations from one representative per digest, then one compressed broadcast of the distinct
+    declarations and each rank's group. Returns the groups and the bytes this rank received."""
+    comm = job.comm
+    me = comm.rank
+    got = 0
+    digests = comm.gather_bytes(job.decl_digest, dst=0)
+    reps_raw = None
+    if me == 0:
+        assert digests is not None
+        got += sum(len(x) for x in digests)
+        reps, group_of = group_digests(digests)
+        reps_raw = np.asarray(reps, dtype=np.int32).tobytes()
+    reps_raw = comm.broadcast_bytes(reps_raw, 0)
+    got += len(reps_raw) if me else 0
+    reps = np.frombuffer(reps_raw, dtype=np.int32).tolist()
+    payload = zlib.compress(_dumps(job.decl.to_json())) if me in set(reps) else b""
+    decls = comm.gather_bytes(payload, dst=0)
+    blob = None
+    if me == 0:
+        assert decls is not None
+        got += sum(len(x) for x in decls)
+        blob = pack_groups([decls[r] for r in reps], group_of)
+    blob = comm.broadcast_bytes(blob, 0)
+    got += len(blob) if me else 0
+    return unpack_groups(blob), got
+
+
+def group_digests(digests: list[bytes]) -> tuple[list[int], np.ndarray]:
+    """Coordinator: one representative rank per distinct digest, and every rank's group index."""
+    first: dict[bytes, int] = {}
+    reps: list[int] = []
+    group_of = np.zeros(len(digests), dtype=np.int32)
+    for r, dg in enumerate(digests):
+        g = group_of[r] = first.setdefault(dg, len(first))
+        if g == len(reps):
+            reps.append(r)
+    return reps, group_of
+
+
+def pack_groups(rep_payloads: list[bytes], group_of: np.ndarray) -> bytes:
+    """Coordinator: the compressed broadcast of the distinct declarations and each rank's group."""
+    try:
+        parsed = [json.loads(zlib.decompress(p)) for p in rep_payloads]
+        return zlib.compress(_dumps({"decls": parsed, "group_of": group_of.tolist()}))
+    except Exception as e:  # noqa: BLE001 - a malformed declaration fails the save on every rank
+        return zlib.compress(_dumps({"error": f"a declaration could not be read: {e}"}))
+
+
+def unpack_groups(blob: bytes) -> list[tuple[Decl, tuple[int, ...]]]:
+    """Every rank: the groups of the broadcast (planning then runs identically everywhere)."""
+    doc = json.loads(zlib.decompress(blob))
+    if "error" in doc:
+        raise SaveFailedError(f"planning failed: {doc['error']}")
+    members: dict[int, list[int]] = defaultdict(list)
+    for r, g in enumerate(doc["group_of"]):
+        members[g].append(r)
+    return [(Decl.from_json(d), tuple(members[g])) for g, d in enumerate(doc["decls"])]
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

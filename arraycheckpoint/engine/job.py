@@ -1,0 +1,57 @@
+"""The state of one save as it moves through the pipeline (shared by the save pipeline and the coordinator)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..collectives import Communicator
+from ..future import CheckpointFuture
+from ..groupplan import CompactPlan, Decl
+from ..items import SaveRequest
+from ..monitoring import PhaseRecorder
+from ..plan import PlanOptions, RankPlan
+from ..regions import Box
+from ..storage import Storage
+from .common import DEFAULT_INFLIGHT_BYTES
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Options of one save (identical on every rank)."""
+
+    overwrite: bool = False
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
+    # the caller waits for the commit (``save()``): sources may lend their memory instead of being copied
+    blocking: bool = False
+
+
+@dataclass
+class CachedPlan:
+    rank_plan: RankPlan  # this rank's work
+    compact: CompactPlan  # the whole plan (every rank has it; the coordinator writes metadata from it)
+    plan_hash: int  # the plan id as a non-negative int64, for the agreement
+
+
+@dataclass
+class SaveJob:
+    storage: Storage
+    final: str
+    staging: str
+    token: str
+    request: SaveRequest
+    comm: Communicator
+    options: SaveOptions
+    future: CheckpointFuture
+    key: str
+    decl: Decl | None  # None: this rank could not declare (its error is in ``error``)
+    decl_digest: bytes
+    cached: CachedPlan | None
+    local: dict[str, list[tuple[Box, np.ndarray]]]
+    dtypes: dict[str, np.dtype]
+    recorder: PhaseRecorder
+    error: str | None = None
+    mode: str = ""  # agreed by all ranks: "cached", "local", "gather" or "skip" (see Coordinator.agree)
+    buffers: list[np.ndarray] = field(default_factory=list)

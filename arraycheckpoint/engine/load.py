@@ -1,0 +1,232 @@
+"""The load pipeline: open a committed checkpoint's metadata, then read exactly the requested regions.
+
+Reads run concurrently through tensorstore, straight into destination memory where the target allows it,
+with a bound on bytes in flight. Optional load-time read sharing reads a region several ranks want once.
+This module does not know any framework (adapters translate) and never writes a checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._tscontext import context
+from ..codecs import CODEC_PRESET, array_metadata, numpy_dtype
+from ..collectives import Communicator
+from ..errors import CheckpointNotFoundError, MetadataError, StorageError
+from ..items import LoadTensor
+from ..metadata import LOAD_METRICS_FILE, METADATA_FILE, CheckpointMetadata, check_name
+from ..monitoring import PhaseRecorder
+from ..regions import Box
+from ..storage import Storage, storage_for
+from .common import DEFAULT_INFLIGHT_BYTES, read_result, write_sidecar
+
+
+class LoadPipeline:
+    """Reads checkpoints. ``wait_idle`` lets collectives wait until the save pipeline frees the group."""
+
+    def __init__(self, wait_idle: Callable[[], None]) -> None:
+        self._wait_idle = wait_idle
+
+    def read_metadata(
+        self, url: str, *, allow_pickle: bool = False
+    ) -> tuple[Storage, str, CheckpointMetadata]:
+        """Open a committed checkpoint's metadata; raises if it is absent or uncommitted.
+
+        A path holding a foreign checkpoint (Hugging Face safetensors, DCP) returns its load source in place
+        of the storage (:mod:`arraycheckpoint.sources`); :meth:`_read` then delegates to it.
+        """
+        storage, root = storage_for(url)
+        if not storage.is_committed(root):
+            from ..sources import open_source  # hook: foreign formats
+
+            source = open_source(storage, root, allow_pickle=allow_pickle)
+            if source is not None:
+                return source, root, source.metadata  # type: ignore[return-value]
+            what = (
+                "has no commit marker (a save did not finish)"
+                if storage.exists(root, METADATA_FILE)
+                else "does not exist"
+            )
+            raise CheckpointNotFoundError(f"no committed checkpoint at {root}: it {what}")
+        raw = storage.read(root, METADATA_FILE)
+        if raw is None:
+            raise MetadataError(f"checkpoint {root} is committed but has no {METADATA_FILE}")
+        return storage, root, CheckpointMetadata.from_json(raw)
+
+    def load(
+        self,
+        storage: Storage,
+        root: str,
+        meta: CheckpointMetadata,
+        targets: list[LoadTensor],
+        max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+        comm: Communicator | None = None,
+        dedup_reads: bool = False,
+    ) -> PhaseRecorder:
+        """Read every target region concurrently and hand it to its sink (in the calling thread).
+
+        With ``dedup_reads`` (and more than one rank in ``comm``), a region several ranks want is read by one
+        of them and shared through the communicator in one batched all-to-all (collective: every rank calls).
+        """
+        recorder = PhaseRecorder()
+        if dedup_reads and comm is not None and comm.world_size > 1:
+            self._wait_idle()  # the checkpoint group must be idle before load collectives
+            with recorder.phase("read-shared") as rec:
+                targets, rec["bytes"] = self._shared_reads(
+                    storage, root, meta, targets, comm, max_inflight_bytes, recorder
+                )
+        self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
+        return recorder
+
+    def _shared_reads(
+        self,
+        storage: Storage,
+        root: str,
+        meta: CheckpointMetadata,
+        targets: list[LoadTensor],
+        comm: Communicator,
+        max_inflight_bytes: int,
+        recorder: PhaseRecorder,
+    ) -> tuple[list[LoadTensor], int]:
+        """Read regions wanted by several ranks once, ship them; return the targets left to read locally."""
+        from ..items import LoadShard
+        from ..plan import assign_shared_reads
+
+        mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
+        wanted = comm.all_gather_json([[n, list(b.offsets), list(b.lengths)] for n, b in mine])
+        requests = [[(n, Box(tuple(o), tuple(ln))) for n, o, ln in w] for w in wanted]
+        itemsize = {
+            n: numpy_dtype(meta.tensors[n].dtype).itemsize
+            for w in requests
+            for n, _ in w
+            if n in meta.tensors
+        }
+        readers = assign_shared_reads(requests, itemsize)  # (name, box) -> reader, only for shared regions
+        me = comm.rank
+        asked = [set(w) for w in requests]
+        got: dict[tuple[str, Box], np.ndarray] = {}
+        reads = [
+            LoadTensor(n, [LoadShard(b, lambda a, k=(n, b): got.__setitem__(k, a))])
+            for (n, b), r in sorted(readers.items())
+            if r == me
+        ]
+        self._read(storage, root, meta, reads, max_inflight_bytes, recorder)
+        send = [[] for _ in range(comm.world_size)]
+        recv_sizes = [0] * comm.world_size
+        for key, reader in sorted(readers.items()):
+            n, b = key
+            nbytes = b.volume * itemsize[n]
+            for r in range(comm.world_size):
+                if r != reader and key in asked[r]:
+                    if reader == me:
+                        send[r].append(np.ascontiguousarray(got[key]).view(np.uint8).ravel())
+                    if r == me:
+                        recv_sizes[reader] += nbytes
+        flat = [np.concatenate(x) if x else np.empty(0, np.uint8) for x in send]
+        received = comm.all_to_all_bytes(flat, recv_sizes)
+        cursor = [0] * comm.world_size
+        for key, reader in sorted(readers.items()):
+            if reader != me and key in asked[me]:
+                n, b = key
+                dtype = numpy_dtype(meta.tensors[n].dtype)
+                size = b.volume * dtype.itemsize
+                got[key] = (
+                    received[reader][cursor[reader] : cursor[reader] + size].view(dtype).reshape(b.lengths)
+                )
+                cursor[reader] += size
+        rest = []
+        for t in targets:
+            local = []
+            for shard in t.shards:
+                key = (t.name, shard.box)
+                if key in got:
+                    shard.sink(got[key])
+                else:
+                    local.append(shard)
+            rest.append(LoadTensor(t.name, local))
+        return rest, sum(a.nbytes for a in got.values())
+
+    def _read(
+        self,
+        storage: Storage,
+        root: str,
+        meta: CheckpointMetadata,
+        targets: list[LoadTensor],
+        max_inflight_bytes: int,
+        recorder: PhaseRecorder,
+    ) -> None:
+        import tensorstore as ts
+
+        from ..sources import LoadSource
+
+        if isinstance(storage, LoadSource):  # hook: a foreign format reads its own byte ranges
+            storage.read(targets, max_inflight_bytes, recorder)
+            return
+        with recorder.phase("read") as rec:
+            opening = {}
+            for t in targets:
+                check_name(t.name)
+                if t.name not in opening and t.shards:
+                    spec = {
+                        "driver": "zarr3",
+                        "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}"),
+                        "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
+                    }
+                    known = meta.codec_preset == CODEC_PRESET  # else: read the array's own zarr.json
+                    if known:
+                        tm = meta.tensors[t.name]
+                        spec["metadata"] = array_metadata(
+                            tm.shape,
+                            numpy_dtype(tm.dtype),
+                            tm.chunk_shape,
+                            tm.inner_chunk_shape,
+                            tm.compression,
+                        )
+                    opening[t.name] = ts.open(spec, open=True, assume_metadata=known, context=context())
+            stores = {}
+            for name, fut in opening.items():
+                try:
+                    stores[name] = fut.result()
+                except Exception as e:  # noqa: BLE001
+                    raise StorageError(f"tensor {name!r}: opening its array in {root} failed: {e}") from e
+            inflight: deque[tuple[Any, Any, str, Box, int]] = deque()
+            pending = total = 0
+
+            def drain_one() -> int:
+                fut, sink, name, box, n = inflight.popleft()
+                result = read_result(fut, name, box, root)
+                if sink is not None:
+                    sink(result)
+                return n
+
+            for t in targets:
+                stored = numpy_dtype(meta.tensors[t.name].dtype) if t.shards else None
+                for shard in t.shards:
+                    n = shard.box.volume * stored.itemsize
+                    while inflight and pending + n > max_inflight_bytes:
+                        pending -= drain_one()
+                    region = stores[t.name][shard.box.slices()]
+                    if shard.target is not None and shard.target.dtype == stored:
+                        # straight into the destination: no intermediate array, no second copy
+                        dest = ts.array(shard.target, copy=False, write=True)
+                        inflight.append((dest.write(region), None, t.name, shard.box, n))
+                    else:
+                        inflight.append((region.read(), shard.sink, t.name, shard.box, n))
+                    pending += n
+                    total += n
+            while inflight:
+                drain_one()
+            rec["bytes"] = total
+
+
+def record_load_metrics(url: str, recorder: PhaseRecorder, comm: Communicator) -> None:
+    """Gather every rank's load phases; the coordinator stores them as ``.metrics-load.json`` (collective)."""
+    records = comm.gather_json(recorder.to_json(), dst=0)
+    if records is not None:
+        storage, root = storage_for(url)
+        doc = {"load": {str(r): rec for r, rec in enumerate(records)}}
+        write_sidecar(storage, root, LOAD_METRICS_FILE, doc)

@@ -1,0 +1,274 @@
+"""The save pipeline: snapshot in the caller's thread, then exchange, write and flush in the background.
+
+``save_async`` copies the local regions the plan needs into reusable host buffers and returns; one background
+thread per process then runs, in order, the coordinator's planning step, the fragment exchange (chunks that
+straddle ranks), the tensorstore writes (bounded bytes in flight), one flush, and the coordinator's commit.
+Saves run strictly one after another (buffers and the checkpoint group are reused).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._tscontext import context
+from ..codecs import numpy_dtype
+from ..collectives import Communicator
+from ..errors import ArrayCheckpointError, SaveFailedError
+from ..future import CheckpointFuture
+from ..hostpool import HostBufferPool
+from ..items import SaveRequest
+from ..monitoring import PhaseRecorder
+from ..plan import RankPlan
+from ..regions import Box, intersect
+from ..storage import storage_for
+from .common import array_spec, describe, wait_write
+from .coordinate import Coordinator, declaration_digest, declare, structure_key
+from .job import SaveJob, SaveOptions
+
+log = logging.getLogger("arraycheckpoint")
+
+
+class SavePipeline:
+    """Runs saves: the snapshot in the caller's thread, the rest in one background thread."""
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-save")
+        self._coordinator = Coordinator()
+        self._pool = pool
+        self._last: CheckpointFuture | None = None
+        self._counter = itertools.count()
+        self._last_mode = ""
+
+    def wait_idle(self) -> None:
+        """Wait (without raising) until the last save has finished with the checkpoint group."""
+        if self._last is not None:
+            self._last.exception()
+
+    def save_async(
+        self, url: str, request: SaveRequest, comm: Communicator, options: SaveOptions | None = None
+    ) -> CheckpointFuture:
+        """Snapshot ``request`` and write it in the background; returns once the snapshot is taken."""
+        options = options or SaveOptions()
+        storage, final = storage_for(url)
+        future = CheckpointFuture(final)
+        self.wait_idle()  # buffers and the checkpoint group are reused
+        decl, decl_error, decl_digest = None, None, b""
+        try:
+            decl = declare(request.tensors, comm.rank)
+            decl_digest = declaration_digest(decl, comm, options)
+        except Exception as e:  # noqa: BLE001 - every rank must still reach the agreement
+            decl_error = e
+        key = structure_key(decl_digest, comm, options)
+        self._last = future
+        recorder = PhaseRecorder()
+        token = f"{comm.session_id}-{next(self._counter)}"
+        job = SaveJob(
+            storage=storage,
+            final=final,
+            staging=storage.staging_root(final, token),
+            token=token,
+            request=request,
+            comm=comm,
+            options=options,
+            future=future,
+            key=key,
+            decl=decl,
+            decl_digest=decl_digest,
+            cached=None,
+            local={},
+            dtypes={t.name: np.dtype(t.dtype) for t in request.tensors},
+            recorder=recorder,
+        )
+        if decl_error is not None:
+            job.error = describe(decl_error, comm.rank)
+        self._coordinator.agree(job)  # the one collective before the snapshot (fixed size)
+        self._last_mode = job.mode  # for tests and monitoring: which planning path this save took
+        if decl_error is not None and comm.world_size == 1:
+            future._set_committed(error=decl_error)
+            return future
+        try:
+            if job.mode == "skip":
+                raise SaveFailedError(
+                    job.error or "another rank could not describe its state (see its error)"
+                )
+            if comm.rank == 0:
+                storage.check_target(final, options.overwrite)
+                storage.acquire(final, token)
+            self._snapshot(job)
+        except Exception as e:  # noqa: BLE001 - reported through the commit collective on every rank
+            job.error = job.error or describe(e, comm.rank)
+            if comm.world_size == 1:
+                self._pool.give(job.buffers)
+                future._set_committed(error=e)
+                return future
+        future._set_staged()
+        self._executor.submit(self._run, job)
+        return future
+
+    def _snapshot(self, job: SaveJob) -> None:
+        need = job.cached.rank_plan.needed_boxes() if job.cached else None
+        nbytes = 0
+        with job.recorder.phase("snapshot") as rec:
+            for t in job.request.tensors:
+                wanted = need.get(t.name, []) if need is not None else None
+                dtype = job.dtypes[t.name]
+                for shard in t.shards:
+                    if shard.box.volume == 0:
+                        continue
+                    if wanted is not None and not any(intersect(shard.box, w) is not None for w in wanted):
+                        continue
+                    view = _zero_copy_view(shard.source, job.options.blocking)
+                    if view is not None and tuple(view.shape) == shard.box.lengths and view.dtype == dtype:
+                        job.local.setdefault(t.name, []).append((shard.box, view))  # immutable: no copy
+                        nbytes += view.nbytes
+                        continue
+                    buf = self._pool.take(shard.box.lengths, dtype)
+                    job.buffers.append(buf)
+                    shard.source.copy_into(buf)
+                    job.local.setdefault(t.name, []).append((shard.box, buf))
+                    nbytes += buf.nbytes
+            rec["bytes"] = nbytes
+
+    def _run(self, job: SaveJob) -> None:
+        comm = job.comm
+        try:
+            plan = self._coordinator.plan(job)
+            # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
+            # the exchange while it waits in the commit gather (e.g. rank 0's CheckpointExistsError)
+            received = self._exchange(job, plan.rank_plan) if plan is not None else {}
+            if job.error is None and plan is not None:
+                self._write(job, plan.rank_plan, received)
+                with job.recorder.phase("flush"):
+                    job.storage.flush(job.staging)
+        except Exception as e:  # noqa: BLE001
+            job.error = job.error or describe(e, comm.rank)
+            log.debug("save failed on rank %d", comm.rank, exc_info=True)
+        finally:
+            self._pool.give(job.buffers)
+            job.buffers.clear()
+            job.local.clear()
+        try:
+            meta = self._coordinator.commit(job)
+        except ArrayCheckpointError as e:
+            job.future._set_committed(error=e)
+        except Exception as e:  # noqa: BLE001 - a collective failed: a peer died or the group broke
+            job.future._set_committed(
+                error=SaveFailedError(
+                    f"save to {job.final} did not complete: rank {comm.rank} lost contact with the other ranks "
+                    f"during commit ({type(e).__name__}: {e}); unless the path loads, it was not committed and "
+                    "CheckpointManager removes its leftovers on the next start"
+                )
+            )
+        else:
+            job.future._set_committed(meta)
+
+    def _exchange(self, job: SaveJob, plan: RankPlan) -> dict[tuple[str, Box], np.ndarray]:
+        """Ship fragments of straddling chunks to their writers: one batched all-to-all per save."""
+        comm = job.comm
+        if comm.world_size == 1 or not plan.exchange:
+            return {}
+        with job.recorder.phase("exchange") as rec:
+            # one send buffer per peer, each fragment copied into it once (no concatenate of copies)
+            sizes = [0] * comm.world_size
+            for t in plan.sends:
+                sizes[t.dst] += t.box.volume * job.dtypes[t.name].itemsize
+            flat = [np.zeros(n, np.uint8) for n in sizes]  # zeros: what a failed rank sends
+            cursor = [0] * comm.world_size
+            for t in plan.sends:
+                dtype = job.dtypes[t.name]
+                n = t.box.volume * dtype.itemsize
+                if job.error is None:  # a failed rank still enters the collective, with zeros
+                    try:
+                        dest = (
+                            flat[t.dst][cursor[t.dst] : cursor[t.dst] + n].view(dtype).reshape(t.box.lengths)
+                        )
+                        dest[...] = local_view(job, t.name, t.box)
+                    except Exception as e:  # noqa: BLE001 - reported at commit; the collective must still run
+                        job.error = describe(e, comm.rank)
+                cursor[t.dst] += n
+            recv_dtypes = {layout.name: numpy_dtype(layout.dtype) for layout in plan.layouts}
+            recv_sizes = [0] * comm.world_size
+            for t in plan.recvs:
+                recv_sizes[t.src] += t.box.volume * recv_dtypes[t.name].itemsize
+            got = comm.all_to_all_bytes(flat, recv_sizes)
+            out: dict[tuple[str, Box], np.ndarray] = {}
+            cursor = [0] * comm.world_size
+            for t in plan.recvs:
+                dtype = recv_dtypes[t.name]
+                n = t.box.volume * dtype.itemsize
+                raw = got[t.src][cursor[t.src] : cursor[t.src] + n]
+                cursor[t.src] += n
+                out[(t.name, t.box)] = raw.view(dtype).reshape(t.box.lengths)
+            rec["bytes"] = sum(recv_sizes)
+        return out
+
+    def _write(self, job: SaveJob, plan: RankPlan, received: dict[tuple[str, Box], np.ndarray]) -> None:
+        import tensorstore as ts
+
+        with job.recorder.phase("write") as rec:
+            stores = {}
+            opening = {
+                layout.name: ts.open(
+                    array_spec(job.storage, job.staging, layout),
+                    create=layout.name in plan.create,
+                    assume_metadata=layout.name not in plan.create,
+                    context=context(),
+                )
+                for layout in plan.layouts
+            }
+            for name, fut in opening.items():
+                stores[name] = fut.result()
+            inflight: deque[tuple[Any, int, str]] = deque()
+            pending = 0
+            total = 0
+            for w in plan.writes:
+                data = self._chunk_data(job, w, received)
+                nbytes = data.nbytes
+                while inflight and pending + nbytes > job.options.max_inflight_bytes:
+                    fut, n, name = inflight.popleft()
+                    wait_write(fut, name)
+                    pending -= n
+                arr = stores[w.name]
+                inflight.append((arr[w.chunk.slices()].write(data), nbytes, w.name))
+                pending += nbytes
+                total += nbytes
+            for fut, _n, name in inflight:
+                wait_write(fut, name)
+            rec["bytes"] = total
+
+    def _chunk_data(self, job: SaveJob, w: Any, received: dict[tuple[str, Box], np.ndarray]) -> np.ndarray:
+        me = job.comm.rank
+        if len(w.pieces) == 1 and w.pieces[0].box == w.chunk and w.pieces[0].src == me:
+            return local_view(job, w.name, w.chunk)
+        out = np.empty(w.chunk.lengths, dtype=job.dtypes[w.name])
+        for p in w.pieces:
+            src = local_view(job, w.name, p.box) if p.src == me else received[(w.name, p.box)]
+            out[p.box.slices(w.chunk)] = src
+        return out
+
+
+def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:
+    """A host view the engine may write from without a staging copy, or None.
+
+    ``stable_view()``: memory that never changes (immutable jax arrays on CPU). ``borrowed_view()``: memory the
+    caller will not touch while it waits for the commit, so only usable by a blocking ``save()``.
+    """
+    stable = getattr(source, "stable_view", None)
+    view = stable() if stable is not None else None
+    if view is None and blocking:
+        borrowed = getattr(source, "borrowed_view", None)
+        view = borrowed() if borrowed is not None else None
+    return view
+
+
+def local_view(job: SaveJob, name: str, box: Box) -> np.ndarray:
+    for held, buf in job.local.get(name, ()):
+        if held.contains(box):
+            return buf[box.slices(held)]
+    raise SaveFailedError(f"rank {job.comm.rank}: tensor {name!r} region {box} was not in the snapshot")

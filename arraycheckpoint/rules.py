@@ -1,0 +1,182 @@
+"""Layout rules: what one rank holds of a tensor, said once for every rank that holds it the same way.
+
+A rank declares each tensor it saves with one rule instead of a list of boxes wherever a rule exists:
+
+* ``["replica"]``: the whole tensor (DDP, replicated DTensor placements, small state);
+* ``["mesh", m, placements]``: a DTensor-style layout over mesh ``m`` of the declaration's mesh table:
+  ``placements[i]`` is the tensor dimension split over mesh dimension ``i`` (``-1`` = replicated). Splits
+  follow ``torch.chunk`` (what DTensor's ``Shard`` does): ``ceil(n / parts)`` per part, trailing parts
+  short or empty. Which box a rank holds follows from its coordinate in the mesh, so the rule is the same
+  on every rank of the mesh;
+* ``["boxes", [[offsets, lengths], ...]]``: explicit regions (irregular shards, megatron fragments).
+
+A rule that names no rank-specific value makes every rank's declaration identical: identical declarations
+travel once (their digest stands for them), and when every rank's declaration is identical each rank can
+plan the whole save by itself. This module is pure: no I/O, no communication.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError
+from .regions import Box
+
+REPLICA = ("replica",)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A device mesh: its shape and the rank at every coordinate (row-major)."""
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def to_json(self) -> list[Any]:
+        start = self.ranks[0] if self.ranks else 0
+        if self.ranks == tuple(range(start, start + len(self.ranks))):
+            return [list(self.shape), ["arange", start]]
+        return [list(self.shape), ["list", list(self.ranks)]]
+
+    @staticmethod
+    def from_json(j: Any) -> Mesh:
+        if not isinstance(j, list) or len(j) != 2 or not isinstance(j[1], list) or len(j[1]) != 2:
+            raise PlanError(f"malformed mesh {j!r}")
+        shape = tuple(int(s) for s in j[0])
+        kind, value = j[1]
+        n = math.prod(shape)
+        if kind == "arange":
+            ranks = tuple(range(int(value), int(value) + n))
+        elif kind == "list":
+            ranks = tuple(int(r) for r in value)
+        else:
+            raise PlanError(f"malformed mesh ranks {j[1]!r}")
+        if len(ranks) != n:
+            raise PlanError(f"mesh of shape {shape} lists {len(ranks)} ranks")
+        return Mesh(shape, ranks)
+
+
+def chunk_bounds(extent: int, parts: int) -> list[tuple[int, int]]:
+    """``torch.chunk`` / DTensor ``Shard`` split of ``extent`` into ``parts``: (offset, length) per part."""
+    size = -(-extent // parts) if parts else 0
+    out = []
+    for i in range(parts):
+        start = min(size * i, extent)
+        out.append((start, max(0, min(start + size, extent) - start)))
+    return out
+
+
+def mesh_box(shape: Sequence[int], mesh: Mesh, placements: Sequence[int], coord: Sequence[int]) -> Box:
+    """The box a rank at mesh coordinate ``coord`` holds (DTensor semantics, nested splits in mesh order)."""
+    offsets = [0] * len(shape)
+    lengths = list(shape)
+    for i, dim in enumerate(placements):
+        if dim < 0:
+            continue
+        start, length = chunk_bounds(lengths[dim], mesh.shape[i])[coord[i]]
+        offsets[dim] += start
+        lengths[dim] = length
+    return Box(tuple(offsets), tuple(lengths))
+
+
+def mesh_regions(
+    shape: tuple[int, ...], mesh: Mesh, placements: Sequence[int], members: frozenset[int] | None = None
+) -> dict[Box, list[int]]:
+    """Every non-empty box of a mesh rule and the ranks holding it (only ranks in ``members`` if given)."""
+    out: dict[Box, list[int]] = {}
+    coords = np.unravel_index(np.arange(len(mesh.ranks)), mesh.shape) if mesh.shape else ()
+    cache: dict[tuple[int, ...], Box] = {}
+    split_dims = [i for i, d in enumerate(placements) if d >= 0]
+    for flat, rank in enumerate(mesh.ranks):
+        if members is not None and rank not in members:
+            continue
+        coord = tuple(int(c[flat]) for c in coords)
+        key = tuple(coord[i] for i in split_dims)
+        box = cache.get(key)
+        if box is None:
+            box = cache[key] = mesh_box(shape, mesh, placements, coord)
+        if box.volume:
+            out.setdefault(box, []).append(rank)
+    return out
+
+
+def rule_boxes(shape: tuple[int, ...], rule: Sequence[Any], meshes: Sequence[Mesh], rank: int) -> list[Box]:
+    """The boxes ``rank`` holds under ``rule`` (for checking a declared rule against the local data)."""
+    kind = rule[0]
+    if kind == "replica":
+        return [Box.full(shape)] if math.prod(shape) else []
+    if kind == "boxes":
+        return [b if isinstance(b, Box) else Box(tuple(b[0]), tuple(b[1])) for b in rule[1]]
+    mesh = meshes[rule[1]]
+    flat = mesh.ranks.index(rank)
+    coord = np.unravel_index(flat, mesh.shape) if mesh.shape else ()
+    box = mesh_box(shape, mesh, rule[2], [int(c) for c in coord])
+    return [box] if box.volume else []
+
+
+def check_rule(shape: tuple[int, ...], rule: Sequence[Any], n_meshes: int) -> None:
+    """Refuse malformed rules (they come from other ranks: validate before use)."""
+    ok = isinstance(rule, list | tuple) and rule and rule[0] in ("replica", "mesh", "boxes")
+    if ok and rule[0] == "mesh":
+        ok = (
+            len(rule) == 3
+            and isinstance(rule[1], int)
+            and 0 <= rule[1] < n_meshes
+            and all(isinstance(d, int) and -1 <= d < len(shape) for d in rule[2])
+        )
+    if ok and rule[0] == "boxes":
+        ok = len(rule) == 2 and all(
+            len(b) == 2 and len(b[0]) == len(shape) and len(b[1]) == len(shape) for b in rule[1]
+        )
+    if not ok:
+        raise PlanError(f"malformed layout rule {rule!r} for a tensor of shape {shape}")
+
+
+def digest(obj: Any) -> bytes:
+    """A 16-byte digest of a JSON-able object (canonical separators)."""
+    return hashlib.blake2b(json.dumps(obj, separators=(",", ":")).encode(), digest_size=16).digest()
+
+
+def encode_ranks(ranks: Sequence[int]) -> list[list[int]]:
+    """Sorted ranks as ``[start, stop, step]`` runs (a DP group or a whole world is one run)."""
+    out: list[list[int]] = []
+    i, n = 0, len(ranks)
+    while i < n:
+        if i + 1 < n:
+            step = ranks[i + 1] - ranks[i]
+            j = i + 1
+            while j + 1 < n and ranks[j + 1] - ranks[j] == step:
+                j += 1
+            out.append([ranks[i], ranks[j] + 1, step])
+            i = j + 1
+        else:
+            out.append([ranks[i], ranks[i] + 1, 1])
+            i += 1
+    return out
+
+
+def decode_ranks(runs: Any, world_size: int) -> tuple[int, ...]:
+    """Inverse of :func:`encode_ranks`; refuses ranks outside ``[0, world_size)`` and absurd runs."""
+    if not isinstance(runs, list):
+        raise PlanError("ranks must be a list of [start, stop, step] runs")
+    out: list[int] = []
+    for run in runs:
+        if (
+            not isinstance(run, list)
+            or len(run) != 3
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in run)
+            or run[2] < 1
+            or not 0 <= run[0] < run[1] <= world_size
+        ):
+            raise PlanError(f"malformed rank run {run!r} (world size {world_size})")
+        out.extend(range(*run))
+        if len(out) > world_size:
+            raise PlanError(f"rank runs list more than {world_size} ranks")
+    return tuple(out)
