@@ -49,6 +49,7 @@ from .errors import ArrayCheckpointError, PlanError
 from .metadata import METADATA_FILE, CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
 from .plan import PlanOptions, split_chunk
 from .regions import Box, chunk_boxes
+from .rules import encode_ranks
 from .storage import storage_for
 
 try:  # the plug-in needs torch; importing arraycheckpoint does not
@@ -107,6 +108,19 @@ def fit_chunk_grid(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> tup
             f"({len(boxes)} items, {sum(b.volume for b in boxes)} of {math.prod(shape)} elements)"
         )
     return chunk
+
+
+def _box_rules(items: list[tuple[Box, int]], group_of: dict[int, int]) -> tuple[tuple[int, list[Any]], ...]:
+    by_rank: dict[int, list[Box]] = {}
+    for b, r in items:
+        by_rank.setdefault(r, []).append(b)
+    return tuple(
+        (
+            group_of[r],
+            ["boxes", [[list(b.offsets), list(b.lengths)] for b in sorted(boxes, key=lambda x: x.offsets)]],
+        )
+        for r, boxes in sorted(by_rank.items())
+    )
 
 
 def _np_dtype(torch_dtype: Any) -> np.dtype[Any]:
@@ -261,6 +275,9 @@ class Writer(StorageWriter):
         g = self._global
         storage, final = storage_for(self._require_path())
         staging, names = g["staging"], g["names"]
+        # format 2 regions: one layout group per writing rank, each tensor's items there as a "boxes" rule
+        holders = sorted({r for t in g["tensors"].values() for _b, r in t["items"]})
+        group_of = {r: i for i, r in enumerate(holders)}
         tensors = {}
         for fqn, t in g["tensors"].items():
             entry = names[fqn]
@@ -279,6 +296,7 @@ class Writer(StorageWriter):
                     for b, r in sorted(t["items"], key=lambda x: x[0].offsets)
                 ),
                 writers,
+                regions=_box_rules(t["items"], group_of),
             )
         byte_io = {
             r.index.fqn: r.storage_data for rank in results for r in rank if isinstance(r.storage_data, str)
@@ -294,6 +312,7 @@ class Writer(StorageWriter):
             topology={"world_size": world, "framework": "torch", "writer": "torch.distributed.checkpoint"},
             library_version=__version__,
             codec_preset=CODEC_PRESET,
+            layout_groups=tuple({"meshes": [], "ranks": encode_ranks([r])} for r in holders),
         )
         kv = ts.KvStore.open(storage.kvstore_spec(staging), context=context()).result()
         attrs = {
