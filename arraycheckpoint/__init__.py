@@ -14,6 +14,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from typing import Any  # noqa: E402
+
 from .api import load, load_jax, read_metadata, save, save_async  # noqa: E402
 from .errors import (  # noqa: E402
     ArrayCheckpointError,
@@ -39,6 +41,15 @@ from .metadata import CheckpointMetadata, ShardMeta, TensorMeta  # noqa: E402
 from .plan import PlanOptions  # noqa: E402
 from .prepare import prepare  # noqa: E402
 from .stateful import PerRank, list_roles  # noqa: E402
+
+
+def __getattr__(name: str) -> Any:  # lazy submodules that need torch: ``acp.dcp.Writer``
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ArrayCheckpointError",

@@ -213,7 +213,7 @@ def load(
     path = stateful.role_path(path, role)
     eng = engine()
     try:
-        storage, root, meta = eng.read_metadata(os.fspath(path))
+        storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
     except CheckpointNotFoundError as e:
         raise explain_not_found(os.fspath(path), e) from None
     special, state = stateful.split(state, meta)

@@ -132,7 +132,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     ckpt = open_checkpoint(args.path)
     rename = _load_map(args.rename) if args.rename else None
-    entries = select(ckpt, args.what, args.dtype, rename)
+    from ..tools.export import FusedSplit
+
+    split = FusedSplit(args.num_heads, args.num_query_groups) if args.num_heads else None
+    entries = select(ckpt, args.what, args.dtype, rename, unstack=args.unstack, split=split)
     total = sum(e.nbytes for e in entries)
     with _progress(total, "export", args.progress) as bar:
         if args.format == "safetensors":
@@ -326,6 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16, float16, float32")
     p.add_argument("--rename", metavar="FILE", help="JSON object mapping exported key -> new key")
+    p.add_argument(
+        "--unstack", action="store_true", help="megatron: write stacked [L, ...] layers as layers.{i}.* keys"
+    )
+    p.add_argument("--num-heads", type=int, help="with --unstack: split linear_qkv (and gated linear_fc1)")
+    p.add_argument("--num-query-groups", type=int, help="with --num-heads: GQA query groups (default: heads)")
     p.add_argument(
         "--overwrite", action="store_true", help="replace safetensors files / the torch file in OUT"
     )

@@ -15,6 +15,7 @@ from arraycheckpoint.codecs.presets import (
     SUPPORTED_DTYPES,
     UnsupportedDTypeError,
     array_metadata,
+    dimension_names_for,
     numpy_dtype,
     zarr_dtype_name,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "UnsupportedDTypeError",
     "array_metadata",
+    "dimension_names_for",
     "numpy_dtype",
     "register_zarr_dtypes",
     "zarr_dtype_name",

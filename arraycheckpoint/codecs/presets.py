@@ -34,6 +34,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "UnsupportedDTypeError",
     "array_metadata",
+    "dimension_names_for",
     "numpy_dtype",
     "zarr_dtype_name",
 ]
@@ -149,6 +150,17 @@ def _check_shape(label: str, value: Sequence[int], allow_zero: bool) -> tuple[in
     return out
 
 
+def dimension_names_for(name: str, ndim: int) -> list[str]:
+    """Dimension names of the array stored as entry ``name``: ``<last component>.dim<axis>``.
+
+    xarray refuses zarr v3 arrays without ``dimension_names`` and treats equal names in one group as one
+    dimension (of one size), so the names are unique per array: the entry's last component (unique within
+    its group) and the axis. ``model/layers.0.w`` (2-D) -> ``["layers.0.w.dim0", "layers.0.w.dim1"]``.
+    """
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    return [f"{base}.dim{axis}" for axis in range(ndim)]
+
+
 #: Version of the codec pipeline :func:`array_metadata` builds. Checkpoints record it; a reader whose preset
 #: matches can open arrays from ``.metadata.json`` alone, others read each array's ``zarr.json``.
 #: 1: sharding_indexed, bytes little-endian, optional zstd, crc32c per inner chunk, crc32c index.
@@ -164,6 +176,7 @@ def array_metadata(
     compression_level: int = 3,
     *,
     dimension_names: Sequence[str | None] | None = None,
+    name: str | None = None,
 ) -> dict[str, Any]:
     """Return zarr v3 array metadata (a JSON-able dict) for tensorstore's zarr3 ``"metadata"`` member.
 
@@ -184,6 +197,8 @@ def array_metadata(
         compression: ``None`` (or ``"none"``) or ``"zstd"``.
         compression_level: zstd level.
         dimension_names: optional names, one per dimension.
+        name: the entry name of the array (``model/layers.0.w``); when given without ``dimension_names``,
+            the names are :func:`dimension_names_for` it (what every array of a new checkpoint carries).
 
     Raises:
         UnsupportedDTypeError: for an unsupported dtype.
@@ -191,7 +206,9 @@ def array_metadata(
             unknown compression, or a bad compression level.
     """
     dt = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
-    name = zarr_dtype_name(dt)
+    if dimension_names is None and name is not None:
+        dimension_names = dimension_names_for(name, len(tuple(shape)))
+    dtype_name = zarr_dtype_name(dt)
     shape_t = _check_shape("shape", shape, allow_zero=True)
     chunk_t = _check_shape("chunk_shape", chunk_shape, allow_zero=True)
     if len(chunk_t) != len(shape_t):
@@ -230,7 +247,7 @@ def array_metadata(
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape_t),
-        "data_type": name,
+        "data_type": dtype_name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_t)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": _fill_value(dt),

@@ -37,6 +37,7 @@ def array_spec(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
             layout.chunk_shape,
             layout.inner_chunk_shape,
             layout.compression,
+            name=layout.name,  # dimension_names (xarray needs them)
         ),
         # every chunk gets its file, also an all-zero one: a missing file on load then means damage
         "store_data_equal_to_fill_value": True,

@@ -31,10 +31,21 @@ class LoadPipeline:
     def __init__(self, wait_idle: Callable[[], None]) -> None:
         self._wait_idle = wait_idle
 
-    def read_metadata(self, url: str) -> tuple[Storage, str, CheckpointMetadata]:
-        """Open a committed checkpoint's metadata; raises if it is absent or uncommitted."""
+    def read_metadata(
+        self, url: str, *, allow_pickle: bool = False
+    ) -> tuple[Storage, str, CheckpointMetadata]:
+        """Open a committed checkpoint's metadata; raises if it is absent or uncommitted.
+
+        A path holding a foreign checkpoint (Hugging Face safetensors, DCP) returns its load source in place
+        of the storage (:mod:`arraycheckpoint.sources`); :meth:`_read` then delegates to it.
+        """
         storage, root = storage_for(url)
         if not storage.is_committed(root):
+            from ..sources import open_source  # hook: foreign formats
+
+            source = open_source(storage, root, allow_pickle=allow_pickle)
+            if source is not None:
+                return source, root, source.metadata  # type: ignore[return-value]
             what = (
                 "has no commit marker (a save did not finish)"
                 if storage.exists(root, METADATA_FILE)
@@ -150,6 +161,11 @@ class LoadPipeline:
     ) -> None:
         import tensorstore as ts
 
+        from ..sources import LoadSource
+
+        if isinstance(storage, LoadSource):  # hook: a foreign format reads its own byte ranges
+            storage.read(targets, max_inflight_bytes, recorder)
+            return
         with recorder.phase("read") as rec:
             opening = {}
             for t in targets:

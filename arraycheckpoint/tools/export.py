@@ -9,12 +9,21 @@ Key names: model tensors lose their ``model/`` namespace (``model/layers.0.w`` -
 ``model.state_dict()`` names them; with ``what="all"`` other tensors keep their full names
 (``optimizer/layers.0.w/exp_avg``). Tied weights recorded in ``model/~aliases`` are written under every name.
 ``--format torch`` writes one ``torch.save`` file of the same dict (for small models: it is built in memory).
+
+Megatron checkpoints (``--unstack``): stacked ``[L, ...]`` layer arrays become per-layer keys
+(``decoder.layers.mlp.linear_fc2.weight`` -> ``decoder.layers.{i}.mlp.linear_fc2.weight``), each read as its
+own sub-box. Fused tensors stay fused unless the head and query-group counts are given
+(:class:`FusedSplit`): then ``linear_qkv`` splits into ``q_proj``/``k_proj``/``v_proj`` (megatron interleaves
+them per query group: ``[q of the group's heads, k, v]`` per group) and a gated ``linear_fc1`` (twice the rows
+``linear_fc2`` takes) into ``gate_proj``/``up_proj``; ``--rename`` then maps the keys to the loader's names.
+Files honour the umask like any other file the user creates.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +33,8 @@ import numpy as np
 
 from ..codecs import ML_DTYPE_NAMES, SUPPORTED_DTYPES, numpy_dtype
 from ..errors import ArrayCheckpointError
-from .common import Checkpoint, read_tensors
+from ..regions import Box
+from .common import Checkpoint, read_boxes, read_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = frozenset(n for n in SUPPORTED_DTYPES if n in ML_DTYPE_NAMES or n.startswith("float"))
@@ -32,12 +42,44 @@ FLOAT_DTYPES = frozenset(n for n in SUPPORTED_DTYPES if n in ML_DTYPE_NAMES or n
 
 @dataclass(frozen=True)
 class ExportEntry:
-    """One output key: the stored tensor it comes from and its size in the output dtype."""
+    """One output key: the stored tensor it comes from and its size in the output dtype.
+
+    ``index`` selects one layer of a stacked tensor (its leading axes); ``rows`` then keeps these row ranges
+    of axis 0, concatenated (a part of a fused tensor); empty means everything.
+    """
 
     stored: str
     key: str
     dtype: str
     nbytes: int
+    index: tuple[int, ...] = ()
+    rows: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FusedSplit:
+    """What splitting megatron's fused tensors needs: attention heads and query groups (GQA; = heads for MHA)."""
+
+    num_heads: int
+    num_query_groups: int | None = None
+
+    def qkv_rows(self, key: str, rows: int) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Row ranges of q, k and v in a fused ``linear_qkv`` of ``rows`` rows (interleaved per group)."""
+        groups = self.num_query_groups or self.num_heads
+        if self.num_heads % groups:
+            raise ArrayCheckpointError(f"{self.num_heads} heads do not divide into {groups} query groups")
+        per = self.num_heads // groups
+        if rows % (groups * (per + 2)):
+            raise ArrayCheckpointError(
+                f"{key}: {rows} rows do not split into {groups} groups of {per} query + 1 key + 1 value heads; "
+                "check --num-heads / --num-query-groups"
+            )
+        hd = rows // (groups * (per + 2))
+        span = (per + 2) * hd
+        q = tuple((g * span, g * span + per * hd) for g in range(groups))
+        k = tuple((g * span + per * hd, g * span + (per + 1) * hd) for g in range(groups))
+        v = tuple((g * span + (per + 1) * hd, (g + 1) * span) for g in range(groups))
+        return {"q_proj": q, "k_proj": k, "v_proj": v}
 
 
 @dataclass
@@ -51,7 +93,12 @@ class ExportResult:
 
 
 def select(
-    ckpt: Checkpoint, what: str = "model", dtype: str | None = None, rename: Mapping[str, str] | None = None
+    ckpt: Checkpoint,
+    what: str = "model",
+    dtype: str | None = None,
+    rename: Mapping[str, str] | None = None,
+    unstack: bool = False,
+    split: FusedSplit | None = None,
 ) -> list[ExportEntry]:
     """The output keys of an export, in name order; raises on clashes after renaming.
 
@@ -59,18 +106,25 @@ def select(
         what: ``"model"`` (the ``model/`` namespace) or ``"all"`` (every tensor, optimizer included).
         dtype: cast floating-point tensors to this dtype name (``bfloat16``, ``float16``, ``float32``, ...).
         rename: output key -> new output key (keys not in it keep their names).
+        unstack: write megatron's stacked layers as per-layer keys (see the module docstring).
+        split: with ``unstack``, split fused ``linear_qkv`` / gated ``linear_fc1`` tensors.
     """
     if what not in ("model", "all"):
         raise ArrayCheckpointError(f"--what must be 'model' or 'all', not {what!r}")
     if dtype is not None:
         numpy_dtype(dtype)  # raises naming the dtype when unsupported
     meta = ckpt.meta
-    pairs: list[tuple[str, str]] = []
+    pairs: list[tuple[str, str] | tuple[str, str, tuple[int, ...], tuple[tuple[int, int], ...]]] = []
     for name in sorted(meta.tensors):
         if name.startswith("model/"):
-            pairs.append((name, name[len("model/") :]))
+            if not unstack:
+                pairs.append((name, name[len("model/") :]))
         elif what == "all":
             pairs.append((name, name))
+    if unstack:
+        pairs.extend(_unstacked(meta, split))
+    elif split is not None:
+        raise ArrayCheckpointError("splitting fused tensors needs --unstack (megatron checkpoints)")
     aliases = meta.objects.get("model/~aliases")
     if aliases is not None and isinstance(aliases.value, dict):
         for alias, target in sorted(aliases.value.items()):
@@ -82,12 +136,14 @@ def select(
             f"{sorted({n.split('/', 1)[0] for n in meta.tensors}) or 'none'}); try --what all"
         )
     rename = dict(rename or {})
-    unknown = sorted(set(rename) - {k for _s, k in pairs})
+    unknown = sorted(set(rename) - {p[1] for p in pairs})
     if unknown:
         raise ArrayCheckpointError(f"rename map names keys that are not exported: {unknown[:10]}")
     entries = []
     seen: dict[str, str] = {}
-    for stored, key in pairs:
+    for pair in pairs:
+        stored, key = pair[0], pair[1]
+        index, rows = pair[2:] if len(pair) == 4 else ((), ())
         key = rename.get(key, key)
         if key in seen:
             raise ArrayCheckpointError(
@@ -96,12 +152,40 @@ def select(
         seen[key] = stored
         tm = meta.tensors[stored]
         out = dtype if dtype is not None and tm.dtype in FLOAT_DTYPES else tm.dtype
-        entries.append(
-            ExportEntry(
-                stored, key, out, tm.nbytes // numpy_dtype(tm.dtype).itemsize * numpy_dtype(out).itemsize
-            )
-        )
+        shape = list(tm.shape[len(index) :])
+        if rows:
+            shape[0] = sum(b - a for a, b in rows)
+        nbytes = math.prod(shape) * numpy_dtype(out).itemsize
+        entries.append(ExportEntry(stored, key, out, nbytes, tuple(index), tuple(rows)))
     return entries
+
+
+def _unstacked(meta: Any, split: FusedSplit | None) -> list[tuple[str, str, tuple[int, ...], Any]]:
+    """(stored, key, layer index, rows) of every model tensor, stacked layers split, fused tensors split."""
+    from ..adapters.torch.megatron_convert import unstack_map
+
+    out = []
+    for key, sl in sorted(unstack_map(meta).items()):
+        tm = meta.tensors[sl.name]
+        rows = tm.shape[len(sl.index)] if len(tm.shape) > len(sl.index) else 0
+        parts: dict[str, tuple[tuple[int, int], ...]] = {}
+        norm = key.endswith(("layer_norm_weight", "layer_norm_bias"))  # fused norms stay as they are
+        if split is None or norm:
+            pass
+        elif ".linear_qkv." in f".{key}":
+            parts = split.qkv_rows(key, rows)
+            old = "linear_qkv"
+        elif ".linear_fc1." in f".{key}":
+            fc2 = meta.tensors.get(sl.name.replace("linear_fc1.", "linear_fc2.").replace(".bias", ".weight"))
+            if fc2 is not None and rows == 2 * fc2.shape[-1]:  # gated (SwiGLU): [gate; up]
+                parts = {"gate_proj": ((0, rows // 2),), "up_proj": ((rows // 2, rows),)}
+            old = "linear_fc1"
+        if not parts:
+            out.append((sl.name, key, sl.index, ()))
+            continue
+        for new, ranges in parts.items():
+            out.append((sl.name, key.replace(old, new), sl.index, ranges))
+    return out
 
 
 def plan_files(entries: list[ExportEntry], max_shard_size: int) -> list[list[ExportEntry]]:
@@ -120,11 +204,28 @@ def plan_files(entries: list[ExportEntry], max_shard_size: int) -> list[list[Exp
     return files
 
 
+def _box(ckpt: Checkpoint, e: ExportEntry) -> Box:
+    shape = ckpt.meta.tensors[e.stored].shape
+    k = len(e.index)
+    return Box(tuple(e.index) + (0,) * (len(shape) - k), (1,) * k + tuple(shape[k:]))
+
+
 def _materialize(ckpt: Checkpoint, group: list[ExportEntry]) -> dict[str, np.ndarray]:
-    arrays = read_tensors(ckpt, sorted({e.stored for e in group}))
+    if all(not e.index and not e.rows for e in group):
+        arrays = read_tensors(ckpt, sorted({e.stored for e in group}))
+    else:  # one layer of a stacked tensor: read only its sub-box
+        got = read_boxes(
+            ckpt, sorted({(e.stored, _box(ckpt, e)) for e in group}, key=lambda x: (x[0], x[1].offsets))
+        )
+        arrays = {}
     out = {}
     for e in group:
-        arr = arrays[e.stored]
+        if e.stored in arrays:
+            arr = arrays[e.stored]
+        else:
+            arr = got[(e.stored, _box(ckpt, e))].reshape(ckpt.meta.tensors[e.stored].shape[len(e.index) :])
+            if e.rows:
+                arr = np.concatenate([arr[a:b] for a, b in e.rows], axis=0)
         target = numpy_dtype(e.dtype)
         if arr.dtype != target:
             arr = arr.astype(target)
@@ -168,6 +269,7 @@ def export_safetensors(
         arrays = _materialize(ckpt, group)
         tmp = os.path.join(out_dir, f".{fname}.tmp")
         save_file(arrays, tmp, metadata={"format": "pt"})
+        _honour_umask(tmp)
         os.replace(tmp, os.path.join(out_dir, fname))
         for e in group:
             weight_map[e.key] = fname
@@ -192,6 +294,13 @@ def export_safetensors(
         json.dump(index, f, indent=2)
         f.write("\n")
     return result
+
+
+def _honour_umask(path: str) -> None:
+    """Give ``path`` the mode a plain ``open()`` would (safetensors writes its files 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def export_torch(

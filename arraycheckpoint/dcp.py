@@ -1,0 +1,474 @@
+"""A storage plug-in for torch.distributed.checkpoint (DCP) that writes and reads arraycheckpoint's format.
+
+Switch a DCP job with one argument::
+
+    import torch.distributed.checkpoint as dcp
+    import arraycheckpoint as acp
+    import arraycheckpoint.dcp
+
+    dcp.save(state_dict, storage_writer=acp.dcp.Writer("ckpt/step_100"))
+    dcp.load(state_dict, storage_reader=acp.dcp.Reader("ckpt/step_100"))
+    acp.load("ckpt/step_100", {"model": model})      # any other layout, or zarr / tensorstore / xarray
+
+The result is an ordinary arraycheckpoint checkpoint: every tensor one Zarr v3 array with its global shape,
+JSON metadata, crc32c, committed atomically. DCP's planner decides which rank writes which item (replicas
+deduplicated); :meth:`Writer.prepare_global_plan` fits every tensor's items to a regular chunk grid in which
+each item is exactly one chunk, so every stored file has one writer. A layout no regular grid holds that way
+(uneven shards other than a shorter last one) fails with a :class:`~arraycheckpoint.PlanError` naming the
+tensor and its layout.
+
+Names. DCP flattens nested state dicts to dotted keys and records each key's path (``planner_data``); entries
+are that path joined with ``/``, so FQNs with dots stay unambiguous: ``("model", "layers.0.w")`` ->
+``model/layers.0.w``, and optimizer state ``("optimizer", "state", "layers.0.w", "exp_avg")`` ->
+``optimizer/layers.0.w/exp_avg`` (the ``state`` level dropped, as :func:`arraycheckpoint.save` names it).
+Non-tensor values (DCP pickles them: ``param_groups``, counters) are kept as opaque bytes in the JSON metadata
+object ``~dcp`` for :class:`Reader`; :func:`arraycheckpoint.load` never unpickles them.
+
+:class:`Reader` also reads checkpoints written by :func:`arraycheckpoint.save` (and Hugging Face / DCP load
+sources): entry ``a/b`` is DCP key ``a.b``, ``ns/fqn/state`` is ``ns.state.fqn.state``.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import math
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from ._tscontext import context
+from .codecs import CODEC_PRESET, array_metadata, numpy_dtype, zarr_dtype_name
+from .errors import ArrayCheckpointError, PlanError
+from .metadata import METADATA_FILE, CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
+from .plan import PlanOptions, split_chunk
+from .regions import Box, chunk_boxes
+from .rules import encode_ranks
+from .storage import storage_for
+
+try:  # the plug-in needs torch; importing arraycheckpoint does not
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+except ImportError:  # pragma: no cover - torch absent
+    StorageReader = StorageWriter = object  # type: ignore[assignment,misc]
+
+__all__ = ["DCP_OBJECT", "Reader", "Writer", "entry_name", "fit_chunk_grid"]
+
+#: JSON object holding DCP's key -> entry mapping and its non-tensor values (base64 of DCP's bytes)
+DCP_OBJECT = "~dcp"
+MAX_BYTE_IO = 16 << 20  # a non-tensor value DCP pickles: param_groups, counters; not data
+
+
+def entry_name(fqn: str, path: Sequence[Any] | None) -> str:
+    """The entry a DCP key is stored under (see the module docstring)."""
+    if not path:
+        return check_name(fqn)
+    parts = [str(p) for p in path]
+    if len(parts) == 4 and parts[1] == "state":  # optimizer state: <ns>/<param fqn>/<state>
+        parts = [parts[0], parts[2], parts[3]]
+    return check_name("/".join(parts))
+
+
+def dcp_key(entry: str) -> str:
+    """The DCP flattened key of an entry written by :func:`arraycheckpoint.save`."""
+    parts = entry.split("/")
+    if len(parts) == 3:
+        parts = [parts[0], "state", parts[1], parts[2]]
+    return ".".join(parts)
+
+
+def fit_chunk_grid(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...]:
+    """A regular chunk grid in which every box is exactly one chunk, or :class:`PlanError`.
+
+    Along each dimension the chunk is the longest box length; every box must start on a chunk boundary and
+    be one chunk long, or end at the array's edge. The boxes must tile the array without overlap.
+    """
+    shape = tuple(int(s) for s in shape)
+    chunk = tuple(max([b.lengths[d] for b in boxes] + [1]) for d in range(len(shape)))
+    for b in boxes:
+        fits = all(
+            o % c == 0 and (n == c or o + n == s) for o, n, c, s in zip(b.offsets, b.lengths, chunk, shape)
+        )
+        if not fits:
+            layout = ", ".join(f"{list(x.offsets)}+{list(x.lengths)}" for x in boxes[:8])
+            raise PlanError(
+                f"tensor {name!r} of shape {list(shape)}: DCP's items ({layout}{', ...' if len(boxes) > 8 else ''}) "
+                f"fit no regular chunk grid with one writer per file (chunk {list(chunk)} does not hold "
+                f"{list(b.offsets)}+{list(b.lengths)}); save it with arraycheckpoint.save, which exchanges "
+                "fragments of uneven shards, or shard it evenly"
+            )
+    if len({b.offsets for b in boxes}) != len(boxes) or sum(b.volume for b in boxes) != math.prod(shape):
+        raise PlanError(
+            f"tensor {name!r} of shape {list(shape)}: DCP's items overlap or leave parts uncovered "
+            f"({len(boxes)} items, {sum(b.volume for b in boxes)} of {math.prod(shape)} elements)"
+        )
+    return chunk
+
+
+def _box_rules(items: list[tuple[Box, int]], group_of: dict[int, int]) -> tuple[tuple[int, list[Any]], ...]:
+    by_rank: dict[int, list[Box]] = {}
+    for b, r in items:
+        by_rank.setdefault(r, []).append(b)
+    return tuple(
+        (
+            group_of[r],
+            ["boxes", [[list(b.offsets), list(b.lengths)] for b in sorted(boxes, key=lambda x: x.offsets)]],
+        )
+        for r, boxes in sorted(by_rank.items())
+    )
+
+
+def _np_dtype(torch_dtype: Any) -> np.dtype[Any]:
+    from .adapters.torch.tensors import numpy_dtype as torch_to_numpy
+
+    return torch_to_numpy(torch_dtype)
+
+
+class Writer(StorageWriter):
+    """DCP ``StorageWriter`` that stores arraycheckpoint's format at ``path`` (see the module docstring).
+
+    Call order (DCP's): every rank ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``; the
+    coordinator ``prepare_global_plan`` (chunk grids, one writer per file, the staging location); every rank
+    ``write_data`` (its items, one tensorstore write per chunk); the coordinator ``finish`` (array and group
+    metadata, ``.metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
+
+    Args:
+        path: checkpoint path or URL (as for :func:`arraycheckpoint.save`).
+        overwrite: replace a committed checkpoint at ``path``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, overwrite: bool = False) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.overwrite = overwrite
+        self.is_coordinator = False
+        self.rank = 0
+        self._global: dict[str, Any] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self._global = {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0))
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        storage, final = storage_for(self._require_path())
+        storage.check_target(final, self.overwrite)
+        staging = storage.staging_root(final, uuid.uuid4().hex[:12])
+        paths: dict[str, Any] = {}
+        for p in plans:
+            paths.update(p.planner_data or {})
+        names: dict[str, str] = {}
+        tensors: dict[str, dict[str, Any]] = {}
+        for rank, p in enumerate(plans):
+            for item in p.items:
+                fqn = item.index.fqn
+                names[fqn] = entry_name(fqn, paths.get(fqn))
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                td = item.tensor_data
+                t = tensors.setdefault(
+                    fqn,
+                    {
+                        "shape": tuple(td.size),
+                        "dtype": zarr_dtype_name(_np_dtype(td.properties.dtype)),
+                        "items": [],
+                    },
+                )
+                t["items"].append((Box(tuple(td.chunk.offsets), tuple(td.chunk.sizes)), rank))
+        if len(set(names.values())) != len(names):
+            raise PlanError("two DCP keys map to one arraycheckpoint entry; rename a state dict key")
+        options = PlanOptions()
+        for fqn, t in tensors.items():
+            per_item = fit_chunk_grid(names[fqn], t["shape"], [b for b, _ in t["items"]])
+            itemsize = numpy_dtype(t["dtype"]).itemsize
+            # an item larger than a file may be gets several files (divisors keep the item edges on the grid)
+            t["chunk"] = split_chunk(per_item, itemsize, options.max_chunk_bytes) if per_item else ()
+            t["inner"] = split_chunk(t["chunk"], itemsize, options.inner_chunk_bytes) if per_item else ()
+        self._global = {
+            "staging": staging,
+            "final": final,
+            "names": names,
+            "tensors": tensors,
+            "paths": paths,
+        }
+        out = []
+        for p in plans:
+            mine = {i.index.fqn for i in p.items}
+            arrays = {
+                fqn: [names[fqn], list(t["shape"]), t["dtype"], list(t["chunk"]), list(t["inner"])]
+                for fqn, t in tensors.items()
+                if fqn in mine
+            }
+            out.append(dataclasses.replace(p, storage_data={"staging": staging, "arrays": arrays}))
+        return out
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        import tensorstore as ts
+        from torch.distributed.checkpoint.planner import WriteItemType
+        from torch.distributed.checkpoint.storage import WriteResult
+        from torch.futures import Future
+
+        from .adapters.torch.tensors import TorchSource
+
+        storage, _ = storage_for(self._require_path())
+        staging = plan.storage_data["staging"]
+        stores = {
+            fqn: ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": storage.kvstore_spec(f"{staging.rstrip('/')}/{entry}"),
+                    "metadata": array_metadata(shape, numpy_dtype(dtype), chunk, inner, name=entry),
+                    "store_data_equal_to_fill_value": True,
+                },
+                assume_metadata=True,  # the coordinator writes zarr.json once, in finish()
+                context=context(),
+            )
+            for fqn, (entry, shape, dtype, chunk, inner) in plan.storage_data["arrays"].items()
+        }
+        results, writes = [], []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                if len(raw) > MAX_BYTE_IO:
+                    raise ArrayCheckpointError(
+                        f"DCP value {item.index.fqn!r} pickles to {len(raw)} bytes (limit {MAX_BYTE_IO}); "
+                        "store large data as tensors"
+                    )
+                results.append(WriteResult(item.index, len(raw), base64.b64encode(raw).decode()))
+                continue
+            chunk = item.tensor_data.chunk
+            box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+            dtype = plan.storage_data["arrays"][item.index.fqn][2]
+            host = np.empty(box.lengths, numpy_dtype(dtype))
+            TorchSource(data.detach()).copy_into(host)
+            arr = stores[item.index.fqn].result()
+            writes.append((item.index.fqn, arr[box.slices()].write(host)))
+            results.append(WriteResult(item.index, host.nbytes, None))
+        for fqn, w in writes:
+            try:
+                w.result()
+            except Exception as e:  # noqa: BLE001
+                raise ArrayCheckpointError(f"rank {self.rank}: tensor {fqn!r}: write failed: {e}") from e
+        storage.flush(staging)
+        fut: Future[list[Any]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        import tensorstore as ts
+
+        g = self._global
+        storage, final = storage_for(self._require_path())
+        staging, names = g["staging"], g["names"]
+        # format 2 regions: one layout group per writing rank, each tensor's items there as a "boxes" rule
+        holders = sorted({r for t in g["tensors"].values() for _b, r in t["items"]})
+        group_of = {r: i for i, r in enumerate(holders)}
+        tensors = {}
+        for fqn, t in g["tensors"].items():
+            entry = names[fqn]
+            writers = tuple(
+                next(r for b, r in t["items"] if b.contains(c)) for c in chunk_boxes(t["shape"], t["chunk"])
+            )
+            tensors[entry] = TensorMeta(
+                entry,
+                t["shape"],
+                t["dtype"],
+                tuple(t["chunk"]),
+                tuple(t["inner"]),
+                None,
+                tuple(
+                    ShardMeta(b.offsets, b.lengths, r)
+                    for b, r in sorted(t["items"], key=lambda x: x[0].offsets)
+                ),
+                writers,
+                regions=_box_rules(t["items"], group_of),
+            )
+        byte_io = {
+            r.index.fqn: r.storage_data for rank in results for r in rank if isinstance(r.storage_data, str)
+        }
+        paths = {k: [p if isinstance(p, int) else str(p) for p in v] for k, v in g["paths"].items()}
+        dcp_doc = {"version": 1, "keys": names, "paths": paths, "bytes": byte_io}
+        world = len(results)
+        meta = CheckpointMetadata(
+            framework="torch",
+            world_size=world,
+            tensors=tensors,
+            objects={DCP_OBJECT: ObjectMeta(DCP_OBJECT, "global", value=dcp_doc)},
+            topology={"world_size": world, "framework": "torch", "writer": "torch.distributed.checkpoint"},
+            library_version=__version__,
+            codec_preset=CODEC_PRESET,
+            layout_groups=tuple({"meshes": [], "ranks": encode_ranks([r])} for r in holders),
+        )
+        kv = ts.KvStore.open(storage.kvstore_spec(staging), context=context()).result()
+        attrs = {
+            "format_version": meta.format_version,
+            "framework": "torch",
+            "step": None,
+            "world_size": world,
+        }
+        groups = {""} | {"/".join(n.split("/")[:i]) for n in tensors for i in range(1, n.count("/") + 1)}
+        docs = {
+            f"{g}/zarr.json" if g else "zarr.json": {
+                "zarr_format": 3,
+                "node_type": "group",
+                "attributes": attrs if g == "" else {},
+            }
+            for g in groups
+        }
+        for entry, tm in tensors.items():
+            docs[f"{entry}/zarr.json"] = array_metadata(
+                tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, name=entry
+            )
+        writes = [kv.write(key, json.dumps(doc).encode()) for key, doc in sorted(docs.items())]
+        writes.append(kv.write(METADATA_FILE, meta.to_json().encode()))
+        for w in writes:
+            w.result()
+        storage.flush(staging)
+        storage.commit(staging, final, self.overwrite)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, str | os.PathLike)
+
+    def _require_path(self) -> str:
+        if self.path is None:
+            raise ArrayCheckpointError("acp.dcp.Writer needs a path (Writer(path) or checkpoint_id=...)")
+        return self.path
+
+
+class Reader(StorageReader):
+    """DCP ``StorageReader`` over an arraycheckpoint checkpoint (or a load source) at ``path``.
+
+    ``read_metadata`` describes every stored tensor as one DCP chunk of its global shape, so DCP's planner
+    asks for exactly the regions each rank needs; ``read_data`` reads them through the engine (only those
+    regions) and copies them into DCP's destination tensors.
+
+    Args:
+        path: checkpoint path or URL; a Hugging Face safetensors directory works too.
+        allow_pickle: passed to the load source (a DCP directory needs it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, allow_pickle: bool = False) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.allow_pickle = allow_pickle
+        self._opened: Any = None
+        self._keys: dict[str, str] = {}
+        self._bytes: dict[str, str] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self._opened = None
+
+    def _open(self) -> tuple[Any, str, CheckpointMetadata]:
+        if self._opened is None:
+            from .engine import engine
+
+            if self.path is None:
+                raise ArrayCheckpointError("acp.dcp.Reader needs a path (Reader(path) or checkpoint_id=...)")
+            self._opened = engine().read_metadata(self.path, allow_pickle=self.allow_pickle)
+        return self._opened
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        from .adapters.torch.tensors import torch_dtype
+
+        _storage, _root, meta = self._open()
+        dcp_doc = meta.objects.get(DCP_OBJECT)
+        doc = dcp_doc.value if dcp_doc is not None and isinstance(dcp_doc.value, dict) else {}
+        by_entry = {v: k for k, v in (doc.get("keys") or {}).items()}
+        self._keys = {}
+        md: dict[str, Any] = {}
+        for entry, tm in meta.tensors.items():
+            key = by_entry.get(entry) or dcp_key(entry)
+            self._keys[key] = entry
+            md[key] = TensorStorageMetadata(
+                TensorProperties(dtype=torch_dtype(numpy_dtype(tm.dtype))),
+                torch.Size(tm.shape),
+                [ChunkStorageMetadata(offsets=torch.Size([0] * len(tm.shape)), sizes=torch.Size(tm.shape))],
+            )
+        self._bytes = {k: v for k, v in (doc.get("bytes") or {}).items() if isinstance(v, str)}
+        for key in self._bytes:
+            md[key] = BytesStorageMetadata()
+        paths = {k: tuple(v) for k, v in (doc.get("paths") or {}).items()} or None
+        return Metadata(state_dict_metadata=md, planner_data=paths)
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self._keys and not self._bytes:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future
+
+        from .adapters.torch.tensors import load_shard
+        from .engine import engine
+        from .items import LoadTensor
+
+        storage, root, meta = self._open()
+        targets: dict[str, LoadTensor] = {}
+        done = []
+        for item in plan.items:
+            key = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(base64.b64decode(self._bytes[key])))
+                continue
+            entry = self._keys[key]
+            box = Box(tuple(item.storage_offsets), tuple(item.lengths))
+            dest = planner.resolve_tensor(item).detach()
+            if dest.device.type != "cpu" or dest.dtype != _torch_of(meta, entry):
+                host = dest.new_empty(dest.shape, device="cpu", dtype=_torch_of(meta, entry))
+                done.append((item, dest, host))
+                view = host
+            else:
+                done.append((item, dest, None))
+                view = dest
+            targets.setdefault(entry, LoadTensor(entry, [])).shards.append(load_shard(box, view))
+        engine().load(storage, root, meta, list(targets.values()))
+        for item, dest, host in done:
+            if host is not None:
+                dest.copy_(host)
+            planner.commit_tensor(item, dest)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _torch_of(meta: CheckpointMetadata, entry: str) -> Any:
+    from .adapters.torch.tensors import torch_dtype
+
+    return torch_dtype(numpy_dtype(meta.tensors[entry].dtype))

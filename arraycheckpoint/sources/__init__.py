@@ -1,0 +1,76 @@
+"""Load sources: checkpoints in other formats that :func:`arraycheckpoint.load` reads like its own.
+
+A :class:`LoadSource` describes a foreign checkpoint as :class:`~arraycheckpoint.metadata.CheckpointMetadata`
+(every tensor with its global shape and dtype, under our entry names) and reads the regions a load wants,
+as byte ranges of the stored files. Adapters, strict checks, ``key_map``, ``allow_cast`` and the report then
+work unchanged: the engine hands the read to the source instead of opening Zarr arrays.
+
+Sources, detected from the files at the path when it holds no committed arraycheckpoint checkpoint:
+
+* :class:`~arraycheckpoint.sources.safetensors.SafetensorsSource`: a Hugging Face model directory
+  (``model.safetensors``, or ``model.safetensors.index.json`` and its shards);
+* :class:`~arraycheckpoint.sources.dcp.DcpSource`: a torch.distributed.checkpoint directory (``.metadata``),
+  only with ``allow_pickle=True`` (its metadata is a pickle).
+
+Sources only read: they never write and never communicate. The safetensors source imports no framework; the
+DCP source needs torch to unpickle DCP's metadata classes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..items import LoadTensor
+    from ..metadata import CheckpointMetadata
+    from ..monitoring import PhaseRecorder
+    from ..storage import Storage
+
+__all__ = ["LoadSource", "open_source"]
+
+
+class LoadSource(ABC):
+    """A foreign checkpoint the engine reads regions from (see the module docstring).
+
+    Call order: :func:`open_source` builds it (reading the format's index/headers), the engine takes
+    :attr:`metadata`, then calls :meth:`read` once per load with the regions this rank wants.
+    """
+
+    #: short name of the format, e.g. ``"safetensors"``
+    kind: str = ""
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage = storage
+        self.root = root
+
+    @property
+    @abstractmethod
+    def metadata(self) -> CheckpointMetadata:
+        """The checkpoint as arraycheckpoint metadata: entry names, global shapes, dtypes."""
+
+    @abstractmethod
+    def read(self, targets: list[LoadTensor], max_inflight_bytes: int, recorder: PhaseRecorder) -> None:
+        """Read every region of ``targets`` and hand it to its sink (or target), in the calling thread.
+
+        Records a ``read`` phase whose ``bytes`` are the bytes fetched from storage and ``wanted_bytes`` the
+        bytes of the regions themselves.
+        """
+
+
+def open_source(storage: Storage, root: str, *, allow_pickle: bool = False) -> LoadSource | None:
+    """The foreign checkpoint at ``root`` (a directory of ``storage``), or None when there is none.
+
+    Raises:
+        PickleNotAllowedError: ``root`` is a DCP checkpoint and ``allow_pickle`` is False.
+        MetadataError: the format's index or headers are malformed.
+    """
+    from .safetensors import INDEX_FILE, SINGLE_FILE, SafetensorsSource
+
+    if storage.exists(root, INDEX_FILE) or storage.exists(root, SINGLE_FILE):
+        return SafetensorsSource.open(storage, root)
+    from .dcp import DCP_METADATA, DcpSource
+
+    if storage.exists(root, DCP_METADATA):
+        return DcpSource.open(storage, root, allow_pickle=allow_pickle)
+    return None

@@ -1,0 +1,235 @@
+"""torch.distributed.checkpoint (DCP) directories as a load source: ``acp.load(dcp_dir, state, allow_pickle=True)``.
+
+A DCP directory holds ``.metadata`` (a pickle of DCP's ``Metadata``: every key's global shape, dtype and
+chunks, and where each chunk is stored) and ``*.distcp`` files. ``.metadata`` is only unpickled with
+``allow_pickle=True``; without it, loading fails saying so. Non-tensor values (DCP pickles them too) are not
+loaded.
+
+Tensor chunks are stored either as a ``torch.save`` zip archive each (DCP's default) or as raw bytes (DCP's
+safetensors serialization). From a zip only the stored (uncompressed) ``data/0`` entry is used: its bytes are
+the chunk C-order, found through the zip's central directory without unpickling ``data.pkl``; a compressed
+entry, a storage larger than the chunk, or a DCP storage extension (e.g. compression) is refused naming the
+tensor. Each rank then reads only the byte ranges of its regions (:mod:`arraycheckpoint.sources.ranges`).
+
+Names: DCP's flattened keys map to entries through the key paths DCP records (``planner_data``), as
+:func:`arraycheckpoint.dcp.entry_name` does: ``model.layers.0.w`` saved from ``{"model": {...}}`` is
+``model/layers.0.w``; optimizer state ``optimizer.state.<fqn>.exp_avg`` is ``optimizer/<fqn>/exp_avg``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from ..items import LoadShard, LoadTensor
+from ..metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from ..monitoring import PhaseRecorder
+from ..regions import Box, intersect
+from . import LoadSource
+from .ranges import RangeReader, StoredTensor
+
+DCP_METADATA = ".metadata"
+MAX_METADATA_BYTES = 1 << 30
+_EOCD = b"PK\x05\x06"
+_EOCD64 = b"PK\x06\x06"
+_CENTRAL = b"PK\x01\x02"
+_LOCAL = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    box: Box
+    key: str  # relative path of the .distcp file
+    offset: int  # item start in the file
+    length: int  # item bytes
+
+
+class DcpSource(LoadSource):
+    """A DCP checkpoint directory (see the module docstring)."""
+
+    kind = "dcp"
+
+    def __init__(
+        self, storage: Any, root: str, meta: CheckpointMetadata, chunks: dict[str, list[_Chunk]]
+    ) -> None:
+        super().__init__(storage, root)
+        self._meta = meta
+        self.chunks = chunks
+
+    @classmethod
+    def open(cls, storage: Any, root: str, *, allow_pickle: bool = False) -> DcpSource:
+        if not allow_pickle:
+            raise PickleNotAllowedError(
+                f"{root} is a torch.distributed.checkpoint directory: its {DCP_METADATA} is a pickle, which "
+                "can run code when loaded; pass allow_pickle=True to acp.load if you trust this checkpoint"
+            )
+        import pickle
+
+        from ..codecs import zarr_dtype_name
+        from ..dcp import entry_name
+
+        raw = storage.read(root, DCP_METADATA)
+        if raw is None or len(raw) > MAX_METADATA_BYTES:
+            raise MetadataError(f"{root}/{DCP_METADATA} is missing or larger than {MAX_METADATA_BYTES} bytes")
+        md = pickle.loads(raw)  # noqa: S301 - the caller passed allow_pickle=True
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from ..adapters.torch.tensors import numpy_dtype as torch_to_numpy
+
+        paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+        where = {(idx.fqn, tuple(idx.offset or ())): info for idx, info in (md.storage_data or {}).items()}
+        tensors: dict[str, TensorMeta] = {}
+        chunks: dict[str, list[_Chunk]] = {}
+        for fqn, sm in md.state_dict_metadata.items():
+            if not isinstance(sm, TensorStorageMetadata):
+                continue
+            name = entry_name(fqn, paths.get(fqn))
+            shape = tuple(int(s) for s in sm.size)
+            dtype = zarr_dtype_name(torch_to_numpy(sm.properties.dtype))
+            mine = []
+            for c in sm.chunks:
+                box = Box(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+                info = where.get((fqn, box.offsets))
+                if info is None or not box.within(shape):
+                    raise MetadataError(
+                        f"{root}: tensor {name!r} chunk {box} has no storage record or is out of bounds"
+                    )
+                if getattr(info, "transform_descriptors", None):
+                    raise MetadataError(
+                        f"{root}: tensor {name!r} is stored through DCP extensions {info.transform_descriptors} "
+                        "(e.g. compression); load it with torch.distributed.checkpoint and save it with acp.save"
+                    )
+                rel = str(info.relative_path)
+                if "/" in rel or rel.startswith("."):
+                    raise MetadataError(f"{root}: tensor {name!r} names an unsafe file {rel!r}")
+                mine.append(_Chunk(box, rel, int(info.offset), int(info.length)))
+            chunks[name] = mine
+            tensors[name] = TensorMeta(
+                name,
+                shape,
+                dtype,
+                tuple(max(s, 1) for s in shape),
+                tuple(max(s, 1) for s in shape),
+                None,
+                tuple(ShardMeta(c.box.offsets, c.box.lengths, 0) for c in mine),
+            )
+        meta = CheckpointMetadata(framework="dcp", world_size=1, tensors=tensors, objects={})
+        return cls(storage, root, meta, chunks)
+
+    @property
+    def metadata(self) -> CheckpointMetadata:
+        return self._meta
+
+    def read(self, targets: list[LoadTensor], max_inflight_bytes: int, recorder: PhaseRecorder) -> None:
+        import tensorstore as ts
+
+        from .._tscontext import context
+        from ..codecs import numpy_dtype
+
+        with recorder.phase("read") as rec:
+            kv = ts.KvStore.open(self.storage.kvstore_spec(self.root), context=context()).result()
+            reader = RangeReader(self.storage, self.root, max_inflight_bytes)
+            located: dict[tuple[str, int], int] = {}
+            outputs = []
+            for t in targets:
+                dtype = numpy_dtype(self._meta.tensors[t.name].dtype)
+                for shard in t.shards:
+                    out = np.empty(shard.box.lengths, dtype)
+                    outputs.append((shard, out))
+                    for c in self.chunks[t.name]:
+                        part = intersect(shard.box, c.box)
+                        if part is None or part.volume == 0:
+                            continue
+                        begin = located.get((c.key, c.offset))
+                        if begin is None:
+                            begin = located[(c.key, c.offset)] = _data_start(kv, self.root, t.name, c, dtype)
+                        stored = StoredTensor(t.name, c.key, begin, c.box.lengths, dtype)
+                        local = Box(tuple(p - o for p, o in zip(part.offsets, c.box.offsets)), part.lengths)
+                        dest = out[(*part.slices(shard.box), ...)]  # a view, also for 0-d
+                        reader.submit(stored, LoadShard(local, lambda a, d=dest: np.copyto(d, a)))
+            reader.finish()
+            for shard, out in outputs:
+                if shard.target is not None and shard.target.dtype == out.dtype:
+                    np.copyto(shard.target, out)
+                else:
+                    shard.sink(out)
+            rec["bytes"] = reader.fetched
+            rec["wanted_bytes"] = reader.wanted
+
+
+def _data_start(kv: Any, root: str, name: str, c: _Chunk, dtype: np.dtype[Any]) -> int:
+    """Absolute file offset of a chunk's C-order bytes: raw items as they are, zip items through the zip."""
+    nbytes = math.prod(c.box.lengths) * dtype.itemsize
+    if c.length == nbytes:
+        return c.offset  # DCP's raw (safetensors-style) serialization
+    where = f"{root}/{c.key}: tensor {name!r} chunk {list(c.box.offsets)}"
+    tail_len = min(c.length, (1 << 16) + 22)
+    tail = _read(kv, c.key, c.offset + c.length - tail_len, tail_len, where)
+    at = tail.rfind(_EOCD)
+    if at < 0:
+        raise CorruptCheckpointError(f"{where}: neither raw bytes nor a zip archive (no end record)")
+    entries, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
+    if cd_offset == 0xFFFFFFFF or entries == 0xFFFF:  # zip64: the locator sits right before the end record
+        z64 = tail.rfind(_EOCD64, 0, at)
+        if z64 < 0:
+            raise CorruptCheckpointError(f"{where}: zip64 archive without its zip64 end record")
+        entries, cd_size, cd_offset = struct.unpack_from("<QQQ", tail, z64 + 32)
+    if cd_offset + cd_size > c.length or cd_size > (64 << 20):
+        raise CorruptCheckpointError(f"{where}: zip central directory outside the item")
+    cd = _read(kv, c.key, c.offset + cd_offset, cd_size, where)
+    pos = 0
+    for _ in range(entries):
+        if cd[pos : pos + 4] != _CENTRAL:
+            raise CorruptCheckpointError(f"{where}: damaged zip central directory")
+        (method,) = struct.unpack_from("<H", cd, pos + 10)
+        csize, usize = struct.unpack_from("<II", cd, pos + 20)
+        nlen, xlen, clen = struct.unpack_from("<HHH", cd, pos + 28)
+        (local,) = struct.unpack_from("<I", cd, pos + 42)
+        fname = cd[pos + 46 : pos + 46 + nlen].decode(errors="replace")
+        extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
+        pos += 46 + nlen + xlen + clen
+        if not fname.endswith("/data/0"):
+            continue
+        csize, usize, local = _zip64_sizes(extra, csize, usize, local)
+        if method != 0:
+            raise MetadataError(
+                f"{where}: the tensor's zip entry is compressed (method {method}); not supported"
+            )
+        if usize != nbytes or csize != nbytes:
+            raise MetadataError(
+                f"{where}: the stored storage holds {usize} bytes, the chunk {nbytes}: not a plain C-order chunk"
+            )
+        head = _read(kv, c.key, c.offset + local, 30, where)
+        if head[:4] != _LOCAL:
+            raise CorruptCheckpointError(f"{where}: damaged zip local header")
+        hn, hx = struct.unpack_from("<HH", head, 26)
+        start = local + 30 + hn + hx
+        if start + nbytes > c.length:
+            raise CorruptCheckpointError(f"{where}: tensor data runs past the item")
+        return c.offset + start
+    raise MetadataError(f"{where}: the zip archive has no data/0 entry (not a torch.save'd tensor)")
+
+
+def _zip64_sizes(extra: bytes, csize: int, usize: int, local: int) -> tuple[int, int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            vals = iter(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
+            usize = next(vals) if usize == 0xFFFFFFFF else usize
+            csize = next(vals) if csize == 0xFFFFFFFF else csize
+            local = next(vals) if local == 0xFFFFFFFF else local
+        pos += 4 + size
+    return csize, usize, local
+
+
+def _read(kv: Any, key: str, begin: int, n: int, where: str) -> bytes:
+    res = kv.read(key, byte_range=slice(begin, begin + n)).result()
+    if res.state != "value" or len(res.value) != n:
+        raise CorruptCheckpointError(f"{where}: {key} is missing or truncated")
+    return bytes(res.value)

@@ -1,0 +1,218 @@
+"""Hugging Face safetensors directories as a load source: ``acp.load("path/to/hf_model", state)``.
+
+A directory holds ``model.safetensors`` or ``model.safetensors.index.json`` (``weight_map``: key -> file)
+and the files it names. A safetensors file is an 8-byte little-endian header length ``N``, a JSON header of
+``N`` bytes (``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``) and the
+data, each tensor C-order at ``8 + N + begin``. Every rank reads the headers (small) and then only the byte
+ranges of its own regions (:mod:`arraycheckpoint.sources.ranges`).
+
+Entry names: key ``k`` is the tensor ``model/k``, so ``acp.load(hf_dir, {"model": model})`` matches the
+module's ``state_dict()`` names; ``key_map`` renames as for native checkpoints. The header is untrusted:
+its size is bounded, every field is checked, and a tensor's byte count must equal its shape times its dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from ..codecs import numpy_dtype
+from ..errors import MetadataError
+from ..items import LoadTensor
+from ..metadata import MAX_ELEMENTS, MAX_NDIM, CheckpointMetadata, ShardMeta, TensorMeta, check_name
+from ..monitoring import PhaseRecorder
+from . import LoadSource
+from .ranges import RangeReader, StoredTensor
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+NAMESPACE = "model"
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+MAX_INDEX_BYTES = 256 << 20
+
+#: safetensors dtype -> zarr v3 data_type name
+DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
+    raw = storage.read(root, key)
+    if raw is None:
+        raise MetadataError(f"{root}: {key} is missing")
+    if len(raw) > limit:
+        raise MetadataError(f"{root}: {key} is {len(raw)} bytes, more than the {limit} a valid one holds")
+    return raw
+
+
+def _header(kv: Any, root: str, key: str) -> tuple[int, dict[str, Any]]:
+    """(data start, header dict) of one safetensors file, read as two byte ranges."""
+    head = kv.read(key, byte_range=slice(0, 8)).result()
+    if head.state != "value" or len(head.value) != 8:
+        raise MetadataError(f"{root}: {key} is missing or shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head.value)
+    if n > MAX_HEADER_BYTES:
+        raise MetadataError(
+            f"{root}: {key} claims a {n}-byte header (limit {MAX_HEADER_BYTES}); not safetensors"
+        )
+    body = kv.read(key, byte_range=slice(8, 8 + n)).result()
+    if len(body.value) != n:
+        raise MetadataError(f"{root}: {key} is truncated inside its header")
+    try:
+        doc = json.loads(bytes(body.value))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MetadataError(f"{root}: {key} has a header that is not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise MetadataError(f"{root}: {key} has a header that is not a JSON object")
+    return 8 + n, doc
+
+
+def _tensor(root: str, key: str, base: int, name: str, entry: Any) -> StoredTensor:
+    where = f"{root}/{key}: tensor {name!r}"
+    if not isinstance(entry, Mapping):
+        raise MetadataError(f"{where}: header entry is not an object")
+    st_dtype = entry.get("dtype")
+    if st_dtype not in DTYPES:
+        raise MetadataError(f"{where}: dtype {st_dtype!r} is not supported (supported: {sorted(DTYPES)})")
+    shape = entry.get("shape")
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_ELEMENTS for s in shape)
+        or math.prod(shape) > MAX_ELEMENTS
+    ):
+        raise MetadataError(f"{where}: bad shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+    ):
+        raise MetadataError(f"{where}: bad data_offsets {offsets!r}")
+    dtype = numpy_dtype(DTYPES[st_dtype])
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+        raise MetadataError(
+            f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but shape {shape} of "
+            f"{st_dtype} needs {math.prod(shape) * dtype.itemsize}"
+        )
+    return StoredTensor(name, key, base + offsets[0], tuple(shape), dtype)
+
+
+def _check_file_name(root: str, fname: Any) -> str:
+    if (
+        not isinstance(fname, str)
+        or not fname.endswith(".safetensors")
+        or "/" in fname
+        or "\\" in fname
+        or fname.startswith(".")
+        or posixpath.basename(fname) != fname
+    ):
+        raise MetadataError(f"{root}/{INDEX_FILE}: weight_map names an unsafe file {fname!r}")
+    return fname
+
+
+class SafetensorsSource(LoadSource):
+    """A Hugging Face safetensors directory (see the module docstring)."""
+
+    kind = "safetensors"
+
+    def __init__(self, storage: Any, root: str, tensors: dict[str, StoredTensor]) -> None:
+        super().__init__(storage, root)
+        self.tensors = tensors
+        self._meta = CheckpointMetadata(
+            framework="safetensors",
+            world_size=1,
+            tensors={
+                n: TensorMeta(
+                    n,
+                    t.shape,
+                    _zarr_name(t),
+                    tuple(max(s, 1) for s in t.shape),
+                    tuple(max(s, 1) for s in t.shape),
+                    None,
+                    (ShardMeta((0,) * len(t.shape), t.shape, 0),),
+                )
+                for n, t in tensors.items()
+            },
+            objects={},
+        )
+
+    @classmethod
+    def open(cls, storage: Any, root: str) -> SafetensorsSource:
+        """Read the index (if any) and every file's header; raises :class:`MetadataError` on bad input."""
+        import tensorstore as ts
+
+        from .._tscontext import context
+
+        if storage.exists(root, INDEX_FILE):
+            try:
+                index = json.loads(_read_bounded(storage, root, INDEX_FILE, MAX_INDEX_BYTES))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise MetadataError(f"{root}/{INDEX_FILE} is not JSON ({e})") from None
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise MetadataError(f"{root}/{INDEX_FILE} has no weight_map object")
+            files = sorted({_check_file_name(root, f) for f in weight_map.values()})
+        else:
+            weight_map = None
+            files = [SINGLE_FILE]
+        kv = ts.KvStore.open(storage.kvstore_spec(root), context=context()).result()
+        tensors: dict[str, StoredTensor] = {}
+        for fname in files:
+            base, header = _header(kv, root, fname)
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                if weight_map is not None and weight_map.get(key) != fname:
+                    continue  # the index decides which file holds a key
+                name = check_name(f"{NAMESPACE}/{key}")
+                if name in tensors:
+                    raise MetadataError(f"{root}: tensor {key!r} appears in two files")
+                tensors[name] = _tensor(root, fname, base, name, entry)
+        if weight_map is not None:
+            absent = sorted(k for k in weight_map if f"{NAMESPACE}/{k}" not in tensors)
+            if absent:
+                raise MetadataError(
+                    f"{root}/{INDEX_FILE} lists tensors its files do not hold: {', '.join(absent[:10])}"
+                )
+        return cls(storage, root, tensors)
+
+    @property
+    def metadata(self) -> CheckpointMetadata:
+        return self._meta
+
+    def read(self, targets: list[LoadTensor], max_inflight_bytes: int, recorder: PhaseRecorder) -> None:
+        with recorder.phase("read") as rec:
+            reader = RangeReader(self.storage, self.root, max_inflight_bytes)
+            for t in targets:
+                stored = self.tensors[t.name]
+                for shard in t.shards:
+                    reader.submit(stored, shard)
+            reader.finish()
+            rec["bytes"] = reader.fetched
+            rec["wanted_bytes"] = reader.wanted
+
+
+def _zarr_name(t: StoredTensor) -> str:
+    from ..codecs import zarr_dtype_name
+
+    return zarr_dtype_name(t.dtype)
