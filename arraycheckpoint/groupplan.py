@@ -298,15 +298,17 @@ def build_compact_plan(
         )
         tensors[name] = TensorDecision(layout, tuple(int(w) for w in ws), creator)
     h = hashlib.sha1()
+    class_digest: dict[int, bytes] = {}  # the regions of a class, hashed once for all its tensors
     for name in names:
-        d = tensors[name]
+        d, c = tensors[name], classes[name]
+        if id(c) not in class_digest:
+            ch = hashlib.sha1()
+            for b, hs in zip(c.boxes, c.holders):
+                ch.update(repr((b.offsets, b.lengths, hs)).encode())
+            class_digest[id(c)] = ch.digest()
         h.update(repr((name, d.layout, d.creator)).encode())
         h.update(writers[name].tobytes())
-        h.update(
-            repr(
-                [(b, hs[0], len(hs)) for b, hs in zip(classes[name].boxes, classes[name].holders)][:64]
-            ).encode()
-        )
+        h.update(class_digest[id(c)])
     exchange = any(_any_transfer(classes[n], writers[n]) for n in names)
     plan = CompactPlan(world, groups, tensors, h.hexdigest()[:16], exchange)
     plan._classes = classes

@@ -273,7 +273,8 @@ def _validate_cover(name: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> 
     """Distinct regions must not overlap and must cover the tensor exactly."""
     ordered = sorted(boxes, key=lambda b: b.offsets)
     for i, a in enumerate(ordered):
-        for b in ordered[i + 1 :]:
+        for j in range(i + 1, len(ordered)):  # by index: a slice per region would make this quadratic
+            b = ordered[j]
             if a.ndim and b.offsets[0] >= a.offsets[0] + a.lengths[0]:
                 break
             if intersect(a, b) is not None:

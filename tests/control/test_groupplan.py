@@ -165,3 +165,68 @@ def test_decl_json_round_trip():
     assert Decl.from_json(d.to_json()) == d
     with pytest.raises(PlanError):
         Decl.from_json({"meshes": [], "tensors": [["a", [4], "float32", 4, ["mesh", 3, [0]]]]})
+
+
+def _simulated_control_plane(groups, world, options):
+    """Every rank's declaration -> digests -> representatives -> broadcast -> plan, as the coordinator runs it."""
+    import json
+    import zlib
+
+    from arraycheckpoint.engine.coordinate import group_digests, pack_groups, unpack_groups
+    from arraycheckpoint.rules import digest
+
+    decl_of = {}
+    for decl, ranks in groups:
+        for r in ranks:
+            decl_of[r] = decl
+    digests = [digest(decl_of[r].to_json()) for r in range(world)]
+    reps, group_of = group_digests(digests)
+    payloads = [zlib.compress(json.dumps(decl_of[r].to_json()).encode()) for r in reps]
+    blob = pack_groups(payloads, group_of)
+    assert len(blob) < 1 << 20  # what every rank receives for planning
+    return build_compact_plan(unpack_groups(blob), world, options)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "megatron", "fsdp1"])
+def test_simulated_control_plane_at_256_ranks_matches_the_direct_path(layout):
+    world = 256
+    rng = random.Random(world)
+    opts = PlanOptions(min_chunk_bytes=4096, max_chunk_bytes=1 << 16, inner_chunk_bytes=1024)
+    shapes = [(rng.randint(100, 900), rng.randint(1, 40)) for _ in range(6)]
+    if layout in ("fsdp2", "hsdp"):
+        mesh = Mesh((world,) if layout == "fsdp2" else (16, 16), tuple(range(world)))
+        rule = (0,) if layout == "fsdp2" else (-1, 0)
+        tensors = tuple(TensorRule(f"t{i}", s, "float32", 4, ("mesh", 0, rule)) for i, s in enumerate(shapes))
+        groups = [(Decl((mesh,), tensors), list(range(world)))]
+    elif layout == "megatron":
+        tp, dp = 8, world // 8
+        groups = []
+        for t in range(tp):
+            rules = []
+            for i, s in enumerate(shapes):
+                rows = -(-s[0] // tp)
+                lo = min(rows * t, s[0])
+                box = Box((lo, 0), (max(0, min(lo + rows, s[0]) - lo), s[1]))
+                rules.append(TensorRule(f"t{i}", s, "float32", 4, ("boxes", (box,) if box.volume else ())))
+            rules.append(TensorRule("norm", (64,), "float32", 4, ("replica",)))
+            groups.append((Decl((), tuple(rules)), [t + tp * d for d in range(dp)]))
+    else:
+        per_rank = [[] for _ in range(world)]
+        for i, s in enumerate(shapes):
+            n = s[0] * s[1]
+            bounds = [0, *sorted(rng.randint(0, n) for _ in range(world - 1)), n]
+            for r in range(world):
+                boxes = tuple(flat_range_to_boxes(s, bounds[r], bounds[r + 1]))
+                per_rank[r].append(TensorRule(f"t{i}", s, "float32", 4, ("boxes", boxes)))
+        groups = [(Decl((), tuple(per_rank[r])), [r]) for r in range(world)]
+    new = _simulated_control_plane(groups, world, opts)
+    ref = build_global_plan(_expand(groups, world), opts)
+    for r in range(world):
+        a, b = ref.ranks[r], rank_plan(new, r)
+        assert (a.writes, a.sends, a.recvs, a.layouts, a.create) == (
+            b.writes,
+            b.sends,
+            b.recvs,
+            b.layouts,
+            b.create,
+        ), r
