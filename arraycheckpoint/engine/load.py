@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import safety
 from .._tscontext import context
-from ..codecs import CODEC_PRESET, array_metadata, numpy_dtype
+from ..codecs import numpy_dtype
 from ..collectives import Communicator
 from ..errors import CheckpointNotFoundError, MetadataError, StorageError
 from ..items import LoadTensor
@@ -44,7 +45,9 @@ class LoadPipeline:
         raw = storage.read(root, METADATA_FILE)
         if raw is None:
             raise MetadataError(f"checkpoint {root} is committed but has no {METADATA_FILE}")
-        return storage, root, CheckpointMetadata.from_json(raw)
+        meta = CheckpointMetadata.from_json(raw)
+        safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
+        return storage, root, meta
 
     def load(
         self,
@@ -160,17 +163,11 @@ class LoadPipeline:
                         "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}"),
                         "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
                     }
-                    known = meta.codec_preset == CODEC_PRESET  # else: read the array's own zarr.json
-                    if known:
-                        tm = meta.tensors[t.name]
-                        spec["metadata"] = array_metadata(
-                            tm.shape,
-                            numpy_dtype(tm.dtype),
-                            tm.chunk_shape,
-                            tm.inner_chunk_shape,
-                            tm.compression,
-                        )
-                    opening[t.name] = ts.open(spec, open=True, assume_metadata=known, context=context())
+                    # checked zarr.json (or the preset's metadata), crc32c required; no symlink, FIFO, bomb
+                    spec["metadata"] = safety.check_array(
+                        storage, root, meta.tensors[t.name], meta.codec_preset
+                    )
+                    opening[t.name] = ts.open(spec, open=True, assume_metadata=True, context=context())
             stores = {}
             for name, fut in opening.items():
                 try:
