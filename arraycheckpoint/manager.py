@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import threading
+from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -38,6 +39,7 @@ from typing import Any
 from .errors import CheckpointNotFoundError
 from .future import CheckpointFuture
 from .storage import storage_for
+from .storage.base import being_read
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -139,6 +141,7 @@ class CheckpointManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-manager")
         self._pending: ManagedSave | None = None
         self._lock = threading.Lock()
+        self._reading: Counter[int] = Counter()  # steps restore() is loading on this rank
         self.removed: list[str] = []
         if cleanup:
             if self._sync.rank == 0:
@@ -251,7 +254,16 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint under {self.root}: nothing to restore"
                 )
-        return acp.load(self.step_path(step), state, **{**self.load_options, **load_options})
+        with self._lock:
+            self._reading[step] += 1  # retention (on the coordinator) keeps it until every rank has read it
+        try:
+            return acp.load(self.step_path(step), state, **{**self.load_options, **load_options})
+        finally:
+            try:
+                self._sync.barrier()  # every rank's read is over before the coordinator may delete the step
+            finally:
+                with self._lock:
+                    self._reading[step] -= 1
 
     # Retention and cleanup ---------------------------------------------------------------------------------
     def steps_to_delete(self, steps: list[int]) -> list[int]:
@@ -268,7 +280,11 @@ class CheckpointManager:
     def apply_retention(self) -> list[int]:
         """Delete the committed steps the policy does not keep (coordinator only); returns them."""
         with self._lock:
-            doomed = self.steps_to_delete(self.all_steps())
+            doomed = [
+                s
+                for s in self.steps_to_delete(self.all_steps())
+                if not self._reading[s] and not being_read(self.storage, self._step_root(s))
+            ]  # a step a load in this job is reading is kept (deleted by a later pass)
             for s in doomed:
                 log.info("retention: deleting checkpoint of step %d under %s", s, self.root)
                 self.storage.remove_checkpoint(self._step_root(s))

@@ -47,6 +47,8 @@ MAX_JSON_DEPTH = 100
 #: Largest decoded chunk (one stored file). The planner's default is 64 MiB; a chunk is decoded whole in
 #: memory by tensorstore, so this caps what one hostile file can make a reader allocate.
 MAX_CHUNK_BYTES = 4 << 30
+#: Largest single object a backend downloads whole (a chunk file: data, per inner chunk overheads, index).
+MAX_OBJECT_BYTES = MAX_CHUNK_BYTES + (MAX_CHUNK_BYTES >> 4)
 #: Most inner chunks per stored file: tensorstore reads a 16-byte index entry per inner chunk at once.
 MAX_INNER_CHUNKS = 1 << 22
 #: zstd block size limit (RFC 8878): no block decodes to more than this.

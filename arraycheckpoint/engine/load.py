@@ -17,12 +17,13 @@ from .. import safety
 from .._tscontext import context
 from ..codecs import numpy_dtype
 from ..collectives import Communicator
-from ..errors import CheckpointNotFoundError, MetadataError, StorageError
-from ..items import LoadTensor
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, StorageError
+from ..items import LoadShard, LoadTensor
 from ..metadata import LOAD_METRICS_FILE, METADATA_FILE, CheckpointMetadata, check_name
 from ..monitoring import PhaseRecorder
 from ..regions import Box
 from ..storage import Storage, storage_for
+from ..storage.base import reading
 from .common import DEFAULT_INFLIGHT_BYTES, read_result, write_sidecar
 
 
@@ -58,20 +59,47 @@ class LoadPipeline:
         max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
         comm: Communicator | None = None,
         dedup_reads: bool = False,
+        all_or_nothing: bool = False,
     ) -> PhaseRecorder:
         """Read every target region concurrently and hand it to its sink (in the calling thread).
 
         With ``dedup_reads`` (and more than one rank in ``comm``), a region several ranks want is read by one
         of them and shared through the communicator in one batched all-to-all (collective: every rank calls).
+        With ``all_or_nothing``, every region is read into new arrays first and copied into the targets only
+        once all reads succeeded (peak memory: the loaded bytes once more). The checkpoint is registered as
+        being read (retention of a manager in this process skips it); one removed from under the read
+        raises :class:`CheckpointNotFoundError`.
         """
         recorder = PhaseRecorder()
-        if dedup_reads and comm is not None and comm.world_size > 1:
-            self._wait_idle()  # the checkpoint group must be idle before load collectives
-            with recorder.phase("read-shared") as rec:
-                targets, rec["bytes"] = self._shared_reads(
-                    storage, root, meta, targets, comm, max_inflight_bytes, recorder
+        deferred: list[tuple[LoadShard, np.ndarray]] = []
+        if all_or_nothing:
+            targets = [
+                LoadTensor(
+                    t.name, [LoadShard(s.box, lambda a, s=s: deferred.append((s, a))) for s in t.shards]
                 )
-        self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
+                for t in targets
+            ]
+        with reading(storage, root):
+            try:
+                if dedup_reads and comm is not None and comm.world_size > 1:
+                    self._wait_idle()  # the checkpoint group must be idle before load collectives
+                    with recorder.phase("read-shared") as rec:
+                        targets, rec["bytes"] = self._shared_reads(
+                            storage, root, meta, targets, comm, max_inflight_bytes, recorder
+                        )
+                self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
+            except (CorruptCheckpointError, StorageError, MetadataError) as e:
+                if not storage.is_committed(root):
+                    raise CheckpointNotFoundError(
+                        f"the checkpoint at {root} was removed while it was being read (retention by another "
+                        f"job or manager?); nothing of it can be trusted: load another step ({e})"
+                    ) from e
+                raise
+        for shard, array in deferred:  # every read succeeded: now the targets change
+            if shard.target is not None and shard.target.dtype == array.dtype:
+                np.copyto(shard.target, array)
+            else:
+                shard.sink(array)
         return recorder
 
     def _shared_reads(
@@ -85,7 +113,6 @@ class LoadPipeline:
         recorder: PhaseRecorder,
     ) -> tuple[list[LoadTensor], int]:
         """Read regions wanted by several ranks once, ship them; return the targets left to read locally."""
-        from ..items import LoadShard
         from ..plan import assign_shared_reads
 
         mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
