@@ -10,6 +10,7 @@ Only the engine calls these, from one thread per process, in the same order on e
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -115,17 +116,69 @@ class TorchCommunicator(Communicator):
     :func:`default_communicator` does on the first save or load.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout: float | None = None) -> None:
+        """Args:
+        group: the gloo group to use (default: a new one over the whole world).
+        timeout: seconds without a heartbeat after which a rank counts as stalled (default
+            :data:`arraycheckpoint.liveness.DEFAULT_TIMEOUT` or ``ACP_LIVENESS_TIMEOUT``); every rank then
+            fails within about this bound with an error naming the stalled rank. Only a whole-world group
+            (the default) gets liveness checks and is rebuilt after a stall.
+        """
         import torch
         import torch.distributed as dist
 
+        from .liveness import Liveness, default_timeout
+
         self._dist = dist
         self._torch = torch
+        self._own_group = group is None
         self._group = group if group is not None else dist.new_group(backend="gloo")
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
+        self._liveness: Liveness | None = None
+        self._broken: BaseException | None = None
+        self._retired: list[Any] = []  # groups left with abandoned work: kept, their destructor could block
         token = uuid.uuid4().hex[:12] if self._rank == 0 else ""
         self._session = self.broadcast_bytes(token.encode()).decode()
+        store = dist.distributed_c10d._get_default_store() if self._own_group else None
+        if store is not None:
+            self._liveness = Liveness(
+                store, f"acp-live/{self._session}", self._rank, self._world, timeout or default_timeout()
+            )
+            self.barrier()  # every rank's first heartbeat exists before anyone checks
+
+    def _call(self, start: Any, what: str) -> None:
+        """Run one collective (``start()`` issues it with ``async_op=True``) and wait for it while checking
+        liveness: a stalled peer raises :class:`~arraycheckpoint.liveness.StalledRankError` within the
+        liveness timeout instead of blocking. After a stall the group is rebuilt at the next collective.
+        """
+        if self._liveness is None:
+            start().wait()
+            return
+        from .liveness import StalledRankError
+
+        if self._broken is not None:
+            self._rebuild()
+        try:
+            work = start()
+            delay = 1e-4
+            while not work.is_completed():
+                self._liveness.check(what)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+            work.wait()
+            self._liveness.check_abort(what)  # a stalled rank that resumed must not go on with stale data
+        except StalledRankError as e:
+            self._broken = e
+            raise
+
+    def _rebuild(self) -> None:
+        """After a stall: every rank agrees (through the store) and a fresh gloo group replaces the old one."""
+        assert self._liveness is not None
+        self._liveness.rebuild_barrier(self._liveness.generation + 1)
+        self._retired.append(self._group)
+        self._group = self._dist.new_group(backend="gloo")
+        self._broken = None
 
     @property
     def rank(self) -> int:
@@ -143,7 +196,9 @@ class TorchCommunicator(Communicator):
         torch, dist = self._torch, self._dist
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self._world)]
-        dist.all_gather(sizes, size, group=self._group)
+        self._call(
+            lambda: dist.all_gather(sizes, size, group=self._group, async_op=True), "a checkpoint all-gather"
+        )
         lengths = [int(s.item()) for s in sizes]
         longest = max(lengths)
         if longest == 0:
@@ -152,19 +207,26 @@ class TorchCommunicator(Communicator):
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._world)]
-        dist.all_gather(out, buf, group=self._group)
+        self._call(
+            lambda: dist.all_gather(out, buf, group=self._group, async_op=True), "a checkpoint all-gather"
+        )
         return [o[:n].numpy().tobytes() for o, n in zip(out, lengths)]
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         torch, dist = self._torch, self._dist
         size = torch.tensor([len(data) if data is not None and self._rank == src else 0], dtype=torch.int64)
-        dist.broadcast(size, src=src, group=self._group)
+        self._call(
+            lambda: dist.broadcast(size, src=src, group=self._group, async_op=True), "a checkpoint broadcast"
+        )
         n = int(size.item())
         buf = torch.empty(n, dtype=torch.uint8)
         if self._rank == src and n:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         if n:
-            dist.broadcast(buf, src=src, group=self._group)
+            self._call(
+                lambda: dist.broadcast(buf, src=src, group=self._group, async_op=True),
+                "a checkpoint broadcast",
+            )
         return buf.numpy().tobytes()
 
     def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
@@ -175,7 +237,12 @@ class TorchCommunicator(Communicator):
         )
         inp = torch.from_numpy(flat) if flat is not None else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        dist.all_to_all_single(out, inp, list(recv_sizes), send_sizes, group=self._group)
+        self._call(
+            lambda: dist.all_to_all_single(
+                out, inp, list(recv_sizes), send_sizes, group=self._group, async_op=True
+            ),
+            "the checkpoint all-to-all",
+        )
         arr = out.numpy()
         bounds = np.cumsum([0, *recv_sizes])
         return [arr[bounds[r] : bounds[r + 1]] for r in range(self._world)]
