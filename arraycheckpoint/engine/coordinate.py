@@ -208,7 +208,9 @@ def _cleanup(what: str, fn: Any, final: str) -> None:
     try:
         fn()
     except Exception:  # noqa: BLE001
-        log.warning("storage %s of %s failed after the save's outcome was decided", what, final, exc_info=True)
+        log.warning(
+            "storage %s of %s failed after the save's outcome was decided", what, final, exc_info=True
+        )
 
 
 def declare(tensors: list[SaveTensor]) -> list[TensorDecl]:
