@@ -36,6 +36,13 @@ import numpy as np
 
 from .errors import CorruptCheckpointError, MetadataError
 
+
+class InconsistentCheckpointError(MetadataError, CorruptCheckpointError):
+    """The stored files do not hold what ``.metadata.json`` declares (chunk files missing, or a declared
+    shape the checkpoint cannot hold): damaged or hostile. Both a :class:`MetadataError` and a
+    :class:`CorruptCheckpointError`, since from the files alone the two cannot be told apart."""
+
+
 #: Largest ``.metadata.json`` read (bytes). Format 1 stores one record per saved region; a 10,000-rank save
 #: of a few thousand tensors stays far below this; anything larger is refused before it is read.
 MAX_METADATA_BYTES = 256 << 20
@@ -248,7 +255,7 @@ def check_checkpoint(storage: Any, root: str, meta: Any) -> dict[str, int | None
         expected = chunk_count(t.shape, t.chunk_shape)
         found = chunks.get(name, [])
         if len(found) != expected:
-            raise MetadataError(
+            raise InconsistentCheckpointError(
                 f"tensor {name!r}: the metadata declares shape {list(t.shape)} in {expected} chunk(s) of "
                 f"{list(t.chunk_shape)}, but the checkpoint holds {len(found)} chunk file(s) for it; the "
                 "metadata does not describe this checkpoint (damaged, hostile, or partly deleted)"
