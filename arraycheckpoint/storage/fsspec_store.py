@@ -136,6 +136,13 @@ class FsspecStorage(Storage):
         if not self.fs.exists(base):
             return {}
         found = self.fs.find(base, detail=True)
+        for p, info in found.items():
+            # file systems with links (local://, sftp, hdfs): only regular files are read, links never followed
+            if isinstance(info, dict) and (info.get("islink") or info.get("type", "file") != "file"):
+                kind = "a symlink" if info.get("islink") else f"not a regular file ({info.get('type')})"
+                raise CorruptCheckpointError(
+                    f"{p} is {kind}; a checkpoint holds only regular files and nothing is read through a link"
+                )
         return {
             p: (info.get("size") if isinstance(info, dict) else None) for p, info in sorted(found.items())
         }

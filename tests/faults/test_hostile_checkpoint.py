@@ -274,3 +274,18 @@ def test_parent_is_a_regular_file_names_the_problem(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="is a regular file, not a directory") as e:
         acp.save(str(tmp_path / "file" / "ck"), _target())
     assert str(tmp_path / "file") in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_fsspec_local_refuses_links_and_special_files(tmp_path: Path, kind: str) -> None:
+    a, b = _two_checkpoints(tmp_path)
+    url = f"local://{tmp_path}/f"
+    acp.save(url, _target())
+    victim = chunk_files(str(tmp_path / "f" / "model" / "weight"))[0]
+    os.remove(victim)
+    if kind == "symlink":
+        os.symlink(chunk_files(os.path.join(b, "model/weight"))[0], victim)
+    else:
+        os.mkfifo(victim)
+    with pytest.raises(CorruptCheckpointError, match="symlink" if kind == "symlink" else "not a regular file"):
+        acp.load(url, _target())
