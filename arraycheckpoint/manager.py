@@ -18,7 +18,9 @@ Rules:
   interleave.
 * Retention runs on the coordinator after each successful commit: the newest ``keep_last`` committed steps
   are kept, every step divisible by ``keep_every`` is kept, and the newest committed step is never deleted.
-  A deleted step disappears at once (renamed aside on POSIX; marker removed first on object stores).
+  A deleted step disappears at once (renamed aside on POSIX; marker removed first on object stores). A step
+  that a load in this process is reading is kept until a later pass; a step removed from under a reader
+  (by another job) makes that load raise ``CheckpointNotFoundError``.
 * On start (``cleanup=True``) the coordinator removes staging directories, stale locks, half-deleted steps
   and step directories without a commit marker; the other ranks wait for it. Do not run two managers (two
   jobs) on one root at the same time: each treats the other's saves in flight as leftovers.
@@ -31,7 +33,6 @@ import os
 import re
 import sys
 import threading
-from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -141,7 +142,6 @@ class CheckpointManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-manager")
         self._pending: ManagedSave | None = None
         self._lock = threading.Lock()
-        self._reading: Counter[int] = Counter()  # steps restore() is loading on this rank
         self.removed: list[str] = []
         if cleanup:
             if self._sync.rank == 0:
@@ -254,16 +254,7 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint under {self.root}: nothing to restore"
                 )
-        with self._lock:
-            self._reading[step] += 1  # retention (on the coordinator) keeps it until every rank has read it
-        try:
-            return acp.load(self.step_path(step), state, **{**self.load_options, **load_options})
-        finally:
-            try:
-                self._sync.barrier()  # every rank's read is over before the coordinator may delete the step
-            finally:
-                with self._lock:
-                    self._reading[step] -= 1
+        return acp.load(self.step_path(step), state, **{**self.load_options, **load_options})
 
     # Retention and cleanup ---------------------------------------------------------------------------------
     def steps_to_delete(self, steps: list[int]) -> list[int]:
@@ -283,8 +274,8 @@ class CheckpointManager:
             doomed = [
                 s
                 for s in self.steps_to_delete(self.all_steps())
-                if not self._reading[s] and not being_read(self.storage, self._step_root(s))
-            ]  # a step a load in this job is reading is kept (deleted by a later pass)
+                if not being_read(self.storage, self._step_root(s))
+            ]  # a step a load in this process is reading is kept (deleted by a later pass)
             for s in doomed:
                 log.info("retention: deleting checkpoint of step %d under %s", s, self.root)
                 self.storage.remove_checkpoint(self._step_root(s))

@@ -174,9 +174,11 @@ class Storage(ABC):
         raw = self.read(final, LOCK_KEY)
         if raw is None:
             return None
+        from ..safety import load_json_bounded
+
         try:
-            return str(json.loads(raw)["token"])
-        except (ValueError, KeyError, TypeError):
+            return str(load_json_bounded(raw, max_bytes=1 << 16, what=f"{final}/{LOCK_KEY}")["token"])
+        except (ValueError, KeyError, TypeError):  # MetadataError is a ValueError
             return raw.decode(errors="replace")
 
     def release(self, final: str, token: str) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
 from ..metadata import COMMIT_MARKER
-from ..safety import MAX_METADATA_BYTES, MAX_OBJECT_BYTES
+from ..safety import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from .base import LOCK_KEY, Storage
 from .retry import is_transient
 
@@ -280,7 +280,8 @@ class FsspecStorage(Storage):
         if self.exists(final, LOCK_KEY):
             return False
         self.write(final, LOCK_KEY, body)
-        return json.loads(self.read(final, LOCK_KEY) or b"{}") == json.loads(body)
+        stored = self.read(final, LOCK_KEY) or b"{}"
+        return load_json_bounded(stored, max_bytes=1 << 16, what=f"{final}/{LOCK_KEY}") == json.loads(body)
 
 
 def _bounded_cat(fs: Any, path: str, limit: int = MAX_OBJECT_BYTES) -> bytes:

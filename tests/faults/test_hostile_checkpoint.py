@@ -287,5 +287,7 @@ def test_fsspec_local_refuses_links_and_special_files(tmp_path: Path, kind: str)
         os.symlink(chunk_files(os.path.join(b, "model/weight"))[0], victim)
     else:
         os.mkfifo(victim)
-    with pytest.raises(CorruptCheckpointError, match="symlink" if kind == "symlink" else "not a regular file"):
+    with pytest.raises(
+        CorruptCheckpointError, match="symlink" if kind == "symlink" else "not a regular file"
+    ):
         acp.load(url, _target())

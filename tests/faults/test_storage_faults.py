@@ -178,3 +178,45 @@ def test_all_or_nothing_leaves_targets_untouched_on_a_failed_load(tmp_path: Path
     acp.save(str(tmp_path / "ok"), {"model": _linear(5)})
     acp.load(str(tmp_path / "ok"), {"model": good}, all_or_nothing=True)
     assert torch.equal(good.weight, _linear(5).weight)
+
+
+def test_loads_racing_retention_never_see_a_half_deleted_step(tmp_path: Path) -> None:
+    """An evaluation thread loads the newest step while training saves with keep_last=1: every load either
+    returns one step's exact tensors or raises CheckpointNotFoundError; with all_or_nothing the target is
+    never half-overwritten (before: "chunk missing" CorruptCheckpointError, half-written targets)."""
+    import threading
+
+    mgr = CheckpointManager(str(tmp_path / "run"), keep_last=1)
+    mgr.save(0, {"model": _linear(0)}).result()
+    expected = {s: _linear(s) for s in range(12)}
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def evaluate() -> None:
+        while not stop.is_set():
+            step = mgr.latest_step()
+            target = _linear(1000)
+            try:
+                acp.load(mgr.step_path(step), {"model": target}, all_or_nothing=True)
+            except CheckpointNotFoundError:
+                untouched = torch.equal(target.weight, _linear(1000).weight)
+                outcomes.append("gone" if untouched else "half-written")
+                continue
+            except Exception as e:  # noqa: BLE001 - reported below
+                outcomes.append(f"error {type(e).__name__}: {e}")
+                continue
+            match = [s for s, m in expected.items() if torch.equal(m.weight, target.weight)]
+            exact = len(match) == 1 and torch.equal(expected[match[0]].bias, target.bias)
+            outcomes.append("ok" if exact else "mixed")
+
+    reader = threading.Thread(target=evaluate)
+    reader.start()
+    try:
+        for step in range(1, 12):
+            mgr.save(step, {"model": expected[step]}).result()
+    finally:
+        stop.set()
+        reader.join()
+        mgr.close()
+    assert outcomes.count("ok") > 0
+    assert set(outcomes) <= {"ok", "gone"}, [o for o in outcomes if o not in ("ok", "gone")]
