@@ -279,7 +279,9 @@ def _max_file_bytes(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: in
 
 
 # Arrays ------------------------------------------------------------------------------------------------
-def check_array(storage: Any, root: str, tm: Any, codec_preset: int) -> dict[str, Any]:
+def check_array(
+    storage: Any, root: str, tm: Any, codec_preset: int, boxes: list[Any] | None = None
+) -> dict[str, Any]:
     """Check one array just before it is opened; return the zarr v3 metadata to open it with.
 
     Local file systems: the array's directory is scanned again (regular files only) and no directory
@@ -287,7 +289,8 @@ def check_array(storage: Any, root: str, tm: Any, codec_preset: int) -> dict[str
     local file systems always, where it costs nothing) must agree with ``.metadata.json`` on shape, data
     type, chunk grid and compression, and must protect every inner chunk and the shard index with crc32c;
     the checkpoint cannot switch integrity checks off. Compressed arrays: every zstd frame is checked
-    against the declared inner chunk size before tensorstore inflates it.
+    against the declared inner chunk size before tensorstore inflates it (only in the chunks that
+    intersect ``boxes``, the regions about to be read, when given).
 
     Raises:
         MetadataError: ``zarr.json`` is malformed or disagrees with ``.metadata.json``, or lacks crc32c.
@@ -319,7 +322,7 @@ def check_array(storage: Any, root: str, tm: Any, codec_preset: int) -> dict[str
             doc = stored
     if tm.compression is not None:
         kv = kv or _kvstore(storage, array_root)
-        _check_zstd_chunks(kv, tm, array_root)
+        _check_zstd_chunks(kv, tm, array_root, boxes)
     return doc
 
 
@@ -382,9 +385,11 @@ def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str)
         raise bad(f"has inner codecs {names}, not {[c['name'] for c in want['codecs']]}")
 
 
-def _check_zstd_chunks(kv: Any, tm: Any, where: str) -> None:
-    """Walk every zstd frame of every chunk file: one frame per inner chunk, decoding to its declared size."""
+def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None) -> None:
+    """Walk every zstd frame of every chunk file that ``boxes`` touch (all when None): one frame per inner
+    chunk, decoding to its declared size."""
     from .codecs import numpy_dtype
+    from .regions import Box, intersect
 
     itemsize = numpy_dtype(tm.dtype).itemsize
     expected = math.prod(tm.inner_chunk_shape) * itemsize
@@ -392,8 +397,15 @@ def _check_zstd_chunks(kv: Any, tm: Any, where: str) -> None:
     index_bytes = n_inner * 16 + 4
     keys = sorted(k.decode() if isinstance(k, bytes) else k for k in kv.list().result())
     for key in keys:
-        if key == "zarr.json":
+        m = re.fullmatch(r"c((?:/\d+)*)", key)
+        if m is None:
             continue
+        index_of = tuple(int(i) for i in m.group(1).split("/")[1:])
+        if boxes is not None and index_of and len(index_of) == len(tm.chunk_shape):
+            lo = tuple(i * c for i, c in zip(index_of, tm.chunk_shape))
+            chunk = Box(lo, tuple(min(c, s - o) for c, s, o in zip(tm.chunk_shape, tm.shape, lo)))
+            if not any(intersect(chunk, b) for b in boxes):
+                continue
         data = _kv_read(kv, key)
         if data is None:
             continue

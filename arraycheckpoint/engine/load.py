@@ -191,8 +191,9 @@ class LoadPipeline:
                         "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
                     }
                     # checked zarr.json (or the preset's metadata), crc32c required; no symlink, FIFO, bomb
+                    boxes = [s.box for u in targets if u.name == t.name for s in u.shards]
                     spec["metadata"] = safety.check_array(
-                        storage, root, meta.tensors[t.name], meta.codec_preset
+                        storage, root, meta.tensors[t.name], meta.codec_preset, boxes
                     )
                     opening[t.name] = ts.open(spec, open=True, assume_metadata=True, context=context())
             stores = {}
