@@ -182,6 +182,9 @@ class LoadPipeline:
 
         with recorder.phase("read") as rec:
             opening = {}
+            wanted: dict[str, list[Box]] = {}  # the regions read of each array (its zstd chunks are checked)
+            for t in targets:
+                wanted.setdefault(t.name, []).extend(s.box for s in t.shards)
             for t in targets:
                 check_name(t.name)
                 if t.name not in opening and t.shards:
@@ -191,9 +194,8 @@ class LoadPipeline:
                         "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
                     }
                     # checked zarr.json (or the preset's metadata), crc32c required; no symlink, FIFO, bomb
-                    boxes = [s.box for u in targets if u.name == t.name for s in u.shards]
                     spec["metadata"] = safety.check_array(
-                        storage, root, meta.tensors[t.name], meta.codec_preset, boxes
+                        storage, root, meta.tensors[t.name], meta.codec_preset, wanted[t.name]
                     )
                     opening[t.name] = ts.open(spec, open=True, assume_metadata=True, context=context())
             stores = {}
