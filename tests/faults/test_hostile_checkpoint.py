@@ -66,7 +66,9 @@ def test_extra_state_array_of_shape_1e13_is_refused_naming_the_entry(tmp_path: P
 
     edit_metadata(ck, huge)
     out = load_in_subprocess(ck, extra='state["extra_state"] = {}')
-    assert out.startswith("RAISED MetadataError") and name in out, out
+    # InconsistentCheckpointError: a MetadataError (and a CorruptCheckpointError) naming the entry
+    assert out.startswith("RAISED InconsistentCheckpointError") and name in out, out
+    assert issubclass(safety.InconsistentCheckpointError, MetadataError)
 
 
 def test_chunk_bytes_are_bounded() -> None:
