@@ -165,6 +165,7 @@ def load(
     report: dict[str, list[str]] | None = None,
     role: str | None = None,
     device: Any = None,
+    all_or_nothing: bool = False,
 ) -> dict[str, Any]:
     """Load a committed checkpoint into ``state`` under the current (any) parallel layout.
 
@@ -194,6 +195,10 @@ def load(
         role: load role ``role`` (``<path>/<role>``); other roles under ``path`` are not touched.
         device: torch: materialise modules built on the meta device on this device (``to_empty``) and
             fill them from the checkpoint; without it a meta-device target is refused.
+        all_or_nothing: read everything into staging arrays first and copy into the targets only when every
+            read succeeded. By default torch targets are written in place as regions arrive, so a load that
+            fails midway (a damaged chunk, a checkpoint deleted under the reader) may leave them partly
+            overwritten; this mode prevents that at the cost of holding the loaded bytes twice (opt-in).
 
     Returns:
         ``state`` with loaded values (the same objects for torch; new arrays for jax).
@@ -237,7 +242,15 @@ def load(
         _check_unexpected_across_ranks(meta, job, communicator)
     if report is not None:
         report.update(found)
-    recorder = eng.load(storage, root, meta, job.targets, comm=communicator, dedup_reads=dedup_reads)
+    recorder = eng.load(
+        storage,
+        root,
+        meta,
+        job.targets,
+        comm=communicator,
+        dedup_reads=dedup_reads,
+        all_or_nothing=all_or_nothing,
+    )
     if report is not None:
         report["metrics"] = recorder.to_json()["phases"]
     if record_metrics:

@@ -12,6 +12,7 @@ Only the engine calls these, from one thread per process, in the same order on e
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -147,17 +148,69 @@ class TorchCommunicator(Communicator):
     :func:`default_communicator` does on the first save or load.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout: float | None = None) -> None:
+        """Args:
+        group: the gloo group to use (default: a new one over the whole world).
+        timeout: seconds without a heartbeat after which a rank counts as stalled (default
+            :data:`arraycheckpoint.liveness.DEFAULT_TIMEOUT` or ``ACP_LIVENESS_TIMEOUT``); every rank then
+            fails within about this bound with an error naming the stalled rank. Only a whole-world group
+            (the default) gets liveness checks and is rebuilt after a stall.
+        """
         import torch
         import torch.distributed as dist
 
+        from .liveness import Liveness, default_timeout
+
         self._dist = dist
         self._torch = torch
+        self._own_group = group is None
         self._group = group if group is not None else dist.new_group(backend="gloo")
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
+        self._liveness: Liveness | None = None
+        self._broken: BaseException | None = None
+        self._retired: list[Any] = []  # groups left with abandoned work: kept, their destructor could block
         token = uuid.uuid4().hex[:12] if self._rank == 0 else ""
         self._session = self.broadcast_bytes(token.encode()).decode()
+        store = dist.distributed_c10d._get_default_store() if self._own_group else None
+        if store is not None:
+            self._liveness = Liveness(
+                store, f"acp-live/{self._session}", self._rank, self._world, timeout or default_timeout()
+            )
+            self.barrier()  # every rank's first heartbeat exists before anyone checks
+
+    def _call(self, start: Any, what: str) -> None:
+        """Run one collective (``start()`` issues it with ``async_op=True``) and wait for it while checking
+        liveness: a stalled peer raises :class:`~arraycheckpoint.liveness.StalledRankError` within the
+        liveness timeout instead of blocking. After a stall the group is rebuilt at the next collective.
+        """
+        if self._liveness is None:
+            start().wait()
+            return
+        from .liveness import StalledRankError
+
+        if self._broken is not None:
+            self._rebuild()
+        try:
+            work = start()
+            delay = 1e-4
+            while not work.is_completed():
+                self._liveness.check(what)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+            work.wait()
+            self._liveness.check_abort(what)  # a stalled rank that resumed must not go on with stale data
+        except StalledRankError as e:
+            self._broken = e
+            raise
+
+    def _rebuild(self) -> None:
+        """After a stall: every rank agrees (through the store) and a fresh gloo group replaces the old one."""
+        assert self._liveness is not None
+        self._liveness.rebuild_barrier(self._liveness.generation + 1)
+        self._retired.append(self._group)
+        self._group = self._dist.new_group(backend="gloo")
+        self._broken = None
 
     @property
     def rank(self) -> int:
@@ -175,7 +228,9 @@ class TorchCommunicator(Communicator):
         torch, dist = self._torch, self._dist
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self._world)]
-        dist.all_gather(sizes, size, group=self._group)
+        self._call(
+            lambda: dist.all_gather(sizes, size, group=self._group, async_op=True), "a checkpoint all-gather"
+        )
         lengths = [int(s.item()) for s in sizes]
         longest = max(lengths)
         if longest == 0:
@@ -184,19 +239,26 @@ class TorchCommunicator(Communicator):
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._world)]
-        dist.all_gather(out, buf, group=self._group)
+        self._call(
+            lambda: dist.all_gather(out, buf, group=self._group, async_op=True), "a checkpoint all-gather"
+        )
         return [o[:n].numpy().tobytes() for o, n in zip(out, lengths)]
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         torch, dist = self._torch, self._dist
         size = torch.tensor([len(data) if data is not None and self._rank == src else 0], dtype=torch.int64)
-        dist.broadcast(size, src=src, group=self._group)
+        self._call(
+            lambda: dist.broadcast(size, src=src, group=self._group, async_op=True), "a checkpoint broadcast"
+        )
         n = int(size.item())
         buf = torch.empty(n, dtype=torch.uint8)
         if self._rank == src and n:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         if n:
-            dist.broadcast(buf, src=src, group=self._group)
+            self._call(
+                lambda: dist.broadcast(buf, src=src, group=self._group, async_op=True),
+                "a checkpoint broadcast",
+            )
         return buf.numpy().tobytes()
 
     def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
@@ -219,22 +281,41 @@ class TorchCommunicator(Communicator):
                 keep.append(t)
                 ops.append(dist.P2POp(dist.isend, t, group=self._group, group_peer=r))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            self._call(lambda: _AllWorks(dist.batch_isend_irecv(ops)), "the checkpoint fragment exchange")
         return out
 
     def all_reduce_min(self, values: Sequence[int]) -> list[int]:
         torch, dist = self._torch, self._dist
         t = torch.tensor([int(v) for v in values], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        self._call(
+            lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group, async_op=True),
+            "the checkpoint agreement",
+        )
         return [int(v) for v in t.tolist()]
 
     def gather_sizes(self, size: int, dst: int = 0) -> list[int] | None:
         torch, dist = self._torch, self._dist
         t = torch.tensor([int(size)], dtype=torch.int64)
         out = [torch.empty(1, dtype=torch.int64) for _ in range(self._world)] if self._rank == dst else None
-        dist.gather(t, out, group=self._group, group_dst=dst)
+        self._call(
+            lambda: dist.gather(t, out, group=self._group, group_dst=dst, async_op=True),
+            "the checkpoint size gather",
+        )
         return [int(o.item()) for o in out] if out is not None else None
+
+
+class _AllWorks:
+    """Several pending point-to-point operations as one waitable (for the liveness-checked wait)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
 
 
 _TORCH_COMMS: dict[int, TorchCommunicator] = {}

@@ -18,7 +18,9 @@ Rules:
   interleave.
 * Retention runs on the coordinator after each successful commit: the newest ``keep_last`` committed steps
   are kept, every step divisible by ``keep_every`` is kept, and the newest committed step is never deleted.
-  A deleted step disappears at once (renamed aside on POSIX; marker removed first on object stores).
+  A deleted step disappears at once (renamed aside on POSIX; marker removed first on object stores). A step
+  that a load in this process is reading is kept until a later pass; a step removed from under a reader
+  (by another job) makes that load raise ``CheckpointNotFoundError``.
 * On start (``cleanup=True``) the coordinator removes staging directories, stale locks, half-deleted steps
   and step directories without a commit marker; the other ranks wait for it. Do not run two managers (two
   jobs) on one root at the same time: each treats the other's saves in flight as leftovers.
@@ -38,6 +40,7 @@ from typing import Any
 from .errors import CheckpointNotFoundError
 from .future import CheckpointFuture
 from .storage import storage_for
+from .storage.base import being_read
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -268,7 +271,11 @@ class CheckpointManager:
     def apply_retention(self) -> list[int]:
         """Delete the committed steps the policy does not keep (coordinator only); returns them."""
         with self._lock:
-            doomed = self.steps_to_delete(self.all_steps())
+            doomed = [
+                s
+                for s in self.steps_to_delete(self.all_steps())
+                if not being_read(self.storage, self._step_root(s))
+            ]  # a step a load in this process is reading is kept (deleted by a later pass)
             for s in doomed:
                 log.info("retention: deleting checkpoint of step %d under %s", s, self.root)
                 self.storage.remove_checkpoint(self._step_root(s))

@@ -161,10 +161,9 @@ class CheckpointMetadata:
     @staticmethod
     def from_json(text: str | bytes) -> CheckpointMetadata:
         """Parse and validate ``.metadata.json``; raises :class:`MetadataError` on anything malformed."""
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MetadataError(f"metadata is not valid JSON ({e}); the checkpoint is damaged") from None
+        from .safety import MAX_METADATA_BYTES, load_json_bounded
+
+        doc = load_json_bounded(text, max_bytes=MAX_METADATA_BYTES, what=METADATA_FILE)
         return _parse(doc)
 
 

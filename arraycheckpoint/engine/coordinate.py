@@ -145,14 +145,15 @@ class Coordinator:
                 except Exception as e:  # noqa: BLE001
                     outcome["error"] = describe(e, 0)
             if outcome["error"]:
-                job.storage.abort(job.staging, job.final)
+                _cleanup("abort", lambda: job.storage.abort(job.staging, job.final), job.final)
             else:
                 # the metadata was written inside the commit phase, so the complete record (commit included)
                 # goes to a sidecar after it; best effort: the checkpoint is committed either way
                 save = {str(r): s["metrics"] for r, s in enumerate(statuses) if "metrics" in s}
                 save["0"] = job.recorder.to_json()
                 write_sidecar(job.storage, job.final, METRICS_FILE, {"save": save})
-            job.storage.release(job.final, job.token)
+            # a failed release must not skip the broadcast: every rank waits for the outcome
+            _cleanup("release", lambda: job.storage.release(job.final, job.token), job.final)
         outcome = comm.broadcast_json(outcome, src=0)
         if outcome["error"]:
             raise SaveFailedError(f"save to {job.final} failed and was not committed: {outcome['error']}")
@@ -185,6 +186,17 @@ class Coordinator:
             w.result()
         job.storage.flush(job.staging)
         return meta
+
+
+def _cleanup(what: str, fn: Any, final: str) -> None:
+    """abort()/release() after the outcome is known: their failure is logged, never raised (the outcome, with
+    the save's own error, still reaches every rank; a stale lock is removed by CheckpointManager cleanup)."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001
+        log.warning(
+            "storage %s of %s failed after the save's outcome was decided", what, final, exc_info=True
+        )
 
 
 def build_metadata(

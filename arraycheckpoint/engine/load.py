@@ -13,15 +13,17 @@ from typing import Any
 
 import numpy as np
 
+from .. import safety
 from .._tscontext import context
-from ..codecs import CODEC_PRESET, array_metadata, numpy_dtype
+from ..codecs import numpy_dtype
 from ..collectives import Communicator
-from ..errors import CheckpointNotFoundError, MetadataError, StorageError
-from ..items import LoadTensor
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, StorageError
+from ..items import LoadShard, LoadTensor
 from ..metadata import LOAD_METRICS_FILE, METADATA_FILE, CheckpointMetadata, check_name
 from ..monitoring import PhaseRecorder
 from ..regions import Box
 from ..storage import Storage, storage_for
+from ..storage.base import reading
 from .common import DEFAULT_INFLIGHT_BYTES, read_result, write_sidecar
 
 
@@ -55,7 +57,9 @@ class LoadPipeline:
         raw = storage.read(root, METADATA_FILE)
         if raw is None:
             raise MetadataError(f"checkpoint {root} is committed but has no {METADATA_FILE}")
-        return storage, root, CheckpointMetadata.from_json(raw)
+        meta = CheckpointMetadata.from_json(raw)
+        safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
+        return storage, root, meta
 
     def load(
         self,
@@ -66,20 +70,47 @@ class LoadPipeline:
         max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
         comm: Communicator | None = None,
         dedup_reads: bool = False,
+        all_or_nothing: bool = False,
     ) -> PhaseRecorder:
         """Read every target region concurrently and hand it to its sink (in the calling thread).
 
         With ``dedup_reads`` (and more than one rank in ``comm``), a region several ranks want is read by one
         of them and shared through the communicator in one batched all-to-all (collective: every rank calls).
+        With ``all_or_nothing``, every region is read into new arrays first and copied into the targets only
+        once all reads succeeded (peak memory: the loaded bytes once more). The checkpoint is registered as
+        being read (retention of a manager in this process skips it); one removed from under the read
+        raises :class:`CheckpointNotFoundError`.
         """
         recorder = PhaseRecorder()
-        if dedup_reads and comm is not None and comm.world_size > 1:
-            self._wait_idle()  # the checkpoint group must be idle before load collectives
-            with recorder.phase("read-shared") as rec:
-                targets, rec["bytes"] = self._shared_reads(
-                    storage, root, meta, targets, comm, max_inflight_bytes, recorder
+        deferred: list[tuple[LoadShard, np.ndarray]] = []
+        if all_or_nothing:
+            targets = [
+                LoadTensor(
+                    t.name, [LoadShard(s.box, lambda a, s=s: deferred.append((s, a))) for s in t.shards]
                 )
-        self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
+                for t in targets
+            ]
+        with reading(storage, root):
+            try:
+                if dedup_reads and comm is not None and comm.world_size > 1:
+                    self._wait_idle()  # the checkpoint group must be idle before load collectives
+                    with recorder.phase("read-shared") as rec:
+                        targets, rec["bytes"] = self._shared_reads(
+                            storage, root, meta, targets, comm, max_inflight_bytes, recorder
+                        )
+                self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
+            except (CorruptCheckpointError, StorageError, MetadataError) as e:
+                if not storage.is_committed(root):
+                    raise CheckpointNotFoundError(
+                        f"the checkpoint at {root} was removed while it was being read (retention by another "
+                        f"job or manager?); nothing of it can be trusted: load another step ({e})"
+                    ) from e
+                raise
+        for shard, array in deferred:  # every read succeeded: now the targets change
+            if shard.target is not None and shard.target.dtype == array.dtype:
+                np.copyto(shard.target, array)
+            else:
+                shard.sink(array)
         return recorder
 
     def _shared_reads(
@@ -93,7 +124,6 @@ class LoadPipeline:
         recorder: PhaseRecorder,
     ) -> tuple[list[LoadTensor], int]:
         """Read regions wanted by several ranks once, ship them; return the targets left to read locally."""
-        from ..items import LoadShard
         from ..plan import assign_shared_reads
 
         mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
@@ -168,6 +198,9 @@ class LoadPipeline:
             return
         with recorder.phase("read") as rec:
             opening = {}
+            wanted: dict[str, list[Box]] = {}  # the regions read of each array (its zstd chunks are checked)
+            for t in targets:
+                wanted.setdefault(t.name, []).extend(s.box for s in t.shards)
             for t in targets:
                 check_name(t.name)
                 if t.name not in opening and t.shards:
@@ -176,17 +209,11 @@ class LoadPipeline:
                         "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}"),
                         "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
                     }
-                    known = meta.codec_preset == CODEC_PRESET  # else: read the array's own zarr.json
-                    if known:
-                        tm = meta.tensors[t.name]
-                        spec["metadata"] = array_metadata(
-                            tm.shape,
-                            numpy_dtype(tm.dtype),
-                            tm.chunk_shape,
-                            tm.inner_chunk_shape,
-                            tm.compression,
-                        )
-                    opening[t.name] = ts.open(spec, open=True, assume_metadata=known, context=context())
+                    # checked zarr.json (or the preset's metadata), crc32c required; no symlink, FIFO, bomb
+                    spec["metadata"] = safety.check_array(
+                        storage, root, meta.tensors[t.name], meta.codec_preset, wanted[t.name]
+                    )
+                    opening[t.name] = ts.open(spec, open=True, assume_metadata=True, context=context())
             stores = {}
             for name, fut in opening.items():
                 try:

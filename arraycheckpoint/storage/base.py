@@ -25,8 +25,12 @@ I/O (tensorstore does that per request where the transport needs it).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CheckpointExistsError
@@ -170,9 +174,11 @@ class Storage(ABC):
         raw = self.read(final, LOCK_KEY)
         if raw is None:
             return None
+        from ..safety import load_json_bounded
+
         try:
-            return str(json.loads(raw)["token"])
-        except (ValueError, KeyError, TypeError):
+            return str(load_json_bounded(raw, max_bytes=1 << 16, what=f"{final}/{LOCK_KEY}")["token"])
+        except (ValueError, KeyError, TypeError):  # MetadataError is a ValueError
             return raw.decode(errors="replace")
 
     def release(self, final: str, token: str) -> None:
@@ -216,3 +222,29 @@ class Storage(ABC):
                 self.delete_key(child, LOCK_KEY)
                 removed.append(f"{child}/{LOCK_KEY}")
         return removed
+
+
+# Checkpoints being read in this process -------------------------------------------------------------------
+_reading: Counter[str] = Counter()
+_reading_guard = threading.Lock()
+
+
+@contextmanager
+def reading(storage: Storage, root: str) -> Iterator[None]:
+    """Mark ``root`` as being read by this process for the duration (retention skips it)."""
+    key = root.rstrip("/")
+    with _reading_guard:
+        _reading[key] += 1
+    try:
+        yield
+    finally:
+        with _reading_guard:
+            _reading[key] -= 1
+            if _reading[key] <= 0:
+                del _reading[key]
+
+
+def being_read(storage: Storage, root: str) -> bool:
+    """Whether a load in this process is reading ``root`` now."""
+    with _reading_guard:
+        return root.rstrip("/") in _reading

@@ -28,9 +28,11 @@ import uuid
 import weakref
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import CorruptCheckpointError, MetadataError, StorageError
 from ..metadata import COMMIT_MARKER
+from ..safety import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from .base import LOCK_KEY, Storage
+from .retry import is_transient
 
 _STAGING = "#acp-staging-"
 _UPLOAD_BATCH_BYTES = 256 << 20
@@ -102,19 +104,58 @@ class FsspecStorage(Storage):
 
     # Bulk transfer between the memory buffer and the file system -------------------------------------
     def _download(self, root: str, spec: dict[str, Any]) -> None:
+        """Fetch every object below ``root`` into the memory area ``spec``: sizes checked before the bytes
+        are fetched, one batched ``cat``, then per-object retries of only the objects that failed."""
         base = self._rpath(root)
-        files = self._retry("list", root, lambda: self.fs.find(base) if self.fs.exists(base) else [])
-        if not files:
+        sizes = self._retry("list", root, lambda: self._find_sizes(base))
+        if not sizes:
             return
-        blobs = self._retry("read", root, lambda: self.fs.cat(files, on_error="raise"))
+        for path, size in sizes.items():
+            _check_object_size(path, size)
+        try:
+            blobs = dict(self.fs.cat(list(sizes), on_error="return"))
+        except Exception as e:  # noqa: BLE001 - a failed batch: every object is fetched on its own below
+            if not is_transient(e):
+                raise self._permanent("read", root, e) from e
+            blobs = {}
         kv = _memory_kv(spec)
         prefix = base.rstrip("/") + "/"
         writes = []
-        for path, data in blobs.items():
+        for path in sizes:
+            data = blobs.get(path)
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                data = self._retry("read", path, lambda p=path: _bounded_cat(self.fs, p))
+            _check_object_size(path, len(data))
             rel = self._strip(path)[len(prefix) :]
-            writes.append(kv.write(rel, data))
+            writes.append(kv.write(rel, bytes(data)))
         for w in writes:
             w.result()
+
+    def _find_sizes(self, base: str) -> dict[str, int | None]:
+        """Every file below ``base`` (fsspec paths) with its listed size (None where the file system has none)."""
+        if not self.fs.exists(base):
+            return {}
+        found = self.fs.find(base, detail=True)
+        for p, info in found.items():
+            # file systems with links (local://, sftp, hdfs): only regular files are read, links never followed
+            if isinstance(info, dict) and (info.get("islink") or info.get("type", "file") != "file"):
+                kind = "a symlink" if info.get("islink") else f"not a regular file ({info.get('type')})"
+                raise CorruptCheckpointError(
+                    f"{p} is {kind}; a checkpoint holds only regular files and nothing is read through a link"
+                )
+        return {
+            p: (info.get("size") if isinstance(info, dict) else None) for p, info in sorted(found.items())
+        }
+
+    def list_sizes(self, root: str) -> dict[str, int | None]:
+        """Every object below ``root``: relative key -> size (one listing; for the load-time checks)."""
+        base = self._rpath(root)
+        prefix = base.rstrip("/") + "/"
+        sizes = self._retry("list", root, lambda: self._find_sizes(base))
+        return {self._strip(p)[len(prefix) :]: n for p, n in sizes.items()}
+
+    def _permanent(self, operation: str, path: str, e: BaseException) -> StorageError:
+        return StorageError(f"storage {operation} of {path} failed (permanent error, not retried): {e}")
 
     def flush(self, root: str) -> None:
         """Upload everything this rank buffered for ``root`` (a staging root) and free the buffer."""
@@ -143,7 +184,20 @@ class FsspecStorage(Storage):
                 kv.write(done, None).result()
 
     def _upload(self, final: str, batch: dict[str, bytes]) -> None:
-        self._retry("upload", f"{final} ({len(batch)} objects)", lambda: self.fs.pipe(batch))
+        """One batched ``pipe``; if it fails transiently, each object is uploaded (and retried) on its own.
+
+        Retrying the whole batch would need every one of its objects to succeed in one attempt: with a few
+        percent of requests failing, a batch of hundreds of objects practically never does. Overwriting an
+        object that the failed batch already stored is harmless (same bytes).
+        """
+        try:
+            self.fs.pipe(batch)
+            return
+        except Exception as e:  # noqa: BLE001 - classified: permanent fails now, transient goes per object
+            if not is_transient(e):
+                raise self._permanent("upload", f"{final} ({len(batch)} objects)", e) from e
+        for path, data in batch.items():
+            self._retry("upload", path, lambda p=path, d=data: self.fs.pipe_file(p, d))
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         self.flush(staging)  # anything the coordinator wrote after its last flush
@@ -163,7 +217,7 @@ class FsspecStorage(Storage):
 
         def op() -> bytes | None:
             try:
-                return bytes(self.fs.cat_file(path))
+                return _bounded_cat(self.fs, path, MAX_METADATA_BYTES)
             except FileNotFoundError:
                 return None
 
@@ -226,7 +280,27 @@ class FsspecStorage(Storage):
         if self.exists(final, LOCK_KEY):
             return False
         self.write(final, LOCK_KEY, body)
-        return json.loads(self.read(final, LOCK_KEY) or b"{}") == json.loads(body)
+        stored = self.read(final, LOCK_KEY) or b"{}"
+        return load_json_bounded(stored, max_bytes=1 << 16, what=f"{final}/{LOCK_KEY}") == json.loads(body)
+
+
+def _bounded_cat(fs: Any, path: str, limit: int = MAX_OBJECT_BYTES) -> bytes:
+    """The bytes of ``path``, refusing (without fetching more than ``limit + 1`` bytes) a larger object."""
+    data = bytes(fs.cat_file(path, start=0, end=limit + 1))
+    if len(data) > limit:
+        raise MetadataError(
+            f"{path} is larger than {limit} bytes, more than a valid checkpoint stores in one object; the "
+            "checkpoint is damaged or hostile"
+        )
+    return data
+
+
+def _check_object_size(path: str, size: int | None) -> None:
+    if size is not None and size > MAX_OBJECT_BYTES:
+        raise CorruptCheckpointError(
+            f"{path} is {size} bytes, more than any chunk a valid checkpoint stores ({MAX_OBJECT_BYTES}); "
+            "refused before downloading it"
+        )
 
 
 def _memory_kv(spec: dict[str, Any]) -> Any:

@@ -19,11 +19,12 @@ import errno
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointExistsError, StorageError
+from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..metadata import COMMIT_MARKER
 from .base import Storage
 
@@ -60,6 +61,7 @@ class LocalStorage(Storage):
 
     def acquire(self, final: str, token: str) -> None:
         lock = self._lock(final)
+        _check_parents(lock.parent)
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -119,6 +121,37 @@ class LocalStorage(Storage):
             shutil.rmtree(staging, ignore_errors=True)
 
     # Small-object and manager operations with plain POSIX calls -----------------------------------------
+    def read(self, root: str, key: str) -> bytes | None:
+        """The regular file ``root/key`` (never through a symlink, never a FIFO), or None when absent."""
+        from ..safety import MAX_METADATA_BYTES
+
+        path = os.path.join(root, key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptCheckpointError(
+                    f"{path} is a symlink; nothing in a checkpoint is read through a link (replace it with the "
+                    "file itself, or re-save the checkpoint)"
+                ) from None
+            raise StorageError(f"storage read of {path} failed: {e}") from e
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(
+                    f"{path} is not a regular file; a checkpoint holds only regular files"
+                )
+            if st.st_size > MAX_METADATA_BYTES:
+                raise MetadataError(
+                    f"{path} is {st.st_size} bytes, above the limit of {MAX_METADATA_BYTES} for a checkpoint's "
+                    "metadata file; the checkpoint is damaged or hostile"
+                )
+            return f.read(MAX_METADATA_BYTES + 1)
+
     def delete(self, root: str) -> None:
         try:
             shutil.rmtree(root)
@@ -174,6 +207,19 @@ class LocalStorage(Storage):
                         continue
                 removed.append(path)
         return removed
+
+
+def _check_parents(directory: Path) -> None:
+    """The nearest existing ancestor of ``directory`` (itself included) must be a directory."""
+    for p in (directory, *directory.parents):
+        if os.path.lexists(p):
+            if not os.path.isdir(p):
+                kind = "a regular file" if os.path.isfile(p) else "not a directory"
+                raise StorageError(
+                    f"cannot save under {directory}: {p} is {kind}, not a directory; choose another path or "
+                    "remove that file"
+                )
+            return
 
 
 def fsync_path(path: str) -> None:

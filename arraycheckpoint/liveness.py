@@ -1,0 +1,156 @@
+"""Stalled-rank detection for checkpoint collectives: heartbeats through the torch.distributed c10d store.
+
+A collective timeout cannot tell a stalled rank from a slow one: a healthy save whose ranks wait minutes in
+the commit gather for the slowest writer looks exactly like one whose peer stopped. So arraycheckpoint never
+bounds a collective by time. Instead every rank runs a small heartbeat thread that bumps its counter in the
+job's c10d store every ``interval`` seconds, and a rank waiting in a checkpoint collective polls the counters:
+
+* the coordinator (rank 0) watches every rank; the others watch the coordinator and the job's abort key;
+* a rank whose counter has not moved for ``timeout`` seconds is *stalled* (stopped, frozen, crashed, its
+  host or network gone); the rank that notices raises :class:`StalledRankError` naming it and publishes the
+  verdict under the abort key, so every waiting rank fails within about ``timeout`` seconds with the same
+  message, and a stalled rank that resumes fails at its next collective instead of pairing with strangers;
+* staleness compares the *peer's* counter, never clocks across hosts, so a rank that was itself stopped does
+  not blame the others when it resumes.
+
+What it deliberately does not do: judge progress inside a rank. A rank whose writes are slow (or whose
+storage hangs) keeps beating and is waited for; bound storage with the backends' retry policies instead.
+The store master is the process that created the store (usually rank 0's); if that process stalls, the store
+itself stops answering and torch's store timeout applies.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from .errors import ArrayCheckpointError
+
+#: Seconds without a heartbeat after which a rank counts as stalled (``ACP_LIVENESS_TIMEOUT`` overrides).
+DEFAULT_TIMEOUT = 300.0
+
+
+class StalledRankError(ArrayCheckpointError, TimeoutError):
+    """A rank stopped making progress (no heartbeat for the liveness timeout) during a checkpoint collective."""
+
+
+def default_timeout() -> float:
+    raw = os.environ.get("ACP_LIVENESS_TIMEOUT")
+    return float(raw) if raw else DEFAULT_TIMEOUT
+
+
+class Liveness:
+    """Heartbeats of one rank and its view of the others', in the c10d ``store`` under ``prefix``.
+
+    Args:
+        store: a ``torch.distributed.Store`` every rank shares (the default group's).
+        prefix: key prefix agreed by all ranks (the communicator's session).
+        rank, world: this rank and the number of ranks.
+        timeout: seconds without a heartbeat after which a rank is stalled.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, world: int, timeout: float) -> None:
+        if timeout <= 0:
+            raise ValueError(f"liveness timeout must be > 0 seconds, got {timeout}")
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world = world
+        self.timeout = float(timeout)
+        self.interval = min(5.0, max(0.05, self.timeout / 20))
+        self.generation = 0
+        self._joined = -1
+        self._seen: dict[int, tuple[bytes, float]] = {}
+        self._next_check = 0.0
+        self._stop = threading.Event()
+        self._beats = 0
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="acp-heartbeat", daemon=True)
+        self._thread.start()
+
+    # Heartbeats --------------------------------------------------------------------------------------
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/hb/{rank}"
+
+    def _abort_key(self) -> str:
+        return f"{self.prefix}/abort/{self.generation}"
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(self._key(self.rank), str(self._beats))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store is gone (process group destroyed): stop beating
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # Checks ------------------------------------------------------------------------------------------
+    def check(self, what: str) -> None:
+        """Raise :class:`StalledRankError` if a watched rank has stalled or another rank found one.
+
+        Cheap to call in a polling loop: the store is read at most once per ``interval``.
+        """
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.interval
+        self.check_abort(what)
+        self.check_stale(what, publish=True)
+
+    def check_abort(self, what: str) -> None:
+        """Raise if a rank published a stall verdict for this generation (one store round trip)."""
+        abort = self._abort_key()
+        if self.store.check([abort]):
+            verdict = self.store.get(abort).decode(errors="replace")
+            raise StalledRankError(f"rank {self.rank}: {what} abandoned: {verdict}")
+
+    def check_stale(self, what: str, publish: bool = False) -> None:
+        """Raise if a watched rank's heartbeat has not moved for ``timeout`` (``publish``: tell the others)."""
+        now = time.monotonic()
+        abort = self._abort_key()
+        watched = [r for r in range(self.world) if r != self.rank] if self.rank == 0 else [0]
+        values = self.store.multi_get([self._key(r) for r in watched])
+        stalled = []
+        for r, value in zip(watched, values):
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != value:
+                self._seen[r] = (bytes(value), now)
+            elif now - seen[1] > self.timeout:
+                stalled.append((r, now - seen[1]))
+        if stalled:
+            names = ", ".join(f"rank {r} (no heartbeat for {age:.0f} s)" for r, age in stalled)
+            verdict = (
+                f"{names} stalled during {what}: alive but not progressing, or gone; the liveness timeout is "
+                f"{self.timeout:g} s (TorchCommunicator(timeout=...) or ACP_LIVENESS_TIMEOUT). Check that rank's "
+                "host and logs; the checkpoint was not committed"
+            )
+            if publish:
+                try:
+                    self.store.set(abort, f"rank {self.rank} found {verdict}")
+                except Exception:  # noqa: BLE001 - the verdict still reaches this rank's caller
+                    pass
+            raise StalledRankError(f"rank {self.rank}: {verdict}")
+
+    def rebuild_barrier(self, generation: int) -> None:
+        """Wait until every rank is ready to rebuild the group for ``generation`` (each rank joins once).
+
+        Raises :class:`StalledRankError` (without publishing) while a watched rank is still stalled; a later
+        call resumes waiting for the same generation.
+        """
+        key = f"{self.prefix}/rebuild/{generation}"
+        if self._joined != generation:
+            self.store.add(key, 1)
+            self._joined = generation
+        delay = 1e-3
+        while self.store.add(key, 0) < self.world:
+            self.check_stale("rebuilding the checkpoint group after a stalled rank")
+            time.sleep(delay)
+            delay = min(delay * 2, self.interval)
+        self.generation = generation

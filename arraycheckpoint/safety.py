@@ -1,0 +1,496 @@
+"""Checks on untrusted checkpoint input, run before anything the checkpoint declares is allocated or opened.
+
+A checkpoint is input other jobs, tools and people write (DESIGN invariant 10). This module holds every check
+of on-disk bytes the load path makes before tensorstore or numpy sees them:
+
+* :func:`load_json_bounded`: JSON with a size cap and a nesting-depth cap (no ``RecursionError``, no
+  gigabytes of metadata parsed);
+* :func:`check_tensor_layout`: a declared array is possible (chunk <= shape, bounded chunk bytes and inner
+  chunk count), so tensorstore never sizes a buffer from a hostile number;
+* :func:`check_checkpoint`: one scan of the whole checkpoint (regular files only: no symlink, no FIFO, no
+  device, nowhere below the root) and, per array, as many chunk objects as its chunk grid declares, so a
+  shape of 1e13 declared by a checkpoint that holds one small file is refused before any buffer exists;
+* :func:`check_array`: just before an array is opened, its directory scanned again for regular files, its
+  ``zarr.json`` parsed (bounded) and cross-checked against ``.metadata.json``, crc32c required on every
+  inner chunk and on the shard index (whatever the checkpoint says about its codec preset), and the zstd
+  frame headers of every chunk checked against the declared chunk size before tensorstore inflates them.
+  It returns the validated array metadata, which the engine opens with ``assume_metadata`` so that
+  tensorstore does not read ``zarr.json`` a second time.
+
+It deliberately does not defend against a writer racing the reader (a file swapped for a symlink between the
+scan and tensorstore's ``open``): tensorstore cannot open with ``O_NOFOLLOW``; docs/security.md says so.
+Limits and their reasons are the module constants below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import CorruptCheckpointError, MetadataError
+
+
+class InconsistentCheckpointError(MetadataError, CorruptCheckpointError):
+    """The stored files do not hold what ``.metadata.json`` declares (chunk files missing, or a declared
+    shape the checkpoint cannot hold): damaged or hostile. Both a :class:`MetadataError` and a
+    :class:`CorruptCheckpointError`, since from the files alone the two cannot be told apart."""
+
+
+#: Largest ``.metadata.json`` read (bytes). Format 1 stores one record per saved region; a 10,000-rank save
+#: of a few thousand tensors stays far below this; anything larger is refused before it is read.
+MAX_METADATA_BYTES = 256 << 20
+#: Largest small JSON document of an array (``zarr.json``) or group.
+MAX_ARRAY_JSON_BYTES = 1 << 20
+#: JSON nesting limit: the deepest document arraycheckpoint writes is a user's extra state (a few levels);
+#: Python's json parser recurses per level and fails near 1,000, so the limit stays well below that.
+MAX_JSON_DEPTH = 100
+#: Largest decoded chunk (one stored file). The planner's default is 64 MiB; a chunk is decoded whole in
+#: memory by tensorstore, so this caps what one hostile file can make a reader allocate.
+MAX_CHUNK_BYTES = 4 << 30
+#: Largest single object a backend downloads whole (a chunk file: data, per inner chunk overheads, index).
+MAX_OBJECT_BYTES = MAX_CHUNK_BYTES + (MAX_CHUNK_BYTES >> 4)
+#: Most inner chunks per stored file: tensorstore reads a 16-byte index entry per inner chunk at once.
+MAX_INNER_CHUNKS = 1 << 22
+#: zstd block size limit (RFC 8878): no block decodes to more than this.
+_ZSTD_BLOCK_MAX = 128 << 10
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+#: ``<array>/c/<i>/<j>...`` (zarr v3 default chunk keys, "/" separator; ``<array>/c`` for a 0-d array).
+_CHUNK_KEY = re.compile(r"^(.+)/c(?:/\d+)*$")
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+# JSON ------------------------------------------------------------------------------------------------------
+def json_depth(raw: bytes) -> int:
+    """Deepest nesting of arrays/objects in the JSON text ``raw`` (strings ignored); linear, no recursion."""
+    bare = _STRING.sub(b'""', raw)
+    codes = np.frombuffer(bare, dtype=np.uint8)
+    if codes.size == 0:
+        return 0
+    step = np.zeros(codes.size, dtype=np.int64)
+    step[(codes == ord("[")) | (codes == ord("{"))] = 1
+    step[(codes == ord("]")) | (codes == ord("}"))] = -1
+    return int(np.cumsum(step).max(initial=0))
+
+
+def load_json_bounded(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH, what: str) -> Any:
+    """Parse JSON from untrusted bytes with a size and a nesting-depth cap.
+
+    Args:
+        raw: the document.
+        max_bytes: refuse a document longer than this.
+        max_depth: refuse a document nested deeper than this (arrays and objects).
+        what: what the document is (a path or a name), for the error.
+
+    Returns:
+        The parsed value.
+
+    Raises:
+        MetadataError: too long, too deep, or not valid JSON (the message names ``what``).
+    """
+    data = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if len(data) > max_bytes:
+        raise MetadataError(
+            f"{what} is {len(data)} bytes, above the limit of {max_bytes}: a valid checkpoint's file is far "
+            "smaller; the checkpoint is damaged or was not written by arraycheckpoint"
+        )
+    depth = json_depth(data)
+    if depth > max_depth:
+        raise MetadataError(
+            f"{what} nests JSON {depth} levels deep, above the limit of {max_depth}; the checkpoint is damaged "
+            "or hostile (extra state this deep cannot be saved either)"
+        )
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise MetadataError(f"{what} is not valid JSON ({e}); the checkpoint is damaged") from None
+
+
+# Layouts ---------------------------------------------------------------------------------------------------
+def check_tensor_layout(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    chunk_shape: tuple[int, ...],
+    inner_chunk_shape: tuple[int, ...],
+) -> None:
+    """Refuse a declared array no valid checkpoint holds, before anything is sized from it.
+
+    Every chunk dimension is >= 1 and at most the array dimension (a chunk of 1 on a zero-length dimension,
+    as zarr requires); the inner chunk divides the chunk; one chunk decodes to at most
+    :data:`MAX_CHUNK_BYTES`; a chunk holds at most :data:`MAX_INNER_CHUNKS` inner chunks.
+
+    Raises:
+        MetadataError: naming the tensor and the offending numbers.
+    """
+    from .codecs import numpy_dtype
+
+    def bad(why: str) -> MetadataError:
+        return MetadataError(
+            f"tensor {name!r}: {why} (shape {list(shape)}, chunk {list(chunk_shape)}, inner chunk "
+            f"{list(inner_chunk_shape)}); the checkpoint's metadata is damaged or hostile"
+        )
+
+    ndim = len(shape)
+    if len(chunk_shape) != ndim or len(inner_chunk_shape) != ndim:
+        raise bad("chunk and shape ranks differ")
+    for s, c, i in zip(shape, chunk_shape, inner_chunk_shape):
+        if c < 1 or i < 1:
+            raise bad("a chunk dimension is below 1")
+        if c > max(s, 1):
+            raise bad("a chunk dimension exceeds the array dimension")
+        if c % i:
+            raise bad("the inner chunk does not divide the chunk")
+    try:
+        itemsize = numpy_dtype(dtype).itemsize
+    except ValueError as e:
+        raise bad(str(e)) from None
+    nbytes = math.prod(chunk_shape) * itemsize
+    if nbytes > MAX_CHUNK_BYTES:
+        raise bad(f"one chunk decodes to {nbytes} bytes, above the limit of {MAX_CHUNK_BYTES}")
+    inner = math.prod(c // i for c, i in zip(chunk_shape, inner_chunk_shape))
+    if inner > MAX_INNER_CHUNKS:
+        raise bad(f"one chunk holds {inner} inner chunks, above the limit of {MAX_INNER_CHUNKS}")
+
+
+def chunk_count(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> int:
+    """Chunks in the regular grid (0 for an empty array, 1 for a 0-d one)."""
+    return math.prod(-(-s // c) for s, c in zip(shape, chunk_shape))
+
+
+# Scanning -----------------------------------------------------------------------------------------------
+def scan_local(path: str) -> dict[str, int]:
+    """Every regular file below the directory ``path`` (relative key -> size), with ``os.scandir`` only.
+
+    ``path`` itself may be a symlink (a checkpoint root often is); nothing below it may be one.
+
+    Raises:
+        CorruptCheckpointError: a symlink, FIFO, socket or device below ``path``, naming it.
+    """
+    out: dict[str, int] = {}
+    stack = [("", path)]
+    while stack:
+        rel, directory = stack.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except FileNotFoundError:
+            continue
+        except NotADirectoryError:
+            raise CorruptCheckpointError(
+                f"{directory} is not a directory; the checkpoint is damaged"
+            ) from None
+        for e in entries:
+            key = f"{rel}{e.name}"
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                stack.append((key + "/", e.path))
+            elif stat.S_ISREG(st.st_mode):
+                out[key] = st.st_size
+            else:
+                kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+                raise CorruptCheckpointError(
+                    f"{e.path} is {kind}; a checkpoint holds only regular files and directories, and nothing "
+                    "is read through a link (replace it with the file itself, or re-save the checkpoint)"
+                )
+    return out
+
+
+def _check_path_below(root: str, sub: str) -> None:
+    """No component of ``root/sub`` below ``root`` is a symlink or a non-directory (``root`` may be a link)."""
+    current = root.rstrip("/")
+    for part in sub.strip("/").split("/"):
+        current = f"{current}/{part}"
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise CorruptCheckpointError(
+                f"{current} is {kind}; nothing in a checkpoint is read through a link (re-save the checkpoint)"
+            )
+
+
+def inventory(storage: Any, root: str) -> dict[str, int | None]:
+    """Every object below ``root``: key -> size (None where the backend lists no sizes)."""
+    if getattr(storage, "commit_strategy", "") == "rename":  # a POSIX file system
+        return dict(scan_local(root))
+    sized = getattr(storage, "list_sizes", None)
+    if sized is not None:
+        return sized(root)
+    return dict.fromkeys(storage.list(root))
+
+
+def check_checkpoint(storage: Any, root: str, meta: Any) -> dict[str, int | None]:
+    """Validate a committed checkpoint against its metadata before anything is allocated from it.
+
+    Every tensor's layout passes :func:`check_tensor_layout`; the checkpoint holds only regular files (local
+    file systems); each array holds exactly as many chunk objects as its grid declares (every chunk has its
+    file, also an all-zero one), none larger than a chunk can encode to.
+
+    Returns:
+        The inventory (key -> size) of the checkpoint.
+
+    Raises:
+        MetadataError: a layout no valid checkpoint has, or a declared shape the stored files do not hold.
+        CorruptCheckpointError: a symlink or non-regular file in the checkpoint.
+    """
+    from .codecs import numpy_dtype
+
+    items = inventory(storage, root)
+    chunks: dict[str, list[int | None]] = {}
+    for key, size in items.items():
+        m = _CHUNK_KEY.match(key)
+        if m:
+            chunks.setdefault(m.group(1), []).append(size)
+    for name, t in meta.tensors.items():
+        check_tensor_layout(name, t.shape, t.dtype, t.chunk_shape, t.inner_chunk_shape)
+        expected = chunk_count(t.shape, t.chunk_shape)
+        found = chunks.get(name, [])
+        if len(found) != expected:
+            raise InconsistentCheckpointError(
+                f"tensor {name!r}: the metadata declares shape {list(t.shape)} in {expected} chunk(s) of "
+                f"{list(t.chunk_shape)}, but the checkpoint holds {len(found)} chunk file(s) for it; the "
+                "metadata does not describe this checkpoint (damaged, hostile, or partly deleted)"
+            )
+        limit = _max_file_bytes(t.chunk_shape, t.inner_chunk_shape, numpy_dtype(t.dtype).itemsize)
+        too_big = [s for s in found if s is not None and s > limit]
+        if too_big:
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: a chunk file of {max(too_big)} bytes is larger than any encoding of its "
+                f"{list(t.chunk_shape)} chunk ({limit} bytes at most); the checkpoint is damaged"
+            )
+    return items
+
+
+def _max_file_bytes(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: int) -> int:
+    """Upper bound of one stored chunk file: data, per inner chunk crc + zstd worst-case overhead, index."""
+    n_inner = math.prod(c // i for c, i in zip(chunk, inner))
+    inner_bytes = math.prod(inner) * itemsize
+    zstd_overhead = 32 + 3 * (inner_bytes // _ZSTD_BLOCK_MAX + 1)
+    return n_inner * (inner_bytes + zstd_overhead + 4 + 16) + 4
+
+
+# Arrays ------------------------------------------------------------------------------------------------
+def check_array(
+    storage: Any, root: str, tm: Any, codec_preset: int, boxes: list[Any] | None = None
+) -> dict[str, Any]:
+    """Check one array just before it is opened; return the zarr v3 metadata to open it with.
+
+    Local file systems: the array's directory is scanned again (regular files only) and no directory
+    between the root and it is a link. The array's ``zarr.json`` (when the codec preset is unknown, and on
+    local file systems always, where it costs nothing) must agree with ``.metadata.json`` on shape, data
+    type, chunk grid and compression, and must protect every inner chunk and the shard index with crc32c;
+    the checkpoint cannot switch integrity checks off. Compressed arrays: every zstd frame is checked
+    against the declared inner chunk size before tensorstore inflates it (only in the chunks that
+    intersect ``boxes``, the regions about to be read, when given).
+
+    Raises:
+        MetadataError: ``zarr.json`` is malformed or disagrees with ``.metadata.json``, or lacks crc32c.
+        CorruptCheckpointError: a link or non-regular file, or a zstd frame that does not decode to its
+            declared chunk.
+    """
+    from .codecs import CODEC_PRESET, array_metadata, numpy_dtype
+
+    local = getattr(storage, "commit_strategy", "") == "rename"
+    array_root = f"{root.rstrip('/')}/{tm.name}"
+    if local:
+        _check_path_below(root, tm.name)
+        scan_local(array_root)
+    generated = array_metadata(
+        tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, tm.compression
+    )
+    kv = None
+    doc = generated
+    if local or codec_preset != CODEC_PRESET:
+        kv = _kvstore(storage, array_root)
+        raw = _kv_read(kv, "zarr.json")
+        if raw is None:
+            raise MetadataError(
+                f"tensor {tm.name!r}: {array_root}/zarr.json is missing; the checkpoint is damaged"
+            )
+        stored = load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{array_root}/zarr.json")
+        _cross_check(tm, stored, generated, array_root)
+        if codec_preset != CODEC_PRESET:
+            doc = stored
+    if tm.compression is not None:
+        kv = kv or _kvstore(storage, array_root)
+        _check_zstd_chunks(kv, tm, array_root, boxes)
+    return doc
+
+
+def _kvstore(storage: Any, root: str) -> Any:
+    import tensorstore as ts
+
+    from ._tscontext import context
+
+    return ts.KvStore.open(storage.kvstore_spec(root), context=context()).result()
+
+
+def _kv_read(kv: Any, key: str) -> bytes | None:
+    result = kv.read(key).result()
+    return bytes(result.value) if result.state == "value" else None
+
+
+def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str) -> None:
+    def bad(why: str) -> MetadataError:
+        return MetadataError(
+            f"tensor {tm.name!r}: {where}/zarr.json {why}; it must agree with .metadata.json (the checkpoint "
+            "is damaged or hostile: re-save it, or read the array with zarr directly if you trust it)"
+        )
+
+    if not isinstance(stored, dict):
+        raise bad("is not a JSON object")
+    for key in ("zarr_format", "node_type", "data_type", "shape", "chunk_grid"):
+        if stored.get(key) != generated[key]:
+            raise bad(f"has {key} {stored.get(key)!r} where .metadata.json implies {generated[key]!r}")
+    encoding = stored.get("chunk_key_encoding")
+    if encoding not in ({"name": "default"}, generated["chunk_key_encoding"]):  # "/" is the default separator
+        raise bad(f"has chunk_key_encoding {encoding!r}; arraycheckpoint writes the default one")
+    codecs = stored.get("codecs")
+    if not isinstance(codecs, list) or len(codecs) != 1 or not isinstance(codecs[0], dict):
+        raise bad("does not hold exactly one sharding_indexed codec")
+    sharding = codecs[0]
+    config = sharding.get("configuration")
+    if sharding.get("name") != "sharding_indexed" or not isinstance(config, dict):
+        raise bad("does not hold exactly one sharding_indexed codec")
+    want = generated["codecs"][0]["configuration"]
+    if config.get("chunk_shape") != want["chunk_shape"]:
+        raise bad(f"has inner chunk {config.get('chunk_shape')!r}, not {want['chunk_shape']!r}")
+    inner = config.get("codecs")
+    index = config.get("index_codecs")
+    names = (
+        [c.get("name") for c in inner]
+        if isinstance(inner, list) and all(isinstance(c, dict) for c in inner)
+        else None
+    )
+    index_names = (
+        [c.get("name") for c in index]
+        if isinstance(index, list) and all(isinstance(c, dict) for c in index)
+        else None
+    )
+    if not names or names[-1] != "crc32c" or not index_names or index_names[-1] != "crc32c":
+        raise bad(
+            "does not protect every inner chunk and the shard index with crc32c; a native load always "
+            "verifies checksums and the checkpoint's own files cannot turn that off"
+        )
+    if names != [c["name"] for c in want["codecs"]]:
+        raise bad(f"has inner codecs {names}, not {[c['name'] for c in want['codecs']]}")
+
+
+def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None) -> None:
+    """Walk every zstd frame of every chunk file that ``boxes`` touch (all when None): one frame per inner
+    chunk, decoding to its declared size."""
+    from .codecs import numpy_dtype
+    from .regions import Box, intersect
+
+    itemsize = numpy_dtype(tm.dtype).itemsize
+    expected = math.prod(tm.inner_chunk_shape) * itemsize
+    n_inner = math.prod(c // i for c, i in zip(tm.chunk_shape, tm.inner_chunk_shape))
+    index_bytes = n_inner * 16 + 4
+    keys = sorted(k.decode() if isinstance(k, bytes) else k for k in kv.list().result())
+    for key in keys:
+        m = re.fullmatch(r"c((?:/\d+)*)", key)
+        if m is None:
+            continue
+        index_of = tuple(int(i) for i in m.group(1).split("/")[1:])
+        if boxes is not None and index_of and len(index_of) == len(tm.chunk_shape):
+            lo = tuple(i * c for i, c in zip(index_of, tm.chunk_shape))
+            chunk = Box(lo, tuple(min(c, s - o) for c, s, o in zip(tm.chunk_shape, tm.shape, lo)))
+            if not any(intersect(chunk, b) for b in boxes):
+                continue
+        data = _kv_read(kv, key)
+        if data is None:
+            continue
+        path = f"{where}/{key}"
+        if len(data) < index_bytes:
+            raise CorruptCheckpointError(f"tensor {tm.name!r}: {path} is shorter than its shard index")
+        index = np.frombuffer(data, dtype="<u8", count=n_inner * 2, offset=len(data) - index_bytes)
+        for offset, length in index.reshape(-1, 2).tolist():
+            if offset == length == 2**64 - 1:
+                continue  # an absent inner chunk (fill value)
+            if offset + length > len(data) - index_bytes:
+                raise CorruptCheckpointError(
+                    f"tensor {tm.name!r}: {path} has an index entry outside the file"
+                )
+            check_zstd_frame(
+                memoryview(data)[offset : offset + length - 4], expected, f"tensor {tm.name!r}: {path}"
+            )
+
+
+def check_zstd_frame(frame: bytes | memoryview, expected: int, what: str) -> None:
+    """Refuse a zstd frame that does not decode to exactly ``expected`` bytes, from its headers alone.
+
+    The frame must be one zstd frame that declares its content size (tensorstore and zarr-python write it),
+    equal to ``expected``, whose blocks cannot decode to more than ``expected`` plus one block, and which
+    ends where the data ends. This bounds what the decoder allocates, whatever the bytes say.
+
+    Raises:
+        CorruptCheckpointError: naming ``what`` and the declared sizes.
+    """
+    data = bytes(frame)
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{what}: zstd frame {why} (an inner chunk decodes to {expected} bytes); refused before "
+            "decompression: the checkpoint is damaged or hostile"
+        )
+
+    if len(data) < 6 or data[:4] != _ZSTD_MAGIC:
+        raise bad("has no zstd magic number")
+    fhd = data[4]
+    fcs_flag, single, reserved, has_checksum, dict_flag = (
+        fhd >> 6,
+        (fhd >> 5) & 1,
+        (fhd >> 3) & 1,
+        (fhd >> 2) & 1,
+        fhd & 3,
+    )
+    if reserved:
+        raise bad("sets a reserved header bit")
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+    fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if fcs_size == 0:
+        raise bad("does not declare its content size")
+    if pos + fcs_size > len(data):
+        raise bad("is truncated")
+    content = int.from_bytes(data[pos : pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
+    if content != expected:
+        raise bad(f"declares {content} decoded bytes")
+    pos += fcs_size
+    blocks = 0
+    literal = 0
+    limit = max(1, -(-expected // _ZSTD_BLOCK_MAX))
+    while True:
+        if pos + 3 > len(data):
+            raise bad("is truncated")
+        header = int.from_bytes(data[pos : pos + 3], "little")
+        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+        pos += 3
+        blocks += 1
+        if blocks > limit or size > _ZSTD_BLOCK_MAX:
+            raise bad(f"has more or larger blocks than {expected} bytes need")
+        if kind == 0:  # raw
+            literal += size
+            pos += size
+        elif kind == 1:  # RLE: one byte repeated `size` times
+            literal += size
+            pos += 1
+        elif kind == 2:  # compressed: decodes to at most one block
+            pos += size
+        else:
+            raise bad("uses the reserved block type")
+        if literal > expected:
+            raise bad(f"holds blocks decoding to more than {expected} bytes")
+        if last:
+            break
+    pos += 4 if has_checksum else 0
+    if pos != len(data):
+        raise bad("is followed by other data (a second frame or garbage)")

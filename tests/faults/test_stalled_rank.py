@@ -1,0 +1,70 @@
+"""A rank that stalls (alive, not progressing) during a save (issue 12): the other ranks fail within the
+liveness timeout with an error naming it, the stalled rank fails when it resumes, and the next save works
+on a rebuilt checkpoint group. Real gloo processes; the stall is a real SIGSTOP of rank 1 inside its save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+from dist import run_distributed
+
+TIMEOUT = 4.0
+
+
+def _stall_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import arraycheckpoint as acp
+    from arraycheckpoint import storage
+    from arraycheckpoint.collectives import TorchCommunicator
+    from arraycheckpoint.storage import LocalStorage
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"pid/{rank}", str(os.getpid()))
+    stall = {"armed": rank == 1}
+
+    class StallingLocal(LocalStorage):
+        def normalize(self, url: str) -> str:
+            return super().normalize(url.removeprefix("stall://"))
+
+        def flush(self, root: str) -> None:
+            super().flush(root)
+            if stall["armed"]:  # rank 1 stops dead after its writes, inside the save
+                stall["armed"] = False
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    storage.register_scheme("stall", StallingLocal)
+    comm = TorchCommunicator(timeout=TIMEOUT)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64)  # replicated: the plan spreads its chunks over both ranks
+    state = {"model": model}
+    start = time.monotonic()
+    error = None
+    try:
+        acp.save(f"stall://{tmp}/first", state, comm=comm)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    if rank == 0:  # the stall was diagnosed: wake rank 1 up (it must fail too, then both save again)
+        os.kill(int(store.get("pid/1")), signal.SIGCONT)
+    # the next save works on a rebuilt checkpoint group
+    acp.save(f"stall://{tmp}/second", state, comm=comm)
+    back = {"model": torch.nn.Linear(256, 64)}
+    acp.load(f"{tmp}/second", back, comm=comm)
+    same = torch.equal(back["model"].weight, model.weight) and torch.equal(back["model"].bias, model.bias)
+    return {"error": error, "elapsed": elapsed, "same": same}
+
+
+def test_stalled_rank_is_named_and_every_rank_fails_within_the_bound(tmp_path) -> None:
+    results = run_distributed(_stall_body, world=2, args=(str(tmp_path),), timeout=240)
+    r0, r1 = results
+    print(results)
+    assert r0["error"] is not None and "rank 1" in r0["error"] and "stalled" in r0["error"], r0
+    assert r0["elapsed"] < TIMEOUT + 20, r0  # not the 30-minute gloo default, not the 600 s seen before
+    assert r1["error"] is not None and "stalled" in r1["error"], r1
+    assert r0["same"] and r1["same"]
+    assert not os.path.exists(tmp_path / "first")  # nothing was committed
