@@ -12,6 +12,7 @@ Only the engine calls these, from one thread per process, in the same order on e
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -305,17 +306,35 @@ class TorchCommunicator(Communicator):
 
 
 class _AllWorks:
-    """Several pending point-to-point operations as one waitable (for the liveness-checked wait)."""
+    """Several pending point-to-point operations as one waitable, for the liveness-checked wait.
+
+    gloo's point-to-point work objects report completion only through ``wait()`` (``is_completed()`` stays
+    False), so a helper thread waits and the poll reads its flag. If a peer stalls, that thread stays blocked
+    until the process ends; the group is rebuilt for the next collective.
+    """
 
     def __init__(self, works: list[Any]) -> None:
-        self._works = works
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+        def wait_all() -> None:
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:  # noqa: BLE001 - re-raised in wait()
+                self._error = e
+            finally:
+                self._done.set()
+
+        threading.Thread(target=wait_all, name="acp-p2p-wait", daemon=True).start()
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return self._done.is_set()
 
     def wait(self) -> None:
-        for w in self._works:
-            w.wait()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
 
 
 _TORCH_COMMS: dict[int, TorchCommunicator] = {}
