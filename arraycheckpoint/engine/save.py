@@ -261,7 +261,7 @@ def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:
 
     if isinstance(job.storage, LocalStorage):
         cpus = os.cpu_count() or 2
-        return shardfile.FileWriter(job.staging, threads=max(4, min(16, 2 * cpus)))
+        return shardfile.FileWriter(job.staging, threads=max(2, min(8, cpus)))
     return shardfile.KvWriter(
         ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
     )

@@ -115,8 +115,13 @@ class KvWriter:
         pass
 
 
+#: Files below this size are written in the calling thread (see :meth:`FileWriter.write`).
+INLINE_BYTES = 1 << 20
+
+
 class FileWriter:
-    """Writes files under a fresh local directory with ``writev(2)`` from the source buffers, on a thread pool.
+    """Writes files under a fresh local directory with ``writev(2)`` from the source buffers: small files in the
+    calling thread, larger ones on a thread pool.
 
     The directory is a save's private staging directory: no other writer, nothing to replace atomically (the
     commit renames the whole directory), and durability comes from the storage's one flush before the commit.
@@ -126,18 +131,38 @@ class FileWriter:
     def __init__(self, root: str, threads: int) -> None:
         self._root = root.rstrip("/")
         self._dirs: set[str] = set()
+        os.makedirs(self._root, exist_ok=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="acp-write")
 
     def write(self, key: str, parts: list[Buffer]) -> Future[None]:
         path = f"{self._root}/{key}"
-        parent = os.path.dirname(path)
-        if parent not in self._dirs:
-            os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
+        self._make_parents(key)
+        if sum(len(p) for p in parts) < INLINE_BYTES:
+            # a thread hand-off costs more than writing a small file: do it here
+            done: Future[None] = Future()
+            try:
+                _write_file(path, parts)
+            except BaseException as e:  # noqa: BLE001 - reported through the future, like a pooled write
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+            return done
         return self._pool.submit(_write_file, path, parts)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def _make_parents(self, key: str) -> None:
+        # one mkdir per new directory, top down (os.makedirs probes bottom up: failed mkdirs and stats)
+        parts = key.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            if sub not in self._dirs:
+                try:
+                    os.mkdir(f"{self._root}/{sub}")
+                except FileExistsError:
+                    pass
+                self._dirs.add(sub)
 
 
 _IOV_MAX = 1024
