@@ -202,7 +202,7 @@ class SavePipeline:
             layouts = {layout.name: layout for layout in plan.layouts}
             writer = _writer(job)
             try:
-                _create_arrays(job, writer, [layouts[name] for name in plan.create])
+                created = _create_arrays(job, writer, [layouts[name] for name in plan.create])
                 # whole uncompressed chunks are encoded here and written as files; the rest go through a
                 # tensorstore array opened with the metadata assumed (on storage already, or written by another
                 # rank), so nothing is read or validated per array
@@ -225,6 +225,8 @@ class SavePipeline:
                 for w, encode in zip(plan.writes, direct):
                     data = self._chunk_data(job, w, received)
                     nbytes = data.nbytes
+                    if inflight and pending + nbytes > job.options.max_inflight_bytes:
+                        writer.flush()
                     while inflight and pending + nbytes > job.options.max_inflight_bytes:
                         fut, n, name = inflight.popleft()
                         wait_write(fut, name)
@@ -238,7 +240,10 @@ class SavePipeline:
                     inflight.append((fut, nbytes, w.name))
                     pending += nbytes
                     total += nbytes
+                writer.flush()
                 for fut, _n, name in inflight:
+                    wait_write(fut, name)
+                for name, fut in created:
                     wait_write(fut, name)
             finally:
                 writer.close()
@@ -267,8 +272,8 @@ def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:
     )
 
 
-def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> None:
-    """Write the ``zarr.json`` of every array in ``layouts``, all in flight at once.
+def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> list[tuple[str, Any]]:
+    """Start writing the ``zarr.json`` of every array in ``layouts``; returns ``(name, future)`` pairs.
 
     One key-value write per array instead of one validating ``ts.open(create=True)`` each (which reads, checks
     and writes the metadata one array at a time): with thousands of small tensors that open dominated the save.
@@ -283,8 +288,7 @@ def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> Non
         if doc is None:
             doc = docs[key] = json.dumps(array_spec(job.storage, job.staging, layout)["metadata"]).encode()
         writes.append((layout.name, writer.write(f"{layout.name}/zarr.json", [doc])))
-    for name, fut in writes:
-        wait_write(fut, name)
+    return writes
 
 
 def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:
