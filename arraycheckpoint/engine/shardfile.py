@@ -143,7 +143,7 @@ class FileWriter:
         self._batch_future: Future[None] = Future()
 
     def write(self, key: str, parts: list[Buffer]) -> Future[None]:
-        nbytes = sum(len(p) for p in parts)
+        nbytes = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
         if nbytes >= BATCH_BYTES:
             return self._pool.submit(self._write_files, [(key, parts)])
         self._batch.append((key, parts))
@@ -197,14 +197,16 @@ _IOV_MAX = 1024
 
 
 def _write_file(path: str, parts: list[Buffer]) -> None:
-    views = [memoryview(p) for p in parts if len(p)]
+    # byte views: a memoryview's len() counts items, and the accounting below counts bytes
+    views = [memoryview(_flat_bytes(p) if isinstance(p, np.ndarray) else p) for p in parts]
+    views = [v for v in views if v.nbytes]
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags, 0o644)
     try:
         while views:
             n = os.writev(fd, views[:_IOV_MAX])
-            while views and n >= len(views[0]):
-                n -= len(views[0])
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
                 views.pop(0)
             if n:
                 views[0] = views[0][n:]
