@@ -233,15 +233,23 @@ class LoadPipeline:
             for t in targets:
                 stored = numpy_dtype(meta.tensors[t.name].dtype) if t.shards else None
                 for shard in t.shards:
+                    if shard.target is not None and shard.target.dtype == stored:
+                        # straight into the destination: no intermediate array, no second copy; a region
+                        # larger than the cap is read in slabs, so the bytes in flight stay within it
+                        for box, target in _slabs(shard.box, shard.target, max_inflight_bytes):
+                            n = box.volume * stored.itemsize
+                            while inflight and pending + n > max_inflight_bytes:
+                                pending -= drain_one()
+                            dest = ts.array(target, copy=False, write=True)
+                            inflight.append((dest.write(stores[t.name][box.slices()]), None, t.name, box, n))
+                            pending += n
+                            total += n
+                        continue
                     n = shard.box.volume * stored.itemsize
                     while inflight and pending + n > max_inflight_bytes:
                         pending -= drain_one()
                     region = stores[t.name][shard.box.slices()]
-                    if shard.target is not None and shard.target.dtype == stored:
-                        # straight into the destination: no intermediate array, no second copy
-                        dest = ts.array(shard.target, copy=False, write=True)
-                        inflight.append((dest.write(region), None, t.name, shard.box, n))
-                    elif shard.staging is not None:  # e.g. a pinned buffer on its way to a device
+                    if shard.staging is not None:  # e.g. a pinned buffer on its way to a device
                         buf = shard.staging(shard.box.lengths, stored)
                         dest = ts.array(buf, copy=False, write=True)
                         sink = lambda _r, s=shard.sink, b=buf: s(b)  # noqa: E731
@@ -253,6 +261,21 @@ class LoadPipeline:
             while inflight:
                 drain_one()
             rec["bytes"] = total
+
+
+def _slabs(box: Box, target: np.ndarray, limit: int) -> list[tuple[Box, np.ndarray]]:
+    """``box`` and its destination ``target`` cut along the first dimension into slabs of at most ``limit``
+    bytes (at least one row each)."""
+    if not box.lengths or target.nbytes <= limit:
+        return [(box, target)]
+    row = target.nbytes // box.lengths[0]
+    step = max(1, limit // max(row, 1))
+    out = []
+    for start in range(0, box.lengths[0], step):
+        rows = min(step, box.lengths[0] - start)
+        sub = Box((box.offsets[0] + start, *box.offsets[1:]), (rows, *box.lengths[1:]))
+        out.append((sub, target[start : start + rows]))
+    return out
 
 
 def record_load_metrics(url: str, recorder: PhaseRecorder, comm: Communicator) -> None:

@@ -8,8 +8,11 @@ Saves run strictly one after another (buffers and the checkpoint group are reuse
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import logging
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,9 +27,11 @@ from ..future import CheckpointFuture
 from ..hostpool import HostBufferPool
 from ..items import SaveRequest
 from ..monitoring import PhaseRecorder
-from ..plan import RankPlan
+from ..plan import ArrayLayout, RankPlan
 from ..regions import Box, intersect
 from ..storage import storage_for
+from ..storage.local import LocalStorage
+from . import shardfile
 from .common import array_spec, describe, wait_write
 from .coordinate import Coordinator, declaration_digest, declare, structure_key
 from .job import SaveJob, SaveOptions
@@ -219,34 +224,54 @@ class SavePipeline:
         import tensorstore as ts
 
         with job.recorder.phase("write") as rec:
-            stores = {}
-            opening = {
-                layout.name: ts.open(
-                    array_spec(job.storage, job.staging, layout),
-                    create=layout.name in plan.create,
-                    assume_metadata=layout.name not in plan.create,
-                    context=context(),
-                )
-                for layout in plan.layouts
-            }
-            for name, fut in opening.items():
-                stores[name] = fut.result()
-            inflight: deque[tuple[Any, int, str]] = deque()
-            pending = 0
-            total = 0
-            for w in plan.writes:
-                data = self._chunk_data(job, w, received)
-                nbytes = data.nbytes
-                while inflight and pending + nbytes > job.options.max_inflight_bytes:
-                    fut, n, name = inflight.popleft()
+            layouts = {layout.name: layout for layout in plan.layouts}
+            writer = _writer(job)
+            try:
+                created = _create_arrays(job, writer, [layouts[name] for name in plan.create])
+                # whole uncompressed chunks are encoded here and written as files; the rest go through a
+                # tensorstore array opened with the metadata assumed (on storage already, or written by another
+                # rank), so nothing is read or validated per array
+                direct = [
+                    shardfile.can_encode(layouts[w.name], w.chunk, job.dtypes[w.name]) for w in plan.writes
+                ]
+                opening = {
+                    name: ts.open(
+                        array_spec(job.storage, job.staging, layouts[name]),
+                        open=True,
+                        assume_metadata=True,
+                        context=context(),
+                    )
+                    for name in dict.fromkeys(w.name for w, d in zip(plan.writes, direct) if not d)
+                }
+                stores = {name: fut.result() for name, fut in opening.items()}
+                inflight: deque[tuple[Any, int, str]] = deque()
+                pending = 0
+                total = 0
+                for w, encode in zip(plan.writes, direct):
+                    data = self._chunk_data(job, w, received)
+                    nbytes = data.nbytes
+                    if inflight and pending + nbytes > job.options.max_inflight_bytes:
+                        writer.flush()
+                    while inflight and pending + nbytes > job.options.max_inflight_bytes:
+                        fut, n, name = inflight.popleft()
+                        wait_write(fut, name)
+                        pending -= n
+                    if encode:
+                        layout = layouts[w.name]
+                        key = f"{w.name}/{shardfile.chunk_key(layout, w.chunk)}"
+                        fut = writer.write(key, shardfile.encode(data, layout.inner_chunk_shape))
+                    else:
+                        fut = stores[w.name][w.chunk.slices()].write(data)
+                    inflight.append((fut, nbytes, w.name))
+                    pending += nbytes
+                    total += nbytes
+                writer.flush()
+                for fut, _n, name in inflight:
                     wait_write(fut, name)
-                    pending -= n
-                arr = stores[w.name]
-                inflight.append((arr[w.chunk.slices()].write(data), nbytes, w.name))
-                pending += nbytes
-                total += nbytes
-            for fut, _n, name in inflight:
-                wait_write(fut, name)
+                for name, fut in created:
+                    wait_write(fut, name)
+            finally:
+                writer.close()
             rec["bytes"] = total
 
     def _chunk_data(self, job: SaveJob, w: Any, received: dict[tuple[str, Box], np.ndarray]) -> np.ndarray:
@@ -260,6 +285,38 @@ class SavePipeline:
             src = local_view(job, w.name, p.box) if p.src == me else received[(w.name, p.box)]
             out[p.box.slices(w.chunk)] = src
         return out
+
+
+def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:
+    """Where this save's files go: plain files on a local file system, the storage's key-value store else."""
+    import tensorstore as ts
+
+    if isinstance(job.storage, LocalStorage):
+        cpus = os.cpu_count() or 2
+        return shardfile.FileWriter(job.staging, threads=max(2, min(8, cpus)))
+    return shardfile.KvWriter(
+        ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
+    )
+
+
+def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> list[tuple[str, Any]]:
+    """Start writing the ``zarr.json`` of every array in ``layouts``; returns ``(name, future)`` pairs.
+
+    One key-value write per array instead of one validating ``ts.open(create=True)`` each (which reads, checks
+    and writes the metadata one array at a time): with thousands of small tensors that open dominated the save.
+    The staging directory is fresh, so there is no existing metadata to conflict with. Arrays that differ only
+    in the path before their last component (``dimension_names`` come from that component: the ``exp_avg`` of
+    every parameter) share one encoded document.
+    """
+    docs: dict[tuple[ArrayLayout, str], bytes] = {}
+    writes = []
+    for layout in layouts:
+        key = (dataclasses.replace(layout, name=""), layout.name.rsplit("/", 1)[-1])
+        doc = docs.get(key)
+        if doc is None:
+            doc = docs[key] = json.dumps(array_spec(job.storage, job.staging, layout)["metadata"]).encode()
+        writes.append((layout.name, writer.write(f"{layout.name}/zarr.json", [doc])))
+    return writes
 
 
 def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:

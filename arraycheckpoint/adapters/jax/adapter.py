@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from ... import extras
-from ...codecs import zarr_dtype_name
+from ...codecs import numpy_dtype, zarr_dtype_name
 from ...errors import ArrayCheckpointError
 from ...items import LoadShard, LoadTensor, SaveObject, SaveRequest, SaveTensor
 from ...metadata import CheckpointMetadata
@@ -37,6 +37,7 @@ from ...regions import Box
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
 from .arrays import (
     INDIVISIBLE_MODES,
+    aligned_empty,
     assemble,
     flatten,
     is_array_target,
@@ -194,13 +195,27 @@ class _ArrayLoad:
             return LoadTensor(self.stored, [])
         if self.transform is not None or self.numpy:
             self.boxes = [Box.full(tm.shape)]
+            shared: set[Box] = set()
         else:
-            self.boxes = sorted(set(local_boxes(self.sharding, self.shape).values()))
-        shards = [
-            LoadShard(b, _keep(self.got, b, self.dtype, self.options.allow_cast, self.name))
-            for b in self.boxes
-            if b.volume > 0
-        ]
+            boxes = list(local_boxes(self.sharding, self.shape).values())
+            self.boxes = sorted(set(boxes))
+            shared = {b for b in self.boxes if boxes.count(b) > 1}
+        # the engine reads straight into 64-byte-aligned host buffers, which jax then adopts without a copy
+        # (it copies anything less aligned). A region several devices hold (replication) is read into a
+        # plain array that jax copies per device: one host buffer aliased by several device arrays is not
+        # safe to donate.
+        direct = numpy_dtype(tm.dtype) == self.dtype
+        shards = []
+        for b in self.boxes:
+            if b.volume == 0:
+                continue
+            sink = _keep(self.got, b, self.dtype, self.options.allow_cast, self.name)
+            if direct and b not in shared:
+                buf = aligned_empty(b.lengths, self.dtype)
+                self.got[b] = buf
+                shards.append(LoadShard(b, sink, target=buf))
+            else:
+                shards.append(LoadShard(b, sink))
         return LoadTensor(self.stored, shards)
 
     def build(self) -> Any:

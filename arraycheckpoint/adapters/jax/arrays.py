@@ -165,3 +165,15 @@ def assemble(
         return np.asarray(region(box_of(index, shape)), dtype=dtype)
 
     return jax.make_array_from_callback(shape, sharding, data)
+
+
+#: jax adopts a host buffer aligned to this many bytes without copying it (and copies anything less aligned).
+HOST_ALIGNMENT = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = HOST_ALIGNMENT) -> np.ndarray:
+    """An uninitialised C-contiguous host array whose data starts on an ``alignment``-byte boundary."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)

@@ -1,0 +1,191 @@
+"""Many small tensors, single process: arraycheckpoint against DCP, safetensors and torch.save.
+
+The state is ``--count`` float32 tensors of ``--kib`` KiB each (2,000 x 16 KiB by default; the issue's second
+case is ``--kib 256``). Every round runs every method once, one after the other (interleaved, the order rotated
+each round), so a burst of load on a shared machine lands on all of them; the per-round ratio anchor / ours is
+paired, and the report gives the median of those ratios over the timed rounds (the first round is a warm-up).
+The protocol is ``benchmarks/common.py``'s: saves are timed until ``os.sync()`` returns, loads until the
+preallocated target tensors hold the data (``torch.load`` and safetensors return new tensors, which are copied
+into the targets, as ``load_state_dict`` does). CPU seconds (user + system of this process, all threads) sit
+next to wall seconds: the CPU figure moves much less with the machine's load. Run::
+
+    python benchmarks/bench_small.py                          # 2,000 x 16 KiB, 3 timed rounds
+    python benchmarks/bench_small.py --kib 256 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_single import METHODS as _ALL_METHODS  # noqa: E402
+from bench_single import State, same  # noqa: E402
+from common import (  # noqa: E402
+    fmt_ratio,
+    fmt_seconds,
+    machine_description,
+    markdown_table,
+    median,
+    peak_rss_mib,
+    ratio,
+    remove,
+    stopwatch,
+    sync,
+)
+
+METHODS = [m for m in _ALL_METHODS if m.name in ("arraycheckpoint", "DCP", "safetensors", "torch.save")]
+OURS = "arraycheckpoint"
+
+
+def make_state(count: int, kib: float, seed: int = 0) -> State:
+    """``count`` float32 tensors of ``kib`` KiB each, 2-D where the size allows (rows of 256 floats)."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, int(kib * 1024) // 4)
+    shape = (n // 256, 256) if n % 256 == 0 else (n,)
+    return {f"layers.{i // 8}.p{i % 8}": torch.randn(shape, generator=g) for i in range(count)}
+
+
+def run_round(root: Path, rnd: int, state: State, target: State, check: bool) -> dict[str, float]:
+    """Every method once, in an order rotated by ``rnd``; returns ``{"<method>/<what>": seconds}``."""
+    out: dict[str, float] = {}
+    k = rnd % len(METHODS)
+    for m in METHODS[k:] + METHODS[:k]:
+        path = str(root / f"{m.name.replace(' ', '_').replace('.', '_')}-{rnd}{m.suffix}")
+        with stopwatch() as t:
+            m.save(path, state)
+            sync()
+        out[f"{m.name}/save"], out[f"{m.name}/save_cpu"] = t
+        with stopwatch() as t:
+            loaded = m.load(path, state, target)
+        out[f"{m.name}/load"], out[f"{m.name}/load_cpu"] = t
+        if check and not same(state, loaded):
+            raise SystemExit(f"{m.name}: loaded state differs from the saved one")
+        for v in target.values():
+            v.fill_(-1)
+        del loaded
+        remove(path)
+    return out
+
+
+def summarise(rounds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per method and measurement: median seconds, and the paired median ratio anchor / ours."""
+    summary: dict[str, dict[str, float]] = {}
+    for m in METHODS:
+        s: dict[str, float] = {}
+        for what in ("save", "load", "save_cpu", "load_cpu"):
+            s[what] = median([r[f"{m.name}/{what}"] for r in rounds])
+            s[f"{what}_speedup"] = median([ratio(r[f"{m.name}/{what}"], r[f"{OURS}/{what}"]) for r in rounds])
+        summary[m.name] = s
+    return summary
+
+
+def report(summary: dict[str, dict[str, float]], count: int, kib: float, repeats: int) -> str:
+    headers = ["method", "save s", "save CPU s", "acp speed-up", "load s", "load CPU s", "acp speed-up"]
+    rows = []
+    for m in METHODS:
+        s = summary[m.name]
+        rows.append(
+            [
+                m.name,
+                fmt_seconds(s["save"]),
+                fmt_seconds(s["save_cpu"]),
+                fmt_ratio(s["save_speedup"]),
+                fmt_seconds(s["load"]),
+                fmt_seconds(s["load_cpu"]),
+                fmt_ratio(s["load_speedup"]),
+            ]
+        )
+    dcp = summary["DCP"]
+    lines = [
+        f"- save at least as fast as DCP: {fmt_ratio(dcp['save_speedup'])} "
+        f"({'met' if dcp['save_speedup'] >= 1 else 'MISSED'})",
+        f"- load at least as fast as DCP: {fmt_ratio(dcp['load_speedup'])} "
+        f"({'met' if dcp['load_speedup'] >= 1 else 'MISSED'})",
+    ]
+    return (
+        f"State: {count} float32 tensors x {kib:g} KiB ({count * kib / 1024:.1f} MiB); median of {repeats} "
+        "interleaved rounds after a warm-up round; saves timed until os.sync() returns. Speed-up = paired "
+        "median of anchor time / arraycheckpoint time per round (> 1: we are faster).\n\n"
+        + markdown_table(headers, rows)
+        + "\n\nTargets (paired medians):\n"
+        + "\n".join(lines)
+    )
+
+
+def git_revision() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        return subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--count", type=int, default=2000, help="number of tensors (default 2000)")
+    p.add_argument("--kib", type=float, default=16, help="KiB per tensor (default 16)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default 3)")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir under /tmp)")
+    p.add_argument("--json", default=None, help="also write the rounds and the summary to this JSON file")
+    args = p.parse_args(argv)
+
+    warnings.filterwarnings("ignore")
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="acp-bench-small-", dir=base))
+    machine = machine_description(root)
+    print(machine, flush=True)
+    state = make_state(args.count, args.kib)
+    target = {k: torch.full_like(v, -1) for k, v in state.items()}
+    rounds: list[dict[str, float]] = []
+    try:
+        for rnd in range(args.repeats + 1):
+            r = run_round(root, rnd, state, target, check=rnd == 0)
+            label = "warm-up" if rnd == 0 else f"round {rnd}"
+            print(f"{label}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
+            if rnd > 0:
+                rounds.append(r)
+    finally:
+        remove(root)
+    summary = summarise(rounds)
+    print()
+    print(report(summary, args.count, args.kib, args.repeats))
+    rss = peak_rss_mib()
+    print(
+        f"\npeak RSS of the benchmark process: {rss:.0f} MiB (state {args.count * args.kib / 1024:.0f} MiB)"
+    )
+    if args.json:
+        doc = {
+            "benchmark": "bench_small",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "revision": git_revision(),
+            "machine": machine,
+            "load_average": os.getloadavg(),
+            "count": args.count,
+            "kib": args.kib,
+            "repeats": args.repeats,
+            "rounds": rounds,
+            "summary": summary,
+            "peak_rss_mib": rss,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
