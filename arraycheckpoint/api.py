@@ -166,6 +166,7 @@ def load(
     role: str | None = None,
     device: Any = None,
     all_or_nothing: bool = False,
+    max_inflight_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Load a committed checkpoint into ``state`` under the current (any) parallel layout.
 
@@ -195,6 +196,8 @@ def load(
         role: load role ``role`` (``<path>/<role>``); other roles under ``path`` are not touched.
         device: torch: materialise modules built on the meta device on this device (``to_empty``) and
             fill them from the checkpoint; without it a meta-device target is refused.
+        max_inflight_bytes: bound on bytes read and not yet delivered to their targets (default 1 GiB): a load
+            holds at most this much above the state (regions larger than it are read in slabs).
         all_or_nothing: read everything into staging arrays first and copy into the targets only when every
             read succeeded. By default torch targets are written in place as regions arrive, so a load that
             fails midway (a damaged chunk, a checkpoint deleted under the reader) may leave them partly
@@ -250,6 +253,7 @@ def load(
         comm=communicator,
         dedup_reads=dedup_reads,
         all_or_nothing=all_or_nothing,
+        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
     )
     if report is not None:
         report["metrics"] = recorder.to_json()["phases"]

@@ -53,8 +53,8 @@ def reset_peak():
 if op == "load":
     acp.save(path, {"model": state}, **kwargs)
     target = {k: torch.full_like(v, -1) for k, v in state.items()}
-    storage, root, meta = engine().read_metadata(path)
-    from arraycheckpoint.adapters.torch import adapter  # noqa: F401  (imports settle before the baseline)
+    acp.read_metadata(path)  # imports and caches settle before the baseline
+    from arraycheckpoint.adapters.torch import adapter  # noqa: F401
 reset_peak()
 before = status("VmRSS")
 if op == "save":
@@ -62,12 +62,7 @@ if op == "save":
 elif op == "save_async":
     acp.save_async(path, {"model": state}, **kwargs).result()
 else:
-    from arraycheckpoint.api import _adapter
-    from arraycheckpoint.adapters.base import AdapterOptions
-
-    job = _adapter("torch").load_job(meta, {"model": target}, AdapterOptions())
-    engine().load(storage, root, meta, job.targets, **kwargs)
-    job.finish()
+    acp.load(path, {"model": target}, **kwargs)  # the public verb, with the same cap as the save
     assert all(torch.equal(target[k], state[k]) for k in state)
 peak = status("VmHWM")
 print(json.dumps({"op": op, "cap": cap, "state": tensors * n * 4, "before": before, "peak": peak}))
