@@ -232,7 +232,8 @@ class SavePipeline:
                 # tensorstore array opened with the metadata assumed (on storage already, or written by another
                 # rank), so nothing is read or validated per array
                 direct = [
-                    shardfile.can_encode(layouts[w.name], w.chunk, job.dtypes[w.name]) for w in plan.writes
+                    shardfile.can_encode(layouts[w.name], w.chunk, _write_dtype(job, w.name))
+                    for w in plan.writes
                 ]
                 opening = {
                     name: ts.open(
@@ -278,9 +279,7 @@ class SavePipeline:
         me = job.comm.rank
         if len(w.pieces) == 1 and w.pieces[0].box == w.chunk and w.pieces[0].src == me:
             return local_view(job, w.name, w.chunk)
-        # the plan's dtype: a writer of a straddling chunk need not hold any of the tensor itself
-        dtype = job.dtypes.get(w.name) or numpy_dtype(job.cached.compact.tensors[w.name].layout.dtype)
-        out = np.empty(w.chunk.lengths, dtype=dtype)
+        out = np.empty(w.chunk.lengths, dtype=_write_dtype(job, w.name))
         for p in w.pieces:
             src = local_view(job, w.name, p.box) if p.src == me else received[(w.name, p.box)]
             out[p.box.slices(w.chunk)] = src
@@ -331,6 +330,12 @@ def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:
         borrowed = getattr(source, "borrowed_view", None)
         view = borrowed() if borrowed is not None else None
     return view
+
+
+def _write_dtype(job: SaveJob, name: str) -> np.dtype:
+    """The dtype of a tensor this rank writes: from the plan, since the writer of a straddling chunk need not
+    hold any of the tensor itself (then it has no local entry)."""
+    return job.dtypes.get(name) or numpy_dtype(job.cached.compact.tensors[name].layout.dtype)
 
 
 def _await_fences(job: SaveJob) -> str | None:
