@@ -42,6 +42,7 @@ from ..metadata import (
     METADATA_FILE,
     METRICS_FILE,
     CheckpointMetadata,
+    LazyShards,
     ObjectMeta,
     TensorMeta,
     check_name,
@@ -207,6 +208,7 @@ def build_metadata(
     tensors = {}
     for name, td in plan.tensors.items():
         layout = td.layout
+        regions = tuple((group_index[id(d)], rule_json(t.rule)) for d, t in plan.contributions(name))
         tensors[name] = TensorMeta(
             name=name,
             shape=layout.shape,
@@ -214,9 +216,9 @@ def build_metadata(
             chunk_shape=layout.chunk_shape,
             inner_chunk_shape=layout.inner_chunk_shape,
             compression=layout.compression,
-            shards=(),
+            shards=LazyShards(name, layout.shape, regions, plan.groups),
             writers=td.writers,
-            regions=tuple((group_index[id(d)], rule_json(t.rule)) for d, t in plan.contributions(name)),
+            regions=regions,
         )
     objects: dict[str, ObjectMeta] = {}
     for o in request.objects:

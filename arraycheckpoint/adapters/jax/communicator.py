@@ -54,6 +54,10 @@ class JaxCommunicator(Communicator):
         self._timeout_ms = int(timeout_s * 1000)
         self._seq = 0
         self._own: dict[int, list[str]] = {}
+        # every rank has finished all collectives before this one (set after all-gathers and all-reduces, the
+        # collectives that wait for every rank); only keys older than it are safe to delete, since after a
+        # broadcast or gather the sending rank returns without waiting for the readers
+        self._synced = 0
         self._lock = threading.Lock()
         generation = _next_generation()
         key = f"arraycheckpoint/comm/{generation}"
@@ -98,7 +102,7 @@ class JaxCommunicator(Communicator):
 
     def _begin(self) -> str:
         self._seq += 1
-        for old in [s for s in self._own if s <= self._seq - 2]:
+        for old in [s for s in self._own if s < self._synced]:
             for k in self._own.pop(old):
                 try:
                     self._client.key_value_delete(k)
@@ -111,7 +115,9 @@ class JaxCommunicator(Communicator):
         with self._lock:
             base = self._begin()
             self._put(f"{base}/{self._rank}/all", data)
-            return [data if r == self._rank else self._fetch(f"{base}/{r}/all") for r in range(self._world)]
+            out = [data if r == self._rank else self._fetch(f"{base}/{r}/all") for r in range(self._world)]
+            self._synced = self._seq  # every rank reached this collective, so finished the earlier ones
+            return out
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         with self._lock:
@@ -128,11 +134,14 @@ class JaxCommunicator(Communicator):
             mine = np.asarray([int(v) for v in values], dtype=np.int64)
             if self._rank != 0:
                 self._put(f"{base}/{self._rank}/min", mine.tobytes())
-                return np.frombuffer(self._fetch(f"{base}/min"), dtype=np.int64).tolist()
-            for r in range(1, self._world):
-                mine = np.minimum(mine, np.frombuffer(self._fetch(f"{base}/{r}/min"), dtype=np.int64))
-            self._put(f"{base}/min", mine.tobytes())
-            return mine.tolist()
+                out = np.frombuffer(self._fetch(f"{base}/min"), dtype=np.int64).tolist()
+            else:
+                for r in range(1, self._world):
+                    mine = np.minimum(mine, np.frombuffer(self._fetch(f"{base}/{r}/min"), dtype=np.int64))
+                self._put(f"{base}/min", mine.tobytes())
+                out = mine.tolist()
+            self._synced = self._seq  # rank 0 heard from every rank here: all finished the earlier ones
+            return out
 
     def gather_sizes(self, size: int, dst: int = 0) -> list[int] | None:
         with self._lock:
