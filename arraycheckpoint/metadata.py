@@ -322,6 +322,11 @@ def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[
             check_rule(shape, rule, len(groups[g][0].meshes))
         except ArrayCheckpointError as e:
             raise MetadataError(f"metadata: {where}: {e}") from None
+        if rule[0] == "boxes":
+            for o, n in rule[1]:
+                box = Box(_int_list(o, f"{where}.regions"), _int_list(n, f"{where}.regions"))
+                if not box.within(shape):
+                    raise MetadataError(f"metadata: {where} has a region {box} outside shape {shape}")
         out.append((g, rule))
     return tuple(out)
 

@@ -86,7 +86,7 @@ def _jax_load_one(tmp: str, dtype_name: str) -> bool:
     from jax.sharding import PartitionSpec as P
 
     import arraycheckpoint as acp
-    from arraycheckpoint.adapters.jax import load_jax
+    from arraycheckpoint import load_jax
 
     assert jax.device_count() == 8
     mesh = jax.make_mesh((2, 4), ("a", "b"))

@@ -326,7 +326,9 @@ def _metadata_variants(doc: dict, text: str, sentinel: str) -> dict[str, bytes]:
             )
         ),
         "too-many-dims": mutate(lambda d: d["tensors"][w].update(shape=[1] * 100)),
-        "shard-out-of-bounds": mutate(lambda d: d["tensors"][w].update(shards=[[[0, 0], [65, 32], 0]])),
+        "shard-out-of-bounds": mutate(
+            lambda d: d["tensors"][w].update(regions=[[0, ["boxes", [[[0, 0], [65, 32]]]]]])
+        ),
         "unknown-dtype": mutate(lambda d: d["tensors"][w].update(dtype="object")),
         "world-size-string": mutate(lambda d: d.update(world_size="2")),
         "tensors-is-a-list": mutate(lambda d: d.update(tensors=[])),

@@ -58,7 +58,12 @@ class LoadPipeline:
         if raw is None:
             raise MetadataError(f"checkpoint {root} is committed but has no {METADATA_FILE}")
         meta = CheckpointMetadata.from_json(raw)
-        safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
+        try:
+            safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
+        except (CorruptCheckpointError, MetadataError) as e:
+            if not storage.is_committed(root):  # removed under us (retention): gone, not damaged
+                raise CheckpointNotFoundError(f"checkpoint {root} was removed while it was being opened") from e
+            raise
         return storage, root, meta
 
     def load(
