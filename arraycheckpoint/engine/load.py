@@ -60,7 +60,7 @@ class LoadPipeline:
         meta = CheckpointMetadata.from_json(raw)
         try:
             safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
-        except (CorruptCheckpointError, MetadataError) as e:
+        except (CorruptCheckpointError, MetadataError, FileNotFoundError) as e:
             if not storage.is_committed(root):  # removed under us (retention): gone, not damaged
                 raise CheckpointNotFoundError(f"checkpoint {root} was removed while it was being opened") from e
             raise
