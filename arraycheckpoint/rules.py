@@ -30,6 +30,7 @@ from .errors import PlanError
 from .regions import Box
 
 REPLICA = ("replica",)
+MAX_MESH_RANKS = 1 << 22  # far above any job (the ByteCheckpoint paper's largest is 8,960 ranks)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class Mesh:
         shape = tuple(int(s) for s in j[0])
         kind, value = j[1]
         n = math.prod(shape)
+        if any(s < 1 for s in shape) or n > MAX_MESH_RANKS:  # untrusted: bound before building rank lists
+            raise PlanError(f"mesh of shape {shape} is empty or larger than {MAX_MESH_RANKS} ranks")
         if kind == "arange":
             ranks = tuple(range(int(value), int(value) + n))
         elif kind == "list":

@@ -71,3 +71,11 @@ def test_malformed_layout_groups_are_refused(tmp_path, groups):
     doc["layout_groups"] = groups
     with pytest.raises(MetadataError, match="layout_groups"):
         CheckpointMetadata.from_json(json.dumps(doc))
+
+
+def test_a_huge_mesh_in_layout_groups_is_refused_before_allocating(tmp_path):
+    acp.save(tmp_path / "ck", {"model": {"w": torch.arange(6.0)}})
+    doc = json.loads((tmp_path / "ck" / METADATA_FILE).read_text())
+    doc["layout_groups"] = [{"meshes": [[[10**9, 10**9], ["arange", 0]]], "ranks": [[0, 1, 1]]}]
+    with pytest.raises(MetadataError, match="layout_groups"):
+        CheckpointMetadata.from_json(json.dumps(doc))
