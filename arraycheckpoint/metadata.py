@@ -83,6 +83,8 @@ class TensorMeta:
     shards: Sequence[ShardMeta]  # a tuple (format 1) or regions expanded on first use from rules (format 2)
     writers: tuple[int, ...] = ()  # writer rank per stored chunk, row-major over the chunk grid
     regions: tuple[tuple[int, Any], ...] = ()  # format 2: (layout group, rule) pairs the shards follow from
+    # a stacked per-rank array: the leading dimension is the saving rank (extent world_size); see perrank.py
+    rank_rows: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -143,6 +145,7 @@ class CheckpointMetadata:
                         else {"regions": [[g, r] for g, r in t.regions]}
                     ),
                     "writers": list(t.writers),
+                    **({"rank_rows": True} if t.rank_rows else {}),
                 }
                 for name, t in sorted(self.tensors.items())
             },
@@ -239,7 +242,15 @@ def _parse(doc: Any) -> CheckpointMetadata:
         else:
             regions = _parse_regions(_req(t, "regions", list, where), where, shape, groups)
             shards = LazyShards(name, shape, regions, groups)
-        tensors[name] = TensorMeta(name, shape, dtype, chunk, inner, compression, shards, writers, regions)
+        rank_rows = t.get("rank_rows", False)
+        if rank_rows is not False and (rank_rows is not True or not shape or shape[0] != world_size):
+            raise MetadataError(
+                f"metadata: {where}.rank_rows must be true or absent, and a stacked per-rank array's leading "
+                f"dimension must be the world size {world_size} (shape {list(shape)})"
+            )
+        tensors[name] = TensorMeta(
+            name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows
+        )
     objects: dict[str, ObjectMeta] = {}
     for name, o in _req(doc, "objects", dict, "metadata").items():
         check_name(name)

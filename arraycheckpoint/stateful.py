@@ -6,7 +6,9 @@
 * a namespace containing :class:`PerRank` values (anywhere inside nested dicts/lists), or objects with
   ``state_dict()`` / ``load_state_dict()`` (LR schedulers, ...), is stored as one global JSON document (rank 0's,
   ``<ns>``) in which each ``PerRank`` is a placeholder, plus one per-rank object ``<ns>/~per_rank`` holding every
-  rank's own values; arrays become tensors (``<ns>/...`` global, ``<ns>/~r<rank>/<i>/...`` per rank);
+  rank's own values; arrays become tensors (``<ns>/...`` global; per rank, one stacked array ``<ns>/~rows/<i>/...`` with a leading rank dimension
+  when every rank's array of slot ``i`` has the same shape and dtype, else ``<ns>/~r<rank>/<i>/...`` per rank:
+  :mod:`arraycheckpoint.perrank`);
 * a dataloader implementing :class:`~arraycheckpoint.data.ReshardableLoader` (see :mod:`arraycheckpoint.data`).
 
 **Per-rank rule on load.** Global values load on every rank. Rank ``r`` of the loading world takes the value
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from . import extras
+from . import extras, perrank
 from .adapters.base import AdapterOptions, Expected, LoadJob
 from .collectives import Communicator
 from .errors import ArrayCheckpointError, UnsafeNameError
@@ -196,7 +198,10 @@ def save_items(
             d, arrs = extras.encode(v, f"{ns}/~r{comm.rank}/{i}", _is_array, options.allow_pickle)
             docs.append(d)
             kinds.update({n: _kind(a) for n, a in arrs.items()})
-            tensors.extend(_tensor(name, a) for name, a in arrs.items())
+            # one stacked array per slot when the ranks agree (the engine decides; see arraycheckpoint.perrank)
+            tensors.extend(
+                perrank.stack(_tensor(name, a), ns, comm.rank, comm.world_size) for name, a in arrs.items()
+            )
         objects.append(SaveObject(f"{ns}/{PER_RANK_SUFFIX}", {"values": docs, "arrays": kinds}, scope="rank"))
     return tensors, objects
 
@@ -243,7 +248,7 @@ class _Loaded:
 
 def _fill(buf: np.ndarray) -> Callable[[np.ndarray], None]:
     def sink(arr: np.ndarray) -> None:
-        buf[...] = arr
+        buf[...] = arr.reshape(buf.shape)  # a stacked array's row arrives as [1, *shape]
 
     return sink
 
@@ -343,14 +348,20 @@ def load_job(
     bufs: dict[str, np.ndarray] = {}
     targets: list[LoadTensor] = []
     for ref in extras.array_refs(doc) + extras.array_refs(docs):
-        tm = meta.tensors.get(ref)
+        stored, tm, box = ref, meta.tensors.get(ref), None
+        if tm is None and src >= 0:  # a row of a stacked per-rank array (arraycheckpoint.perrank)
+            found = perrank.row_of(meta, ns, src, ref)
+            if found is not None:
+                stored, tm = found
+                box = Box((src,) + (0,) * (len(tm.shape) - 1), (1, *tm.shape[1:]))
         if tm is None:
             raise ArrayCheckpointError(f"{ns}: array {ref!r} is referenced but not stored (rank {rank})")
-        buf = np.empty(tm.shape, dtype=numpy_dtype(tm.dtype))
+        buf = np.empty(box.lengths[1:] if box else tm.shape, dtype=numpy_dtype(tm.dtype))
         bufs[ref] = buf
-        expected[ref] = Expected(tm.shape, tm.dtype)
+        expected[stored] = Expected(tm.shape, tm.dtype)
         if buf.size:
-            targets.append(LoadTensor(ref, [LoadShard(Box.full(tm.shape), _fill(buf))]))
+            box = box or Box.full(tm.shape)
+            targets.append(LoadTensor(stored, [LoadShard(box, _fill(buf))]))
 
     def finish() -> None:
         default = "torch" if "torch" in sys.modules else "numpy"

@@ -68,21 +68,26 @@ class Coordinator:
         """The one collective before the snapshot: do all ranks reuse the same cached plan, do all ranks hold
         identical declarations (then each plans alone), did any rank fail to declare?
 
-        A fixed-size all-reduce: ``[ok, d, -d, c, -c]`` where ``d`` is the declaration digest and ``c`` the
-        cached plan's id (-1 without one). Every rank reaches the same decision, so the collectives that
+        A fixed-size all-reduce: ``[ok, d, -d, c, -c, s, -s]`` where ``d`` is the declaration digest, ``c`` the
+        cached plan's id (-1 without one) and ``s`` the digest of the stacked per-rank slots (when it differs,
+        ``job.unstack``: every rank saves per-rank arrays instead and the declarations are gathered; a cached
+        plan agreed on with ``s`` differing was planned for those per-rank arrays). Every rank reaches the same decision, so the collectives that
         follow are the same on every rank: a structure change on one rank replans everywhere, never hangs.
         """
         cached = self._plans.get(job.key) if job.decl is not None else None
         d = _as_int(job.decl_digest) if job.decl is not None else 0
         c = cached.plan_hash if cached is not None else -1
-        ok, dmin, dmax_neg, cmin, cmax_neg = job.comm.all_reduce_min(
-            [int(job.decl is not None), d, -d, c, -c]
+        s = _as_int(job.stack_digest)
+        ok, dmin, dmax_neg, cmin, cmax_neg, smin, smax_neg = job.comm.all_reduce_min(
+            [int(job.decl is not None), d, -d, c, -c, s, -s]
         )
+        # stacked per-rank arrays (arraycheckpoint.perrank) need every rank's rows alike; else all fall back
+        job.unstack = bool(ok) and smin != -smax_neg
         if not ok:
             job.mode = "skip"  # a rank could not declare: it reports why at commit, nobody plans or writes
         elif cmin >= 0 and cmin == -cmax_neg:
             job.mode, job.cached = "cached", cached
-        elif dmin == -dmax_neg:
+        elif dmin == -dmax_neg and not job.unstack:
             job.mode = "local"
         else:
             job.mode = "gather"
@@ -205,6 +210,7 @@ def build_metadata(
 ) -> CheckpointMetadata:
     """The checkpoint's metadata (format 2): the plan's decisions and rules, objects, per-rank metrics."""
     group_index = {id(d): i for i, (d, _r) in enumerate(plan.groups)}
+    stacked = {t.name for t in request.tensors if t.fallback is not None}  # rows of stacked per-rank arrays
     tensors = {}
     for name, td in plan.tensors.items():
         layout = td.layout
@@ -219,6 +225,7 @@ def build_metadata(
             shards=LazyShards(name, layout.shape, regions, plan.groups),
             writers=td.writers,
             regions=regions,
+            rank_rows=name in stacked,
         )
     objects: dict[str, ObjectMeta] = {}
     for o in request.objects:

@@ -27,6 +27,7 @@ from ..future import CheckpointFuture
 from ..hostpool import HostBufferPool
 from ..items import SaveRequest
 from ..monitoring import PhaseRecorder
+from ..perrank import fall_back, stack_digest
 from ..plan import ArrayLayout, RankPlan
 from ..regions import Box, intersect
 from ..storage import storage_for
@@ -89,10 +90,13 @@ class SavePipeline:
             local={},
             dtypes={t.name: np.dtype(t.dtype) for t in request.tensors},
             recorder=recorder,
+            stack_digest=stack_digest(request.tensors),
         )
         if decl_error is not None:
             job.error = describe(decl_error, comm.rank)
         self._coordinator.agree(job)  # the one collective before the snapshot (fixed size)
+        if job.unstack:
+            _unstack(job)
         self._last_mode = job.mode  # for tests and monitoring: which planning path this save took
         if decl_error is not None and comm.world_size == 1:
             future._set_committed(error=decl_error)
@@ -316,6 +320,17 @@ def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> lis
             doc = docs[key] = json.dumps(array_spec(job.storage, job.staging, layout)["metadata"]).encode()
         writes.append((layout.name, writer.write(f"{layout.name}/zarr.json", [doc])))
     return writes
+
+
+def _unstack(job: SaveJob) -> None:
+    """The ranks' stacked per-rank rows disagree: save the per-rank arrays instead (same on every rank)."""
+    job.request.tensors = fall_back(job.request.tensors)
+    job.dtypes = {t.name: np.dtype(t.dtype) for t in job.request.tensors}
+    try:
+        job.decl = declare(job.request.tensors, job.comm.rank)
+        job.decl_digest = declaration_digest(job.decl, job.comm, job.options)
+    except Exception as e:  # noqa: BLE001 - keep the agreed collectives; the save fails at commit
+        job.error = job.error or describe(e, job.comm.rank)
 
 
 def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:

@@ -1,0 +1,174 @@
+"""PerRank arrays whose shape and dtype agree across ranks are stored as one stacked array [N, *shape].
+
+Real gloo processes save; zarr-python (an independent reader) checks that one array per slot holds every
+rank's row bit-exactly; loads at other world sizes keep the per-rank rule (own row, else derived from saved
+rank ``r % N``). A rank whose rows differ makes every rank fall back to per-rank arrays, never hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from dist import run_distributed
+
+import arraycheckpoint as acp
+from arraycheckpoint import rng
+from arraycheckpoint.engine import engine
+from arraycheckpoint.errors import MetadataError
+from arraycheckpoint.metadata import CheckpointMetadata
+from arraycheckpoint.stateful import PerRank
+
+
+def _draws() -> list[list[float]]:
+    return [torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]]
+
+
+def _save(rank: int, world: int, root: str, odd_rank: int = -1, saves: int = 1) -> dict:
+    torch.manual_seed(10 + rank)
+    np.random.seed(20 + rank)
+    random.seed(30 + rank)
+    captured = rng.capture()
+    n = 5 if rank == odd_rank else 4
+    tokens = torch.arange(n, dtype=torch.int64) * 100 + rank
+    state = {
+        "model": {"w": torch.arange(6.0).view(3, 2)},
+        "extra_state": {
+            "step": 3,
+            "rng": PerRank(captured),
+            "counter": PerRank({"rank": rank, "tokens": tokens}),
+        },
+    }
+    modes = []
+    for i in range(saves):  # a second save of the same structure reuses the cached plan
+        acp.save(f"{root}{i or ''}", state, step=3)
+        modes.append(engine()._save._last_mode)
+    return {
+        "modes": modes,
+        "draws": _draws(),
+        "torch": captured["torch"].copy(),
+        "python": captured["python"]["state"].copy(),
+        "numpy": captured["numpy"]["key"].copy(),
+        "tokens": tokens.numpy(),
+    }
+
+
+def _load(rank: int, world: int, root: str) -> dict:
+    def tag(value, r, source):
+        return {**value, "derived_for": r, "from": source}
+
+    state = {"extra_state": {"step": 0, "rng": PerRank(), "counter": PerRank(derive=tag)}}
+    extra = acp.load(root, state)["extra_state"]
+    rng.restore(extra["rng"].value)
+    counter = dict(extra["counter"].value)
+    counter["tokens"] = counter["tokens"].tolist()
+    raw = acp.load(
+        root, {"extra_state": {"step": 0, "rng": PerRank(derive=lambda v, r, s: v), "counter": PerRank()}}
+    )
+    return {"draws": _draws(), "counter": counter, "raw_rng": raw["extra_state"]["rng"].value}
+
+
+def _arrays(root: str) -> dict[str, np.ndarray]:
+    """Every array under ``extra_state/`` as zarr-python reads it."""
+    import zarr
+
+    return {
+        n: np.asarray(a[...]) for n, a in _walk(zarr.open_group(os.path.join(root, "extra_state"), mode="r"))
+    }
+
+
+def _walk(group) -> list:
+    out = [(n, a) for n, a in group.arrays()]
+    for g, sub in group.groups():
+        out.extend((f"{g}/{n}", a) for n, a in _walk(sub))
+    return out
+
+
+def _chunk_files(root: str, name: str) -> int:
+    base = os.path.join(root, name, "c")
+    return sum(len(files) for _d, _s, files in os.walk(base))
+
+
+def test_three_ranks_store_one_stacked_array_per_slot_and_load_at_2_and_4(tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    saved = run_distributed(_save, 3, (root,))
+    assert all(s["modes"] == ["local"] for s in saved)  # identical declarations: each rank planned alone
+    arrays = _arrays(root)  # zarr-python's view of every array under extra_state/
+    assert sorted(arrays) == ["~rows/0/numpy/key", "~rows/0/python/state", "~rows/0/torch", "~rows/1/tokens"]
+    for r, s in enumerate(saved):  # row r is rank r's value, bit for bit
+        assert np.array_equal(arrays["~rows/0/torch"][r], s["torch"])
+        assert np.array_equal(arrays["~rows/0/python/state"][r], s["python"])
+        assert np.array_equal(arrays["~rows/0/numpy/key"][r], s["numpy"])
+        assert np.array_equal(arrays["~rows/1/tokens"][r], s["tokens"])
+    assert arrays["~rows/0/torch"].shape == (3, 5056)
+    for name in ("~rows/0/torch", "~rows/1/tokens"):  # rows aggregated into one file, not one per rank
+        assert _chunk_files(root, f"extra_state/{name}") == 1
+    meta = acp.read_metadata(root)
+    assert all(t.rank_rows for n, t in meta.tensors.items() if "~rows" in n)
+    assert sorted(meta.objects["extra_state/~per_rank"].per_rank) == [0, 1, 2]
+
+    shrunk = run_distributed(_load, 2, (root,))
+    for r in (0, 1):
+        assert shrunk[r]["draws"] == saved[r]["draws"]
+        assert shrunk[r]["counter"] == {"rank": r, "tokens": saved[r]["tokens"].tolist()}
+    grown = run_distributed(_load, 4, (root,))
+    for r in (0, 1, 2):  # saved ranks take their own rows
+        assert grown[r]["draws"] == saved[r]["draws"]
+        assert grown[r]["counter"]["tokens"] == saved[r]["tokens"].tolist()
+    # rank 3 has no saved row: saved rank 3 % 3 = 0's value through derive (RNG reseeded, custom derive used)
+    assert grown[3]["counter"] == {
+        "rank": 0,
+        "tokens": saved[0]["tokens"].tolist(),
+        "derived_for": 3,
+        "from": 0,
+    }
+    assert np.array_equal(np.asarray(grown[3]["raw_rng"]["torch"]), saved[0]["torch"])
+    rng.restore(rng.derive(grown[3]["raw_rng"], 3))
+    assert _draws() == grown[3]["draws"]
+    assert grown[3]["draws"] not in [s["draws"] for s in saved]
+
+
+def test_a_rank_whose_rows_differ_makes_every_rank_save_per_rank_arrays(tmp_path) -> None:
+    """Rank 1's counter has 5 elements, the others 4: every rank falls back (twice: the second save runs on
+    the cached fallback plan), nothing hangs, and each rank's values load back."""
+    root = str(tmp_path / "ck")
+    saved = run_distributed(_save, 3, (root, 1, 2), timeout=120)
+    assert all(s["modes"] == ["gather", "cached"] for s in saved)
+    for path in (root, root + "1"):
+        meta = acp.read_metadata(path)
+        names = sorted(n for n in meta.tensors if n.startswith("extra_state/"))
+        assert not any("~rows" in n for n in names)
+        assert names == sorted(
+            f"extra_state/~r{r}/{x}"
+            for r in range(3)
+            for x in ("0/numpy/key", "0/python/state", "0/torch", "1/tokens")
+        )
+        arrays = _arrays(path)
+        for r, s in enumerate(saved):
+            assert np.array_equal(arrays[f"~r{r}/1/tokens"], s["tokens"])
+            assert np.array_equal(arrays[f"~r{r}/0/torch"], s["torch"])
+    loaded = run_distributed(_load, 3, (root + "1",))
+    for r in range(3):
+        assert loaded[r]["draws"] == saved[r]["draws"]
+        assert loaded[r]["counter"]["tokens"] == saved[r]["tokens"].tolist()
+
+
+def test_stacked_marker_is_checked_against_the_world_size(tmp_path) -> None:
+    """Hostile metadata: ``rank_rows`` on an array whose leading dimension is not the world size is refused."""
+    acp.save(str(tmp_path / "ck"), {"extra_state": {"r": PerRank(np.arange(4))}})
+    text = (tmp_path / "ck" / ".metadata.json").read_text()
+    doc = json.loads(text)
+    assert doc["tensors"]["extra_state/~rows/0"]["rank_rows"] is True
+    CheckpointMetadata.from_json(text)
+    for bad in ({"world_size": 2}, {"rank_rows": 1}, {"rank_rows": "yes"}):
+        d = json.loads(text)
+        if "world_size" in bad:
+            d.update(bad)
+        else:
+            d["tensors"]["extra_state/~rows/0"].update(bad)
+        with pytest.raises(MetadataError, match="rank_rows"):
+            CheckpointMetadata.from_json(json.dumps(d))
