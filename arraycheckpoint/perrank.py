@@ -72,12 +72,18 @@ class _RowSource:
         return None if view is None else view.reshape((1, *view.shape))
 
 
-def stack(t: SaveTensor, ns: str, rank: int, world: int) -> SaveTensor:
-    """Rank ``rank``'s row of the stacked array for per-rank tensor ``t``, or ``t`` itself when it cannot be
-    stacked (not a whole local array: a DTensor's shard; empty; not a per-rank name)."""
+def stack_per_rank(t: SaveTensor, ns: str, rank: int, world: int) -> SaveTensor:
+    """Rank ``rank``'s row of the stacked array for ``PerRank`` tensor ``t`` (``<ns>/~r<rank>/...``), or ``t``
+    itself when it cannot be stacked (see :func:`stack`)."""
     name = stacked_name(ns, rank, t.name)
+    return t if name is None else stack(t, name, rank, world)
+
+
+def stack(t: SaveTensor, name: str, rank: int, world: int) -> SaveTensor:
+    """Rank ``rank``'s row ``[1, *shape]`` of stacked array ``name`` (shape ``[world, *shape]``) holding ``t``,
+    with ``t`` as its fallback; ``t`` itself when it is not a whole local array (a DTensor's shard) or empty."""
     whole = len(t.shards) == 1 and t.shards[0].box == Box.full(t.shape) and t.rule is None
-    if name is None or not whole or not int(np.prod(t.shape)):
+    if not whole or not int(np.prod(t.shape)):
         return t
     row = Box((rank,) + (0,) * len(t.shape), (1, *t.shape))
     return SaveTensor(
@@ -100,11 +106,18 @@ def fall_back(tensors: list[SaveTensor]) -> list[SaveTensor]:
     return [t.fallback if t.fallback is not None else t for t in tensors]
 
 
-def row_of(meta: Any, ns: str, source: int, name: str) -> tuple[str, Any] | None:
-    """Where per-rank array ``name`` of saved rank ``source`` is stored when it is not stored by that name:
-    ``(stacked name, its TensorMeta)`` for a marked stacked array holding a row for ``source``, else None."""
-    stacked = stacked_name(ns, source, name)
-    tm = meta.tensors.get(stacked) if stacked is not None else None
+def row(meta: Any, stacked: str, source: int) -> tuple[Any, Box] | None:
+    """``(TensorMeta, row box)`` of saved rank ``source``'s row in stacked array ``stacked``, or None when the
+    checkpoint holds no such marked array (or no row for ``source``)."""
+    tm = meta.tensors.get(stacked)
     if tm is None or not getattr(tm, "rank_rows", False) or not 0 <= source < tm.shape[0]:
         return None
-    return stacked, tm
+    return tm, Box((source,) + (0,) * (len(tm.shape) - 1), (1, *tm.shape[1:]))
+
+
+def row_of(meta: Any, ns: str, source: int, name: str) -> tuple[str, Any, Box] | None:
+    """Where ``PerRank`` array ``name`` of saved rank ``source`` is when not stored by that name:
+    ``(stacked name, TensorMeta, row box)``, else None."""
+    stacked = stacked_name(ns, source, name)
+    found = row(meta, stacked, source) if stacked is not None else None
+    return None if found is None else (stacked, *found)

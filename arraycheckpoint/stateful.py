@@ -182,7 +182,7 @@ def save_items(
     if _is_loader(value):
         from .data.checkpoint import save_items as loader_items
 
-        return loader_items(ns, value, options.step)
+        return loader_items(ns, value, options.step, comm.rank, comm.world_size)
     per_rank: list[Any] = []
     plain = _plain(value, per_rank, ns)
     doc, arrays = extras.encode(plain, ns, _is_array, options.allow_pickle)
@@ -200,7 +200,8 @@ def save_items(
             kinds.update({n: _kind(a) for n, a in arrs.items()})
             # one stacked array per slot when the ranks agree (the engine decides; see arraycheckpoint.perrank)
             tensors.extend(
-                perrank.stack(_tensor(name, a), ns, comm.rank, comm.world_size) for name, a in arrs.items()
+                perrank.stack_per_rank(_tensor(name, a), ns, comm.rank, comm.world_size)
+                for name, a in arrs.items()
             )
         objects.append(SaveObject(f"{ns}/{PER_RANK_SUFFIX}", {"values": docs, "arrays": kinds}, scope="rank"))
     return tensors, objects
@@ -352,8 +353,7 @@ def load_job(
         if tm is None and src >= 0:  # a row of a stacked per-rank array (arraycheckpoint.perrank)
             found = perrank.row_of(meta, ns, src, ref)
             if found is not None:
-                stored, tm = found
-                box = Box((src,) + (0,) * (len(tm.shape) - 1), (1, *tm.shape[1:]))
+                stored, tm, box = found
         if tm is None:
             raise ArrayCheckpointError(f"{ns}: array {ref!r} is referenced but not stored (rank {rank})")
         buf = np.empty(box.lengths[1:] if box else tm.shape, dtype=numpy_dtype(tm.dtype))

@@ -5,17 +5,22 @@ Entries under namespace ``ns`` (usually ``dataloader``):
 * ``<ns>`` (global object, rank 0's value): ``{"__acp_state__": "dataloader", "replicated": ..., "dp_size": D,
   "num_workers": W, "step": S}``;
 * ``<ns>/~shards`` (per-rank object): ``{"dp_rank": d, "shards": {"<d>_<w>": {"meta": ..., "arrays": {name:
-  entry}}}}``: the index of every sharded part, in the global metadata;
-* ``<ns>/shard_<d>_<w>/<array>`` (tensors): the sharded parts' arrays (token buffers). Ranks sharing a DP rank
-  declare identical arrays, which the planner writes once.
+  entry}, "rows": {name: stacked}}}}``: the index of every sharded part, in the global metadata;
+* the sharded parts' arrays (token buffers, positions): when every rank's arrays of worker ``w`` agree in shape
+  and dtype, ONE stacked array ``<ns>/~rows/<w>/<array>`` of shape ``[world, *shape]`` whose row ``r`` is
+  rank ``r``'s (:mod:`arraycheckpoint.perrank`; ranks sharing a DP rank each store their identical row);
+  otherwise ``<ns>/shard_<d>_<w>/<array>`` per DP shard (ranks sharing a DP rank declare identical arrays,
+  which the planner writes once). The index names both; the loader reads whichever is stored.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .. import perrank
 from ..adapters.base import Expected, LoadJob
 from ..errors import ArrayCheckpointError
 from ..items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
@@ -38,9 +43,15 @@ def is_saved_loader(meta: CheckpointMetadata, ns: str) -> bool:
 
 
 def save_items(
-    ns: str, loader: ReshardableLoader, step: int | None
+    ns: str, loader: ReshardableLoader, step: int | None, rank: int | None = None, world: int = 1
 ) -> tuple[list[SaveTensor], list[SaveObject]]:
-    """This rank's entries for ``loader`` (collects its state: a queue poll when it was prepared)."""
+    """This rank's entries for ``loader`` (collects its state: a queue poll when it was prepared).
+
+    With ``rank`` given, each shard array is offered as row ``rank`` of a stacked array
+    ``<ns>/~rows/<worker>/<array>`` of shape ``[world, *shape]`` (:mod:`arraycheckpoint.perrank`): saved so
+    when every rank's arrays agree in shape and dtype, else as ``<ns>/shard_<d>_<w>/<array>``. The index
+    names both; a loader reads whichever the checkpoint holds.
+    """
     state: LoaderState = loader.checkpoint_state(step)
     tensors: list[SaveTensor] = []
     index: dict[str, Any] = {}
@@ -50,15 +61,18 @@ def save_items(
                 f"dataloader {ns!r}: rank with dp_rank {state.dp_rank} returned a shard of dp rank {d}; "
                 "each rank returns only its own DP rank's shards"
             )
-        arrays = {}
+        arrays, rows = {}, {}
         for name, arr in sorted(shard.arrays.items()):
             full = check_name(f"{ns}/shard_{d}_{w}/{name}")
             a = np.ascontiguousarray(arr)
-            tensors.append(
-                SaveTensor(full, tuple(a.shape), a.dtype, [SaveShard(Box.full(a.shape), ArraySource(a))])
-            )
+            t = SaveTensor(full, tuple(a.shape), a.dtype, [SaveShard(Box.full(a.shape), ArraySource(a))])
+            if rank is not None:
+                t = perrank.stack(t, check_name(f"{ns}/{perrank.ROWS}/{w}/{name}"), rank, world)
+                if t.fallback is not None:
+                    rows[name] = t.name
+            tensors.append(t)
             arrays[name] = full
-        index[f"{d}_{w}"] = {"meta": shard.meta, "arrays": arrays}
+        index[f"{d}_{w}"] = {"meta": shard.meta, "arrays": arrays, **({"rows": rows} if rows else {})}
     head = {
         "__acp_state__": MARKER,
         "replicated": state.replicated,
@@ -78,24 +92,50 @@ def saved_state(meta: CheckpointMetadata, ns: str) -> SavedLoaderState:
     return _saved(meta, ns)[0]
 
 
-def _saved(meta: CheckpointMetadata, ns: str) -> tuple[SavedLoaderState, dict[ShardKey, dict[str, str]]]:
+@dataclass(frozen=True)
+class _Stored:
+    """Where one indexed shard array is: a stored name and region (``tm`` None: the checkpoint lacks it)."""
+
+    name: str
+    tm: Any = None
+    box: Box | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The array's own shape (a stacked array's row without its leading rank dimension)."""
+        assert self.box is not None and self.tm is not None
+        return self.box.lengths[1:] if self.box.lengths != self.tm.shape else self.tm.shape
+
+
+def _where(meta: CheckpointMetadata, name: str, entry: dict[str, Any], rank: int) -> _Stored:
+    """Where shard array ``name`` (indexed by saved rank ``rank``) is stored: its own array, or that rank's
+    row of the stacked array the index names (:mod:`arraycheckpoint.perrank`)."""
+    full = entry["arrays"][name]
+    tm = meta.tensors.get(full)
+    if tm is not None:
+        return _Stored(full, tm, Box.full(tm.shape))
+    rows = entry.get("rows")
+    stacked = rows.get(name) if isinstance(rows, dict) else None
+    found = perrank.row(meta, stacked, rank) if isinstance(stacked, str) else None
+    return _Stored(full) if found is None else _Stored(stacked, *found)
+
+
+def _saved(meta: CheckpointMetadata, ns: str) -> tuple[SavedLoaderState, dict[ShardKey, dict[str, _Stored]]]:
     head = meta.objects[ns].value
     idx = meta.objects.get(f"{ns}/~shards")
     if idx is None or idx.scope != "rank":
         raise ArrayCheckpointError(f"dataloader {ns!r}: the checkpoint has no shard index {ns}/~shards")
     shards: dict[ShardKey, ShardState] = {}
     shapes: dict[ShardKey, dict[str, tuple[int, ...]]] = {}
-    names: dict[ShardKey, dict[str, str]] = {}
-    for _rank, doc in sorted(idx.per_rank.items()):
+    names: dict[ShardKey, dict[str, _Stored]] = {}
+    for rank, doc in sorted(idx.per_rank.items()):
         for key, entry in doc["shards"].items():
             d, w = (int(x) for x in key.split("_"))
             if (d, w) in shards:
                 continue  # a TP/PP peer of the same DP rank saved the same shard
             shards[(d, w)] = ShardState(meta=entry["meta"], arrays={})
-            names[(d, w)] = dict(entry["arrays"])
-            shapes[(d, w)] = {
-                a: tuple(meta.tensors[n].shape) for a, n in entry["arrays"].items() if n in meta.tensors
-            }
+            names[(d, w)] = {a: _where(meta, a, entry, rank) for a in entry["arrays"]}
+            shapes[(d, w)] = {a: x.shape for a, x in names[(d, w)].items() if x.tm is not None}
     saved = SavedLoaderState(
         head["replicated"], int(head["dp_size"]), int(head["num_workers"]), shards, shapes, head.get("step")
     )
@@ -118,15 +158,14 @@ def load_job(ns: str, loader: ReshardableLoader, meta: CheckpointMetadata) -> Lo
                 f"dataloader {ns!r}: the loader asked for shard {key}, which was not saved "
                 f"(saved: {saved.ordered_keys()})"
             )
-        for arr_name, entry in names[key].items():
-            tm = meta.tensors.get(entry)
-            if tm is None:
-                raise ArrayCheckpointError(f"dataloader {ns!r}: array {entry!r} is indexed but not stored")
-            buf = np.empty(tm.shape, dtype=numpy_dtype(tm.dtype))
+        for arr_name, x in names[key].items():
+            if x.tm is None or x.box is None:
+                raise ArrayCheckpointError(f"dataloader {ns!r}: array {x.name!r} is indexed but not stored")
+            buf = np.empty(x.shape, dtype=numpy_dtype(x.tm.dtype))
             saved.shards[key].arrays[arr_name] = buf
-            expected[entry] = Expected(tm.shape, tm.dtype)
+            expected[x.name] = Expected(x.tm.shape, x.tm.dtype)
             if buf.size:
-                targets.append(LoadTensor(entry, [LoadShard(Box.full(tm.shape), _fill(buf))]))
+                targets.append(LoadTensor(x.name, [LoadShard(x.box, _fill(buf))]))
 
     def finish() -> ReshardableLoader:
         loader.load_checkpoint_state(saved)
@@ -137,6 +176,6 @@ def load_job(ns: str, loader: ReshardableLoader, meta: CheckpointMetadata) -> Lo
 
 def _fill(buf: np.ndarray) -> Any:
     def sink(arr: np.ndarray) -> None:
-        buf[...] = arr
+        buf[...] = arr.reshape(buf.shape)  # a stacked array's row arrives as [1, *shape]
 
     return sink
