@@ -14,6 +14,12 @@ Layouts (transformer-like tensors: qkv, out, fc1, fc2 in bf16 with two fp32 opti
 ``fsdp2`` every tensor Shard(0) over all ranks (DTensor rule); ``ddp`` every tensor replicated;
 ``megatron`` TP=8 x PP=16 x DP (ranks rounded down to a multiple of 128), column/row parallel splits, every
 DP replica of a (TP, PP) position declares its regions, as the megatron adapter does.
+
+``--perrank stacked`` adds a ``PerRank`` RNG state (what :func:`arraycheckpoint.rng.capture` returns with torch
+imported: three arrays and a few scalars) on every rank, built by the real ``stateful.save_items``: stacked
+into one ``[N, *shape]`` array per slot (the form saved when every rank's rows agree); ``--perrank per-rank``
+declares the fallback instead (one array per rank per slot, as format 2 stored it before stacking). Every
+rank's per-rank JSON document travels in its commit status and lands in the metadata, in both forms.
 """
 
 from __future__ import annotations
@@ -117,9 +123,74 @@ def status_bytes() -> int:
     )
 
 
-def run(ranks: int, count: int, layout: str, options: PlanOptions, sample: int, per_host: int = 8) -> dict:
+def with_perrank(
+    groups: list[tuple[Decl, list[int]]], world: int, form: str
+) -> tuple[list[tuple[Decl, list[int]]], list, list[dict]]:
+    """``groups`` with every rank's PerRank RNG state added (``form``: ``stacked`` or ``per-rank``).
+
+    Returns the new groups, rank 0's save tensors (the coordinator's request) and every rank's per-rank
+    objects (its commit status payload). Built by the real save path: ``stateful.save_items`` and ``declare``.
+    """
+    from types import SimpleNamespace
+
+    import torch  # noqa: F401 - rng.capture() records torch's generator when torch is imported
+
+    from arraycheckpoint import perrank, rng
+    from arraycheckpoint.adapters.base import AdapterOptions
+    from arraycheckpoint.engine.coordinate import declare
+    from arraycheckpoint.stateful import PerRank, save_items
+
+    state = rng.capture()
+    objects: list[dict] = []
+    rank0: list = []
+    extra: list[tuple[Decl, list[int]]] = []  # per-rank form: one declaration per rank
+    stacked_rules: Decl | None = None
+    for r in range(world):
+        comm = SimpleNamespace(rank=r, world_size=world)
+        tensors, objs = save_items("extra_state", {"rng": PerRank(state)}, comm, AdapterOptions())
+        objects.append({o.name: o.value for o in objs if o.scope == "rank"})
+        if r == 0:
+            rank0 = tensors
+        if form == "stacked":
+            if stacked_rules is None:
+                stacked_rules = declare(tensors, r)  # identical on every rank: declared once
+        else:
+            extra.append((declare(perrank.fall_back(tensors), r), [r]))
+    out = []
+    for decl, rs in groups:
+        if form == "stacked":
+            assert stacked_rules is not None
+            meshes = list(decl.meshes)
+            m = stacked_rules.meshes[0]
+            idx = meshes.index(m) if m in meshes else len(meshes)
+            meshes[idx:idx] = [] if idx < len(meshes) else [m]
+            rules = tuple(
+                TensorRule(t.name, t.shape, t.dtype, t.itemsize, ("mesh", idx, (0,)))
+                for t in stacked_rules.tensors
+            )
+            out.append((Decl(tuple(meshes), decl.tensors + rules), rs))
+        else:
+            for r in rs:
+                own = extra[r][0]
+                out.append((Decl(decl.meshes, decl.tensors + own.tensors), [r]))
+    return out, rank0, objects
+
+
+def run(
+    ranks: int,
+    count: int,
+    layout: str,
+    options: PlanOptions,
+    sample: int,
+    per_host: int = 8,
+    perrank: str = "none",
+) -> dict:
     tensors = model_tensors(count)
     groups, world = groups_for(layout, ranks, tensors)
+    rank0_tensors: list = []
+    rank_objects: list[dict] = [{} for _ in range(world)]
+    if perrank != "none":
+        groups, rank0_tensors, rank_objects = with_perrank(groups, world, perrank)
     send = np.zeros(world, dtype=np.int64)
     recv = np.zeros(world, dtype=np.int64)
     t0 = time.process_time()
@@ -163,6 +234,9 @@ def run(ranks: int, count: int, layout: str, options: PlanOptions, sample: int, 
     sampled = np.arange(0, world, step)
     send[sampled] += sb
     recv[0] += sb * len(sampled)
+    obj_bytes = np.asarray([len(json.dumps(o, separators=(",", ":"))) if o else 0 for o in rank_objects])
+    send += obj_bytes  # per-rank JSON values ride in every rank's status
+    recv[0] += int(obj_bytes.sum())
     recv[1:] += 16
     # each rank's own work list and fragment traffic (a sample of ranks; every rank at small worlds)
     rng = random.Random(0)
@@ -181,8 +255,11 @@ def run(ranks: int, count: int, layout: str, options: PlanOptions, sample: int, 
         far = [x for x in rp.recvs if x.src // per_host != r // per_host]
         cross_in = max(cross_in, sum(x.box.volume * isz[x.name] for x in far))
     t2 = time.process_time()
-    request = SaveRequest([], [SaveObject("extra_state", {"step": 1})], framework=layout, step=1)
-    statuses = [{"metrics": json.loads("{}")} if r % step == 0 else {} for r in range(world)]
+    request = SaveRequest(rank0_tensors, [SaveObject("extra_state", {"step": 1})], framework=layout, step=1)
+    statuses = [
+        {**({"metrics": {}} if r % step == 0 else {}), **({"objects": o} if o else {})}
+        for r, o in enumerate(rank_objects)
+    ]
     meta = build_metadata(plan, request, statuses)
     text = meta.to_json()
     meta_s = time.process_time() - t2
@@ -204,11 +281,16 @@ def run(ranks: int, count: int, layout: str, options: PlanOptions, sample: int, 
         ),
         minlength=world,
     )
+    extra_names = [n for n in plan.tensors if n.startswith("extra_state/")]
     return {
         "layout": layout,
+        "perrank": perrank,
         "ranks": world,
         "tensors": len(plan.tensors),
         "groups": len(decoded),
+        "perrank_arrays": len(extra_names),
+        "perrank_files": sum(len(plan.tensors[n].writers) for n in extra_names),
+        "perrank_status_bytes_max": int(obj_bytes.max()),
         "state_bytes": total,
         "coordinator_s": round(decode_s + plan_s, 3),
         "decode_s": round(decode_s, 3),
@@ -240,12 +322,18 @@ def main() -> None:
     ap.add_argument("--ranks-per-host", type=int, default=8, help="for the cross-host byte count")
     ap.add_argument("--max-chunk-mib", type=float, default=64.0, help="PlanOptions.max_chunk_bytes in MiB")
     ap.add_argument("--sample", type=int, default=64, help="ranks whose work lists are derived and timed")
+    ap.add_argument(
+        "--perrank",
+        choices=["none", "stacked", "per-rank"],
+        default="none",
+        help="add a PerRank RNG state on every rank: stacked (one array per slot) or per-rank (the fallback)",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     opts = PlanOptions(
         min_chunk_bytes=int(a.min_chunk_mib * (1 << 20)), max_chunk_bytes=int(a.max_chunk_mib * (1 << 20))
     )
-    out = run(a.ranks, a.tensors, a.layout, opts, a.sample, a.ranks_per_host)
+    out = run(a.ranks, a.tensors, a.layout, opts, a.sample, a.ranks_per_host, a.perrank)
     if a.json:
         print(json.dumps(out))
     else:
