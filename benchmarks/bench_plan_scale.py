@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
+from arraycheckpoint.codecs import numpy_dtype
 from arraycheckpoint.engine.coordinate import (
     METRICS_SAMPLE,
     build_metadata,
@@ -194,9 +195,9 @@ def run(
     send = np.zeros(world, dtype=np.int64)
     recv = np.zeros(world, dtype=np.int64)
     t0 = time.process_time()
-    # agreement: one all-reduce of five int64 (payload counted once each way per rank)
-    send += 40
-    recv += 40
+    # agreement: one all-reduce of seven int64 (payload counted once each way per rank)
+    send += 56
+    recv += 56
     group_of_rank = np.zeros(world, dtype=np.int64)
     for g, (_d, rs) in enumerate(groups):
         group_of_rank[rs] = g
@@ -245,7 +246,7 @@ def run(
     )
     derive = []
     frag_out = frag_in = cross_in = 0
-    isz = {n: 4 if d.layout.dtype == "float32" else 2 for n, d in plan.tensors.items()}
+    isz = {n: numpy_dtype(d.layout.dtype).itemsize for n, d in plan.tensors.items()}
     for r in picks:
         t = time.process_time()
         rp = rank_plan(plan, r)
@@ -267,17 +268,11 @@ def run(
     CheckpointMetadata.from_json(text)
     parse_s = time.perf_counter() - t3
     files = sum(len(d.writers) for d in plan.tensors.values())
-    total = sum(
-        int(np.prod(d.layout.shape)) * (4 if d.layout.dtype == "float32" else 2)
-        for d in plan.tensors.values()
-    )
+    total = sum(int(np.prod(d.layout.shape)) * isz[n] for n, d in plan.tensors.items())
     per_rank = np.bincount(
         np.concatenate([np.asarray(d.writers) for d in plan.tensors.values()]),
         weights=np.concatenate(
-            [
-                [c.volume * (4 if d.layout.dtype == "float32" else 2) for c in plan._classes[n].chunks]
-                for n, d in plan.tensors.items()
-            ]
+            [[c.volume * isz[n] for c in plan._classes[n].chunks] for n, d in plan.tensors.items()]
         ),
         minlength=world,
     )
