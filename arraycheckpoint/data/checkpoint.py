@@ -99,12 +99,13 @@ class _Stored:
     name: str
     tm: Any = None
     box: Box | None = None
+    row: bool = False  # a row [1, *shape] of a stacked array (its leading dimension is the saving rank)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The array's own shape (a stacked array's row without its leading rank dimension)."""
-        assert self.box is not None and self.tm is not None
-        return self.box.lengths[1:] if self.box.lengths != self.tm.shape else self.tm.shape
+        assert self.box is not None
+        return self.box.lengths[1:] if self.row else self.box.lengths
 
 
 def _where(meta: CheckpointMetadata, name: str, entry: dict[str, Any], rank: int) -> _Stored:
@@ -117,7 +118,7 @@ def _where(meta: CheckpointMetadata, name: str, entry: dict[str, Any], rank: int
     rows = entry.get("rows")
     stacked = rows.get(name) if isinstance(rows, dict) else None
     found = perrank.row(meta, stacked, rank) if isinstance(stacked, str) else None
-    return _Stored(full) if found is None else _Stored(stacked, *found)
+    return _Stored(full) if found is None else _Stored(stacked, *found, row=True)
 
 
 def _saved(meta: CheckpointMetadata, ns: str) -> tuple[SavedLoaderState, dict[ShardKey, dict[str, _Stored]]]:

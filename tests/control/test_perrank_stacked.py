@@ -164,6 +164,8 @@ def test_stacked_marker_is_checked_against_the_world_size(tmp_path) -> None:
     doc = json.loads(text)
     assert doc["tensors"]["extra_state/~rows/0"]["rank_rows"] is True
     CheckpointMetadata.from_json(text)
+    got = acp.load(str(tmp_path / "ck"), {"extra_state": {"r": PerRank()}})["extra_state"]["r"].value
+    assert got.shape == (4,) and np.array_equal(got, np.arange(4))  # world 1: row 0, without the rank dim
     for bad in ({"world_size": 2}, {"rank_rows": 1}, {"rank_rows": "yes"}):
         d = json.loads(text)
         if "world_size" in bad:

@@ -112,3 +112,11 @@ def test_loader_arrays_that_differ_fall_back_to_one_array_per_shard(tmp_path) ->
         f"shard_{d}_{w}/{a}" for d in range(3) for w in range(WORKERS) for a in ("pos", "seen")
     )
     _check_loaded(run_distributed(_load, 2, (root,)), 3, grow=True)
+
+
+def test_one_process_round_trip_keeps_each_array_shape(tmp_path) -> None:
+    """World 1: the stacked array [1, *shape] has the row's shape plus one; the loader gets the row's shape."""
+    root = str(tmp_path / "ck")
+    _save(0, 1, root, False)
+    assert sorted(_zarr_arrays(root)) == [f"~rows/{w}/{a}" for w in range(WORKERS) for a in ("pos", "seen")]
+    _check_loaded([_load(0, 1, root)], 1)
