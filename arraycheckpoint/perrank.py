@@ -58,7 +58,7 @@ class _RowSource:
     inner: Any
 
     def copy_into(self, out: np.ndarray) -> Any:
-        return self.inner.copy_into(out.reshape(out.shape[1:]))
+        return self.inner.copy_into(out[0])  # a view of the one row, whatever the strides
 
     def stable_view(self) -> np.ndarray | None:
         return self._view("stable_view")

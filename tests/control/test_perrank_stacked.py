@@ -174,3 +174,52 @@ def test_stacked_marker_is_checked_against_the_world_size(tmp_path) -> None:
             d["tensors"]["extra_state/~rows/0"].update(bad)
         with pytest.raises(MetadataError, match="rank_rows"):
             CheckpointMetadata.from_json(json.dumps(d))
+
+
+def test_simulated_10000_ranks_declare_one_rule_and_write_bounded_files() -> None:
+    """The real save path (``save_items`` -> ``declare``) at 10,000 simulated ranks: a PerRank RNG state is the
+    same declaration on every rank (each plans alone, no gather), 3 arrays, files bounded by bytes; the
+    fallback would be one distinct declaration per rank."""
+    import math
+    from types import SimpleNamespace
+
+    from arraycheckpoint import perrank
+    from arraycheckpoint.adapters.base import AdapterOptions
+    from arraycheckpoint.engine.coordinate import declare
+    from arraycheckpoint.groupplan import build_compact_plan, rank_plan
+    from arraycheckpoint.plan import PlanOptions
+    from arraycheckpoint.stateful import save_items
+
+    world, state = 10_000, rng.capture()
+    decls, fallbacks = [], []
+    for r in (0, 1, 4321, world - 1):
+        tensors, _ = save_items(
+            "extra_state",
+            {"rng": PerRank(state)},
+            SimpleNamespace(rank=r, world_size=world),
+            AdapterOptions(),
+        )
+        decls.append(declare(tensors, r).to_json())
+        fallbacks.append(declare(perrank.fall_back(tensors), r).to_json())
+    assert all(d == decls[0] for d in decls) and len(decls[0]["tensors"]) == 3
+    assert len({json.dumps(f) for f in fallbacks}) == 4  # per-rank arrays: every rank's declaration differs
+    decl = declare(
+        save_items(
+            "extra_state",
+            {"rng": PerRank(state)},
+            SimpleNamespace(rank=0, world_size=world),
+            AdapterOptions(),
+        )[0],
+        0,
+    )
+    options = PlanOptions()
+    plan = build_compact_plan([(decl, tuple(range(world)))], world, options)
+    total = sum(math.prod(t.shape) * t.itemsize for t in decl.tensors)
+    files = sum(len(d.writers) for d in plan.tensors.values())
+    assert all(d.layout.shape[0] == world for d in plan.tensors.values())
+    assert files <= total // options.min_chunk_bytes + len(plan.tensors)  # bounded by bytes, not by ranks
+    # every rank's row is written once: the writers' chunks cover each array, each from the rows' pieces
+    for name, d in plan.tensors.items():
+        writes = [w for r in set(d.writers) for w in rank_plan(plan, r).writes if w.name == name]
+        assert sum(w.chunk.volume for w in writes) == math.prod(d.layout.shape)
+        assert all(sum(p.box.volume for p in w.pieces) == w.chunk.volume for w in writes)
