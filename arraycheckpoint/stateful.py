@@ -6,9 +6,9 @@
 * a namespace containing :class:`PerRank` values (anywhere inside nested dicts/lists), or objects with
   ``state_dict()`` / ``load_state_dict()`` (LR schedulers, ...), is stored as one global JSON document (rank 0's,
   ``<ns>``) in which each ``PerRank`` is a placeholder, plus one per-rank object ``<ns>/~per_rank`` holding every
-  rank's own values; arrays become tensors (``<ns>/...`` global; per rank, one stacked array ``<ns>/~rows/<i>/...`` with a leading rank dimension
-  when every rank's array of slot ``i`` has the same shape and dtype, else ``<ns>/~r<rank>/<i>/...`` per rank:
-  :mod:`arraycheckpoint.perrank`);
+  rank's own values; arrays become tensors (``<ns>/...`` global; per rank, one stacked array
+  ``<ns>/~rows/<i>/...`` with a leading rank dimension when every rank's array of slot ``i`` has the same shape
+  and dtype, else ``<ns>/~r<rank>/<i>/...`` per rank: :mod:`arraycheckpoint.perrank`);
 * a dataloader implementing :class:`~arraycheckpoint.data.ReshardableLoader` (see :mod:`arraycheckpoint.data`).
 
 **Per-rank rule on load.** Global values load on every rank. Rank ``r`` of the loading world takes the value

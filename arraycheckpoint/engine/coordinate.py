@@ -71,8 +71,9 @@ class Coordinator:
         A fixed-size all-reduce: ``[ok, d, -d, c, -c, s, -s]`` where ``d`` is the declaration digest, ``c`` the
         cached plan's id (-1 without one) and ``s`` the digest of the stacked per-rank slots (when it differs,
         ``job.unstack``: every rank saves per-rank arrays instead and the declarations are gathered; a cached
-        plan agreed on with ``s`` differing was planned for those per-rank arrays). Every rank reaches the same decision, so the collectives that
-        follow are the same on every rank: a structure change on one rank replans everywhere, never hangs.
+        plan agreed on with ``s`` differing was planned for those per-rank arrays, since a rank's cache key
+        covers its stacked shapes). Every rank reaches the same decision, so the collectives that follow are
+        the same on every rank: a structure change on one rank replans everywhere, never hangs.
         """
         cached = self._plans.get(job.key) if job.decl is not None else None
         d = _as_int(job.decl_digest) if job.decl is not None else 0
