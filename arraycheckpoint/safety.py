@@ -24,6 +24,7 @@ Limits and their reasons are the module constants below.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -62,8 +63,9 @@ MAX_INNER_CHUNKS = 1 << 22
 _ZSTD_BLOCK_MAX = 128 << 10
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
-#: ``<array>/c/<i>/<j>...`` (zarr v3 default chunk keys, "/" separator; ``<array>/c`` for a 0-d array).
-_CHUNK_KEY = re.compile(r"^(.+)/c(?:/\d+)*$")
+#: ``<array>/c.<i>.<j>...`` (format 3) or ``<array>/c/<i>/<j>...`` (formats 1, 2): zarr v3 default chunk keys
+#: (``<array>/c`` for a 0-d array), by separator.
+_CHUNK_KEYS = {sep: re.compile(r"^(.+)/c(?:" + re.escape(sep) + r"\d+)*$") for sep in "./"}
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
@@ -243,11 +245,13 @@ def check_checkpoint(storage: Any, root: str, meta: Any) -> dict[str, int | None
         CorruptCheckpointError: a symlink or non-regular file in the checkpoint.
     """
     from .codecs import numpy_dtype
+    from .metadata import chunk_key_separator
 
+    chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
     items = inventory(storage, root)
     chunks: dict[str, list[int | None]] = {}
     for key, size in items.items():
-        m = _CHUNK_KEY.match(key)
+        m = chunk_key.match(key)
         if m:
             chunks.setdefault(m.group(1), []).append(size)
     for name, t in meta.tensors.items():
@@ -279,51 +283,90 @@ def _max_file_bytes(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: in
 
 
 # Arrays ------------------------------------------------------------------------------------------------
-def check_array(
-    storage: Any, root: str, tm: Any, codec_preset: int, boxes: list[Any] | None = None
-) -> dict[str, Any]:
-    """Check one array just before it is opened; return the zarr v3 metadata to open it with.
+def check_arrays(
+    storage: Any, root: str, meta: Any, wanted: Mapping[str, list[Any] | None]
+) -> dict[str, dict[str, Any]]:
+    """Check the arrays about to be opened; return each one's zarr v3 metadata to open it with.
 
-    Local file systems: the array's directory is scanned again (regular files only) and no directory
-    between the root and it is a link. The array's ``zarr.json`` (when the codec preset is unknown, and on
-    local file systems always, where it costs nothing) must agree with ``.metadata.json`` on shape, data
-    type, chunk grid and compression, and must protect every inner chunk and the shard index with crc32c;
-    the checkpoint cannot switch integrity checks off. Compressed arrays: every zstd frame is checked
-    against the declared inner chunk size before tensorstore inflates it (only in the chunks that
-    intersect ``boxes``, the regions about to be read, when given).
+    ``wanted`` maps each array's name to the regions about to be read of it (None: all of it). The arrays'
+    files were scanned by :func:`check_checkpoint` (regular files only, as many chunks as declared). Here
+    each ``zarr.json`` (when the codec preset is unknown, and on local file systems always, where it costs
+    little) must agree with ``.metadata.json`` on shape, data type, chunk grid, chunk keys and compression,
+    and must protect every inner chunk and the shard index with crc32c; the checkpoint cannot switch
+    integrity checks off. The documents are read concurrently through one key-value store, and one that is
+    byte-for-byte what arraycheckpoint writes for the array is accepted without parsing it. Compressed
+    arrays: every zstd frame is checked against the declared inner chunk size before tensorstore inflates
+    it (only in the chunks that intersect the wanted regions).
 
     Raises:
-        MetadataError: ``zarr.json`` is malformed or disagrees with ``.metadata.json``, or lacks crc32c.
-        CorruptCheckpointError: a link or non-regular file, or a zstd frame that does not decode to its
-            declared chunk.
+        MetadataError: a ``zarr.json`` is missing, malformed, disagrees with ``.metadata.json``, or lacks
+            crc32c.
+        CorruptCheckpointError: a zstd frame that does not decode to its declared chunk.
     """
-    from .codecs import CODEC_PRESET, array_metadata, numpy_dtype
+    from .codecs import CODEC_PRESET
+    from .metadata import chunk_key_separator
 
-    local = getattr(storage, "commit_strategy", "") == "rename"
-    array_root = f"{root.rstrip('/')}/{tm.name}"
-    if local:
-        _check_path_below(root, tm.name)
-        scan_local(array_root)
-    generated = array_metadata(
-        tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, tm.compression
+    sep = chunk_key_separator(meta.format_version)
+    base = root.rstrip("/")
+    generated = {name: _generated(meta.tensors[name], sep) for name in wanted}
+    docs = {name: doc for name, (doc, _) in generated.items()}
+    if getattr(storage, "commit_strategy", "") == "rename" or meta.codec_preset != CODEC_PRESET:
+        kv = _kvstore(storage, base)
+        reads = {name: kv.read(f"{name}/zarr.json") for name in wanted}
+        for name, fut in reads.items():
+            result = fut.result()
+            where = f"{base}/{name}"
+            if result.state != "value":
+                raise MetadataError(
+                    f"tensor {name!r}: {where}/zarr.json is missing; the checkpoint is damaged"
+                )
+            raw = bytes(result.value)
+            if raw == generated[name][1]:
+                continue  # what this release writes for exactly this array
+            stored = load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{where}/zarr.json")
+            _cross_check(meta.tensors[name], stored, docs[name], where)
+            if meta.codec_preset != CODEC_PRESET:
+                docs[name] = stored
+    for name, boxes in wanted.items():
+        tm = meta.tensors[name]
+        if tm.compression is not None:
+            _check_zstd_chunks(_kvstore(storage, f"{base}/{name}"), tm, f"{base}/{name}", boxes, sep)
+    return docs
+
+
+def _generated(tm: Any, separator: str) -> tuple[dict[str, Any], bytes]:
+    """The zarr v3 metadata arraycheckpoint writes for ``tm``, and its ``zarr.json`` bytes as the save path
+    encodes them (``json.dumps`` defaults); shared between the arrays of one layout, never to be mutated."""
+    from .codecs import numpy_dtype
+
+    leaf = tm.name.rsplit("/", 1)[-1]  # dimension names come from the last component
+    return _generated_cached(
+        tuple(tm.shape),
+        tm.dtype,
+        tuple(tm.chunk_shape),
+        tuple(tm.inner_chunk_shape),
+        tm.compression,
+        leaf,
+        separator,
+        numpy_dtype,
     )
-    kv = None
-    doc = generated
-    if local or codec_preset != CODEC_PRESET:
-        kv = _kvstore(storage, array_root)
-        raw = _kv_read(kv, "zarr.json")
-        if raw is None:
-            raise MetadataError(
-                f"tensor {tm.name!r}: {array_root}/zarr.json is missing; the checkpoint is damaged"
-            )
-        stored = load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{array_root}/zarr.json")
-        _cross_check(tm, stored, generated, array_root)
-        if codec_preset != CODEC_PRESET:
-            doc = stored
-    if tm.compression is not None:
-        kv = kv or _kvstore(storage, array_root)
-        _check_zstd_chunks(kv, tm, array_root, boxes)
-    return doc
+
+
+@functools.lru_cache(maxsize=4096)
+def _generated_cached(
+    shape: tuple[int, ...],
+    dtype: str,
+    chunk: tuple[int, ...],
+    inner: tuple[int, ...],
+    compression: str | None,
+    leaf: str,
+    separator: str,
+    numpy_dtype: Any,
+) -> tuple[dict[str, Any], bytes]:
+    from .codecs import array_metadata
+
+    doc = array_metadata(shape, numpy_dtype(dtype), chunk, inner, compression, name=leaf, separator=separator)
+    return doc, json.dumps(doc).encode()
 
 
 def _kvstore(storage: Any, root: str) -> Any:
@@ -352,7 +395,10 @@ def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str)
         if stored.get(key) != generated[key]:
             raise bad(f"has {key} {stored.get(key)!r} where .metadata.json implies {generated[key]!r}")
     encoding = stored.get("chunk_key_encoding")
-    if encoding not in ({"name": "default"}, generated["chunk_key_encoding"]):  # "/" is the default separator
+    bare_default = {"name": "default"}  # means the "/" separator
+    if encoding != generated["chunk_key_encoding"] and not (
+        encoding == bare_default and generated["chunk_key_encoding"]["configuration"]["separator"] == "/"
+    ):
         raise bad(f"has chunk_key_encoding {encoding!r}; arraycheckpoint writes the default one")
     codecs = stored.get("codecs")
     if not isinstance(codecs, list) or len(codecs) != 1 or not isinstance(codecs[0], dict):
@@ -385,7 +431,7 @@ def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str)
         raise bad(f"has inner codecs {names}, not {[c['name'] for c in want['codecs']]}")
 
 
-def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None) -> None:
+def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None, separator: str) -> None:
     """Walk every zstd frame of every chunk file that ``boxes`` touch (all when None): one frame per inner
     chunk, decoding to its declared size."""
     from .codecs import numpy_dtype
@@ -397,10 +443,10 @@ def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None) ->
     index_bytes = n_inner * 16 + 4
     keys = sorted(k.decode() if isinstance(k, bytes) else k for k in kv.list().result())
     for key in keys:
-        m = re.fullmatch(r"c((?:/\d+)*)", key)
+        m = re.fullmatch(r"c((?:" + re.escape(separator) + r"\d+)*)", key)
         if m is None:
             continue
-        index_of = tuple(int(i) for i in m.group(1).split("/")[1:])
+        index_of = tuple(int(i) for i in m.group(1).split(separator)[1:])
         if boxes is not None and index_of and len(index_of) == len(tm.chunk_shape):
             lo = tuple(i * c for i, c in zip(index_of, tm.chunk_shape))
             chunk = Box(lo, tuple(min(c, s - o) for c, s, o in zip(tm.chunk_shape, tm.shape, lo)))

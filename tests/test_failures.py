@@ -32,6 +32,7 @@ from arraycheckpoint.errors import (
 )
 from arraycheckpoint.manager import CheckpointManager
 from arraycheckpoint.storage import LocalStorage, register_scheme
+from arraycheckpoint.testing import chunk_files
 
 
 def state_for(step: int, rows: int = 64) -> dict:
@@ -254,7 +255,7 @@ def assert_verify_names(path: Path, tensor: str) -> None:
 
 
 def _data_file(path: Path) -> Path:
-    files = [p for p in (path / "model" / "w" / "c").rglob("*") if p.is_file()]
+    files = chunk_files(path / "model" / "w")
     assert len(files) == 1
     return files[0]
 

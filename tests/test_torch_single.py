@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
+from arraycheckpoint.testing import chunk_files
 
 DTYPES = [
     torch.float32,
@@ -227,7 +227,7 @@ def test_uncommitted_checkpoint_does_not_load(tmp_path):
 
 def test_corrupted_chunk_names_the_tensor(tmp_path):
     acp.save(tmp_path / "ck", {"model": {"good": torch.randn(50), "bad": torch.randn(64, 64)}})
-    (path,) = glob.glob(str(tmp_path / "ck" / "model" / "bad" / "c" / "**" / "*"), recursive=True)[-1:]
+    (path,) = chunk_files(tmp_path / "ck" / "model" / "bad")[-1:]
     data = bytearray(open(path, "rb").read())
     data[123] ^= 0x10
     open(path, "wb").write(bytes(data))
@@ -284,11 +284,7 @@ def test_memory_url_round_trip():
 def test_zstd_compression_round_trip(tmp_path):
     state = {"w": torch.zeros(512, 512)}
     acp.save(tmp_path / "ck", {"model": state}, compression="zstd")
-    size = sum(
-        os.path.getsize(p)
-        for p in glob.glob(str(tmp_path / "ck" / "model" / "w" / "c" / "**"), recursive=True)
-        if os.path.isfile(p)
-    )
+    size = sum(os.path.getsize(p) for p in chunk_files(tmp_path / "ck" / "model" / "w"))
     assert size < 512 * 512 * 4 / 10
     out = {"w": torch.ones(512, 512)}
     acp.load(tmp_path / "ck", {"model": out})
@@ -333,7 +329,9 @@ def test_float8_variants_never_share_staging_buffers(tmp_path):
     """The host buffer pool must key on the dtype itself: float8 types all look like '<V1' to numpy."""
     gen = torch.Generator().manual_seed(9)
     bits = torch.randint(0, 256, (8, 8), generator=gen, dtype=torch.uint8)
-    for i, dtype in enumerate([torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz]):
+    for i, dtype in enumerate(
+        [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz]
+    ):
         t = bits.view(dtype)
         acp.save_async(tmp_path / f"ck{i}", {"model": {"w": t}}).result()  # async: staged through the pool
         out = {"w": torch.zeros(8, 8, dtype=dtype)}

@@ -62,7 +62,9 @@ class LoadPipeline:
             safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
         except (CorruptCheckpointError, MetadataError, FileNotFoundError) as e:
             if not storage.is_committed(root):  # removed under us (retention): gone, not damaged
-                raise CheckpointNotFoundError(f"checkpoint {root} was removed while it was being opened") from e
+                raise CheckpointNotFoundError(
+                    f"checkpoint {root} was removed while it was being opened"
+                ) from e
             raise
         return storage, root, meta
 
@@ -208,17 +210,19 @@ class LoadPipeline:
                 wanted.setdefault(t.name, []).extend(s.box for s in t.shards)
             for t in targets:
                 check_name(t.name)
-                if t.name not in opening and t.shards:
-                    spec = {
-                        "driver": "zarr3",
-                        "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}"),
-                        "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
-                    }
-                    # checked zarr.json (or the preset's metadata), crc32c required; no symlink, FIFO, bomb
-                    spec["metadata"] = safety.check_array(
-                        storage, root, meta.tensors[t.name], meta.codec_preset, wanted[t.name]
-                    )
-                    opening[t.name] = ts.open(spec, open=True, assume_metadata=True, context=context())
+            # checked zarr.json (or the preset's metadata), crc32c required; no zstd bomb (links and FIFOs:
+            # refused by the scan of read_metadata)
+            docs = safety.check_arrays(
+                storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards}
+            )
+            for name, doc in docs.items():
+                spec = {
+                    "driver": "zarr3",
+                    "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{name}"),
+                    "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
+                    "metadata": doc,
+                }
+                opening[name] = ts.open(spec, open=True, assume_metadata=True, context=context())
             stores = {}
             for name, fut in opening.items():
                 try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..engine import engine
 from ..errors import ArrayCheckpointError
 from ..items import LoadShard, LoadTensor
-from ..metadata import COMMIT_MARKER, METADATA_FILE, CheckpointMetadata, TensorMeta
+from ..metadata import COMMIT_MARKER, METADATA_FILE, CheckpointMetadata, TensorMeta, chunk_key_separator
 from ..regions import Box, chunk_boxes, intersect
 from ..storage import Storage, storage_for
 from .common import Checkpoint
@@ -100,9 +100,9 @@ def chunk_index(box: Box, chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(o // c for o, c in zip(box.offsets, chunk_shape))
 
 
-def chunk_key(index: tuple[int, ...]) -> str:
-    """The stored key of a chunk under the array (zarr v3 default encoding, ``/`` separator)."""
-    return "/".join(["c", *map(str, index)])
+def chunk_key(index: tuple[int, ...], separator: str = ".") -> str:
+    """The stored key of a chunk under the array (zarr v3 default encoding; ``separator`` by format)."""
+    return separator.join(["c", *map(str, index)])
 
 
 def verify(
@@ -159,13 +159,12 @@ def verify(
         readable = []
         for box in boxes:
             idx = chunk_index(box, tm.chunk_shape)
-            if chunk_key(idx) not in present:
+            key = chunk_key(idx, chunk_key_separator(meta.format_version))
+            if key not in present:
                 writer = (
                     f" (written by rank {tm.writers[len(readable)]})" if len(tm.writers) == len(boxes) else ""
                 )
-                report.problems.append(
-                    Problem(name, idx, f"stored chunk file {chunk_key(idx)} is missing{writer}")
-                )
+                report.problems.append(Problem(name, idx, f"stored chunk file {key} is missing{writer}"))
             else:
                 readable.append((idx, box))
         report.chunks += len(boxes)
@@ -182,7 +181,7 @@ def _stored_chunks(storage: Storage, root: str, name: str) -> set[str]:
         keys = storage.list(f"{root.rstrip('/')}/{name}")
     except Exception:  # noqa: BLE001 - an unlistable array shows up as every chunk missing
         return set()
-    return {k for k in keys if k == "c" or k.startswith("c/")}
+    return {k for k in keys if k == "c" or k.startswith(("c/", "c."))}
 
 
 def _read_chunks(

@@ -142,7 +142,7 @@ def zstd_bomb(url: str) -> str:
     ctx = ts.Context()
     ts.open(spec, create=True, context=ctx).result().write(np.zeros(n, np.float32)).result()
     kv = ts.KvStore.open({"driver": "memory", "path": "bomb/"}, context=ctx).result()
-    bomb = bytes(kv.read("c/0").result().value)
+    bomb = bytes(kv.read("c.0").result().value)
     st, root = storage_for(url)
     st.write(st.join(root, "model/weight"), _chunk_keys(url, "model/weight")[0], bomb)
     return _load(url)[0]

@@ -45,10 +45,9 @@ def edit_zarr_json(array_dir: str, fn: Any) -> None:
 
 
 def chunk_files(array_dir: str) -> list[str]:
-    out = []
-    for d, _dirs, files in os.walk(os.path.join(array_dir, "c")):
-        out.extend(os.path.join(d, f) for f in files)
-    return sorted(out)
+    from arraycheckpoint.testing import chunk_files as files
+
+    return [str(p) for p in files(array_dir)]
 
 
 def run_isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -40,7 +40,7 @@ def test_objects_and_marker_land_in_the_bucket(s3_server, s3_prefix: str) -> Non
     acp.save(root, {"model": {"w": torch.ones(4, 4)}})
     prefix = root[len(f"s3://{s3_server.bucket}/") :] + "/"
     keys = s3_server.keys(prefix)
-    assert prefix + ".committed" in keys and prefix + "model/w/c/0/0" in keys
+    assert prefix + ".committed" in keys and prefix + "model/w/c.0.0" in keys
     assert prefix + ".acp-lock" not in keys
 
 
