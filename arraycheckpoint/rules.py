@@ -117,6 +117,7 @@ def _affine_ranks(shape: tuple[int, ...], start: Any, fit: Any) -> tuple[int, ..
     """The ranks of the ``affine`` mesh form (bounded: ``shape`` was checked, every value is small)."""
     ok = (
         isinstance(start, int)
+        and not isinstance(start, bool)
         and 0 <= start < MAX_MESH_RANKS
         and isinstance(fit, list)
         and len(fit) == len(shape)
