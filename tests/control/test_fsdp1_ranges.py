@@ -75,6 +75,17 @@ def _save_body(rank, world, root):
         kinds = {t.name: t.rule[0] for t in decl.tensors}
         acp.save(f"{root}/{name}", state)
         out.append((digest, kinds, engine()._save._last_mode))
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    whole = FSDP(
+        _model(),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.NO_SHARD,
+    )
+    req = TorchAdapter().save_request({"model": whole}, AdapterOptions())
+    out.append({t.name: t.rule[0] for t in declare(req.tensors, rank).tensors})
     return out, _full(model, opt)
 
 
@@ -97,6 +108,8 @@ def test_fsdp1_ranks_declare_range_rules(tmp_path):
     # the flat slices still cut through rows: the expanded regions are the decomposed boxes of each range
     assert any(len(t.shards) > 3 for t in meta.tensors.values())
 
+    for r in results:  # NO_SHARD: every rank holds every parameter whole, a replica
+        assert list(r[0][2].values()) == ["replica"] * 4, r[0][2]
     for _d, kinds, mode in (r[0][1] for r in results):
         assert mode == "gather"
         for name, kind in kinds.items():

@@ -77,6 +77,8 @@ def flat_range_rules(handle: Any) -> list[tuple[Any, ...]] | None:
     group = getattr(handle, "process_group", None)
     if numels is None or padding is None or group is None or not dist.is_initialized():
         return None
+    if not getattr(handle, "uses_sharded_strategy", True):
+        return None  # NO_SHARD: every rank holds every parameter whole (declared as a replica)
     try:
         ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
     except Exception:  # noqa: BLE001 - a group we cannot enumerate: declare boxes
