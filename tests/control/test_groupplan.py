@@ -162,9 +162,10 @@ def test_fsdp1_range_rules(world, options):
     _same([(Decl((mesh,), tuple(tensors)), range(world))], world, options)
 
 
-def test_fsdp1_hybrid_shard_groups_and_a_rank_off_the_rule():
-    """HYBRID_SHARD: each replica group shards over its own ranks (its own mesh); one rank that holds a
-    different range declares boxes and forms its own group."""
+def test_fsdp1_hybrid_shard_groups_and_ranks_off_the_rule():
+    """HYBRID_SHARD: each replica group shards over its own ranks (its own mesh). Ranks 6 and 7 hold each
+    other's ranges (off the rule): they declare boxes, and the rule of their mesh is expanded for its
+    declaring members (4, 5) only."""
     world, shard = 8, 4
     rng = random.Random(5)
     shapes = _shapes(rng, 6)
@@ -176,22 +177,14 @@ def test_fsdp1_hybrid_shard_groups_and_a_rank_off_the_rule():
             TensorRule(f"p{i}", s, "float32", 4, ("range", 0, o, total))
             for i, (s, o) in enumerate(zip(shapes, offsets))
         )
-        members = [r for r in mesh.ranks if r != 6]
-        groups.append((Decl((mesh,), tensors), members))
-    odd = Decl(
-        (),
-        tuple(
-            TensorRule(
-                f"p{i}",
-                s,
-                "float32",
-                4,
-                ("boxes", tuple(rule_boxes(s, ("range", 0, o, total), (Mesh((shard,), (4, 5, 6, 7)),), 6))),
-            )
-            for i, (s, o) in enumerate(zip(shapes, offsets))
-        ),
-    )
-    groups.append((odd, [6]))
+        groups.append((Decl((mesh,), tensors), [r for r in mesh.ranks if r < 6]))
+    last = (Mesh((shard,), (4, 5, 6, 7)),)
+    for rank, holds in ((6, 7), (7, 6)):
+        boxes = [tuple(rule_boxes(s, ("range", 0, o, total), last, holds)) for s, o in zip(shapes, offsets)]
+        tensors = tuple(
+            TensorRule(f"p{i}", s, "float32", 4, ("boxes", b)) for i, (s, b) in enumerate(zip(shapes, boxes))
+        )
+        groups.append((Decl((), tensors), [rank]))
     _same(groups, world)
 
 
@@ -261,7 +254,9 @@ def _simulated_control_plane(groups, world, options):
     return build_compact_plan(unpack_groups(blob), world, options)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "megatron", "fsdp1", "fsdp1-range", "jax"])
+@pytest.mark.parametrize(
+    "layout", ["fsdp2", "hsdp", "megatron", "fsdp1", "fsdp1-range", "fsdp1-states", "jax"]
+)
 def test_simulated_control_plane_at_256_ranks_matches_the_direct_path(layout):
     world = 256
     rng = random.Random(world)
@@ -294,6 +289,32 @@ def test_simulated_control_plane_at_256_ranks_matches_the_direct_path(layout):
             for i, (s, o) in enumerate(zip(shapes, offsets))
         )
         groups = [(Decl((mesh,), tensors), list(range(world)))]
+    elif layout == "fsdp1-states":
+        # parameters on every rank; an optimizer state only on the ranks whose range touches its parameter,
+        # so ranks form groups by which states they hold (range rules expanded for a group's members only)
+        offsets, total = _flat_layout(rng, shapes, world)
+        mesh = Mesh((world,), tuple(range(world)))
+        size = -(-total // world)
+        patterns: dict[tuple[int, ...], list[int]] = {}
+        for r in range(world):
+            held = tuple(
+                i
+                for i, (s, o) in enumerate(zip(shapes, offsets))
+                if o // size <= r <= (o + s[0] * s[1] - 1) // size
+            )
+            patterns.setdefault(held, []).append(r)
+        groups = []
+        for held, members in patterns.items():
+            rules = [
+                TensorRule(f"t{i}", s, "bfloat16", 2, ("range", 0, o, total))
+                for i, (s, o) in enumerate(zip(shapes, offsets))
+            ]
+            rules += [
+                TensorRule(f"t{i}.exp_avg", shapes[i], "float32", 4, ("range", 0, offsets[i], total))
+                for i in held
+            ]
+            groups.append((Decl((mesh,), tuple(rules)), members))
+        assert len(groups) > 2
     elif layout == "jax":
         # 256 processes x 4 devices, mesh (data=64, fsdp=4, model=4) with the model axis inside a process
         mesh = Mesh((64, 4, 4), tuple(r for r in range(world) for _ in range(4)))
