@@ -21,7 +21,7 @@ from arraycheckpoint.items import ArraySource, SaveRequest, SaveShard, SaveTenso
 from arraycheckpoint.metadata import CheckpointMetadata
 from arraycheckpoint.plan import PlanOptions
 from arraycheckpoint.regions import Box, flat_range_to_boxes
-from arraycheckpoint.rules import MAX_FLAT_ELEMENTS, Mesh, range_regions, rule_boxes
+from arraycheckpoint.rules import MAX_FLAT_ELEMENTS, Mesh, mesh_regions, range_regions, rule_boxes
 
 
 def _fsdp1_chunks(total: int, world: int) -> list[np.ndarray]:
@@ -111,6 +111,7 @@ def test_process_mesh_boxes_are_every_device_box_of_the_process():
     assert got == [Box((8, 0), (8, 1)), Box((8, 1), (8, 1)), Box((8, 2), (8, 1))]  # y=3: empty column
     # replicated over y: one box per process, listed once even though 4 devices hold it
     assert rule_boxes(shape, ("mesh", 0, (0, -1)), (mesh,), 0) == [Box((0, 0), (8, 3))]
+    assert mesh_regions(shape, mesh, (0, -1)) == {Box((0, 0), (8, 3)): [0], Box((8, 0), (8, 3)): [1]}
     plan = build_compact_plan(
         [(Decl((mesh,), (TensorRule("w", shape, "float32", 4, ("mesh", 0, (0, -1))),)), (0, 1))], 2
     )
