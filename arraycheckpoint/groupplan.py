@@ -37,7 +37,7 @@ from .plan import (
     _validate_cover,
 )
 from .regions import Box, chunk_boxes, intersect
-from .rules import Mesh, check_rule, mesh_regions
+from .rules import Mesh, check_rule, mesh_regions, range_regions
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ def rule_json(rule: tuple[Any, ...]) -> list[Any]:
         return ["boxes", [[list(b.offsets), list(b.lengths)] for b in rule[1]]]
     if rule[0] == "mesh":
         return ["mesh", rule[1], list(rule[2])]
+    if rule[0] == "range":
+        return ["range", rule[1], rule[2], rule[3]]
     return ["replica"]
 
 
@@ -91,6 +93,8 @@ def _rule_tuple(rule: Sequence[Any]) -> tuple[Any, ...]:
         return ("boxes", tuple(Box(tuple(int(x) for x in o), tuple(int(x) for x in n)) for o, n in rule[1]))
     if rule[0] == "mesh":
         return ("mesh", int(rule[1]), tuple(int(d) for d in rule[2]))
+    if rule[0] == "range":
+        return ("range", int(rule[1]), int(rule[2]), int(rule[3]))
     return ("replica",)
 
 
@@ -167,7 +171,11 @@ def _regions_of(name: str, contribs: list[tuple[Decl, tuple[int, ...], TensorRul
             members = frozenset(ranks)
             if not members.issuperset(mesh.ranks) and members.isdisjoint(mesh.ranks):
                 raise PlanError(f"tensor {name!r}: ranks {ranks[:4]}... are not in the mesh they name")
-            for b, held in mesh_regions(t.shape, mesh, rule[2], members).items():
+            if rule[0] == "range":
+                held_by = range_regions(t.shape, mesh, rule[2], rule[3], members)
+            else:
+                held_by = mesh_regions(t.shape, mesh, rule[2], members)
+            for b, held in held_by.items():
                 regions[b].extend(held)
     return regions
 

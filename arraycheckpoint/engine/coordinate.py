@@ -249,7 +249,7 @@ def build_metadata(
 
 
 def declare(tensors: list[SaveTensor], rank: int) -> Decl:
-    """This rank's declaration: one rule per tensor (a checked DTensor mesh rule, replica, or boxes).
+    """This rank's declaration: one rule per tensor (a checked mesh or range rule, replica, or boxes).
 
     Bad input (unsafe or duplicate names) raises here; the caller reports it through the agreement.
     """
@@ -265,29 +265,36 @@ def declare(tensors: list[SaveTensor], rank: int) -> Decl:
         shape = tuple(int(s) for s in t.shape)
         boxes = tuple(s.box for s in t.shards if s.box.volume)
         rule: tuple[Any, ...]
-        if t.rule is not None and t.rule[0] == "mesh":
+        if t.rule is not None and t.rule[0] in ("mesh", "range"):
             mesh = t.rule[1]
             if mesh not in meshes:
                 meshes.append(mesh)
-            rule = ("mesh", meshes.index(mesh), tuple(t.rule[2]))
-            if rank not in mesh.ranks or set(rule_boxes(shape, rule, meshes, rank)) != set(boxes):
+            rule = (t.rule[0], meshes.index(mesh), *_rule_args(t.rule))
+            if rank not in mesh.positions or set(rule_boxes(shape, rule, meshes, rank)) != set(boxes):
                 rule = ("boxes", boxes)  # the rule does not describe what this rank holds: say it plainly
         elif math.prod(shape) and boxes == (Box.full(shape),):
             rule = ("replica",)
         else:
             rule = ("boxes", boxes)
         out.append(TensorRule(t.name, shape, zarr_dtype_name(dtype), dtype.itemsize, rule))
-    used = sorted({r[1] for r in (x.rule for x in out) if r[0] == "mesh"})
+    used = sorted({r[1] for r in (x.rule for x in out) if r[0] in ("mesh", "range")})
     if len(used) != len(meshes):  # drop meshes no rule kept
         remap = {old: new for new, old in enumerate(used)}
         out = [
-            TensorRule(x.name, x.shape, x.dtype, x.itemsize, ("mesh", remap[x.rule[1]], x.rule[2]))
-            if x.rule[0] == "mesh"
+            TensorRule(x.name, x.shape, x.dtype, x.itemsize, (x.rule[0], remap[x.rule[1]], *x.rule[2:]))
+            if x.rule[0] in ("mesh", "range")
             else x
             for x in out
         ]
         meshes = [meshes[i] for i in used]
     return Decl(tuple(meshes), tuple(out))
+
+
+def _rule_args(rule: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What follows the mesh in an adapter's rule: placements (mesh) or offset and total (range)."""
+    if rule[0] == "mesh":
+        return (tuple(int(d) for d in rule[2]),)
+    return (int(rule[2]), int(rule[3]))
 
 
 def structure_key(decl_digest: bytes, comm: Communicator, options: SaveOptions) -> str:

@@ -68,7 +68,7 @@ class TorchAdapter(Adapter):
     ) -> None:
         for fqn, t in view.tensors.items():
             shape, pieces = view.layout(t)
-            tensors.append(tensor_item(f"{ns}/{fqn}", t, pieces, shape))
+            tensors.append(tensor_item(f"{ns}/{fqn}", t, pieces, shape, view.rule_of(t)))
         if view.aliases:
             objects.append(SaveObject(f"{ns}/~aliases", dict(view.aliases)))
         for fqn, value in view.extra.items():
