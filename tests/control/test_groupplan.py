@@ -344,3 +344,22 @@ def test_simulated_control_plane_at_256_ranks_matches_the_direct_path(layout):
             b.layouts,
             b.create,
         ), r
+
+
+def test_replicas_take_turns_sending_fragments():
+    """HSDP, 2 replicas x 4 shards: a chunk assembled from shards sends each region from its designated replica
+    (region index mod replicas), so both replicas send, not only the lowest (rank 0-3) one."""
+    world = 8
+    mesh = Mesh((2, 4), tuple(range(world)))  # dim 0: replicas, dim 1: shards
+    tensors = tuple(
+        TensorRule(f"t{i}", (16, 8), "float32", 4, ("mesh", 0, (-1, 0))) for i in range(24)
+    )  # 512 B each: one chunk per tensor, assembled from 4 shards of 128 B
+    opts = PlanOptions(min_chunk_bytes=512, max_chunk_bytes=4096, inner_chunk_bytes=128)
+    plan = _same([(Decl((mesh,), tensors), range(world))], world, opts)
+    sent = np.zeros(world, dtype=np.int64)
+    for r in range(world):
+        for t in rank_plan(plan, r).sends:
+            sent[r] += t.box.volume * 4
+    assert sent.sum() > 0
+    by_replica = sent[:4].sum(), sent[4:].sum()
+    assert min(by_replica) >= 0.25 * sent.sum(), (sent.tolist(), by_replica)
