@@ -26,14 +26,12 @@ import threading
 import time
 from typing import Any
 
-from .errors import ArrayCheckpointError
+from .errors import StalledRankError  # also importable from here (its old home)
+
+__all__ = ["DEFAULT_TIMEOUT", "Liveness", "StalledRankError", "default_timeout"]
 
 #: Seconds without a heartbeat after which a rank counts as stalled (``ACP_LIVENESS_TIMEOUT`` overrides).
 DEFAULT_TIMEOUT = 300.0
-
-
-class StalledRankError(ArrayCheckpointError, TimeoutError):
-    """A rank stopped making progress (no heartbeat for the liveness timeout) during a checkpoint collective."""
 
 
 def default_timeout() -> float:
