@@ -50,23 +50,42 @@ class Liveness:
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, world: int, timeout: float) -> None:
-        if timeout <= 0:
-            raise ValueError(f"liveness timeout must be > 0 seconds, got {timeout}")
         self.store = store
         self.prefix = prefix
         self.rank = rank
         self.world = world
-        self.timeout = float(timeout)
-        self.interval = min(5.0, max(0.05, self.timeout / 20))
+        self.timeout = 0.0
+        self.interval = 0.0
         self.generation = 0
         self._joined = -1
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._next_check = 0.0
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._beats = 0
+        self.set_timeout(timeout)
         self._beat()
         self._thread = threading.Thread(target=self._run, name="acp-heartbeat", daemon=True)
         self._thread.start()
+
+    def set_timeout(self, timeout: float) -> None:
+        """Judge peers stalled after ``timeout`` seconds without a heartbeat from now on (every rank sets the
+        same value at the same collective point: the ``timeout=`` of a save or load).
+
+        The heartbeat interval follows (``timeout / 20``, between 0.05 and 5 s) and takes effect at once. A peer
+        that has not switched yet still beats at its old interval, which it publishes with every beat; it is
+        judged by the larger of the two bounds until it switches, so a healthy rank is never blamed for it.
+        """
+        if not timeout > 0:
+            raise ValueError(f"liveness timeout must be > 0 seconds, got {timeout}")
+        timeout = float(timeout)
+        if timeout == self.timeout:
+            return
+        self.timeout = timeout
+        self.interval = min(5.0, max(0.05, timeout / 20))
+        self._seen.clear()  # staleness restarts from the next observation under the new bound
+        self._next_check = 0.0
+        self._wake.set()  # the heartbeat thread beats at once and then at the new interval
 
     # Heartbeats --------------------------------------------------------------------------------------
     def _key(self, rank: int) -> str:
@@ -77,10 +96,14 @@ class Liveness:
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(self._key(self.rank), str(self._beats))
+        self.store.set(self._key(self.rank), f"{self._beats}:{self.interval:g}")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._beat()
             except Exception:  # noqa: BLE001 - the store is gone (process group destroyed): stop beating
@@ -88,6 +111,7 @@ class Liveness:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     # Checks ------------------------------------------------------------------------------------------
     def check(self, what: str) -> None:
@@ -120,14 +144,14 @@ class Liveness:
             seen = self._seen.get(r)
             if seen is None or seen[0] != value:
                 self._seen[r] = (bytes(value), now)
-            elif now - seen[1] > self.timeout:
+            elif now - seen[1] > max(self.timeout, 2 * _peer_interval(value) + 1.0):
                 stalled.append((r, now - seen[1]))
         if stalled:
             names = ", ".join(f"rank {r} (no heartbeat for {age:.0f} s)" for r, age in stalled)
             verdict = (
                 f"{names} stalled during {what}: alive but not progressing, or gone; the liveness timeout is "
-                f"{self.timeout:g} s (TorchCommunicator(timeout=...) or ACP_LIVENESS_TIMEOUT). Check that rank's "
-                "host and logs; the checkpoint was not committed"
+                f"{self.timeout:g} s (timeout= of save/load, or ACP_LIVENESS_TIMEOUT). Check that rank's host and "
+                "logs; the checkpoint was not committed"
             )
             if publish:
                 try:
@@ -152,3 +176,11 @@ class Liveness:
             time.sleep(delay)
             delay = min(delay * 2, self.interval)
         self.generation = generation
+
+
+def _peer_interval(value: bytes) -> float:
+    """The heartbeat interval a peer publishes with its counter (``b"<beats>:<interval>"``)."""
+    try:
+        return float(bytes(value).split(b":", 1)[1])
+    except (IndexError, ValueError):
+        return 5.0  # the longest interval any rank uses

@@ -63,6 +63,7 @@ class SavePipeline:
         storage, final = storage_for(url)
         future = CheckpointFuture(final)
         self.wait_idle()  # buffers and the checkpoint group are reused
+        comm.set_liveness_timeout(options.liveness_timeout)  # before this save's first collective
         decl, decl_error, decl_digest = None, None, b""
         try:
             decl = declare(request.tensors, comm.rank)

@@ -68,3 +68,62 @@ def test_stalled_rank_is_named_and_every_rank_fails_within_the_bound(tmp_path) -
     assert r1["error"] is not None and "stalled" in r1["error"], r1
     assert r0["same"] and r1["same"]
     assert not os.path.exists(tmp_path / "first")  # nothing was committed
+
+
+def _timeout_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """As ``_stall_body`` but through the default communicator and ``acp.save(..., timeout=3)``: no
+    TorchCommunicator argument, no ACP_LIVENESS_TIMEOUT, so only ``timeout=`` can bound the wait."""
+    import torch.distributed as dist
+
+    import arraycheckpoint as acp
+    from arraycheckpoint import storage
+    from arraycheckpoint.storage import LocalStorage
+
+    assert "ACP_LIVENESS_TIMEOUT" not in os.environ
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"pid/{rank}", str(os.getpid()))
+    stall = {"armed": False}
+
+    class StallingLocal(LocalStorage):
+        def normalize(self, url: str) -> str:
+            return super().normalize(url.removeprefix("stall3://"))
+
+        def flush(self, root: str) -> None:
+            super().flush(root)
+            if stall["armed"]:
+                stall["armed"] = False
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    storage.register_scheme("stall3", StallingLocal)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64)
+    state = {"model": model}
+    acp.save(f"stall3://{tmp}/warm", state)  # the default communicator exists (default 300 s bound)
+    stall["armed"] = rank == 1
+    error = None
+    try:
+        acp.save(f"stall3://{tmp}/first", state, timeout=3)
+    except acp.StalledRankError as e:
+        error = str(e)
+    if rank == 0:
+        os.kill(int(store.get("pid/1")), signal.SIGCONT)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    acp.save(f"stall3://{tmp}/second", state)  # default bound again, on the rebuilt group
+    back = {"model": torch.nn.Linear(256, 64)}
+    acp.load(f"{tmp}/second", back)
+    same = torch.equal(back["model"].weight, model.weight) and torch.equal(back["model"].bias, model.bias)
+    return {"error": error, "same": same}
+
+
+def test_save_timeout_argument_bounds_a_stalled_rank(tmp_path) -> None:
+    """``acp.save(..., timeout=3)`` with rank 1 stopped: every rank raises StalledRankError naming rank 1 and
+    the 3 s bound (the 300 s default would outlast this test's own 200 s limit); the next save is bit-exact."""
+    r0, r1 = run_distributed(_timeout_body, world=2, args=(str(tmp_path),), timeout=200)
+    assert r0["error"] is not None and "rank 1" in r0["error"] and "liveness timeout is 3 s" in r0["error"], (
+        r0
+    )
+    assert r1["error"] is not None and "stalled" in r1["error"], r1
+    assert r0["same"] and r1["same"]
+    assert not os.path.exists(tmp_path / "first")
+    assert os.path.exists(tmp_path / "warm") and os.path.exists(tmp_path / "second")
