@@ -114,8 +114,9 @@ class Liveness:
         self._wake.set()
 
     # Checks ------------------------------------------------------------------------------------------
-    def check(self, what: str) -> None:
-        """Raise :class:`StalledRankError` if a watched rank has stalled or another rank found one.
+    def check(self, what: str, peers: tuple[int, ...] = ()) -> None:
+        """Raise :class:`StalledRankError` if a watched rank (and any of ``peers``: the ranks this one waits
+        for) has stalled, or another rank found one.
 
         Cheap to call in a polling loop: the store is read at most once per ``interval``.
         """
@@ -124,7 +125,7 @@ class Liveness:
             return
         self._next_check = now + self.interval
         self.check_abort(what)
-        self.check_stale(what, publish=True)
+        self.check_stale(what, publish=True, peers=peers)
 
     def check_abort(self, what: str) -> None:
         """Raise if a rank published a stall verdict for this generation (one store round trip)."""
@@ -133,11 +134,16 @@ class Liveness:
             verdict = self.store.get(abort).decode(errors="replace")
             raise StalledRankError(f"rank {self.rank}: {what} abandoned: {verdict}")
 
-    def check_stale(self, what: str, publish: bool = False) -> None:
-        """Raise if a watched rank's heartbeat has not moved for ``timeout`` (``publish``: tell the others)."""
+    def check_stale(self, what: str, publish: bool = False, peers: tuple[int, ...] = ()) -> None:
+        """Raise if a watched rank's heartbeat has not moved for ``timeout`` (``publish``: tell the others).
+
+        Rank 0 watches every rank, the others rank 0 and ``peers``."""
         now = time.monotonic()
         abort = self._abort_key()
-        watched = [r for r in range(self.world) if r != self.rank] if self.rank == 0 else [0]
+        if self.rank == 0:
+            watched = [r for r in range(self.world) if r != self.rank]
+        else:
+            watched = sorted({0, *peers} - {self.rank})
         values = self.store.multi_get([self._key(r) for r in watched])
         stalled = []
         for r, value in zip(watched, values):

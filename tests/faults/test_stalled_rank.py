@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from dist import run_distributed
+from stalling import register_stalling_scheme
 
 TIMEOUT = 4.0
 
@@ -19,25 +20,12 @@ def _stall_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import arraycheckpoint as acp
-    from arraycheckpoint import storage
     from arraycheckpoint.collectives import TorchCommunicator
-    from arraycheckpoint.storage import LocalStorage
 
     store = dist.distributed_c10d._get_default_store()
     store.set(f"pid/{rank}", str(os.getpid()))
-    stall = {"armed": rank == 1}
-
-    class StallingLocal(LocalStorage):
-        def normalize(self, url: str) -> str:
-            return super().normalize(url.removeprefix("stall://"))
-
-        def flush(self, root: str) -> None:
-            super().flush(root)
-            if stall["armed"]:  # rank 1 stops dead after its writes, inside the save
-                stall["armed"] = False
-                os.kill(os.getpid(), signal.SIGSTOP)
-
-    storage.register_scheme("stall", StallingLocal)
+    stall = register_stalling_scheme("stall")
+    stall["armed"] = rank == 1
     comm = TorchCommunicator(timeout=TIMEOUT)
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 64)  # replicated: the plan spreads its chunks over both ranks
@@ -76,25 +64,11 @@ def _timeout_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import arraycheckpoint as acp
-    from arraycheckpoint import storage
-    from arraycheckpoint.storage import LocalStorage
 
     assert "ACP_LIVENESS_TIMEOUT" not in os.environ
     store = dist.distributed_c10d._get_default_store()
     store.set(f"pid/{rank}", str(os.getpid()))
-    stall = {"armed": False}
-
-    class StallingLocal(LocalStorage):
-        def normalize(self, url: str) -> str:
-            return super().normalize(url.removeprefix("stall3://"))
-
-        def flush(self, root: str) -> None:
-            super().flush(root)
-            if stall["armed"]:
-                stall["armed"] = False
-                os.kill(os.getpid(), signal.SIGSTOP)
-
-    storage.register_scheme("stall3", StallingLocal)
+    stall = register_stalling_scheme("stall3")
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 64)
     state = {"model": model}
