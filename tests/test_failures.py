@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from dist import free_port, run_distributed
+from killing import kill_rank_at, wait_for
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import (
@@ -50,15 +50,6 @@ def assert_equal_state(got: dict, want: dict) -> None:
 
 def files_under(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def wait_for(path: Path, timeout: float, procs: list) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        dead = [p for p in procs if not p.is_alive()]
-        assert not dead, f"a rank exited early (exit codes {[p.exitcode for p in dead]}) before {path.name}"
-        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout} s"
-        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------------ kill -9 mid-save
@@ -115,31 +106,12 @@ def _kill_rank_main(rank: int, world: int, port: int, root: str, signal_dir: str
 
 
 def test_kill_one_rank_mid_async_save(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     root, signals = tmp_path / "run", tmp_path / "signals"
     signals.mkdir()
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=_kill_rank_main, args=(r, 2, port, str(root), str(signals))) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        wait_for(signals / "rank1-in-flush", 180, procs)
-        os.kill(procs[1].pid, signal.SIGKILL)
-        procs[1].join(30)
-        assert procs[1].exitcode == -signal.SIGKILL
-        procs[0].join(90)  # the survivor gets an error from the lost peer, or we stop it below
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    kill_rank_at(
+        _kill_rank_main, 2, lambda r: (r, 2, port, str(root), str(signals)), signals / "rank1-in-flush"
+    )
     survivor = signals / "rank0-result"
     if survivor.exists():  # when it reported, the survivor's save failed: nothing was committed
         assert survivor.read_text() != "committed"

@@ -7,7 +7,6 @@ save (after its snapshot, before its writes are flushed)."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 import uuid
 from datetime import timedelta
@@ -18,7 +17,8 @@ import pytest
 import torch
 from dist import free_port
 from flaky import S3Process
-from test_failures import assert_equal_state, state_for, wait_for, zeros_like_state
+from killing import kill_rank_at
+from test_failures import assert_equal_state, state_for, zeros_like_state
 
 import arraycheckpoint as acp
 from arraycheckpoint import CheckpointManager, storage
@@ -90,8 +90,6 @@ def _main(rank: int, world: int, port: int, backend: str, where: str, env: dict,
 def test_kill_one_rank_mid_save_on_object_stores(
     backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torch.multiprocessing as mp
-
     server = S3Process() if backend == "s3" else None
     try:
         env = {**S3_ENV, "AWS_ENDPOINT_URL": server.endpoint} if server else {}
@@ -101,27 +99,10 @@ def test_kill_one_rank_mid_save_on_object_stores(
         url = ("s3://" if server else "local://") + where
         signals = tmp_path / "signals"
         signals.mkdir()
-        ctx = mp.get_context("spawn")
         port = free_port()
-        procs = [
-            ctx.Process(target=_main, args=(r, 2, port, backend, where, env, str(signals))) for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            wait_for(signals / "rank1-in-flush", 180, procs)
-            os.kill(procs[1].pid, signal.SIGKILL)
-            procs[1].join(30)
-            assert procs[1].exitcode == -signal.SIGKILL
-            procs[0].join(90)  # the survivor fails (lost peer, or liveness), or we stop it below
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(10)
+        kill_rank_at(
+            _main, 2, lambda r: (r, 2, port, backend, where, env, str(signals)), signals / "rank1-in-flush"
+        )
         survivor = signals / "rank0-result"
         if survivor.exists():
             assert survivor.read_text() != "committed"
