@@ -19,6 +19,8 @@ from .errors import CheckpointNotFoundError, InvalidArgumentError, StateMismatch
 from .future import CheckpointFuture
 from .metadata import CheckpointMetadata
 from .plan import PlanOptions
+from .storage import storage_for
+from .storage.base import reading
 
 _FRAMEWORKS = {
     "torch": "torch",
@@ -230,52 +232,56 @@ def load(
     liveness_timeout = check_timeout(timeout)
     key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)
-    eng = engine()
-    try:
-        storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
-    except CheckpointNotFoundError as e:
-        raise explain_not_found(os.fspath(path), e) from None
-    special, state = stateful.split(state, meta)
-    # --
-    framework = framework or detect_framework(state)
-    options = AdapterOptions(
-        allow_pickle=allow_pickle,
-        strict=strict,
-        allow_cast=allow_cast,
-        key_map=key_map,
-        transforms=dict(transforms or {}),
-        indivisible=indivisible,
-        device=device,
-    )
-    job = _adapter(framework).load_job(meta, state, options)
-    job = stateful.merge_load(job, special, meta, lambda: _communicator(comm, framework), options)  # stateful
-    found = check_expected(meta, job, options)
-    needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
-    communicator = _communicator(comm, framework) if needs_comm else None
-    if communicator is not None:
-        eng.wait_idle()  # a save in flight still uses the group (and its timeout)
-        communicator.set_liveness_timeout(liveness_timeout)
-    if strict and job.global_namespaces:
-        _check_unexpected_across_ranks(meta, job, communicator)
-    if report is not None:
-        report.update(found)
-    recorder = eng.load(
-        storage,
-        root,
-        meta,
-        job.targets,
-        comm=communicator,
-        dedup_reads=dedup_reads,
-        all_or_nothing=all_or_nothing,
-        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
-    )
-    if report is not None:
-        report["metrics"] = recorder.to_json()["phases"]
-    if record_metrics:
-        from .engine import record_load_metrics
+    # registered as being read from the first look at it: a manager's retention in this process skips it
+    with reading(*storage_for(os.fspath(path))):
+        eng = engine()
+        try:
+            storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
+        except CheckpointNotFoundError as e:
+            raise explain_not_found(os.fspath(path), e) from None
+        special, state = stateful.split(state, meta)
+        # --
+        framework = framework or detect_framework(state)
+        options = AdapterOptions(
+            allow_pickle=allow_pickle,
+            strict=strict,
+            allow_cast=allow_cast,
+            key_map=key_map,
+            transforms=dict(transforms or {}),
+            indivisible=indivisible,
+            device=device,
+        )
+        job = _adapter(framework).load_job(meta, state, options)
+        job = stateful.merge_load(
+            job, special, meta, lambda: _communicator(comm, framework), options
+        )  # stateful
+        found = check_expected(meta, job, options)
+        needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
+        communicator = _communicator(comm, framework) if needs_comm else None
+        if communicator is not None:
+            eng.wait_idle()  # a save in flight still uses the group (and its timeout)
+            communicator.set_liveness_timeout(liveness_timeout)
+        if strict and job.global_namespaces:
+            _check_unexpected_across_ranks(meta, job, communicator)
+        if report is not None:
+            report.update(found)
+        recorder = eng.load(
+            storage,
+            root,
+            meta,
+            job.targets,
+            comm=communicator,
+            dedup_reads=dedup_reads,
+            all_or_nothing=all_or_nothing,
+            max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
+        )
+        if report is not None:
+            report["metrics"] = recorder.to_json()["phases"]
+        if record_metrics:
+            from .engine import record_load_metrics
 
-        record_load_metrics(root, recorder, communicator)
-    return job.finish()
+            record_load_metrics(root, recorder, communicator)
+        return job.finish()
 
 
 def load_jax(

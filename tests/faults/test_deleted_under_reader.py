@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
-from arraycheckpoint import storage
+from arraycheckpoint import CheckpointManager, storage
 from arraycheckpoint.errors import CheckpointNotFoundError
 from arraycheckpoint.storage import LocalStorage, MemoryStorage, storage_for
 from arraycheckpoint.storage.fsspec_store import FsspecStorage
@@ -121,3 +121,27 @@ def test_a_step_deleted_at_any_point_of_a_load_is_not_found(backend: tuple[str, 
     assert not bad, bad
     assert outcomes[1] == "gone"  # deleted before the load began: not found
     assert list(outcomes.values()).count("gone") >= points // 2, outcomes
+
+
+def test_retention_at_any_point_of_a_load_keeps_the_step_being_read(backend: tuple[str, str]) -> None:
+    """A CheckpointManager's retention that runs at any storage call of a load in this process (from its
+    first look at the metadata to its last read) keeps the step being read, which loads bit-exactly; the
+    next retention pass, after the load, removes it."""
+    scheme, where = backend
+    mgr = CheckpointManager(f"{scheme}://{where}/run", keep_last=1)
+    mgr.save(1, {"model": _model(1)}).result()
+    _Points.arm(0, None)
+    acp.load(mgr.step_path(1), {"model": _model(0)})
+    points = _Points.calls
+    for k in range(1, points + 1):
+        step = 2 * k
+        mgr.save(step, {"model": _model(step)}).result()  # retention leaves only this step
+        acp.save(mgr.step_path(step + 1), {"model": _model(step + 1)})  # newer: retention wants `step` gone
+        deleted: list[list[int]] = []
+        _Points.arm(k, lambda d=deleted: d.append(mgr.apply_retention()))
+        target = _model(0)
+        acp.load(mgr.step_path(step), {"model": target})
+        assert deleted == [[]], f"point {k}: retention deleted the step being read ({deleted})"
+        assert _same(target, _model(step)), f"point {k}"
+        assert mgr.apply_retention() == [step]  # once the read is over, the step goes
+    mgr.close()
