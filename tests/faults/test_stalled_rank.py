@@ -101,3 +101,29 @@ def test_save_timeout_argument_bounds_a_stalled_rank(tmp_path) -> None:
     assert r0["same"] and r1["same"]
     assert not os.path.exists(tmp_path / "first")
     assert os.path.exists(tmp_path / "warm") and os.path.exists(tmp_path / "second")
+
+
+def _late_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Rank 1 reaches ``save(timeout=1)`` 4 s after rank 0 (busy, alive, still beating at the default
+    bound's 5 s interval): it is waited for, not blamed for a bound it had not seen yet."""
+    import arraycheckpoint as acp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64)
+    acp.save(f"{tmp}/warm", {"model": model})  # the communicator exists, heartbeats at the default interval
+    if rank == 1:
+        time.sleep(4)  # training: alive, not in a checkpoint call
+    error = None
+    try:
+        acp.save(f"{tmp}/late", {"model": model}, timeout=1)
+    except acp.StalledRankError as e:
+        error = str(e)
+    back = torch.nn.Linear(256, 64)
+    if error is None:
+        acp.load(f"{tmp}/late", {"model": back})
+    return {"error": error, "same": torch.equal(back.weight, model.weight)}
+
+
+def test_a_late_but_live_rank_is_not_blamed_for_a_shorter_timeout(tmp_path) -> None:
+    results = run_distributed(_late_body, world=2, args=(str(tmp_path),), timeout=200)
+    assert all(r["error"] is None and r["same"] for r in results), results
