@@ -57,3 +57,36 @@ def test_stalled_jax_process_is_named_within_the_timeout(tmp_path):
     assert r0["same"] and r1["same"]
     assert not (tmp_path / "first").exists()
     assert (tmp_path / "warm").exists() and (tmp_path / "second").exists()
+
+
+def body_kvstore(port):
+    import jax
+    from jax._src import distributed
+
+    from arraycheckpoint.adapters.jax.communicator import _KvStore
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1, process_id=0)
+    store = _KvStore(distributed.global_state.client)
+    for r in range(0, 12, 2):  # every other rank has beaten
+        store.set(f"live/s/hb/{r}", f"{r}:0.5")
+    store.set("live/s/hb/4", "9:0.5")  # overwritten
+    keys = [f"live/s/hb/{r}" for r in range(12)]
+    many = store.multi_get(keys)  # rank 0's view: one directory read
+    few = [store.multi_get([k])[0] for k in keys]  # the others' view: one read per key
+    out = {
+        "many": [v.decode() for v in many],
+        "few": [v.decode() for v in few],
+        "added": [store.add("live/s/rebuild/1", 1), store.add("live/s/rebuild/1", 0)],
+        "check": [store.check(["live/s/hb/0"]), store.check(["live/s/abort/0"])],
+    }
+    jax.distributed.shutdown()
+    return out
+
+
+def test_kv_store_of_the_liveness_checks():
+    from dist import free_port
+
+    (out,) = run_jax(__file__, "body_kvstore", free_port(), devices=1)
+    want = ["" if r % 2 else ("9:0.5" if r == 4 else f"{r}:0.5") for r in range(12)]
+    assert out["many"] == want and out["few"] == want
+    assert out["added"] == [1, 1] and out["check"] == [True, False]

@@ -85,10 +85,9 @@ class JaxCommunicator(Communicator):
         self._session = self._get(key, 0).decode()
         self._base_session = self._session
         if self._world > 1:
-            self._liveness = Liveness(
-                _KvStore(client), f"arraycheckpoint/live/{self._session}", self._rank, self._world,
-                self._default_timeout,
-            )  # fmt: skip
+            prefix = f"arraycheckpoint/live/{self._session}"
+            store = _KvStore(client)
+            self._liveness = Liveness(store, prefix, self._rank, self._world, self._default_timeout)
 
     def set_liveness_timeout(self, timeout: float | None) -> None:
         """See :meth:`Communicator.set_liveness_timeout`."""
@@ -273,6 +272,14 @@ class _KvStore:
         return True
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Values of ``keys`` (b"" for one not written yet). Many keys (rank 0 watching every rank): one
+        directory read per directory instead of one request per rank; a few keys (the other ranks watch
+        one or two): one small read each, never the whole directory (O(world) bytes)."""
+        if len(keys) > 8:
+            found: dict[str, bytes] = {}
+            for directory in {k.rsplit("/", 1)[0] for k in keys}:
+                found.update((k, bytes(v)) for k, v in self._client.key_value_dir_get_bytes(directory + "/"))
+            return [found.get(k, b"") for k in keys]
         out = []
         for key in keys:
             try:
