@@ -6,6 +6,8 @@ missing checkpoint, list the path).
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -70,6 +72,26 @@ def check_kwargs(verb: str, kwargs: Mapping[str, Any], fn: Callable[..., Any]) -
             f"{verb}() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
             f"it accepts {', '.join(known[2:])}"
         )
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """``timeout=`` of save/load: None (the communicator's default) or a positive finite number of seconds.
+
+    Raises:
+        InvalidArgumentError: anything else (a bool, a string, zero, a negative number, NaN or infinity).
+    """
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not (math.isfinite(timeout) and timeout > 0)
+    ):
+        raise InvalidArgumentError(
+            f"timeout must be a positive finite number of seconds (the liveness bound after which a stalled "
+            f"rank fails the save or load), got {timeout!r}; pass None for the default"
+        )
+    return float(timeout)
 
 
 def key_map_function(

@@ -35,14 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CorruptCheckpointError, MetadataError
-
-
-class InconsistentCheckpointError(MetadataError, CorruptCheckpointError):
-    """The stored files do not hold what ``.metadata.json`` declares (chunk files missing, or a declared
-    shape the checkpoint cannot hold): damaged or hostile. Both a :class:`MetadataError` and a
-    :class:`CorruptCheckpointError`, since from the files alone the two cannot be told apart."""
-
+from .errors import (  # InconsistentCheckpointError: also importable from here (its old home)
+    CorruptCheckpointError,
+    InconsistentCheckpointError,
+    MetadataError,
+)
 
 #: Largest ``.metadata.json`` read (bytes). Format 1 stores one record per saved region; a 10,000-rank save
 #: of a few thousand tensors stays far below this; anything larger is refused before it is read.

@@ -17,7 +17,7 @@ from .. import safety
 from .._tscontext import context
 from ..codecs import numpy_dtype
 from ..collectives import Communicator
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, StorageError
+from ..errors import CheckpointNotFoundError, MetadataError, StorageError
 from ..items import LoadShard, LoadTensor
 from ..metadata import LOAD_METRICS_FILE, METADATA_FILE, CheckpointMetadata, check_name
 from ..monitoring import PhaseRecorder
@@ -54,18 +54,17 @@ class LoadPipeline:
                 else "does not exist"
             )
             raise CheckpointNotFoundError(f"no committed checkpoint at {root}: it {what}")
-        raw = storage.read(root, METADATA_FILE)
-        if raw is None:
-            raise MetadataError(f"checkpoint {root} is committed but has no {METADATA_FILE}")
-        meta = CheckpointMetadata.from_json(raw)
         try:
+            raw = storage.read(root, METADATA_FILE)
+            if raw is None:
+                raise MetadataError(f"checkpoint {root} is committed but has no {METADATA_FILE}")
+            meta = CheckpointMetadata.from_json(raw)
             safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
-        except (CorruptCheckpointError, MetadataError, FileNotFoundError) as e:
-            if not storage.is_committed(root):  # removed under us (retention): gone, not damaged
-                raise CheckpointNotFoundError(
-                    f"checkpoint {root} was removed while it was being opened"
-                ) from e
-            raise
+        except Exception as e:
+            gone = _gone(storage, root, e, "opened")
+            if gone is None:
+                raise
+            raise gone from e
         return storage, root, meta
 
     def load(
@@ -106,13 +105,11 @@ class LoadPipeline:
                             storage, root, meta, targets, comm, max_inflight_bytes, recorder
                         )
                 self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
-            except (CorruptCheckpointError, StorageError, MetadataError) as e:
-                if not storage.is_committed(root):
-                    raise CheckpointNotFoundError(
-                        f"the checkpoint at {root} was removed while it was being read (retention by another "
-                        f"job or manager?); nothing of it can be trusted: load another step ({e})"
-                    ) from e
-                raise
+            except Exception as e:
+                gone = _gone(storage, root, e, "read")
+                if gone is None:
+                    raise
+                raise gone from e
         for shard, array in deferred:  # every read succeeded: now the targets change
             if shard.target is not None and shard.target.dtype == array.dtype:
                 np.copyto(shard.target, array)
@@ -270,6 +267,23 @@ class LoadPipeline:
             while inflight:
                 drain_one()
             rec["bytes"] = total
+
+
+def _gone(storage: Storage, root: str, error: Exception, doing: str) -> CheckpointNotFoundError | None:
+    """What to raise for ``error`` met while a checkpoint was being ``doing`` ("opened", "read"): a
+    :class:`CheckpointNotFoundError` when the checkpoint is no longer committed (removed from under the
+    reader: whatever broke, a missing file, a missing chunk, a vanished directory, is its consequence), else
+    None (``error`` itself stands). Removal takes the commit marker first (a rename of the whole directory locally), so a
+    checkpoint that is being removed is never seen as committed after its files started to go."""
+    try:
+        if storage.is_committed(root):
+            return None
+    except Exception:  # noqa: BLE001 - the original error is the better report
+        return None
+    return CheckpointNotFoundError(
+        f"the checkpoint at {root} was removed while it was being {doing} (retention by another job or "
+        f"manager?); nothing of it can be trusted: load another step ({type(error).__name__}: {error})"
+    )
 
 
 def _slabs(box: Box, target: np.ndarray, limit: int) -> list[tuple[Box, np.ndarray]]:
