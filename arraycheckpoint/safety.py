@@ -10,12 +10,12 @@ of on-disk bytes the load path makes before tensorstore or numpy sees them:
 * :func:`check_checkpoint`: one scan of the whole checkpoint (regular files only: no symlink, no FIFO, no
   device, nowhere below the root) and, per array, as many chunk objects as its chunk grid declares, so a
   shape of 1e13 declared by a checkpoint that holds one small file is refused before any buffer exists;
-* :func:`check_array`: just before an array is opened, its directory scanned again for regular files, its
-  ``zarr.json`` parsed (bounded) and cross-checked against ``.metadata.json``, crc32c required on every
-  inner chunk and on the shard index (whatever the checkpoint says about its codec preset), and the zstd
-  frame headers of every chunk checked against the declared chunk size before tensorstore inflates them.
-  It returns the validated array metadata, which the engine opens with ``assume_metadata`` so that
-  tensorstore does not read ``zarr.json`` a second time.
+* :func:`check_arrays`: just before the arrays are opened, every ``zarr.json`` read in one concurrent batch and
+  cross-checked against ``.metadata.json`` (bounded parse; the exact bytes this release writes are accepted
+  as they are), crc32c required on every inner chunk and on the shard index (whatever the checkpoint says
+  about its codec preset), and the zstd frame headers of every chunk checked against the declared chunk size
+  before tensorstore inflates them. It returns the validated array metadata, which the engine opens with
+  ``assume_metadata`` so that tensorstore does not read ``zarr.json`` a second time.
 
 It deliberately does not defend against a writer racing the reader (a file swapped for a symlink between the
 scan and tensorstore's ``open``): tensorstore cannot open with ``O_NOFOLLOW``; docs/security.md says so.
