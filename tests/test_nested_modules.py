@@ -220,3 +220,18 @@ def test_fsdp2_modules_nested_in_dicts_reshard_two_to_three(tmp_path):
         assert rank_view.keys() == saved.keys()
         for k, v in saved.items():
             assert np.array_equal(rank_view[k], v), k
+
+
+def test_nested_modules_under_keys_unsafe_as_names_round_trip(tmp_path):
+    saved = {"x": {"__hidden": _net(1), "a:b": _net(2), ".dot": [_net(3)]}}
+    meta = acp.save(tmp_path / "ck", saved)
+    assert all(acp.metadata.check_name(n) for n in meta.tensors)
+    target = {"x": {"__hidden": _net(11), "a:b": _net(12), ".dot": [_net(13)]}}
+    out = acp.load(tmp_path / "ck", target)["x"]
+    for got, want in (
+        (out["__hidden"], saved["x"]["__hidden"]),
+        (out["a:b"], saved["x"]["a:b"]),
+        (out[".dot"][0], saved["x"][".dot"][0]),
+    ):
+        for k, v in want.state_dict().items():
+            assert torch.equal(got.state_dict()[k], v), k
