@@ -235,3 +235,13 @@ def test_nested_modules_under_keys_unsafe_as_names_round_trip(tmp_path):
     ):
         for k, v in want.state_dict().items():
             assert torch.equal(got.state_dict()[k], v), k
+
+
+def test_megatron_framework_checks_nested_torch_modules_too(tmp_path):
+    pytest.importorskip("megatron.core")
+    acp.save(tmp_path / "ck", {"ema": {"m": _net(0)}})
+    smaller = {"ema": {"m": torch.nn.Sequential(torch.nn.Linear(3, 4))}}
+    with pytest.raises(StateMismatchError, match="ema/m/2.weight"):
+        acp.load(tmp_path / "ck", smaller, framework="megatron")
+    acp.load(tmp_path / "ck", smaller, framework="megatron", strict=False)
+    assert torch.equal(smaller["ema"]["m"][0].weight, _net(0)[0].weight)

@@ -101,8 +101,11 @@ class MegatronAdapter(Adapter):
         namespaces: set[str] = set()  # megatron ranks hold disjoint key sets (PP): no per-rank "unexpected"
         optional: set[str] = set()
         other_finish: Callable[[], Any] = lambda: {}  # noqa: E731
+        dropped: set[str] = set()
+        scoped: set[str] = set()
         if rest:
             other = TorchAdapter().load_job(meta, rest, options)
+            dropped, scoped = other.dropped, other.scoped  # the torch finishers read this very set
             targets += other.targets
             expected.update(other.expected)
             namespaces |= other.namespaces
@@ -118,7 +121,7 @@ class MegatronAdapter(Adapter):
             return result
 
         optional |= _not_in_hf(meta, expected)
-        job = LoadJob(targets, expected, namespaces, finish, optional)
+        job = LoadJob(targets, expected, namespaces, finish, optional, dropped=dropped, scoped=scoped)
         # Namespaces whose "unexpected" keys can only be judged on the union of every rank's expectations
         # (pipeline stages hold disjoint keys); read by a cross-rank check in acp.load where available.
         job.global_namespaces = set(trees) | {
