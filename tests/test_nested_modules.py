@@ -195,27 +195,39 @@ def _full(state: dict) -> dict:
         for n, v in module.state_dict().items():
             out[f"{key}.{n}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().numpy().copy()
     out["ema.dt"] = state["ema"]["dt"].full_tensor().numpy().copy()
+    if "optimizer" in state:  # the optimizer over the nested teacher.a, by parameter FQN
+        names = {id(p): n for n, p in state["teacher"]["a"].named_parameters()}
+        for p, st in state["optimizer"].state.items():
+            for k, v in st.items():
+                if v.ndim:
+                    out[f"optimizer.{names[id(p)]}.{k}"] = v.full_tensor().numpy().copy()
     return out
 
 
 def _save_body(rank, world, root):
     state = _fsdp2_nested(world, 0)
+    teacher = state["teacher"]["a"]
+    state["optimizer"] = torch.optim.AdamW(teacher.parameters(), lr=0.1)
+    teacher(torch.randn(2, 3)).sum().backward()
+    state["optimizer"].step()
     acp.save(os.path.join(root, "ck"), state)
     return _full(state)
 
 
 def _load_body(rank, world, root):
     state = _fsdp2_nested(world, 100)
+    state["optimizer"] = torch.optim.AdamW(state["teacher"]["a"].parameters(), lr=0.5)
     out = acp.load(os.path.join(root, "ck"), state)
     assert out["ema"]["decay"] == 0.999 and out["teacher"]["lst"][1] == 2.5
+    assert state["optimizer"].param_groups[0]["lr"] == 0.1
     return _full(state)
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_modules_nested_in_dicts_reshard_two_to_three(tmp_path):
+def test_fsdp2_modules_nested_in_dicts_reshard_two_to_three_with_their_optimizer(tmp_path):
     saved = run_distributed(_save_body, world=2, args=(str(tmp_path),))[0]
     loaded = run_distributed(_load_body, world=3, args=(str(tmp_path),))
-    assert len(saved) == 5 * 4 + 1
+    assert len(saved) == 5 * 4 + 1 + 4 * 2  # 5 modules, the DTensor, teacher.a's exp_avg and exp_avg_sq
     for rank_view in loaded:
         assert rank_view.keys() == saved.keys()
         for k, v in saved.items():
