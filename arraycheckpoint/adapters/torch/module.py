@@ -241,7 +241,7 @@ class StoredNames:
         stored = self.key_map(name) if self.key_map else name
         if stored is None or stored in self.meta.tensors:
             return stored
-        ns, _, fqn = stored.partition("/")
+        ns, _, fqn = stored.rpartition("/")  # a module nested in a dict: ns is its path (ema/m)
         primary = self.aliases(ns).get(fqn)
         return f"{ns}/{primary}" if isinstance(primary, str) else stored
 

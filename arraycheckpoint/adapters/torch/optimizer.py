@@ -190,7 +190,7 @@ def load_optimizer(
 
 
 def _stored_fqn(source: str, model_ns: str, fqn: str) -> str:
-    return source.split("/", 1)[1] if source.startswith(model_ns + "/") else fqn
+    return source[len(model_ns) + 1 :] if source.startswith(model_ns + "/") else fqn  # model_ns may nest
 
 
 def _saved_group(saved_groups: list[Any], i: int, fqns: tuple[str, ...]) -> dict[str, Any] | None:
@@ -259,7 +259,7 @@ def _account_untied(
         source = names(f"{model_ns}/{alias}")
         if source is None or not source.startswith(model_ns + "/"):
             continue
-        sfqn = source.split("/", 1)[1]
+        sfqn = source[len(model_ns) + 1 :]
         for key in by_stored_prefix.get(f"{ns}/{sfqn}", []):
             expected.setdefault(f"{ns}/{alias}/{key}", Expected(stored=f"{ns}/{sfqn}/{key}"))
 
