@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 import torch
+from fixtures.make_format2 import fsdp_model, full_state
 from safetensors.numpy import load_file
 
 import arraycheckpoint as acp
@@ -30,27 +31,14 @@ def _copy(tmp_path, name):
     return dst
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-
-
 def _expected(name: str) -> dict[str, np.ndarray]:
     return load_file(os.path.join(FIXTURES, f"{name}.expected.safetensors"))
 
 
-def _check_optimizer(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, expected: dict[str, np.ndarray]
-) -> None:
-    names = {id(p): n for n, p in model.named_parameters()}
-    seen = 0
-    for p, st in opt.state.items():
-        for key, v in st.items():
-            if torch.is_tensor(v) and v.ndim:
-                full = v.full_tensor() if hasattr(v, "full_tensor") else v
-                assert np.array_equal(_np(full), expected[f"optimizer/{names[id(p)]}/{key}"]), key
-                seen += 1
-    assert seen == sum(1 for k in expected if k.startswith("optimizer/"))
+def _same(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        assert np.array_equal(got[k], v), k
 
 
 def test_format2_fixture_is_format2_in_the_old_layout() -> None:
@@ -75,10 +63,8 @@ def test_format2_single_process_loads_bit_exactly(tmp_path) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
     extra = {"step": 0, "cfg": {}, "a": {"b": torch.zeros(2, 3, dtype=torch.int64)}, "arr": None}
     out = acp.load(path, {"model": model, "optimizer": opt, "extra_state": extra})
-    for k, v in model.state_dict().items():
-        assert np.array_equal(_np(v), expected[f"model/{k}"]), k
+    _same(full_state(model, opt), expected)
     assert model.head.weight is model.emb.weight
-    _check_optimizer(model, opt, expected)
     assert opt.param_groups[0]["lr"] == 0.01
     es = out["extra_state"]
     assert es["step"] == 3 and es["cfg"]["betas"] == [0.9, 0.999]
@@ -87,35 +73,21 @@ def test_format2_single_process_loads_bit_exactly(tmp_path) -> None:
 
 
 def test_format2_fsdp2_checkpoint_loads_into_plain_model(tmp_path) -> None:
-    from fixtures.make_format2 import fsdp_model
-
     path = _copy(tmp_path, "fsdp2")
     expected = _expected("fsdp2")
     model = fsdp_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
     out = acp.load(path, {"model": model, "optimizer": opt, "extra_state": {"step": 0}})
-    for k, v in model.state_dict().items():
-        assert np.array_equal(v.numpy(), expected[f"model/{k}"]), k
-    _check_optimizer(model, opt, expected)
+    _same(full_state(model, opt), expected)
     assert out["extra_state"]["step"] == 12
 
 
 def _fsdp2_load_body(rank, world, path, expected_path):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from fixtures.make_format2 import fsdp2_trained
 
-    expected = load_file(expected_path)
-    torch.manual_seed(77)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    model, opt = fsdp2_trained(rank + 7, world)  # other values than the saved ones, optimizer state present
     acp.load(path, {"model": model, "optimizer": opt, "extra_state": {"step": 0}})
-    for k, v in model.state_dict().items():
-        assert np.array_equal(v.full_tensor().detach().numpy(), expected[f"model/{k}"]), k
-    _check_optimizer(model, opt, expected)
+    _same(full_state(model, opt), load_file(expected_path))
     return True
 
 
@@ -165,3 +137,17 @@ def test_format2_rename_keeps_it_format2_in_its_layout(tmp_path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
     acp.load(path, {"model": model}, key_map={"model/0.weight": "model/first.weight"})
     assert np.array_equal(model[0].weight.detach().numpy(), expected["model/0.weight"])
+
+
+def test_format2_load_record_stays_in_its_layout(tmp_path) -> None:
+    """A recorded load of an old checkpoint writes beside its metadata: no ``.acp`` appears in it."""
+    from arraycheckpoint.tools.common import open_checkpoint
+    from arraycheckpoint.tools.metrics import recorded_metrics
+
+    path = _copy(tmp_path, "fsdp2")
+    assert not os.path.exists(path / ".metrics-load.json")
+    acp.load(path, {"model": fsdp_model()}, strict=False, record_metrics=True)
+    assert os.path.isfile(path / ".metrics-load.json") and not os.path.exists(path / ".acp")
+    ckpt = open_checkpoint(path)
+    records = recorded_metrics(ckpt.storage, ckpt.root, ckpt.meta)
+    assert "load" in records and "save" in records

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metadata import LOAD_METRICS_FILE, METRICS_FILE, CheckpointMetadata
+from ..metadata import CheckpointMetadata
 from ..storage import Storage
 from .common import human_bytes
 
@@ -45,10 +45,12 @@ class PhaseTable:
 
 
 def recorded_metrics(storage: Storage, root: str, meta: CheckpointMetadata) -> dict[str, Any]:
-    """Every record of a checkpoint: the metadata's, the complete save record of the ``.metrics.json``
-    sidecar (it adds the coordinator's commit phase) and the last opt-in load record (``.metrics-load.json``)."""
+    """Every record of a checkpoint: the metadata's, the complete save record of the ``.acp/metrics.json``
+    sidecar (it adds the coordinator's commit phase) and the last opt-in load record
+    (``.acp/metrics-load.json``; both in the root for a checkpoint of format 1 or 2)."""
     out: dict[str, Any] = dict(meta.metrics)
-    for key in (METRICS_FILE, LOAD_METRICS_FILE):
+    files = storage.control_files(root)
+    for key in (files.metrics, files.load_metrics):
         raw = storage.read(root, key)
         try:
             doc = json.loads(raw) if raw else {}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..engine import engine
 from ..errors import ArrayCheckpointError
 from ..items import LoadShard, LoadTensor
-from ..metadata import COMMIT_MARKER, METADATA_FILE, CheckpointMetadata, TensorMeta
+from ..metadata import CheckpointMetadata, TensorMeta
 from ..regions import Box, chunk_boxes, intersect
 from ..storage import Storage, storage_for
 from .common import Checkpoint
@@ -117,25 +117,28 @@ def verify(
     """
     storage, root = storage_for(os.fspath(path))
     report = VerifyReport(root)
-    raw = storage.read(root, METADATA_FILE)
-    committed = storage.exists(root, COMMIT_MARKER)
+    files = storage.control_files(root)  # format 3's .acp/, or an older checkpoint's root
+    raw = storage.read(root, files.metadata)
+    committed = storage.exists(root, files.committed)
     if raw is None:
         if committed:
-            report.problems.append(Problem("", None, f"committed but {METADATA_FILE} is missing"))
+            report.problems.append(Problem("", None, f"committed but {files.metadata} is missing"))
             return report
         from ..errors import CheckpointNotFoundError
 
-        raise CheckpointNotFoundError(f"no checkpoint at {root}: neither {METADATA_FILE} nor {COMMIT_MARKER}")
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {root}: neither {files.metadata} nor {files.committed}"
+        )
     if not committed:
         report.problems.append(
             Problem(
                 "",
                 None,
-                f"no commit marker {COMMIT_MARKER}: the save did not finish; the checkpoint does not load",
+                f"no commit marker {files.committed}: the save did not finish; the checkpoint does not load",
             )
         )
     try:
-        meta = CheckpointMetadata.from_json(raw)
+        meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
     except ArrayCheckpointError as e:
         report.problems.append(Problem("", None, str(e)))
         return report
