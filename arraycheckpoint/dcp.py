@@ -136,7 +136,7 @@ class Writer(StorageWriter):
     Call order (DCP's): every rank ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``; the
     coordinator ``prepare_global_plan`` (chunk grids, one writer per file, the staging location); every rank
     ``write_data`` (its items, one tensorstore write per chunk); the coordinator ``finish`` (array and group
-    metadata, ``.metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
+    metadata, ``.acp/metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
 
     Args:
         path: checkpoint path or URL (as for :func:`arraycheckpoint.save`).

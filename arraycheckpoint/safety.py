@@ -11,7 +11,7 @@ of on-disk bytes the load path makes before tensorstore or numpy sees them:
   device, nowhere below the root) and, per array, as many chunk objects as its chunk grid declares, so a
   shape of 1e13 declared by a checkpoint that holds one small file is refused before any buffer exists;
 * :func:`check_array`: just before an array is opened, its directory scanned again for regular files, its
-  ``zarr.json`` parsed (bounded) and cross-checked against ``.metadata.json``, crc32c required on every
+  ``zarr.json`` parsed (bounded) and cross-checked against the checkpoint metadata, crc32c required on every
   inner chunk and on the shard index (whatever the checkpoint says about its codec preset), and the zstd
   frame headers of every chunk checked against the declared chunk size before tensorstore inflates them.
   It returns the validated array metadata, which the engine opens with ``assume_metadata`` so that
@@ -38,12 +38,12 @@ from .errors import CorruptCheckpointError, MetadataError
 
 
 class InconsistentCheckpointError(MetadataError, CorruptCheckpointError):
-    """The stored files do not hold what ``.metadata.json`` declares (chunk files missing, or a declared
+    """The stored files do not hold what the checkpoint metadata declares (chunk files missing, or a declared
     shape the checkpoint cannot hold): damaged or hostile. Both a :class:`MetadataError` and a
     :class:`CorruptCheckpointError`, since from the files alone the two cannot be told apart."""
 
 
-#: Largest ``.metadata.json`` read (bytes). Format 1 stores one record per saved region; a 10,000-rank save
+#: Largest metadata file read (``.acp/metadata.json``; ``.metadata.json`` before format 3), in bytes. Format 1 stores one record per saved region; a 10,000-rank save
 #: of a few thousand tensors stays far below this; anything larger is refused before it is read.
 MAX_METADATA_BYTES = 256 << 20
 #: Largest small JSON document of an array (``zarr.json``) or group.
@@ -286,14 +286,14 @@ def check_array(
 
     Local file systems: the array's directory is scanned again (regular files only) and no directory
     between the root and it is a link. The array's ``zarr.json`` (when the codec preset is unknown, and on
-    local file systems always, where it costs nothing) must agree with ``.metadata.json`` on shape, data
+    local file systems always, where it costs nothing) must agree with the checkpoint metadata on shape, data
     type, chunk grid and compression, and must protect every inner chunk and the shard index with crc32c;
     the checkpoint cannot switch integrity checks off. Compressed arrays: every zstd frame is checked
     against the declared inner chunk size before tensorstore inflates it (only in the chunks that
     intersect ``boxes``, the regions about to be read, when given).
 
     Raises:
-        MetadataError: ``zarr.json`` is malformed or disagrees with ``.metadata.json``, or lacks crc32c.
+        MetadataError: ``zarr.json`` is malformed or disagrees with the checkpoint metadata, or lacks crc32c.
         CorruptCheckpointError: a link or non-regular file, or a zstd frame that does not decode to its
             declared chunk.
     """
@@ -342,7 +342,7 @@ def _kv_read(kv: Any, key: str) -> bytes | None:
 def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str) -> None:
     def bad(why: str) -> MetadataError:
         return MetadataError(
-            f"tensor {tm.name!r}: {where}/zarr.json {why}; it must agree with .metadata.json (the checkpoint "
+            f"tensor {tm.name!r}: {where}/zarr.json {why}; it must agree with the checkpoint metadata (the checkpoint "
             "is damaged or hostile: re-save it, or read the array with zarr directly if you trust it)"
         )
 
@@ -350,7 +350,9 @@ def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str)
         raise bad("is not a JSON object")
     for key in ("zarr_format", "node_type", "data_type", "shape", "chunk_grid"):
         if stored.get(key) != generated[key]:
-            raise bad(f"has {key} {stored.get(key)!r} where .metadata.json implies {generated[key]!r}")
+            raise bad(
+                f"has {key} {stored.get(key)!r} where the checkpoint metadata implies {generated[key]!r}"
+            )
     encoding = stored.get("chunk_key_encoding")
     if encoding not in ({"name": "default"}, generated["chunk_key_encoding"]):  # "/" is the default separator
         raise bad(f"has chunk_key_encoding {encoding!r}; arraycheckpoint writes the default one")
