@@ -1,6 +1,7 @@
 """``arraycheckpoint verify``: is a checkpoint complete and undamaged?
 
-Checks, in order: the commit marker and metadata; for every tensor, that its saved regions (ShardMeta) cover
+Checks, in order: the commit marker and metadata (and, format 3, the control node ``.acp/zarr.json``); for
+every tensor, that its saved regions (ShardMeta) cover
 the whole global shape; that every stored chunk file of its chunk grid exists (a missing file would read back
 as zeros); and that every chunk decodes with its checksums (each read goes through the engine, so a crc32c
 mismatch in a shard index or an inner chunk raises). Every problem is reported with the tensor and chunk named.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from ..engine import engine
 from ..errors import ArrayCheckpointError
 from ..items import LoadShard, LoadTensor
-from ..metadata import CheckpointMetadata, TensorMeta
+from ..metadata import CONTROL_DIR, CheckpointMetadata, TensorMeta
 from ..regions import Box, chunk_boxes, intersect
 from ..storage import Storage, storage_for
 from .common import Checkpoint
@@ -142,6 +143,15 @@ def verify(
     except ArrayCheckpointError as e:
         report.problems.append(Problem("", None, str(e)))
         return report
+    if files.node is not None and not storage.exists(root, files.node):
+        report.problems.append(
+            Problem(
+                "",
+                None,
+                f"control node {files.node} is missing: the checkpoint loads, but zarr-python and xarray "
+                f"listings warn about the files in {CONTROL_DIR}/ (re-save it, or restore the file)",
+            )
+        )
     ckpt = Checkpoint(storage, root, meta)
     for name, tm in sorted(meta.tensors.items()):
         report.tensors += 1

@@ -108,3 +108,20 @@ def test_two_process_fsdp2_checkpoint_lists_without_warnings(tmp_path: Path) -> 
     )
     assert acp.read_metadata(ckpt).world_size == 2
     check_plain_readers(ckpt, expected)
+
+
+def test_verify_reports_a_missing_control_node(tmp_path: Path) -> None:
+    """Without ``.acp/zarr.json`` the checkpoint still loads, but listings would warn: verify says so."""
+    from arraycheckpoint.tools.verify import verify
+
+    ckpt = tmp_path / "ck"
+    model = torch.nn.Linear(3, 2)
+    acp.save(ckpt, {"model": model})
+    assert verify(ckpt).ok
+    assert CONTROL.node is not None
+    os.remove(ckpt / CONTROL.node)
+    report = verify(ckpt)
+    assert not report.ok and any(CONTROL.node in p.message for p in report.problems), report.problems
+    target = torch.nn.Linear(3, 2)
+    acp.load(ckpt, {"model": target})
+    assert torch.equal(target.weight, model.weight)
