@@ -42,8 +42,8 @@ class LoadPipeline:
         of the storage (:mod:`arraycheckpoint.sources`); :meth:`_read` then delegates to it.
         """
         storage, root = storage_for(url)
-        files = storage.control_files(root)  # format 3's .acp/, or an older checkpoint's root
-        if not storage.exists(root, files.committed):
+        files = storage.committed_layout(root)  # format 3's .acp/, or an older checkpoint's root
+        if files is None:
             from ..sources import open_source  # hook: foreign formats
 
             source = open_source(storage, root, allow_pickle=allow_pickle)
@@ -51,7 +51,7 @@ class LoadPipeline:
                 return source, root, source.metadata  # type: ignore[return-value]
             what = (
                 "has no commit marker (a save did not finish)"
-                if storage.exists(root, files.metadata)
+                if storage.exists(root, storage.control_files(root).metadata)
                 else "does not exist"
             )
             raise CheckpointNotFoundError(f"no committed checkpoint at {root}: it {what}")

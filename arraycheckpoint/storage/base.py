@@ -121,16 +121,20 @@ class Storage(ABC):
 
     def is_committed(self, root: str) -> bool:
         """Whether ``root`` holds a committed checkpoint (its commit marker exists, in any format's layout)."""
-        return any(self.exists(root, files.committed) for files in CONTROL_LAYOUTS)
+        return self.committed_layout(root) is not None
+
+    def committed_layout(self, root: str) -> ControlFiles | None:
+        """The layout whose commit marker is at ``root`` (format 3's first: one lookup for a current
+        checkpoint), or None when ``root`` holds no committed checkpoint."""
+        return next((files for files in CONTROL_LAYOUTS if self.exists(root, files.committed)), None)
 
     def control_files(self, root: str) -> ControlFiles:
         """Where the checkpoint at ``root`` keeps its control files: the layout whose commit marker (else
         whose metadata) is there; the current layout when neither is (a new or absent checkpoint)."""
-        for key in ("committed", "metadata"):
-            for files in CONTROL_LAYOUTS:
-                if self.exists(root, getattr(files, key)):
-                    return files
-        return CONTROL
+        committed = self.committed_layout(root)
+        if committed is not None:
+            return committed
+        return next((files for files in CONTROL_LAYOUTS if self.exists(root, files.metadata)), CONTROL)
 
     def children(self, root: str) -> list[str]:
         """Names of the immediate children (files and directories/prefixes) of ``root``, sorted."""
