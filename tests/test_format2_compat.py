@@ -151,3 +151,22 @@ def test_format2_load_record_stays_in_its_layout(tmp_path) -> None:
     ckpt = open_checkpoint(path)
     records = recorded_metrics(ckpt.storage, ckpt.root, ckpt.meta)
     assert "load" in records and "save" in records
+
+
+def test_manager_lists_restores_and_retires_format2_steps(tmp_path) -> None:
+    """A manager root holding format-2 steps: they count as committed, restore, and retention removes them."""
+    from arraycheckpoint.manager import CheckpointManager
+
+    root = tmp_path / "run"
+    root.mkdir()
+    shutil.copytree(os.path.join(FIXTURES, "fsdp2"), root / "step_00000001")
+    shutil.copytree(os.path.join(FIXTURES, "fsdp2"), root / "step_00000002")
+    with CheckpointManager(root, keep_last=2) as mgr:  # cleanup on start must keep the old steps
+        assert mgr.all_steps() == [1, 2]
+        model = fsdp_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.5)
+        mgr.restore(2, state={"model": model, "optimizer": opt, "extra_state": {"step": 0}})
+        _same(full_state(model, opt), _expected("fsdp2"))
+        mgr.save(3, {"model": model}).result()
+        assert mgr.all_steps() == [2, 3]
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000003"]
