@@ -13,6 +13,7 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 import torch
 from fixtures.make_format2 import fsdp_model, full_state
 from safetensors.numpy import load_file
@@ -170,3 +171,19 @@ def test_manager_lists_restores_and_retires_format2_steps(tmp_path) -> None:
         mgr.save(3, {"model": model}).result()
         assert mgr.all_steps() == [2, 3]
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000003"]
+
+
+def test_roles_of_both_formats_are_found(tmp_path) -> None:
+    """A roles root with a format-2 role and a format-3 role: both listed, and named by the not-found error."""
+    from arraycheckpoint.metadata import marker_owner
+    from arraycheckpoint.stateful import list_roles
+
+    assert marker_owner(".acp/committed") == "" and marker_owner(".committed") == ""
+    assert marker_owner("actor/.acp/committed") == "actor" and marker_owner("a/b/.committed") == "a/b"
+    assert marker_owner("actor/.acp/metadata.json") is None and marker_owner("x/committed") is None
+    root = tmp_path / "roles"
+    shutil.copytree(os.path.join(FIXTURES, "fsdp2"), root / "old")
+    acp.save(root / "new", {"model": fsdp_model()})
+    assert list_roles(root) == ["new", "old"]
+    with pytest.raises(acp.CheckpointNotFoundError, match="new, old"):
+        acp.load(root, {"model": fsdp_model()})
