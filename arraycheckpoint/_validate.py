@@ -118,7 +118,7 @@ def key_map_function(
 
 def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNotFoundError:
     """A not-found error that tells a missing path from a directory holding no committed checkpoint."""
-    from .metadata import COMMIT_MARKER
+    from .metadata import marker_owner
     from .storage import LocalStorage, storage_for
 
     try:
@@ -128,7 +128,7 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
         return error
     if not keys and not (isinstance(storage, LocalStorage) and os.path.isdir(root)):
         return CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
-    inner = sorted({k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + COMMIT_MARKER)})
+    inner = sorted({o for o in map(marker_owner, keys) if o})
     if inner:
         return CheckpointNotFoundError(
             f"no committed checkpoint at {path} itself, but it holds committed checkpoints in "

@@ -46,7 +46,8 @@ from . import __version__
 from ._tscontext import context
 from .codecs import CODEC_PRESET, array_metadata, numpy_dtype, zarr_dtype_name
 from .errors import ArrayCheckpointError, PlanError
-from .metadata import METADATA_FILE, CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
+from .hierarchy import hierarchy_documents
+from .metadata import CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
 from .plan import PlanOptions, split_chunk
 from .regions import Box, chunk_boxes
 from .rules import encode_ranks
@@ -141,7 +142,7 @@ class Writer(StorageWriter):
     Call order (DCP's): every rank ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``; the
     coordinator ``prepare_global_plan`` (chunk grids, one writer per file, the staging location); every rank
     ``write_data`` (its items, one tensorstore write per chunk); the coordinator ``finish`` (array and group
-    metadata, ``.metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
+    metadata, ``.acp/metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
 
     Args:
         path: checkpoint path or URL (as for :func:`arraycheckpoint.save`).
@@ -360,27 +361,14 @@ class Writer(StorageWriter):
             layout_groups=tuple({"meshes": [], "ranks": encode_ranks([r])} for r in holders),
         )
         kv = ts.KvStore.open(storage.kvstore_spec(staging), context=context()).result()
-        attrs = {
-            "format_version": meta.format_version,
-            "framework": "torch",
-            "step": None,
-            "world_size": world,
-        }
-        groups = {""} | {"/".join(n.split("/")[:i]) for n in tensors for i in range(1, n.count("/") + 1)}
-        docs = {
-            f"{g}/zarr.json" if g else "zarr.json": {
-                "zarr_format": 3,
-                "node_type": "group",
-                "attributes": attrs if g == "" else {},
-            }
-            for g in groups
-        }
+        docs = hierarchy_documents(meta)
         for entry, tm in tensors.items():
-            docs[f"{entry}/zarr.json"] = array_metadata(
-                tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, name=entry
-            )
-        writes = [kv.write(key, json.dumps(doc).encode()) for key, doc in sorted(docs.items())]
-        writes.append(kv.write(METADATA_FILE, meta.to_json().encode()))
+            docs[f"{entry}/zarr.json"] = json.dumps(
+                array_metadata(
+                    tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, name=entry
+                )
+            ).encode()
+        writes = [kv.write(key, doc) for key, doc in sorted(docs.items())]
         for w in writes:
             w.result()
         storage.flush(staging)

@@ -23,7 +23,7 @@ class CheckpointExistsError(ArrayCheckpointError, FileExistsError):
 
 
 class MetadataError(ArrayCheckpointError, ValueError):
-    """``.metadata.json`` is malformed, of an unknown format version, or describes impossible tensors."""
+    """The checkpoint metadata (``.acp/metadata.json``; ``.metadata.json`` before format 3) is malformed, of an unknown format version, or describes impossible tensors."""
 
 
 class UnsafeNameError(ArrayCheckpointError, ValueError):

@@ -41,7 +41,7 @@ from .errors import (  # InconsistentCheckpointError: also importable from here 
     MetadataError,
 )
 
-#: Largest ``.metadata.json`` read (bytes). Format 1 stores one record per saved region; a 10,000-rank save
+#: Largest metadata file read (``.acp/metadata.json``; ``.metadata.json`` before format 3), in bytes. Format 1 stores one record per saved region; a 10,000-rank save
 #: of a few thousand tensors stays far below this; anything larger is refused before it is read.
 MAX_METADATA_BYTES = 256 << 20
 #: Largest small JSON document of an array (``zarr.json``) or group.
@@ -382,7 +382,7 @@ def _kv_read(kv: Any, key: str) -> bytes | None:
 def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str) -> None:
     def bad(why: str) -> MetadataError:
         return MetadataError(
-            f"tensor {tm.name!r}: {where}/zarr.json {why}; it must agree with .metadata.json (the checkpoint "
+            f"tensor {tm.name!r}: {where}/zarr.json {why}; it must agree with the checkpoint metadata (the checkpoint "
             "is damaged or hostile: re-save it, or read the array with zarr directly if you trust it)"
         )
 
@@ -390,7 +390,9 @@ def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str)
         raise bad("is not a JSON object")
     for key in ("zarr_format", "node_type", "data_type", "shape", "chunk_grid"):
         if stored.get(key) != generated[key]:
-            raise bad(f"has {key} {stored.get(key)!r} where .metadata.json implies {generated[key]!r}")
+            raise bad(
+                f"has {key} {stored.get(key)!r} where the checkpoint metadata implies {generated[key]!r}"
+            )
     encoding = stored.get("chunk_key_encoding")
     bare_default = {"name": "default"}  # means the "/" separator
     if encoding != generated["chunk_key_encoding"] and not (

@@ -31,6 +31,7 @@ from arraycheckpoint.errors import (
     UnsafeNameError,
 )
 from arraycheckpoint.manager import CheckpointManager
+from arraycheckpoint.metadata import METADATA_FILE
 from arraycheckpoint.storage import LocalStorage, register_scheme
 from arraycheckpoint.testing import chunk_files
 
@@ -326,7 +327,7 @@ def _metadata_variants(doc: dict, text: str, sentinel: str) -> dict[str, bytes]:
 def test_malformed_metadata_is_refused_without_running_code(tmp_path: Path) -> None:
     path = tmp_path / "inner" / "ck"
     acp.save(path, state_for(3))
-    meta_file = path / ".metadata.json"
+    meta_file = path / METADATA_FILE
     text = meta_file.read_text()
     sentinel = tmp_path / "PWNED"
     variants = _metadata_variants(json.loads(text), text, str(sentinel))

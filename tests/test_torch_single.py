@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
+from arraycheckpoint.metadata import COMMIT_MARKER, METADATA_FILE
 from arraycheckpoint.testing import chunk_files
 
 DTYPES = [
@@ -218,7 +219,7 @@ def test_strict_load_names_every_mismatch(tmp_path):
 
 def test_uncommitted_checkpoint_does_not_load(tmp_path):
     acp.save(tmp_path / "ck", {"model": {"w": torch.ones(3)}})
-    os.remove(tmp_path / "ck" / ".committed")
+    os.remove(tmp_path / "ck" / COMMIT_MARKER)
     with pytest.raises(acp.CheckpointNotFoundError, match="commit marker"):
         acp.load(tmp_path / "ck", {"model": {"w": torch.zeros(3)}})
     with pytest.raises(acp.CheckpointNotFoundError, match="does not exist"):
@@ -244,7 +245,7 @@ def test_unsafe_names_refused_on_save(tmp_path, name):
 
 def test_unsafe_names_refused_on_load(tmp_path):
     acp.save(tmp_path / "ck", {"model": {"w": torch.ones(2)}})
-    meta_path = tmp_path / "ck" / ".metadata.json"
+    meta_path = tmp_path / "ck" / METADATA_FILE
     doc = json.loads(meta_path.read_text())
     doc["tensors"]["model/../../escape"] = doc["tensors"].pop("model/w")
     meta_path.write_text(json.dumps(doc))

@@ -162,7 +162,7 @@ def dimension_names_for(name: str, ndim: int) -> list[str]:
 
 
 #: Version of the codec pipeline :func:`array_metadata` builds. Checkpoints record it; a reader whose preset
-#: matches can open arrays from ``.metadata.json`` alone, others read each array's ``zarr.json``.
+#: matches can open arrays from the checkpoint metadata alone, others read each array's ``zarr.json``.
 #: 1: sharding_indexed, bytes little-endian, optional zstd, crc32c per inner chunk, crc32c index.
 CODEC_PRESET = 1
 

@@ -11,9 +11,9 @@ Per save, in the background thread of every rank, in this order:
    the distinct declarations once; every rank then plans (:mod:`arraycheckpoint.groupplan`: deterministic,
    the same plan everywhere) and derives its own work. No rank receives O(world size x payload) bytes;
 2. (the save pipeline exchanges fragments and writes its chunks)
-3. *commit*: the coordinator gathers every rank's status, writes ``.metadata.json`` and the group
-   ``zarr.json`` files, commits through the storage's strategy and broadcasts the outcome, so an error on
-   any rank surfaces on every rank.
+3. *commit*: the coordinator gathers every rank's status, writes the metadata, the control node and the
+   group ``zarr.json`` files (:mod:`arraycheckpoint.hierarchy`), commits through the storage's strategy and
+   broadcasts the outcome, so an error on any rank surfaces on every rank.
 
 No bytes of tensor data pass through here. The plan id every rank executed is compared at commit.
 """
@@ -37,9 +37,9 @@ from ..collectives import Communicator
 from ..errors import ArrayCheckpointError, SaveFailedError
 from ..groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
 from ..groupplan import rank_plan as rank_plan_of
+from ..hierarchy import hierarchy_documents
 from ..items import SaveRequest, SaveTensor
 from ..metadata import (
-    METADATA_FILE,
     METRICS_FILE,
     CheckpointMetadata,
     LazyShards,
@@ -167,22 +167,7 @@ class Coordinator:
         assert plan is not None, "coordinator lost its plan"
         meta = build_metadata(plan, job.request, statuses)
         kv = ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
-        groups = {""}
-        for name in list(meta.tensors) + list(meta.objects):
-            parts = name.split("/")
-            groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        attrs = {
-            "format_version": meta.format_version,
-            "framework": meta.framework,
-            "step": meta.step,
-            "world_size": meta.world_size,
-            "topology": dict(meta.topology),
-            "roles": list(meta.roles),
-        }
-        writes = [kv.write(METADATA_FILE, meta.to_json().encode())]
-        for g in sorted(groups):
-            doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs if g == "" else {}}
-            writes.append(kv.write(f"{g}/zarr.json" if g else "zarr.json", json.dumps(doc).encode()))
+        writes = [kv.write(key, doc) for key, doc in hierarchy_documents(meta).items()]
         for w in writes:
             w.result()
         job.storage.flush(job.staging)

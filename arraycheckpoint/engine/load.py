@@ -19,7 +19,7 @@ from ..codecs import numpy_dtype
 from ..collectives import Communicator
 from ..errors import CheckpointNotFoundError, MetadataError, StorageError
 from ..items import LoadShard, LoadTensor
-from ..metadata import LOAD_METRICS_FILE, METADATA_FILE, CheckpointMetadata, check_name
+from ..metadata import CheckpointMetadata, check_name
 from ..monitoring import PhaseRecorder
 from ..regions import Box
 from ..storage import Storage, storage_for
@@ -42,7 +42,8 @@ class LoadPipeline:
         of the storage (:mod:`arraycheckpoint.sources`); :meth:`_read` then delegates to it.
         """
         storage, root = storage_for(url)
-        if not storage.is_committed(root):
+        files = storage.committed_layout(root)  # format 3's .acp/, or an older checkpoint's root
+        if files is None:
             from ..sources import open_source  # hook: foreign formats
 
             source = open_source(storage, root, allow_pickle=allow_pickle)
@@ -50,15 +51,15 @@ class LoadPipeline:
                 return source, root, source.metadata  # type: ignore[return-value]
             what = (
                 "has no commit marker (a save did not finish)"
-                if storage.exists(root, METADATA_FILE)
+                if storage.exists(root, storage.control_files(root).metadata)
                 else "does not exist"
             )
             raise CheckpointNotFoundError(f"no committed checkpoint at {root}: it {what}")
         try:
-            raw = storage.read(root, METADATA_FILE)
+            raw = storage.read(root, files.metadata)
             if raw is None:
-                raise MetadataError(f"checkpoint {root} is committed but has no {METADATA_FILE}")
-            meta = CheckpointMetadata.from_json(raw)
+                raise MetadataError(f"checkpoint {root} is committed but has no {files.metadata}")
+            meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
             safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
         except Exception as e:
             gone = _gone(storage, root, e, "opened")
@@ -302,9 +303,10 @@ def _slabs(box: Box, target: np.ndarray, limit: int) -> list[tuple[Box, np.ndarr
 
 
 def record_load_metrics(url: str, recorder: PhaseRecorder, comm: Communicator) -> None:
-    """Gather every rank's load phases; the coordinator stores them as ``.metrics-load.json`` (collective)."""
+    """Gather every rank's load phases; the coordinator stores them as ``.acp/metrics-load.json`` (collective)."""
     records = comm.gather_json(recorder.to_json(), dst=0)
     if records is not None:
         storage, root = storage_for(url)
         doc = {"load": {str(r): rec for r, rec in enumerate(records)}}
-        write_sidecar(storage, root, LOAD_METRICS_FILE, doc)
+        # beside the checkpoint's own metadata: an older checkpoint keeps its layout
+        write_sidecar(storage, root, storage.control_files(root).load_metrics, doc)

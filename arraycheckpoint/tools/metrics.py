@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, MetadataError
-from ..metadata import LOAD_METRICS_FILE, METRICS_FILE, CheckpointMetadata
+from ..metadata import CheckpointMetadata
 from ..safety import MAX_METADATA_BYTES, load_json_bounded
 from ..storage import Storage
 from .common import human_bytes
@@ -46,8 +46,9 @@ class PhaseTable:
 
 
 def recorded_metrics(storage: Storage, root: str, meta: CheckpointMetadata) -> dict[str, Any]:
-    """Every record of a checkpoint: the metadata's, the complete save record of the ``.metrics.json``
-    sidecar (it adds the coordinator's commit phase) and the last opt-in load record (``.metrics-load.json``).
+    """Every record of a checkpoint: the metadata's, the complete save record of the ``.acp/metrics.json``
+    sidecar (it adds the coordinator's commit phase) and the last opt-in load record
+    (``.acp/metrics-load.json``; both in the root for a checkpoint of format 1 or 2).
 
     The sidecars are checkpoint input like the rest (DESIGN invariant 10): read as regular files only (no
     link, no FIFO), at most :data:`~arraycheckpoint.safety.MAX_METADATA_BYTES`, nested at most
@@ -58,7 +59,8 @@ def recorded_metrics(storage: Storage, root: str, meta: CheckpointMetadata) -> d
             a JSON object (the message names its path).
     """
     out: dict[str, Any] = dict(meta.metrics)
-    for key in (METRICS_FILE, LOAD_METRICS_FILE):
+    files = storage.control_files(root)
+    for key in (files.metrics, files.load_metrics):
         where = f"metrics file {root.rstrip('/')}/{key}"
         try:
             raw = storage.read(root, key)

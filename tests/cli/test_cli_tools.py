@@ -13,7 +13,7 @@ import torch
 from cli_helpers import REPO, cli, cli_json, flip_byte
 
 import arraycheckpoint as acp
-from arraycheckpoint.metadata import FORMAT_VERSION
+from arraycheckpoint.metadata import COMMIT_MARKER, FORMAT_VERSION, METADATA_FILE
 from arraycheckpoint.plan import PlanOptions
 
 SMALL_CHUNKS = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=1024, inner_chunk_bytes=256)
@@ -116,7 +116,7 @@ def test_verify_ok_then_flipped_byte_then_missing_chunk(saved):
 
 def test_verify_uncommitted_and_absent(saved, tmp_path):
     path, _, _ = saved
-    os.unlink(os.path.join(path, ".committed"))
+    os.unlink(os.path.join(path, COMMIT_MARKER))
     assert "no commit marker" in cli("verify", path, check=1).stdout
     assert cli("verify", str(tmp_path / "nothing"), check=2).stderr
 
@@ -241,12 +241,12 @@ def test_rename_resumes_an_interrupted_journal(saved, tmp_path):
     from arraycheckpoint.tools.rename import JOURNAL, TMP_DIR, plan_rename
 
     path, model, _ = saved
-    meta = CheckpointMetadata.from_json(open(os.path.join(path, ".metadata.json")).read())
+    meta = CheckpointMetadata.from_json(open(os.path.join(path, METADATA_FILE)).read())
     new_meta, result = plan_rename(meta, {"2.bias": "head.bias"})
     doc = {"tensors": result.tensors, "objects": result.objects, "metadata": new_meta.to_json()}
     with open(os.path.join(path, JOURNAL), "w") as f:
         json.dump(doc, f)
-    os.unlink(os.path.join(path, ".committed"))
+    os.unlink(os.path.join(path, COMMIT_MARKER))
     os.makedirs(os.path.join(path, TMP_DIR))
     moves = sorted(result.tensors.items())
     os.rename(os.path.join(path, moves[0][0]), os.path.join(path, TMP_DIR, "0"))

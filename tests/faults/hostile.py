@@ -30,8 +30,10 @@ def save_small(path: str, *, compression: str | None = None, extra: Any = None) 
 
 
 def edit_metadata(root: str, fn: Any) -> None:
-    """Rewrite ``root/.metadata.json`` through ``fn(doc)`` (in place, as an attacker would)."""
-    p = Path(root) / ".metadata.json"
+    """Rewrite the metadata of ``root`` through ``fn(doc)`` (in place, as an attacker would)."""
+    from arraycheckpoint.metadata import METADATA_FILE
+
+    p = Path(root) / METADATA_FILE
     doc = json.loads(p.read_text())
     fn(doc)
     p.write_text(json.dumps(doc))
