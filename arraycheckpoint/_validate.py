@@ -6,6 +6,8 @@ missing checkpoint, list the path).
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -72,6 +74,26 @@ def check_kwargs(verb: str, kwargs: Mapping[str, Any], fn: Callable[..., Any]) -
         )
 
 
+def check_timeout(timeout: Any) -> float | None:
+    """``timeout=`` of save/load: None (the communicator's default) or a positive finite number of seconds.
+
+    Raises:
+        InvalidArgumentError: anything else (a bool, a string, zero, a negative number, NaN or infinity).
+    """
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not (math.isfinite(timeout) and timeout > 0)
+    ):
+        raise InvalidArgumentError(
+            f"timeout must be a positive finite number of seconds (the liveness bound after which a stalled "
+            f"rank fails the save or load), got {timeout!r}; pass None for the default"
+        )
+    return float(timeout)
+
+
 def key_map_function(
     key_map: Callable[[str], str | None] | Mapping[str, str | None] | None, state: Mapping[str, Any]
 ) -> Callable[[str], str | None] | None:
@@ -96,7 +118,7 @@ def key_map_function(
 
 def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNotFoundError:
     """A not-found error that tells a missing path from a directory holding no committed checkpoint."""
-    from .metadata import COMMIT_MARKER
+    from .metadata import marker_owner
     from .storage import LocalStorage, storage_for
 
     try:
@@ -106,7 +128,7 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
         return error
     if not keys and not (isinstance(storage, LocalStorage) and os.path.isdir(root)):
         return CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
-    inner = sorted({k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + COMMIT_MARKER)})
+    inner = sorted({o for o in map(marker_owner, keys) if o})
     if inner:
         return CheckpointNotFoundError(
             f"no committed checkpoint at {path} itself, but it holds committed checkpoints in "

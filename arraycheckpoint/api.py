@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._validate import check_kwargs, check_state, explain_not_found, key_map_function
+from ._validate import check_kwargs, check_state, check_timeout, explain_not_found, key_map_function
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
 from .collectives import Communicator, default_communicator
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
@@ -19,6 +19,8 @@ from .errors import CheckpointNotFoundError, InvalidArgumentError, StateMismatch
 from .future import CheckpointFuture
 from .metadata import CheckpointMetadata
 from .plan import PlanOptions
+from .storage import storage_for
+from .storage.base import reading
 
 _FRAMEWORKS = {
     "torch": "torch",
@@ -87,6 +89,7 @@ def save_async(
     comm: Communicator | None = None,
     max_inflight_bytes: int | None = None,
     role: str | None = None,
+    timeout: float | None = None,
     _blocking: bool = False,
 ) -> CheckpointFuture:
     """Start saving ``state`` to ``path``; returns once the snapshot is taken.
@@ -106,6 +109,10 @@ def save_async(
         comm: the communicator; defaults to torch.distributed's world (a dedicated gloo group) or one process.
         max_inflight_bytes: bound on bytes handed to storage and not yet written.
         role: save as role ``role`` (e.g. ``"actor"``): a checkpoint of its own at ``<path>/<role>``.
+        timeout: liveness bound in seconds (the same on every rank): a rank that stops progressing (stopped,
+            frozen, its host gone) makes every rank's save fail with :class:`StalledRankError` naming it
+            about this long after it stalled. Slow but live ranks are waited for, however long. Default:
+            the communicator's (``ACP_LIVENESS_TIMEOUT``, else 300 s).
 
     Example:
         >>> fut = acp.save_async("ckpt/step_100", {"model": model, "optimizer": opt}, step=100)
@@ -115,6 +122,7 @@ def save_async(
     from . import stateful
 
     check_state(state, framework)
+    liveness_timeout = check_timeout(timeout)
     path = stateful.role_path(path, role)
     special, state = stateful.split(state)
     # --
@@ -135,6 +143,7 @@ def save_async(
         plan=plan,
         max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
         blocking=_blocking,
+        liveness_timeout=liveness_timeout,
     )
     return engine().save_async(os.fspath(path), request, comm, options)
 
@@ -167,6 +176,7 @@ def load(
     device: Any = None,
     all_or_nothing: bool = False,
     max_inflight_bytes: int | None = None,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     """Load a committed checkpoint into ``state`` under the current (any) parallel layout.
 
@@ -202,6 +212,8 @@ def load(
             read succeeded. By default torch targets are written in place as regions arrive, so a load that
             fails midway (a damaged chunk, a checkpoint deleted under the reader) may leave them partly
             overwritten; this mode prevents that at the cost of holding the loaded bytes twice (opt-in).
+        timeout: liveness bound in seconds of the load's collectives (strict checks across ranks,
+            ``dedup_reads``, ``record_metrics``), as for :func:`save_async`.
 
     Returns:
         ``state`` with loaded values (the same objects for torch; new arrays for jax).
@@ -217,51 +229,59 @@ def load(
     from . import stateful
 
     check_state(state, framework)
+    liveness_timeout = check_timeout(timeout)
     key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)
-    eng = engine()
-    try:
-        storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
-    except CheckpointNotFoundError as e:
-        raise explain_not_found(os.fspath(path), e) from None
-    special, state = stateful.split(state, meta)
-    # --
-    framework = framework or detect_framework(state)
-    options = AdapterOptions(
-        allow_pickle=allow_pickle,
-        strict=strict,
-        allow_cast=allow_cast,
-        key_map=key_map,
-        transforms=dict(transforms or {}),
-        indivisible=indivisible,
-        device=device,
-    )
-    job = _adapter(framework).load_job(meta, state, options)
-    job = stateful.merge_load(job, special, meta, lambda: _communicator(comm, framework), options)  # stateful
-    found = check_expected(meta, job, options)
-    needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
-    communicator = _communicator(comm, framework) if needs_comm else None
-    if strict and job.global_namespaces:
-        _check_unexpected_across_ranks(meta, job, communicator)
-    if report is not None:
-        report.update(found)
-    recorder = eng.load(
-        storage,
-        root,
-        meta,
-        job.targets,
-        comm=communicator,
-        dedup_reads=dedup_reads,
-        all_or_nothing=all_or_nothing,
-        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
-    )
-    if report is not None:
-        report["metrics"] = recorder.to_json()["phases"]
-    if record_metrics:
-        from .engine import record_load_metrics
+    # registered as being read from the first look at it: a manager's retention in this process skips it
+    with reading(*storage_for(os.fspath(path))):
+        eng = engine()
+        try:
+            storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
+        except CheckpointNotFoundError as e:
+            raise explain_not_found(os.fspath(path), e) from None
+        special, state = stateful.split(state, meta)
+        # --
+        framework = framework or detect_framework(state)
+        options = AdapterOptions(
+            allow_pickle=allow_pickle,
+            strict=strict,
+            allow_cast=allow_cast,
+            key_map=key_map,
+            transforms=dict(transforms or {}),
+            indivisible=indivisible,
+            device=device,
+        )
+        job = _adapter(framework).load_job(meta, state, options)
+        job = stateful.merge_load(
+            job, special, meta, lambda: _communicator(comm, framework), options
+        )  # stateful
+        found = check_expected(meta, job, options)
+        needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
+        communicator = _communicator(comm, framework) if needs_comm else None
+        if communicator is not None:
+            eng.wait_idle()  # a save in flight still uses the group (and its timeout)
+            communicator.set_liveness_timeout(liveness_timeout)
+        if strict and job.global_namespaces:
+            _check_unexpected_across_ranks(meta, job, communicator)
+        if report is not None:
+            report.update(found)
+        recorder = eng.load(
+            storage,
+            root,
+            meta,
+            job.targets,
+            comm=communicator,
+            dedup_reads=dedup_reads,
+            all_or_nothing=all_or_nothing,
+            max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
+        )
+        if report is not None:
+            report["metrics"] = recorder.to_json()["phases"]
+        if record_metrics:
+            from .engine import record_load_metrics
 
-        record_load_metrics(root, recorder, communicator)
-    return job.finish()
+            record_load_metrics(root, recorder, communicator)
+        return job.finish()
 
 
 def load_jax(
@@ -276,6 +296,7 @@ def load_jax(
     indivisible: str = "error",
     comm: Communicator | None = None,
     report: dict[str, list[str]] | None = None,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint (saved by JAX or PyTorch) into new jax arrays: :func:`load` with ``framework="jax"``.
 
@@ -290,7 +311,7 @@ def load_jax(
             ``Linear.weight``. A transformed tensor is read in full on every process, then sliced.
         indivisible: ``"error"`` raises when a ``NamedSharding`` dimension does not divide by its mesh axis
             (the message names the tensor and axis); ``"replicate"`` loads that dimension replicated.
-        comm: the communicator (as in :func:`arraycheckpoint.load`).
+        comm, timeout: as in :func:`arraycheckpoint.load`.
 
     Returns:
         A dict shaped like ``state`` with new arrays (leaves the checkpoint lacks, under ``strict=False``,
@@ -312,6 +333,7 @@ def load_jax(
         indivisible=indivisible,
         comm=comm,
         report=report,
+        timeout=timeout,
     )
 
 

@@ -94,6 +94,12 @@ class Communicator(ABC):
     def barrier(self) -> None:
         self.all_gather_bytes(b"")
 
+    def set_liveness_timeout(self, timeout: float | None) -> None:  # noqa: B027 - optional, no-op by default
+        """Seconds without progress from a peer after which a collective fails with
+        :class:`~arraycheckpoint.errors.StalledRankError` naming it; None: this communicator's default.
+        Called by the engine before a save's or load's first collective (the ``timeout=`` argument), with
+        the same value on every rank. Communicators without liveness checks ignore it."""
+
     # JSON conveniences ------------------------------------------------------------------------------
     def all_gather_json(self, obj: Any) -> list[Any]:
         return [json.loads(b) for b in self.all_gather_bytes(_dumps(obj))]
@@ -169,6 +175,7 @@ class TorchCommunicator(Communicator):
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
         self._liveness: Liveness | None = None
+        self._default_timeout = timeout or default_timeout()
         self._broken: BaseException | None = None
         self._retired: list[Any] = []  # groups left with abandoned work: kept, their destructor could block
         token = uuid.uuid4().hex[:12] if self._rank == 0 else ""
@@ -176,9 +183,14 @@ class TorchCommunicator(Communicator):
         store = dist.distributed_c10d._get_default_store() if self._own_group else None
         if store is not None:
             self._liveness = Liveness(
-                store, f"acp-live/{self._session}", self._rank, self._world, timeout or default_timeout()
+                store, f"acp-live/{self._session}", self._rank, self._world, self._default_timeout
             )
             self.barrier()  # every rank's first heartbeat exists before anyone checks
+
+    def set_liveness_timeout(self, timeout: float | None) -> None:
+        """See :meth:`Communicator.set_liveness_timeout` (heartbeats speed up at once for a short bound)."""
+        if self._liveness is not None:
+            self._liveness.set_timeout(timeout or self._default_timeout)
 
     def _call(self, start: Any, what: str) -> None:
         """Run one collective (``start()`` issues it with ``async_op=True``) and wait for it while checking
@@ -188,7 +200,7 @@ class TorchCommunicator(Communicator):
         if self._liveness is None:
             start().wait()
             return
-        from .liveness import StalledRankError
+        from .errors import StalledRankError
 
         if self._broken is not None:
             self._rebuild()

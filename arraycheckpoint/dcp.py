@@ -46,7 +46,8 @@ from . import __version__
 from ._tscontext import context
 from .codecs import CODEC_PRESET, array_metadata, numpy_dtype, zarr_dtype_name
 from .errors import ArrayCheckpointError, PlanError
-from .metadata import METADATA_FILE, CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
+from .hierarchy import hierarchy_documents
+from .metadata import CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
 from .plan import PlanOptions, split_chunk
 from .regions import Box, chunk_boxes
 from .rules import encode_ranks
@@ -62,6 +63,12 @@ __all__ = ["DCP_OBJECT", "Reader", "Writer", "entry_name", "fit_chunk_grid"]
 #: JSON object holding DCP's key -> entry mapping and its non-tensor values (base64 of DCP's bytes)
 DCP_OBJECT = "~dcp"
 MAX_BYTE_IO = 16 << 20  # a non-tensor value DCP pickles: param_groups, counters; not data
+FAILED = "~acp-failed"  # a rank's write failure, carried to the coordinator as its WriteResult
+
+
+def _failure(result: Any) -> bool:
+    """Whether a rank's ``WriteResult`` reports its failure (see :meth:`Writer.write_data`)."""
+    return isinstance(result.storage_data, dict) and FAILED in result.storage_data
 
 
 def entry_name(fqn: str, path: Sequence[Any] | None) -> str:
@@ -135,7 +142,7 @@ class Writer(StorageWriter):
     Call order (DCP's): every rank ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``; the
     coordinator ``prepare_global_plan`` (chunk grids, one writer per file, the staging location); every rank
     ``write_data`` (its items, one tensorstore write per chunk); the coordinator ``finish`` (array and group
-    metadata, ``.metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
+    metadata, ``.acp/metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
 
     Args:
         path: checkpoint path or URL (as for :func:`arraycheckpoint.save`).
@@ -217,10 +224,35 @@ class Writer(StorageWriter):
         return out
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        """Write this rank's items into the staging location.
+
+        A failure does not raise here: DCP would then skip :meth:`finish` and nobody would remove the other
+        ranks' files. It is returned as this rank's result instead, and the coordinator's :meth:`finish`
+        (which runs once every rank's writes are done) removes the staging location and raises, naming it.
+        """
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.storage import WriteResult
+        from torch.futures import Future
+
+        writes: list[tuple[str, Any]] = []
+        try:
+            results = self._write(plan, planner, writes)
+        except Exception as e:  # noqa: BLE001 - every failure reaches finish on the coordinator
+            for _fqn, w in writes:  # let issued writes land before the coordinator removes the staging
+                try:
+                    w.result()
+                except Exception:  # noqa: BLE001, S110 - the first error is the one reported
+                    pass
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+            results = [WriteResult(MetadataIndex(FAILED), 0, {FAILED: error})]
+        fut: Future[list[Any]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write(self, plan: Any, planner: Any, writes: list[tuple[str, Any]]) -> list[Any]:
         import tensorstore as ts
         from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
-        from torch.futures import Future
 
         from .adapters.torch.tensors import TorchSource
 
@@ -239,7 +271,7 @@ class Writer(StorageWriter):
             )
             for fqn, (entry, shape, dtype, chunk, inner) in plan.storage_data["arrays"].items()
         }
-        results, writes = [], []
+        results = []
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -265,16 +297,30 @@ class Writer(StorageWriter):
             except Exception as e:  # noqa: BLE001
                 raise ArrayCheckpointError(f"rank {self.rank}: tensor {fqn!r}: write failed: {e}") from e
         storage.flush(staging)
-        fut: Future[list[Any]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        """Coordinator: write the metadata and commit; if any rank failed, remove the staging and raise."""
+        storage, final = storage_for(self._require_path())
+        staging = self._global["staging"]
+        failed = [r.storage_data[FAILED] for rank in results for r in rank if _failure(r)]
+        if failed:
+            storage.abort(staging, final)
+            raise ArrayCheckpointError(
+                f"DCP save to {final} failed, nothing was committed and the staged files were removed: "
+                + "; ".join(failed)
+            )
+        try:
+            self._commit(results, storage, final, staging)
+        except BaseException:
+            storage.abort(staging, final)
+            raise
+
+    def _commit(self, results: list[list[Any]], storage: Any, final: str, staging: str) -> None:
         import tensorstore as ts
 
         g = self._global
-        storage, final = storage_for(self._require_path())
-        staging, names = g["staging"], g["names"]
+        names = g["names"]
         # format 2 regions: one layout group per writing rank, each tensor's items there as a "boxes" rule
         holders = sorted({r for t in g["tensors"].values() for _b, r in t["items"]})
         group_of = {r: i for i, r in enumerate(holders)}
@@ -315,27 +361,14 @@ class Writer(StorageWriter):
             layout_groups=tuple({"meshes": [], "ranks": encode_ranks([r])} for r in holders),
         )
         kv = ts.KvStore.open(storage.kvstore_spec(staging), context=context()).result()
-        attrs = {
-            "format_version": meta.format_version,
-            "framework": "torch",
-            "step": None,
-            "world_size": world,
-        }
-        groups = {""} | {"/".join(n.split("/")[:i]) for n in tensors for i in range(1, n.count("/") + 1)}
-        docs = {
-            f"{g}/zarr.json" if g else "zarr.json": {
-                "zarr_format": 3,
-                "node_type": "group",
-                "attributes": attrs if g == "" else {},
-            }
-            for g in groups
-        }
+        docs = hierarchy_documents(meta)
         for entry, tm in tensors.items():
-            docs[f"{entry}/zarr.json"] = array_metadata(
-                tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, name=entry
-            )
-        writes = [kv.write(key, json.dumps(doc).encode()) for key, doc in sorted(docs.items())]
-        writes.append(kv.write(METADATA_FILE, meta.to_json().encode()))
+            docs[f"{entry}/zarr.json"] = json.dumps(
+                array_metadata(
+                    tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, name=entry
+                )
+            ).encode()
+        writes = [kv.write(key, doc) for key, doc in sorted(docs.items())]
         for w in writes:
             w.result()
         storage.flush(staging)

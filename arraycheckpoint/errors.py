@@ -23,7 +23,7 @@ class CheckpointExistsError(ArrayCheckpointError, FileExistsError):
 
 
 class MetadataError(ArrayCheckpointError, ValueError):
-    """``.metadata.json`` is malformed, of an unknown format version, or describes impossible tensors."""
+    """The checkpoint metadata (``.acp/metadata.json``; ``.metadata.json`` before format 3) is malformed, of an unknown format version, or describes impossible tensors."""
 
 
 class UnsafeNameError(ArrayCheckpointError, ValueError):
@@ -75,3 +75,14 @@ class MetaDeviceError(ArrayCheckpointError, RuntimeError):
 
 class UnpicklingError(ArrayCheckpointError, pickle.UnpicklingError):
     """A pickled value (saved with ``allow_pickle=True``) could not be restored; the entry is named."""
+
+
+class InconsistentCheckpointError(MetadataError, CorruptCheckpointError):
+    """The stored files do not hold what ``.metadata.json`` declares (chunk files missing, or a declared
+    shape the checkpoint cannot hold): damaged or hostile. Both a :class:`MetadataError` and a
+    :class:`CorruptCheckpointError`, since from the files alone the two cannot be told apart."""
+
+
+class StalledRankError(ArrayCheckpointError, TimeoutError):
+    """A rank stopped making progress (no heartbeat, or no answer, within the liveness timeout) during a
+    checkpoint collective; the message names the rank(s) and the timeout."""

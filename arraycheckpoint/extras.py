@@ -11,13 +11,13 @@ from __future__ import annotations
 import base64
 import math
 import pickle  # only behind allow_pickle=True
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import PickleNotAllowedError, UnpicklingError, UnsafeNameError
 from .metadata import check_name
 
-_TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__", "__array__", "__pickle__")
+_TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__", "__array__", "__pickle__", "__module__")
 
 
 def encode(
@@ -25,13 +25,19 @@ def encode(
     prefix: str,
     is_array: Callable[[Any], bool],
     allow_pickle: bool = False,
+    is_module: Callable[[Any], bool] | None = None,
+    modules: dict[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Encode ``value``; returns ``(json_doc, {array_name: array})`` with names under ``prefix``.
 
     ``is_array`` says which leaves are arrays/tensors (the adapter knows its framework's types).
+    ``is_module`` says which values are stored as namespaces of their own (torch modules nested in a dict):
+    each becomes ``{"__module__": name}`` in the document and ``modules[name] = value``; its name is its
+    escaped path under ``prefix``, as injective as array names, and the caller stores its tensors under it.
     Raises :class:`PickleNotAllowedError` naming the path of a value JSON cannot hold.
     """
     arrays: dict[str, Any] = {}
+    taken = arrays if modules is None else _Union(arrays, modules)
 
     def name_for(path: list[str]) -> str:
         # escaped components keep names injective: {"a/b": x} and {"a": {"b": y}} are two arrays
@@ -41,7 +47,7 @@ def encode(
         except UnsafeNameError:
             candidate = ""
         n = len(arrays)
-        while not candidate or candidate in arrays:
+        while not candidate or candidate in taken:
             candidate, n = f"{prefix}/~a{n}", n + 1
         return candidate
 
@@ -56,6 +62,10 @@ def encode(
             name = name_for(path)
             arrays[name] = v
             return {"__array__": name}
+        if is_module is not None and modules is not None and path and is_module(v):
+            name = name_for(path)
+            modules[name] = v
+            return {"__module__": name}
         if isinstance(v, (bytes, bytearray)):
             return {"__bytes__": base64.b64encode(bytes(v)).decode()}
         if isinstance(v, tuple) and not hasattr(v, "_fields"):
@@ -79,15 +89,33 @@ def encode(
     return enc(value, []), arrays
 
 
+class _Union:
+    """Membership in either of two dicts (array and module names share one name space)."""
+
+    def __init__(self, a: dict[str, Any], b: dict[str, Any]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.a or name in self.b
+
+
 def _escape(component: str) -> str:
     """A path component with ``/`` (the separator) and ``~`` (the escape) escaped: ``~`` -> ``~~``, ``/`` -> ``~s``."""
     return component.replace("~", "~~").replace("/", "~s")
 
 
-def decode(doc: Any, arrays: dict[str, Any], allow_pickle: bool = False, where: str = "") -> Any:
+def decode(
+    doc: Any,
+    arrays: dict[str, Any],
+    allow_pickle: bool = False,
+    where: str = "",
+    modules: Mapping[str, Any] | None = None,
+) -> Any:
     """Inverse of :func:`encode`. ``arrays`` maps the stored array names to loaded arrays.
 
-    ``where`` (the entry's name) prefixes the path of a value in errors.
+    ``where`` (the entry's name) prefixes the path of a value in errors. ``modules`` maps the names of
+    nested namespaces (``{"__module__": name}``) to their loaded values; a ``__module__`` document whose
+    name is not in it is an ordinary dict (checkpoints written before nested modules were stored).
 
     Raises:
         PickleNotAllowedError: the document holds a pickled value and ``allow_pickle`` is False.
@@ -112,6 +140,8 @@ def decode(doc: Any, arrays: dict[str, Any], allow_pickle: bool = False, where: 
                 return float(body)
             if tag == "__array__":
                 return arrays[body]
+            if tag == "__module__" and modules is not None and isinstance(body, str) and body in modules:
+                return modules[body]
             if tag == "__pickle__":
                 if not allow_pickle:
                     raise PickleNotAllowedError(
@@ -135,8 +165,8 @@ def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
 
 
-def array_refs(doc: Any) -> list[str]:
-    """Names of every array an encoded document refers to."""
+def array_refs(doc: Any, tag: str = "__array__") -> list[str]:
+    """Names of every array (or, with ``tag="__module__"``, nested namespace) a document refers to."""
     out: list[str] = []
 
     def walk(v: Any) -> None:
@@ -144,8 +174,8 @@ def array_refs(doc: Any) -> list[str]:
             for x in v:
                 walk(x)
         elif isinstance(v, dict):
-            if len(v) == 1 and "__array__" in v:
-                out.append(v["__array__"])
+            if len(v) == 1 and tag in v:
+                out.append(v[tag])
             else:
                 for x in v.values():
                     walk(x)

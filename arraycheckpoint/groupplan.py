@@ -35,9 +35,10 @@ from .plan import (
     Transfer,
     _layout,
     _validate_cover,
+    designated_source,
 )
 from .regions import Box, chunk_boxes, intersect
-from .rules import Mesh, check_rule, mesh_regions
+from .rules import Mesh, check_rule, mesh_regions, range_regions
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ def rule_json(rule: tuple[Any, ...]) -> list[Any]:
         return ["boxes", [[list(b.offsets), list(b.lengths)] for b in rule[1]]]
     if rule[0] == "mesh":
         return ["mesh", rule[1], list(rule[2])]
+    if rule[0] == "range":
+        return ["range", rule[1], rule[2], rule[3]]
     return ["replica"]
 
 
@@ -91,6 +94,8 @@ def _rule_tuple(rule: Sequence[Any]) -> tuple[Any, ...]:
         return ("boxes", tuple(Box(tuple(int(x) for x in o), tuple(int(x) for x in n)) for o, n in rule[1]))
     if rule[0] == "mesh":
         return ("mesh", int(rule[1]), tuple(int(d) for d in rule[2]))
+    if rule[0] == "range":
+        return ("range", int(rule[1]), int(rule[2]), int(rule[3]))
     return ("replica",)
 
 
@@ -143,7 +148,7 @@ class _Class:
     chunks: list[Box]
     candidates: list[np.ndarray]  # ranks holding part of the chunk (sorted)
     pieces: list[list[tuple[Box, int]]]  # per chunk: (piece box, region index)
-    by_min_holder: dict[int, list[tuple[int, int]]]  # rank -> (chunk index, piece index) it sources
+    by_source: dict[int, list[tuple[int, int]]]  # rank -> (chunk index, piece index) it may have to send
     nbytes: list[int]
     partial: list[int]  # chunks no single region holds entirely (their pieces may travel)
     is_partial: list[bool] = field(default_factory=list)
@@ -167,7 +172,11 @@ def _regions_of(name: str, contribs: list[tuple[Decl, tuple[int, ...], TensorRul
             members = frozenset(ranks)
             if not members.issuperset(mesh.ranks) and members.isdisjoint(mesh.ranks):
                 raise PlanError(f"tensor {name!r}: ranks {ranks[:4]}... are not in the mesh they name")
-            for b, held in mesh_regions(t.shape, mesh, rule[2], members).items():
+            if rule[0] == "range":
+                held_by = range_regions(t.shape, mesh, rule[2], rule[3], members)
+            else:
+                held_by = mesh_regions(t.shape, mesh, rule[2], members)
+            for b, held in held_by.items():
                 regions[b].extend(held)
     return regions
 
@@ -181,7 +190,7 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
     starts = [b.offsets[0] for b in unique] if shape else []
     longest = max((b.lengths[0] for b in unique), default=0) if shape else 0
     chunks, candidates, pieces, nbytes, partial = [], [], [], [], []
-    by_min: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    by_src: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for ci, chunk in enumerate(chunk_boxes(shape, probe.chunk_shape)):
         if shape:
             lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.lengths[0]
@@ -199,8 +208,9 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
             chunk_pieces = [(p, i) for i, p in parts]
             cands = np.asarray(sorted({r for i, _ in parts for r in holders[i]}), dtype=np.int64)
             partial.append(ci)
-        for pi, (_p, region) in enumerate(chunk_pieces):
-            by_min[holders[region][0]].append((ci, pi))
+        if not whole:  # a chunk one region holds entirely is written by one of its holders: nothing to send
+            for pi, (_p, region) in enumerate(chunk_pieces):
+                by_src[designated_source(holders[region], region)].append((ci, pi))
         chunks.append(chunk)
         candidates.append(cands)
         pieces.append(chunk_pieces)
@@ -215,7 +225,7 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
         chunks,
         candidates,
         pieces,
-        dict(by_min),
+        dict(by_src),
         nbytes,
         partial,
         flags,
@@ -331,13 +341,13 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
             resolved = []
             for box, region in c.pieces[ci]:
                 hs = c.holders[region]
-                src = rank if _holds(hs, rank) else hs[0]
+                src = rank if _holds(hs, rank) else designated_source(hs, region)
                 resolved.append(Piece(box, src))
                 if src != rank:
                     recvs.append(Transfer(name, box, src, rank))
             writes.append(ChunkWrite(name, c.chunks[ci], tuple(resolved)))
             mine.add(name)
-        for ci, pi in c.by_min_holder.get(rank, ()):
+        for ci, pi in c.by_source.get(rank, ()):
             w = int(ws[ci])
             box, region = c.pieces[ci][pi]
             if w != rank and not _holds(c.holders[region], w):

@@ -57,7 +57,8 @@ class SaveTensor:
     dtype: np.dtype
     shards: list[SaveShard] = field(default_factory=list)
     # optional layout rule valid on every rank that holds the tensor this way, e.g. a DTensor's
-    # ``("mesh", rules.Mesh, placements)``; the engine checks it against ``shards`` and falls back to boxes
+    # ``("mesh", rules.Mesh, placements)`` or an FSDP1 flat range's ``("range", rules.Mesh, offset, total)``;
+    # the engine checks it against ``shards`` and falls back to boxes
     rule: tuple[Any, ...] | None = None
     # set on one row of a stacked per-rank array (:mod:`arraycheckpoint.perrank`): the per-rank tensor every
     # rank saves instead when the ranks' rows disagree in shape or dtype

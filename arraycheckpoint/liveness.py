@@ -26,14 +26,12 @@ import threading
 import time
 from typing import Any
 
-from .errors import ArrayCheckpointError
+from .errors import StalledRankError  # also importable from here (its old home)
+
+__all__ = ["DEFAULT_TIMEOUT", "Liveness", "StalledRankError", "default_timeout"]
 
 #: Seconds without a heartbeat after which a rank counts as stalled (``ACP_LIVENESS_TIMEOUT`` overrides).
 DEFAULT_TIMEOUT = 300.0
-
-
-class StalledRankError(ArrayCheckpointError, TimeoutError):
-    """A rank stopped making progress (no heartbeat for the liveness timeout) during a checkpoint collective."""
 
 
 def default_timeout() -> float:
@@ -52,23 +50,42 @@ class Liveness:
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, world: int, timeout: float) -> None:
-        if timeout <= 0:
-            raise ValueError(f"liveness timeout must be > 0 seconds, got {timeout}")
         self.store = store
         self.prefix = prefix
         self.rank = rank
         self.world = world
-        self.timeout = float(timeout)
-        self.interval = min(5.0, max(0.05, self.timeout / 20))
+        self.timeout = 0.0
+        self.interval = 0.0
         self.generation = 0
         self._joined = -1
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._next_check = 0.0
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._beats = 0
+        self.set_timeout(timeout)
         self._beat()
         self._thread = threading.Thread(target=self._run, name="acp-heartbeat", daemon=True)
         self._thread.start()
+
+    def set_timeout(self, timeout: float) -> None:
+        """Judge peers stalled after ``timeout`` seconds without a heartbeat from now on (every rank sets the
+        same value at the same collective point: the ``timeout=`` of a save or load).
+
+        The heartbeat interval follows (``timeout / 20``, between 0.05 and 5 s) and takes effect at once. A peer
+        that has not switched yet still beats at its old interval, which it publishes with every beat; it is
+        judged by the larger of the two bounds until it switches, so a healthy rank is never blamed for it.
+        """
+        if not timeout > 0:
+            raise ValueError(f"liveness timeout must be > 0 seconds, got {timeout}")
+        timeout = float(timeout)
+        if timeout == self.timeout:
+            return
+        self.timeout = timeout
+        self.interval = min(5.0, max(0.05, timeout / 20))
+        self._seen.clear()  # staleness restarts from the next observation under the new bound
+        self._next_check = 0.0
+        self._wake.set()  # the heartbeat thread beats at once and then at the new interval
 
     # Heartbeats --------------------------------------------------------------------------------------
     def _key(self, rank: int) -> str:
@@ -79,10 +96,14 @@ class Liveness:
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(self._key(self.rank), str(self._beats))
+        self.store.set(self._key(self.rank), f"{self._beats}:{self.interval:g}")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._beat()
             except Exception:  # noqa: BLE001 - the store is gone (process group destroyed): stop beating
@@ -90,10 +111,12 @@ class Liveness:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     # Checks ------------------------------------------------------------------------------------------
-    def check(self, what: str) -> None:
-        """Raise :class:`StalledRankError` if a watched rank has stalled or another rank found one.
+    def check(self, what: str, peers: tuple[int, ...] = ()) -> None:
+        """Raise :class:`StalledRankError` if a watched rank (and any of ``peers``: the ranks this one waits
+        for) has stalled, or another rank found one.
 
         Cheap to call in a polling loop: the store is read at most once per ``interval``.
         """
@@ -102,7 +125,7 @@ class Liveness:
             return
         self._next_check = now + self.interval
         self.check_abort(what)
-        self.check_stale(what, publish=True)
+        self.check_stale(what, publish=True, peers=peers)
 
     def check_abort(self, what: str) -> None:
         """Raise if a rank published a stall verdict for this generation (one store round trip)."""
@@ -111,25 +134,30 @@ class Liveness:
             verdict = self.store.get(abort).decode(errors="replace")
             raise StalledRankError(f"rank {self.rank}: {what} abandoned: {verdict}")
 
-    def check_stale(self, what: str, publish: bool = False) -> None:
-        """Raise if a watched rank's heartbeat has not moved for ``timeout`` (``publish``: tell the others)."""
+    def check_stale(self, what: str, publish: bool = False, peers: tuple[int, ...] = ()) -> None:
+        """Raise if a watched rank's heartbeat has not moved for ``timeout`` (``publish``: tell the others).
+
+        Rank 0 watches every rank, the others rank 0 and ``peers``."""
         now = time.monotonic()
         abort = self._abort_key()
-        watched = [r for r in range(self.world) if r != self.rank] if self.rank == 0 else [0]
+        if self.rank == 0:
+            watched = [r for r in range(self.world) if r != self.rank]
+        else:
+            watched = sorted({0, *peers} - {self.rank})
         values = self.store.multi_get([self._key(r) for r in watched])
         stalled = []
         for r, value in zip(watched, values):
             seen = self._seen.get(r)
             if seen is None or seen[0] != value:
                 self._seen[r] = (bytes(value), now)
-            elif now - seen[1] > self.timeout:
+            elif now - seen[1] > max(self.timeout, 2 * _peer_interval(value) + 1.0):
                 stalled.append((r, now - seen[1]))
         if stalled:
             names = ", ".join(f"rank {r} (no heartbeat for {age:.0f} s)" for r, age in stalled)
             verdict = (
                 f"{names} stalled during {what}: alive but not progressing, or gone; the liveness timeout is "
-                f"{self.timeout:g} s (TorchCommunicator(timeout=...) or ACP_LIVENESS_TIMEOUT). Check that rank's "
-                "host and logs; the checkpoint was not committed"
+                f"{self.timeout:g} s (timeout= of save/load, or ACP_LIVENESS_TIMEOUT). Check that rank's host and "
+                "logs; the checkpoint was not committed"
             )
             if publish:
                 try:
@@ -154,3 +182,11 @@ class Liveness:
             time.sleep(delay)
             delay = min(delay * 2, self.interval)
         self.generation = generation
+
+
+def _peer_interval(value: bytes) -> float:
+    """The heartbeat interval a peer publishes with its counter (``b"<beats>:<interval>"``)."""
+    try:
+        return float(bytes(value).split(b":", 1)[1])
+    except (IndexError, ValueError):
+        return 5.0  # the longest interval any rank uses

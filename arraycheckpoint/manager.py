@@ -7,7 +7,7 @@ checkpoint bytes itself.
 
 Layout under ``root`` (any storage URL)::
 
-    root/step_00000100/    one committed checkpoint per step (``.committed`` inside)
+    root/step_00000100/    one committed checkpoint per step (``.acp/committed`` inside)
     root/step_00000200/
     root/.step_00000300.acp-staging-<token>/   (local file systems: a save in flight or a crashed one)
 

@@ -1,6 +1,7 @@
 """Checkpoint metadata: frozen dataclasses and their strict JSON (de)serialisation.
 
-``.metadata.json`` maps every stored tensor to its global shape, dtype, chunk grid and the regions that were
+The metadata document (``.acp/metadata.json``; ``.metadata.json`` in formats 1 and 2, see
+:data:`CONTROL`) maps every stored tensor to its global shape, dtype, chunk grid and the regions that were
 saved (:class:`ShardMeta`), plus the JSON objects of the checkpoint. Loading validates every field before any
 byte of tensor data is touched: malformed, hostile or absurd metadata raises :class:`MetadataError` and
 nothing is executed (there is no pickle here; pickled user objects are opaque strings only decoded on request).
@@ -18,12 +19,66 @@ from typing import Any
 from .errors import ArrayCheckpointError, MetadataError, UnsafeNameError
 from .regions import Box
 
-FORMAT_VERSION = 2  # 2: regions stored as layout rules (format 1 listed every rank's region); 1 still loads
-READABLE_VERSIONS = (1, 2)
-METADATA_FILE = ".metadata.json"
-COMMIT_MARKER = ".committed"
-METRICS_FILE = ".metrics.json"  # complete save metrics (commit phase included), written after the commit
-LOAD_METRICS_FILE = ".metrics-load.json"  # the most recent opt-in load record
+#: 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys ``c.i.j``; 2: regions stored as layout
+#: rules (format 1 listed every rank's region). Versions 1 and 2 keep their control files in the root
+#: (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+
+
+def chunk_key_separator(format_version: int) -> str:
+    """The separator of every array's chunk keys in a checkpoint of ``format_version``.
+
+    Format 3 stores ``<array>/c.<i>.<j>`` (zarr's ``default`` encoding with ``"."``): one file per chunk and no
+    directory per grid dimension (a 2-d tensor's array was three directories and two files, now one directory
+    and two files). Formats 1 and 2 used ``"/"`` (``<array>/c/<i>/<j>``).
+    """
+    return "." if format_version >= 3 else "/"
+
+
+@dataclass(frozen=True)
+class ControlFiles:
+    """Where one on-disk layout keeps a checkpoint's control files (keys relative to the checkpoint root)."""
+
+    metadata: str  # the global metadata (:class:`CheckpointMetadata` as JSON)
+    committed: str  # the commit marker: a checkpoint without it does not load
+    metrics: str  # complete save metrics (commit phase included), written after the commit
+    load_metrics: str  # the most recent opt-in load record
+    node: str | None = None  # the zarr.json making the control directory an empty zarr array (format 3)
+
+
+#: The directory of format 3's control files: an empty zarr v3 array node, so zarr-python never lists inside
+#: it (a group listing warns about every key that is not a zarr node). Entry names cannot start with ".".
+CONTROL_DIR = ".acp"
+#: Format 3 (what every save writes).
+CONTROL = ControlFiles(
+    metadata=f"{CONTROL_DIR}/metadata.json",
+    committed=f"{CONTROL_DIR}/committed",
+    metrics=f"{CONTROL_DIR}/metrics.json",
+    load_metrics=f"{CONTROL_DIR}/metrics-load.json",
+    node=f"{CONTROL_DIR}/zarr.json",
+)
+#: Formats 1 and 2: the control files sit in the checkpoint root (still read, and kept by tools rewriting them).
+LEGACY_CONTROL = ControlFiles(".metadata.json", ".committed", ".metrics.json", ".metrics-load.json")
+#: Every layout a reader looks for, the current one first.
+CONTROL_LAYOUTS = (CONTROL, LEGACY_CONTROL)
+METADATA_FILE = CONTROL.metadata
+COMMIT_MARKER = CONTROL.committed
+METRICS_FILE = CONTROL.metrics
+LOAD_METRICS_FILE = CONTROL.load_metrics
+
+
+def marker_owner(key: str) -> str | None:
+    """The checkpoint (its path relative to a listing's root, ``""`` for the root itself) whose commit marker
+    the listed ``key`` is, in any layout; None when ``key`` is no commit marker."""
+    for files in CONTROL_LAYOUTS:
+        if key == files.committed:
+            return ""
+        if key.endswith("/" + files.committed):
+            return key[: -len(files.committed) - 1]
+    return None
+
+
 MAX_ELEMENTS = 1 << 50  # refuse absurd shapes before allocating anything
 MAX_NDIM = 64
 
@@ -162,11 +217,12 @@ class CheckpointMetadata:
         return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
     @staticmethod
-    def from_json(text: str | bytes) -> CheckpointMetadata:
-        """Parse and validate ``.metadata.json``; raises :class:`MetadataError` on anything malformed."""
+    def from_json(text: str | bytes, what: str = METADATA_FILE) -> CheckpointMetadata:
+        """Parse and validate the metadata document; raises :class:`MetadataError` on anything malformed
+        (naming ``what``: the file it was read from)."""
         from .safety import MAX_METADATA_BYTES, load_json_bounded
 
-        doc = load_json_bounded(text, max_bytes=MAX_METADATA_BYTES, what=METADATA_FILE)
+        doc = load_json_bounded(text, max_bytes=MAX_METADATA_BYTES, what=what)
         return _parse(doc)
 
 

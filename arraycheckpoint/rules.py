@@ -8,7 +8,15 @@ A rank declares each tensor it saves with one rule instead of a list of boxes wh
   follow ``torch.chunk`` (what DTensor's ``Shard`` does): ``ceil(n / parts)`` per part, trailing parts
   short or empty. Which box a rank holds follows from its coordinate in the mesh, so the rule is the same
   on every rank of the mesh;
+* ``["range", m, offset, total]``: a slice of a flat space (FSDP1's ``FlatParameter``): the tensor's row-major
+  elements are elements ``[offset, offset + numel)`` of a flat space of ``total`` elements that is split over
+  the ranks of mesh ``m`` (in row-major mesh order) by ``torch.chunk``, which is how FSDP1 shards a flat
+  parameter (its padding is part of ``total``). The rank at mesh position ``i`` holds the part of the tensor
+  inside chunk ``i``, as up to ``2 * ndim - 1`` boxes (:func:`arraycheckpoint.regions.flat_range_to_boxes`);
 * ``["boxes", [[offsets, lengths], ...]]``: explicit regions (irregular shards, megatron fragments).
+
+A mesh may name one rank at several coordinates (a JAX mesh of devices, mapped to the process owning each
+device): that rank holds the box of every coordinate it occupies.
 
 A rule that names no rank-specific value makes every rank's declaration identical: identical declarations
 travel once (their digest stands for them), and when every rank's declaration is identical each rank can
@@ -22,20 +30,27 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from .errors import PlanError
-from .regions import Box
+from .regions import Box, flat_range_to_boxes
 
 REPLICA = ("replica",)
 MAX_MESH_RANKS = 1 << 22  # far above any job (the ByteCheckpoint paper's largest is 8,960 ranks)
+MAX_FLAT_ELEMENTS = 1 << 62  # a range rule's flat space (int64 arithmetic stays exact below it)
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """A device mesh: its shape and the rank at every coordinate (row-major)."""
+    """A device mesh: its shape and the rank at every coordinate (row-major).
+
+    JSON (:meth:`to_json`) says the ranks compactly where it can: ``["arange", start]`` for consecutive ranks,
+    ``["affine", start, [[div, stride], ...]]`` for ``rank = start + sum((coord[i] // div[i]) * stride[i])``
+    (a mesh of devices mapped to their processes, a strided sub-mesh, a transposed mesh), else the list.
+    """
 
     shape: tuple[int, ...]
     ranks: tuple[int, ...]
@@ -44,26 +59,86 @@ class Mesh:
         start = self.ranks[0] if self.ranks else 0
         if self.ranks == tuple(range(start, start + len(self.ranks))):
             return [list(self.shape), ["arange", start]]
+        fit = _fit_affine(self.shape, self.ranks)
+        if fit is not None:
+            return [list(self.shape), ["affine", start, fit]]
         return [list(self.shape), ["list", list(self.ranks)]]
 
     @staticmethod
     def from_json(j: Any) -> Mesh:
-        if not isinstance(j, list) or len(j) != 2 or not isinstance(j[1], list) or len(j[1]) != 2:
+        if not isinstance(j, list) or len(j) != 2 or not isinstance(j[1], list) or len(j[1]) not in (2, 3):
             raise PlanError(f"malformed mesh {j!r}")
         shape = tuple(int(s) for s in j[0])
-        kind, value = j[1]
+        kind, value = j[1][0], j[1][1]
         n = math.prod(shape)
         if any(s < 1 for s in shape) or n > MAX_MESH_RANKS:  # untrusted: bound before building rank lists
             raise PlanError(f"mesh of shape {shape} is empty or larger than {MAX_MESH_RANKS} ranks")
-        if kind == "arange":
+        if kind == "arange" and len(j[1]) == 2:
             ranks = tuple(range(int(value), int(value) + n))
-        elif kind == "list":
+        elif kind == "list" and len(j[1]) == 2:
             ranks = tuple(int(r) for r in value)
+        elif kind == "affine" and len(j[1]) == 3:
+            ranks = _affine_ranks(shape, value, j[1][2])
         else:
             raise PlanError(f"malformed mesh ranks {j[1]!r}")
         if len(ranks) != n:
             raise PlanError(f"mesh of shape {shape} lists {len(ranks)} ranks")
         return Mesh(shape, ranks)
+
+    @cached_property
+    def positions(self) -> dict[int, tuple[int, ...]]:
+        """``rank -> flat mesh positions`` it occupies (several for a process holding several devices)."""
+        out: dict[int, list[int]] = {}
+        for i, r in enumerate(self.ranks):
+            out.setdefault(r, []).append(i)
+        return {r: tuple(p) for r, p in out.items()}
+
+
+def _fit_affine(shape: tuple[int, ...], ranks: tuple[int, ...]) -> list[list[int]] | None:
+    """``[[div, stride], ...]`` per mesh dimension when ``ranks`` follow the affine form, else None."""
+    if not ranks or not shape or len(ranks) != math.prod(shape):
+        return None
+    arr = np.asarray(ranks, dtype=np.int64).reshape(shape)
+    start = int(arr.flat[0])
+    fit = []
+    for i, size in enumerate(shape):
+        line = arr[tuple(slice(None) if j == i else 0 for j in range(len(shape)))] - start
+        nonzero = np.flatnonzero(line)
+        div = int(nonzero[0]) if len(nonzero) else size
+        fit.append([div, int(line[div]) if len(nonzero) else 0])
+    try:
+        rebuilt = _affine_ranks(shape, start, fit)
+    except PlanError:
+        return None
+    return fit if rebuilt == ranks else None
+
+
+def _affine_ranks(shape: tuple[int, ...], start: Any, fit: Any) -> tuple[int, ...]:
+    """The ranks of the ``affine`` mesh form (bounded: ``shape`` was checked, every value is small)."""
+    ok = (
+        isinstance(start, int)
+        and not isinstance(start, bool)
+        and 0 <= start < MAX_MESH_RANKS
+        and isinstance(fit, list)
+        and len(fit) == len(shape)
+        and all(
+            isinstance(f, list)
+            and len(f) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in f)
+            and 1 <= f[0] <= s
+            and abs(f[1]) < MAX_MESH_RANKS
+            for f, s in zip(fit, shape)
+        )
+    )
+    if not ok:
+        raise PlanError(f"malformed affine mesh ranks {start!r}, {fit!r} for shape {shape}")
+    total = np.full(shape, start, dtype=np.int64)
+    for i, (div, stride) in enumerate(fit):
+        axis = (np.arange(shape[i], dtype=np.int64) // div) * stride
+        total += axis.reshape([-1 if j == i else 1 for j in range(len(shape))])
+    if total.size and (int(total.min()) < 0 or int(total.max()) >= MAX_MESH_RANKS):
+        raise PlanError(f"affine mesh ranks {start!r}, {fit!r} leave [0, {MAX_MESH_RANKS})")
+    return tuple(total.ravel().tolist())
 
 
 def chunk_bounds(extent: int, parts: int) -> list[tuple[int, int]]:
@@ -94,11 +169,16 @@ def mesh_box(shape: Sequence[int], mesh: Mesh, placements: Sequence[int], coord:
 def mesh_regions(
     shape: tuple[int, ...], mesh: Mesh, placements: Sequence[int], members: frozenset[int] | None = None
 ) -> dict[Box, list[int]]:
-    """Every non-empty box of a mesh rule and the ranks holding it (only ranks in ``members`` if given)."""
+    """Every non-empty box of a mesh rule and the ranks holding it (only ranks in ``members`` if given).
+
+    A rank at several coordinates holding the same box is listed once.
+    """
     out: dict[Box, list[int]] = {}
     coords = np.unravel_index(np.arange(len(mesh.ranks)), mesh.shape) if mesh.shape else ()
     cache: dict[tuple[int, ...], Box] = {}
     split_dims = [i for i, d in enumerate(placements) if d >= 0]
+    repeated = len(mesh.positions) != len(mesh.ranks)
+    seen: set[tuple[Box, int]] = set()
     for flat, rank in enumerate(mesh.ranks):
         if members is not None and rank not in members:
             continue
@@ -108,7 +188,41 @@ def mesh_regions(
         if box is None:
             box = cache[key] = mesh_box(shape, mesh, placements, coord)
         if box.volume:
+            if repeated:
+                if (box, rank) in seen:
+                    continue
+                seen.add((box, rank))
             out.setdefault(box, []).append(rank)
+    return out
+
+
+def range_part(shape: Sequence[int], offset: int, total: int, parts: int, index: int) -> list[Box]:
+    """The boxes of a tensor at ``[offset, offset + numel)`` of a flat space of ``total`` elements that lie
+    in ``torch.chunk`` part ``index`` of ``parts`` (FSDP1: what rank ``index`` of the group holds)."""
+    start, length = chunk_part(total, parts, index)
+    numel = math.prod(shape)
+    lo, hi = max(start, offset), min(start + length, offset + numel)
+    return flat_range_to_boxes(shape, lo - offset, hi - offset) if hi > lo else []
+
+
+def range_regions(
+    shape: tuple[int, ...], mesh: Mesh, offset: int, total: int, members: frozenset[int] | None = None
+) -> dict[Box, list[int]]:
+    """Every non-empty box of a range rule and the ranks holding it; only the parts the tensor's slice of
+    the flat space touches are visited (O(parts touched), not O(mesh size))."""
+    out: dict[Box, list[int]] = {}
+    parts, numel = len(mesh.ranks), math.prod(shape)
+    size = -(-total // parts) if parts else 0
+    if not numel or not size:
+        return out
+    for index in range(offset // size, min((offset + numel - 1) // size, parts - 1) + 1):
+        rank = mesh.ranks[index]
+        if members is not None and rank not in members:
+            continue
+        for box in range_part(shape, offset, total, parts, index):
+            holders = out.setdefault(box, [])
+            if rank not in holders:
+                holders.append(rank)
     return out
 
 
@@ -120,21 +234,35 @@ def rule_boxes(shape: tuple[int, ...], rule: Sequence[Any], meshes: Sequence[Mes
     if kind == "boxes":
         return [b if isinstance(b, Box) else Box(tuple(b[0]), tuple(b[1])) for b in rule[1]]
     mesh = meshes[rule[1]]
-    flat = mesh.ranks.index(rank)
-    coord = np.unravel_index(flat, mesh.shape) if mesh.shape else ()
-    box = mesh_box(shape, mesh, rule[2], [int(c) for c in coord])
-    return [box] if box.volume else []
+    out: list[Box] = []
+    for flat in mesh.positions.get(rank, ()):
+        if kind == "range":
+            boxes = range_part(shape, rule[2], rule[3], len(mesh.ranks), flat)
+        else:
+            coord = np.unravel_index(flat, mesh.shape) if mesh.shape else ()
+            box = mesh_box(shape, mesh, rule[2], [int(c) for c in coord])
+            boxes = [box] if box.volume else []
+        out.extend(b for b in boxes if b not in out)
+    return out
 
 
 def check_rule(shape: tuple[int, ...], rule: Sequence[Any], n_meshes: int) -> None:
     """Refuse malformed rules (they come from other ranks: validate before use)."""
-    ok = isinstance(rule, list | tuple) and rule and rule[0] in ("replica", "mesh", "boxes")
+    ok = isinstance(rule, list | tuple) and rule and rule[0] in ("replica", "mesh", "boxes", "range")
     if ok and rule[0] == "mesh":
         ok = (
             len(rule) == 3
             and isinstance(rule[1], int)
             and 0 <= rule[1] < n_meshes
             and all(isinstance(d, int) and -1 <= d < len(shape) for d in rule[2])
+        )
+    if ok and rule[0] == "range":  # bounded before anything is expanded: the flat space holds the tensor
+        ok = (
+            len(rule) == 4
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in rule[1:])
+            and 0 <= rule[1] < n_meshes
+            and 0 <= rule[2]
+            and rule[2] + math.prod(shape) <= rule[3] <= MAX_FLAT_ELEMENTS
         )
     if ok and rule[0] == "boxes":
         ok = len(rule) == 2 and all(

@@ -10,12 +10,12 @@ of on-disk bytes the load path makes before tensorstore or numpy sees them:
 * :func:`check_checkpoint`: one scan of the whole checkpoint (regular files only: no symlink, no FIFO, no
   device, nowhere below the root) and, per array, as many chunk objects as its chunk grid declares, so a
   shape of 1e13 declared by a checkpoint that holds one small file is refused before any buffer exists;
-* :func:`check_array`: just before an array is opened, its directory scanned again for regular files, its
-  ``zarr.json`` parsed (bounded) and cross-checked against ``.metadata.json``, crc32c required on every
-  inner chunk and on the shard index (whatever the checkpoint says about its codec preset), and the zstd
-  frame headers of every chunk checked against the declared chunk size before tensorstore inflates them.
-  It returns the validated array metadata, which the engine opens with ``assume_metadata`` so that
-  tensorstore does not read ``zarr.json`` a second time.
+* :func:`check_arrays`: just before the arrays are opened, every ``zarr.json`` read in one concurrent batch and
+  cross-checked against ``.metadata.json`` (bounded parse; the exact bytes this release writes are accepted
+  as they are), crc32c required on every inner chunk and on the shard index (whatever the checkpoint says
+  about its codec preset), and the zstd frame headers of every chunk checked against the declared chunk size
+  before tensorstore inflates them. It returns the validated array metadata, which the engine opens with
+  ``assume_metadata`` so that tensorstore does not read ``zarr.json`` a second time.
 
 It deliberately does not defend against a writer racing the reader (a file swapped for a symlink between the
 scan and tensorstore's ``open``): tensorstore cannot open with ``O_NOFOLLOW``; docs/security.md says so.
@@ -24,6 +24,7 @@ Limits and their reasons are the module constants below.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -34,16 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CorruptCheckpointError, MetadataError
+from .errors import (  # InconsistentCheckpointError: also importable from here (its old home)
+    CorruptCheckpointError,
+    InconsistentCheckpointError,
+    MetadataError,
+)
 
-
-class InconsistentCheckpointError(MetadataError, CorruptCheckpointError):
-    """The stored files do not hold what ``.metadata.json`` declares (chunk files missing, or a declared
-    shape the checkpoint cannot hold): damaged or hostile. Both a :class:`MetadataError` and a
-    :class:`CorruptCheckpointError`, since from the files alone the two cannot be told apart."""
-
-
-#: Largest ``.metadata.json`` read (bytes). Format 1 stores one record per saved region; a 10,000-rank save
+#: Largest metadata file read (``.acp/metadata.json``; ``.metadata.json`` before format 3), in bytes. Format 1 stores one record per saved region; a 10,000-rank save
 #: of a few thousand tensors stays far below this; anything larger is refused before it is read.
 MAX_METADATA_BYTES = 256 << 20
 #: Largest small JSON document of an array (``zarr.json``) or group.
@@ -62,8 +60,9 @@ MAX_INNER_CHUNKS = 1 << 22
 _ZSTD_BLOCK_MAX = 128 << 10
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
-#: ``<array>/c/<i>/<j>...`` (zarr v3 default chunk keys, "/" separator; ``<array>/c`` for a 0-d array).
-_CHUNK_KEY = re.compile(r"^(.+)/c(?:/\d+)*$")
+#: ``<array>/c.<i>.<j>...`` (format 3) or ``<array>/c/<i>/<j>...`` (formats 1, 2): zarr v3 default chunk keys
+#: (``<array>/c`` for a 0-d array), by separator.
+_CHUNK_KEYS = {sep: re.compile(r"^(.+)/c(?:" + re.escape(sep) + r"\d+)*$") for sep in "./"}
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
@@ -243,11 +242,13 @@ def check_checkpoint(storage: Any, root: str, meta: Any) -> dict[str, int | None
         CorruptCheckpointError: a symlink or non-regular file in the checkpoint.
     """
     from .codecs import numpy_dtype
+    from .metadata import chunk_key_separator
 
+    chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
     items = inventory(storage, root)
     chunks: dict[str, list[int | None]] = {}
     for key, size in items.items():
-        m = _CHUNK_KEY.match(key)
+        m = chunk_key.match(key)
         if m:
             chunks.setdefault(m.group(1), []).append(size)
     for name, t in meta.tensors.items():
@@ -279,51 +280,90 @@ def _max_file_bytes(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: in
 
 
 # Arrays ------------------------------------------------------------------------------------------------
-def check_array(
-    storage: Any, root: str, tm: Any, codec_preset: int, boxes: list[Any] | None = None
-) -> dict[str, Any]:
-    """Check one array just before it is opened; return the zarr v3 metadata to open it with.
+def check_arrays(
+    storage: Any, root: str, meta: Any, wanted: Mapping[str, list[Any] | None]
+) -> dict[str, dict[str, Any]]:
+    """Check the arrays about to be opened; return each one's zarr v3 metadata to open it with.
 
-    Local file systems: the array's directory is scanned again (regular files only) and no directory
-    between the root and it is a link. The array's ``zarr.json`` (when the codec preset is unknown, and on
-    local file systems always, where it costs nothing) must agree with ``.metadata.json`` on shape, data
-    type, chunk grid and compression, and must protect every inner chunk and the shard index with crc32c;
-    the checkpoint cannot switch integrity checks off. Compressed arrays: every zstd frame is checked
-    against the declared inner chunk size before tensorstore inflates it (only in the chunks that
-    intersect ``boxes``, the regions about to be read, when given).
+    ``wanted`` maps each array's name to the regions about to be read of it (None: all of it). The arrays'
+    files were scanned by :func:`check_checkpoint` (regular files only, as many chunks as declared). Here
+    each ``zarr.json`` (when the codec preset is unknown, and on local file systems always, where it costs
+    little) must agree with ``.metadata.json`` on shape, data type, chunk grid, chunk keys and compression,
+    and must protect every inner chunk and the shard index with crc32c; the checkpoint cannot switch
+    integrity checks off. The documents are read concurrently through one key-value store, and one that is
+    byte-for-byte what arraycheckpoint writes for the array is accepted without parsing it. Compressed
+    arrays: every zstd frame is checked against the declared inner chunk size before tensorstore inflates
+    it (only in the chunks that intersect the wanted regions).
 
     Raises:
-        MetadataError: ``zarr.json`` is malformed or disagrees with ``.metadata.json``, or lacks crc32c.
-        CorruptCheckpointError: a link or non-regular file, or a zstd frame that does not decode to its
-            declared chunk.
+        MetadataError: a ``zarr.json`` is missing, malformed, disagrees with ``.metadata.json``, or lacks
+            crc32c.
+        CorruptCheckpointError: a zstd frame that does not decode to its declared chunk.
     """
-    from .codecs import CODEC_PRESET, array_metadata, numpy_dtype
+    from .codecs import CODEC_PRESET
+    from .metadata import chunk_key_separator
 
-    local = getattr(storage, "commit_strategy", "") == "rename"
-    array_root = f"{root.rstrip('/')}/{tm.name}"
-    if local:
-        _check_path_below(root, tm.name)
-        scan_local(array_root)
-    generated = array_metadata(
-        tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, tm.compression
+    sep = chunk_key_separator(meta.format_version)
+    base = root.rstrip("/")
+    generated = {name: _generated(meta.tensors[name], sep) for name in wanted}
+    docs = {name: doc for name, (doc, _) in generated.items()}
+    if getattr(storage, "commit_strategy", "") == "rename" or meta.codec_preset != CODEC_PRESET:
+        kv = _kvstore(storage, base)
+        reads = {name: kv.read(f"{name}/zarr.json") for name in wanted}
+        for name, fut in reads.items():
+            result = fut.result()
+            where = f"{base}/{name}"
+            if result.state != "value":
+                raise MetadataError(
+                    f"tensor {name!r}: {where}/zarr.json is missing; the checkpoint is damaged"
+                )
+            raw = bytes(result.value)
+            if raw == generated[name][1]:
+                continue  # what this release writes for exactly this array
+            stored = load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{where}/zarr.json")
+            _cross_check(meta.tensors[name], stored, docs[name], where)
+            if meta.codec_preset != CODEC_PRESET:
+                docs[name] = stored
+    for name, boxes in wanted.items():
+        tm = meta.tensors[name]
+        if tm.compression is not None:
+            _check_zstd_chunks(_kvstore(storage, f"{base}/{name}"), tm, f"{base}/{name}", boxes, sep)
+    return docs
+
+
+def _generated(tm: Any, separator: str) -> tuple[dict[str, Any], bytes]:
+    """The zarr v3 metadata arraycheckpoint writes for ``tm``, and its ``zarr.json`` bytes as the save path
+    encodes them (``json.dumps`` defaults); shared between the arrays of one layout, never to be mutated."""
+    from .codecs import numpy_dtype
+
+    leaf = tm.name.rsplit("/", 1)[-1]  # dimension names come from the last component
+    return _generated_cached(
+        tuple(tm.shape),
+        tm.dtype,
+        tuple(tm.chunk_shape),
+        tuple(tm.inner_chunk_shape),
+        tm.compression,
+        leaf,
+        separator,
+        numpy_dtype,
     )
-    kv = None
-    doc = generated
-    if local or codec_preset != CODEC_PRESET:
-        kv = _kvstore(storage, array_root)
-        raw = _kv_read(kv, "zarr.json")
-        if raw is None:
-            raise MetadataError(
-                f"tensor {tm.name!r}: {array_root}/zarr.json is missing; the checkpoint is damaged"
-            )
-        stored = load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{array_root}/zarr.json")
-        _cross_check(tm, stored, generated, array_root)
-        if codec_preset != CODEC_PRESET:
-            doc = stored
-    if tm.compression is not None:
-        kv = kv or _kvstore(storage, array_root)
-        _check_zstd_chunks(kv, tm, array_root, boxes)
-    return doc
+
+
+@functools.lru_cache(maxsize=4096)
+def _generated_cached(
+    shape: tuple[int, ...],
+    dtype: str,
+    chunk: tuple[int, ...],
+    inner: tuple[int, ...],
+    compression: str | None,
+    leaf: str,
+    separator: str,
+    numpy_dtype: Any,
+) -> tuple[dict[str, Any], bytes]:
+    from .codecs import array_metadata
+
+    doc = array_metadata(shape, numpy_dtype(dtype), chunk, inner, compression, name=leaf, separator=separator)
+    return doc, json.dumps(doc).encode()
 
 
 def _kvstore(storage: Any, root: str) -> Any:
@@ -342,7 +382,7 @@ def _kv_read(kv: Any, key: str) -> bytes | None:
 def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str) -> None:
     def bad(why: str) -> MetadataError:
         return MetadataError(
-            f"tensor {tm.name!r}: {where}/zarr.json {why}; it must agree with .metadata.json (the checkpoint "
+            f"tensor {tm.name!r}: {where}/zarr.json {why}; it must agree with the checkpoint metadata (the checkpoint "
             "is damaged or hostile: re-save it, or read the array with zarr directly if you trust it)"
         )
 
@@ -350,9 +390,14 @@ def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str)
         raise bad("is not a JSON object")
     for key in ("zarr_format", "node_type", "data_type", "shape", "chunk_grid"):
         if stored.get(key) != generated[key]:
-            raise bad(f"has {key} {stored.get(key)!r} where .metadata.json implies {generated[key]!r}")
+            raise bad(
+                f"has {key} {stored.get(key)!r} where the checkpoint metadata implies {generated[key]!r}"
+            )
     encoding = stored.get("chunk_key_encoding")
-    if encoding not in ({"name": "default"}, generated["chunk_key_encoding"]):  # "/" is the default separator
+    bare_default = {"name": "default"}  # means the "/" separator
+    if encoding != generated["chunk_key_encoding"] and not (
+        encoding == bare_default and generated["chunk_key_encoding"]["configuration"]["separator"] == "/"
+    ):
         raise bad(f"has chunk_key_encoding {encoding!r}; arraycheckpoint writes the default one")
     codecs = stored.get("codecs")
     if not isinstance(codecs, list) or len(codecs) != 1 or not isinstance(codecs[0], dict):
@@ -385,7 +430,7 @@ def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str)
         raise bad(f"has inner codecs {names}, not {[c['name'] for c in want['codecs']]}")
 
 
-def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None) -> None:
+def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None, separator: str) -> None:
     """Walk every zstd frame of every chunk file that ``boxes`` touch (all when None): one frame per inner
     chunk, decoding to its declared size."""
     from .codecs import numpy_dtype
@@ -397,10 +442,10 @@ def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None) ->
     index_bytes = n_inner * 16 + 4
     keys = sorted(k.decode() if isinstance(k, bytes) else k for k in kv.list().result())
     for key in keys:
-        m = re.fullmatch(r"c((?:/\d+)*)", key)
+        m = re.fullmatch(r"c((?:" + re.escape(separator) + r"\d+)*)", key)
         if m is None:
             continue
-        index_of = tuple(int(i) for i in m.group(1).split("/")[1:])
+        index_of = tuple(int(i) for i in m.group(1).split(separator)[1:])
         if boxes is not None and index_of and len(index_of) == len(tm.chunk_shape):
             lo = tuple(i * c for i, c in zip(index_of, tm.chunk_shape))
             chunk = Box(lo, tuple(min(c, s - o) for c, s, o in zip(tm.chunk_shape, tm.shape, lo)))

@@ -37,7 +37,7 @@ from .adapters.base import AdapterOptions, Expected, LoadJob
 from .collectives import Communicator
 from .errors import ArrayCheckpointError, UnsafeNameError
 from .items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveRequest, SaveShard, SaveTensor
-from .metadata import COMMIT_MARKER, CheckpointMetadata, check_name
+from .metadata import CheckpointMetadata, check_name, marker_owner
 from .regions import Box
 
 __all__ = ["PerRank", "default_derive", "list_roles", "role_path", "source_rank", "split"]
@@ -430,6 +430,6 @@ def list_roles(path: str | os.PathLike[str]) -> list[str]:
         names = [
             n for n in os.listdir(root) if not n.startswith(".") and os.path.isdir(os.path.join(root, n))
         ]
-        return sorted(n for n in names if os.path.exists(os.path.join(root, n, COMMIT_MARKER)))
-    keys = storage.list(root)
-    return sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + COMMIT_MARKER)})
+        return sorted(n for n in names if storage.is_committed(os.path.join(root, n)))
+    owners = (marker_owner(k) for k in storage.list(root))
+    return sorted({o for o in owners if o and "/" not in o})

@@ -13,7 +13,15 @@ plan, commit statuses and outcome), payload bytes only.
 Layouts (transformer-like tensors: qkv, out, fc1, fc2 in bf16 with two fp32 optimizer states each, norms):
 ``fsdp2`` every tensor Shard(0) over all ranks (DTensor rule); ``ddp`` every tensor replicated;
 ``megatron`` TP=8 x PP=16 x DP (ranks rounded down to a multiple of 128), column/row parallel splits, every
-DP replica of a (TP, PP) position declares its regions, as the megatron adapter does.
+DP replica of a (TP, PP) position declares its regions, as the megatron adapter does;
+``fsdp1`` one FSDP1 flat parameter per layer over all ranks (bf16 alignment padding between parameters,
+world-size padding at the end): parameters and Adam states as range rules, a state declared only by the
+ranks whose range touches its parameter (as torch's optimizer holds it), so ranks differ by which states
+they hold; ``jax`` a NamedSharding mesh (replica, fsdp=16, model=8 devices of one process; ranks rounded down
+to a multiple of 16), P("fsdp", "model") / P("model", "fsdp") / P(), one mesh rule per tensor.
+For ``fsdp1`` and ``jax`` the declarations come from ``engine.coordinate.declare`` fed what the adapters
+feed it (rule plus the boxes the rank holds), for one representative rank per distinct declaration, and a
+sample of other ranks is checked to produce the same digest.
 
 ``--perrank stacked`` adds a ``PerRank`` RNG state (what :func:`arraycheckpoint.rng.capture` returns with torch
 imported: three arrays and a few scalars) on every rank, built by the real ``stateful.save_items``: stacked
@@ -40,19 +48,27 @@ from arraycheckpoint.codecs import numpy_dtype
 from arraycheckpoint.engine.coordinate import (
     METRICS_SAMPLE,
     build_metadata,
+    declare,
     group_digests,
     pack_groups,
     unpack_groups,
 )
 from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
-from arraycheckpoint.items import SaveObject, SaveRequest
+from arraycheckpoint.items import SaveObject, SaveRequest, SaveShard, SaveTensor
 from arraycheckpoint.metadata import CheckpointMetadata
 from arraycheckpoint.monitoring import PhaseRecorder
 from arraycheckpoint.plan import PlanOptions
 from arraycheckpoint.regions import Box
-from arraycheckpoint.rules import Mesh, chunk_bounds, digest
+from arraycheckpoint.rules import Mesh, chunk_bounds, digest, rule_boxes
 
 H, FFN, HEADS_KV = 8192, 28672, 10240
+_BF16 = np.dtype("uint16")  # placeholder numpy dtype of itemsize 2 (replaced below when ml_dtypes exists)
+try:
+    import ml_dtypes
+
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    pass
 
 
 def model_tensors(count: int) -> list[tuple[str, tuple[int, ...], str, int, str]]:
@@ -85,6 +101,10 @@ def groups_for(layout: str, ranks: int, tensors) -> tuple[list[tuple[Decl, list[
         mesh = Mesh((ranks,), tuple(range(ranks)))
         decl = Decl((mesh,), tuple(TensorRule(n, s, d, i, ("mesh", 0, (0,))) for n, s, d, i, _ in tensors))
         return [(decl, list(range(ranks)))], ranks
+    if layout == "fsdp1":
+        return fsdp1_groups(ranks, tensors), ranks
+    if layout == "jax":
+        return jax_groups(ranks, tensors)
     tp, pp = 8, 16
     dp = max(1, ranks // (tp * pp))
     world = tp * pp * dp
@@ -108,6 +128,91 @@ def groups_for(layout: str, ranks: int, tensors) -> tuple[list[tuple[Decl, list[
             # every DP replica declares its (TP, PP) position's regions, as the megatron adapter does
             groups.append((decl, [t + tp * (q + dp * p) for q in range(dp)]))
     return groups, world
+
+
+def _declared(rank: int, tensors, rules: dict[str, tuple], meshes: tuple[Mesh, ...], held=None) -> Decl:
+    """``declare()`` fed what an adapter feeds it: each tensor's rule and the boxes this rank holds."""
+    items = []
+    for n, s, d, _i, _split in tensors:
+        if held is not None and not held(n):
+            continue
+        rule = rules[n]
+        local = (rule[0], meshes.index(rule[1]), *rule[2:])
+        boxes = rule_boxes(s, local, meshes, rank)
+        shards = [SaveShard(b, None) for b in boxes]  # declare() reads boxes only
+        items.append(SaveTensor(n, s, np.dtype("float32") if d == "float32" else _BF16, shards, rule))
+    return declare(items, rank)
+
+
+def _same_digest(decl: Decl, rank: int, build) -> None:
+    if digest(build(rank).to_json()) != digest(decl.to_json()):
+        raise AssertionError(f"rank {rank} declares differently from its group's representative")
+
+
+def fsdp1_groups(ranks: int, tensors) -> list[tuple[Decl, list[int]]]:
+    """FSDP1: one flat parameter per layer; distinct declarations differ only by which states a rank holds."""
+    mesh = Mesh((ranks,), tuple(range(ranks)))
+    layers: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # layer -> its parameters, in flat order
+    for n, s, _d, _i, _split in tensors:
+        if n.startswith("model/"):
+            base = n[len("model/") :]
+            layers.setdefault(base.rsplit(".", 1)[0], []).append((base, s))
+    rules: dict[str, tuple] = {}
+    touched = []  # per parameter: the ranks whose range touches it (a bool row over ranks)
+    param_of: dict[str, int] = {}
+    for params in layers.values():
+        offsets, total = [], 0
+        for _base, s in params:
+            total += -total % 8  # FSDP1 aligns each parameter to 16 bytes (8 bf16 elements)
+            offsets.append(total)
+            total += int(np.prod(s))
+        total += -total % ranks  # and pads the flat parameter to a multiple of the world size
+        size = -(-total // ranks)
+        for (base, s), off in zip(params, offsets):
+            row = np.zeros(ranks, dtype=bool)
+            row[off // size : (off + int(np.prod(s)) - 1) // size + 1] = True
+            param_of[base] = len(touched)
+            touched.append(row)
+            for n in (f"model/{base}", f"optimizer/{base}/exp_avg", f"optimizer/{base}/exp_avg_sq"):
+                rules[n] = ("range", mesh, off, total)  # states follow their parameter's range
+    mask = np.stack(touched)  # params x ranks
+    keys = np.packbits(mask, axis=0).T  # one byte string per rank: which parameters it holds state for
+    patterns: dict[bytes, list[int]] = {}
+    for r in range(ranks):
+        patterns.setdefault(keys[r].tobytes(), []).append(r)
+
+    def build(rank: int) -> Decl:
+        def held(n: str) -> bool:
+            return n.startswith("model/") or bool(mask[param_of[n.split("/")[1]], rank])
+
+        return _declared(rank, tensors, rules, (mesh,), held)
+
+    groups = []
+    rng = random.Random(1)
+    for members in patterns.values():
+        decl = build(members[0])
+        for r in rng.sample(members, min(2, len(members) - 1)) if len(members) > 1 else []:
+            _same_digest(decl, r, build)
+        groups.append((decl, members))
+    return groups
+
+
+def jax_groups(ranks: int, tensors) -> tuple[list[tuple[Decl, list[int]]], int]:
+    """JAX: mesh (replica, fsdp=16, model=8 devices of one process), the device -> process map affine."""
+    fsdp, model = 16, 8
+    replica = max(1, ranks // fsdp)
+    world = replica * fsdp
+    mesh = Mesh((replica, fsdp, model), tuple(int(x) for x in np.repeat(np.arange(world), model)))
+    spec = {"col": (-1, 0, 1), "row": (-1, 1, 0), "rep": (-1, -1, -1)}
+    rules = {n: ("mesh", mesh, spec[split]) for n, _s, _d, _i, split in tensors}
+
+    def build(rank: int) -> Decl:
+        return _declared(rank, tensors, rules, (mesh,))
+
+    decl = build(0)
+    for r in random.Random(2).sample(range(1, world), min(2, world - 1)):
+        _same_digest(decl, r, build)
+    return [(decl, list(range(world)))], world
 
 
 def status_bytes() -> int:
@@ -312,7 +417,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=512)
     ap.add_argument("--tensors", type=int, default=1000)
-    ap.add_argument("--layout", choices=["fsdp2", "megatron", "ddp"], default="fsdp2")
+    ap.add_argument("--layout", choices=["fsdp2", "megatron", "ddp", "fsdp1", "jax"], default="fsdp2")
     ap.add_argument("--min-chunk-mib", type=float, default=16.0, help="PlanOptions.min_chunk_bytes in MiB")
     ap.add_argument("--ranks-per-host", type=int, default=8, help="for the cross-host byte count")
     ap.add_argument("--max-chunk-mib", type=float, default=64.0, help="PlanOptions.max_chunk_bytes in MiB")

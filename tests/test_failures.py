@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from dist import free_port, run_distributed
+from killing import kill_rank_at, wait_for
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import (
@@ -31,7 +31,9 @@ from arraycheckpoint.errors import (
     UnsafeNameError,
 )
 from arraycheckpoint.manager import CheckpointManager
+from arraycheckpoint.metadata import METADATA_FILE
 from arraycheckpoint.storage import LocalStorage, register_scheme
+from arraycheckpoint.testing import chunk_files
 
 
 def state_for(step: int, rows: int = 64) -> dict:
@@ -50,15 +52,6 @@ def assert_equal_state(got: dict, want: dict) -> None:
 
 def files_under(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def wait_for(path: Path, timeout: float, procs: list) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        dead = [p for p in procs if not p.is_alive()]
-        assert not dead, f"a rank exited early (exit codes {[p.exitcode for p in dead]}) before {path.name}"
-        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout} s"
-        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------------ kill -9 mid-save
@@ -115,31 +108,12 @@ def _kill_rank_main(rank: int, world: int, port: int, root: str, signal_dir: str
 
 
 def test_kill_one_rank_mid_async_save(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
     root, signals = tmp_path / "run", tmp_path / "signals"
     signals.mkdir()
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=_kill_rank_main, args=(r, 2, port, str(root), str(signals))) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        wait_for(signals / "rank1-in-flush", 180, procs)
-        os.kill(procs[1].pid, signal.SIGKILL)
-        procs[1].join(30)
-        assert procs[1].exitcode == -signal.SIGKILL
-        procs[0].join(90)  # the survivor gets an error from the lost peer, or we stop it below
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    kill_rank_at(
+        _kill_rank_main, 2, lambda r: (r, 2, port, str(root), str(signals)), signals / "rank1-in-flush"
+    )
     survivor = signals / "rank0-result"
     if survivor.exists():  # when it reported, the survivor's save failed: nothing was committed
         assert survivor.read_text() != "committed"
@@ -197,12 +171,17 @@ def _disk_full_body(rank: int, world: int, root: str, big_rows: int, scheme: str
     return "committed"
 
 
-def _check_disk_full_outcome(root: Path, messages: list[str]) -> None:
+def _check_disk_full_outcome(root: Path, messages: list[str], object_store: bool = False) -> None:
+    """Nothing committed, nothing left (an object store may leave empty directories: no objects), and
+    the previous step loads bit-exactly."""
     assert len(messages) == 2
     for rank, msg in enumerate(messages):
         assert msg != "committed", f"rank {rank} saw a commit on a full disk"
         assert "not committed" in msg and ("No space left" in msg or "ENOSPC" in msg or "space" in msg), msg
-    assert sorted(os.listdir(root)) == ["step_1"], "the failed save left files behind"
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
+    assert all(p.startswith("step_1/") for p in left), f"the failed save left files behind: {left}"
+    if not object_store:
+        assert sorted(os.listdir(root)) == ["step_1"], "the failed save left directories behind"
     with pytest.raises(CheckpointNotFoundError):
         acp.read_metadata(root / "step_2")
     assert_equal_state(acp.load(root / "step_1", zeros_like_state()), state_for(1))
@@ -215,7 +194,10 @@ def test_disk_full_injected_at_storage_seam(tmp_path: Path) -> None:
     _check_disk_full_outcome(root, messages)
 
 
-def test_disk_full_on_a_small_tmpfs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheme", ["", "local://"], ids=["local", "fsspec"])
+def test_disk_full_on_a_small_tmpfs(tmp_path: Path, scheme: str) -> None:
+    """A real full file system, through the local backend and through fsspec's (``local://``, which uploads
+    from memory at flush). S3 (moto) and memory:// have no size quota to fill: docs/security.md."""
     root = tmp_path / "ck"
     root.mkdir()
     mounted = subprocess.run(
@@ -227,8 +209,8 @@ def test_disk_full_on_a_small_tmpfs(tmp_path: Path) -> None:
         )
     try:
         # step 1 (~8 KiB) fits; step 2 (32768 x 32 float32 = 4 MiB) cannot fit in 2 MiB
-        messages = run_distributed(_disk_full_body, world=2, args=(str(root), 32768, ""))
-        _check_disk_full_outcome(root, messages)
+        messages = run_distributed(_disk_full_body, world=2, args=(str(root), 32768, scheme))
+        _check_disk_full_outcome(root, messages, object_store=bool(scheme))
         assert os.statvfs(root).f_bfree * os.statvfs(root).f_bsize > 1 << 20, (
             "the failed save's bytes were not freed"
         )
@@ -254,7 +236,7 @@ def assert_verify_names(path: Path, tensor: str) -> None:
 
 
 def _data_file(path: Path) -> Path:
-    files = [p for p in (path / "model" / "w" / "c").rglob("*") if p.is_file()]
+    files = chunk_files(path / "model" / "w")
     assert len(files) == 1
     return files[0]
 
@@ -345,7 +327,7 @@ def _metadata_variants(doc: dict, text: str, sentinel: str) -> dict[str, bytes]:
 def test_malformed_metadata_is_refused_without_running_code(tmp_path: Path) -> None:
     path = tmp_path / "inner" / "ck"
     acp.save(path, state_for(3))
-    meta_file = path / ".metadata.json"
+    meta_file = path / METADATA_FILE
     text = meta_file.read_text()
     sentinel = tmp_path / "PWNED"
     variants = _metadata_variants(json.loads(text), text, str(sentinel))

@@ -15,6 +15,7 @@ from dist import run_distributed
 import arraycheckpoint as acp
 from arraycheckpoint.errors import CheckpointNotFoundError, SaveFailedError
 from arraycheckpoint.manager import CheckpointManager
+from arraycheckpoint.metadata import CONTROL_DIR, METADATA_FILE
 from arraycheckpoint.storage import LocalStorage, register_scheme
 
 
@@ -159,7 +160,8 @@ def test_cleanup_on_start(tmp_path: Path) -> None:
     (tmp_path / ".step_00000002.acp-staging-dead" / "junk").write_bytes(b"x" * 100)
     (tmp_path / ".step_00000002.acp-lock").write_text("dead")
     (tmp_path / "step_00000003" / "model").mkdir(parents=True)  # marker-less step directory
-    (tmp_path / "step_00000003" / ".metadata.json").write_text("{}")
+    (tmp_path / "step_00000003" / CONTROL_DIR).mkdir()
+    (tmp_path / "step_00000003" / METADATA_FILE).write_text("{}")
     (tmp_path / ".step_00000000.acp-trash-1").mkdir()
     (tmp_path / "README.txt").write_text("not ours")
     mgr = CheckpointManager(tmp_path)

@@ -10,6 +10,7 @@ import torch
 from dist import run_distributed
 
 import arraycheckpoint as acp
+from arraycheckpoint.metadata import METADATA_FILE
 from arraycheckpoint.stateful import PerRank, list_roles
 
 SHAPES = {"actor": (9, 5), "critic": (7, 6)}
@@ -50,7 +51,7 @@ def test_roles_save_and_load_independently(tmp_path) -> None:
         acp.load(root, {"model": {"w": torch.empty(SHAPES["actor"])}})  # the root itself is no checkpoint
 
     # corrupt the critic: loading the actor (resharded 2 -> 1) never looks at it
-    meta_file = os.path.join(root, "critic", ".metadata.json")
+    meta_file = os.path.join(root, "critic", METADATA_FILE)
     good = open(meta_file, "rb").read()
     with open(meta_file, "wb") as f:
         f.write(b"{not json")

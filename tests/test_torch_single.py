@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
@@ -14,6 +13,8 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
+from arraycheckpoint.metadata import COMMIT_MARKER, METADATA_FILE
+from arraycheckpoint.testing import chunk_files
 
 DTYPES = [
     torch.float32,
@@ -218,7 +219,7 @@ def test_strict_load_names_every_mismatch(tmp_path):
 
 def test_uncommitted_checkpoint_does_not_load(tmp_path):
     acp.save(tmp_path / "ck", {"model": {"w": torch.ones(3)}})
-    os.remove(tmp_path / "ck" / ".committed")
+    os.remove(tmp_path / "ck" / COMMIT_MARKER)
     with pytest.raises(acp.CheckpointNotFoundError, match="commit marker"):
         acp.load(tmp_path / "ck", {"model": {"w": torch.zeros(3)}})
     with pytest.raises(acp.CheckpointNotFoundError, match="does not exist"):
@@ -227,7 +228,7 @@ def test_uncommitted_checkpoint_does_not_load(tmp_path):
 
 def test_corrupted_chunk_names_the_tensor(tmp_path):
     acp.save(tmp_path / "ck", {"model": {"good": torch.randn(50), "bad": torch.randn(64, 64)}})
-    (path,) = glob.glob(str(tmp_path / "ck" / "model" / "bad" / "c" / "**" / "*"), recursive=True)[-1:]
+    (path,) = chunk_files(tmp_path / "ck" / "model" / "bad")[-1:]
     data = bytearray(open(path, "rb").read())
     data[123] ^= 0x10
     open(path, "wb").write(bytes(data))
@@ -244,7 +245,7 @@ def test_unsafe_names_refused_on_save(tmp_path, name):
 
 def test_unsafe_names_refused_on_load(tmp_path):
     acp.save(tmp_path / "ck", {"model": {"w": torch.ones(2)}})
-    meta_path = tmp_path / "ck" / ".metadata.json"
+    meta_path = tmp_path / "ck" / METADATA_FILE
     doc = json.loads(meta_path.read_text())
     doc["tensors"]["model/../../escape"] = doc["tensors"].pop("model/w")
     meta_path.write_text(json.dumps(doc))
@@ -284,11 +285,7 @@ def test_memory_url_round_trip():
 def test_zstd_compression_round_trip(tmp_path):
     state = {"w": torch.zeros(512, 512)}
     acp.save(tmp_path / "ck", {"model": state}, compression="zstd")
-    size = sum(
-        os.path.getsize(p)
-        for p in glob.glob(str(tmp_path / "ck" / "model" / "w" / "c" / "**"), recursive=True)
-        if os.path.isfile(p)
-    )
+    size = sum(os.path.getsize(p) for p in chunk_files(tmp_path / "ck" / "model" / "w"))
     assert size < 512 * 512 * 4 / 10
     out = {"w": torch.ones(512, 512)}
     acp.load(tmp_path / "ck", {"model": out})
@@ -333,7 +330,9 @@ def test_float8_variants_never_share_staging_buffers(tmp_path):
     """The host buffer pool must key on the dtype itself: float8 types all look like '<V1' to numpy."""
     gen = torch.Generator().manual_seed(9)
     bits = torch.randint(0, 256, (8, 8), generator=gen, dtype=torch.uint8)
-    for i, dtype in enumerate([torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz]):
+    for i, dtype in enumerate(
+        [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz]
+    ):
         t = bits.view(dtype)
         acp.save_async(tmp_path / f"ck{i}", {"model": {"w": t}}).result()  # async: staged through the pool
         out = {"w": torch.zeros(8, 8, dtype=dtype)}

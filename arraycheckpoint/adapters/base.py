@@ -62,6 +62,9 @@ class LoadJob:
     global_namespaces: set[str] = field(default_factory=set)
     # expected keys that strict=False left out (filled by check_expected; finishers skip their values)
     dropped: set[str] = field(default_factory=set)
+    # entry prefixes checked name by name although they lie under an object entry (modules nested in an
+    # extra-state dict: a stored parameter the target module lacks is unexpected, as it is under ``model``)
+    scoped: set[str] = field(default_factory=set)
 
     def stored_names(self) -> set[str]:
         """The checkpoint entries this job reads or accounts for."""
@@ -84,15 +87,25 @@ class Adapter(ABC):
         """Plan reading ``meta``'s checkpoint into ``state``."""
 
 
-def unexpected_names(meta: CheckpointMetadata, wanted: set[str], namespaces: set[str]) -> list[str]:
-    """Stored names under ``namespaces`` that nobody wants (format-internal ``~`` entries excepted)."""
+def unexpected_names(
+    meta: CheckpointMetadata, wanted: set[str], namespaces: set[str], scoped: set[str] = frozenset()
+) -> list[str]:
+    """Stored names under ``namespaces`` that nobody wants (format-internal ``~`` entries excepted).
+
+    A name under a wanted object entry is that object's array, unless a ``scoped`` prefix lies between them.
+    """
+
+    def covered(n: str) -> bool:
+        owners = [e for e in wanted if e in meta.objects and n.startswith(e + "/")]
+        if not owners:
+            return False
+        inner = max(owners, key=len)
+        return not any(n.startswith(p + "/") and p.startswith(inner + "/") for p in scoped)
+
     return sorted(
         n
         for n in set(meta.tensors) | set(meta.objects)
-        if n.split("/", 1)[0] in namespaces
-        and n not in wanted
-        and "~" not in n
-        and not any(n.startswith(e + "/") for e in wanted if e in meta.objects)
+        if n.split("/", 1)[0] in namespaces and n not in wanted and "~" not in n and not covered(n)
     )
 
 
@@ -131,7 +144,7 @@ def check_expected(meta: CheckpointMetadata, job: LoadJob, options: AdapterOptio
             continue
         mismatched.append(f"{where}: {problem}")
         bad.add(name)
-    unexpected = unexpected_names(meta, job.stored_names(), job.namespaces)
+    unexpected = unexpected_names(meta, job.stored_names(), job.namespaces, job.scoped)
     report = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
     if options.strict and any(report.values()):
         lines = [

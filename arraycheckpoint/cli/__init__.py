@@ -102,12 +102,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _verify_total(path: str) -> int:
     from ..codecs import numpy_dtype
-    from ..metadata import METADATA_FILE, CheckpointMetadata
+    from ..metadata import CheckpointMetadata
     from ..storage import storage_for
 
     try:
         storage, root = storage_for(path)
-        raw = storage.read(root, METADATA_FILE)
+        raw = storage.read(root, storage.control_files(root).metadata)
         meta = CheckpointMetadata.from_json(raw) if raw else None
     except Exception:  # noqa: BLE001 - verify itself reports what is wrong
         return 0

@@ -162,7 +162,7 @@ def dimension_names_for(name: str, ndim: int) -> list[str]:
 
 
 #: Version of the codec pipeline :func:`array_metadata` builds. Checkpoints record it; a reader whose preset
-#: matches can open arrays from ``.metadata.json`` alone, others read each array's ``zarr.json``.
+#: matches can open arrays from the checkpoint metadata alone, others read each array's ``zarr.json``.
 #: 1: sharding_indexed, bytes little-endian, optional zstd, crc32c per inner chunk, crc32c index.
 CODEC_PRESET = 1
 
@@ -177,6 +177,7 @@ def array_metadata(
     *,
     dimension_names: Sequence[str | None] | None = None,
     name: str | None = None,
+    separator: str = ".",
 ) -> dict[str, Any]:
     """Return zarr v3 array metadata (a JSON-able dict) for tensorstore's zarr3 ``"metadata"`` member.
 
@@ -199,12 +200,16 @@ def array_metadata(
         dimension_names: optional names, one per dimension.
         name: the entry name of the array (``model/layers.0.w``); when given without ``dimension_names``,
             the names are :func:`dimension_names_for` it (what every array of a new checkpoint carries).
+        separator: the chunk key separator (``"."``: ``c.0.1``, what format 3 writes; ``"/"``: ``c/0/1``,
+            formats 1 and 2; see :func:`arraycheckpoint.metadata.chunk_key_separator`).
 
     Raises:
         UnsupportedDTypeError: for an unsupported dtype.
         ValueError: for inconsistent shapes, an inner chunk shape that does not divide the chunk shape, an
             unknown compression, or a bad compression level.
     """
+    if separator not in ("/", "."):
+        raise ValueError(f"separator must be '/' or '.', got {separator!r}")
     dt = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
     if dimension_names is None and name is not None:
         dimension_names = dimension_names_for(name, len(tuple(shape)))
@@ -249,7 +254,7 @@ def array_metadata(
         "shape": list(shape_t),
         "data_type": dtype_name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_t)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}},
         "fill_value": _fill_value(dt),
         "codecs": [
             {

@@ -27,7 +27,11 @@ def write_sidecar(storage: Storage, root: str, key: str, doc: dict[str, Any]) ->
         log.warning("could not write %s/%s", root, key, exc_info=True)
 
 
-def array_spec(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
+def array_spec(storage: Storage, root: str, layout: Any, separator: str = ".") -> dict[str, Any]:
+    """The tensorstore zarr3 spec of ``layout``'s array under ``root``, its metadata given (never read).
+
+    ``separator``: the chunk key separator of the checkpoint's format (``"."`` for what is written now).
+    """
     return {
         "driver": "zarr3",
         "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{layout.name}"),
@@ -38,6 +42,7 @@ def array_spec(storage: Storage, root: str, layout: Any) -> dict[str, Any]:
             layout.inner_chunk_shape,
             layout.compression,
             name=layout.name,  # dimension_names (xarray needs them)
+            separator=separator,
         ),
         # every chunk gets its file, also an all-zero one: a missing file on load then means damage
         "store_data_equal_to_fill_value": True,

@@ -11,9 +11,9 @@ Per save, in the background thread of every rank, in this order:
    the distinct declarations once; every rank then plans (:mod:`arraycheckpoint.groupplan`: deterministic,
    the same plan everywhere) and derives its own work. No rank receives O(world size x payload) bytes;
 2. (the save pipeline exchanges fragments and writes its chunks)
-3. *commit*: the coordinator gathers every rank's status, writes ``.metadata.json`` and the group
-   ``zarr.json`` files, commits through the storage's strategy and broadcasts the outcome, so an error on
-   any rank surfaces on every rank.
+3. *commit*: the coordinator gathers every rank's status, writes the metadata, the control node and the
+   group ``zarr.json`` files (:mod:`arraycheckpoint.hierarchy`), commits through the storage's strategy and
+   broadcasts the outcome, so an error on any rank surfaces on every rank.
 
 No bytes of tensor data pass through here. The plan id every rank executed is compared at commit.
 """
@@ -37,9 +37,9 @@ from ..collectives import Communicator
 from ..errors import ArrayCheckpointError, SaveFailedError
 from ..groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
 from ..groupplan import rank_plan as rank_plan_of
+from ..hierarchy import hierarchy_documents
 from ..items import SaveRequest, SaveTensor
 from ..metadata import (
-    METADATA_FILE,
     METRICS_FILE,
     CheckpointMetadata,
     LazyShards,
@@ -173,22 +173,7 @@ class Coordinator:
         assert plan is not None, "coordinator lost its plan"
         meta = build_metadata(plan, job.request, statuses)
         kv = ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
-        groups = {""}
-        for name in list(meta.tensors) + list(meta.objects):
-            parts = name.split("/")
-            groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        attrs = {
-            "format_version": meta.format_version,
-            "framework": meta.framework,
-            "step": meta.step,
-            "world_size": meta.world_size,
-            "topology": dict(meta.topology),
-            "roles": list(meta.roles),
-        }
-        writes = [kv.write(METADATA_FILE, meta.to_json().encode())]
-        for g in sorted(groups):
-            doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs if g == "" else {}}
-            writes.append(kv.write(f"{g}/zarr.json" if g else "zarr.json", json.dumps(doc).encode()))
+        writes = [kv.write(key, doc) for key, doc in hierarchy_documents(meta).items()]
         for w in writes:
             w.result()
         job.storage.flush(job.staging)
@@ -257,7 +242,7 @@ def build_metadata(
 
 
 def declare(tensors: list[SaveTensor], rank: int) -> Decl:
-    """This rank's declaration: one rule per tensor (a checked DTensor mesh rule, replica, or boxes).
+    """This rank's declaration: one rule per tensor (a checked mesh or range rule, replica, or boxes).
 
     Bad input (unsafe or duplicate names) raises here; the caller reports it through the agreement.
     """
@@ -273,29 +258,36 @@ def declare(tensors: list[SaveTensor], rank: int) -> Decl:
         shape = tuple(int(s) for s in t.shape)
         boxes = tuple(s.box for s in t.shards if s.box.volume)
         rule: tuple[Any, ...]
-        if t.rule is not None and t.rule[0] == "mesh":
+        if t.rule is not None and t.rule[0] in ("mesh", "range"):
             mesh = t.rule[1]
             if mesh not in meshes:
                 meshes.append(mesh)
-            rule = ("mesh", meshes.index(mesh), tuple(t.rule[2]))
-            if rank not in mesh.ranks or set(rule_boxes(shape, rule, meshes, rank)) != set(boxes):
+            rule = (t.rule[0], meshes.index(mesh), *_rule_args(t.rule))
+            if rank not in mesh.positions or set(rule_boxes(shape, rule, meshes, rank)) != set(boxes):
                 rule = ("boxes", boxes)  # the rule does not describe what this rank holds: say it plainly
         elif math.prod(shape) and boxes == (Box.full(shape),):
             rule = ("replica",)
         else:
             rule = ("boxes", boxes)
         out.append(TensorRule(t.name, shape, zarr_dtype_name(dtype), dtype.itemsize, rule))
-    used = sorted({r[1] for r in (x.rule for x in out) if r[0] == "mesh"})
+    used = sorted({r[1] for r in (x.rule for x in out) if r[0] in ("mesh", "range")})
     if len(used) != len(meshes):  # drop meshes no rule kept
         remap = {old: new for new, old in enumerate(used)}
         out = [
-            TensorRule(x.name, x.shape, x.dtype, x.itemsize, ("mesh", remap[x.rule[1]], x.rule[2]))
-            if x.rule[0] == "mesh"
+            TensorRule(x.name, x.shape, x.dtype, x.itemsize, (x.rule[0], remap[x.rule[1]], *x.rule[2:]))
+            if x.rule[0] in ("mesh", "range")
             else x
             for x in out
         ]
         meshes = [meshes[i] for i in used]
     return Decl(tuple(meshes), tuple(out))
+
+
+def _rule_args(rule: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What follows the mesh in an adapter's rule: placements (mesh) or offset and total (range)."""
+    if rule[0] == "mesh":
+        return (tuple(int(d) for d in rule[2]),)
+    return (int(rule[2]), int(rule[3]))
 
 
 def structure_key(decl_digest: bytes, comm: Communicator, options: SaveOptions) -> str:

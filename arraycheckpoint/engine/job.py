@@ -27,6 +27,8 @@ class SaveOptions:
     max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES
     # the caller waits for the commit (``save()``): sources may lend their memory instead of being copied
     blocking: bool = False
+    # liveness bound of this save's collectives (None: the communicator's default), see ``timeout=``
+    liveness_timeout: float | None = None
 
 
 @dataclass

@@ -17,9 +17,9 @@ from .. import safety
 from .._tscontext import context
 from ..codecs import numpy_dtype
 from ..collectives import Communicator
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError, StorageError
+from ..errors import CheckpointNotFoundError, MetadataError, StorageError
 from ..items import LoadShard, LoadTensor
-from ..metadata import LOAD_METRICS_FILE, METADATA_FILE, CheckpointMetadata, check_name
+from ..metadata import CheckpointMetadata, check_name
 from ..monitoring import PhaseRecorder
 from ..regions import Box
 from ..storage import Storage, storage_for
@@ -42,7 +42,8 @@ class LoadPipeline:
         of the storage (:mod:`arraycheckpoint.sources`); :meth:`_read` then delegates to it.
         """
         storage, root = storage_for(url)
-        if not storage.is_committed(root):
+        files = storage.committed_layout(root)  # format 3's .acp/, or an older checkpoint's root
+        if files is None:
             from ..sources import open_source  # hook: foreign formats
 
             source = open_source(storage, root, allow_pickle=allow_pickle)
@@ -50,20 +51,21 @@ class LoadPipeline:
                 return source, root, source.metadata  # type: ignore[return-value]
             what = (
                 "has no commit marker (a save did not finish)"
-                if storage.exists(root, METADATA_FILE)
+                if storage.exists(root, storage.control_files(root).metadata)
                 else "does not exist"
             )
             raise CheckpointNotFoundError(f"no committed checkpoint at {root}: it {what}")
-        raw = storage.read(root, METADATA_FILE)
-        if raw is None:
-            raise MetadataError(f"checkpoint {root} is committed but has no {METADATA_FILE}")
-        meta = CheckpointMetadata.from_json(raw)
         try:
+            raw = storage.read(root, files.metadata)
+            if raw is None:
+                raise MetadataError(f"checkpoint {root} is committed but has no {files.metadata}")
+            meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
             safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
-        except (CorruptCheckpointError, MetadataError, FileNotFoundError) as e:
-            if not storage.is_committed(root):  # removed under us (retention): gone, not damaged
-                raise CheckpointNotFoundError(f"checkpoint {root} was removed while it was being opened") from e
-            raise
+        except Exception as e:
+            gone = _gone(storage, root, e, "opened")
+            if gone is None:
+                raise
+            raise gone from e
         return storage, root, meta
 
     def load(
@@ -104,13 +106,11 @@ class LoadPipeline:
                             storage, root, meta, targets, comm, max_inflight_bytes, recorder
                         )
                 self._read(storage, root, meta, targets, max_inflight_bytes, recorder)
-            except (CorruptCheckpointError, StorageError, MetadataError) as e:
-                if not storage.is_committed(root):
-                    raise CheckpointNotFoundError(
-                        f"the checkpoint at {root} was removed while it was being read (retention by another "
-                        f"job or manager?); nothing of it can be trusted: load another step ({e})"
-                    ) from e
-                raise
+            except Exception as e:
+                gone = _gone(storage, root, e, "read")
+                if gone is None:
+                    raise
+                raise gone from e
         for shard, array in deferred:  # every read succeeded: now the targets change
             if shard.target is not None and shard.target.dtype == array.dtype:
                 np.copyto(shard.target, array)
@@ -208,17 +208,19 @@ class LoadPipeline:
                 wanted.setdefault(t.name, []).extend(s.box for s in t.shards)
             for t in targets:
                 check_name(t.name)
-                if t.name not in opening and t.shards:
-                    spec = {
-                        "driver": "zarr3",
-                        "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{t.name}"),
-                        "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
-                    }
-                    # checked zarr.json (or the preset's metadata), crc32c required; no symlink, FIFO, bomb
-                    spec["metadata"] = safety.check_array(
-                        storage, root, meta.tensors[t.name], meta.codec_preset, wanted[t.name]
-                    )
-                    opening[t.name] = ts.open(spec, open=True, assume_metadata=True, context=context())
+            # checked zarr.json (or the preset's metadata), crc32c required; no zstd bomb (links and FIFOs:
+            # refused by the scan of read_metadata)
+            docs = safety.check_arrays(
+                storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards}
+            )
+            for name, doc in docs.items():
+                spec = {
+                    "driver": "zarr3",
+                    "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{name}"),
+                    "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
+                    "metadata": doc,
+                }
+                opening[name] = ts.open(spec, open=True, assume_metadata=True, context=context())
             stores = {}
             for name, fut in opening.items():
                 try:
@@ -268,6 +270,23 @@ class LoadPipeline:
             rec["bytes"] = total
 
 
+def _gone(storage: Storage, root: str, error: Exception, doing: str) -> CheckpointNotFoundError | None:
+    """What to raise for ``error`` met while a checkpoint was being ``doing`` ("opened", "read"): a
+    :class:`CheckpointNotFoundError` when the checkpoint is no longer committed (removed from under the
+    reader: whatever broke, a missing file, a missing chunk, a vanished directory, is its consequence), else
+    None (``error`` itself stands). Removal takes the commit marker first (a rename of the whole directory locally), so a
+    checkpoint that is being removed is never seen as committed after its files started to go."""
+    try:
+        if storage.is_committed(root):
+            return None
+    except Exception:  # noqa: BLE001 - the original error is the better report
+        return None
+    return CheckpointNotFoundError(
+        f"the checkpoint at {root} was removed while it was being {doing} (retention by another job or "
+        f"manager?); nothing of it can be trusted: load another step ({type(error).__name__}: {error})"
+    )
+
+
 def _slabs(box: Box, target: np.ndarray, limit: int) -> list[tuple[Box, np.ndarray]]:
     """``box`` and its destination ``target`` cut along the first dimension into slabs of at most ``limit``
     bytes (at least one row each)."""
@@ -284,9 +303,10 @@ def _slabs(box: Box, target: np.ndarray, limit: int) -> list[tuple[Box, np.ndarr
 
 
 def record_load_metrics(url: str, recorder: PhaseRecorder, comm: Communicator) -> None:
-    """Gather every rank's load phases; the coordinator stores them as ``.metrics-load.json`` (collective)."""
+    """Gather every rank's load phases; the coordinator stores them as ``.acp/metrics-load.json`` (collective)."""
     records = comm.gather_json(recorder.to_json(), dst=0)
     if records is not None:
         storage, root = storage_for(url)
         doc = {"load": {str(r): rec for r, rec in enumerate(records)}}
-        write_sidecar(storage, root, LOAD_METRICS_FILE, doc)
+        # beside the checkpoint's own metadata: an older checkpoint keeps its layout
+        write_sidecar(storage, root, storage.control_files(root).load_metrics, doc)

@@ -64,6 +64,7 @@ class SavePipeline:
         storage, final = storage_for(url)
         future = CheckpointFuture(final)
         self.wait_idle()  # buffers and the checkpoint group are reused
+        comm.set_liveness_timeout(options.liveness_timeout)  # before this save's first collective
         decl, decl_error, decl_digest = None, None, b""
         try:
             decl = declare(request.tensors, comm.rank)
@@ -155,10 +156,11 @@ class SavePipeline:
             job.future._set_staged()
         try:
             plan = self._coordinator.plan(job)
+            claimed = _target_claimed(job) if plan is not None else False
             # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
             # the exchange while it waits in the commit gather (e.g. rank 0's CheckpointExistsError)
             received = self._exchange(job, plan.rank_plan) if plan is not None else {}
-            if job.error is None and plan is not None:
+            if job.error is None and plan is not None and claimed:
                 self._write(job, plan.rank_plan, received)
                 with job.recorder.phase("flush"):
                     job.storage.flush(job.staging)
@@ -288,6 +290,21 @@ class SavePipeline:
             src = local_view(job, w.name, p.box) if p.src == me else received[(w.name, p.box)]
             out[p.box.slices(w.chunk)] = src
         return out
+
+
+def _target_claimed(job: SaveJob) -> bool:
+    """Whether every rank may write: storage that writes in place (the marker strategy: object stores,
+    fsspec) needs rank 0 to have claimed the target and emptied its prefix (``acquire``) before any rank
+    writes or uploads there, or the clearing deletes what a faster rank already wrote (the committed
+    checkpoint then misses that rank's chunks), and a target another save holds must not be written at all.
+    A cached or identical-declaration plan has no collective between rank 0's ``acquire`` and the writes,
+    so one fixed-size agreement orders them (every rank calls it: the strategy is the same on all ranks).
+    Staged storage (local rename) writes into this save's own staging directory and needs none."""
+    comm = job.comm
+    if comm.world_size == 1 or job.storage.commit_strategy != "marker":
+        return True
+    (ok,) = comm.all_reduce_min([int(job.error is None)])
+    return bool(ok)
 
 
 def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:

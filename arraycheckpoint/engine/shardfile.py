@@ -54,10 +54,10 @@ def can_encode(layout: Any, chunk: Box, dtype: np.dtype[Any]) -> bool:
     )
 
 
-def chunk_key(layout: Any, chunk: Box) -> str:
-    """The chunk's key under its array (``default`` chunk key encoding, ``/`` separator)."""
+def chunk_key(layout: Any, chunk: Box, separator: str = ".") -> str:
+    """The chunk's key under its array (``default`` chunk key encoding; format 3's ``.`` separator)."""
     index = [o // c for o, c in zip(chunk.offsets, layout.chunk_shape)]
-    return "/".join(["c", *map(str, index)])
+    return separator.join(["c", *map(str, index)])
 
 
 def crc32c(buf: Buffer) -> int:
@@ -138,9 +138,11 @@ class FileWriter:
         self._dirs: set[str] = set()
         os.makedirs(self._root, exist_ok=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="acp-write")
-        # batches of small files go to one thread of their own: creating files and directories under one parent
-        # from several threads contends on the parent's lock and cost 1.5x the CPU time for no gain in wall time
-        self._small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-write-small")
+        # batches of small files go to threads of their own, one per 4 cores: on 2 cores, creating files and
+        # directories under one parent from several threads contended on the parent's lock and cost 1.5x the
+        # CPU time for no gain in wall time; on 16 cores, 4 threads created 2,000 arrays' files 2.3x faster
+        small = max(1, min(4, (os.cpu_count() or 1) // 4))
+        self._small = ThreadPoolExecutor(max_workers=small, thread_name_prefix="acp-write-small")
         self._batch: list[tuple[str, list[Buffer]]] = []
         self._batch_bytes = 0
         self._batch_future: Future[None] = Future()

@@ -31,6 +31,7 @@ from .ranges import RangeReader, StoredTensor
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 NAMESPACE = "model"
+FRAMEWORK = "safetensors"  # the ``framework`` of a safetensors directory's metadata
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 MAX_INDEX_BYTES = 256 << 20
 
@@ -139,7 +140,7 @@ class SafetensorsSource(LoadSource):
         super().__init__(storage, root)
         self.tensors = tensors
         self._meta = CheckpointMetadata(
-            framework="safetensors",
+            framework=FRAMEWORK,
             world_size=1,
             tensors={
                 n: TensorMeta(

@@ -1,13 +1,13 @@
 """Storage backends behind one seam. :func:`storage_for` picks the backend from a path or URL.
 
-=====================  ===========================================  ======================
+=====================  ===========================================  ==========================
 URL                    backend                                      commit
-=====================  ===========================================  ======================
+=====================  ===========================================  ==========================
 ``/path``, ``file://`` :class:`LocalStorage` (tensorstore ``file``)  atomic rename
-``memory://name``      :class:`MemoryStorage` (tensorstore memory)  marker ``.committed``
-``s3://bucket/prefix`` :class:`S3Storage` (tensorstore ``s3``)       marker ``.committed``
-any other fsspec URL   :class:`FsspecStorage` (fsspec upload)       marker ``.committed``
-=====================  ===========================================  ======================
+``memory://name``      :class:`MemoryStorage` (tensorstore memory)  marker ``.acp/committed``
+``s3://bucket/prefix`` :class:`S3Storage` (tensorstore ``s3``)       marker ``.acp/committed``
+any other fsspec URL   :class:`FsspecStorage` (fsspec upload)       marker ``.acp/committed``
+=====================  ===========================================  ==========================
 
 Backend options (S3 endpoint, region, credentials, fsspec storage options) are set per scheme with
 :func:`configure`; environment variables are the default. :func:`register_scheme` plugs in a backend.

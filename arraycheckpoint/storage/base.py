@@ -7,8 +7,12 @@ backend shares one code path, with bounded retries, see :mod:`.retry`), and impl
 * ``rename`` (POSIX file systems): ranks write into a private staging root; the coordinator writes the
   metadata and commit marker there and renames the staging root onto the final path. A crash leaves only a
   staging directory that no reader looks at.
-* ``marker`` (object stores, memory, fsspec): ranks write in place; the commit marker ``.committed`` is
+* ``marker`` (object stores, memory, fsspec): ranks write in place; the commit marker ``.acp/committed`` is
   written last. Readers treat a root without the marker as absent.
+
+Control files (metadata, marker, metrics) live where :data:`~arraycheckpoint.metadata.CONTROL` says; a
+checkpoint of format 1 or 2 keeps them in its root (:data:`~arraycheckpoint.metadata.LEGACY_CONTROL`), and
+:meth:`Storage.control_files` tells which layout a checkpoint uses.
 
 Call order (the engine's): ``check_target`` and ``acquire`` on the coordinator at snapshot time, then every rank
 writes under ``staging_root``, calls ``flush`` on what it wrote, then the coordinator writes metadata and calls
@@ -34,7 +38,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CheckpointExistsError
-from ..metadata import COMMIT_MARKER
+from ..metadata import COMMIT_MARKER, CONTROL, CONTROL_LAYOUTS, ControlFiles
 from .retry import DEFAULT_POLICY, RetryPolicy, retry_call
 
 #: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
@@ -116,8 +120,21 @@ class Storage(ABC):
         self._retry("delete", f"{root}/{key}", lambda: self._kv(root).write(key, None).result())
 
     def is_committed(self, root: str) -> bool:
-        """Whether ``root`` holds a committed checkpoint (its commit marker exists)."""
-        return self.exists(root, COMMIT_MARKER)
+        """Whether ``root`` holds a committed checkpoint (its commit marker exists, in any format's layout)."""
+        return self.committed_layout(root) is not None
+
+    def committed_layout(self, root: str) -> ControlFiles | None:
+        """The layout whose commit marker is at ``root`` (format 3's first: one lookup for a current
+        checkpoint), or None when ``root`` holds no committed checkpoint."""
+        return next((files for files in CONTROL_LAYOUTS if self.exists(root, files.committed)), None)
+
+    def control_files(self, root: str) -> ControlFiles:
+        """Where the checkpoint at ``root`` keeps its control files: the layout whose commit marker (else
+        whose metadata) is there; the current layout when neither is (a new or absent checkpoint)."""
+        committed = self.committed_layout(root)
+        if committed is not None:
+            return committed
+        return next((files for files in CONTROL_LAYOUTS if self.exists(root, files.metadata)), CONTROL)
 
     def children(self, root: str) -> list[str]:
         """Names of the immediate children (files and directories/prefixes) of ``root``, sorted."""
@@ -159,8 +176,8 @@ class Storage(ABC):
             )
         if self.commit_strategy == "marker":
             # Writing in place: start from an empty prefix, so nothing of an older checkpoint (committed and
-            # being overwritten, or left by a crashed save) mixes with this one. The marker goes first.
-            self.delete_key(final, COMMIT_MARKER)
+            # being overwritten, or left by a crashed save) mixes with this one. The markers go first.
+            self._delete_markers(final)
             for key in self.list(final):
                 if key != LOCK_KEY:
                     self.delete_key(final, key)
@@ -206,8 +223,13 @@ class Storage(ABC):
     # Checkpoint manager support ---------------------------------------------------------------------
     def remove_checkpoint(self, root: str) -> None:
         """Delete the checkpoint at ``root``: the commit marker first, so a partial delete reads as absent."""
-        self.delete_key(root, COMMIT_MARKER)
+        self._delete_markers(root)
         self.delete(root)
+
+    def _delete_markers(self, root: str) -> None:
+        """Remove the commit marker of every format's layout (an old checkpoint's too)."""
+        for files in CONTROL_LAYOUTS:
+            self.delete_key(root, files.committed)
 
     def cleanup_leftovers(self, parent: str) -> list[str]:
         """Remove what crashed saves of this backend's commit protocol left directly under ``parent``.

@@ -3,8 +3,9 @@
 Layout of one save of ``<dir>/<name>``:
 
 * ``<dir>/.<name>.acp-lock``: created with ``O_EXCL`` by the coordinator; holds the save's token;
-* ``<dir>/.<name>.acp-staging-<token>/``: every rank writes here; the coordinator adds ``.metadata.json``
-  and ``.committed`` and renames it onto ``<dir>/<name>`` (one atomic ``rename(2)``);
+* ``<dir>/.<name>.acp-staging-<token>/``: every rank writes here; the coordinator adds the metadata and the
+  commit marker (``.acp/metadata.json``, ``.acp/committed``) and renames it onto ``<dir>/<name>`` (one
+  atomic ``rename(2)``);
 * ``<dir>/<name>.acp-old-<...>``: the replaced checkpoint during an ``overwrite=True`` commit (removed after);
 * ``<dir>/.<name>.acp-trash-<...>``: a checkpoint being deleted by retention (renamed first, so a partial
   delete is never visible under the step's name).
@@ -100,6 +101,7 @@ class LocalStorage(Storage):
         self.write(staging, COMMIT_MARKER, b"committed\n")
         marker = os.path.join(staging, COMMIT_MARKER)
         fsync_path(marker)
+        fsync_path(os.path.dirname(marker))  # the control directory's entry of the marker
         old = None
         if os.path.lexists(final):
             if not overwrite and self.is_committed(final):
@@ -122,23 +124,14 @@ class LocalStorage(Storage):
 
     # Small-object and manager operations with plain POSIX calls -----------------------------------------
     def read(self, root: str, key: str) -> bytes | None:
-        """The regular file ``root/key`` (never through a symlink, never a FIFO), or None when absent."""
+        """The regular file ``root/key`` (never through a symlink at or below ``root``, never a FIFO), or None
+        when absent."""
         from ..safety import MAX_METADATA_BYTES
 
         path = os.path.join(root, key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
+        fd = _open_below(root, key)
+        if fd is None:
             return None
-        except NotADirectoryError:
-            return None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CorruptCheckpointError(
-                    f"{path} is a symlink; nothing in a checkpoint is read through a link (replace it with the "
-                    "file itself, or re-save the checkpoint)"
-                ) from None
-            raise StorageError(f"storage read of {path} failed: {e}") from e
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -207,6 +200,52 @@ class LocalStorage(Storage):
                         continue
                 removed.append(path)
         return removed
+
+
+def _open_below(root: str, key: str) -> int | None:
+    """A descriptor of ``root/key`` opened component by component below ``root`` with ``O_NOFOLLOW`` (``root``
+    itself may be a link), so neither the file nor a directory on the way (``.acp``) can be a symlink; the
+    file is opened non-blocking (a FIFO does not hang). None when something on the way is absent.
+
+    Raises:
+        CorruptCheckpointError: a component below ``root`` is a symlink, or a non-directory on the way.
+        StorageError: any other failure, naming the path.
+    """
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise StorageError(f"storage read of {os.path.join(root, key)} failed: {e}") from e
+    parts = key.split("/")
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            where = os.path.join(root, *parts[: i + 1])
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise StorageError(f"storage read of {os.path.join(root, key)} failed: {e}") from e
+                if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise CorruptCheckpointError(
+                        f"{where} is a symlink; nothing in a checkpoint is read through a link (replace it "
+                        "with the file itself, or re-save the checkpoint)"
+                    ) from None
+                raise CorruptCheckpointError(
+                    f"{where} is not a directory; the checkpoint is damaged (a checkpoint holds only regular "
+                    "files and directories)"
+                ) from None
+            os.close(fd)
+            fd = child
+        child, fd = fd, -1
+        return child
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _check_parents(directory: Path) -> None:

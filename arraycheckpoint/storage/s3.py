@@ -1,7 +1,7 @@
 """``s3://bucket/prefix``: Amazon S3 and S3-compatible stores through tensorstore's own ``s3`` kvstore driver.
 
 Every rank writes its chunk files straight to the bucket (no local copy); the commit is the marker strategy:
-``.committed`` is written last by the coordinator, and readers treat a prefix without it as absent. S3 has
+``.acp/committed`` is written last by the coordinator, and readers treat a prefix without it as absent. S3 has
 no rename, and deleting is not atomic: retention removes the marker first, so a half-deleted checkpoint is
 never read.
 

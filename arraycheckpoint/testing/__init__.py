@@ -6,3 +6,16 @@ modules needs pytest; the package itself never imports them.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def chunk_files(array_dir: str | os.PathLike[str]) -> list[Path]:
+    """The stored chunk files of one array directory, sorted: ``c.<i>.<j>`` (format 3) or ``c/<i>/<j>``
+    (formats 1 and 2), and ``c`` for a 0-d array."""
+    root = Path(array_dir)
+    out = [p for p in root.iterdir() if p.is_file() and (p.name == "c" or p.name.startswith("c."))]
+    if (root / "c").is_dir():
+        out.extend(p for p in (root / "c").rglob("*") if p.is_file())
+    return sorted(out)

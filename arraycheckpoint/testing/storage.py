@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError
-from ..metadata import COMMIT_MARKER
+from ..metadata import COMMIT_MARKER, CONTROL_LAYOUTS, LEGACY_CONTROL, METADATA_FILE
 from ..storage import Storage, storage_for
 
 
@@ -181,6 +181,31 @@ class StorageTests:
         assert not backend.is_committed(final)
         assert backend.list(final) == []
 
+    def test_overwrite_of_a_format2_checkpoint_leaves_no_old_marker(self, base_url: str) -> None:
+        """An older checkpoint (control files in its root) saved over: only the new layout remains, and the
+        old marker never outlives the old data (marker backends delete it first)."""
+        import arraycheckpoint as acp
+
+        url = f"{base_url}/old"
+        backend, root = storage_for(url)
+        if backend.commit_strategy == "rename":
+            backend.write(root, "zarr.json", b"{}")  # the directory exists
+        backend.write(root, "model/w/c/0/0", b"old data")
+        backend.write(root, LEGACY_CONTROL.metadata, b"{}")
+        backend.write(root, LEGACY_CONTROL.committed, b"committed\n")
+        assert backend.is_committed(root) and backend.control_files(root) == LEGACY_CONTROL
+        with pytest.raises(CheckpointExistsError):
+            acp.save(url, self._state(5))
+        acp.save(url, self._state(5), overwrite=True)
+        fresh, root = storage_for(url)
+        assert fresh.control_files(root) == CONTROL_LAYOUTS[0]
+        keys = fresh.list(root)
+        assert LEGACY_CONTROL.committed not in keys and LEGACY_CONTROL.metadata not in keys
+        assert COMMIT_MARKER in keys and METADATA_FILE in keys
+        assert acp.read_metadata(url).objects["extra_state"].value is not None
+        fresh.remove_checkpoint(root)
+        assert not fresh.is_committed(root)
+
     # Through the public API ------------------------------------------------------------------------
     def _state(self, seed: int) -> dict[str, Any]:
         torch = pytest.importorskip("torch")
@@ -214,13 +239,15 @@ class StorageTests:
         acp.load(url, target)
         assert torch.equal(target["model"]["w"], self._state(2)["model"]["w"])
 
-    def test_uncommitted_reads_as_absent(self, base_url: str) -> None:
+    @pytest.mark.parametrize("layout", range(len(CONTROL_LAYOUTS)), ids=["format3", "format2"])
+    def test_uncommitted_reads_as_absent(self, base_url: str, layout: int) -> None:
         import arraycheckpoint as acp
 
         url = f"{base_url}/half"
         backend, root = storage_for(url)
-        backend.write(root, ".metadata.json", b"{}")
+        backend.write(root, CONTROL_LAYOUTS[layout].metadata, b"{}")
         backend.write(root, "zarr.json", b"{}")
+        assert backend.control_files(root) == CONTROL_LAYOUTS[layout]
         with pytest.raises(CheckpointNotFoundError, match="no commit marker"):
             acp.load(url, self._state(0))
         with pytest.raises(CheckpointNotFoundError, match="does not exist"):
@@ -232,7 +259,7 @@ class StorageTests:
         url = f"{base_url}/left"
         backend, root = storage_for(url)
         backend.write(root, "model/stale/c/0", b"from a crashed save")
-        backend.write(root, ".metadata.json", b"{")
+        backend.write(root, METADATA_FILE, b"{")
         acp.save(url, self._state(4))
         assert backend.read(root, "model/stale/c/0") is None
         assert "model/stale/c/0" not in backend.list(root)

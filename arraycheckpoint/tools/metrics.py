@@ -8,12 +8,13 @@ plus a per-rank timeline on one wall clock (matplotlib, Agg backend; install the
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metadata import LOAD_METRICS_FILE, METRICS_FILE, CheckpointMetadata
+from ..errors import CorruptCheckpointError, MetadataError
+from ..metadata import CheckpointMetadata
+from ..safety import MAX_METADATA_BYTES, load_json_bounded
 from ..storage import Storage
 from .common import human_bytes
 
@@ -45,15 +46,33 @@ class PhaseTable:
 
 
 def recorded_metrics(storage: Storage, root: str, meta: CheckpointMetadata) -> dict[str, Any]:
-    """Every record of a checkpoint: the metadata's, the complete save record of the ``.metrics.json``
-    sidecar (it adds the coordinator's commit phase) and the last opt-in load record (``.metrics-load.json``)."""
+    """Every record of a checkpoint: the metadata's, the complete save record of the ``.acp/metrics.json``
+    sidecar (it adds the coordinator's commit phase) and the last opt-in load record
+    (``.acp/metrics-load.json``; both in the root for a checkpoint of format 1 or 2).
+
+    The sidecars are checkpoint input like the rest (DESIGN invariant 10): read as regular files only (no
+    link, no FIFO), at most :data:`~arraycheckpoint.safety.MAX_METADATA_BYTES`, nested at most
+    :data:`~arraycheckpoint.safety.MAX_JSON_DEPTH` deep.
+
+    Raises:
+        MetadataError: a sidecar that is a link or not a regular file, too large, too deep, not JSON or not
+            a JSON object (the message names its path).
+    """
     out: dict[str, Any] = dict(meta.metrics)
-    for key in (METRICS_FILE, LOAD_METRICS_FILE):
-        raw = storage.read(root, key)
+    files = storage.control_files(root)
+    for key in (files.metrics, files.load_metrics):
+        where = f"metrics file {root.rstrip('/')}/{key}"
         try:
-            doc = json.loads(raw) if raw else {}
-        except ValueError:
-            continue  # a damaged sidecar does not hide the metadata's own record
+            raw = storage.read(root, key)
+        except MetadataError:
+            raise
+        except CorruptCheckpointError as e:  # a link or a non-regular file
+            raise MetadataError(f"{where} was refused: {e}") from None
+        if not raw:
+            continue
+        doc = load_json_bounded(raw, max_bytes=MAX_METADATA_BYTES, what=where)
+        if not isinstance(doc, dict):
+            raise MetadataError(f"{where} is not a JSON object; the checkpoint is damaged")
         out.update({k: v for k, v in doc.items() if isinstance(v, dict)})
     return out
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ArrayCheckpointError, CheckpointNotFoundError
-from ..metadata import COMMIT_MARKER, METADATA_FILE, CheckpointMetadata, ObjectMeta, check_name
+from ..metadata import CheckpointMetadata, ObjectMeta, check_name
 from ..storage import LocalStorage, storage_for
 from ..storage.local import fsync_path
 
@@ -166,9 +166,10 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
         raise ArrayCheckpointError("rename needs --map FILE (no interrupted rename to finish here)")
     if not storage.is_committed(root):
         raise CheckpointNotFoundError(f"no committed checkpoint at {root}")
-    raw = storage.read(root, METADATA_FILE)
+    files = storage.control_files(root)  # an older checkpoint keeps its own layout (and format)
+    raw = storage.read(root, files.metadata)
     if raw is None:
-        raise CheckpointNotFoundError(f"checkpoint {root} has no {METADATA_FILE}")
+        raise CheckpointNotFoundError(f"checkpoint {root} has no {files.metadata}")
     new_meta, result = plan_rename(CheckpointMetadata.from_json(raw), mapping)
     if not result.tensors and not result.objects:
         return result
@@ -190,10 +191,12 @@ def _write_durable(path: str, data: bytes) -> None:
 
 def _execute(root: str, doc: dict[str, Any]) -> None:
     """Carry out a journal; idempotent, so an interrupted run can simply be repeated."""
-    marker = os.path.join(root, COMMIT_MARKER)
+    # the checkpoint's own layout (format 3's .acp/ or an older root): its metadata is there throughout
+    files = LocalStorage().control_files(root)
+    marker = os.path.join(root, files.committed)
     if os.path.exists(marker):
         os.unlink(marker)
-        fsync_path(root)
+        fsync_path(os.path.dirname(marker))
     tmp = os.path.join(root, TMP_DIR)
     os.makedirs(tmp, exist_ok=True)
     moves = sorted(doc["tensors"].items())
@@ -219,7 +222,7 @@ def _execute(root: str, doc: dict[str, Any]) -> None:
                 with open(zj, "wb") as f:
                     f.write(group_doc)
     _prune_groups(root, new_meta)
-    _write_durable(os.path.join(root, METADATA_FILE), doc["metadata"].encode())
+    _write_durable(os.path.join(root, files.metadata), doc["metadata"].encode())
     shutil.rmtree(tmp, ignore_errors=True)
     _write_durable(marker, b"committed\n")
     os.unlink(os.path.join(root, JOURNAL))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..metadata import COMMIT_MARKER
 from .common import Checkpoint, human_bytes, jsonable
 
 
@@ -40,7 +39,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     return jsonable(
         {
             "path": ckpt.root,
-            "committed": ckpt.storage.exists(ckpt.root, COMMIT_MARKER),
+            "committed": ckpt.storage.is_committed(ckpt.root),
             "format_version": meta.format_version,
             "library_version": meta.library_version,
             "framework": meta.framework,

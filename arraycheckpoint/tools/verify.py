@@ -1,6 +1,7 @@
 """``arraycheckpoint verify``: is a checkpoint complete and undamaged?
 
-Checks, in order: the commit marker and metadata; for every tensor, that its saved regions (ShardMeta) cover
+Checks, in order: the commit marker and metadata (and, format 3, the control node ``.acp/zarr.json``); for
+every tensor, that its saved regions (ShardMeta) cover
 the whole global shape; that every stored chunk file of its chunk grid exists (a missing file would read back
 as zeros); and that every chunk decodes with its checksums (each read goes through the engine, so a crc32c
 mismatch in a shard index or an inner chunk raises). Every problem is reported with the tensor and chunk named.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from ..engine import engine
 from ..errors import ArrayCheckpointError
 from ..items import LoadShard, LoadTensor
-from ..metadata import COMMIT_MARKER, METADATA_FILE, CheckpointMetadata, TensorMeta
+from ..metadata import CONTROL_DIR, CheckpointMetadata, TensorMeta, chunk_key_separator
 from ..regions import Box, chunk_boxes, intersect
 from ..storage import Storage, storage_for
 from .common import Checkpoint
@@ -100,9 +101,9 @@ def chunk_index(box: Box, chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(o // c for o, c in zip(box.offsets, chunk_shape))
 
 
-def chunk_key(index: tuple[int, ...]) -> str:
-    """The stored key of a chunk under the array (zarr v3 default encoding, ``/`` separator)."""
-    return "/".join(["c", *map(str, index)])
+def chunk_key(index: tuple[int, ...], separator: str = ".") -> str:
+    """The stored key of a chunk under the array (zarr v3 default encoding; ``separator`` by format)."""
+    return separator.join(["c", *map(str, index)])
 
 
 def verify(
@@ -117,28 +118,40 @@ def verify(
     """
     storage, root = storage_for(os.fspath(path))
     report = VerifyReport(root)
-    raw = storage.read(root, METADATA_FILE)
-    committed = storage.exists(root, COMMIT_MARKER)
+    files = storage.control_files(root)  # format 3's .acp/, or an older checkpoint's root
+    raw = storage.read(root, files.metadata)
+    committed = storage.exists(root, files.committed)
     if raw is None:
         if committed:
-            report.problems.append(Problem("", None, f"committed but {METADATA_FILE} is missing"))
+            report.problems.append(Problem("", None, f"committed but {files.metadata} is missing"))
             return report
         from ..errors import CheckpointNotFoundError
 
-        raise CheckpointNotFoundError(f"no checkpoint at {root}: neither {METADATA_FILE} nor {COMMIT_MARKER}")
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {root}: neither {files.metadata} nor {files.committed}"
+        )
     if not committed:
         report.problems.append(
             Problem(
                 "",
                 None,
-                f"no commit marker {COMMIT_MARKER}: the save did not finish; the checkpoint does not load",
+                f"no commit marker {files.committed}: the save did not finish; the checkpoint does not load",
             )
         )
     try:
-        meta = CheckpointMetadata.from_json(raw)
+        meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
     except ArrayCheckpointError as e:
         report.problems.append(Problem("", None, str(e)))
         return report
+    if files.node is not None and not storage.exists(root, files.node):
+        report.problems.append(
+            Problem(
+                "",
+                None,
+                f"control node {files.node} is missing: the checkpoint loads, but zarr-python and xarray "
+                f"listings warn about the files in {CONTROL_DIR}/ (re-save it, or restore the file)",
+            )
+        )
     ckpt = Checkpoint(storage, root, meta)
     for name, tm in sorted(meta.tensors.items()):
         report.tensors += 1
@@ -159,13 +172,12 @@ def verify(
         readable = []
         for box in boxes:
             idx = chunk_index(box, tm.chunk_shape)
-            if chunk_key(idx) not in present:
+            key = chunk_key(idx, chunk_key_separator(meta.format_version))
+            if key not in present:
                 writer = (
                     f" (written by rank {tm.writers[len(readable)]})" if len(tm.writers) == len(boxes) else ""
                 )
-                report.problems.append(
-                    Problem(name, idx, f"stored chunk file {chunk_key(idx)} is missing{writer}")
-                )
+                report.problems.append(Problem(name, idx, f"stored chunk file {key} is missing{writer}"))
             else:
                 readable.append((idx, box))
         report.chunks += len(boxes)
@@ -182,7 +194,7 @@ def _stored_chunks(storage: Storage, root: str, name: str) -> set[str]:
         keys = storage.list(f"{root.rstrip('/')}/{name}")
     except Exception:  # noqa: BLE001 - an unlistable array shows up as every chunk missing
         return set()
-    return {k for k in keys if k == "c" or k.startswith("c/")}
+    return {k for k in keys if k == "c" or k.startswith(("c/", "c."))}
 
 
 def _read_chunks(

@@ -10,6 +10,7 @@ from cli_helpers import cli, cli_json
 from dist import run_distributed
 
 import arraycheckpoint as acp
+from arraycheckpoint.metadata import LOAD_METRICS_FILE
 
 
 def _model(world: int) -> torch.nn.Module:
@@ -34,14 +35,14 @@ def load_body(rank: int, world: int, path: str) -> list[str]:
 def test_commit_phase_and_recorded_loads(tmp_path):
     path = str(tmp_path / "ck")
     run_distributed(save_body, 2, (path,))
-    assert not os.path.exists(os.path.join(path, ".metrics-load.json"))
+    assert not os.path.exists(os.path.join(path, LOAD_METRICS_FILE))
     save = cli_json("metrics", path, "--json")
     assert save["ranks"] == [0, 1] and "commit" in save["phases"] and "write" in save["phases"]
     commit = save["seconds"][0][save["phases"].index("commit")]
     assert commit > 0  # the coordinator's commit (metadata, marker, rename) was timed
     phases = run_distributed(load_body, 2, (path,))
     assert all("read" in p for p in phases)
-    with open(os.path.join(path, ".metrics-load.json")) as f:
+    with open(os.path.join(path, LOAD_METRICS_FILE)) as f:
         doc = json.load(f)
     assert sorted(doc["load"]) == ["0", "1"]
     load = cli_json("metrics", path, "--kind", "load", "--json")

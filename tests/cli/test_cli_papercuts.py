@@ -111,3 +111,28 @@ def test_phase_colours_follow_the_phase_name():
     assert len({phase_color(p) for p in known}) == len(known)
     assert phase_color("write") == phase_color("write") != phase_color("commit")
     assert phase_color("custom") == phase_color("custom")
+
+
+def test_plot_draws_each_phase_in_its_own_colour_whatever_the_other_phases(tmp_path):
+    """The same phase has the same colour in two pictures with different phase sets (not by position)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from arraycheckpoint.tools.metrics import PhaseTable, phase_color, plot
+
+    def fills(phases: list[str], name: str) -> set[str]:
+        table = PhaseTable(
+            "save",
+            [0],
+            phases,
+            [[0.01] * len(phases)],
+            [[0] * len(phases)],
+            {0: [(p, 0.01 * i, 0.01) for i, p in enumerate(phases)]},
+        )
+        svg = (tmp_path / name).with_suffix(".svg")
+        plot(table, svg)
+        text = svg.read_text()
+        return {h for h in (to_hex(phase_color(p)) for p in ["snapshot", "write", "commit"]) if h in text}
+
+    assert fills(["write"], "one") == {to_hex(phase_color("write"))}
+    assert fills(["commit", "write"], "two") == {to_hex(phase_color("commit")), to_hex(phase_color("write"))}

@@ -13,6 +13,7 @@ import torch
 from cli_helpers import REPO, cli, cli_json, flip_byte
 
 import arraycheckpoint as acp
+from arraycheckpoint.metadata import COMMIT_MARKER, FORMAT_VERSION, METADATA_FILE
 from arraycheckpoint.plan import PlanOptions
 
 SMALL_CHUNKS = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=1024, inner_chunk_bytes=256)
@@ -74,7 +75,7 @@ def test_installed_console_script(saved):
 def test_inspect_table_and_json(saved):
     path, model, _ = saved
     doc = cli_json("inspect", path)
-    assert doc["step"] == 42 and doc["format_version"] == 2 and doc["world_size"] == 1
+    assert doc["step"] == 42 and doc["format_version"] == FORMAT_VERSION and doc["world_size"] == 1
     assert doc["committed"] is True
     rows = {r["name"]: r for r in doc["tensors"]}
     w = rows["model/0.weight"]
@@ -93,7 +94,7 @@ def test_verify_ok_then_flipped_byte_then_missing_chunk(saved):
     path, _, _ = saved
     out = cli("verify", path).stdout
     assert out.startswith("OK")
-    chunk = os.path.join(path, "model", "0.weight", "c", "1", "0")
+    chunk = os.path.join(path, "model", "0.weight", "c.1.0")
     assert os.path.exists(chunk)
     flip_byte(chunk, 3)  # a data byte of the first inner chunk
     proc = cli("verify", path, check=1)
@@ -106,7 +107,7 @@ def test_verify_ok_then_flipped_byte_then_missing_chunk(saved):
     assert "model/0.weight chunk 1/0" in cli("verify", path, check=1).stdout
     flip_byte(chunk, os.path.getsize(chunk) - 1)
 
-    other = os.path.join(path, "model", "2.weight", "c", "0", "0")
+    other = os.path.join(path, "model", "2.weight", "c.0.0")
     os.unlink(other)
     doc = json.loads(cli("verify", path, "--json", check=1).stdout)
     assert doc["ok"] is False
@@ -115,7 +116,7 @@ def test_verify_ok_then_flipped_byte_then_missing_chunk(saved):
 
 def test_verify_uncommitted_and_absent(saved, tmp_path):
     path, _, _ = saved
-    os.unlink(os.path.join(path, ".committed"))
+    os.unlink(os.path.join(path, COMMIT_MARKER))
     assert "no commit marker" in cli("verify", path, check=1).stdout
     assert cli("verify", str(tmp_path / "nothing"), check=2).stderr
 
@@ -240,12 +241,12 @@ def test_rename_resumes_an_interrupted_journal(saved, tmp_path):
     from arraycheckpoint.tools.rename import JOURNAL, TMP_DIR, plan_rename
 
     path, model, _ = saved
-    meta = CheckpointMetadata.from_json(open(os.path.join(path, ".metadata.json")).read())
+    meta = CheckpointMetadata.from_json(open(os.path.join(path, METADATA_FILE)).read())
     new_meta, result = plan_rename(meta, {"2.bias": "head.bias"})
     doc = {"tensors": result.tensors, "objects": result.objects, "metadata": new_meta.to_json()}
     with open(os.path.join(path, JOURNAL), "w") as f:
         json.dump(doc, f)
-    os.unlink(os.path.join(path, ".committed"))
+    os.unlink(os.path.join(path, COMMIT_MARKER))
     os.makedirs(os.path.join(path, TMP_DIR))
     moves = sorted(result.tensors.items())
     os.rename(os.path.join(path, moves[0][0]), os.path.join(path, TMP_DIR, "0"))

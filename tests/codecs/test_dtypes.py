@@ -20,6 +20,7 @@ from arraycheckpoint.codecs import (
     numpy_dtype,
     zarr_dtype_name,
 )
+from arraycheckpoint.testing import chunk_files
 
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}
 
@@ -128,7 +129,7 @@ def test_metadata_layout() -> None:
     assert md["shape"] == [10, 6]
     assert md["data_type"] == "float32"
     assert md["chunk_grid"] == {"name": "regular", "configuration": {"chunk_shape": [4, 6]}}
-    assert md["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "/"}}
+    assert md["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "."}}
     assert md["fill_value"] == 0.0
     (shard,) = md["codecs"]
     assert shard["name"] == "sharding_indexed"
@@ -227,7 +228,7 @@ def test_tensorstore_round_trip(tmp_path: Path, name: str, compression: str | No
     stored = json.loads((tmp_path / "a" / "zarr.json").read_text())
     assert stored["data_type"] == name
     # one file per outer chunk: ceil(5/4) * ceil(7/4) = 4
-    assert len([f for f in (tmp_path / "a" / "c").rglob("*") if f.is_file()]) == 4
+    assert len(chunk_files(tmp_path / "a")) == 4
 
 
 @pytest.mark.parametrize(

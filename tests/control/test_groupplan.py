@@ -137,6 +137,73 @@ def test_fsdp1_irregular_flat_ranges(seed, options):
     _same(groups, world, options)
 
 
+def _flat_layout(rng, shapes, world, align=4):
+    """FSDP1's flat parameter: offsets with alignment padding, total padded to a multiple of the world."""
+    offsets, total = [], 0
+    for s in shapes:
+        total += -total % align
+        offsets.append(total)
+        total += int(np.prod(s))
+    return offsets, total + (-total % world if rng.random() < 0.5 else 0)
+
+
+@pytest.mark.parametrize("options", [SMALL, HOLDERS, ANY], ids=["balanced", "holders", "any"])
+@pytest.mark.parametrize("world", [1, 3, 7, 16])
+def test_fsdp1_range_rules(world, options):
+    """One declaration for every rank (a range rule per parameter and state), uneven splits, padding."""
+    rng = random.Random(world)
+    shapes = _shapes(rng, 8)
+    offsets, total = _flat_layout(rng, shapes, world)
+    mesh = Mesh((world,), tuple(range(world)))
+    tensors = []
+    for i, (s, o) in enumerate(zip(shapes, offsets)):
+        tensors.append(TensorRule(f"p{i}", s, "bfloat16", 2, ("range", 0, o, total)))
+        tensors.append(TensorRule(f"p{i}.exp_avg", s, "float32", 4, ("range", 0, o, total)))
+    _same([(Decl((mesh,), tuple(tensors)), range(world))], world, options)
+
+
+def test_fsdp1_hybrid_shard_groups_and_ranks_off_the_rule():
+    """HYBRID_SHARD: each replica group shards over its own ranks (its own mesh). Ranks 6 and 7 hold each
+    other's ranges (off the rule): they declare boxes, and the rule of their mesh is expanded for its
+    declaring members (4, 5) only."""
+    world, shard = 8, 4
+    rng = random.Random(5)
+    shapes = _shapes(rng, 6)
+    offsets, total = _flat_layout(rng, shapes, shard)
+    groups = []
+    for g in range(world // shard):
+        mesh = Mesh((shard,), tuple(range(g * shard, (g + 1) * shard)))
+        tensors = tuple(
+            TensorRule(f"p{i}", s, "float32", 4, ("range", 0, o, total))
+            for i, (s, o) in enumerate(zip(shapes, offsets))
+        )
+        groups.append((Decl((mesh,), tensors), [r for r in mesh.ranks if r < 6]))
+    last = (Mesh((shard,), (4, 5, 6, 7)),)
+    for rank, holds in ((6, 7), (7, 6)):
+        boxes = [tuple(rule_boxes(s, ("range", 0, o, total), last, holds)) for s, o in zip(shapes, offsets)]
+        tensors = tuple(
+            TensorRule(f"p{i}", s, "float32", 4, ("boxes", b)) for i, (s, b) in enumerate(zip(shapes, boxes))
+        )
+        groups.append((Decl((), tensors), [rank]))
+    _same(groups, world)
+
+
+@pytest.mark.parametrize("options", [SMALL, HOLDERS, ANY], ids=["balanced", "holders", "any"])
+@pytest.mark.parametrize("procs,local", [(2, 4), (4, 2), (3, 2)])
+def test_jax_process_mesh_rules(procs, local, options):
+    """A device mesh (procs x local devices) mapped to processes; specs over one or both axes, transposed."""
+    rng = random.Random(procs * local)
+    world = procs
+    straight = Mesh((procs, local), tuple(p for p in range(procs) for _ in range(local)))
+    swapped = Mesh((local, procs), tuple(p for _ in range(local) for p in range(procs)))
+    specs = [(0, -1), (-1, 0), (0, 1), (1, 0), (0, 0), (-1, -1)]
+    tensors = []
+    for i in range(12):
+        s = (procs * local * rng.randint(1, 6), local * rng.randint(1, 5))  # jax shards evenly
+        tensors.append(TensorRule(f"t{i}", s, "float32", 4, ("mesh", i % 2, specs[i % 6])))
+    _same([(Decl((straight, swapped), tuple(tensors)), range(world))], world, options)
+
+
 def test_identical_declarations_share_one_analysis():
     world = 64
     mesh = Mesh((world,), tuple(range(world)))
@@ -187,7 +254,9 @@ def _simulated_control_plane(groups, world, options):
     return build_compact_plan(unpack_groups(blob), world, options)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "megatron", "fsdp1"])
+@pytest.mark.parametrize(
+    "layout", ["fsdp2", "hsdp", "megatron", "fsdp1", "fsdp1-range", "fsdp1-states", "jax"]
+)
 def test_simulated_control_plane_at_256_ranks_matches_the_direct_path(layout):
     world = 256
     rng = random.Random(world)
@@ -210,6 +279,51 @@ def test_simulated_control_plane_at_256_ranks_matches_the_direct_path(layout):
                 rules.append(TensorRule(f"t{i}", s, "float32", 4, ("boxes", (box,) if box.volume else ())))
             rules.append(TensorRule("norm", (64,), "float32", 4, ("replica",)))
             groups.append((Decl((), tuple(rules)), [t + tp * d for d in range(dp)]))
+    elif layout == "fsdp1-range":
+        # one flat parameter over all ranks; uneven (total not divisible: the last ranks hold less or nothing)
+        offsets, total = _flat_layout(rng, shapes, world)
+        total += 3
+        mesh = Mesh((world,), tuple(range(world)))
+        tensors = tuple(
+            TensorRule(f"t{i}", s, "float32", 4, ("range", 0, o, total))
+            for i, (s, o) in enumerate(zip(shapes, offsets))
+        )
+        groups = [(Decl((mesh,), tensors), list(range(world)))]
+    elif layout == "fsdp1-states":
+        # parameters on every rank; an optimizer state only on the ranks whose range touches its parameter,
+        # so ranks form groups by which states they hold (range rules expanded for a group's members only)
+        offsets, total = _flat_layout(rng, shapes, world)
+        mesh = Mesh((world,), tuple(range(world)))
+        size = -(-total // world)
+        patterns: dict[tuple[int, ...], list[int]] = {}
+        for r in range(world):
+            held = tuple(
+                i
+                for i, (s, o) in enumerate(zip(shapes, offsets))
+                if o // size <= r <= (o + s[0] * s[1] - 1) // size
+            )
+            patterns.setdefault(held, []).append(r)
+        groups = []
+        for held, members in patterns.items():
+            rules = [
+                TensorRule(f"t{i}", s, "bfloat16", 2, ("range", 0, o, total))
+                for i, (s, o) in enumerate(zip(shapes, offsets))
+            ]
+            rules += [
+                TensorRule(f"t{i}.exp_avg", shapes[i], "float32", 4, ("range", 0, offsets[i], total))
+                for i in held
+            ]
+            groups.append((Decl((mesh,), tuple(rules)), members))
+        assert len(groups) > 2
+    elif layout == "jax":
+        # 256 processes x 4 devices, mesh (data=64, fsdp=4, model=4) with the model axis inside a process
+        mesh = Mesh((64, 4, 4), tuple(r for r in range(world) for _ in range(4)))
+        specs = [(0, 1, -1), (1, -1, 0), (-1, -1, -1), (0, -1, 1)]
+        tensors = tuple(
+            TensorRule(f"t{i}", (s[0] * 16, s[1] * 4), "float32", 4, ("mesh", 0, specs[i % 4]))
+            for i, s in enumerate(shapes)
+        )
+        groups = [(Decl((mesh,), tensors), list(range(world)))]
     else:
         per_rank = [[] for _ in range(world)]
         for i, s in enumerate(shapes):
@@ -230,3 +344,22 @@ def test_simulated_control_plane_at_256_ranks_matches_the_direct_path(layout):
             b.layouts,
             b.create,
         ), r
+
+
+def test_replicas_take_turns_sending_fragments():
+    """HSDP, 2 replicas x 4 shards: a chunk assembled from shards sends each region from its designated replica
+    (region index mod replicas), so both replicas send, not only the lowest (rank 0-3) one."""
+    world = 8
+    mesh = Mesh((2, 4), tuple(range(world)))  # dim 0: replicas, dim 1: shards
+    tensors = tuple(
+        TensorRule(f"t{i}", (16, 8), "float32", 4, ("mesh", 0, (-1, 0))) for i in range(24)
+    )  # 512 B each: one chunk per tensor, assembled from 4 shards of 128 B
+    opts = PlanOptions(min_chunk_bytes=512, max_chunk_bytes=4096, inner_chunk_bytes=128)
+    plan = _same([(Decl((mesh,), tensors), range(world))], world, opts)
+    sent = np.zeros(world, dtype=np.int64)
+    for r in range(world):
+        for t in rank_plan(plan, r).sends:
+            sent[r] += t.box.volume * 4
+    assert sent.sum() > 0
+    by_replica = sent[:4].sum(), sent[4:].sum()
+    assert min(by_replica) >= 0.25 * sent.sum(), (sent.tolist(), by_replica)

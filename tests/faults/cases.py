@@ -17,6 +17,7 @@ import torch
 
 import arraycheckpoint as acp
 from arraycheckpoint.codecs import array_metadata
+from arraycheckpoint.metadata import METADATA_FILE
 from arraycheckpoint.storage import storage_for
 
 
@@ -78,7 +79,7 @@ def chunk_larger_than_shape(url: str) -> str:
     acp.save(url, {"model": _model(1)})
     _edit_json(
         url,
-        ".metadata.json",
+        METADATA_FILE,
         lambda d: d["tensors"]["model/bias"].update(chunk_shape=[2**45], inner_chunk_shape=[2**45]),
     )
     return _load(url)[0]
@@ -86,7 +87,7 @@ def chunk_larger_than_shape(url: str) -> str:
 
 def zarr_json_shape_1e13(url: str) -> str:
     acp.save(url, {"model": _model(1)})
-    _edit_json(url, ".metadata.json", lambda d: d.update(codec_preset=0))
+    _edit_json(url, METADATA_FILE, lambda d: d.update(codec_preset=0))
 
     def huge(doc: dict[str, Any]) -> None:
         doc["shape"] = [10**13]
@@ -100,20 +101,20 @@ def zarr_json_shape_1e13(url: str) -> str:
 def extra_state_1e13(url: str) -> str:
     acp.save(url, {"model": _model(1), "extra_state": {"buf": np.arange(32, dtype=np.int64)}})
     st, root = storage_for(url)
-    name = next(n for n in json.loads(st.read(root, ".metadata.json"))["tensors"] if "extra" in n)
+    name = next(n for n in json.loads(st.read(root, METADATA_FILE))["tensors"] if "extra" in n)
 
     def huge(doc: dict[str, Any]) -> None:
         doc["tensors"][name]["shape"] = [10**13]
         doc["tensors"][name]["shards"] = [[[0], [10**13], 0]]
 
-    _edit_json(url, ".metadata.json", huge)
+    _edit_json(url, METADATA_FILE, huge)
     return _load(url, extra=True)[0] + f" [{name}]"
 
 
 def crc32c_off(url: str) -> str:
     model = _model(1)
     acp.save(url, {"model": model})
-    _edit_json(url, ".metadata.json", lambda d: d.update(codec_preset=0))
+    _edit_json(url, METADATA_FILE, lambda d: d.update(codec_preset=0))
     tm = acp.read_metadata(url).tensors["model/weight"]
     meta = array_metadata(tm.shape, np.float32, tm.chunk_shape, tm.inner_chunk_shape)
     cfg = meta["codecs"][0]["configuration"]
@@ -142,7 +143,7 @@ def zstd_bomb(url: str) -> str:
     ctx = ts.Context()
     ts.open(spec, create=True, context=ctx).result().write(np.zeros(n, np.float32)).result()
     kv = ts.KvStore.open({"driver": "memory", "path": "bomb/"}, context=ctx).result()
-    bomb = bytes(kv.read("c/0").result().value)
+    bomb = bytes(kv.read("c.0").result().value)
     st, root = storage_for(url)
     st.write(st.join(root, "model/weight"), _chunk_keys(url, "model/weight")[0], bomb)
     return _load(url)[0]
@@ -151,9 +152,9 @@ def zstd_bomb(url: str) -> str:
 def deep_json(url: str) -> str:
     acp.save(url, {"model": _model(1), "extra_state": {"step": 1}})
     st, root = storage_for(url)
-    raw = st.read(root, ".metadata.json").decode()
+    raw = st.read(root, METADATA_FILE).decode()
     raw = raw.replace('"step":1', '"step":' + "[" * 5000 + "]" * 5000, 1)
-    st.write(root, ".metadata.json", raw.encode())
+    st.write(root, METADATA_FILE, raw.encode())
     return _load(url, extra=True)[0]
 
 

@@ -30,8 +30,10 @@ def save_small(path: str, *, compression: str | None = None, extra: Any = None) 
 
 
 def edit_metadata(root: str, fn: Any) -> None:
-    """Rewrite ``root/.metadata.json`` through ``fn(doc)`` (in place, as an attacker would)."""
-    p = Path(root) / ".metadata.json"
+    """Rewrite the metadata of ``root`` through ``fn(doc)`` (in place, as an attacker would)."""
+    from arraycheckpoint.metadata import METADATA_FILE
+
+    p = Path(root) / METADATA_FILE
     doc = json.loads(p.read_text())
     fn(doc)
     p.write_text(json.dumps(doc))
@@ -45,10 +47,9 @@ def edit_zarr_json(array_dir: str, fn: Any) -> None:
 
 
 def chunk_files(array_dir: str) -> list[str]:
-    out = []
-    for d, _dirs, files in os.walk(os.path.join(array_dir, "c")):
-        out.extend(os.path.join(d, f) for f in files)
-    return sorted(out)
+    from arraycheckpoint.testing import chunk_files as files
+
+    return [str(p) for p in files(array_dir)]
 
 
 def run_isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

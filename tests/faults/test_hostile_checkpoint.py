@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import arraycheckpoint as acp
 from arraycheckpoint import safety
 from arraycheckpoint.codecs import array_metadata
 from arraycheckpoint.errors import CorruptCheckpointError, MetadataError, StorageError
+from arraycheckpoint.metadata import METADATA_FILE
 
 
 def _target() -> dict[str, torch.nn.Module]:
@@ -57,7 +59,7 @@ def test_extra_state_array_of_shape_1e13_is_refused_naming_the_entry(tmp_path: P
     """An extra_state array declared [1e13] made numpy raise MemoryError while sizing the load buffer."""
     ck = str(tmp_path / "ck")
     save_small(ck, extra={"buf": np.arange(32, dtype=np.int64)})
-    name = next(n for n in json.loads((Path(ck) / ".metadata.json").read_text())["tensors"] if "extra" in n)
+    name = next(n for n in json.loads((Path(ck) / METADATA_FILE).read_text())["tensors"] if "extra" in n)
 
     def huge(doc: dict) -> None:
         t = doc["tensors"][name]
@@ -120,9 +122,9 @@ def test_array_directory_symlink_is_refused(tmp_path: Path) -> None:
 
 def test_metadata_symlink_is_refused(tmp_path: Path) -> None:
     a, b = _two_checkpoints(tmp_path)
-    os.remove(os.path.join(a, ".metadata.json"))
-    os.symlink(os.path.join(b, ".metadata.json"), os.path.join(a, ".metadata.json"))
-    with pytest.raises(CorruptCheckpointError, match=r"\.metadata\.json is a symlink"):
+    os.remove(os.path.join(a, METADATA_FILE))
+    os.symlink(os.path.join(b, METADATA_FILE), os.path.join(a, METADATA_FILE))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(METADATA_FILE) + " is a symlink"):
         acp.load(a, _target())
 
 
@@ -153,8 +155,8 @@ def test_fifo_chunk_is_refused_at_once(tmp_path: Path) -> None:
 def test_fifo_metadata_is_refused_at_once(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
     save_small(ck)
-    os.remove(os.path.join(ck, ".metadata.json"))
-    os.mkfifo(os.path.join(ck, ".metadata.json"))
+    os.remove(os.path.join(ck, METADATA_FILE))
+    os.mkfifo(os.path.join(ck, METADATA_FILE))
     out = load_in_subprocess(ck, timeout=60)
     assert out.startswith("RAISED CorruptCheckpointError") and "regular file" in out, out
 
@@ -199,7 +201,7 @@ def _bomb_chunk(tmp_path: Path, decoded_bytes: int) -> bytes:
     }
     arr = ts.open(spec, create=True).result()
     arr.write(np.zeros(n, np.float32)).result()
-    return (d / "c" / "0").read_bytes()
+    return (d / "c.0").read_bytes()
 
 
 def test_zstd_bomb_is_refused_before_inflating(tmp_path: Path) -> None:
@@ -249,10 +251,10 @@ def test_deeply_nested_extra_state_is_a_metadata_error(tmp_path: Path) -> None:
     """JSON nested thousands deep raised RecursionError."""
     ck = str(tmp_path / "ck")
     save_small(ck, extra={"step": 1})
-    raw = (Path(ck) / ".metadata.json").read_text()
+    raw = (Path(ck) / METADATA_FILE).read_text()
     deep = "[" * 5000 + "]" * 5000
     raw = raw.replace('"step":1', f'"step":{deep}', 1)
-    (Path(ck) / ".metadata.json").write_text(raw)
+    (Path(ck) / METADATA_FILE).write_text(raw)
     with pytest.raises(MetadataError, match="nests JSON 50.. levels deep"):
         acp.load(ck, {"model": torch.nn.Linear(64, 32), "extra_state": {}})
 

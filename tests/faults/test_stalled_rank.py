@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from dist import run_distributed
+from stalling import register_stalling_scheme
 
 TIMEOUT = 4.0
 
@@ -19,25 +20,12 @@ def _stall_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import arraycheckpoint as acp
-    from arraycheckpoint import storage
     from arraycheckpoint.collectives import TorchCommunicator
-    from arraycheckpoint.storage import LocalStorage
 
     store = dist.distributed_c10d._get_default_store()
     store.set(f"pid/{rank}", str(os.getpid()))
-    stall = {"armed": rank == 1}
-
-    class StallingLocal(LocalStorage):
-        def normalize(self, url: str) -> str:
-            return super().normalize(url.removeprefix("stall://"))
-
-        def flush(self, root: str) -> None:
-            super().flush(root)
-            if stall["armed"]:  # rank 1 stops dead after its writes, inside the save
-                stall["armed"] = False
-                os.kill(os.getpid(), signal.SIGSTOP)
-
-    storage.register_scheme("stall", StallingLocal)
+    stall = register_stalling_scheme("stall")
+    stall["armed"] = rank == 1
     comm = TorchCommunicator(timeout=TIMEOUT)
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 64)  # replicated: the plan spreads its chunks over both ranks
@@ -68,3 +56,74 @@ def test_stalled_rank_is_named_and_every_rank_fails_within_the_bound(tmp_path) -
     assert r1["error"] is not None and "stalled" in r1["error"], r1
     assert r0["same"] and r1["same"]
     assert not os.path.exists(tmp_path / "first")  # nothing was committed
+
+
+def _timeout_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """As ``_stall_body`` but through the default communicator and ``acp.save(..., timeout=3)``: no
+    TorchCommunicator argument, no ACP_LIVENESS_TIMEOUT, so only ``timeout=`` can bound the wait."""
+    import torch.distributed as dist
+
+    import arraycheckpoint as acp
+
+    assert "ACP_LIVENESS_TIMEOUT" not in os.environ
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"pid/{rank}", str(os.getpid()))
+    stall = register_stalling_scheme("stall3")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64)
+    state = {"model": model}
+    acp.save(f"stall3://{tmp}/warm", state)  # the default communicator exists (default 300 s bound)
+    stall["armed"] = rank == 1
+    error = None
+    try:
+        acp.save(f"stall3://{tmp}/first", state, timeout=3)
+    except acp.StalledRankError as e:
+        error = str(e)
+    if rank == 0:
+        os.kill(int(store.get("pid/1")), signal.SIGCONT)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    acp.save(f"stall3://{tmp}/second", state)  # default bound again, on the rebuilt group
+    back = {"model": torch.nn.Linear(256, 64)}
+    acp.load(f"{tmp}/second", back)
+    same = torch.equal(back["model"].weight, model.weight) and torch.equal(back["model"].bias, model.bias)
+    return {"error": error, "same": same}
+
+
+def test_save_timeout_argument_bounds_a_stalled_rank(tmp_path) -> None:
+    """``acp.save(..., timeout=3)`` with rank 1 stopped: every rank raises StalledRankError naming rank 1 and
+    the 3 s bound (the 300 s default would outlast this test's own 200 s limit); the next save is bit-exact."""
+    r0, r1 = run_distributed(_timeout_body, world=2, args=(str(tmp_path),), timeout=200)
+    assert r0["error"] is not None and "rank 1" in r0["error"] and "liveness timeout is 3 s" in r0["error"], (
+        r0
+    )
+    assert r1["error"] is not None and "stalled" in r1["error"], r1
+    assert r0["same"] and r1["same"]
+    assert not os.path.exists(tmp_path / "first")
+    assert os.path.exists(tmp_path / "warm") and os.path.exists(tmp_path / "second")
+
+
+def _late_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Rank 1 reaches ``save(timeout=1)`` 4 s after rank 0 (busy, alive, still beating at the default
+    bound's 5 s interval): it is waited for, not blamed for a bound it had not seen yet."""
+    import arraycheckpoint as acp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64)
+    acp.save(f"{tmp}/warm", {"model": model})  # the communicator exists, heartbeats at the default interval
+    if rank == 1:
+        time.sleep(4)  # training: alive, not in a checkpoint call
+    error = None
+    try:
+        acp.save(f"{tmp}/late", {"model": model}, timeout=1)
+    except acp.StalledRankError as e:
+        error = str(e)
+    back = torch.nn.Linear(256, 64)
+    if error is None:
+        acp.load(f"{tmp}/late", {"model": back})
+    return {"error": error, "same": torch.equal(back.weight, model.weight)}
+
+
+def test_a_late_but_live_rank_is_not_blamed_for_a_shorter_timeout(tmp_path) -> None:
+    results = run_distributed(_late_body, world=2, args=(str(tmp_path),), timeout=200)
+    assert all(r["error"] is None and r["same"] for r in results), results

@@ -219,3 +219,46 @@ def test_writer_global_plan_refuses_uneven_items_and_splits_big_ones(tmp_path: P
     entry, shape, dtype, chunk, inner = plans[1].storage_data["arrays"]["model.big"]
     assert entry == "model/big" and shape == [4 * rows, 1024] and dtype == "float32"
     assert chunk[0] <= rows and (2 * rows) % chunk[0] == 0 and chunk[0] % inner[0] == 0
+
+
+# ------------------------------------------------------------------------------- a rank's write fails
+def dcp_failing_save_body(rank: int, world: int, path: str) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    class FailingPlanner(DefaultSavePlanner):
+        """Rank 1's data source fails on its third item, after its first writes were issued."""
+
+        seen = 0
+
+        def resolve_data(self, write_item):  # noqa: ANN001, ANN202 - DCP's signature
+            FailingPlanner.seen += 1
+            if FailingPlanner.seen == 3:
+                raise OSError("injected: device read failed")
+            return super().resolve_data(write_item)
+
+    model = _fsdp2(_model(0), world)
+    msd, _ = get_state_dict(model, [])
+    planner = FailingPlanner() if rank == 1 else DefaultSavePlanner()
+    try:
+        dcp.save({"model": msd}, storage_writer=acp.dcp.Writer(path), planner=planner)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return str(e)
+    return ""
+
+
+def test_failed_rank_leaves_no_staging_and_commits_nothing(tmp_path: Path) -> None:
+    parent = tmp_path / "ckpts"
+    parent.mkdir()
+    errors = run_distributed(dcp_failing_save_body, 2, (str(parent / "step1"),))
+    for err in errors:
+        assert "rank 1" in err and "injected: device read failed" in err, err
+        assert "nothing was committed" in err, err
+    assert list(parent.iterdir()) == []  # no staging directory, no checkpoint
+    with pytest.raises(acp.errors.CheckpointNotFoundError):
+        acp.read_metadata(str(parent / "step1"))
+    # the same path saves cleanly afterwards
+    saved = run_distributed(dcp_save_body, 2, (str(parent / "step1"),))[0]
+    loaded = run_distributed(acp_load_body, 2, (str(parent / "step1"),))
+    _same(loaded[0], saved, sorted(saved))

@@ -209,6 +209,41 @@ def megatron_load(rank: int, world: int, hf: str) -> tuple:
     return before, local_shards(model), _read_phase(report), report["missing"], report["unexpected"]
 
 
+def megatron_strict_load(rank: int, world: int, hf: str, partial: str) -> tuple:
+    from megatron_helpers import build_gpt, local_shards
+
+    model = build_gpt(2, 1, seed=100 + rank)
+    key_map = lambda name: "model/" + _hf_key(name.split("/", 1)[1]) if name.startswith("model/") else name  # noqa: E731
+    extra = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    report: dict = {}
+    acp.load(hf, {"model": model}, key_map=key_map, report=report, framework="megatron")  # strict
+    kept = all(model.state_dict()[k] is v or model.state_dict()[k] == v for k, v in extra.items())
+    try:  # strict still refuses a tensor the directory lacks, and names it alone
+        acp.load(partial, {"model": build_gpt(2, 1, seed=7)}, key_map=key_map, framework="megatron")
+        refused = ""
+    except StateMismatchError as e:
+        refused = str(e)
+    return local_shards(model), report["missing"], bool(extra) and kept, refused
+
+
+@pytest.mark.multiprocess
+def test_hf_into_megatron_strict_expects_no_extra_state(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron"))
+    from megatron_helpers import assemble, assert_equal_tensors
+
+    source = assemble(run_distributed(megatron_shards, 2))
+    hf_tensors = {_hf_key(k): torch.from_numpy(v) for k, v in source.items()}
+    hf = write_hf(tmp_path / "hf", hf_tensors, shards=3)
+    dropped = sorted(hf_tensors)[0]
+    partial = write_hf(tmp_path / "partial", {k: v for k, v in hf_tensors.items() if k != dropped}, shards=2)
+    results = run_distributed(megatron_strict_load, 2, (str(hf), str(partial)))
+    assert_equal_tensors(assemble([r[0] for r in results]), source)
+    for _shards, missing, kept, refused in results:
+        assert missing == [] and kept
+        assert f"model/{dropped}" in refused and "_extra_state" not in refused, refused
+
+
 @pytest.mark.multiprocess
 def test_hf_into_megatron_tp2_with_key_map(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")

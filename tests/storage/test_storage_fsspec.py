@@ -71,7 +71,7 @@ def test_dispatch_and_buffers_are_freed(tmp_path: Path) -> None:
     gc.collect()
     memory = ts.KvStore.open({"driver": "memory", "path": "acp-fsspec/"}, context=context()).result()
     assert memory.list().result() == [], "upload/download buffers were not released"
-    assert (tmp_path / "x" / "model" / "w" / "c" / "0" / "0").is_file()
+    assert (tmp_path / "x" / "model" / "w" / "c.0.0").is_file()
 
 
 def test_unknown_protocol_is_a_clear_error() -> None:

@@ -12,6 +12,7 @@ from dist import run_distributed
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import StorageError
+from arraycheckpoint.metadata import COMMIT_MARKER
 from arraycheckpoint.storage import configure, storage_for
 from arraycheckpoint.storage.s3 import S3Storage
 from arraycheckpoint.testing.storage import StorageTests
@@ -40,7 +41,7 @@ def test_objects_and_marker_land_in_the_bucket(s3_server, s3_prefix: str) -> Non
     acp.save(root, {"model": {"w": torch.ones(4, 4)}})
     prefix = root[len(f"s3://{s3_server.bucket}/") :] + "/"
     keys = s3_server.keys(prefix)
-    assert prefix + ".committed" in keys and prefix + "model/w/c/0/0" in keys
+    assert prefix + COMMIT_MARKER in keys and prefix + "model/w/c.0.0" in keys
     assert prefix + ".acp-lock" not in keys
 
 

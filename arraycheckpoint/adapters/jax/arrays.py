@@ -15,6 +15,7 @@ import numpy as np
 from ...errors import ArrayCheckpointError
 from ...items import ArraySource, SaveShard, SaveTensor
 from ...regions import Box
+from .sharding_rule import sharding_rule
 
 INDIVISIBLE_MODES = ("error", "replicate")
 
@@ -92,7 +93,7 @@ def save_tensor(name: str, value: Any) -> SaveTensor:
             continue
         seen.add(box)
         shards.append(SaveShard(box, JaxShardSource(shard.data)))
-    return SaveTensor(name, shape, dtype, shards)
+    return SaveTensor(name, shape, dtype, shards, sharding_rule(value))
 
 
 def target_sharding(name: str, leaf: Any, indivisible: str) -> jax.sharding.Sharding:

@@ -12,8 +12,13 @@ from .dtensor_rule import dtensor_rule
 from .tensors import TorchSource, as_torch, layout, numpy_dtype
 
 
-def tensor_item(name: str, t: Any, pieces: list | None = None, shape: tuple | None = None) -> SaveTensor:
-    """The save item of tensor ``t`` (numpy arrays too); a DTensor contributes only its local box."""
+def tensor_item(
+    name: str, t: Any, pieces: list | None = None, shape: tuple | None = None, rule: tuple | None = None
+) -> SaveTensor:
+    """The save item of tensor ``t`` (numpy arrays too); a DTensor contributes only its local box.
+
+    ``rule`` is the layout rule of ``pieces`` when the caller knows one (an FSDP1 flat range); a DTensor's
+    rule is derived here."""
     if isinstance(t, np.ndarray):
         t = as_torch(t)
     if pieces is None:
@@ -23,7 +28,7 @@ def tensor_item(name: str, t: Any, pieces: list | None = None, shape: tuple | No
         shape=shape,
         dtype=numpy_dtype(t.dtype),
         shards=[SaveShard(box, TorchSource(view)) for box, view in pieces],
-        rule=dtensor_rule(t),
+        rule=rule if rule is not None else dtensor_rule(t),
     )
 
 

@@ -101,8 +101,11 @@ class MegatronAdapter(Adapter):
         namespaces: set[str] = set()  # megatron ranks hold disjoint key sets (PP): no per-rank "unexpected"
         optional: set[str] = set()
         other_finish: Callable[[], Any] = lambda: {}  # noqa: E731
+        dropped: set[str] = set()
+        scoped: set[str] = set()
         if rest:
             other = TorchAdapter().load_job(meta, rest, options)
+            dropped, scoped = other.dropped, other.scoped  # the torch finishers read this very set
             targets += other.targets
             expected.update(other.expected)
             namespaces |= other.namespaces
@@ -117,13 +120,31 @@ class MegatronAdapter(Adapter):
                 result.update({k: loaded[k] for k in rest if k in loaded})
             return result
 
-        job = LoadJob(targets, expected, namespaces, finish, optional)
+        optional |= _not_in_hf(meta, expected)
+        job = LoadJob(targets, expected, namespaces, finish, optional, dropped=dropped, scoped=scoped)
         # Namespaces whose "unexpected" keys can only be judged on the union of every rank's expectations
         # (pipeline stages hold disjoint keys); read by a cross-rank check in acp.load where available.
         job.global_namespaces = set(trees) | {
             ns for ns, v in state.items() if isinstance(v, torch.optim.Optimizer)
         }
         return job
+
+
+def _not_in_hf(meta: CheckpointMetadata, expected: Mapping[str, Any]) -> set[str]:
+    """Expected objects a Hugging Face safetensors directory never holds: megatron's ``_extra_state``.
+
+    TransformerEngine keeps FP8 scaling state in ``<module>._extra_state`` objects; an HF directory has
+    tensors only, so a strict load from one must not ask for them (they keep their current value).
+    """
+    from ...sources.safetensors import FRAMEWORK
+
+    if meta.framework != FRAMEWORK:
+        return set()
+    return {
+        name
+        for name, e in expected.items()
+        if e.shape is None and any(part.endswith("_extra_state") for part in name.split("/"))
+    }
 
 
 def _finish_tree(ns: str, value: Any, get: Callable[[], Any], result: dict[str, Any]) -> Callable[[], None]:

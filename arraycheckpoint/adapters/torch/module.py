@@ -49,12 +49,50 @@ def fsdp1_fragments(model: torch.nn.Module) -> dict[int, FlatFragment]:
                 "FSDP1 model without use_orig_params=True: wrap it with use_orig_params=True so each "
                 "parameter is addressable by name"
             )
-        for p, shape, info in zip(params, flat._shapes, flat._shard_param_infos):
+        rules = flat_range_rules(handle)
+        for i, (p, shape, info) in enumerate(zip(params, flat._shapes, flat._shard_param_infos)):
             start, stop = (
                 (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
             )
-            out[id(p)] = FlatFragment(tuple(int(s) for s in shape), start, stop)
+            rule = rules[i] if rules is not None else None
+            out[id(p)] = FlatFragment(tuple(int(s) for s in shape), start, stop, rule)
     return out
+
+
+def flat_range_rules(handle: Any) -> list[tuple[Any, ...]] | None:
+    """``("range", Mesh, offset, total)`` per original parameter of an FSDP1 flat parameter, or None.
+
+    FSDP1 concatenates the parameters (with alignment padding between them and world-size padding at the
+    end: ``_numels_with_padding``) and gives rank ``i`` of its process group chunk ``i`` of
+    ``torch.chunk(flat, world_size)``; every rank of the group knows these numbers, so every rank states
+    the same rule. The engine checks it against the range this rank really holds.
+    """
+    import torch.distributed as dist
+
+    from ...rules import Mesh
+
+    flat = handle.flat_param
+    numels = getattr(flat, "_numels_with_padding", None)
+    padding = getattr(flat, "_is_padding_mask", None)
+    group = getattr(handle, "process_group", None)
+    if numels is None or padding is None or group is None or not dist.is_initialized():
+        return None
+    if not getattr(handle, "uses_sharded_strategy", True):
+        return None  # NO_SHARD: every rank holds every parameter whole (declared as a replica)
+    try:
+        ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - a group we cannot enumerate: declare boxes
+        return None
+    if len(ranks) != int(handle.world_size):
+        return None
+    mesh = Mesh((len(ranks),), ranks)
+    total = sum(int(n) for n in numels)
+    rules, offset = [], 0
+    for n, is_pad in zip(numels, padding):
+        if not is_pad:
+            rules.append(("range", mesh, offset, total))
+        offset += int(n)
+    return rules
 
 
 def is_fsdp1(model: torch.nn.Module) -> bool:
@@ -109,6 +147,11 @@ class ModuleView:
 
     def fragment_of(self, param: torch.Tensor) -> FlatFragment | None:
         return self.fragments.get(id(param))
+
+    def rule_of(self, param: torch.Tensor) -> tuple[Any, ...] | None:
+        """The layout rule of an FSDP1 parameter's flat range (None for anything else)."""
+        frag = self.fragments.get(id(param))
+        return frag.rule if frag is not None else None
 
 
 def _is_meta(t: torch.Tensor) -> bool:
@@ -198,7 +241,7 @@ class StoredNames:
         stored = self.key_map(name) if self.key_map else name
         if stored is None or stored in self.meta.tensors:
             return stored
-        ns, _, fqn = stored.partition("/")
+        ns, _, fqn = stored.rpartition("/")  # a module nested in a dict: ns is its path (ema/m)
         primary = self.aliases(ns).get(fqn)
         return f"{ns}/{primary}" if isinstance(primary, str) else stored
 

@@ -48,11 +48,14 @@ def fqn_of(view: ModuleView, p: torch.Tensor) -> str:
         ) from None
 
 
-def state_layout(view: ModuleView, p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], list]:
+def _follows_param(p: torch.Tensor, t: torch.Tensor) -> bool:
     """Optimizer state follows its parameter's layout when it has the parameter's local shape."""
-    if is_dtensor(t) or t.dim() == 0 or tuple(t.shape) != tuple(p.shape):
-        return layout(t)
-    return layout(t, view.fragment_of(p))
+    return not (is_dtensor(t) or t.dim() == 0 or tuple(t.shape) != tuple(p.shape))
+
+
+def state_layout(view: ModuleView, p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], list]:
+    """Global shape and local pieces of state ``t`` of parameter ``p`` (see :func:`_follows_param`)."""
+    return layout(t, view.fragment_of(p)) if _follows_param(p, t) else layout(t)
 
 
 def save_optimizer(
@@ -78,7 +81,8 @@ def save_optimizer(
                 name = f"{ns}/{fqn}/{key}"
                 if isinstance(value, torch.Tensor):
                     shape, pieces = state_layout(view, p, value)
-                    tensors.append(tensor_item(name, value, pieces, shape))
+                    rule = view.rule_of(p) if _follows_param(p, value) else None
+                    tensors.append(tensor_item(name, value, pieces, shape, rule))
                 else:
                     objects.append(SaveObject(name, encode(value)))
     objects.append(SaveObject(f"{ns}/{GROUPS}", encode(groups)))
@@ -186,7 +190,7 @@ def load_optimizer(
 
 
 def _stored_fqn(source: str, model_ns: str, fqn: str) -> str:
-    return source.split("/", 1)[1] if source.startswith(model_ns + "/") else fqn
+    return source[len(model_ns) + 1 :] if source.startswith(model_ns + "/") else fqn  # model_ns may nest
 
 
 def _saved_group(saved_groups: list[Any], i: int, fqns: tuple[str, ...]) -> dict[str, Any] | None:
@@ -255,7 +259,7 @@ def _account_untied(
         source = names(f"{model_ns}/{alias}")
         if source is None or not source.startswith(model_ns + "/"):
             continue
-        sfqn = source.split("/", 1)[1]
+        sfqn = source[len(model_ns) + 1 :]
         for key in by_stored_prefix.get(f"{ns}/{sfqn}", []):
             expected.setdefault(f"{ns}/{alias}/{key}", Expected(stored=f"{ns}/{sfqn}/{key}"))
 

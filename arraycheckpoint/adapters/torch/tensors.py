@@ -160,11 +160,16 @@ def sink_for(view: torch.Tensor) -> Any:
 
 @dataclass(frozen=True)
 class FlatFragment:
-    """This rank's slice of a flattened parameter (FSDP1): elements ``[start, stop)`` of ``shape``."""
+    """This rank's slice of a flattened parameter (FSDP1): elements ``[start, stop)`` of ``shape``.
+
+    ``rule`` is the layout rule every rank of the FSDP group shares (``("range", Mesh, offset, total)``, see
+    :mod:`arraycheckpoint.rules`), or None when it is not known.
+    """
 
     shape: tuple[int, ...]
     start: int
     stop: int
+    rule: tuple[Any, ...] | None = None
 
 
 def is_dtensor(t: Any) -> bool:

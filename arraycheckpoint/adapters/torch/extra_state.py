@@ -1,0 +1,201 @@
+"""Extra state of the torch adapter: any namespace that is not a module, an optimizer or a state dict.
+
+Nested values are stored as JSON plus arrays (see :mod:`arraycheckpoint.extras`). Tensors and DTensors in
+them are saved in their own layout and loaded in place, so an EMA dict of DTensors reshards like the
+parameters. Modules nested at any depth (``{"ema": {"m": module}}``) are namespaces of their own: the
+document holds ``{"__module__": name}`` and the adapter stores the module's tensors under ``name`` exactly
+as it stores ``model``'s. Format-internal objects beside the document:
+
+* ``<ns>/~arrays``: ``{array name: "numpy"}`` for arrays that were numpy arrays (they come back as numpy);
+* ``<ns>/~modules``: the names of the nested modules (a ``__module__`` document not listed there is a
+  user dict of an older checkpoint).
+
+This module plans only; it does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ... import extras
+from ...errors import MetaDeviceError
+from ...items import LoadShard, LoadTensor, SaveObject
+from ...metadata import CheckpointMetadata
+from ...regions import Box
+from ..base import AdapterOptions, Expected
+from .common import dtype_name, fill, np_dtype, tensor_item
+from .tensors import as_torch, is_dtensor, layout, load_shard
+
+ARRAY_TYPES = "~arrays"  # <ns>/~arrays: {array name: "numpy"} for arrays that were not torch tensors
+MODULES = "~modules"  # <ns>/~modules: [name of each module nested in the namespace]
+
+
+def is_array(v: Any) -> bool:
+    """A leaf stored as an array: a torch tensor (DTensors included) or a numpy array."""
+    return isinstance(v, (torch.Tensor, np.ndarray))
+
+
+def is_module(v: Any) -> bool:
+    """A value stored as a namespace of its own."""
+    return isinstance(v, torch.nn.Module)
+
+
+def save_extra(
+    ns: str,
+    value: Any,
+    tensors: list,
+    objects: list,
+    options: AdapterOptions,
+    modules: dict[str, torch.nn.Module] | None = None,
+) -> None:
+    """Describe ``value`` stored as entry ``ns``; nested modules go to ``modules`` (name -> module) when given.
+
+    Without ``modules`` a nested module is refused like any object JSON cannot hold (module extra state).
+    """
+    found: dict[str, Any] = {}
+    doc, arrays = extras.encode(
+        value, ns, is_array, options.allow_pickle, is_module if modules is not None else None, found
+    )
+    objects.append(SaveObject(ns, doc))
+    tensors.extend(tensor_item(name, a) for name, a in arrays.items())
+    numpy = {name: "numpy" for name, a in arrays.items() if isinstance(a, np.ndarray)}
+    if numpy:
+        objects.append(SaveObject(f"{ns}/{ARRAY_TYPES}", numpy))
+    if found and modules is not None:
+        objects.append(SaveObject(f"{ns}/{MODULES}", sorted(found)))
+        modules.update(found)
+
+
+def nested_modules(meta: CheckpointMetadata, ns: str, value: Any) -> dict[str, torch.nn.Module]:
+    """``{stored name: target module}`` for the modules of ``value`` stored as nested namespaces of ``ns``."""
+    obj = meta.objects.get(ns)
+    listed = _listed(meta, ns)
+    if obj is None or not listed:
+        return {}
+    return {
+        name: v
+        for name, v in _targets(obj.value, value, "__module__").items()
+        if name in listed and is_module(v)
+    }
+
+
+def _listed(meta: CheckpointMetadata, ns: str) -> set[str]:
+    obj = meta.objects.get(f"{ns}/{MODULES}")
+    return (
+        {n for n in obj.value if isinstance(n, str)}
+        if obj is not None and isinstance(obj.value, list)
+        else set()
+    )
+
+
+def _targets(doc: Any, value: Any, tag: str) -> dict[str, Any]:
+    """``{referenced name: value at the same place in value}`` for the ``tag`` references of ``doc``."""
+    out: dict[str, Any] = {}
+
+    def walk(d: Any, v: Any) -> None:
+        if isinstance(d, list) and isinstance(v, (list, tuple)):
+            for x, y in zip(d, v):
+                walk(x, y)
+        elif isinstance(d, dict):
+            if len(d) == 1 and tag in d:
+                if isinstance(d[tag], str):
+                    out[d[tag]] = v
+            elif len(d) == 1 and "__tuple__" in d:
+                walk(d["__tuple__"], v)
+            elif isinstance(v, Mapping):
+                for k, x in d.items():
+                    if k in v:
+                        walk(x, v[k])
+
+    walk(doc, value)
+    return out
+
+
+def _same_kind(t: torch.Tensor, tm: Any) -> bool:
+    return tuple(t.shape) == tm.shape and dtype_name(t) == tm.dtype
+
+
+def _read_whole(ref: str, tm: Any, targets: list[LoadTensor], expected: dict[str, Expected]) -> np.ndarray:
+    """Plan reading stored tensor ``ref`` whole into a new host array."""
+    expected[ref] = Expected(tm.shape, tm.dtype)
+    buf = np.empty(tm.shape, dtype=np.dtype(np_dtype(tm.dtype)))
+    targets.append(
+        LoadTensor(ref, [LoadShard(Box.full(tm.shape), fill(buf))] if buf.size or tm.shape == () else [])
+    )
+    return buf
+
+
+def load_extra(
+    ns: str,
+    value: Any,
+    meta: CheckpointMetadata,
+    targets: list[LoadTensor],
+    expected: dict[str, Expected],
+    result: dict[str, Any],
+    options: AdapterOptions,
+    modules: Mapping[str, torch.nn.Module] | None = None,
+) -> Callable[[], None]:
+    """Plan loading entry ``ns`` into ``value``; ``finish`` stores the decoded value in ``result[ns]``.
+
+    ``modules`` are the target modules of nested namespaces (planned by the caller, loaded in place); a
+    nested module with no module at its place in the target comes back as a state dict ``{fqn: tensor}``.
+    """
+    obj = meta.objects.get(ns)
+    expected[ns] = Expected()
+    if obj is None:
+        return lambda: None
+    types = meta.objects.get(f"{ns}/{ARRAY_TYPES}")
+    numpy = set(types.value) if types is not None and isinstance(types.value, dict) else set()
+    in_place = {
+        k: v for k, v in _targets(obj.value, value, "__array__").items() if isinstance(v, torch.Tensor)
+    }
+    loaded: dict[str, Any] = {}
+    for ref in extras.array_refs(obj.value):
+        tm = meta.tensors[ref]
+        t = in_place.get(ref)
+        if t is not None and getattr(t, "_local_tensor", t).is_meta:
+            if is_dtensor(t):
+                raise MetaDeviceError(
+                    f"{ref}: a DTensor on the meta device cannot be filled in place; give it storage first "
+                    "(e.g. distribute_tensor(torch.empty(...), mesh, placements)) and load again"
+                )
+            t = None  # a plain meta tensor is replaced by the loaded value
+        if t is not None and ref not in numpy and (is_dtensor(t) or _same_kind(t, tm)):
+            # fill the target's own tensor in its own layout (a DTensor reshards like a parameter)
+            shape, pieces = layout(t)
+            read = LoadTensor(ref, [load_shard(box, v) for box, v in pieces])
+            targets.append(read)
+            expected[ref] = Expected(shape, dtype_name(t), reads=[read])
+            loaded[ref] = t
+            continue
+        loaded[ref] = _read_whole(ref, tm, targets, expected)
+    given = dict(modules or {})
+    as_dicts: dict[str, dict[str, Any]] = {}
+    for name in _listed(meta, ns) - set(given):
+        # no module at its place in the target: its tensors come back as a state dict
+        as_dicts[name] = {
+            n[len(name) + 1 :]: _read_whole(n, tm, targets, expected)
+            for n, tm in meta.tensors.items()
+            if n.startswith(name + "/") and "/" not in n[len(name) + 1 :] and "~" not in n[len(name) + 1 :]
+        }
+
+    def finish() -> None:
+        arrays = {
+            k: v if isinstance(v, torch.Tensor) or k in numpy else as_torch(v).clone()
+            for k, v in loaded.items()
+        }
+        subs: dict[str, Any] = dict(given)
+        subs.update({n: {k: as_torch(v).clone() for k, v in d.items()} for n, d in as_dicts.items()})
+        decoded = extras.decode(obj.value, arrays, options.allow_pickle, where=ns, modules=subs)
+        if isinstance(value, dict) and isinstance(decoded, dict):
+            value.clear()
+            value.update(decoded)
+            result[ns] = value
+        else:
+            result[ns] = decoded
+
+    return finish

@@ -1,0 +1,80 @@
+"""The zarr documents a checkpoint's coordinator writes beside the arrays (pure: builds bytes, no I/O).
+
+At commit, the coordinator stores the metadata and makes the checkpoint a valid zarr v3 hierarchy: a group
+``zarr.json`` in the root (attributes: format version, framework, step, topology) and in every directory
+between the root and an entry, and the control node ``.acp/zarr.json``. The control node is an empty
+zarr v3 *array* (shape ``[0]``, ``uint8``): readers that list a group (zarr-python's ``members()``/``tree()``,
+xarray's ``open_datatree``) see one harmless empty array and never list inside it, so the control files
+beside it (:data:`~arraycheckpoint.metadata.CONTROL`) raise no "not a zarr node" warning.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .metadata import CONTROL, CONTROL_DIR, CheckpointMetadata
+
+#: The dimension name of the control node (entries' dimensions are ``<name>.dim<axis>``: no clash).
+CONTROL_DIMENSION = "acp"
+
+
+def control_node() -> dict[str, Any]:
+    """The zarr v3 metadata of the control node ``.acp``: an empty array describing the files it holds."""
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [0],
+        "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0,
+        "codecs": [{"name": "bytes"}],
+        "dimension_names": [CONTROL_DIMENSION],
+        "attributes": {
+            "arraycheckpoint": {
+                "description": (
+                    "arraycheckpoint control files; this empty array holds no data. The tensors are the "
+                    "other arrays of this hierarchy."
+                ),
+                "files": {
+                    _base(
+                        CONTROL.metadata
+                    ): "metadata: every tensor's shape, dtype, chunks and saved regions",
+                    _base(CONTROL.committed): "commit marker: a checkpoint without it is not committed",
+                    _base(CONTROL.metrics): "per-rank phase timings of the save (optional)",
+                    _base(
+                        CONTROL.load_metrics
+                    ): "per-rank phase timings of the last recorded load (optional)",
+                },
+            }
+        },
+    }
+
+
+def _base(key: str) -> str:
+    return key[len(CONTROL_DIR) + 1 :]
+
+
+def hierarchy_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
+    """Every document the coordinator writes at commit, key (relative to the root) -> bytes: the metadata,
+    the control node and a group ``zarr.json`` for the root and each directory above an entry."""
+    groups = {""}
+    for name in list(meta.tensors) + list(meta.objects):
+        parts = name.split("/")
+        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    attrs = {
+        "format_version": meta.format_version,
+        "framework": meta.framework,
+        "step": meta.step,
+        "world_size": meta.world_size,
+        "topology": dict(meta.topology),
+        "roles": list(meta.roles),
+    }
+    docs = {CONTROL.metadata: meta.to_json().encode()}
+    assert CONTROL.node is not None
+    docs[CONTROL.node] = json.dumps(control_node()).encode()
+    for g in sorted(groups):
+        doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs if g == "" else {}}
+        docs[f"{g}/zarr.json" if g else "zarr.json"] = json.dumps(doc).encode()
+    return docs

@@ -1,0 +1,135 @@
+"""FSDP1 flat ranges declared as range rules (real FSDP1 over gloo, 3 processes, odd sizes).
+
+Every rank states the same rule for each parameter and each parameter-shaped optimizer state (the flat
+parameter's layout: offsets with FSDP's alignment padding, total padded to the world size). A model alone
+is then one declaration on every rank: one digest, no planning collective, one rule per tensor in the
+metadata. Optimizer state exists only on ranks whose range touches its parameter, so those declarations
+differ by which states exist (a few distinct declarations, one per pattern, never one per rank at scale):
+they still carry range rules, not boxes. Checkpoints load back bit-exactly into FSDP1 at another world
+size and into a plain module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from dist import run_distributed
+
+import arraycheckpoint as acp
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 13), torch.nn.Tanh(), torch.nn.Linear(13, 7))
+
+
+def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, np.ndarray]:
+    """Parameters (summoned) and Adam moments (each rank's flat fragment summed into place), full size."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from arraycheckpoint.adapters.torch.module import ModuleView
+
+    view = ModuleView(model)
+    with FSDP.summon_full_params(model):
+        out = {f"model/{k}": v.detach().clone().numpy() for k, v in ModuleView(model).tensors.items()}
+    for p in opt.param_groups[0]["params"]:
+        frag = view.fragment_of(p)
+        for key in ("exp_avg", "exp_avg_sq"):  # the same collectives on every rank
+            full = torch.zeros(int(np.prod(frag.shape)), dtype=torch.float32)
+            v = opt.state.get(p, {}).get(key)
+            if v is not None:
+                full[frag.start : frag.stop] = v.detach().reshape(-1)
+            dist.all_reduce(full)
+            out[f"optimizer/{view.param_fqn[id(p)]}/{key}"] = full.reshape(frag.shape).numpy()
+    return out
+
+
+def _fsdp1(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+
+
+def _save_body(rank, world, root):
+    from arraycheckpoint.adapters.base import AdapterOptions
+    from arraycheckpoint.adapters.torch import TorchAdapter
+    from arraycheckpoint.collectives import default_communicator
+    from arraycheckpoint.engine import engine
+    from arraycheckpoint.engine.coordinate import declaration_digest, declare
+    from arraycheckpoint.engine.job import SaveOptions
+
+    model = _fsdp1(_model())
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    model(torch.randn(4, 10, generator=gen)).square().mean().backward()
+    opt.step()
+    out = []
+    for name, state in (("model", {"model": model}), ("both", {"model": model, "optimizer": opt})):
+        req = TorchAdapter().save_request(state, AdapterOptions())
+        decl = declare(req.tensors, rank)
+        digest = declaration_digest(decl, default_communicator(), SaveOptions()).hex()
+        kinds = {t.name: t.rule[0] for t in decl.tensors}
+        acp.save(f"{root}/{name}", state)
+        out.append((digest, kinds, engine()._save._last_mode))
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    whole = FSDP(
+        _model(),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.NO_SHARD,
+    )
+    req = TorchAdapter().save_request({"model": whole}, AdapterOptions())
+    out.append({t.name: t.rule[0] for t in declare(req.tensors, rank).tensors})
+    return out, _full(model, opt)
+
+
+def _load_body(rank, world, root):
+    model = _fsdp1(torch.nn.Sequential(torch.nn.Linear(10, 13), torch.nn.Tanh(), torch.nn.Linear(13, 7)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    acp.load(f"{root}/both", {"model": model, "optimizer": opt})
+    return _full(model, opt)
+
+
+def test_fsdp1_ranks_declare_range_rules(tmp_path):
+    results = run_distributed(_save_body, world=3, args=(str(tmp_path),), timeout=300)
+    model_only = [r[0][0] for r in results]
+    assert len({d for d, _k, _m in model_only}) == 1, "ranks declared the model differently"
+    assert all(list(k.values()) == ["range"] * 4 for _d, k, _m in model_only)
+    assert {m for _d, _k, m in model_only} == {"local"}  # one declaration: each rank planned alone
+    meta = acp.read_metadata(tmp_path / "model")
+    assert len(meta.layout_groups) == 1
+    assert all(t.regions[0][1][0] == "range" and len(t.regions) == 1 for t in meta.tensors.values())
+    # the flat slices still cut through rows: the expanded regions are the decomposed boxes of each range
+    assert any(len(t.shards) > 3 for t in meta.tensors.values())
+
+    for r in results:  # NO_SHARD: every rank holds every parameter whole, a replica
+        assert list(r[0][2].values()) == ["replica"] * 4, r[0][2]
+    for _d, kinds, mode in (r[0][1] for r in results):
+        assert mode == "gather"
+        for name, kind in kinds.items():
+            assert kind == ("replica" if name.endswith("/step") else "range"), (name, kind)
+    meta = acp.read_metadata(tmp_path / "both")
+    assert all(
+        rule[0] == "range"
+        for n, t in meta.tensors.items()
+        if not n.endswith("/step")
+        for _g, rule in t.regions
+    )
+
+    saved = results[0][1]
+    for r in results[1:]:
+        assert all(np.array_equal(saved[k], r[1][k]) for k in saved)
+    for loaded in run_distributed(_load_body, world=2, args=(str(tmp_path),), timeout=300):
+        assert set(loaded) == set(saved)
+        for k in saved:
+            assert loaded[k].dtype == saved[k].dtype and np.array_equal(loaded[k], saved[k]), k
+    plain = _model()
+    acp.load(tmp_path / "model", {"model": plain})
+    for k, v in plain.state_dict().items():
+        assert np.array_equal(v.numpy(), saved[f"model/{k}"]), k
