@@ -20,8 +20,9 @@ import arraycheckpoint as acp
 from arraycheckpoint import rng
 from arraycheckpoint.engine import engine
 from arraycheckpoint.errors import MetadataError
-from arraycheckpoint.metadata import CheckpointMetadata
+from arraycheckpoint.metadata import METADATA_FILE, CheckpointMetadata
 from arraycheckpoint.stateful import PerRank
+from arraycheckpoint.testing import chunk_files
 
 
 def _draws() -> list[list[float]]:
@@ -89,8 +90,7 @@ def _walk(group) -> list:
 
 
 def _chunk_files(root: str, name: str) -> int:
-    base = os.path.join(root, name, "c")
-    return sum(len(files) for _d, _s, files in os.walk(base))
+    return len(chunk_files(os.path.join(root, name)))
 
 
 def test_three_ranks_store_one_stacked_array_per_slot_and_load_at_2_and_4(tmp_path) -> None:
@@ -160,7 +160,7 @@ def test_a_rank_whose_rows_differ_makes_every_rank_save_per_rank_arrays(tmp_path
 def test_stacked_marker_is_checked_against_the_world_size(tmp_path) -> None:
     """Hostile metadata: ``rank_rows`` on an array whose leading dimension is not the world size is refused."""
     acp.save(str(tmp_path / "ck"), {"extra_state": {"r": PerRank(np.arange(4))}})
-    text = (tmp_path / "ck" / ".metadata.json").read_text()
+    text = (tmp_path / "ck" / METADATA_FILE).read_text()
     doc = json.loads(text)
     assert doc["tensors"]["extra_state/~rows/0"]["rank_rows"] is True
     CheckpointMetadata.from_json(text)
