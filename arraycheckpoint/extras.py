@@ -81,6 +81,12 @@ def encode(
         if allow_pickle:
             return {"__pickle__": base64.b64encode(pickle.dumps(v)).decode()}
         where = "/".join([prefix, *path])
+        if hasattr(v, "state_dict") and hasattr(v, "parameters"):  # a module where only plain values go
+            raise PickleNotAllowedError(
+                f"{where}: a {type(v).__name__} module sits in a namespace that also holds PerRank values or "
+                "stateful objects, where only plain values are stored; give the module a namespace of its own "
+                "(e.g. state['ema'] = {'m': module}), where it is saved and resharded like 'model'"
+            )
         raise PickleNotAllowedError(
             f"{where}: a {type(v).__name__} cannot be stored as JSON; convert it to plain data (dicts, lists, "
             "numbers, strings, tensors) or pass allow_pickle=True to save and load"

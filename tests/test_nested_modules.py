@@ -257,3 +257,12 @@ def test_megatron_framework_checks_nested_torch_modules_too(tmp_path):
         acp.load(tmp_path / "ck", smaller, framework="megatron")
     acp.load(tmp_path / "ck", smaller, framework="megatron", strict=False)
     assert torch.equal(smaller["ema"]["m"][0].weight, _net(0)[0].weight)
+
+
+def test_module_beside_per_rank_values_names_the_fix(tmp_path):
+    """A module in a namespace that also holds PerRank values is refused with an error naming the fix (its own
+    namespace), not a suggestion to pickle it."""
+    state = {"extra_state": {"rng": acp.PerRank(3), "ema": torch.nn.Linear(2, 2)}}
+    with pytest.raises(acp.ArrayCheckpointError, match="namespace of its own") as info:
+        acp.save(tmp_path / "ck", state)
+    assert "allow_pickle" not in str(info.value)
