@@ -18,8 +18,10 @@ tensorstore (or zarr-python), which verify both checksums, so a file this module
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import struct
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,9 +33,19 @@ from ..regions import Box
 def _crc32c() -> Any:
     try:
         import google_crc32c
-    except ImportError:  # pragma: no cover - zarr depends on it
-        return None
-    return google_crc32c if google_crc32c.implementation == "c" else None
+    except ImportError:  # pragma: no cover - a declared dependency (and zarr's)
+        google_crc32c = None
+    if google_crc32c is not None and google_crc32c.implementation == "c":
+        return google_crc32c
+    # Measured on a 16-core machine whose interpreter lacked it: a 1 GiB save took 8x the raw write's CPU
+    # time and held up to max_inflight_bytes in tensorstore's write buffers (+1.2 GiB peak RSS, not +55 MiB).
+    logging.getLogger("arraycheckpoint").warning(
+        "google_crc32c's C extension is not available in this interpreter (%s): whole chunks are written "
+        "through tensorstore instead (more CPU, and up to max_inflight_bytes of write buffers); "
+        "`python -m pip install google-crc32c` for the fast path",
+        sys.executable,
+    )
+    return None
 
 
 _CRC = _crc32c()
