@@ -360,10 +360,24 @@ def _parse_shards(t: Any, where: str, shape: tuple[int, ...], world_size: int) -
 def _parse_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
     """Format 2 layout groups: each a declaration's meshes and the ranks that made it."""
     from .groupplan import Decl
-    from .rules import decode_ranks
+    from .rules import MAX_MESH_RANKS, Mesh, decode_ranks
 
     if not isinstance(raw, list):
         raise MetadataError("metadata: layout_groups must be a list")
+    # every mesh is expanded to its rank list: bound the sum over all groups, not only each mesh, before any
+    # is built (a few hundred bytes of JSON could otherwise ask for gigabytes); a valid checkpoint holds one
+    # mesh per distinct declaration, each at most the world (Megatron at 10,000 ranks: about 1.3M in all)
+    total = sum(
+        Mesh.json_size(m)
+        for g in raw
+        if isinstance(g, dict) and isinstance(g.get("meshes"), list)
+        for m in g["meshes"]
+    )
+    if total > MAX_MESH_RANKS:
+        raise MetadataError(
+            f"metadata: layout_groups' meshes list {total} ranks in all, above the limit of {MAX_MESH_RANKS}; "
+            "the checkpoint is damaged or hostile"
+        )
     out = []
     for i, g in enumerate(raw):
         try:

@@ -83,7 +83,18 @@ class Mesh:
             raise PlanError(f"malformed mesh ranks {j[1]!r}")
         if len(ranks) != n:
             raise PlanError(f"mesh of shape {shape} lists {len(ranks)} ranks")
+        if ranks and (min(ranks) < 0 or max(ranks) >= MAX_MESH_RANKS):
+            raise PlanError(f"mesh of shape {shape} names ranks outside [0, {MAX_MESH_RANKS})")
         return Mesh(shape, ranks)
+
+    @staticmethod
+    def json_size(j: Any) -> int:
+        """How many ranks the mesh ``j`` (its JSON form, untrusted) expands to; 0 when malformed (refused by
+        :meth:`from_json`). Lets a reader bound the total of many meshes before building any."""
+        try:
+            return math.prod(max(int(s), 0) for s in j[0])
+        except (TypeError, ValueError, IndexError, KeyError):
+            return 0
 
     @cached_property
     def positions(self) -> dict[int, tuple[int, ...]]:

@@ -49,3 +49,15 @@ def kill_rank_at(target: Callable[..., None], world: int, args: Callable[[int], 
             if p.is_alive():
                 p.kill()
                 p.join(10)
+
+
+def report_outcome(handle: Any, signal_dir: str, rank: int) -> None:
+    """In a rank process: wait for the save ``handle``, write ``committed`` or the error to
+    ``<signal_dir>/rank<rank>-result`` for the parent, and exit at once (the process group's peer is gone)."""
+    try:
+        handle.result(timeout=120)
+        outcome = "committed"
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        outcome = f"{type(e).__name__}: {e}"
+    Path(signal_dir, f"rank{rank}-result").write_text(outcome)
+    os._exit(0)

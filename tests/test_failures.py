@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from dist import free_port, run_distributed
-from killing import kill_rank_at, wait_for
+from killing import kill_rank_at, report_outcome, wait_for
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import (
@@ -98,13 +98,7 @@ def _kill_rank_main(rank: int, world: int, port: int, root: str, signal_dir: str
     handle = mgr.save(2, sharded(2))
     handle.staged.result()
     Path(signal_dir, f"rank{rank}-staged").touch()
-    try:
-        handle.result(timeout=120)
-        outcome = "committed"
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        outcome = f"{type(e).__name__}: {e}"
-    Path(signal_dir, f"rank{rank}-result").write_text(outcome)
-    os._exit(0)  # do not wait on a process group whose peer is gone
+    report_outcome(handle, signal_dir, rank)
 
 
 def test_kill_one_rank_mid_async_save(tmp_path: Path) -> None:

@@ -79,3 +79,23 @@ def test_a_huge_mesh_in_layout_groups_is_refused_before_allocating(tmp_path):
     doc["layout_groups"] = [{"meshes": [[[10**9, 10**9], ["arange", 0]]], "ranks": [[0, 1, 1]]}]
     with pytest.raises(MetadataError, match="layout_groups"):
         CheckpointMetadata.from_json(json.dumps(doc))
+
+
+def test_many_large_meshes_are_refused_in_total_before_any_is_built(tmp_path):
+    """Each mesh under the per-mesh bound, but together far above it: refused from the shapes alone (before,
+    five such meshes, 150 bytes of JSON, cost 0.7 s and 837 MB)."""
+    acp.save(tmp_path / "ck", {"model": {"w": torch.arange(6.0)}})
+    doc = json.loads((tmp_path / "ck" / METADATA_FILE).read_text())
+    mesh = [[1 << 22], ["arange", 0]]
+    doc["layout_groups"] = [{"meshes": [mesh] * 5000, "ranks": [[0, 1, 1]]}] + doc["layout_groups"]
+    with pytest.raises(MetadataError, match="in all"):
+        CheckpointMetadata.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize("ranks", [["arange", -5], ["list", [0, -1]], ["list", [0, 1 << 40]]])
+def test_mesh_ranks_outside_the_rank_space_are_refused(tmp_path, ranks):
+    acp.save(tmp_path / "ck", {"model": {"w": torch.arange(6.0)}})
+    doc = json.loads((tmp_path / "ck" / METADATA_FILE).read_text())
+    doc["layout_groups"] = [{"meshes": [[[2], ranks]], "ranks": [[0, 1, 1]]}] + doc["layout_groups"]
+    with pytest.raises(MetadataError, match="outside"):
+        CheckpointMetadata.from_json(json.dumps(doc))

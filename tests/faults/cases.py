@@ -149,6 +149,15 @@ def zstd_bomb(url: str) -> str:
     return _load(url)[0]
 
 
+def oversized_chunk(url: str) -> str:
+    """A compressed chunk file far larger than any encoding of its chunk: refused before it is read whole,
+    also where the storage lists no sizes (memory, S3)."""
+    acp.save(url, {"model": _model(1)}, compression="zstd")
+    st, root = storage_for(url)
+    st.write(st.join(root, "model/weight"), _chunk_keys(url, "model/weight")[0], b"\0" * (16 << 20))
+    return _load(url)[0]
+
+
 def deep_json(url: str) -> str:
     acp.save(url, {"model": _model(1), "extra_state": {"step": 1}})
     st, root = storage_for(url)

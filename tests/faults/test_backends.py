@@ -26,6 +26,7 @@ EXPECTED = {
     "crc32c_off": ("MetadataError", ["model/weight", "crc32c"]),
     "zstd_bomb": ("CorruptCheckpointError", ["model/weight", "zstd frame declares 67108864"]),
     "deep_json": ("MetadataError", ["levels deep"]),
+    "oversized_chunk": ("CorruptCheckpointError", ["model/weight", "larger than any encoding"]),
     "flipped_byte": ("CorruptCheckpointError", ["model/weight"]),
     "missing_chunk": ("InconsistentCheckpointError", ["model/weight", "0 chunk file"]),
 }
