@@ -200,6 +200,7 @@ CASES = {
         extra_state_1e13,
         crc32c_off,
         zstd_bomb,
+        oversized_chunk,
         deep_json,
         flipped_byte,
         missing_chunk,
