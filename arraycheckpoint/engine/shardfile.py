@@ -133,6 +133,8 @@ class KvWriter:
 #: Small files are grouped into one pool task per this many bytes or :data:`BATCH_FILES` files.
 BATCH_BYTES = 4 << 20
 BATCH_FILES = 128
+#: Most threads creating small files (one per 4 cores below that).
+SMALL_FILE_THREADS = 4
 
 
 class FileWriter:
@@ -153,7 +155,7 @@ class FileWriter:
         # batches of small files go to threads of their own, one per 4 cores: on 2 cores, creating files and
         # directories under one parent from several threads contended on the parent's lock and cost 1.5x the
         # CPU time for no gain in wall time; on 16 cores, 4 threads created 2,000 arrays' files 2.3x faster
-        small = max(1, min(4, (os.cpu_count() or 1) // 4))
+        small = max(1, min(SMALL_FILE_THREADS, (os.cpu_count() or 1) // 4))
         self._small = ThreadPoolExecutor(max_workers=small, thread_name_prefix="acp-write-small")
         self._batch: list[tuple[str, list[Buffer]]] = []
         self._batch_bytes = 0

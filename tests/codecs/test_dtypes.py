@@ -390,3 +390,47 @@ def test_zarr_python_in_process_all_ml_dtypes(tmp_path: Path, name: str) -> None
     arr[...] = data
     back = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "zp")}}).result()
     np.testing.assert_array_equal(bits(back.read().result()), bits(data))
+
+
+@pytest.mark.parametrize(
+    "name,shape,compression",
+    [
+        ("model/layers.0.w", (4, 6), None),
+        ('model/we"ird\\name/é ∑', (3,), "zstd"),
+        ("optim/state/\u0001ctl/x", (2, 3, 4), None),
+        ("scalar", (), None),
+    ],
+)
+def test_zarr_json_template_matches_whole_encoding(name: str, shape: tuple[int, ...], compression: str | None) -> None:
+    """The save's shared zarr.json template, joined with one array's names, is that array's whole encoding."""
+    import dataclasses
+    import json
+
+    from arraycheckpoint.codecs.presets import array_metadata
+    from arraycheckpoint.engine.save import _create_arrays, zarr_json_template
+    from arraycheckpoint.plan import ArrayLayout
+
+    chunk = tuple(max(1, s // 2) for s in shape)
+    layout = ArrayLayout(name, shape, "float32", chunk, chunk, compression)
+    whole = json.dumps(array_metadata(shape, np.float32, chunk, chunk, compression, name=name)).encode()
+    parts = zarr_json_template(dataclasses.replace(layout, name=""))
+    assert len(parts) == len(shape) + 1
+
+    class Writer:
+        def __init__(self) -> None:
+            self.docs: dict[str, bytes] = {}
+
+        def write(self, key: str, parts: list[bytes]) -> None:
+            self.docs[key] = b"".join(parts)
+
+    class Job:
+        storage = None
+        staging = ""
+
+    w = Writer()
+    other = dataclasses.replace(layout, name=name + "2")
+    _create_arrays(Job(), w, [layout, other])  # type: ignore[arg-type]
+    assert w.docs[f"{name}/zarr.json"] == whole
+    assert w.docs[f"{name}2/zarr.json"] == json.dumps(
+        array_metadata(shape, np.float32, chunk, chunk, compression, name=name + "2")
+    ).encode()
