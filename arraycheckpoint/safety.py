@@ -7,9 +7,11 @@ of on-disk bytes the load path makes before tensorstore or numpy sees them:
   gigabytes of metadata parsed);
 * :func:`check_tensor_layout`: a declared array is possible (chunk <= shape, bounded chunk bytes and inner
   chunk count), so tensorstore never sizes a buffer from a hostile number;
-* :func:`check_checkpoint`: one scan of the whole checkpoint (regular files only: no symlink, no FIFO, no
-  device, nowhere below the root) and, per array, as many chunk objects as its chunk grid declares, so a
-  shape of 1e13 declared by a checkpoint that holds one small file is refused before any buffer exists;
+* :func:`check_layouts`: every declared layout is possible (pure, before any I/O);
+* :func:`check_chunk_files`: the arrays one rank reads, and only those, hold regular files only (no symlink, no
+  FIFO, no device, nowhere below the root) and as many chunk objects as their chunk grids declare, so a shape
+  of 1e13 declared by a checkpoint that holds one small file is refused before any buffer exists
+  (:func:`check_checkpoint`: both, for every array; what the tools run);
 * :func:`check_arrays`: just before the arrays are opened, every ``zarr.json`` read in one concurrent batch and
   cross-checked against ``.metadata.json`` (bounded parse; the exact bytes this release writes are accepted
   as they are), crc32c required on every inner chunk and on the shard index (whatever the checkpoint says
@@ -30,7 +32,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -228,31 +230,63 @@ def inventory(storage: Any, root: str) -> dict[str, int | None]:
 
 
 def check_checkpoint(storage: Any, root: str, meta: Any) -> dict[str, int | None]:
-    """Validate a committed checkpoint against its metadata before anything is allocated from it.
-
-    Every tensor's layout passes :func:`check_tensor_layout`; the checkpoint holds only regular files (local
-    file systems); each array holds exactly as many chunk objects as its grid declares (every chunk has its
-    file, also an all-zero one), none larger than a chunk can encode to.
+    """Validate a whole committed checkpoint against its metadata: :func:`check_layouts`, then
+    :func:`check_chunk_files` of every array (one scan of the checkpoint; what the tools use).
 
     Returns:
-        The inventory (key -> size) of the checkpoint.
+        The inventory (key -> size) of the checkpoint's arrays.
+    """
+    check_layouts(meta)
+    return check_chunk_files(storage, root, meta, None)
+
+
+def check_layouts(meta: Any) -> None:
+    """Every tensor's declared layout passes :func:`check_tensor_layout` (pure: no I/O).
 
     Raises:
-        MetadataError: a layout no valid checkpoint has, or a declared shape the stored files do not hold.
-        CorruptCheckpointError: a symlink or non-regular file in the checkpoint.
+        MetadataError: a layout no valid checkpoint has.
+    """
+    for name, t in meta.tensors.items():
+        check_tensor_layout(name, t.shape, t.dtype, t.chunk_shape, t.inner_chunk_shape)
+
+
+#: Keys one listing request returns (S3 and GCS pages), to weigh one listing per array against one of all.
+_KEYS_PER_LISTING = 1000
+
+
+def check_chunk_files(
+    storage: Any, root: str, meta: Any, names: Collection[str] | None
+) -> dict[str, int | None]:
+    """The stored files of the arrays ``names`` (every array if None) match their metadata.
+
+    Each array holds exactly as many chunk objects as its grid declares (every chunk has its file, also an
+    all-zero one), none larger than a chunk can encode to, and, on local file systems, only regular files
+    with no link anywhere on the path below ``root``. A load checks only the arrays it reads: at 10,000
+    ranks, every rank scanning a whole checkpoint of 100,000 files would cost the file system a billion
+    metadata operations per load; checking what one reads costs one directory listing per array read. On
+    object stores, one listing of the whole checkpoint replaces the per-array ones when it takes fewer
+    requests (a rank that reads most arrays).
+
+    Returns:
+        The inventory (key -> size) of the arrays checked.
+
+    Raises:
+        MetadataError: a declared shape the stored files do not hold.
+        CorruptCheckpointError: a symlink or non-regular file, or an oversized chunk file.
     """
     from .codecs import numpy_dtype
     from .metadata import chunk_key_separator
 
     chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
-    items = inventory(storage, root)
+    selected = list(meta.tensors) if names is None else [n for n in dict.fromkeys(names) if n in meta.tensors]
+    items = _array_inventory(storage, root, meta, selected if names is not None else None)
     chunks: dict[str, list[int | None]] = {}
     for key, size in items.items():
         m = chunk_key.match(key)
         if m:
             chunks.setdefault(m.group(1), []).append(size)
-    for name, t in meta.tensors.items():
-        check_tensor_layout(name, t.shape, t.dtype, t.chunk_shape, t.inner_chunk_shape)
+    for name in selected:
+        t = meta.tensors[name]
         expected = chunk_count(t.shape, t.chunk_shape)
         found = chunks.get(name, [])
         if len(found) != expected:
@@ -269,6 +303,23 @@ def check_checkpoint(storage: Any, root: str, meta: Any) -> dict[str, int | None
                 f"{list(t.chunk_shape)} chunk ({limit} bytes at most); the checkpoint is damaged"
             )
     return items
+
+
+def _array_inventory(storage: Any, root: str, meta: Any, names: list[str] | None) -> dict[str, int | None]:
+    """Keys (relative to ``root``) and sizes of the arrays ``names``' files, or of everything if None."""
+    if names is None:
+        return inventory(storage, root)
+    if getattr(storage, "commit_strategy", "") != "rename":
+        stored = sum(chunk_count(t.shape, t.chunk_shape) + 1 for t in meta.tensors.values())
+        if len(names) * _KEYS_PER_LISTING >= stored:  # one listing of everything takes fewer requests
+            return inventory(storage, root)
+    out: dict[str, int | None] = {}
+    base = root.rstrip("/")
+    for name in names:
+        if getattr(storage, "commit_strategy", "") == "rename":
+            _check_path_below(base, name)  # no link on the way down (the scan below refuses any beneath)
+        out.update((f"{name}/{k}", n) for k, n in inventory(storage, f"{base}/{name}").items())
+    return out
 
 
 def _max_file_bytes(chunk: tuple[int, ...], inner: tuple[int, ...], itemsize: int) -> int:

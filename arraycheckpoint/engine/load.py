@@ -60,7 +60,7 @@ class LoadPipeline:
             if raw is None:
                 raise MetadataError(f"checkpoint {root} is committed but has no {files.metadata}")
             meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
-            safety.check_checkpoint(storage, root, meta)  # untrusted input: before anything is sized from it
+            safety.check_layouts(meta)  # untrusted input: before anything is sized from it
         except Exception as e:
             gone = _gone(storage, root, e, "opened")
             if gone is None:
@@ -209,7 +209,9 @@ class LoadPipeline:
             for t in targets:
                 check_name(t.name)
             # checked zarr.json (or the preset's metadata), crc32c required; no zstd bomb (links and FIFOs:
-            # refused by the scan of read_metadata)
+            # refused by check_chunk_files above)
+            # the stored files of what this rank reads, and only those (see check_chunk_files)
+            safety.check_chunk_files(storage, root, meta, [t.name for t in targets if t.shards])
             docs = safety.check_arrays(
                 storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards}
             )
