@@ -76,3 +76,16 @@ def run_distributed(fn: Callable[..., Any], world: int, args: tuple = (), timeou
     if errors or len(results) != world:
         raise AssertionError("distributed test failed:\n" + "\n".join(errors or ["a rank did not report"]))
     return [results[r] for r in range(world)]
+
+
+def torch_full_state(model: Any, opt: Any) -> dict[str, Any]:
+    """Full model and optimizer state as numpy arrays (``model/<fqn>``, ``optimizer/<fqn>/<key>``), gathered
+    by torch's own ``get_state_dict`` (collective: every rank calls), independently of arraycheckpoint's
+    adapters, so a test comparing against it fails if the adapter's view of a sharded layout is wrong."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"model/{k}": v.detach().clone().numpy() for k, v in msd.items()}
+    for fqn, state in osd["state"].items():
+        out.update({f"optimizer/{fqn}/{k}": v.detach().clone().numpy() for k, v in state.items()})
+    return out

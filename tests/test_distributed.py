@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dist import run_distributed
+from dist import run_distributed, torch_full_state
 
 import arraycheckpoint as acp
 
@@ -75,46 +75,19 @@ def _full(t: torch.Tensor) -> np.ndarray:
 
 
 def _full_state(model, opt) -> dict[str, np.ndarray]:
-    """Full model and optimizer state by FQN (FSDP1 summons full params; optimizer state via its params)."""
+    """Full model and optimizer state by FQN (FSDP1: gathered by torch's own get_state_dict, independent of
+    the adapter's flat-fragment view; otherwise every tensor made full)."""
     from arraycheckpoint.adapters.torch.module import ModuleView
 
-    out = {}
     view = ModuleView(model)
     if view.fragments:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(model):
-            out.update(
-                {f"model/{k}": v.detach().clone().numpy() for k, v in ModuleView(model).tensors.items()}
-            )
-    else:
-        out.update({f"model/{k}": _full(v) for k, v in view.tensors.items()})
+        return torch_full_state(model, opt)
+    out = {f"model/{k}": _full(v) for k, v in view.tensors.items()}
     for group in opt.param_groups:
         for p in group["params"]:
             fqn = view.param_fqn[id(p)]
-            frag = view.fragment_of(p)
-            state = opt.state.get(p, {})
-            if frag is None:
-                out.update({f"optimizer/{fqn}/{k}": _full(v) for k, v in state.items()})
-                continue
-            for key in ("exp_avg", "exp_avg_sq", "step"):  # same collectives on every rank
-                out[f"optimizer/{fqn}/{key}"] = _gather_fragment(state.get(key), frag, key == "step")
+            out.update({f"optimizer/{fqn}/{k}": _full(v) for k, v in opt.state.get(p, {}).items()})
     return out
-
-
-def _gather_fragment(v, frag, scalar: bool) -> np.ndarray:
-    """Reassemble FSDP1 flat-fragment state across ranks (test-side only; ranks without a slice lack it)."""
-    import torch.distributed as dist
-
-    if scalar:
-        t = v.detach().clone().reshape(()) if v is not None else torch.tensor(0.0)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.numpy()
-    full = torch.zeros(int(np.prod(frag.shape)), dtype=torch.float32)
-    if v is not None:
-        full[frag.start : frag.stop] = v.detach().reshape(-1)
-    dist.all_reduce(full)
-    return full.reshape(frag.shape).numpy()
 
 
 def _wrap(kind: str, model, world):
