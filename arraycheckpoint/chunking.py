@@ -48,7 +48,7 @@ def tensor_chunk_shape(
     """The chunk grid of one tensor: ``files`` apportioned chunks (:func:`counted_chunk_shape`) or the aligned
     grid (:func:`choose_chunk_shape`). ``share``: the save's bytes per rank.
 
-    The apportioned grid is used when it gives ``files`` chunks and either nests in the saved regions (no
+    The apportioned grid is used when it gives about ``files`` chunks (within ``write_balance``) and either nests in the saved regions (no
     chunk straddles two), or the aligned grid's chunks straddle regions anyway, or an aligned chunk alone
     exceeds ``write_balance x share`` (no assignment could then keep the balance bound).
     """
@@ -56,10 +56,10 @@ def tensor_chunk_shape(
     if files is None or not shape:
         return aligned
     counted = counted_chunk_shape(shape, boxes, files)
-    if math.prod(-(-e // c) for e, c in zip(shape, counted)) != files:
-        return aligned
-    grid = aligned_grid(shape, boxes)
-    nests = lambda chunk: all(g % c == 0 for g, c in zip(grid, chunk))  # noqa: E731
+    if math.prod(-(-e // c) for e, c in zip(shape, counted)) * options.write_balance < files:
+        return aligned  # the shape cannot be cut into about that many chunks: they would be too large
+    edges = _interior_gcd(shape, boxes)  # a chunk grid nests in the regions when every edge lies on it
+    nests = lambda chunk: all(g % c == 0 for g, c in zip(edges, chunk))  # noqa: E731
     too_big = math.prod(aligned) * itemsize > options.write_balance * share
     return counted if nests(counted) or not nests(aligned) or too_big else aligned
 
@@ -87,15 +87,20 @@ def choose_chunk_shape(
 
 def aligned_grid(shape: tuple[int, ...], boxes: Sequence[Box]) -> list[int]:
     """Per dimension, the gcd of every interior region boundary (the full extent where there is none)."""
-    grid = []
+    return [g or max(extent, 1) for g, extent in zip(_interior_gcd(shape, boxes), shape)]
+
+
+def _interior_gcd(shape: tuple[int, ...], boxes: Sequence[Box]) -> list[int]:
+    """Per dimension, the gcd of every interior region boundary (0 where there is none)."""
+    out = []
     for d, extent in enumerate(shape):
         g = 0
         for b in boxes:
             for edge in (b.offsets[d], b.offsets[d] + b.lengths[d]):
                 if 0 < edge < extent:
                     g = math.gcd(g, edge)
-        grid.append(g or max(extent, 1))
-    return grid
+        out.append(g)
+    return out
 
 
 def split_chunk(chunk: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
@@ -161,10 +166,11 @@ def counted_chunk_shape(shape: tuple[int, ...], boxes: Sequence[Box], files: int
     for d, extent in enumerate(shape):
         if remaining <= 1 or extent <= 0:
             break
-        parts = min(remaining, extent)
-        rows = -(-extent // parts)
-        out[d] = _snap(rows, extent, aligned[d])
-        remaining = -(-remaining // -(-extent // out[d]))
+        if remaining <= extent:  # this dimension alone gives the count (or the most it can below it)
+            out[d] = _snap(-(-extent // remaining), extent, aligned[d])
+            break
+        out[d] = 1
+        remaining = -(-remaining // extent)
     return tuple(max(c, 1) for c in out)
 
 
