@@ -134,7 +134,9 @@ def chunk_counts(sizes: Iterable[int], world: int, options: _Sizes) -> dict[int,
         return None
     share = total // world
     # files per rank: few (each near the target size or larger), enough to keep files under the maximum
-    per_rank = max(min(share // options.min_chunk_bytes, FILES_PER_RANK), -(-share // options.max_chunk_bytes), 1)
+    per_rank = max(
+        min(share // options.min_chunk_bytes, FILES_PER_RANK), -(-share // options.max_chunk_bytes), 1
+    )
     seats = per_rank * world
 
     def count(d: int) -> int:

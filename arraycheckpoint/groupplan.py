@@ -239,8 +239,15 @@ def _analyse(
         nbytes.append(chunk.volume * itemsize)
         flags.append(not whole)
     return _Class(
-        unique, holders, (probe.chunk_shape, probe.inner_chunk_shape), chunks, candidates, pieces, uses,
-        nbytes, flags,
+        unique,
+        holders,
+        (probe.chunk_shape, probe.inner_chunk_shape),
+        chunks,
+        candidates,
+        pieces,
+        uses,
+        nbytes,
+        flags,
     )
 
 

@@ -215,7 +215,9 @@ def build_global_plan(
             pieces = [Piece(p, -1) for b, p in parts if p != chunk] if not full else [Piece(chunk, -1)]
             held = [(p.volume * d.itemsize, np.asarray(sorted(regions[b]))) for b, p in parts]
             cands, near = chunk_candidates(hostmap, np.asarray(full) if full else None, held)
-            chunk_list.append((chunk.volume * d.itemsize, name, index, chunk, pieces, (cands, near, not full)))
+            chunk_list.append(
+                (chunk.volume * d.itemsize, name, index, chunk, pieces, (cands, near, not full))
+            )
 
     picker = OwnerPicker(world, sum(sizes.values()), options.write_balance, options.straddle_writers)
     owner: dict[tuple[str, int], int] = {}

@@ -76,6 +76,8 @@ except ImportError:  # the planner before host maps (to measure it with this scr
 
     def fragment_source(hs, w, _h):  # type: ignore[no-redef]
         raise NotImplementedError("replicated fragments: the old planner's sources are not modelled")
+
+
 from arraycheckpoint.regions import Box
 from arraycheckpoint.rules import Mesh, chunk_bounds, digest, rule_boxes
 
@@ -454,11 +456,15 @@ def exchange_totals(plan, hostmap: HostMap) -> dict[str, int]:
     for name, d in plan.tensors.items():
         c = plan._classes[name]
         isz = numpy_dtype(d.layout.dtype).itemsize
-        if id(c) not in per_class:  # per chunk: piece bytes, the single holder (-1: replicated), replicated pieces
+        if (
+            id(c) not in per_class
+        ):  # per chunk: piece bytes, the single holder (-1: replicated), replicated pieces
             pb, single, multi = [], [], []
             for pieces in c.pieces:
                 pb.append(np.asarray([b.volume * isz for b, _ in pieces], dtype=np.int64))
-                single.append(np.asarray([c.holders[g][0] if len(c.holders[g]) == 1 else -1 for _, g in pieces]))
+                single.append(
+                    np.asarray([c.holders[g][0] if len(c.holders[g]) == 1 else -1 for _, g in pieces])
+                )
                 multi.append([i for i, (_, g) in enumerate(pieces) if len(c.holders[g]) > 1])
             per_class[id(c)] = (pb, single, multi)
         pb, single, multi = per_class[id(c)]

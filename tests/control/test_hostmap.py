@@ -42,8 +42,10 @@ def test_a_chunk_spanning_two_hosts_is_owned_on_the_host_holding_most_of_it():
         hosts = options.host_map(4)
         crossing = [t for rp in plan.ranks for t in rp.sends if hosts.host(t.src) != hosts.host(t.dst)]
         assert [t.src for t in crossing] == [3]
-        groups = [(Decl((), (TensorRule("w", (10, 4), "float32", 4, ("boxes", x[0].boxes)),)), [r])
-                  for r, x in enumerate(local)]
+        groups = [
+            (Decl((), (TensorRule("w", (10, 4), "float32", 4, ("boxes", x[0].boxes)),)), [r])
+            for r, x in enumerate(local)
+        ]
         compact = build_compact_plan(groups, 4, options)
         assert compact.tensors["w"].writers == plan.tensors["w"].writers
         for r in range(4):
@@ -96,8 +98,9 @@ def test_write_balance_at_2048_simulated_ranks(layout):
     mean; per-tensor grids gave 1.2-1.6), files stay bounded by bytes, and the plan is deterministic."""
     world = 2048
     groups, total = _scale(layout, world)
-    opts = PlanOptions(min_chunk_bytes=100_000, max_chunk_bytes=400_000, inner_chunk_bytes=1 << 14,
-                       ranks_per_host=8)
+    opts = PlanOptions(
+        min_chunk_bytes=100_000, max_chunk_bytes=400_000, inner_chunk_bytes=1 << 14, ranks_per_host=8
+    )
     plan = build_compact_plan(groups, world, opts)
     load = np.zeros(world)
     files = 0
