@@ -7,7 +7,6 @@ hand the result to the engine. ``save`` is ``save_async(...).result()``: one cod
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import sys
 from collections.abc import Callable, Mapping

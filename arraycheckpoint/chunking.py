@@ -27,7 +27,6 @@ from typing import Protocol
 
 from .regions import Box
 
-
 FILES_PER_RANK = 2  # apportioned files per rank when the target size allows more: pairs balance well
 
 

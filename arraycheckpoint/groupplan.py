@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PlanError
 from .chunking import chunk_counts
+from .errors import PlanError
 from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
 from .plan import (
     ArrayLayout,
