@@ -6,6 +6,7 @@ hand the result to the engine. ``save`` is ``save_async(...).result()``: one cod
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -137,7 +138,7 @@ def save_async(
     request.topology = {"world_size": comm.world_size, "framework": framework, **request.topology}
     plan = plan_options or PlanOptions()
     if compression is not None:
-        plan = PlanOptions(plan.min_chunk_bytes, plan.max_chunk_bytes, plan.inner_chunk_bytes, compression)
+        plan = dataclasses.replace(plan, compression=compression)
     options = SaveOptions(
         overwrite=overwrite,
         plan=plan,

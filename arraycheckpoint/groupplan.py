@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from .chunking import chunk_counts
 from .errors import PlanError
+from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
 from .plan import (
     ArrayLayout,
     ChunkWrite,
@@ -35,7 +37,6 @@ from .plan import (
     Transfer,
     _layout,
     _validate_cover,
-    designated_source,
 )
 from .regions import Box, chunk_boxes, intersect
 from .rules import Mesh, check_rule, mesh_regions, range_regions
@@ -121,6 +122,7 @@ class CompactPlan:
     tensors: dict[str, TensorDecision]
     plan_id: str
     exchange: bool = False  # whether any fragment travels (then every rank enters the exchange)
+    hostmap: HostMap | None = field(default=None, repr=False)
     _classes: dict[str, _Class] = field(default_factory=dict, repr=False)
     _index: dict[str, list[tuple[Decl, TensorRule]]] = field(default_factory=dict, repr=False)
 
@@ -146,12 +148,21 @@ class _Class:
     holders: list[list[int]]  # sorted ranks per region
     layout_shape: tuple[tuple[int, ...], tuple[int, ...]]  # chunk, inner
     chunks: list[Box]
-    candidates: list[np.ndarray]  # ranks holding part of the chunk (sorted)
+    candidates: list[tuple[np.ndarray, np.ndarray]]  # per chunk: owner candidates (owners.chunk_candidates)
     pieces: list[list[tuple[Box, int]]]  # per chunk: (piece box, region index)
-    by_source: dict[int, list[tuple[int, int]]]  # rank -> (chunk index, piece index) it may have to send
+    uses: list[list[tuple[int, int]]]  # per region: (chunk index, piece index) of the pieces it supplies
     nbytes: list[int]
-    partial: list[int]  # chunks no single region holds entirely (their pieces may travel)
-    is_partial: list[bool] = field(default_factory=list)
+    is_partial: list[bool]  # no single region holds the chunk entirely
+    _held: dict[int, list[int]] | None = None  # rank -> regions it holds (built on first use)
+
+    def held_by(self, rank: int) -> list[int]:
+        """Indices of the regions ``rank`` holds."""
+        if self._held is None:
+            self._held = defaultdict(list)
+            for i, hs in enumerate(self.holders):
+                for r in hs:
+                    self._held[r].append(i)
+        return self._held.get(rank, [])
 
 
 def _regions_of(name: str, contribs: list[tuple[Decl, tuple[int, ...], TensorRule]]) -> dict[Box, list[int]]:
@@ -181,16 +192,27 @@ def _regions_of(name: str, contribs: list[tuple[Decl, tuple[int, ...], TensorRul
     return regions
 
 
-def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regions, options) -> _Class:
+def _analyse(
+    shape: tuple[int, ...],
+    itemsize: int,
+    dtype: str,
+    name: str,
+    regions: dict[Box, list[int]],
+    options: PlanOptions,
+    files: int | None,
+    share: int,
+    hostmap: HostMap,
+) -> _Class:
     unique = sorted(regions)
     _validate_cover(name, shape, unique)
     holders = [sorted(regions[b]) for b in unique]
     held = [np.asarray(h, dtype=np.int64) for h in holders]  # shared by every chunk a region holds fully
-    probe = _layout(_DeclView(name, shape, dtype, itemsize), unique, options)
+    probe = _layout(_DeclView(name, shape, dtype, itemsize), unique, options, files, share)
     starts = [b.offsets[0] for b in unique] if shape else []
     longest = max((b.lengths[0] for b in unique), default=0) if shape else 0
-    chunks, candidates, pieces, nbytes, partial = [], [], [], [], []
-    by_src: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    chunks, candidates, pieces, nbytes, flags = [], [], [], [], []
+    uses: list[list[tuple[int, int]]] = [[] for _ in unique]
+    whole_cands: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per region holding whole chunks
     for ci, chunk in enumerate(chunk_boxes(shape, probe.chunk_shape)):
         if shape:
             lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.lengths[0]
@@ -203,21 +225,19 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
         whole = [i for i, p in parts if p == chunk]  # at most one: identical regions were merged
         if whole:
             chunk_pieces = [(chunk, whole[0])]
-            cands = held[whole[0]]
+            if whole[0] not in whole_cands:
+                whole_cands[whole[0]] = chunk_candidates(hostmap, held[whole[0]], ())
+            cands = whole_cands[whole[0]]
         else:
             chunk_pieces = [(p, i) for i, p in parts]
-            cands = np.asarray(sorted({r for i, _ in parts for r in holders[i]}), dtype=np.int64)
-            partial.append(ci)
-        if not whole:  # a chunk one region holds entirely is written by one of its holders: nothing to send
-            for pi, (_p, region) in enumerate(chunk_pieces):
-                by_src[designated_source(holders[region], region)].append((ci, pi))
+            cands = chunk_candidates(hostmap, None, [(p.volume * itemsize, held[i]) for i, p in parts])
+        for pi, (_p, region) in enumerate(chunk_pieces):
+            uses[region].append((ci, pi))
         chunks.append(chunk)
         candidates.append(cands)
         pieces.append(chunk_pieces)
         nbytes.append(chunk.volume * itemsize)
-    flags = [False] * len(chunks)
-    for ci in partial:
-        flags[ci] = True
+        flags.append(not whole)
     return _Class(
         unique,
         holders,
@@ -225,9 +245,8 @@ def _analyse(shape: tuple[int, ...], itemsize: int, dtype: str, name: str, regio
         chunks,
         candidates,
         pieces,
-        dict(by_src),
+        uses,
         nbytes,
-        partial,
         flags,
     )
 
@@ -263,6 +282,10 @@ def build_compact_plan(
                 )
             contribs[t.name].append((decl, ranks, t))
 
+    hostmap = options.host_map(world)
+    sizes = {n: math.prod(t.shape) * t.itemsize for n, t in first.items()}
+    counts = chunk_counts(sizes.values(), world, options)
+    share = sum(sizes.values()) // max(world, 1)
     classes: dict[str, _Class] = {}
     cache: dict[Any, _Class] = {}
     for name in sorted(contribs):
@@ -271,30 +294,24 @@ def build_compact_plan(
         key = (t.shape, t.itemsize, t.dtype, tuple((id(d), r, x.rule) for d, r, x in contribs[name]))
         c = cache.get(key)
         if c is None:
+            files = counts.get(sizes[name]) if counts else None
+            regions = _regions_of(name, contribs[name])
             c = cache[key] = _analyse(
-                t.shape, t.itemsize, t.dtype, name, _regions_of(name, contribs[name]), options
+                t.shape, t.itemsize, t.dtype, name, regions, options, files, share, hostmap
             )
         classes[name] = c
 
-    # worst fit over every chunk of every tensor: largest first, ties by (name, index), to the least-loaded
-    # candidate, ties to the lowest rank (np.argmin returns the first minimum of sorted candidates)
+    # worst fit over every chunk of every tensor: largest first, ties by (name, index) (arraycheckpoint.owners)
     names = sorted(classes)
     order = sorted(
         ((-nb, name, ci) for name in names for ci, nb in enumerate(classes[name].nbytes)),
     )
-    load = np.zeros(world, dtype=np.int64)
+    picker = OwnerPicker(world, sum(sizes.values()), options.write_balance, options.straddle_writers)
     writers: dict[str, np.ndarray] = {n: np.empty(len(classes[n].chunks), dtype=np.int64) for n in names}
-    mode = options.straddle_writers
     for neg, name, ci in order:
         c = classes[name]
-        cands = c.candidates[ci]
-        r = int(cands[np.argmin(load[cands])]) if len(cands) > 1 else int(cands[0])
-        if mode != "holders" and c.is_partial[ci]:
-            least = int(np.argmin(load))  # the first minimum: ties to the lowest rank
-            if mode == "any" or load[r] - load[least] > -neg:
-                r = least
-        writers[name][ci] = r
-        load[r] -= neg
+        cands, near = c.candidates[ci]
+        writers[name][ci] = picker.pick(-neg, cands, near, c.is_partial[ci])
 
     files = [0] * world
     tensors: dict[str, TensorDecision] = {}
@@ -320,7 +337,7 @@ def build_compact_plan(
         h.update(writers[name].tobytes())
         h.update(class_digest[id(c)])
     exchange = any(_any_transfer(classes[n], writers[n]) for n in names)
-    plan = CompactPlan(world, groups, tensors, h.hexdigest()[:16], exchange)
+    plan = CompactPlan(world, groups, tensors, h.hexdigest()[:16], exchange, hostmap)
     plan._classes = classes
     return plan
 
@@ -331,6 +348,7 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     mine: set[str] = set()
+    hostmap = plan.hostmap or HostMap(plan.world)
     for name in sorted(plan.tensors):
         d = plan.tensors[name]
         c = plan._classes[name]
@@ -341,17 +359,21 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
             resolved = []
             for box, region in c.pieces[ci]:
                 hs = c.holders[region]
-                src = rank if _holds(hs, rank) else designated_source(hs, region)
+                src = rank if _holds(hs, rank) else fragment_source(hs, rank, hostmap)
                 resolved.append(Piece(box, src))
                 if src != rank:
                     recvs.append(Transfer(name, box, src, rank))
             writes.append(ChunkWrite(name, c.chunks[ci], tuple(resolved)))
             mine.add(name)
-        for ci, pi in c.by_source.get(rank, ()):
-            w = int(ws[ci])
-            box, region = c.pieces[ci][pi]
-            if w != rank and not _holds(c.holders[region], w):
-                sends.append(Transfer(name, box, rank, w))
+        outgoing = []
+        for region in c.held_by(rank):
+            hs = c.holders[region]
+            for ci, pi in c.uses[region]:
+                w = int(ws[ci])
+                if w != rank and not _holds(hs, w) and fragment_source(hs, w, hostmap) == rank:
+                    outgoing.append((ci, pi, w))
+        for ci, pi, w in sorted(outgoing):  # chunk order, as the reference planner lists them
+            sends.append(Transfer(name, c.pieces[ci][pi][0], rank, w))
     layouts = tuple(plan.tensors[n].layout for n in sorted(mine))
     return RankPlan(
         rank=rank,
@@ -371,7 +393,7 @@ def _holds(sorted_ranks: list[int], rank: int) -> bool:
 
 
 def _any_transfer(c: _Class, ws: np.ndarray) -> bool:
-    for ci in c.partial:  # a chunk one region holds entirely is written by one of its holders
+    for ci in range(len(c.chunks)):  # a chunk held entirely travels too when balance moved it off its holders
         w = int(ws[ci])
         for _box, region in c.pieces[ci]:
             if not _holds(c.holders[region], w):

@@ -8,12 +8,14 @@ Steps, per tensor:
 
 1. check that every rank agrees on global shape and dtype;
 2. deduplicate identical regions (replicas) and validate the rest: in bounds, no partial overlap, full coverage;
-3. pick a regular chunk grid aligned to the saved region boundaries (coarsened when that grid would make
-   tiny files, split when files would be huge); one chunk is one stored file;
-4. assign one writer per chunk by worst fit on bytes (largest chunk first, to the least-loaded rank among
-   those that hold it entirely, else among those holding part of it);
+3. pick a regular chunk grid (:mod:`arraycheckpoint.chunking`): aligned to the saved region boundaries for a
+   save too small for its world, else sized for the whole save so that every rank writes about as many
+   bytes; one chunk is one stored file;
+4. assign one writer per chunk by worst fit on bytes (largest chunk first), preferring a holder on the host
+   that holds most of the chunk, within a write-balance bound (:mod:`arraycheckpoint.owners`: the cost model);
 5. where the writer lacks part of its chunk (irregular shards straddling chunk boundaries), plan a transfer
-   of the missing fragment from a holder: the engine ships all of them in one batched exchange.
+   of the missing fragment from a holder, on the writer's host where one is: the engine ships all of them in
+   one batched exchange.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from .chunking import choose_chunk_shape, chunk_counts, split_chunk, tensor_chunk_shape
 from .errors import PlanError
+from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
 from .regions import Box, chunk_boxes, intersect
+
+__all__ = ["choose_chunk_shape", "split_chunk"]  # re-exported (their home is arraycheckpoint.chunking)
 
 
 @dataclass(frozen=True)
@@ -53,11 +61,24 @@ class PlanOptions:
     max_chunk_bytes: int = 64 << 20
     inner_chunk_bytes: int = 1 << 20
     compression: str | None = None
-    # who writes a chunk that no single rank holds entirely (its pieces travel to the writer anyway):
-    # "balanced": its least-loaded holder, unless that rank is loaded more than the chunk's bytes above the
-    # least-loaded rank of the world, which then writes it (locality while it is free, balance at scale);
-    # "holders": only ranks holding part of it; "any": the least-loaded rank of the world
+    # who writes a chunk (arraycheckpoint.owners): "balanced": its least-loaded holder on the hosts holding
+    # most of it, unless that would load it above ``write_balance`` x the mean, then a rank of those hosts
+    # with room, else the least-loaded rank of the world (locality while it is free, balance at scale);
+    # "holders": only holders on those hosts; "any": a chunk no rank holds entirely goes to the least-loaded
+    # rank of the world
     straddle_writers: str = "balanced"
+    # the host of every rank, for the owner choice and the fragment sources (arraycheckpoint.owners):
+    # contiguous blocks of ``ranks_per_host`` ranks (torchrun's LOCAL_WORLD_SIZE; 0: unknown, which a save
+    # fills from the environment when every rank agrees), or ``host_of[rank]`` for irregular placements;
+    # with neither, every rank is its own host
+    ranks_per_host: int = 0
+    host_of: tuple[int, ...] = ()
+    # a rank's written bytes may exceed the mean by this factor before chunks go to a less-loaded rank
+    write_balance: float = 1.05
+
+    def host_map(self, world: int) -> HostMap:
+        """The :class:`~arraycheckpoint.owners.HostMap` these options describe for ``world`` ranks."""
+        return HostMap(world, self.ranks_per_host, self.host_of)
 
 
 @dataclass(frozen=True)
@@ -172,15 +193,19 @@ def build_global_plan(
                     holders[d.name][box].append(rank)
 
     # Chunks of every tensor, to be balanced together.
+    hostmap = options.host_map(world)
+    sizes = {n: math.prod(d.shape) * d.itemsize for n, d in decls.items()}
+    counts = chunk_counts(sizes.values(), world, options)
+    share = sum(sizes.values()) // max(world, 1)
     layouts: dict[str, ArrayLayout] = {}
-    chunk_list: list[tuple[int, str, int, Box, list[Piece], tuple[list[int], bool]]] = []
+    chunk_list: list[tuple[int, str, int, Box, list[Piece], tuple[np.ndarray, np.ndarray, bool]]] = []
     regions_of: dict[str, tuple[tuple[Box, int], ...]] = {}
     for name in sorted(decls):
         d = decls[name]
         regions = holders[name]
         unique = sorted(regions)
         _validate_cover(name, d.shape, unique)
-        layout = _layout(d, unique, options)
+        layout = _layout(d, unique, options, counts and counts.get(sizes[name]), share)
         layouts[name] = layout
         regions_of[name] = tuple((b, min(regions[b])) for b in unique)
         for index, chunk in enumerate(chunk_boxes(d.shape, layout.chunk_shape)):
@@ -188,23 +213,18 @@ def build_global_plan(
             parts = [(b, p) for b, p in parts if p is not None]
             full = sorted({r for b, p in parts if p == chunk for r in regions[b]})
             pieces = [Piece(p, -1) for b, p in parts if p != chunk] if not full else [Piece(chunk, -1)]
-            held_by = full or sorted({r for b, _ in parts for r in regions[b]})
-            # candidates, and whether the whole world may take the chunk when its holders are busy
-            candidates = (held_by, not full and options.straddle_writers != "holders")
-            chunk_list.append((chunk.volume * d.itemsize, name, index, chunk, pieces, candidates))
+            held = [(p.volume * d.itemsize, np.asarray(sorted(regions[b]))) for b, p in parts]
+            cands, near = chunk_candidates(hostmap, np.asarray(full) if full else None, held)
+            chunk_list.append(
+                (chunk.volume * d.itemsize, name, index, chunk, pieces, (cands, near, not full))
+            )
 
-    load = [0] * world
+    picker = OwnerPicker(world, sum(sizes.values()), options.write_balance, options.straddle_writers)
     owner: dict[tuple[str, int], int] = {}
-    for nbytes, name, index, _c, _p, (held_by, open_) in sorted(
+    for nbytes, name, index, _c, _p, (cands, near, partial) in sorted(
         chunk_list, key=lambda c: (-c[0], c[1], c[2])
     ):
-        rank = min(held_by, key=lambda r: (load[r], r))
-        if open_:
-            least = min(range(world), key=lambda r: (load[r], r))
-            if options.straddle_writers == "any" or load[rank] - load[least] > nbytes:
-                rank = least
-        owner[(name, index)] = rank
-        load[rank] += nbytes
+        owner[(name, index)] = picker.pick(nbytes, cands, near, partial)
 
     ordered = {name: [(b, sorted(holders[name][b])) for b in sorted(holders[name])] for name in decls}
     writes: dict[int, list[ChunkWrite]] = defaultdict(list)
@@ -215,7 +235,7 @@ def build_global_plan(
         writers[name].append(dst)
         resolved = []
         for piece in pieces:
-            src = _source(ordered[name], piece.box, dst)
+            src = _source(ordered[name], piece.box, dst, hostmap)
             resolved.append(Piece(piece.box, src))
             if src != dst:
                 transfers.append(Transfer(name, piece.box, src, dst))
@@ -262,25 +282,14 @@ def _candidates(boxes: Sequence[Box], chunk: Box) -> list[Box]:
     return [b for b in boxes if b.offsets[0] < hi and b.offsets[0] + b.lengths[0] > lo]
 
 
-def _source(regions: list[tuple[Box, list[int]]], piece: Box, prefer: int) -> int:
-    """The rank that supplies ``piece``: the writer itself when it holds it, else the region's designated
-    source (:func:`designated_source`: replicas take turns, region by region). ``regions``: the tensor's
+def _source(regions: list[tuple[Box, list[int]]], piece: Box, writer: int, hostmap: HostMap) -> int:
+    """The rank that supplies ``piece``: the writer itself when it holds it, else
+    :func:`~arraycheckpoint.owners.fragment_source` of the region holding it. ``regions``: the tensor's
     distinct regions sorted by offset, each with its sorted holders."""
-    for index, (box, ranks) in enumerate(regions):
+    for box, ranks in regions:
         if box.contains(piece):
-            return prefer if prefer in ranks else designated_source(ranks, index)
+            return writer if writer in ranks else fragment_source(ranks, writer, hostmap)
     raise PlanError(f"no rank holds region {piece}")  # unreachable after validation
-
-
-def designated_source(sorted_holders: Sequence[int], region_index: int) -> int:
-    """The holder that sends a region's fragments to writers that do not hold it: holder ``region_index mod
-    len(holders)`` of the tensor's ``region_index``-th distinct region (regions sorted by offset).
-
-    Replicated regions (DP replicas of an FSDP or Megatron shard, JAX devices of several processes) are then
-    sent by every replica in turn instead of all by the first one: at 10,000 simulated JAX processes the
-    lowest replica otherwise sent 9.8 GB of one save's fragments.
-    """
-    return sorted_holders[region_index % len(sorted_holders)]
 
 
 def _validate_cover(name: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> None:
@@ -303,53 +312,13 @@ def _validate_cover(name: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> 
         )
 
 
-def _layout(d: TensorDecl, boxes: Sequence[Box], options: PlanOptions) -> ArrayLayout:
-    chunk = choose_chunk_shape(d.shape, d.itemsize, boxes, options)
+def _layout(
+    d: TensorDecl, boxes: Sequence[Box], options: PlanOptions, files: int | None = None, share: int = 0
+) -> ArrayLayout:
+    """The stored layout of ``d`` (:func:`~arraycheckpoint.chunking.tensor_chunk_shape`)."""
+    chunk = tensor_chunk_shape(d.shape, d.itemsize, boxes, options, files, share)
     inner = split_chunk(chunk, d.itemsize, options.inner_chunk_bytes)
     return ArrayLayout(d.name, d.shape, d.dtype, chunk, inner, options.compression)
-
-
-def choose_chunk_shape(
-    shape: tuple[int, ...], itemsize: int, boxes: Sequence[Box], options: PlanOptions
-) -> tuple[int, ...]:
-    """A regular chunk grid aligned with the boundaries of ``boxes`` where that keeps files reasonably sized.
-
-    The finest aligned grid is the gcd of all interior region boundaries per dimension. It is coarsened
-    (innermost dims first, up to the full extent) while a chunk is below ``min_chunk_bytes``, then split by
-    divisors (outermost dims first, so alignment is kept) while above ``max_chunk_bytes``.
-    """
-    if not shape:
-        return ()
-    grid = []
-    for d, extent in enumerate(shape):
-        g = 0
-        for b in boxes:
-            for edge in (b.offsets[d], b.offsets[d] + b.lengths[d]):
-                if 0 < edge < extent:
-                    g = math.gcd(g, edge)
-        grid.append(g or max(extent, 1))
-    nbytes = lambda c: math.prod(c) * itemsize  # noqa: E731
-    for d in reversed(range(len(grid))):
-        if nbytes(grid) >= options.min_chunk_bytes:
-            break
-        factor = math.ceil(options.min_chunk_bytes / nbytes(grid))
-        grid[d] = min(max(shape[d], 1), grid[d] * factor)
-    return split_chunk(tuple(grid), itemsize, options.max_chunk_bytes)
-
-
-def split_chunk(chunk: tuple[int, ...], itemsize: int, limit: int) -> tuple[int, ...]:
-    """Shrink ``chunk`` by integer divisors (outermost dim first) until it holds at most ``limit`` bytes.
-
-    Dividing keeps every old grid line on the new grid, and the result always divides ``chunk``.
-    """
-    out = list(chunk)
-    for d in range(len(out)):
-        size = math.prod(out) * itemsize
-        if size <= limit:
-            break
-        need = math.ceil(size / limit)
-        out[d] = out[d] // next((k for k in range(need, out[d] + 1) if out[d] % k == 0), out[d])
-    return tuple(max(c, 1) for c in out)
 
 
 def assign_shared_reads(

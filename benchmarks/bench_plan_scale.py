@@ -33,6 +33,7 @@ rank's per-rank JSON document travels in its commit status and lands in the meta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import resource
@@ -58,6 +59,25 @@ from arraycheckpoint.items import SaveObject, SaveRequest, SaveShard, SaveTensor
 from arraycheckpoint.metadata import CheckpointMetadata
 from arraycheckpoint.monitoring import PhaseRecorder
 from arraycheckpoint.plan import PlanOptions
+
+try:
+    from arraycheckpoint.owners import HostMap, fragment_source
+except ImportError:  # the planner before host maps (to measure it with this script)
+
+    class HostMap:  # type: ignore[no-redef]
+        def __init__(self, world: int, per_host: int = 1) -> None:
+            self.block = max(1, per_host)
+
+        def host(self, r: int) -> int:
+            return r // self.block
+
+        def hosts(self, rs: np.ndarray) -> np.ndarray:
+            return rs // self.block
+
+    def fragment_source(hs, w, _h):  # type: ignore[no-redef]
+        raise NotImplementedError("replicated fragments: the old planner's sources are not modelled")
+
+
 from arraycheckpoint.regions import Box
 from arraycheckpoint.rules import Mesh, chunk_bounds, digest, rule_boxes
 
@@ -300,9 +320,9 @@ def run(
     send = np.zeros(world, dtype=np.int64)
     recv = np.zeros(world, dtype=np.int64)
     t0 = time.process_time()
-    # agreement: one all-reduce of seven int64 (payload counted once each way per rank)
-    send += 56
-    recv += 56
+    # agreement: one all-reduce of nine int64 (payload counted once each way per rank)
+    send += 72
+    recv += 72
     group_of_rank = np.zeros(world, dtype=np.int64)
     for g, (_d, rs) in enumerate(groups):
         group_of_rank[rs] = g
@@ -345,6 +365,7 @@ def run(
     recv[0] += int(obj_bytes.sum())
     recv[1:] += 16
     # each rank's own work list and fragment traffic (a sample of ranks; every rank at small worlds)
+    hostmap = HostMap(world, per_host)  # the real host map (the planner's, when --host-map is on)
     rng = random.Random(0)
     picks = sorted(
         set(range(world)) if world <= sample else {0, world - 1, *rng.sample(range(world), sample)}
@@ -358,7 +379,7 @@ def run(
         derive.append(time.process_time() - t)
         frag_out = max(frag_out, sum(x.box.volume * isz[x.name] for x in rp.sends))
         frag_in = max(frag_in, sum(x.box.volume * isz[x.name] for x in rp.recvs))
-        far = [x for x in rp.recvs if x.src // per_host != r // per_host]
+        far = [x for x in rp.recvs if hostmap.host(x.src) != hostmap.host(r)]
         cross_in = max(cross_in, sum(x.box.volume * isz[x.name] for x in far))
     t2 = time.process_time()
     request = SaveRequest(rank0_tensors, [SaveObject("extra_state", {"step": 1})], framework=layout, step=1)
@@ -382,6 +403,7 @@ def run(
         minlength=world,
     )
     extra_names = [n for n in plan.tensors if n.startswith("extra_state/")]
+    ex = exchange_totals(plan, hostmap)
     return {
         "layout": layout,
         "perrank": perrank,
@@ -404,12 +426,69 @@ def run(
         "metadata_bytes": len(text),
         "metadata_parse_s": round(parse_s, 3),
         "files": files,
+        "files_per_tb": round(files * 1e12 / total),
         "write_balance_max_over_mean": round(float(per_rank.max() / per_rank.mean()), 3),
+        "exchange_bytes_total": ex["total"],
+        "exchange_recv_bytes_max": ex["recv_max"],
+        "exchange_send_bytes_max": ex["send_max"],
+        "cross_host_bytes_total": ex["cross_total"],
+        "cross_host_recv_bytes_max": ex["cross_recv_max"],
+        "cross_host_send_bytes_max": ex["cross_send_max"],
         "fragment_send_bytes_max_sampled": int(frag_out),
         "fragment_recv_bytes_max_sampled": int(frag_in),
         "cross_host_recv_bytes_max_sampled": int(cross_in),
         "sampled_ranks": len(picks),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def exchange_totals(plan, hostmap: HostMap) -> dict[str, int]:
+    """Every rank's fragment traffic of ``plan`` (bytes received and sent, all and crossing hosts), computed
+    from the compact plan per chunk (what ``rank_plan`` would list for every rank, without deriving 10,000
+    work lists). ``hostmap``: where ranks are, whatever the planner was told."""
+    world = plan.world
+    recv = np.zeros(world, dtype=np.int64)
+    send = np.zeros(world, dtype=np.int64)
+    crecv = np.zeros(world, dtype=np.int64)
+    csend = np.zeros(world, dtype=np.int64)
+    planned = getattr(plan, "hostmap", None) or HostMap(world)
+    per_class: dict[int, tuple[list[np.ndarray], list[np.ndarray], list[list[int]]]] = {}
+    for name, d in plan.tensors.items():
+        c = plan._classes[name]
+        isz = numpy_dtype(d.layout.dtype).itemsize
+        if (
+            id(c) not in per_class
+        ):  # per chunk: piece bytes, the single holder (-1: replicated), replicated pieces
+            pb, single, multi = [], [], []
+            for pieces in c.pieces:
+                pb.append(np.asarray([b.volume * isz for b, _ in pieces], dtype=np.int64))
+                single.append(
+                    np.asarray([c.holders[g][0] if len(c.holders[g]) == 1 else -1 for _, g in pieces])
+                )
+                multi.append([i for i, (_, g) in enumerate(pieces) if len(c.holders[g]) > 1])
+            per_class[id(c)] = (pb, single, multi)
+        pb, single, multi = per_class[id(c)]
+        for ci, w in enumerate(d.writers):
+            src = single[ci].copy()
+            for i in multi[ci]:
+                hs = c.holders[c.pieces[ci][i][1]]
+                src[i] = w if w in hs else fragment_source(hs, w, planned)
+            moved = src != w
+            if not moved.any():
+                continue
+            srcs, nbytes = src[moved], pb[ci][moved]
+            recv[w] += nbytes.sum()
+            np.add.at(send, srcs, nbytes)
+            far = hostmap.hosts(srcs) != hostmap.host(w)
+            crecv[w] += nbytes[far].sum()
+            np.add.at(csend, srcs[far], nbytes[far])
+    return {
+        "total": int(recv.sum()),
+        "recv_max": int(recv.max()),
+        "send_max": int(send.max()),
+        "cross_total": int(crecv.sum()),
+        "cross_recv_max": int(crecv.max()),
+        "cross_send_max": int(csend.max()),
     }
 
 
@@ -419,7 +498,10 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--layout", choices=["fsdp2", "megatron", "ddp", "fsdp1", "jax"], default="fsdp2")
     ap.add_argument("--min-chunk-mib", type=float, default=16.0, help="PlanOptions.min_chunk_bytes in MiB")
-    ap.add_argument("--ranks-per-host", type=int, default=8, help="for the cross-host byte count")
+    ap.add_argument("--ranks-per-host", type=int, default=8, help="hosts are blocks of this many ranks")
+    ap.add_argument(
+        "--no-host-map", action="store_true", help="plan without the host map (hosts still counted)"
+    )
     ap.add_argument("--max-chunk-mib", type=float, default=64.0, help="PlanOptions.max_chunk_bytes in MiB")
     ap.add_argument("--sample", type=int, default=64, help="ranks whose work lists are derived and timed")
     ap.add_argument(
@@ -433,6 +515,8 @@ def main() -> None:
     opts = PlanOptions(
         min_chunk_bytes=int(a.min_chunk_mib * (1 << 20)), max_chunk_bytes=int(a.max_chunk_mib * (1 << 20))
     )
+    if not a.no_host_map and "ranks_per_host" in PlanOptions.__dataclass_fields__:
+        opts = dataclasses.replace(opts, ranks_per_host=a.ranks_per_host)
     out = run(a.ranks, a.tensors, a.layout, opts, a.sample, a.ranks_per_host, a.perrank)
     if a.json:
         print(json.dumps(out))

@@ -1,9 +1,12 @@
-"""Helpers the save and load pipelines share: tensorstore specs, error translation, sidecar files."""
+"""Helpers the save and load pipelines share: tensorstore specs, error translation, sidecar files, the host
+layout from the launcher's environment."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import traceback
 from typing import Any
 
@@ -11,6 +14,7 @@ import numpy as np
 
 from ..codecs import array_metadata, numpy_dtype
 from ..errors import CorruptCheckpointError, StorageError
+from ..plan import PlanOptions
 from ..regions import Box
 from ..storage import Storage
 
@@ -83,3 +87,23 @@ def describe(e: BaseException, rank: int) -> str:
     tb = traceback.extract_tb(e.__traceback__)
     where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
     return f"rank {rank}: {type(e).__name__}: {e}{where}"
+
+
+def local_ranks_per_host(rank: int, world: int) -> int:
+    """Ranks per host from the launcher's environment (torchrun's ``LOCAL_WORLD_SIZE``), 0 when unknown or when
+    this rank's ``LOCAL_RANK`` does not place hosts as contiguous blocks of that many ranks."""
+    try:
+        size = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank % size) if size > 0 else "-1"))
+    except ValueError:
+        return 0
+    if size < 1 or world % size or local != rank % size:
+        return 0
+    return size
+
+
+def plan_options(options: PlanOptions, ranks_per_host: int) -> PlanOptions:
+    """``options`` with the agreed host map filled in (options that name their own host map keep it)."""
+    if options.ranks_per_host or options.host_of or ranks_per_host < 1:
+        return options
+    return dataclasses.replace(options, ranks_per_host=ranks_per_host)

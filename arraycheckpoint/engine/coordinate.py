@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import zlib
 from collections import defaultdict
 from typing import Any
@@ -49,7 +50,7 @@ from ..metadata import (
 )
 from ..regions import Box
 from ..rules import Mesh, digest, encode_ranks, rule_boxes
-from .common import describe, write_sidecar
+from .common import describe, local_ranks_per_host, plan_options, write_sidecar
 from .job import CachedPlan, SaveJob, SaveOptions
 
 log = logging.getLogger("arraycheckpoint")
@@ -68,20 +69,31 @@ class Coordinator:
         """The one collective before the snapshot: do all ranks reuse the same cached plan, do all ranks hold
         identical declarations (then each plans alone), did any rank fail to declare?
 
-        A fixed-size all-reduce: ``[ok, d, -d, c, -c, s, -s]`` where ``d`` is the declaration digest, ``c`` the
+        A fixed-size all-reduce: ``[ok, d, -d, c, -c, s, -s, h, -h]`` where ``d`` is the declaration digest, ``c`` the
         cached plan's id (-1 without one) and ``s`` the digest of the stacked per-rank slots (when it differs,
         ``job.unstack``: every rank saves per-rank arrays instead and the declarations are gathered; a cached
         plan agreed on with ``s`` differing was planned for those per-rank arrays, since a rank's cache key
         covers its stacked shapes). Every rank reaches the same decision, so the collectives that follow are
-        the same on every rank: a structure change on one rank replans everywhere, never hangs.
+        the same on every rank: a structure change on one rank replans everywhere, never hangs. ``h`` is this
+        rank's ranks-per-host (:func:`local_ranks_per_host`, 0 when unknown): the plan uses it as the host map
+        only when every rank reports the same value, else no host map on every rank (logged).
         """
         cached = self._plans.get(job.key) if job.decl is not None else None
         d = _as_int(job.decl_digest) if job.decl is not None else 0
         c = cached.plan_hash if cached is not None else -1
         s = _as_int(job.stack_digest)
-        ok, dmin, dmax_neg, cmin, cmax_neg, smin, smax_neg = job.comm.all_reduce_min(
-            [int(job.decl is not None), d, -d, c, -c, s, -s]
+        h = local_ranks_per_host(job.comm.rank, job.comm.world_size)
+        ok, dmin, dmax_neg, cmin, cmax_neg, smin, smax_neg, hmin, hmax_neg = job.comm.all_reduce_min(
+            [int(job.decl is not None), d, -d, c, -c, s, -s, h, -h]
         )
+        job.ranks_per_host = hmin if hmin == -hmax_neg else 0
+        if hmin != -hmax_neg and job.comm.rank == 0:
+            log.warning(
+                "ranks disagree on LOCAL_WORLD_SIZE (from %d to %d, 0: unset or not contiguous): planning "
+                "without a host map",
+                hmin,
+                -hmax_neg,
+            )
         # stacked per-rank arrays (arraycheckpoint.perrank) need every rank's rows alike; else all fall back
         job.unstack = bool(ok) and smin != -smax_neg
         if not ok:
@@ -107,7 +119,7 @@ class Coordinator:
                 groups = [(job.decl, tuple(range(world)))]
             else:
                 groups, rec["bytes"] = _gather_declarations(job)
-            compact = build_compact_plan(groups, world, job.options.plan)
+            compact = build_compact_plan(groups, world, plan_options(job.options.plan, job.ranks_per_host))
             rank_plan = rank_plan_of(compact, comm.rank)
         cached = CachedPlan(rank_plan, compact, _as_int(bytes.fromhex(compact.plan_id)))
         job.cached = cached
@@ -293,7 +305,8 @@ def _rule_args(rule: tuple[Any, ...]) -> tuple[Any, ...]:
 def structure_key(decl_digest: bytes, comm: Communicator, options: SaveOptions) -> str:
     """The plan-cache key of this rank's structure (its declaration, world and planning options)."""
     h = hashlib.sha1(decl_digest)
-    h.update(repr((comm.rank, comm.world_size, options.plan)).encode())
+    # the launcher's host layout is fixed for the process; it is part of the key all the same
+    h.update(repr((comm.rank, comm.world_size, options.plan, os.environ.get("LOCAL_WORLD_SIZE"))).encode())
     return h.hexdigest()
 
 

@@ -59,5 +59,6 @@ class SaveJob:
     mode: str = ""  # agreed by all ranks: "cached", "local", "gather" or "skip" (see Coordinator.agree)
     stack_digest: bytes = b""  # of this rank's stacked per-rank slots (arraycheckpoint.perrank)
     unstack: bool = False  # agreed: the ranks' stacked slots differ, every rank saves per-rank arrays
+    ranks_per_host: int = 0  # agreed: LOCAL_WORLD_SIZE when every rank reports the same, else 0 (no host map)
     buffers: list[np.ndarray] = field(default_factory=list)
     fences: list[Any] = field(default_factory=list)  # asynchronous device copies of the snapshot

@@ -363,3 +363,92 @@ def test_replicas_take_turns_sending_fragments():
     assert sent.sum() > 0
     by_replica = sent[:4].sum(), sent[4:].sum()
     assert min(by_replica) >= 0.25 * sent.sum(), (sent.tolist(), by_replica)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp", "megatron", "fsdp1", "jax"])
+def test_both_planners_agree_with_random_host_maps(layout, seed):
+    """Random host maps (contiguous blocks or explicit ids) change owners and sources identically in both."""
+    rng = random.Random(seed * 31 + len(layout))
+    world = 8
+    hosts = [
+        PlanOptions(
+            min_chunk_bytes=256,
+            max_chunk_bytes=4096,
+            inner_chunk_bytes=128,
+            ranks_per_host=rng.choice([2, 3, 4]),
+        ),
+        PlanOptions(
+            min_chunk_bytes=256,
+            max_chunk_bytes=4096,
+            inner_chunk_bytes=128,
+            host_of=tuple(rng.randint(0, 3) for _ in range(world)),
+        ),
+    ]
+    shapes = _shapes(rng, 8)
+    if layout == "fsdp2":
+        mesh = Mesh((world,), tuple(range(world)))
+        groups = [
+            (
+                Decl(
+                    (mesh,),
+                    tuple(
+                        TensorRule(f"t{i}", s, "float32", 4, ("mesh", 0, (0,))) for i, s in enumerate(shapes)
+                    ),
+                ),
+                range(world),
+            )
+        ]
+    elif layout == "hsdp":
+        mesh = Mesh((2, 4), tuple(range(world)))
+        groups = [
+            (
+                Decl(
+                    (mesh,),
+                    tuple(
+                        TensorRule(f"t{i}", s, "float32", 4, ("mesh", 0, (-1, 0)))
+                        for i, s in enumerate(shapes)
+                    ),
+                ),
+                range(world),
+            )
+        ]
+    elif layout == "jax":
+        mesh = Mesh((4, 4), tuple(p for p in range(4) for _ in range(4)))
+        tensors = tuple(
+            TensorRule(
+                f"t{i}", (16 * rng.randint(1, 4), 4 * rng.randint(1, 4)), "float32", 4, ("mesh", 0, (0, -1))
+            )
+            for i in range(8)
+        )
+        groups, world = [(Decl((mesh,), tensors), range(4))], 4
+        hosts[1] = PlanOptions(
+            min_chunk_bytes=256, max_chunk_bytes=4096, inner_chunk_bytes=128, host_of=(1, 0, 1, 0)
+        )
+    elif layout == "megatron":
+        groups = []
+        for t in range(2):
+            rules = [
+                TensorRule(f"c{i}", (10, 6), "float32", 4, ("boxes", (Box((5 * t, 0), (5, 6)),)))
+                for i in range(6)
+            ]
+            rules.append(TensorRule("norm", (6,), "float32", 4, ("replica",)))
+            groups.append((Decl((), tuple(rules)), [t + 2 * d for d in range(4)]))
+    else:
+        per_rank = [[] for _ in range(world)]
+        for i, s in enumerate(shapes):
+            n = int(np.prod(s))
+            bounds = [0, *sorted(rng.randint(0, n) for _ in range(world - 1)), n]
+            for r in range(world):
+                per_rank[r].append(
+                    TensorRule(
+                        f"f{i}",
+                        s,
+                        "float32",
+                        4,
+                        ("boxes", tuple(flat_range_to_boxes(s, bounds[r], bounds[r + 1]))),
+                    )
+                )
+        groups = [(Decl((), tuple(per_rank[r])), [r]) for r in range(world)]
+    for options in hosts:
+        _same(groups, world, options)

@@ -1,0 +1,142 @@
+"""Who writes each chunk and who sends its fragments: the cost model of the fragment exchange (pure).
+
+Three costs pull against each other: the bytes each rank writes (the save takes as long as the busiest
+writer), the bytes that cross hosts in the exchange (network, where same-host copies are cheap) and the
+number of files (bounded by the target file size, :mod:`arraycheckpoint.chunking`). The rules, shared by the
+reference and the compact planner so both decide identically:
+
+1. *Preferred hosts of a chunk*: the hosts holding most of its bytes (a replicated region counts for every
+   host holding a replica). A chunk that one region holds entirely prefers every host of its holders.
+2. *Owner*: chunks are placed largest first (worst fit). The owner is the least-loaded rank holding part of
+   the chunk on a preferred host (every fragment it lacks then comes from its own host where any holder is
+   there), unless its load would rise above ``write_balance x`` the mean load. Then, in order: the
+   least-loaded rank of a preferred host (the chunk travels within the host), else the least-loaded rank of
+   the world, taken when it has room under that bound or is loaded more than the chunk's bytes below the
+   holder (the move shortens the busiest writer by more than it ships). Balance is bought with bytes that
+   travel, and only then with bytes that cross hosts.
+3. *Source of a fragment* the owner lacks: a holder on the owner's host, else a holder chosen by the owner's
+   rank (``holders[owner mod n]``): replicas of a region then take turns over the whole save instead of the
+   same replica sending for every tensor of a layout.
+
+What it cannot change: a file of ``f`` bytes assembled from shards of ``s`` bytes on hosts of ``p`` ranks
+draws on ``f / (s p)`` hosts, so FSDP-style shards smaller than ``f / p`` cross hosts whatever the owner:
+keeping them on one host would mean files of at most ``s p`` bytes (more files); the planner keeps the file
+target and reports the traffic. With no host map every rank is its own host.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class HostMap:
+    """The host of every rank: contiguous blocks of ``ranks_per_host`` (torchrun's ``LOCAL_WORLD_SIZE``), or an
+    explicit per-rank host id (irregular placements). ``ranks_per_host <= 1`` and no ids: a host per rank."""
+
+    def __init__(self, world: int, ranks_per_host: int = 0, host_of: Sequence[int] = ()) -> None:
+        self.world = world
+        self.block = max(1, int(ranks_per_host)) if not host_of else 0
+        if host_of:
+            if len(host_of) != world:
+                raise ValueError(f"host_of lists {len(host_of)} ranks for a world of {world}")
+            self.ids = np.asarray(host_of, dtype=np.int64)
+            order = np.argsort(self.ids, kind="stable")
+            hosts, starts = np.unique(self.ids[order], return_index=True)
+            ends = [*starts[1:].tolist(), world]
+            self._members = {int(h): order[s:e] for h, s, e in zip(hosts, starts, ends)}
+
+    def hosts(self, ranks: np.ndarray) -> np.ndarray:
+        """Host id of each of ``ranks``."""
+        return ranks // self.block if self.block else self.ids[ranks]
+
+    def host(self, rank: int) -> int:
+        return rank // self.block if self.block else int(self.ids[rank])
+
+    def members(self, hosts: Sequence[int]) -> np.ndarray:
+        """Every rank on ``hosts`` (sorted)."""
+        if self.block:
+            parts = [np.arange(h * self.block, min((h + 1) * self.block, self.world)) for h in hosts]
+        else:
+            parts = [self._members[h] for h in hosts]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+
+def chunk_candidates(
+    hostmap: HostMap, whole: np.ndarray | None, pieces: Sequence[tuple[int, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(holders on the preferred hosts, every rank of those hosts)`` of one chunk, both sorted.
+
+    ``whole``: sorted ranks holding the entire chunk (None when no region does); ``pieces``: (bytes, sorted
+    holders) of each part of the chunk when no region holds it entirely.
+    """
+    if whole is not None:
+        return whole, hostmap.members(np.unique(hostmap.hosts(whole)).tolist())
+    weight: dict[int, int] = {}
+    for nbytes, holders in pieces:
+        for h in np.unique(hostmap.hosts(holders)).tolist():
+            weight[h] = weight.get(h, 0) + nbytes
+    best = max(weight.values())
+    hosts = sorted(h for h, w in weight.items() if w == best)
+    held = np.unique(np.concatenate([holders for _n, holders in pieces]))
+    near = hostmap.members(hosts)
+    return held[np.isin(hostmap.hosts(held), hosts)], near
+
+
+def fragment_source(holders: Sequence[int], owner: int, hostmap: HostMap) -> int:
+    """The holder that sends a region's fragment to ``owner`` (which does not hold it): one on the owner's
+    host if any, else ``holders[owner mod len(holders)]``. ``holders`` is sorted."""
+    if len(holders) == 1:
+        return holders[0]
+    host = hostmap.host(owner)
+    if hostmap.block:
+        lo = host * hostmap.block
+        local = _between(holders, lo, lo + hostmap.block)
+    else:
+        local = [r for r in holders if int(hostmap.ids[r]) == host]
+    pool = local or holders
+    return pool[owner % len(pool)]
+
+
+def _between(sorted_ranks: Sequence[int], lo: int, hi: int) -> list[int]:
+    import bisect
+
+    return list(sorted_ranks[bisect.bisect_left(sorted_ranks, lo) : bisect.bisect_left(sorted_ranks, hi)])
+
+
+class OwnerPicker:
+    """Worst-fit placement with the host preference and the ``write_balance`` bound (rules 1-2 above).
+
+    ``mode`` is ``PlanOptions.straddle_writers``: ``"balanced"`` (the rules above), ``"holders"`` (only holders
+    on the preferred hosts, whatever the load) or ``"any"`` (a chunk no region holds entirely goes to the
+    least-loaded rank of the world). Feed chunks largest first.
+    """
+
+    def __init__(self, world: int, total_bytes: int, write_balance: float, mode: str) -> None:
+        self.load = np.zeros(world, dtype=np.int64)
+        self.cap = int(write_balance * total_bytes / max(world, 1))
+        self.mode = mode
+        self._heap = [(0, r) for r in range(world)]  # one (load, rank) per rank, refreshed lazily
+
+    def _least(self) -> int:
+        while True:
+            load, r = self._heap[0]
+            if load == self.load[r]:
+                return r
+            heapq.heapreplace(self._heap, (int(self.load[r]), r))
+
+    def pick(self, nbytes: int, cands: np.ndarray, near: np.ndarray, partial: bool) -> int:
+        """The owner of a chunk of ``nbytes`` (candidates from :func:`chunk_candidates`); records its load."""
+        load = self.load
+        r = int(cands[np.argmin(load[cands])]) if len(cands) > 1 else int(cands[0])
+        if self.mode == "any" and partial:
+            r = self._least()
+        elif self.mode == "balanced" and load[r] + nbytes > self.cap:
+            n = int(near[np.argmin(load[near])])
+            g = n if load[n] + nbytes <= self.cap else self._least()
+            if load[g] + nbytes <= self.cap or load[r] - load[g] > nbytes:
+                r = g
+        self.load[r] += nbytes  # its heap entry is now stale: _least refreshes it when it reaches the top
+        return r
