@@ -59,5 +59,7 @@ class SaveJob:
     mode: str = ""  # agreed by all ranks: "cached", "local", "gather" or "skip" (see Coordinator.agree)
     stack_digest: bytes = b""  # of this rank's stacked per-rank slots (arraycheckpoint.perrank)
     unstack: bool = False  # agreed: the ranks' stacked slots differ, every rank saves per-rank arrays
+    template_digest: bytes = b""  # of this rank's per-rank templates (arraycheckpoint.rankdoc)
+    untemplate: bool = False  # agreed: the ranks' templates differ, every rank saves per-rank objects
     buffers: list[np.ndarray] = field(default_factory=list)
     fences: list[Any] = field(default_factory=list)  # asynchronous device copies of the snapshot
