@@ -171,7 +171,9 @@ def template_digest(objects: Sequence[SaveObject]) -> bytes:
     return digest([[o.name, o.value, o.rows] for o in objects if o.rows is not None])
 
 
-def fall_back(tensors: list[SaveTensor], objects: list[SaveObject]) -> tuple[list[SaveTensor], list[SaveObject]]:
+def fall_back(
+    tensors: list[SaveTensor], objects: list[SaveObject]
+) -> tuple[list[SaveTensor], list[SaveObject]]:
     """The request's tensors and objects with every template replaced by its per-rank object and its rows
     dropped (the ranks' templates disagree)."""
     rows = {n for o in objects if o.rows is not None for n in o.rows.values()}

@@ -19,8 +19,9 @@ through ``derive(value, r, source_rank)``: the target ``PerRank``'s own ``derive
 deterministically from the source state and ``r``, so no two ranks share a stream; other values are copied).
 Saved ranks beyond the new world are dropped.
 
-**Roles** (:mod:`arraycheckpoint.roles`). ``role="actor"`` saves to and loads from ``<root>/actor``: a complete committed checkpoint of its own,
-so roles are saved, loaded and resharded independently; :func:`list_roles` lists a root's committed roles.
+**Roles** (:mod:`arraycheckpoint.roles`). ``role="actor"`` saves to and loads from ``<root>/actor``: a complete
+committed checkpoint of its own, so roles are saved, loaded and resharded independently; :func:`list_roles` lists
+a root's committed roles.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import rankdoc
 from .._tscontext import context
 from ..codecs import numpy_dtype
 from ..collectives import Communicator
@@ -27,7 +28,6 @@ from ..future import CheckpointFuture
 from ..hostpool import HostBufferPool
 from ..items import SaveRequest
 from ..monitoring import PhaseRecorder
-from .. import rankdoc
 from ..perrank import fall_back, stack_digest
 from ..plan import ArrayLayout, RankPlan
 from ..regions import Box, intersect

@@ -74,7 +74,9 @@ def _save(rank: int, world: int, root: str) -> dict:
     captured = rng.capture()
     modes = {}
     for case in CASES:
-        state = {"extra_state": {"step": 3, "rng": PerRank(captured), "scalars": PerRank(scalars(rank, case))}}
+        state = {
+            "extra_state": {"step": 3, "rng": PerRank(captured), "scalars": PerRank(scalars(rank, case))}
+        }
         acp.save(f"{root}/{case}", state, step=3)
         modes[case] = engine()._save._last_mode
     return {"modes": modes, "draws": _draws(), "numpy": captured["numpy"]}
@@ -86,7 +88,11 @@ def _load(rank: int, world: int, root: str) -> dict:
         state = {"extra_state": {"step": 0, "rng": PerRank(derive=lambda v, r, s: v), "scalars": PerRank()}}
         extra = acp.load(f"{root}/{case}", state)["extra_state"]
         rng.restore(extra["rng"].value)
-        out[case] = {"draws": _draws(), "scalars": extra["scalars"].value, "numpy": extra["rng"].value["numpy"]}
+        out[case] = {
+            "draws": _draws(),
+            "scalars": extra["scalars"].value,
+            "numpy": extra["rng"].value["numpy"],
+        }
     return out
 
 
@@ -156,7 +162,10 @@ def _rank_save(rank: int, world: int, base: dict, odd: int = -1) -> tuple[list, 
     from arraycheckpoint.stateful import save_items
 
     own = {**base, "numpy": {**base["numpy"], "pos": rank % 624, "cached_gaussian": rank / 7}}
-    value = {"rng": PerRank(own), "s": PerRank({"step": rank, "odd": rank == odd} if rank != odd else {"x": 1})}
+    value = {
+        "rng": PerRank(own),
+        "s": PerRank({"step": rank, "odd": rank == odd} if rank != odd else {"x": 1}),
+    }
     return save_items("extra_state", value, SimpleNamespace(rank=rank, world_size=world), AdapterOptions())
 
 
