@@ -28,7 +28,7 @@ from arraycheckpoint.errors import MetadataError
 from arraycheckpoint.metadata import METADATA_FILE, CheckpointMetadata
 from arraycheckpoint.stateful import PerRank
 
-CASES = ("agree", "odd_key", "big_differs")
+CASES = ("agree", "odd_key", "big_differs", "arrays_differ")
 PR = "extra_state/~per_rank"
 
 
@@ -62,6 +62,10 @@ def same(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got[k] == v and type(got[k]) is type(v), (k, got[k], v)
 
 
+def _arr(rank: int, case: str) -> np.ndarray:
+    return np.arange(4 + (case == "arrays_differ" and rank == 1), dtype=np.int32) * 10 + rank
+
+
 def _draws() -> list[list[float]]:
     return [torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]]
 
@@ -77,6 +81,8 @@ def _save(rank: int, world: int, root: str) -> dict:
         state = {
             "extra_state": {"step": 3, "rng": PerRank(captured), "scalars": PerRank(scalars(rank, case))}
         }
+        # rank 1's array is longer: the arrays fall back to ~r<rank>, the template still agrees
+        state["extra_state"]["arr"] = PerRank(_arr(rank, case))
         acp.save(f"{root}/{case}", state, step=3)
         modes[case] = engine()._save._last_mode
     return {"modes": modes, "draws": _draws(), "numpy": captured["numpy"]}
@@ -85,13 +91,15 @@ def _save(rank: int, world: int, root: str) -> dict:
 def _load(rank: int, world: int, root: str) -> dict:
     out = {}
     for case in CASES:
-        state = {"extra_state": {"step": 0, "rng": PerRank(derive=lambda v, r, s: v), "scalars": PerRank()}}
+        identity = PerRank(derive=lambda v, r, s: v)
+        state = {"extra_state": {"step": 0, "rng": identity, "scalars": PerRank(), "arr": PerRank()}}
         extra = acp.load(f"{root}/{case}", state)["extra_state"]
         rng.restore(extra["rng"].value)
         out[case] = {
             "draws": _draws(),
             "scalars": extra["scalars"].value,
             "numpy": extra["rng"].value["numpy"],
+            "arr": extra["arr"].value,
         }
     return out
 
@@ -104,6 +112,10 @@ def test_template_form_saves_once_and_loads_bit_exactly_at_2_1_and_3_ranks(tmp_p
     for case in CASES:
         meta = acp.read_metadata(f"{root}/{case}")
         obj = meta.objects[PR]
+        if case == "arrays_differ":  # arrays per rank; one template naming ~rows, resolved to ~r<s>
+            assert obj.rows is not None and not any("~rows/" in n for n in meta.tensors)
+            assert "extra_state/~r1/2" in meta.tensors and '"extra_state/~rows/2"' in json.dumps(obj.template)
+            continue
         if case == "agree":  # one template, no per-rank documents; the plan needed no gather
             assert obj.rows is not None and not obj.per_rank
             assert all(s["modes"][case] == "local" for s in saved)
@@ -136,6 +148,7 @@ def test_template_form_saves_once_and_loads_bit_exactly_at_2_1_and_3_ranks(tmp_p
                     {"floats": [saved[source]["numpy"]["cached_gaussian"]]}
                 )
                 assert g[case]["draws"] == saved[source]["draws"]  # identity derive: the source's stream
+                assert np.array_equal(g[case]["arr"], _arr(source, case)) and g[case]["arr"].dtype == np.int32
 
 
 def test_split_and_join_are_exact_inverses() -> None:
