@@ -17,7 +17,18 @@ from typing import Any
 from .errors import PickleNotAllowedError, UnpicklingError, UnsafeNameError
 from .metadata import check_name
 
-_TAGS = ("__tuple__", "__dict__", "__bytes__", "__float__", "__array__", "__pickle__", "__module__")
+# "__leaf__" is no tag of this module's: it marks the numeric leaves of per-rank templates (rankdoc.py), so a
+# user dict with that key is stored in the tagged "__dict__" form
+_TAGS = (
+    "__tuple__",
+    "__dict__",
+    "__bytes__",
+    "__float__",
+    "__array__",
+    "__pickle__",
+    "__module__",
+    "__leaf__",
+)
 
 
 def encode(

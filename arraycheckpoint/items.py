@@ -72,6 +72,11 @@ class SaveObject:
     name: str
     value: Any
     scope: str = "global"
+    # a per-rank object in template form (:mod:`arraycheckpoint.rankdoc`): ``value`` is the rank-independent
+    # template (stored once, from the coordinator), ``rows`` names the stacked arrays of this rank's numeric
+    # leaves by kind, ``fallback`` is the plain per-rank object every rank saves instead when templates differ
+    rows: dict[str, str] | None = None
+    fallback: SaveObject | None = None
 
 
 @dataclass

@@ -19,11 +19,12 @@ from typing import Any
 from .errors import ArrayCheckpointError, MetadataError, UnsafeNameError
 from .regions import Box
 
-#: 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys ``c.i.j``; 2: regions stored as layout
-#: rules (format 1 listed every rank's region). Versions 1 and 2 keep their control files in the root
-#: (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+#: 4: per-rank objects whose ranks share one structure are stored as one template plus numeric rows
+#: (:mod:`arraycheckpoint.rankdoc`); 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys
+#: ``c.i.j``; 2: regions stored as layout rules (format 1 listed every rank's region). Versions 1 and 2 keep
+#: their control files in the root (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 def chunk_key_separator(format_version: int) -> str:
@@ -150,12 +151,16 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class ObjectMeta:
-    """A JSON object entry. ``scope="global"`` holds one value; ``scope="rank"`` one value per saving rank."""
+    """A JSON object entry. ``scope="global"`` holds one value; ``scope="rank"`` one value per saving rank:
+    either ``per_rank`` (rank -> value) or, in template form (format 4, :mod:`arraycheckpoint.rankdoc`), one
+    ``template`` for every rank of the world whose numeric leaves are rows of the arrays ``rows`` names."""
 
     name: str
     scope: str  # "global" | "rank"
     value: Any = None
     per_rank: Mapping[int, Any] = field(default_factory=dict)
+    template: Any = None
+    rows: Mapping[str, str] | None = None  # kind -> stacked array; None: not in template form
 
 
 @dataclass(frozen=True)
@@ -204,14 +209,7 @@ class CheckpointMetadata:
                 }
                 for name, t in sorted(self.tensors.items())
             },
-            "objects": {
-                name: (
-                    {"scope": "global", "value": o.value}
-                    if o.scope == "global"
-                    else {"scope": "rank", "per_rank": {str(r): v for r, v in sorted(o.per_rank.items())}}
-                )
-                for name, o in sorted(self.objects.items())
-            },
+            "objects": {name: _object_json(o) for name, o in sorted(self.objects.items())},
             "metrics": dict(self.metrics),
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False)
@@ -224,6 +222,14 @@ class CheckpointMetadata:
 
         doc = load_json_bounded(text, max_bytes=MAX_METADATA_BYTES, what=what)
         return _parse(doc)
+
+
+def _object_json(o: ObjectMeta) -> dict[str, Any]:
+    if o.scope == "global":
+        return {"scope": "global", "value": o.value}
+    if o.rows is not None:
+        return {"scope": "rank", "template": o.template, "rows": dict(o.rows)}
+    return {"scope": "rank", "per_rank": {str(r): v for r, v in sorted(o.per_rank.items())}}
 
 
 def _req(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -307,21 +313,10 @@ def _parse(doc: Any) -> CheckpointMetadata:
         tensors[name] = TensorMeta(
             name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows
         )
-    objects: dict[str, ObjectMeta] = {}
-    for name, o in _req(doc, "objects", dict, "metadata").items():
-        check_name(name)
-        scope = _req(o, "scope", str, f"objects[{name!r}]")
-        if scope == "global":
-            objects[name] = ObjectMeta(name, "global", value=o.get("value"))
-        elif scope == "rank":
-            per_rank = _req(o, "per_rank", dict, f"objects[{name!r}]")
-            try:
-                parsed = {int(r): v for r, v in per_rank.items()}
-            except ValueError:
-                raise MetadataError(f"metadata: objects[{name!r}].per_rank keys must be ranks") from None
-            objects[name] = ObjectMeta(name, "rank", per_rank=parsed)
-        else:
-            raise MetadataError(f"metadata: objects[{name!r}] has unknown scope {scope!r}")
+    objects = {
+        name: _parse_object(name, o, version, tensors, world_size)
+        for name, o in _req(doc, "objects", dict, "metadata").items()
+    }
     step = doc.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise MetadataError("metadata: step must be an integer or null")
@@ -342,6 +337,35 @@ def _parse(doc: Any) -> CheckpointMetadata:
         codec_preset=doc.get("codec_preset") if isinstance(doc.get("codec_preset"), int) else 0,
         layout_groups=tuple(doc.get("layout_groups", [])) if version >= 2 else (),
     )
+
+
+def _parse_object(
+    name: str, o: Any, version: int, tensors: Mapping[str, TensorMeta], world_size: int
+) -> ObjectMeta:
+    """One object entry: global, per-rank (``per_rank``: at most one value per rank of the world) or, from
+    format 4, a template whose rows are stacked arrays (checked by :func:`arraycheckpoint.rankdoc.check`)."""
+    from . import rankdoc
+
+    check_name(name)
+    where = f"objects[{name!r}]"
+    scope = _req(o, "scope", str, where)
+    if scope == "global":
+        return ObjectMeta(name, "global", value=o.get("value"))
+    if scope != "rank":
+        raise MetadataError(f"metadata: {where} has unknown scope {scope!r}")
+    if version >= 4 and "template" in o:
+        problem = rankdoc.check(o["template"], _req(o, "rows", dict, where), tensors, world_size)
+        if problem is not None:
+            raise MetadataError(f"metadata: {where}: {problem}")
+        return ObjectMeta(name, "rank", template=o["template"], rows=dict(o["rows"]))
+    per_rank = _req(o, "per_rank", dict, where)
+    try:
+        parsed = {int(r): v for r, v in per_rank.items()}
+    except ValueError:
+        raise MetadataError(f"metadata: {where}.per_rank keys must be ranks") from None
+    if any(not 0 <= r < world_size for r in parsed):
+        raise MetadataError(f"metadata: {where}.per_rank names a rank outside the world of {world_size}")
+    return ObjectMeta(name, "rank", per_rank=parsed)
 
 
 def _parse_shards(t: Any, where: str, shape: tuple[int, ...], world_size: int) -> tuple[ShardMeta, ...]:

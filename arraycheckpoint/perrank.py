@@ -12,9 +12,12 @@ array of a slot has the same shape and dtype (the common case) it is stored inst
   the save's fixed-size agreement (:meth:`arraycheckpoint.engine.coordinate.Coordinator.agree`); when any rank
   differs, every rank falls back to the per-rank arrays (:func:`fall_back`), so nothing hangs;
 * ``.metadata.json`` marks the stacked array (``"rank_rows": true``: the leading dimension is the saving rank,
-  of extent ``world_size``); the per-rank documents keep naming ``<ns>/~r<rank>/...``, and a loader resolves a
-  name absent from the checkpoint to its row of the stacked array (:func:`row_of`). A reader that does not know
-  the stacked form finds the per-rank name missing and refuses to load: it cannot silently misread it.
+  of extent ``world_size``). Per-rank documents stored per rank (format 3, and the fallback of format 4) keep
+  naming ``<ns>/~r<rank>/...``, and a loader resolves a name absent from the checkpoint to its row of the
+  stacked array; a format-4 template (:mod:`arraycheckpoint.rankdoc`) names ``<ns>/~rows/...``, resolved to
+  the saved rank's row, or to its own array ``<ns>/~r<rank>/...`` when the arrays fell back (:func:`resolve`).
+  A reader that does not know the stacked form finds the per-rank name missing and refuses to load: it cannot
+  silently misread it.
 
 Pure: no I/O, no communication.
 """
@@ -121,3 +124,26 @@ def row_of(meta: Any, ns: str, source: int, name: str) -> tuple[str, Any, Box] |
     stacked = stacked_name(ns, source, name)
     found = row(meta, stacked, source) if stacked is not None else None
     return None if found is None else (stacked, *found)
+
+
+def resolve(meta: Any, ns: str, source: int, name: str) -> tuple[str, Any, Box | None] | None:
+    """Where array reference ``name`` of saved rank ``source``'s per-rank document is stored: ``(stored
+    name, TensorMeta, box)`` (box None: the whole array), or None when nowhere.
+
+    A stored stacked array gives its row ``source``; another stored array itself; a per-rank name
+    ``<ns>/~r<source>/x`` not stored its row of ``<ns>/~rows/x``; a stacked name ``<ns>/~rows/x`` not stored
+    (a template whose arrays fell back) rank ``source``'s own array ``<ns>/~r<source>/x``.
+    """
+    tm = meta.tensors.get(name)
+    if tm is not None:
+        if not getattr(tm, "rank_rows", False):
+            return name, tm, None
+        found = row(meta, name, source)
+        return None if found is None else (name, *found)
+    found = row_of(meta, ns, source, name)
+    if found is not None:
+        return found
+    rows = f"{ns}/{ROWS}/"
+    own = per_rank_prefix(ns, source) + name[len(rows) :] if name.startswith(rows) else None
+    tm = meta.tensors.get(own) if own is not None else None
+    return None if tm is None else (own, tm, None)

@@ -6,9 +6,10 @@
 * a namespace containing :class:`PerRank` values (anywhere inside nested dicts/lists), or objects with
   ``state_dict()`` / ``load_state_dict()`` (LR schedulers, ...), is stored as one global JSON document (rank 0's,
   ``<ns>``) in which each ``PerRank`` is a placeholder, plus one per-rank object ``<ns>/~per_rank`` holding every
-  rank's own values; arrays become tensors (``<ns>/...`` global; per rank, one stacked array
-  ``<ns>/~rows/<i>/...`` with a leading rank dimension when every rank's array of slot ``i`` has the same shape
-  and dtype, else ``<ns>/~r<rank>/<i>/...`` per rank: :mod:`arraycheckpoint.perrank`);
+  rank's own values: one template and rows of numeric leaves when the ranks' documents share one structure,
+  else every rank's document (:mod:`arraycheckpoint.rankdoc`); arrays become tensors (``<ns>/...`` global; per
+  rank, one stacked array ``<ns>/~rows/<i>/...`` with a leading rank dimension when every rank's array of slot
+  ``i`` has the same shape and dtype, else ``<ns>/~r<rank>/<i>/...`` per rank: :mod:`arraycheckpoint.perrank`);
 * a dataloader implementing :class:`~arraycheckpoint.data.ReshardableLoader` (see :mod:`arraycheckpoint.data`).
 
 **Per-rank rule on load.** Global values load on every rank. Rank ``r`` of the loading world takes the value
@@ -18,13 +19,13 @@ through ``derive(value, r, source_rank)``: the target ``PerRank``'s own ``derive
 deterministically from the source state and ``r``, so no two ranks share a stream; other values are copied).
 Saved ranks beyond the new world are dropped.
 
-**Roles.** ``role="actor"`` saves to and loads from ``<root>/actor``: a complete committed checkpoint of its own,
-so roles are saved, loaded and resharded independently; :func:`list_roles` lists a root's committed roles.
+**Roles** (:mod:`arraycheckpoint.roles`). ``role="actor"`` saves to and loads from ``<root>/actor``: a complete
+committed checkpoint of its own, so roles are saved, loaded and resharded independently; :func:`list_roles` lists
+a root's committed roles.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,13 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from . import extras, perrank
+from . import extras, perrank, rankdoc
 from .adapters.base import AdapterOptions, Expected, LoadJob
 from .collectives import Communicator
-from .errors import ArrayCheckpointError, UnsafeNameError
+from .errors import ArrayCheckpointError
 from .items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveRequest, SaveShard, SaveTensor
-from .metadata import CheckpointMetadata, check_name, marker_owner
+from .metadata import CheckpointMetadata
 from .regions import Box
+from .roles import list_roles, role_path  # noqa: F401 - re-exported (public names of this module)
 
 __all__ = ["PerRank", "default_derive", "list_roles", "role_path", "source_rank", "split"]
 
@@ -193,17 +195,22 @@ def save_items(
         )
     ]
     if per_rank:
-        docs, kinds = [], {}
+        docs, kinds, stacked = [], {}, {}
         for i, v in enumerate(per_rank):
             d, arrs = extras.encode(v, f"{ns}/~r{comm.rank}/{i}", _is_array, options.allow_pickle)
             docs.append(d)
             kinds.update({n: _kind(a) for n, a in arrs.items()})
+            stacked.update({n: perrank.stacked_name(ns, comm.rank, n) or n for n in arrs})
             # one stacked array per slot when the ranks agree (the engine decides; see arraycheckpoint.perrank)
             tensors.extend(
                 perrank.stack_per_rank(_tensor(name, a), ns, comm.rank, comm.world_size)
                 for name, a in arrs.items()
             )
-        objects.append(SaveObject(f"{ns}/{PER_RANK_SUFFIX}", {"values": docs, "arrays": kinds}, scope="rank"))
+        plain = SaveObject(f"{ns}/{PER_RANK_SUFFIX}", {"values": docs, "arrays": kinds}, scope="rank")
+        # one template and rows of numeric leaves when the ranks' documents agree (arraycheckpoint.rankdoc)
+        template, *rows = rankdoc.templated(plain, stacked, comm.rank, comm.world_size)
+        objects.append(template)
+        tensors.extend(rows)
     return tensors, objects
 
 
@@ -334,28 +341,36 @@ def load_job(
     else:  # saved by the framework adapter as plain extra state (numpy arrays listed in <ns>/~arrays)
         types = meta.objects.get(f"{ns}/~arrays")
         doc, kinds = head, dict(types.value) if types is not None and isinstance(types.value, dict) else {}
+    from .codecs import numpy_dtype
+
     docs: list[Any] = []
     src = -1
     rank = 0
+    bufs: dict[str, np.ndarray] = {}
+    leaves: dict[str, np.ndarray] = {}  # this rank's numeric leaves of a template (arraycheckpoint.rankdoc)
+    targets: list[LoadTensor] = []
     pr = meta.objects.get(f"{ns}/{PER_RANK_SUFFIX}")
     if pr is not None:
         expected[pr.name] = Expected()
         rank = comm().rank
-        src = source_rank(rank, sorted(pr.per_rank))
-        docs = pr.per_rank[src]["values"]
-        kinds.update(pr.per_rank[src].get("arrays", {}))
-    from .codecs import numpy_dtype
-
-    bufs: dict[str, np.ndarray] = {}
-    targets: list[LoadTensor] = []
+        src = source_rank(rank, rankdoc.saved_ranks(pr, meta.world_size))
+        saved = pr.template if pr.rows is not None else pr.per_rank[src]
+        docs = saved["values"]
+        kinds.update(saved.get("arrays", {}))
+        for kind, name in (pr.rows or {}).items():
+            found = perrank.row(meta, name, src)
+            if found is None:
+                raise ArrayCheckpointError(f"{ns}: rank {src}'s row of {name!r} is not stored (rank {rank})")
+            tm, box = found
+            leaves[kind] = np.empty(tm.shape[1:], dtype=numpy_dtype(tm.dtype))
+            expected[name] = Expected(tm.shape, tm.dtype)
+            targets.append(LoadTensor(name, [LoadShard(box, _fill(leaves[kind]))]))
     for ref in extras.array_refs(doc) + extras.array_refs(docs):
-        stored, tm, box = ref, meta.tensors.get(ref), None
-        if tm is None and src >= 0:  # a row of a stacked per-rank array (arraycheckpoint.perrank)
-            found = perrank.row_of(meta, ns, src, ref)
-            if found is not None:
-                stored, tm, box = found
-        if tm is None:
+        # a per-rank array may be a row of a stacked array, or stored per rank (arraycheckpoint.perrank)
+        found = perrank.resolve(meta, ns, src, ref)
+        if found is None:
             raise ArrayCheckpointError(f"{ns}: array {ref!r} is referenced but not stored (rank {rank})")
+        stored, tm, box = found
         buf = np.empty(box.lengths[1:] if box else tm.shape, dtype=numpy_dtype(tm.dtype))
         bufs[ref] = buf
         expected[stored] = Expected(tm.shape, tm.dtype)
@@ -366,7 +381,8 @@ def load_job(
     def finish() -> None:
         default = "torch" if "torch" in sys.modules else "numpy"
         arrays = {n: _as_kind(b, kinds.get(n, default)) for n, b in bufs.items()}
-        per_rank = [extras.decode(d, arrays, options.allow_pickle, where=ns) for d in docs]
+        values = rankdoc.join(docs, leaves.get("int", ()), leaves.get("float", ())) if leaves else docs
+        per_rank = [extras.decode(d, arrays, options.allow_pickle, where=ns) for d in values]
         loaded = _restore(extras.decode(doc, arrays, options.allow_pickle, where=ns), per_rank, src)
         result[ns] = _apply(value, loaded, rank)
 
@@ -402,34 +418,3 @@ def merge_load(
 
     job.finish = finish  # the same job object: check_expected's ``dropped`` reaches the adapter's finishers
     return job
-
-
-# ----------------------------------------------------------------------------------------------- roles
-def role_path(path: str | os.PathLike[str], role: str | None) -> str:
-    """``<path>/<role>`` (or ``path`` when ``role`` is None); the role must be one safe name component."""
-    url = os.fspath(path)
-    if role is None:
-        return url
-    try:
-        if "/" in role:
-            raise UnsafeNameError(f"role {role!r} contains '/'")
-        check_name(role)
-    except UnsafeNameError as e:
-        raise UnsafeNameError(f"invalid role {role!r}: use one plain name such as 'actor' ({e})") from None
-    return url.rstrip("/") + "/" + role
-
-
-def list_roles(path: str | os.PathLike[str]) -> list[str]:
-    """The roles with a committed checkpoint under the root ``path`` (e.g. ``["actor", "critic"]``)."""
-    from .storage import LocalStorage, storage_for
-
-    storage, root = storage_for(os.fspath(path))
-    if isinstance(storage, LocalStorage):
-        if not os.path.isdir(root):
-            return []
-        names = [
-            n for n in os.listdir(root) if not n.startswith(".") and os.path.isdir(os.path.join(root, n))
-        ]
-        return sorted(n for n in names if storage.is_committed(os.path.join(root, n)))
-    owners = (marker_owner(k) for k in storage.list(root))
-    return sorted({o for o in owners if o and "/" not in o})

@@ -25,9 +25,11 @@ sample of other ranks is checked to produce the same digest.
 
 ``--perrank stacked`` adds a ``PerRank`` RNG state (what :func:`arraycheckpoint.rng.capture` returns with torch
 imported: three arrays and a few scalars) on every rank, built by the real ``stateful.save_items``: stacked
-into one ``[N, *shape]`` array per slot (the form saved when every rank's rows agree); ``--perrank per-rank``
-declares the fallback instead (one array per rank per slot, as format 2 stored it before stacking). Every
-rank's per-rank JSON document travels in its commit status and lands in the metadata, in both forms.
+into one ``[N, *shape]`` array per slot (the form saved when every rank's rows agree), its JSON document split
+into one template (stored once, from the coordinator's request) and rows of numeric leaves (format 4,
+:mod:`arraycheckpoint.rankdoc`); ``--perrank per-rank`` declares the fallback instead (one array per rank per
+slot, as format 2 stored it before stacking, and every rank's JSON document in its commit status and in the
+metadata). Each rank's RNG state differs in its numbers (numpy's ``pos`` and cached gaussian), as real ones do.
 """
 
 from __future__ import annotations
@@ -251,17 +253,18 @@ def status_bytes() -> int:
 
 def with_perrank(
     groups: list[tuple[Decl, list[int]]], world: int, form: str
-) -> tuple[list[tuple[Decl, list[int]]], list, list[dict]]:
+) -> tuple[list[tuple[Decl, list[int]]], list, list, list[dict]]:
     """``groups`` with every rank's PerRank RNG state added (``form``: ``stacked`` or ``per-rank``).
 
-    Returns the new groups, rank 0's save tensors (the coordinator's request) and every rank's per-rank
-    objects (its commit status payload). Built by the real save path: ``stateful.save_items`` and ``declare``.
+    Returns the new groups, rank 0's save tensors and objects (the coordinator's request) and every rank's
+    per-rank objects (its commit status payload). Built by the real save path: ``stateful.save_items``,
+    ``rankdoc.fall_back`` and ``declare``.
     """
     from types import SimpleNamespace
 
     import torch  # noqa: F401 - rng.capture() records torch's generator when torch is imported
 
-    from arraycheckpoint import perrank, rng
+    from arraycheckpoint import perrank, rankdoc, rng
     from arraycheckpoint.adapters.base import AdapterOptions
     from arraycheckpoint.engine.coordinate import declare
     from arraycheckpoint.stateful import PerRank, save_items
@@ -269,14 +272,18 @@ def with_perrank(
     state = rng.capture()
     objects: list[dict] = []
     rank0: list = []
+    rank0_objects: list = []
     extra: list[tuple[Decl, list[int]]] = []  # per-rank form: one declaration per rank
     stacked_rules: Decl | None = None
     for r in range(world):
         comm = SimpleNamespace(rank=r, world_size=world)
-        tensors, objs = save_items("extra_state", {"rng": PerRank(state)}, comm, AdapterOptions())
-        objects.append({o.name: o.value for o in objs if o.scope == "rank"})
+        own = {**state, "numpy": {**state["numpy"], "pos": r % 624, "cached_gaussian": r / 7}}
+        tensors, objs = save_items("extra_state", {"rng": PerRank(own)}, comm, AdapterOptions())
+        if form != "stacked":
+            tensors, objs = rankdoc.fall_back(tensors, objs)
+        objects.append({o.name: o.value for o in objs if o.scope == "rank" and o.rows is None})
         if r == 0:
-            rank0 = tensors
+            rank0, rank0_objects = tensors, objs
         if form == "stacked":
             if stacked_rules is None:
                 stacked_rules = declare(tensors, r)  # identical on every rank: declared once
@@ -299,7 +306,7 @@ def with_perrank(
             for r in rs:
                 own = extra[r][0]
                 out.append((Decl(decl.meshes, decl.tensors + own.tensors), [r]))
-    return out, rank0, objects
+    return out, rank0, rank0_objects, objects
 
 
 def run(
@@ -314,9 +321,10 @@ def run(
     tensors = model_tensors(count)
     groups, world = groups_for(layout, ranks, tensors)
     rank0_tensors: list = []
+    rank0_objects: list = []
     rank_objects: list[dict] = [{} for _ in range(world)]
     if perrank != "none":
-        groups, rank0_tensors, rank_objects = with_perrank(groups, world, perrank)
+        groups, rank0_tensors, rank0_objects, rank_objects = with_perrank(groups, world, perrank)
     send = np.zeros(world, dtype=np.int64)
     recv = np.zeros(world, dtype=np.int64)
     t0 = time.process_time()
@@ -382,7 +390,8 @@ def run(
         far = [x for x in rp.recvs if hostmap.host(x.src) != hostmap.host(r)]
         cross_in = max(cross_in, sum(x.box.volume * isz[x.name] for x in far))
     t2 = time.process_time()
-    request = SaveRequest(rank0_tensors, [SaveObject("extra_state", {"step": 1})], framework=layout, step=1)
+    objs = [SaveObject("extra_state", {"step": 1}), *(o for o in rank0_objects if o.scope == "rank")]
+    request = SaveRequest(rank0_tensors, objs, framework=layout, step=1)
     statuses = [
         {**({"metrics": {}} if r % step == 0 else {}), **({"objects": o} if o else {})}
         for r, o in enumerate(rank_objects)

@@ -69,23 +69,27 @@ class Coordinator:
         """The one collective before the snapshot: do all ranks reuse the same cached plan, do all ranks hold
         identical declarations (then each plans alone), did any rank fail to declare?
 
-        A fixed-size all-reduce: ``[ok, d, -d, c, -c, s, -s, h, -h]`` where ``d`` is the declaration digest, ``c`` the
-        cached plan's id (-1 without one) and ``s`` the digest of the stacked per-rank slots (when it differs,
-        ``job.unstack``: every rank saves per-rank arrays instead and the declarations are gathered; a cached
-        plan agreed on with ``s`` differing was planned for those per-rank arrays, since a rank's cache key
-        covers its stacked shapes). Every rank reaches the same decision, so the collectives that follow are
-        the same on every rank: a structure change on one rank replans everywhere, never hangs. ``h`` is this
-        rank's ranks-per-host (:func:`local_ranks_per_host`, 0 when unknown): the plan uses it as the host map
-        only when every rank reports the same value, else no host map on every rank (logged).
+        A fixed-size all-reduce: ``[ok, d, -d, c, -c, s, -s, t, -t, h, -h]`` where ``d`` is the declaration
+        digest, ``c`` the cached plan's id (-1 without one), ``s`` the digest of the stacked per-rank slots
+        (when it differs, ``job.unstack``: every rank saves per-rank arrays instead and the declarations are
+        gathered; a cached plan agreed on with ``s`` differing was planned for those per-rank arrays, since a
+        rank's cache key covers its stacked shapes), ``t`` the digest of the per-rank templates (when it
+        differs, ``job.untemplate``: every rank saves per-rank documents and no leaf rows, see
+        :mod:`arraycheckpoint.rankdoc`; the plan is then gathered, never cached nor taken from the cache, since
+        a cache key does not cover the templates) and ``h`` this rank's ranks-per-host
+        (:func:`local_ranks_per_host`, 0 when unknown): the plan uses it as the host map only when every rank
+        reports the same value, else no host map on every rank (logged). Every rank reaches the same decision,
+        so the collectives that follow are the same on every rank: a structure change on one rank replans
+        everywhere, never hangs.
         """
         cached = self._plans.get(job.key) if job.decl is not None else None
         d = _as_int(job.decl_digest) if job.decl is not None else 0
         c = cached.plan_hash if cached is not None else -1
         s = _as_int(job.stack_digest)
+        t = _as_int(job.template_digest)
         h = local_ranks_per_host(job.comm.rank, job.comm.world_size)
-        ok, dmin, dmax_neg, cmin, cmax_neg, smin, smax_neg, hmin, hmax_neg = job.comm.all_reduce_min(
-            [int(job.decl is not None), d, -d, c, -c, s, -s, h, -h]
-        )
+        agreed = job.comm.all_reduce_min([int(job.decl is not None), d, -d, c, -c, s, -s, t, -t, h, -h])
+        ok, dmin, dmax_neg, cmin, cmax_neg, smin, smax_neg, tmin, tmax_neg, hmin, hmax_neg = agreed
         job.ranks_per_host = hmin if hmin == -hmax_neg else 0
         if hmin != -hmax_neg and job.comm.rank == 0:
             log.warning(
@@ -96,11 +100,13 @@ class Coordinator:
             )
         # stacked per-rank arrays (arraycheckpoint.perrank) need every rank's rows alike; else all fall back
         job.unstack = bool(ok) and smin != -smax_neg
+        # per-rank documents as one template (arraycheckpoint.rankdoc) need every rank's template alike
+        job.untemplate = bool(ok) and tmin != -tmax_neg
         if not ok:
             job.mode = "skip"  # a rank could not declare: it reports why at commit, nobody plans or writes
-        elif cmin >= 0 and cmin == -cmax_neg:
+        elif cmin >= 0 and cmin == -cmax_neg and not job.untemplate:
             job.mode, job.cached = "cached", cached
-        elif dmin == -dmax_neg and not job.unstack:
+        elif dmin == -dmax_neg and not job.unstack and not job.untemplate:
             job.mode = "local"
         else:
             job.mode = "gather"
@@ -123,7 +129,7 @@ class Coordinator:
             rank_plan = rank_plan_of(compact, comm.rank)
         cached = CachedPlan(rank_plan, compact, _as_int(bytes.fromhex(compact.plan_id)))
         job.cached = cached
-        if job.error is None:
+        if job.error is None and not job.untemplate:  # the key does not cover the agreement on templates
             self._plans[job.key] = cached
             while len(self._plans) > MAX_CACHED_PLANS:  # structures that keep changing (dataloader buffers)
                 self._plans.pop(next(iter(self._plans)))
@@ -132,14 +138,10 @@ class Coordinator:
     def commit(self, job: SaveJob) -> CheckpointMetadata | None:
         """Gather statuses; the coordinator writes metadata and commits; the outcome reaches every rank."""
         comm = job.comm
-        rank_objects = {o.name: o.value for o in job.request.objects if o.scope == "rank"}
         # fixed size for everyone: did every rank succeed, and did all execute the same plan?
         pid = job.cached.plan_hash if job.cached else -1
         ok, pmin, pmax_neg = comm.all_reduce_min([int(job.error is None), pid, -pid])
-        # text only from ranks with something to say: an error, per-rank objects, or a metrics sample
-        sampled = comm.rank % max(1, comm.world_size // METRICS_SAMPLE) == 0
-        status = {"error": job.error, "objects": rank_objects, "metrics": job.recorder.to_json()}
-        payload = _dumps(status) if job.error or rank_objects or sampled else b""
+        payload = status_payload(job.request, job.error, job.recorder.to_json(), comm.rank, comm.world_size)
         raw = comm.gather_bytes(payload, dst=0)
         outcome: dict[str, Any] = {"error": None}
         meta = None
@@ -203,12 +205,26 @@ def _cleanup(what: str, fn: Any, final: str) -> None:
         )
 
 
+def status_payload(
+    request: SaveRequest, error: str | None, metrics: dict[str, Any], rank: int, world: int
+) -> bytes:
+    """This rank's commit status for the coordinator: text only from ranks with something to say (an error,
+    per-rank objects, or a metrics sample), else nothing. Per-rank objects in template form are agreed and
+    stored from the coordinator's own request (:mod:`arraycheckpoint.rankdoc`): they never travel."""
+    rank_objects = {o.name: o.value for o in request.objects if o.scope == "rank" and o.rows is None}
+    sampled = rank % max(1, world // METRICS_SAMPLE) == 0
+    status = {"error": error, "objects": rank_objects, "metrics": metrics}
+    return _dumps(status) if error or rank_objects or sampled else b""
+
+
 def build_metadata(
     plan: CompactPlan, request: SaveRequest, statuses: list[dict[str, Any]]
 ) -> CheckpointMetadata:
-    """The checkpoint's metadata (format 2): the plan's decisions and rules, objects, per-rank metrics."""
+    """The checkpoint's metadata: the plan's decisions and rules, objects (per-rank templates from the
+    coordinator's ``request``, other per-rank values from ``statuses``), per-rank metrics."""
     group_index = {id(d): i for i, (d, _r) in enumerate(plan.groups)}
     stacked = {t.name for t in request.tensors if t.fallback is not None}  # rows of stacked per-rank arrays
+    stacked.update(n for o in request.objects if o.rows is not None for n in o.rows.values())
     tensors = {}
     for name, td in plan.tensors.items():
         layout = td.layout
@@ -229,6 +245,8 @@ def build_metadata(
     for o in request.objects:
         if o.scope == "global":
             objects[o.name] = ObjectMeta(o.name, "global", value=o.value)
+        elif o.rows is not None:  # agreed by every rank (arraycheckpoint.rankdoc): stored once
+            objects[o.name] = ObjectMeta(o.name, "rank", template=o.value, rows=dict(o.rows))
     for rank, s in enumerate(statuses):
         for name, value in s.get("objects", {}).items():
             prev = objects.get(name)

@@ -60,5 +60,7 @@ class SaveJob:
     stack_digest: bytes = b""  # of this rank's stacked per-rank slots (arraycheckpoint.perrank)
     unstack: bool = False  # agreed: the ranks' stacked slots differ, every rank saves per-rank arrays
     ranks_per_host: int = 0  # agreed: LOCAL_WORLD_SIZE when every rank reports the same, else 0 (no host map)
+    template_digest: bytes = b""  # of this rank's per-rank templates (arraycheckpoint.rankdoc)
+    untemplate: bool = False  # agreed: the ranks' templates differ, every rank saves per-rank objects
     buffers: list[np.ndarray] = field(default_factory=list)
     fences: list[Any] = field(default_factory=list)  # asynchronous device copies of the snapshot

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import rankdoc
 from .._tscontext import context
 from ..codecs import numpy_dtype
 from ..codecs.presets import array_metadata, dimension_names_for
@@ -93,11 +94,12 @@ class SavePipeline:
             dtypes={t.name: np.dtype(t.dtype) for t in request.tensors},
             recorder=recorder,
             stack_digest=stack_digest(request.tensors),
+            template_digest=rankdoc.template_digest(request.objects),
         )
         if decl_error is not None:
             job.error = describe(decl_error, comm.rank)
         self._coordinator.agree(job)  # the one collective before the snapshot (fixed size)
-        if job.unstack:
+        if job.unstack or job.untemplate:
             _unstack(job)
         self._last_mode = job.mode  # for tests and monitoring: which planning path this save took
         if decl_error is not None and comm.world_size == 1:
@@ -370,8 +372,12 @@ def zarr_json_template(layout: ArrayLayout) -> tuple[bytes, ...]:
 
 
 def _unstack(job: SaveJob) -> None:
-    """The ranks' stacked per-rank rows disagree: save the per-rank arrays instead (same on every rank)."""
-    job.request.tensors = fall_back(job.request.tensors)
+    """The ranks' stacked per-rank rows (or templates) disagree: save the per-rank arrays (or documents)
+    instead (the same decision on every rank)."""
+    if job.unstack:
+        job.request.tensors = fall_back(job.request.tensors)
+    if job.untemplate:
+        job.request.tensors, job.request.objects = rankdoc.fall_back(job.request.tensors, job.request.objects)
     job.dtypes = {t.name: np.dtype(t.dtype) for t in job.request.tensors}
     try:
         job.decl = declare(job.request.tensors, job.comm.rank)

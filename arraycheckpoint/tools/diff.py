@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from .. import rankdoc
 from .common import BLOCK_BYTES, Checkpoint, read_boxes, row_blocks
 
 
@@ -116,8 +118,17 @@ def diff_checkpoints(
         oa, ob = a.meta.objects.get(name), b.meta.objects.get(name)
         if oa is None or ob is None:
             report.objects.append(f"{name}: only in {'B' if oa is None else 'A'}")
-        elif (oa.scope, oa.value, dict(oa.per_rank)) != (ob.scope, ob.value, dict(ob.per_rank)):
-            if oa.scope == ob.scope == "rank" and len(oa.per_rank) != len(ob.per_rank):
+        elif _object_key(oa) != _object_key(ob):
+            if oa.scope == ob.scope == "rank" and _ranks(a.meta, oa) != _ranks(b.meta, ob):
                 continue  # per-rank values of saves at different world sizes are not comparable
             report.objects.append(f"{name}: values differ")
     return report
+
+
+def _object_key(o: Any) -> tuple[Any, ...]:
+    """What makes two objects equal (a template's numeric leaves are its rows: compared as tensors)."""
+    return (o.scope, o.value, dict(o.per_rank), o.template, None if o.rows is None else dict(o.rows))
+
+
+def _ranks(meta: Any, o: Any) -> int:
+    return len(rankdoc.saved_ranks(o, meta.world_size))

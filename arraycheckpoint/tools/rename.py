@@ -120,6 +120,9 @@ def plan_rename(
             om.scope,
             _rewrite_value(name, om.value, fqn_map),
             {r: _rewrite_value(name, v, fqn_map) for r, v in om.per_rank.items()},
+            # a per-rank template (arraycheckpoint.rankdoc): its rows are tensors, renamed with them
+            _rewrite_value(name, om.template, fqn_map),
+            None if om.rows is None else {k: _apply(rules, n) for k, n in om.rows.items()},
         )
     all_new = set(tensors)
     for new in all_new:  # a tensor directory may not end up inside another tensor's directory

@@ -98,7 +98,14 @@ def test_three_ranks_store_one_stacked_array_per_slot_and_load_at_2_and_4(tmp_pa
     saved = run_distributed(_save, 3, (root,))
     assert all(s["modes"] == ["local"] for s in saved)  # identical declarations: each rank planned alone
     arrays = _arrays(root)  # zarr-python's view of every array under extra_state/
-    assert sorted(arrays) == ["~rows/0/numpy/key", "~rows/0/python/state", "~rows/0/torch", "~rows/1/tokens"]
+    assert sorted(arrays) == [
+        "~per_rank/~float",  # the documents' numeric leaves (arraycheckpoint.rankdoc)
+        "~per_rank/~int",
+        "~rows/0/numpy/key",
+        "~rows/0/python/state",
+        "~rows/0/torch",
+        "~rows/1/tokens",
+    ]
     for r, s in enumerate(saved):  # row r is rank r's value, bit for bit
         assert np.array_equal(arrays["~rows/0/torch"][r], s["torch"])
         assert np.array_equal(arrays["~rows/0/python/state"][r], s["python"])
@@ -109,7 +116,7 @@ def test_three_ranks_store_one_stacked_array_per_slot_and_load_at_2_and_4(tmp_pa
         assert _chunk_files(root, f"extra_state/{name}") == 1
     meta = acp.read_metadata(root)
     assert all(t.rank_rows for n, t in meta.tensors.items() if "~rows" in n)
-    assert sorted(meta.objects["extra_state/~per_rank"].per_rank) == [0, 1, 2]
+    assert meta.objects["extra_state/~per_rank"].rows is not None  # one template for every rank
 
     shrunk = run_distributed(_load, 2, (root,))
     for r in (0, 1):
@@ -140,7 +147,7 @@ def test_a_rank_whose_rows_differ_makes_every_rank_save_per_rank_arrays(tmp_path
     assert all(s["modes"] == ["gather", "cached"] for s in saved)
     for path in (root, root + "1"):
         meta = acp.read_metadata(path)
-        names = sorted(n for n in meta.tensors if n.startswith("extra_state/"))
+        names = sorted(n for n in meta.tensors if n.startswith("extra_state/~r"))
         assert not any("~rows" in n for n in names)
         assert names == sorted(
             f"extra_state/~r{r}/{x}"
@@ -178,7 +185,8 @@ def test_stacked_marker_is_checked_against_the_world_size(tmp_path) -> None:
 
 def test_simulated_10000_ranks_declare_one_rule_and_write_bounded_files() -> None:
     """The real save path (``save_items`` -> ``declare``) at 10,000 simulated ranks: a PerRank RNG state is the
-    same declaration on every rank (each plans alone, no gather), 3 arrays, files bounded by bytes; the
+    same declaration on every rank (each plans alone, no gather), 3 arrays and 2 rows of numeric leaves,
+    files bounded by bytes; the
     fallback would be one distinct declaration per rank."""
     import math
     from types import SimpleNamespace
@@ -201,7 +209,7 @@ def test_simulated_10000_ranks_declare_one_rule_and_write_bounded_files() -> Non
         )
         decls.append(declare(tensors, r).to_json())
         fallbacks.append(declare(perrank.fall_back(tensors), r).to_json())
-    assert all(d == decls[0] for d in decls) and len(decls[0]["tensors"]) == 3
+    assert all(d == decls[0] for d in decls) and len(decls[0]["tensors"]) == 5  # 3 arrays, 2 leaf rows
     assert len({json.dumps(f) for f in fallbacks}) == 4  # per-rank arrays: every rank's declaration differs
     decl = declare(
         save_items(

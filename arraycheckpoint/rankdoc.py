@@ -1,0 +1,210 @@
+"""Per-rank JSON documents as one rank-independent template plus numeric rows (format 4).
+
+A per-rank object (``<ns>/~per_rank``: every rank's ``PerRank`` documents, see :mod:`arraycheckpoint.stateful`)
+used to travel in every rank's commit status and sit in the metadata once per rank (``per_rank: {rank:
+doc}``): about 0.5 KB per rank for an RNG state, 5 MB at 10,000 ranks. The ranks' documents almost always
+share one structure and differ only in numbers, so each rank splits its document (:func:`split`) into
+
+* a **template**: the document with every numeric leaf replaced by a placeholder ``{"__leaf__": "<k><i>"}``
+  (``k``: ``i`` int, ``b`` bool, ``f`` float; ``i``: the leaf's index in its row) and every per-rank array
+  reference naming the rank-independent stacked array (``<ns>/~rows/...``, :mod:`arraycheckpoint.perrank`)
+  instead of ``<ns>/~r<rank>/...``. A reader takes row ``s`` of that array for saved rank ``s``; when it is
+  not stored (the ranks' rows disagreed, or the array could not be stacked: a DTensor shard, an empty array)
+  it reads rank ``s`` 's own array ``<ns>/~r<s>/...`` instead (:func:`arraycheckpoint.perrank.resolve`).
+  Strings, ``None``, ints beyond int64 and everything else stay in the template;
+* two **rows**: the ints and bools as int64, the floats as float64 (their exact bits: NaN, -0.0, inf and
+  subnormals come back bit for bit). They are saved as rows of the stacked arrays ``<object>/~int`` ``[N,
+  k_int]`` and ``<object>/~float`` ``[N, k_float]`` through the ordinary stacked-row path (the data plane
+  writes them like any other rows; a kind without leaves has no array).
+
+**Agreement.** The digest of every template (:func:`template_digest`) joins the save's fixed-size agreement
+(:meth:`arraycheckpoint.engine.coordinate.Coordinator.agree`). When all ranks agree, the commit statuses carry
+no per-rank document and the coordinator stores its own template once: ``{"scope": "rank", "template": T,
+"rows": {"int": name, "float": name}}``. When any rank differs (a different key, a big int that differs, an
+array reference that names no per-rank array of this namespace), every rank saves the per-rank form instead
+(:func:`fall_back`): the object's ``fallback`` and no rows. Nothing hangs: every rank takes the
+same decision from the same all-reduce.
+
+**Load.** Saved rank ``s`` 's document is the template with row ``s`` of each row array put back
+(:func:`join`); the per-rank rule (own row, else ``source_rank`` and ``derive``) is unchanged, the saved ranks
+being ``0 .. world_size - 1``.
+
+Pure: no I/O, no communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .items import ArraySource, SaveObject, SaveShard, SaveTensor
+from .perrank import stack
+from .regions import Box
+from .rules import digest
+
+LEAF = "__leaf__"
+#: row kind -> (numpy dtype, the placeholder letters stored in it)
+KINDS = {"int": (np.dtype("<i8"), "ib"), "float": (np.dtype("<f8"), "f")}
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def row_names(name: str) -> dict[str, str]:
+    """The stacked arrays holding object ``name``'s numeric leaves, by kind."""
+    return {kind: f"{name}/~{kind}" for kind in KINDS}
+
+
+def split(doc: Any) -> tuple[Any, list[int], list[float]]:
+    """``(template, ints, floats)`` of a JSON document (as :func:`arraycheckpoint.extras.encode` makes it).
+
+    Bools and ints within int64 go to ``ints``, floats (also the ``{"__float__": "nan"}`` tags of non-finite
+    ones) to ``floats``; the template holds a placeholder for each. :func:`join` is the exact inverse.
+    """
+    ints: list[int] = []
+    floats: list[float] = []
+
+    def leaf(letter: str, row: list[Any], value: Any) -> dict[str, str]:
+        row.append(value)
+        return {LEAF: f"{letter}{len(row) - 1}"}
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, bool):
+            return leaf("b", ints, v)
+        if isinstance(v, int):
+            return leaf("i", ints, v) if _INT64[0] <= v <= _INT64[1] else v
+        if isinstance(v, float):
+            return leaf("f", floats, v)
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, dict):
+            if len(v) == 1 and isinstance(v.get("__float__"), str):
+                return leaf("f", floats, float(v["__float__"]))
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    return walk(doc), ints, floats
+
+
+def join(template: Any, ints: Sequence[Any], floats: Sequence[Any]) -> Any:
+    """The document :func:`split` made ``template`` from, with its leaves taken from ``ints`` and ``floats``
+    (sequences or 1-d arrays). Raises ValueError for a placeholder outside its row."""
+    rows = {"i": ints, "b": ints, "f": floats}
+    cast = {"i": int, "b": bool, "f": float}
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, dict):
+            if len(v) == 1 and LEAF in v:
+                letter, index = _placeholder(v[LEAF])
+                if index >= len(rows[letter]):
+                    raise ValueError(f"leaf {v[LEAF]!r} lies outside its row of {len(rows[letter])}")
+                return cast[letter](rows[letter][index])
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    return walk(template)
+
+
+def _placeholder(body: Any) -> tuple[str, int]:
+    if not isinstance(body, str) or len(body) < 2 or body[0] not in "ibf" or not body[1:].isdigit():
+        raise ValueError(f"malformed leaf placeholder {body!r}")
+    return body[0], int(body[1:])
+
+
+def leaf_counts(template: Any) -> dict[str, int]:
+    """The row length each kind needs: one past the highest placeholder index (ValueError if malformed)."""
+    counts = {"int": 0, "float": 0}
+    todo: list[Any] = [template]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            if len(v) == 1 and LEAF in v:
+                letter, index = _placeholder(v[LEAF])
+                kind = "float" if letter == "f" else "int"
+                counts[kind] = max(counts[kind], index + 1)
+            else:
+                todo.extend(v.values())
+    return counts
+
+
+def templated(per_rank: SaveObject, stacked: Mapping[str, str], rank: int, world: int) -> list[Any]:
+    """``[template object, *row tensors]`` for this rank's per-rank object ``per_rank``.
+
+    ``stacked`` maps this rank's per-rank array names to their stacked names (other references keep their
+    names). The object keeps ``per_rank`` as its ``fallback``; each row tensor is row ``rank`` of a ``[world,
+    k]`` array.
+    """
+    value = _rename(per_rank.value, stacked)
+    template, ints, floats = split(value)
+    names = row_names(per_rank.name)
+    rows: dict[str, str] = {}
+    tensors: list[SaveTensor] = []
+    for kind, leaves in (("int", ints), ("float", floats)):
+        if not leaves:
+            continue
+        a = np.asarray(leaves, dtype=KINDS[kind][0])
+        t = SaveTensor(names[kind], a.shape, a.dtype, [SaveShard(Box.full(a.shape), ArraySource(a))])
+        tensors.append(dataclasses.replace(stack(t, names[kind], rank, world), fallback=None))
+        rows[kind] = names[kind]
+    obj = SaveObject(per_rank.name, template, scope="rank", rows=rows, fallback=per_rank)
+    return [obj, *tensors]
+
+
+def _rename(doc: Any, names: Mapping[str, str]) -> Any:
+    """``doc`` with array references (and the ``arrays`` kinds' keys) renamed by ``names``."""
+    if isinstance(doc, list):
+        return [_rename(x, names) for x in doc]
+    if isinstance(doc, dict):
+        if len(doc) == 1 and isinstance(doc.get("__array__"), str):
+            return {"__array__": names.get(doc["__array__"], doc["__array__"])}
+        return {names.get(k, k): _rename(x, names) for k, x in doc.items()}
+    return doc
+
+
+def template_digest(objects: Sequence[SaveObject]) -> bytes:
+    """16 bytes equal on ranks whose template objects agree (names, templates and rows, in order)."""
+    return digest([[o.name, o.value, o.rows] for o in objects if o.rows is not None])
+
+
+def fall_back(
+    tensors: list[SaveTensor], objects: list[SaveObject]
+) -> tuple[list[SaveTensor], list[SaveObject]]:
+    """The request's tensors and objects with every template replaced by its per-rank object and its rows
+    dropped (the ranks' templates disagree)."""
+    rows = {n for o in objects if o.rows is not None for n in o.rows.values()}
+    plain = [o.fallback if o.rows is not None and o.fallback is not None else o for o in objects]
+    return [t for t in tensors if t.name not in rows], plain
+
+
+def check(template: Any, rows: Any, tensors: Mapping[str, Any], world: int) -> str | None:
+    """Why a stored template object is malformed (None when valid): ``rows`` must map kinds to stacked
+    arrays ``[world, k]`` of the kind's dtype, and every placeholder must lie inside its row."""
+    if not isinstance(rows, dict) or not set(rows) <= set(KINDS):
+        return f"rows must map some of {sorted(KINDS)} to array names"
+    try:
+        counts = leaf_counts(template)
+    except ValueError as e:
+        return str(e)
+    for kind, need in counts.items():
+        name = rows.get(kind)
+        if name is None:
+            if need:
+                return f"the template has {kind} leaves but no {kind} row"
+            continue
+        tm = tensors.get(name) if isinstance(name, str) else None
+        dtype = KINDS[kind][0]
+        if tm is None or not tm.rank_rows or len(tm.shape) != 2 or tm.dtype != dtype.name:
+            return f"rows[{kind!r}] must name a stored [{world}, k] {dtype.name} array of rank rows"
+        if tm.shape[1] < need:
+            return f"rows[{kind!r}] holds {tm.shape[1]} leaves per rank, the template needs {need}"
+    return None
+
+
+def saved_ranks(obj: Any, world: int) -> list[int]:
+    """The saved ranks of a per-rank object (every rank of the world for a template object)."""
+    return list(range(world)) if obj.rows is not None else sorted(obj.per_rank)
