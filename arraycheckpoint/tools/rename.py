@@ -85,6 +85,38 @@ def _rewrite_value(name: str, value: Any, fqn_map: Mapping[str, str]) -> Any:
     return value
 
 
+_REF_TAGS = ("__array__", "__module__")
+
+
+def _rewrite_refs(value: Any, rules: list[tuple[str, str]]) -> Any:
+    """``value`` (an object's stored document) with its references to renamed tensors renamed too.
+
+    Documents name the arrays they hold (:func:`arraycheckpoint.extras.encode`): ``{"__array__": name}`` and
+    ``{"__module__": name}`` anywhere (a user dict with such a key is stored tagged, so these are always
+    references), and the ``"arrays"`` map (name -> kind) at the top of a state or per-rank document. The
+    document's own keys keep their names: the entry loads from the moved array. Without this a renamed
+    tensor that a document refers to made the checkpoint unloadable.
+    """
+    if not rules:
+        return value
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, dict):
+            if len(v) == 1:
+                ((k, body),) = v.items()
+                if k in _REF_TAGS and isinstance(body, str):
+                    return {k: _apply(rules, body)}
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    out = walk(value)
+    if isinstance(out, dict) and isinstance(out.get("arrays"), dict) and ("doc" in out or "values" in out):
+        out["arrays"] = {_apply(rules, n): kind for n, kind in out["arrays"].items()}
+    return out
+
+
 def plan_rename(
     meta: CheckpointMetadata, mapping: Mapping[str, str]
 ) -> tuple[CheckpointMetadata, RenameResult]:
@@ -118,10 +150,10 @@ def plan_rename(
         objects[new] = ObjectMeta(
             new,
             om.scope,
-            _rewrite_value(name, om.value, fqn_map),
-            {r: _rewrite_value(name, v, fqn_map) for r, v in om.per_rank.items()},
+            _rewrite_refs(_rewrite_value(name, om.value, fqn_map), rules),
+            {r: _rewrite_refs(_rewrite_value(name, v, fqn_map), rules) for r, v in om.per_rank.items()},
             # a per-rank template (arraycheckpoint.rankdoc): its rows are tensors, renamed with them
-            _rewrite_value(name, om.template, fqn_map),
+            _rewrite_refs(_rewrite_value(name, om.template, fqn_map), rules),
             None if om.rows is None else {k: _apply(rules, n) for k, n in om.rows.items()},
         )
     all_new = set(tensors)
