@@ -1,9 +1,12 @@
 """Per-rank JSON documents as one rank-independent template plus numeric rows (format 4).
 
-A per-rank object (``<ns>/~per_rank``: every rank's ``PerRank`` documents, see :mod:`arraycheckpoint.stateful`)
-used to travel in every rank's commit status and sit in the metadata once per rank (``per_rank: {rank:
-doc}``): about 0.5 KB per rank for an RNG state, 5 MB at 10,000 ranks. The ranks' documents almost always
-share one structure and differ only in numbers, so each rank splits its document (:func:`split`) into
+A per-rank object used to travel in every rank's commit status and sit in the metadata once per rank
+(``per_rank: {rank: doc}``): ``<ns>/~per_rank`` (every rank's ``PerRank`` documents, see
+:mod:`arraycheckpoint.stateful`; about 0.5 KB per rank for an RNG state, 5 MB at 10,000 ranks) and a
+dataloader's shard index ``<ns>/~shards`` (:mod:`arraycheckpoint.data.checkpoint`; about 0.45 KB per rank).
+The ranks' documents almost always share one structure and differ only in numbers, so each rank splits its
+document (:func:`split`; a kind whose per-rank document names its rank first writes it rank-independently
+and passes the per-rank one as the ``fallback`` of :func:`templated`) into
 
 * a **template**: the document with every numeric leaf replaced by a placeholder ``{"__leaf__": "<k><i>"}``
   (``k``: ``i`` int, ``b`` bool, ``f`` float; ``i``: the leaf's index in its row) and every per-rank array
@@ -27,7 +30,9 @@ same decision from the same all-reduce.
 
 **Load.** Saved rank ``s`` 's document is the template with row ``s`` of each row array put back
 (:func:`join`); the per-rank rule (own row, else ``source_rank`` and ``derive``) is unchanged, the saved ranks
-being ``0 .. world_size - 1``.
+being ``0 .. world_size - 1``. :func:`read_rows` plans reading one rank's row (a ``PerRank`` value) or every
+rank's (a dataloader, which sees every saved shard); :func:`documents` gives every saved rank's document in
+either form.
 
 Pure: no I/O, no communication.
 """
@@ -41,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from .items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
-from .perrank import row, stack
+from .perrank import fill, row, stack
 from .regions import Box
 from .rules import digest
 
@@ -254,15 +259,8 @@ def read_rows(
         bufs[kind] = buf = np.empty(box.lengths if source is None else tm.shape[1:], dtype=KINDS[kind][0])
         stored[name] = tm
         if buf.size:
-            targets.append(LoadTensor(name, [LoadShard(box, _into(buf))]))
+            targets.append(LoadTensor(name, [LoadShard(box, fill(buf))]))
     return targets, bufs, stored
-
-
-def _into(buf: np.ndarray) -> Any:
-    def sink(arr: np.ndarray) -> None:
-        buf[...] = arr.reshape(buf.shape)  # one rank's row arrives as [1, k]
-
-    return sink
 
 
 def documents(obj: Any, rows: Mapping[str, np.ndarray], world: int) -> dict[int, Any]:

@@ -254,13 +254,6 @@ class _Loaded:
     source: int
 
 
-def _fill(buf: np.ndarray) -> Callable[[np.ndarray], None]:
-    def sink(arr: np.ndarray) -> None:
-        buf[...] = arr.reshape(buf.shape)  # a stacked array's row arrives as [1, *shape]
-
-    return sink
-
-
 def _as_kind(buf: np.ndarray, kind: str) -> Any:
     if kind == "torch":
         from .adapters.torch.tensors import as_torch
@@ -378,7 +371,7 @@ def load_job(
         expected[stored] = Expected(tm.shape, tm.dtype)
         if buf.size:
             box = box or Box.full(tm.shape)
-            targets.append(LoadTensor(stored, [LoadShard(box, _fill(buf))]))
+            targets.append(LoadTensor(stored, [LoadShard(box, perrank.fill(buf))]))
 
     def finish() -> None:
         default = "torch" if "torch" in sys.modules else "numpy"

@@ -232,17 +232,10 @@ def load_job(
             saved.shards[key].arrays[arr_name] = buf
             expected[x.name] = Expected(x.tm.shape, x.tm.dtype)
             if buf.size:
-                targets.append(LoadTensor(x.name, [LoadShard(x.box, _fill(buf))]))
+                targets.append(LoadTensor(x.name, [LoadShard(x.box, perrank.fill(buf))]))
 
     def finish() -> ReshardableLoader:
         loader.load_checkpoint_state(saved)
         return loader
 
     return LoadJob(targets, expected, {ns}, finish)
-
-
-def _fill(buf: np.ndarray) -> Any:
-    def sink(arr: np.ndarray) -> None:
-        buf[...] = arr.reshape(buf.shape)  # a stacked array's row arrives as [1, *shape]
-
-    return sink
