@@ -97,9 +97,8 @@ def save_items(
     }
     plain = SaveObject(f"{ns}/~shards", {"dp_rank": state.dp_rank, "shards": index}, scope="rank")
     compact = {"dp_rank": state.dp_rank, "workers": workers}
-    if rank is None or rankdoc.ambiguous(
-        compact
-    ):  # no world to stack rows in; or a document split can't keep
+    # per rank without a world to stack rows in, or for meta that split would misread (rankdoc.ambiguous)
+    if rank is None or rankdoc.ambiguous(compact):
         return tensors, [SaveObject(ns, head), plain]
     # one template and rows of numbers when every rank's index agrees, else ``plain`` (arraycheckpoint.rankdoc)
     template, *leaf_rows = rankdoc.templated(
