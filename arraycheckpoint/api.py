@@ -254,7 +254,12 @@ def load(
         )
         job = _adapter(framework).load_job(meta, state, options)
         job = stateful.merge_load(
-            job, special, meta, lambda: _communicator(comm, framework), options
+            job,
+            special,
+            meta,
+            lambda: _communicator(comm, framework),
+            options,
+            lambda targets: eng.load(storage, root, meta, targets),  # a dataloader's index rows
         )  # stateful
         found = check_expected(meta, job, options)
         needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)

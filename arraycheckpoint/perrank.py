@@ -25,6 +25,7 @@ Pure: no I/O, no communication.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,3 +148,12 @@ def resolve(meta: Any, ns: str, source: int, name: str) -> tuple[str, Any, Box |
     own = per_rank_prefix(ns, source) + name[len(rows) :] if name.startswith(rows) else None
     tm = meta.tensors.get(own) if own is not None else None
     return None if tm is None else (own, tm, None)
+
+
+def fill(buf: np.ndarray) -> Callable[[np.ndarray], None]:
+    """A load sink copying what it receives into ``buf`` (a stacked array's row arrives as ``[1, *shape]``)."""
+
+    def sink(arr: np.ndarray) -> None:
+        buf[...] = arr.reshape(buf.shape)
+
+    return sink

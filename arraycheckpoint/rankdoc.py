@@ -1,9 +1,12 @@
 """Per-rank JSON documents as one rank-independent template plus numeric rows (format 4).
 
-A per-rank object (``<ns>/~per_rank``: every rank's ``PerRank`` documents, see :mod:`arraycheckpoint.stateful`)
-used to travel in every rank's commit status and sit in the metadata once per rank (``per_rank: {rank:
-doc}``): about 0.5 KB per rank for an RNG state, 5 MB at 10,000 ranks. The ranks' documents almost always
-share one structure and differ only in numbers, so each rank splits its document (:func:`split`) into
+A per-rank object used to travel in every rank's commit status and sit in the metadata once per rank
+(``per_rank: {rank: doc}``): ``<ns>/~per_rank`` (every rank's ``PerRank`` documents, see
+:mod:`arraycheckpoint.stateful`; about 0.5 KB per rank for an RNG state, 5 MB at 10,000 ranks) and a
+dataloader's shard index ``<ns>/~shards`` (:mod:`arraycheckpoint.data.checkpoint`; about 0.45 KB per rank).
+The ranks' documents almost always share one structure and differ only in numbers, so each rank splits its
+document (:func:`split`; a kind whose per-rank document names its rank first writes it rank-independently
+and passes the per-rank one as the ``fallback`` of :func:`templated`) into
 
 * a **template**: the document with every numeric leaf replaced by a placeholder ``{"__leaf__": "<k><i>"}``
   (``k``: ``i`` int, ``b`` bool, ``f`` float; ``i``: the leaf's index in its row) and every per-rank array
@@ -27,7 +30,9 @@ same decision from the same all-reduce.
 
 **Load.** Saved rank ``s`` 's document is the template with row ``s`` of each row array put back
 (:func:`join`); the per-rank rule (own row, else ``source_rank`` and ``derive``) is unchanged, the saved ranks
-being ``0 .. world_size - 1``.
+being ``0 .. world_size - 1``. :func:`read_rows` plans reading one rank's row (a ``PerRank`` value) or every
+rank's (a dataloader, which sees every saved shard); :func:`documents` gives every saved rank's document in
+either form.
 
 Pure: no I/O, no communication.
 """
@@ -40,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from .items import ArraySource, SaveObject, SaveShard, SaveTensor
-from .perrank import stack
+from .items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
+from .perrank import fill, row, stack
 from .regions import Box
 from .rules import digest
 
@@ -132,12 +137,19 @@ def leaf_counts(template: Any) -> dict[str, int]:
     return counts
 
 
-def templated(per_rank: SaveObject, stacked: Mapping[str, str], rank: int, world: int) -> list[Any]:
+def templated(
+    per_rank: SaveObject,
+    stacked: Mapping[str, str],
+    rank: int,
+    world: int,
+    fallback: SaveObject | None = None,
+) -> list[Any]:
     """``[template object, *row tensors]`` for this rank's per-rank object ``per_rank``.
 
     ``stacked`` maps this rank's per-rank array names to their stacked names (other references keep their
-    names). The object keeps ``per_rank`` as its ``fallback``; each row tensor is row ``rank`` of a ``[world,
-    k]`` array.
+    names). The object keeps ``fallback`` (default ``per_rank``: a kind whose per-rank form is another
+    document, like the dataloader's shard index, passes that one) as what every rank saves when the templates
+    disagree; each row tensor is row ``rank`` of a ``[world, k]`` array.
     """
     value = _rename(per_rank.value, stacked)
     template, ints, floats = split(value)
@@ -151,8 +163,24 @@ def templated(per_rank: SaveObject, stacked: Mapping[str, str], rank: int, world
         t = SaveTensor(names[kind], a.shape, a.dtype, [SaveShard(Box.full(a.shape), ArraySource(a))])
         tensors.append(dataclasses.replace(stack(t, names[kind], rank, world), fallback=None))
         rows[kind] = names[kind]
-    obj = SaveObject(per_rank.name, template, scope="rank", rows=rows, fallback=per_rank)
+    obj = SaveObject(per_rank.name, template, scope="rank", rows=rows, fallback=fallback or per_rank)
     return [obj, *tensors]
+
+
+def ambiguous(doc: Any) -> bool:
+    """Whether raw JSON ``doc`` (not encoded by :mod:`arraycheckpoint.extras`, which escapes them) holds a
+    one-key dict that :func:`split` would read as a leaf (``__leaf__``, ``__float__``): such a document must
+    stay in per-rank form to come back unchanged."""
+    todo: list[Any] = [doc]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, (list, tuple)):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            if len(v) == 1 and (LEAF in v or "__float__" in v):
+                return True
+            todo.extend(v.values())
+    return False
 
 
 def _rename(doc: Any, names: Mapping[str, str]) -> Any:
@@ -208,3 +236,39 @@ def check(template: Any, rows: Any, tensors: Mapping[str, Any], world: int) -> s
 def saved_ranks(obj: Any, world: int) -> list[int]:
     """The saved ranks of a per-rank object (every rank of the world for a template object)."""
     return list(range(world)) if obj.rows is not None else sorted(obj.per_rank)
+
+
+def read_rows(
+    obj: Any, meta: Any, source: int | None = None
+) -> tuple[list[LoadTensor], dict[str, np.ndarray], dict[str, Any]]:
+    """What reading template object ``obj``'s rows takes: ``(targets, buffers by kind, TensorMeta by stored
+    name)``. A buffer holds saved rank ``source``'s leaves (``[k]``) or, with ``source`` None, every saved
+    rank's (``[world, k]``: a reader that needs every rank's document, like a dataloader planning its
+    resharding). Raises ValueError when a row is not stored. Plans only; the caller reads."""
+    targets: list[LoadTensor] = []
+    bufs: dict[str, np.ndarray] = {}
+    stored: dict[str, Any] = {}
+    for kind, name in (obj.rows or {}).items():
+        found = row(meta, name, 0 if source is None else source)
+        if found is None:
+            at = "" if source is None else f" of rank {source}"
+            raise ValueError(f"{obj.name}: the {kind} row{at} ({name!r}) is not stored")
+        tm, box = found
+        if source is None:  # every rank's row
+            box = Box.full(tm.shape)
+        bufs[kind] = buf = np.empty(box.lengths if source is None else tm.shape[1:], dtype=KINDS[kind][0])
+        stored[name] = tm
+        if buf.size:
+            targets.append(LoadTensor(name, [LoadShard(box, fill(buf))]))
+    return targets, bufs, stored
+
+
+def documents(obj: Any, rows: Mapping[str, np.ndarray], world: int) -> dict[int, Any]:
+    """Every saved rank's document of per-rank object ``obj``: its ``per_rank`` values, or for a template
+    object the template joined with each rank's row of ``rows`` (kind -> ``[world, k]``, as :func:`read_rows`
+    with no source fills them)."""
+    if obj.rows is None:
+        return dict(obj.per_rank)
+    empty = np.empty((world, 0))
+    ints, floats = rows.get("int", empty), rows.get("float", empty)
+    return {s: join(obj.template, ints[s], floats[s]) for s in range(world)}

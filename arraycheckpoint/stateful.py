@@ -254,13 +254,6 @@ class _Loaded:
     source: int
 
 
-def _fill(buf: np.ndarray) -> Callable[[np.ndarray], None]:
-    def sink(arr: np.ndarray) -> None:
-        buf[...] = arr.reshape(buf.shape)  # a stacked array's row arrives as [1, *shape]
-
-    return sink
-
-
 def _as_kind(buf: np.ndarray, kind: str) -> Any:
     if kind == "torch":
         from .adapters.torch.tensors import as_torch
@@ -318,12 +311,16 @@ def load_job(
     comm: Callable[[], Communicator],
     options: AdapterOptions,
     result: dict[str, Any],
+    read: Callable[[list[LoadTensor]], Any] | None = None,
 ) -> LoadJob:
-    """Plan reading special namespace ``ns`` into ``value``; ``finish`` stores the outcome in ``result[ns]``."""
+    """Plan reading special namespace ``ns`` into ``value``; ``finish`` stores the outcome in ``result[ns]``.
+
+    ``read`` reads targets at once: a dataloader whose shard index is a template reads its rows while planning
+    (it names the shards it needs from every saved shard's state)."""
     if _is_loader(value):
         from .data.checkpoint import load_job as loader_job
 
-        job = loader_job(ns, value, meta)
+        job = loader_job(ns, value, meta, read)
         inner = job.finish
 
         def finish_loader() -> None:
@@ -357,14 +354,12 @@ def load_job(
         saved = pr.template if pr.rows is not None else pr.per_rank[src]
         docs = saved["values"]
         kinds.update(saved.get("arrays", {}))
-        for kind, name in (pr.rows or {}).items():
-            found = perrank.row(meta, name, src)
-            if found is None:
-                raise ArrayCheckpointError(f"{ns}: rank {src}'s row of {name!r} is not stored (rank {rank})")
-            tm, box = found
-            leaves[kind] = np.empty(tm.shape[1:], dtype=numpy_dtype(tm.dtype))
-            expected[name] = Expected(tm.shape, tm.dtype)
-            targets.append(LoadTensor(name, [LoadShard(box, _fill(leaves[kind]))]))
+        try:
+            reads, leaves, stored = rankdoc.read_rows(pr, meta, src)
+        except ValueError as e:
+            raise ArrayCheckpointError(f"{ns}: {e} (rank {rank})") from None
+        targets.extend(reads)
+        expected.update({n: Expected(tm.shape, tm.dtype) for n, tm in stored.items()})
     for ref in extras.array_refs(doc) + extras.array_refs(docs):
         # a per-rank array may be a row of a stacked array, or stored per rank (arraycheckpoint.perrank)
         found = perrank.resolve(meta, ns, src, ref)
@@ -376,7 +371,7 @@ def load_job(
         expected[stored] = Expected(tm.shape, tm.dtype)
         if buf.size:
             box = box or Box.full(tm.shape)
-            targets.append(LoadTensor(stored, [LoadShard(box, _fill(buf))]))
+            targets.append(LoadTensor(stored, [LoadShard(box, perrank.fill(buf))]))
 
     def finish() -> None:
         default = "torch" if "torch" in sys.modules else "numpy"
@@ -395,12 +390,14 @@ def merge_load(
     meta: CheckpointMetadata,
     comm: Callable[[], Communicator],
     options: AdapterOptions,
+    read: Callable[[list[LoadTensor]], Any] | None = None,
 ) -> LoadJob:
-    """The adapter's ``job`` plus the special namespaces' reads; ``finish`` returns the combined state."""
+    """The adapter's ``job`` plus the special namespaces' reads; ``finish`` returns the combined state.
+    ``read`` reads targets at once (see :func:`load_job`)."""
     if not special:
         return job
     extra: dict[str, Any] = {}
-    jobs = [load_job(ns, v, meta, comm, options, extra) for ns, v in special.items()]
+    jobs = [load_job(ns, v, meta, comm, options, extra, read) for ns, v in special.items()]
     for j in jobs:
         job.targets.extend(j.targets)
         job.expected.update(j.expected)

@@ -42,6 +42,7 @@ import resource
 import sys
 import time
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -251,47 +252,105 @@ def status_bytes() -> int:
     )
 
 
-def with_perrank(
-    groups: list[tuple[Decl, list[int]]], world: int, form: str
-) -> tuple[list[tuple[Decl, list[int]]], list, list, list[dict]]:
-    """``groups`` with every rank's PerRank RNG state added (``form``: ``stacked`` or ``per-rank``).
+class FakeLoader:
+    """A small reshardable loader: per worker a read position, an epoch, a seed, per-source offsets (JSON)
+    and a fixed-size positions array (stacked, as when every rank's arrays agree)."""
 
-    Returns the new groups, rank 0's save tensors and objects (the coordinator's request) and every rank's
-    per-rank objects (its commit status payload). Built by the real save path: ``stateful.save_items``,
-    ``rankdoc.fall_back`` and ``declare``.
-    """
+    WORKERS = 2
+
+    def __init__(self, dp_rank: int, dp_size: int) -> None:
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def checkpoint_state(self, step: int | None = None) -> Any:
+        from arraycheckpoint.data import LoaderState, ShardState
+
+        d = self.dp_rank
+        shards = {
+            (d, w): ShardState(
+                {"position": 4096 * d + w, "epoch": 1, "seed": 1234 + d, "offsets": [d * 7, d * 11, w]},
+                {"positions": np.arange(3, dtype=np.int64) + d},
+            )
+            for w in range(self.WORKERS)
+        }
+        return LoaderState(
+            {"seq": 4096, "sources": ["web", "code"]}, d, self.dp_size, self.WORKERS, shards, step
+        )
+
+    def shards_to_load(self, saved: Any) -> list:
+        return saved.ordered_keys()
+
+    def load_checkpoint_state(self, saved: Any) -> None:
+        return None
+
+
+def rank_items(
+    r: int, world: int, perrank: str, dataloader: str, rng_state: dict | None
+) -> tuple[list, list]:
+    """Rank ``r``'s special items: its PerRank RNG state (``perrank``) and a DP dataloader (``dataloader``;
+    its DP rank is ``r`` over ``world`` DP ranks), each in template form or the per-rank fallback. Built by the
+    real save path: ``stateful.save_items``, ``data.checkpoint.save_items`` and ``rankdoc.fall_back``."""
     from types import SimpleNamespace
 
-    import torch  # noqa: F401 - rng.capture() records torch's generator when torch is imported
-
-    from arraycheckpoint import perrank, rankdoc, rng
+    from arraycheckpoint import rankdoc
     from arraycheckpoint.adapters.base import AdapterOptions
-    from arraycheckpoint.engine.coordinate import declare
+    from arraycheckpoint.data.checkpoint import save_items as loader_items
     from arraycheckpoint.stateful import PerRank, save_items
 
-    state = rng.capture()
+    tensors: list = []
+    objects: list = []
+    if perrank != "none":
+        assert rng_state is not None
+        own = {**rng_state, "numpy": {**rng_state["numpy"], "pos": r % 624, "cached_gaussian": r / 7}}
+        comm = SimpleNamespace(rank=r, world_size=world)
+        t, o = save_items("extra_state", {"rng": PerRank(own)}, comm, AdapterOptions())
+        t, o = rankdoc.fall_back(t, o) if perrank != "stacked" else (t, o)
+        tensors, objects = tensors + t, objects + o
+    if dataloader != "none":
+        t, o = loader_items("dataloader", FakeLoader(r, world), 1, r, world)
+        t, o = rankdoc.fall_back(t, o) if dataloader != "template" else (t, o)
+        tensors, objects = tensors + t, objects + o
+    return tensors, objects
+
+
+def with_perrank(
+    groups: list[tuple[Decl, list[int]]], world: int, form: str, dataloader: str = "none"
+) -> tuple[list[tuple[Decl, list[int]]], list, list, list[dict]]:
+    """``groups`` with every rank's per-rank items added (:func:`rank_items`; the arrays stacked unless
+    ``form`` is ``per-rank``).
+
+    Returns the new groups, rank 0's save tensors and objects (the coordinator's request) and every rank's
+    per-rank objects (its commit status payload). Built by the real save path (:func:`rank_items` and
+    ``declare``).
+    """
+    from arraycheckpoint import perrank
+    from arraycheckpoint.engine.coordinate import declare
+
+    rng_state = None
+    if form != "none":
+        import torch  # noqa: F401 - rng.capture() records torch's generator when torch is imported
+
+        from arraycheckpoint import rng
+
+        rng_state = rng.capture()
     objects: list[dict] = []
     rank0: list = []
     rank0_objects: list = []
     extra: list[tuple[Decl, list[int]]] = []  # per-rank form: one declaration per rank
     stacked_rules: Decl | None = None
+    stacked = form != "per-rank"
     for r in range(world):
-        comm = SimpleNamespace(rank=r, world_size=world)
-        own = {**state, "numpy": {**state["numpy"], "pos": r % 624, "cached_gaussian": r / 7}}
-        tensors, objs = save_items("extra_state", {"rng": PerRank(own)}, comm, AdapterOptions())
-        if form != "stacked":
-            tensors, objs = rankdoc.fall_back(tensors, objs)
+        tensors, objs = rank_items(r, world, form, dataloader, rng_state)
         objects.append({o.name: o.value for o in objs if o.scope == "rank" and o.rows is None})
         if r == 0:
             rank0, rank0_objects = tensors, objs
-        if form == "stacked":
+        if stacked:
             if stacked_rules is None:
                 stacked_rules = declare(tensors, r)  # identical on every rank: declared once
         else:
             extra.append((declare(perrank.fall_back(tensors), r), [r]))
     out = []
     for decl, rs in groups:
-        if form == "stacked":
+        if stacked:
             assert stacked_rules is not None
             meshes = list(decl.meshes)
             m = stacked_rules.meshes[0]
@@ -317,14 +376,15 @@ def run(
     sample: int,
     per_host: int = 8,
     perrank: str = "none",
+    dataloader: str = "none",
 ) -> dict:
     tensors = model_tensors(count)
     groups, world = groups_for(layout, ranks, tensors)
     rank0_tensors: list = []
     rank0_objects: list = []
     rank_objects: list[dict] = [{} for _ in range(world)]
-    if perrank != "none":
-        groups, rank0_tensors, rank0_objects, rank_objects = with_perrank(groups, world, perrank)
+    if perrank != "none" or dataloader != "none":
+        groups, rank0_tensors, rank0_objects, rank_objects = with_perrank(groups, world, perrank, dataloader)
     send = np.zeros(world, dtype=np.int64)
     recv = np.zeros(world, dtype=np.int64)
     t0 = time.process_time()
@@ -390,7 +450,8 @@ def run(
         far = [x for x in rp.recvs if hostmap.host(x.src) != hostmap.host(r)]
         cross_in = max(cross_in, sum(x.box.volume * isz[x.name] for x in far))
     t2 = time.process_time()
-    objs = [SaveObject("extra_state", {"step": 1}), *(o for o in rank0_objects if o.scope == "rank")]
+    objs = [SaveObject("extra_state", {"step": 1})]
+    objs += [o for o in rank0_objects if o.scope == "rank" or o.name != "extra_state"]
     request = SaveRequest(rank0_tensors, objs, framework=layout, step=1)
     statuses = [
         {**({"metrics": {}} if r % step == 0 else {}), **({"objects": o} if o else {})}
@@ -411,11 +472,12 @@ def run(
         ),
         minlength=world,
     )
-    extra_names = [n for n in plan.tensors if n.startswith("extra_state/")]
+    extra_names = [n for n in plan.tensors if n.startswith(("extra_state/", "dataloader/"))]
     ex = exchange_totals(plan, hostmap)
     return {
         "layout": layout,
         "perrank": perrank,
+        "dataloader": dataloader,
         "ranks": world,
         "tensors": len(plan.tensors),
         "groups": len(decoded),
@@ -519,6 +581,13 @@ def main() -> None:
         default="none",
         help="add a PerRank RNG state on every rank: stacked (one array per slot) or per-rank (the fallback)",
     )
+    ap.add_argument(
+        "--dataloader",
+        choices=["none", "template", "per-rank"],
+        default="none",
+        help="add a DP dataloader's shard index on every rank (DP rank = rank): template (one template and rows "
+        "of numbers) or per-rank (every rank's index in its commit status and the metadata)",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     opts = PlanOptions(
@@ -526,7 +595,7 @@ def main() -> None:
     )
     if not a.no_host_map and "ranks_per_host" in PlanOptions.__dataclass_fields__:
         opts = dataclasses.replace(opts, ranks_per_host=a.ranks_per_host)
-    out = run(a.ranks, a.tensors, a.layout, opts, a.sample, a.ranks_per_host, a.perrank)
+    out = run(a.ranks, a.tensors, a.layout, opts, a.sample, a.ranks_per_host, a.perrank, a.dataloader)
     if a.json:
         print(json.dumps(out))
     else:

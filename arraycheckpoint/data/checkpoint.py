@@ -4,8 +4,19 @@ Entries under namespace ``ns`` (usually ``dataloader``):
 
 * ``<ns>`` (global object, rank 0's value): ``{"__acp_state__": "dataloader", "replicated": ..., "dp_size": D,
   "num_workers": W, "step": S}``;
-* ``<ns>/~shards`` (per-rank object): ``{"dp_rank": d, "shards": {"<d>_<w>": {"meta": ..., "arrays": {name:
-  entry}, "rows": {name: stacked}}}}``: the index of every sharded part, in the global metadata;
+* ``<ns>/~shards`` (per-rank object): the index of every sharded part, in one of two forms.
+
+  - **Template** (format 4, :mod:`arraycheckpoint.rankdoc`): each rank's index in a rank-independent shape,
+    ``{"dp_rank": d, "workers": {"<w>": {"meta": ..., "arrays": [name, ...], "rows": {name: stacked}}}}``
+    (the per-DP-shard array names ``<ns>/shard_<d>_<w>/<name>`` derived, not listed), split into one template
+    and rows of its numbers (``dp_rank``, the numbers in the loader's ``meta``: positions, epochs, seeds) as
+    stacked arrays ``<ns>/~shards/~int`` and ``~float``. When every rank's template agrees (same workers,
+    arrays, meta keys and strings) the commit carries no per-rank index and the metadata holds one template,
+    whatever the number of ranks. A loader reads every rank's rows while planning (it names the shards it
+    needs from every saved shard's meta).
+  - **Per rank** (formats 1-3, and every rank's fallback when any template differs):
+    ``{"dp_rank": d, "shards": {"<d>_<w>": {"meta": ..., "arrays": {name: entry}, "rows": {name: stacked}}}}``
+    per rank, in the global metadata;
 * the sharded parts' arrays (token buffers, positions): when every rank's arrays of worker ``w`` agree in shape
   and dtype, ONE stacked array ``<ns>/~rows/<w>/<array>`` of shape ``[world, *shape]`` whose row ``r`` is
   rank ``r``'s (:mod:`arraycheckpoint.perrank`; ranks sharing a DP rank each store their identical row);
@@ -15,12 +26,13 @@ Entries under namespace ``ns`` (usually ``dataloader``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .. import perrank
+from .. import perrank, rankdoc
 from ..adapters.base import Expected, LoadJob
 from ..errors import ArrayCheckpointError
 from ..items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
@@ -54,7 +66,8 @@ def save_items(
     """
     state: LoaderState = loader.checkpoint_state(step)
     tensors: list[SaveTensor] = []
-    index: dict[str, Any] = {}
+    index: dict[str, Any] = {}  # the per-rank form
+    workers: dict[str, Any] = {}  # the rank-independent form (the template's source)
     for (d, w), shard in sorted(state.shards.items()):
         if d != state.dp_rank:
             raise ArrayCheckpointError(
@@ -63,7 +76,7 @@ def save_items(
             )
         arrays, rows = {}, {}
         for name, arr in sorted(shard.arrays.items()):
-            full = check_name(f"{ns}/shard_{d}_{w}/{name}")
+            full = check_name(shard_array(ns, d, w, name))
             a = np.ascontiguousarray(arr)
             t = SaveTensor(full, tuple(a.shape), a.dtype, [SaveShard(Box.full(a.shape), ArraySource(a))])
             if rank is not None:
@@ -72,7 +85,9 @@ def save_items(
                     rows[name] = t.name
             tensors.append(t)
             arrays[name] = full
-        index[f"{d}_{w}"] = {"meta": shard.meta, "arrays": arrays, **({"rows": rows} if rows else {})}
+        extra = {"rows": rows} if rows else {}
+        index[f"{d}_{w}"] = {"meta": shard.meta, "arrays": arrays, **extra}
+        workers[str(w)] = {"meta": shard.meta, "arrays": sorted(arrays), **extra}
     head = {
         "__acp_state__": MARKER,
         "replicated": state.replicated,
@@ -80,16 +95,29 @@ def save_items(
         "num_workers": state.num_workers,
         "step": state.step if state.step is not None else step,
     }
-    objects = [
-        SaveObject(ns, head),
-        SaveObject(f"{ns}/~shards", {"dp_rank": state.dp_rank, "shards": index}, scope="rank"),
-    ]
-    return tensors, objects
+    plain = SaveObject(f"{ns}/~shards", {"dp_rank": state.dp_rank, "shards": index}, scope="rank")
+    compact = {"dp_rank": state.dp_rank, "workers": workers}
+    # per rank without a world to stack rows in, or for meta that split would misread (rankdoc.ambiguous)
+    if rank is None or rankdoc.ambiguous(compact):
+        return tensors, [SaveObject(ns, head), plain]
+    # one template and rows of numbers when every rank's index agrees, else ``plain`` (arraycheckpoint.rankdoc)
+    template, *leaf_rows = rankdoc.templated(
+        SaveObject(plain.name, compact, scope="rank"), {}, rank, world, fallback=plain
+    )
+    return [*tensors, *leaf_rows], [SaveObject(ns, head), template]
 
 
-def saved_state(meta: CheckpointMetadata, ns: str) -> SavedLoaderState:
-    """The saved layout of ``ns``: replicated part and every shard's JSON (arrays not yet read)."""
-    return _saved(meta, ns)[0]
+def shard_array(ns: str, dp_rank: int, worker: int, name: str) -> str:
+    """The entry name of DP shard ``(dp_rank, worker)``'s array ``name`` when stored per DP shard."""
+    return f"{ns}/shard_{dp_rank}_{worker}/{name}"
+
+
+def saved_state(
+    meta: CheckpointMetadata, ns: str, read: Callable[[list[LoadTensor]], Any] | None = None
+) -> SavedLoaderState:
+    """The saved layout of ``ns``: replicated part and every shard's JSON (arrays not yet read). ``read``
+    (targets -> None, reading them at once) reads a template index's rows; without it such an index is refused."""
+    return _saved(meta, ns, _documents(meta, ns, read)[0])[0]
 
 
 @dataclass(frozen=True)
@@ -121,36 +149,73 @@ def _where(meta: CheckpointMetadata, name: str, entry: dict[str, Any], rank: int
     return _Stored(full) if found is None else _Stored(stacked, *found, row=True)
 
 
-def _saved(meta: CheckpointMetadata, ns: str) -> tuple[SavedLoaderState, dict[ShardKey, dict[str, _Stored]]]:
-    head = meta.objects[ns].value
+def _documents(
+    meta: CheckpointMetadata, ns: str, read: Callable[[list[LoadTensor]], Any] | None
+) -> tuple[dict[int, Any], dict[str, Expected]]:
+    """Every saved rank's shard index (either form), and the expectations of the rows read for it."""
     idx = meta.objects.get(f"{ns}/~shards")
     if idx is None or idx.scope != "rank":
         raise ArrayCheckpointError(f"dataloader {ns!r}: the checkpoint has no shard index {ns}/~shards")
+    if idx.rows is None:
+        return rankdoc.documents(idx, {}, meta.world_size), {}
+    if read is None:
+        raise ArrayCheckpointError(f"dataloader {ns!r}: its shard index is a template; read its rows to plan")
+    try:
+        targets, rows, stored = rankdoc.read_rows(idx, meta)
+    except ValueError as e:
+        raise ArrayCheckpointError(f"dataloader {ns!r}: {e}") from None
+    read(targets)
+    expected = {n: Expected(tm.shape, tm.dtype) for n, tm in stored.items()}
+    return rankdoc.documents(idx, rows, meta.world_size), expected
+
+
+def _entries(ns: str, doc: dict[str, Any]) -> dict[ShardKey, dict[str, Any]]:
+    """One saved rank's index entries by shard key, from either form (module docstring)."""
+    if "workers" not in doc:
+        return {(int(k.split("_")[0]), int(k.split("_")[1])): e for k, e in doc["shards"].items()}
+    d = int(doc["dp_rank"])
+    return {
+        (d, int(w)): {**e, "arrays": {a: shard_array(ns, d, int(w), a) for a in e["arrays"]}}
+        for w, e in doc["workers"].items()
+    }
+
+
+def _saved(
+    meta: CheckpointMetadata, ns: str, docs: dict[int, Any]
+) -> tuple[SavedLoaderState, dict[ShardKey, dict[str, _Stored]]]:
+    head = meta.objects[ns].value
     shards: dict[ShardKey, ShardState] = {}
     shapes: dict[ShardKey, dict[str, tuple[int, ...]]] = {}
     names: dict[ShardKey, dict[str, _Stored]] = {}
-    for rank, doc in sorted(idx.per_rank.items()):
-        for key, entry in doc["shards"].items():
-            d, w = (int(x) for x in key.split("_"))
-            if (d, w) in shards:
+    for rank, doc in sorted(docs.items()):
+        for key, entry in _entries(ns, doc).items():
+            if key in shards:
                 continue  # a TP/PP peer of the same DP rank saved the same shard
-            shards[(d, w)] = ShardState(meta=entry["meta"], arrays={})
-            names[(d, w)] = {a: _where(meta, a, entry, rank) for a in entry["arrays"]}
-            shapes[(d, w)] = {a: x.shape for a, x in names[(d, w)].items() if x.tm is not None}
+            shards[key] = ShardState(meta=entry["meta"], arrays={})
+            names[key] = {a: _where(meta, a, entry, rank) for a in entry["arrays"]}
+            shapes[key] = {a: x.shape for a, x in names[key].items() if x.tm is not None}
     saved = SavedLoaderState(
         head["replicated"], int(head["dp_size"]), int(head["num_workers"]), shards, shapes, head.get("step")
     )
     return saved, names
 
 
-def load_job(ns: str, loader: ReshardableLoader, meta: CheckpointMetadata) -> LoadJob:
-    """Read only the arrays of the shards ``loader`` asks for, then let it rebuild its state."""
+def load_job(
+    ns: str,
+    loader: ReshardableLoader,
+    meta: CheckpointMetadata,
+    read: Callable[[list[LoadTensor]], Any] | None = None,
+) -> LoadJob:
+    """Read only the arrays of the shards ``loader`` asks for, then let it rebuild its state. ``read`` (targets
+    -> None, reading them at once) reads a template index's rows first (:func:`saved_state`)."""
     from ..codecs import numpy_dtype
 
     expected: dict[str, Expected] = {ns: Expected()}
     if ns not in meta.objects:
         return LoadJob([], expected, {ns}, lambda: loader)
-    saved, names = _saved(meta, ns)
+    docs, index_rows = _documents(meta, ns, read)
+    expected.update(index_rows)
+    saved, names = _saved(meta, ns, docs)
     targets: list[LoadTensor] = []
     for key in loader.shards_to_load(saved):
         key = (int(key[0]), int(key[1]))
@@ -166,17 +231,10 @@ def load_job(ns: str, loader: ReshardableLoader, meta: CheckpointMetadata) -> Lo
             saved.shards[key].arrays[arr_name] = buf
             expected[x.name] = Expected(x.tm.shape, x.tm.dtype)
             if buf.size:
-                targets.append(LoadTensor(x.name, [LoadShard(x.box, _fill(buf))]))
+                targets.append(LoadTensor(x.name, [LoadShard(x.box, perrank.fill(buf))]))
 
     def finish() -> ReshardableLoader:
         loader.load_checkpoint_state(saved)
         return loader
 
     return LoadJob(targets, expected, {ns}, finish)
-
-
-def _fill(buf: np.ndarray) -> Any:
-    def sink(arr: np.ndarray) -> None:
-        buf[...] = arr.reshape(buf.shape)  # a stacked array's row arrives as [1, *shape]
-
-    return sink

@@ -17,6 +17,7 @@ import arraycheckpoint as acp
 from arraycheckpoint.data import LoaderState, SavedLoaderState, ShardState
 
 WORKERS = 2
+INDEX = ["~shards/~int"]  # the shard index's numbers (no float in its meta)
 
 
 class PositionLoader:
@@ -94,7 +95,9 @@ def test_loader_arrays_stack_into_one_array_per_worker_and_reshard(tmp_path) -> 
     root = str(tmp_path / "ck")
     run_distributed(_save, 3, (root, False))
     arrays = _zarr_arrays(root)
-    assert sorted(arrays) == [f"~rows/{w}/{a}" for w in range(WORKERS) for a in ("pos", "seen")]
+    assert sorted(arrays) == [f"~rows/{w}/{a}" for w in range(WORKERS) for a in ("pos", "seen")] + INDEX
+    # the shard index is one template; row r holds rank r's DP rank and cursors (arraycheckpoint.rankdoc)
+    assert arrays["~shards/~int"].tolist() == [[d, d * 100, d * 100 + 1] for d in range(3)]
     ref = PositionLoader(0, 3)
     for w in range(WORKERS):
         for d in range(3):  # row d is DP rank d's array (one rank per DP rank here)
@@ -108,9 +111,9 @@ def test_loader_arrays_that_differ_fall_back_to_one_array_per_shard(tmp_path) ->
     root = str(tmp_path / "ck")
     run_distributed(_save, 3, (root, True), timeout=120)
     arrays = _zarr_arrays(root)
-    assert sorted(arrays) == sorted(
-        f"shard_{d}_{w}/{a}" for d in range(3) for w in range(WORKERS) for a in ("pos", "seen")
-    )
+    # the arrays differ, the index still agrees: its template names both forms
+    per_shard = [f"shard_{d}_{w}/{a}" for d in range(3) for w in range(WORKERS) for a in ("pos", "seen")]
+    assert sorted(arrays) == sorted(per_shard) + INDEX
     _check_loaded(run_distributed(_load, 2, (root,)), 3, grow=True)
 
 
@@ -118,5 +121,6 @@ def test_one_process_round_trip_keeps_each_array_shape(tmp_path) -> None:
     """World 1: the stacked array [1, *shape] has the row's shape plus one; the loader gets the row's shape."""
     root = str(tmp_path / "ck")
     _save(0, 1, root, False)
-    assert sorted(_zarr_arrays(root)) == [f"~rows/{w}/{a}" for w in range(WORKERS) for a in ("pos", "seen")]
+    want = [f"~rows/{w}/{a}" for w in range(WORKERS) for a in ("pos", "seen")] + INDEX
+    assert sorted(_zarr_arrays(root)) == want
     _check_loaded([_load(0, 1, root)], 1)

@@ -38,6 +38,9 @@ def test_unstack_every_layer_into_plain_module(tp2_checkpoint: tuple) -> None:
     stacked = stacked_axes(meta)
     assert stacked["model/decoder.layers.mlp.linear_fc1.weight"] == 1
     assert "model/embedding.word_embeddings.weight" not in stacked
+    # every stacked tensor listed, by the main replica of its origin only (TP rank 1 holds none: it sends none)
+    assert set(stacked) == {n for n in meta.tensors if n.startswith("model/decoder.layers.")}
+    assert sorted(meta.objects["model/~stacked"].per_rank) == [0]
     mapping = unstack_map(meta, rename=lambda k: "gpt." + k)
     assert mapping["gpt.decoder.layers.3.mlp.linear_fc2.weight"] == StoredSlice(
         "model/decoder.layers.mlp.linear_fc2.weight", (3,)

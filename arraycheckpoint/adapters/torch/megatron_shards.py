@@ -20,7 +20,9 @@ from ..base import AdapterOptions, Expected
 from .tensors import TorchSource, as_torch, load_shard, numpy_dtype
 
 Path = tuple[Any, ...]
-STACKED = "~stacked"  # per-namespace object: {tensor name: number of stacked-layer axes}, one value per rank
+STACKED = (
+    "~stacked"  # per-namespace object {name: stacked-layer axes}, per rank (listing ranks: records_stacked)
+)
 
 
 # ------------------------------------------------------------------------------------------ detection
@@ -83,6 +85,13 @@ def is_main_replica(replica_id: Any) -> bool:
     if isinstance(replica_id, int):
         return replica_id == 0
     return all(int(r) == 0 for r in replica_id)
+
+
+def records_stacked(prepended: int, boxes: list[Box]) -> bool:
+    """Whether the main replica of these boxes of a stacked tensor lists it in ``~stacked``: when a box
+    starts at the origin of the layer axes (after the ``prepended`` ones). One main replica holds it per
+    layer, so about one rank per pipeline stage lists each tensor, not every TP and DP rank."""
+    return any(not any(b.offsets[prepended:]) for b in boxes)
 
 
 def sharded_tensor_pieces(st: Any) -> list[tuple[Box, torch.Tensor]]:
@@ -221,8 +230,14 @@ class SaveBuilder:
 
     def sharded_tensor(self, name: str, st: Any) -> None:
         shape = tuple(int(s) for s in st.global_shape)
-        self.tensor(name, shape, st.data.dtype, sharded_tensor_pieces(st), is_main_replica(st.replica_id))
-        if st.prepend_axis_num:
+        pieces = sharded_tensor_pieces(st)
+        main = is_main_replica(st.replica_id)
+        self.tensor(name, shape, st.data.dtype, pieces, main)
+        if (
+            st.prepend_axis_num
+            and main
+            and records_stacked(int(st.prepend_axis_num), [b for b, _v in pieces])
+        ):
             self.stacked.setdefault(name.split("/", 1)[0], {})[name] = int(st.prepend_axis_num)
 
     def finish(self) -> tuple[list[SaveTensor], list[SaveObject]]:
