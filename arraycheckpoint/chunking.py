@@ -59,8 +59,14 @@ def tensor_chunk_shape(
         return aligned  # the shape cannot be cut into about that many chunks: they would be too large
     edges = _interior_gcd(shape, boxes)  # a chunk grid nests in the regions when every edge lies on it
     nests = lambda chunk: all(g % c == 0 for g, c in zip(edges, chunk))  # noqa: E731
-    too_big = math.prod(aligned) * itemsize > options.write_balance * share
-    return counted if nests(counted) or not nests(aligned) or too_big else aligned
+    if nests(counted) or not nests(aligned):
+        return counted
+    # the aligned grid stands in for the apportioned one only where it has about as many files, about as
+    # large: a few files larger than the rest leave their writers above the bound (two per rank)
+    count = lambda chunk: math.prod(-(-e // c) for e, c in zip(shape, chunk))  # noqa: E731
+    bound = options.write_balance
+    similar = count(aligned) <= bound * files and math.prod(aligned) <= bound * math.prod(counted)
+    return aligned if similar else counted
 
 
 def choose_chunk_shape(

@@ -213,6 +213,7 @@ def _analyse(
     chunks, candidates, pieces, nbytes, flags = [], [], [], [], []
     uses: list[list[tuple[int, int]]] = [[] for _ in unique]
     whole_cands: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per region holding whole chunks
+    part_cands: dict[tuple[tuple[int, int], ...], tuple[np.ndarray, np.ndarray]] = {}
     for ci, chunk in enumerate(chunk_boxes(shape, probe.chunk_shape)):
         if shape:
             lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.lengths[0]
@@ -230,7 +231,10 @@ def _analyse(
             cands = whole_cands[whole[0]]
         else:
             chunk_pieces = [(p, i) for i, p in parts]
-            cands = chunk_candidates(hostmap, None, [(p.volume * itemsize, held[i]) for i, p in parts])
+            key = tuple((i, p.volume) for i, p in parts)  # chunks drawing alike on the same regions
+            if key not in part_cands:
+                part_cands[key] = chunk_candidates(hostmap, None, [(v * itemsize, held[i]) for i, v in key])
+            cands = part_cands[key]
         for pi, (_p, region) in enumerate(chunk_pieces):
             uses[region].append((ci, pi))
         chunks.append(chunk)

@@ -55,13 +55,15 @@ class HostMap:
     def host(self, rank: int) -> int:
         return rank // self.block if self.block else int(self.ids[rank])
 
-    def members(self, hosts: Sequence[int]) -> np.ndarray:
+    def members(self, hosts: Sequence[int] | np.ndarray) -> np.ndarray:
         """Every rank on ``hosts`` (sorted)."""
+        hosts = np.unique(np.asarray(hosts, dtype=np.int64))
+        if not len(hosts):
+            return np.zeros(0, dtype=np.int64)
         if self.block:
-            parts = [np.arange(h * self.block, min((h + 1) * self.block, self.world)) for h in hosts]
-        else:
-            parts = [self._members[h] for h in hosts]
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+            ranks = (hosts[:, None] * self.block + np.arange(self.block, dtype=np.int64)).ravel()
+            return ranks[ranks < self.world]  # hosts ascending: the ranks come out sorted
+        return np.unique(np.concatenate([self._members[int(h)] for h in hosts]))
 
 
 def chunk_candidates(
@@ -73,16 +75,17 @@ def chunk_candidates(
     holders) of each part of the chunk when no region holds it entirely.
     """
     if whole is not None:
-        return whole, hostmap.members(np.unique(hostmap.hosts(whole)).tolist())
-    weight: dict[int, int] = {}
-    for nbytes, holders in pieces:
-        for h in np.unique(hostmap.hosts(holders)).tolist():
-            weight[h] = weight.get(h, 0) + nbytes
-    best = max(weight.values())
-    hosts = sorted(h for h, w in weight.items() if w == best)
-    held = np.unique(np.concatenate([holders for _n, holders in pieces]))
-    near = hostmap.members(hosts)
-    return held[np.isin(hostmap.hosts(held), hosts)], near
+        return whole, hostmap.members(hostmap.hosts(whole))
+    sizes = np.fromiter((n for n, _h in pieces), dtype=np.int64, count=len(pieces))
+    ranks = np.concatenate([h for _n, h in pieces])
+    piece = np.repeat(np.arange(len(pieces), dtype=np.int64), [len(h) for _n, h in pieces])
+    hosts, at = np.unique(hostmap.hosts(ranks), return_inverse=True)
+    pairs = np.unique(at.ravel() * len(pieces) + piece)  # each (host, piece) once: a host counts a piece once
+    weight = np.zeros(len(hosts), dtype=np.int64)
+    np.add.at(weight, pairs // len(pieces), sizes[pairs % len(pieces)])
+    best = hosts[weight == weight.max()]
+    held = np.unique(ranks)
+    return held[np.isin(hostmap.hosts(held), best)], hostmap.members(best)
 
 
 def fragment_source(holders: Sequence[int], owner: int, hostmap: HostMap) -> int:
@@ -136,7 +139,7 @@ class OwnerPicker:
         elif self.mode == "balanced" and load[r] + nbytes > self.cap:
             n = int(near[np.argmin(load[near])])
             g = n if load[n] + nbytes <= self.cap else self._least()
-            if load[g] + nbytes <= self.cap or load[r] - load[g] > nbytes:
+            if load[g] + nbytes <= self.cap or load[g] < load[r]:
                 r = g
         self.load[r] += nbytes  # its heap entry is now stale: _least refreshes it when it reaches the top
         return r
