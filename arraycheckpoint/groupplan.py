@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .chunking import chunk_counts
+from .chunking import apportion
 from .errors import PlanError
 from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
 from .plan import (
@@ -35,6 +35,7 @@ from .plan import (
     PlanOptions,
     RankPlan,
     Transfer,
+    _holder_set,
     _layout,
     _validate_cover,
 )
@@ -200,14 +201,13 @@ def _analyse(
     regions: dict[Box, list[int]],
     options: PlanOptions,
     files: int | None,
-    share: int,
     hostmap: HostMap,
 ) -> _Class:
     unique = sorted(regions)
     _validate_cover(name, shape, unique)
     holders = [sorted(regions[b]) for b in unique]
     held = [np.asarray(h, dtype=np.int64) for h in holders]  # shared by every chunk a region holds fully
-    probe = _layout(_DeclView(name, shape, dtype, itemsize), unique, options, files, share)
+    probe = _layout(_DeclView(name, shape, dtype, itemsize), unique, options, files)
     starts = [b.offsets[0] for b in unique] if shape else []
     longest = max((b.lengths[0] for b in unique), default=0) if shape else 0
     chunks, candidates, pieces, nbytes, flags = [], [], [], [], []
@@ -288,20 +288,25 @@ def build_compact_plan(
 
     hostmap = options.host_map(world)
     sizes = {n: math.prod(t.shape) * t.itemsize for n, t in first.items()}
-    counts = chunk_counts(sizes.values(), world, options)
-    share = sum(sizes.values()) // max(world, 1)
-    classes: dict[str, _Class] = {}
-    cache: dict[Any, _Class] = {}
+    keys: dict[str, Any] = {}
+    regions_by_key: dict[Any, tuple[dict[Box, list[int]], np.ndarray]] = {}
     for name in sorted(contribs):
         t = first[name]
         # tensors with the same contributions (up to the name) share one analysis
-        key = (t.shape, t.itemsize, t.dtype, tuple((id(d), r, x.rule) for d, r, x in contribs[name]))
+        key = keys[name] = (t.shape, t.itemsize, t.dtype, tuple((id(d), r, x.rule) for d, r, x in contribs[name]))
+        if key not in regions_by_key:
+            regions = _regions_of(name, contribs[name])
+            regions_by_key[key] = (regions, _holder_set(regions.values()))
+    counts = apportion({n: (sizes[n], regions_by_key[k][1]) for n, k in keys.items()}, world, options)
+    classes: dict[str, _Class] = {}
+    cache: dict[Any, _Class] = {}
+    for name in sorted(contribs):
+        t, key = first[name], keys[name]
         c = cache.get(key)
         if c is None:
-            files = counts.get(sizes[name]) if counts else None
-            regions = _regions_of(name, contribs[name])
+            files = counts.get(name) if counts else None
             c = cache[key] = _analyse(
-                t.shape, t.itemsize, t.dtype, name, regions, options, files, share, hostmap
+                t.shape, t.itemsize, t.dtype, name, regions_by_key[key][0], options, files, hostmap
             )
         classes[name] = c
 
@@ -315,7 +320,9 @@ def build_compact_plan(
     for neg, name, ci in order:
         c = classes[name]
         cands, near = c.candidates[ci]
-        writers[name][ci] = picker.pick(-neg, cands, near, c.is_partial[ci])
+        picker.pick(-neg, cands, near, c.is_partial[ci])
+    for (_neg, name, ci), w in zip(order, picker.owners().tolist()):
+        writers[name][ci] = w
 
     files = [0] * world
     tensors: dict[str, TensorDecision] = {}

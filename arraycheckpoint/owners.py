@@ -114,14 +114,18 @@ class OwnerPicker:
 
     ``mode`` is ``PlanOptions.straddle_writers``: ``"balanced"`` (the rules above), ``"holders"`` (only holders
     on the preferred hosts, whatever the load) or ``"any"`` (a chunk no region holds entirely goes to the
-    least-loaded rank of the world). Feed chunks largest first.
+    least-loaded rank of the world). Feed chunks largest first with :meth:`pick`, then read every chunk's
+    owner from :meth:`owners`.
     """
 
     def __init__(self, world: int, total_bytes: int, write_balance: float, mode: str) -> None:
         self.load = np.zeros(world, dtype=np.int64)
         self.cap = int(write_balance * total_bytes / max(world, 1))
         self.mode = mode
-        self._heap = [(0, r) for r in range(world)]  # one (load, rank) per rank, refreshed lazily
+        self._heap = [(0, r) for r in range(world)]  # (load, rank) entries, refreshed lazily
+        self._owner: list[int] = []
+        self._sizes: list[int] = []
+        self._near: list[np.ndarray] = []
 
     def _least(self) -> int:
         while True:
@@ -131,15 +135,62 @@ class OwnerPicker:
             heapq.heapreplace(self._heap, (int(self.load[r]), r))
 
     def pick(self, nbytes: int, cands: np.ndarray, near: np.ndarray, partial: bool) -> int:
-        """The owner of a chunk of ``nbytes`` (candidates from :func:`chunk_candidates`); records its load."""
+        """The provisional owner of a chunk of ``nbytes`` (candidates from :func:`chunk_candidates`): the
+        least-loaded candidate, or the least-loaded rank of the chunk's preferred hosts once that one would
+        pass the bound (the chunk then travels within those hosts). Records its load."""
         load = self.load
         r = int(cands[np.argmin(load[cands])]) if len(cands) > 1 else int(cands[0])
         if self.mode == "any" and partial:
             r = self._least()
         elif self.mode == "balanced" and load[r] + nbytes > self.cap:
-            n = int(near[np.argmin(load[near])])
-            g = n if load[n] + nbytes <= self.cap else self._least()
-            if load[g] + nbytes <= self.cap or load[g] < load[r]:
-                r = g
+            n = int(near[np.argmin(load[near])])  # near holds cands: never loaded more than r
+            r = n if load[n] < load[r] else r
         self.load[r] += nbytes  # its heap entry is now stale: _least refreshes it when it reaches the top
+        self._owner.append(r)
+        self._sizes.append(nbytes)
+        self._near.append(near)
         return r
+
+    def owners(self) -> np.ndarray:
+        """Every picked chunk's owner, in pick order. In ``"balanced"`` mode the ranks left above the bound
+        first hand chunks to ranks with room (:meth:`_relieve`): only the excess crosses hosts."""
+        owner = np.asarray(self._owner, dtype=np.int64)
+        if self.mode == "balanced":
+            over = sorted(np.nonzero(self.load > self.cap)[0].tolist(), key=lambda r: (-self.load[r], r))
+            if over:
+                held: dict[int, list[int]] = {r: [] for r in over}
+                for i in np.nonzero(np.isin(owner, over))[0].tolist():
+                    held[int(owner[i])].append(i)
+                for r in over:
+                    self._relieve(r, held[r], owner)
+        return owner
+
+    def _relieve(self, r: int, chunks: list[int], owner: np.ndarray) -> None:
+        """Move chunks of ``r`` (indices in pick order) until it is within the bound: first the smallest
+        chunk that alone brings it there, else the largest that fits; each to the least-loaded rank of its
+        preferred hosts if it has room, else to the least-loaded rank of the world if that one has room, else
+        (no room anywhere) to whichever of those leaves the pair's busier rank below ``r``'s load."""
+        load, size = self.load, self._sizes
+        while load[r] > self.cap and chunks:
+            excess = int(load[r]) - self.cap
+            g = self._least()
+            order = sorted(chunks, key=lambda i: (size[i] < excess, size[i] if size[i] >= excess else -size[i], i))
+            move = None
+            for i in order:
+                near = self._near[i]
+                n = int(near[np.argmin(load[near])])
+                dest = n if load[n] + size[i] <= self.cap else g
+                if load[dest] + size[i] <= self.cap:
+                    move = (i, dest)
+                    break
+            if move is None:
+                i = min(chunks, key=lambda i: (size[i], i))
+                if load[g] + size[i] >= load[r]:
+                    return
+                move = (i, g)
+            i, dest = move
+            chunks.remove(i)
+            owner[i] = dest
+            load[r] -= size[i]
+            load[dest] += size[i]
+            heapq.heappush(self._heap, (int(load[r]), r))  # r's load fell: a fresh entry for it
