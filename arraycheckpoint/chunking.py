@@ -62,7 +62,7 @@ def tensor_chunk_shape(
     counted = counted_chunk_shape(shape, boxes, files)
     bound = options.write_balance
     if count(counted) * bound < files and count(aligned) <= files:
-        return aligned  # the shape cannot be cut into about that many chunks (and the aligned grid has no more)
+        return aligned  # the shape cannot be cut into about that many chunks; the aligned grid has no more
     edges = _interior_gcd(shape, boxes)  # a chunk grid nests in the regions when every edge lies on it
     nests = lambda chunk: all(g % c == 0 for g, c in zip(edges, chunk))  # noqa: E731
     if nests(counted) or not nests(aligned):
@@ -194,14 +194,16 @@ def apportion(
         return g
 
     of: dict[str, int] = {}
+    seen: dict[bytes, int] = {}  # tensors held by the same ranks link them once
     for name in big:
         ranks = tensors[name][1]
-        g = len(parent)
-        parent.append(g)
-        for other in np.unique(group[ranks]).tolist():
-            if other >= 0:
-                parent[root(other)] = g
-        group[ranks] = g
+        g = seen.setdefault(ranks.tobytes(), len(parent))
+        if g == len(parent):
+            parent.append(g)
+            for other in np.unique(group[ranks]).tolist():
+                if other >= 0:
+                    parent[root(other)] = g
+            group[ranks] = g
         of[name] = g
     members: dict[int, list[str]] = {}
     for name in big:

@@ -293,7 +293,12 @@ def build_compact_plan(
     for name in sorted(contribs):
         t = first[name]
         # tensors with the same contributions (up to the name) share one analysis
-        key = keys[name] = (t.shape, t.itemsize, t.dtype, tuple((id(d), r, x.rule) for d, r, x in contribs[name]))
+        key = keys[name] = (
+            t.shape,
+            t.itemsize,
+            t.dtype,
+            tuple((id(d), r, x.rule) for d, r, x in contribs[name]),
+        )
         if key not in regions_by_key:
             regions = _regions_of(name, contribs[name])
             regions_by_key[key] = (regions, _holder_set(regions.values()))

@@ -7,13 +7,16 @@ reference and the compact planner so both decide identically:
 
 1. *Preferred hosts of a chunk*: the hosts holding most of its bytes (a replicated region counts for every
    host holding a replica). A chunk that one region holds entirely prefers every host of its holders.
-2. *Owner*: chunks are placed largest first (worst fit). The owner is the least-loaded rank holding part of
-   the chunk on a preferred host (every fragment it lacks then comes from its own host where any holder is
-   there), unless its load would rise above ``write_balance x`` the mean load. Then, in order: the
-   least-loaded rank of a preferred host (the chunk travels within the host), else the least-loaded rank of
-   the world, taken when it has room under that bound or is loaded more than the chunk's bytes below the
-   holder (the move shortens the busiest writer by more than it ships). Balance is bought with bytes that
-   travel, and only then with bytes that cross hosts.
+2. *Owner*, in two passes. Locality: chunks are placed largest first (worst fit) on the least-loaded rank
+   holding part of the chunk on a preferred host (every fragment it lacks then comes from its own host where
+   any holder is there), unless its load would rise above ``write_balance x`` the mean load; then on the
+   least-loaded rank of the preferred hosts where that one is loaded less (the chunk travels within those
+   hosts; a Megatron stage's data-parallel replicas are all preferred for its chunks, so this pass balances
+   a stage within itself). Relief: each rank still above the bound, busiest first, hands chunks on (the
+   smallest that alone brings it within the bound, else the largest that fits) to the least-loaded rank of
+   the chunk's preferred hosts with room, else to the least-loaded rank of the world with room, else (no
+   room anywhere) to that rank if the pair's busier one then holds less than before. Balance is bought with
+   bytes that travel, and only the excess of a group of ranks over the bound crosses hosts.
 3. *Source of a fragment* the owner lacks: a holder on the owner's host, else a holder chosen by the owner's
    rank (``holders[owner mod n]``): replicas of a region then take turns over the whole save instead of the
    same replica sending for every tensor of a layout.
@@ -134,16 +137,22 @@ class OwnerPicker:
                 return r
             heapq.heapreplace(self._heap, (int(self.load[r]), r))
 
+    def _least_of(self, ranks: np.ndarray) -> int:
+        """The least-loaded of the sorted ``ranks`` (the lowest rank among equals)."""
+        if len(ranks) == len(self.load):  # every rank (replicated data): the heap answers without a scan
+            return self._least()
+        return int(ranks[np.argmin(self.load[ranks])]) if len(ranks) > 1 else int(ranks[0])
+
     def pick(self, nbytes: int, cands: np.ndarray, near: np.ndarray, partial: bool) -> int:
         """The provisional owner of a chunk of ``nbytes`` (candidates from :func:`chunk_candidates`): the
         least-loaded candidate, or the least-loaded rank of the chunk's preferred hosts once that one would
         pass the bound (the chunk then travels within those hosts). Records its load."""
         load = self.load
-        r = int(cands[np.argmin(load[cands])]) if len(cands) > 1 else int(cands[0])
+        r = self._least_of(cands)
         if self.mode == "any" and partial:
             r = self._least()
         elif self.mode == "balanced" and load[r] + nbytes > self.cap:
-            n = int(near[np.argmin(load[near])])  # near holds cands: never loaded more than r
+            n = self._least_of(near)  # near holds cands: never loaded more than r
             r = n if load[n] < load[r] else r
         self.load[r] += nbytes  # its heap entry is now stale: _least refreshes it when it reaches the top
         self._owner.append(r)
@@ -169,16 +178,18 @@ class OwnerPicker:
         """Move chunks of ``r`` (indices in pick order) until it is within the bound: first the smallest
         chunk that alone brings it there, else the largest that fits; each to the least-loaded rank of its
         preferred hosts if it has room, else to the least-loaded rank of the world if that one has room, else
-        (no room anywhere) to whichever of those leaves the pair's busier rank below ``r``'s load."""
+        (no room anywhere) its smallest chunk to the least-loaded rank of the world if that rank then holds
+        less than ``r`` did."""
         load, size = self.load, self._sizes
         while load[r] > self.cap and chunks:
             excess = int(load[r]) - self.cap
             g = self._least()
-            order = sorted(chunks, key=lambda i: (size[i] < excess, size[i] if size[i] >= excess else -size[i], i))
+            order = sorted(
+                chunks, key=lambda i: (size[i] < excess, size[i] if size[i] >= excess else -size[i], i)
+            )
             move = None
             for i in order:
-                near = self._near[i]
-                n = int(near[np.argmin(load[near])])
+                n = self._least_of(self._near[i])
                 dest = n if load[n] + size[i] <= self.cap else g
                 if load[dest] + size[i] <= self.cap:
                     move = (i, dest)

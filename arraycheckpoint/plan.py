@@ -316,7 +316,9 @@ def _validate_cover(name: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> 
         )
 
 
-def _layout(d: TensorDecl, boxes: Sequence[Box], options: PlanOptions, files: int | None = None) -> ArrayLayout:
+def _layout(
+    d: TensorDecl, boxes: Sequence[Box], options: PlanOptions, files: int | None = None
+) -> ArrayLayout:
     """The stored layout of ``d`` (:func:`~arraycheckpoint.chunking.tensor_chunk_shape`)."""
     chunk = tensor_chunk_shape(d.shape, d.itemsize, boxes, options, files)
     inner = split_chunk(chunk, d.itemsize, options.inner_chunk_bytes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_groupplan import _expand
 
 from arraycheckpoint.chunking import apportion
 from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
@@ -14,7 +15,6 @@ from arraycheckpoint.owners import fragment_source
 from arraycheckpoint.plan import PlanOptions, build_global_plan
 from arraycheckpoint.regions import Box
 from arraycheckpoint.rules import chunk_bounds
-from test_groupplan import _expand
 
 H, FFN = 1024, 3584
 STATES = (("bfloat16", 2), ("float32", 4), ("float32", 4))  # a parameter and its two Adam states
