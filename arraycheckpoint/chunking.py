@@ -32,6 +32,7 @@ import numpy as np
 from .regions import Box
 
 FILES_PER_RANK = 2  # apportioned files per rank when the target size allows more: pairs balance well
+MIXED_FILES = 8  # aligned files of at most a rank's share / this are kept whatever the apportioned size
 
 
 class _Sizes(Protocol):
@@ -46,14 +47,17 @@ def tensor_chunk_shape(
     boxes: Sequence[Box],
     options: _Sizes,
     files: int | None = None,
+    share: int = 0,
 ) -> tuple[int, ...]:
     """The chunk grid of one tensor: ``files`` apportioned chunks (:func:`counted_chunk_shape`) or the aligned
-    grid (:func:`choose_chunk_shape`).
+    grid (:func:`choose_chunk_shape`). ``share``: bytes per rank of the tensor's holder group.
 
     The apportioned grid is used when it gives about ``files`` chunks (within ``write_balance``) and either
     nests in the saved regions (no chunk straddles two) or the aligned grid's chunks straddle regions anyway,
     or the aligned grid has more files than that or larger ones (beyond ``write_balance``): a few files
-    larger than the rest would leave their writers above the balance bound, with two files per rank.
+    larger than the rest would leave their writers above the balance bound, with two files per rank. Aligned
+    files of at most ``share / MIXED_FILES`` are kept whatever their size: with that many files per rank,
+    worst fit evens out files of different sizes (and they need no exchange).
     """
     aligned = choose_chunk_shape(shape, itemsize, boxes, options)
     if files is None or not shape:
@@ -68,7 +72,8 @@ def tensor_chunk_shape(
     if nests(counted) or not nests(aligned):
         return counted
     similar = count(aligned) <= bound * files and math.prod(aligned) <= bound * math.prod(counted)
-    return aligned if similar else counted
+    small = math.prod(aligned) * itemsize * MIXED_FILES <= share
+    return aligned if similar or small else counted
 
 
 def choose_chunk_shape(
@@ -166,9 +171,10 @@ def chunk_counts(sizes: Iterable[int], world: int, options: _Sizes) -> dict[int,
 
 def apportion(
     tensors: Mapping[str, tuple[int, np.ndarray]], world: int, options: _Sizes
-) -> dict[str, int] | None:
-    """Files per tensor (``{name: files}``; a tensor left out keeps its aligned grid), or None when the save
-    is too small for its world (a rank's share below ``min_chunk_bytes``: aligned grids everywhere).
+) -> dict[str, tuple[int, int]] | None:
+    """Files per tensor and the bytes per rank of its holder group (``{name: (files, share)}``; a tensor left
+    out keeps its aligned grid), or None when the save is too small for its world (a rank's share below
+    ``min_chunk_bytes``: aligned grids everywhere).
 
     ``tensors[name]`` is (bytes, sorted ranks holding part of it). Tensors are apportioned per *holder
     group*: the ranks linked by holding parts of the same tensors (a Megatron pipeline stage; the whole world
@@ -182,7 +188,7 @@ def apportion(
     total = sum(n for n, _h in tensors.values())
     if world < 1 or total // world < options.min_chunk_bytes:
         return None
-    counts = {name: 1 for name, (n, _h) in tensors.items() if 0 < n < options.min_chunk_bytes}
+    counts = {name: (1, 0) for name, (n, _h) in tensors.items() if 0 < n < options.min_chunk_bytes}
     big = sorted(name for name, (n, h) in tensors.items() if n >= options.min_chunk_bytes and len(h))
     group = np.full(world, -1, dtype=np.int64)  # rank -> holder group (union-find over tensors)
     parent: list[int] = []
@@ -213,9 +219,11 @@ def apportion(
     if (group < 0).any():  # ranks holding nothing large write too: one group, the world
         members, ranks_in = {0: big}, np.asarray([world])
     for g, names in members.items():
-        by_size = chunk_counts([tensors[n][0] for n in names], int(ranks_in[g]), options)
+        sizes = [tensors[n][0] for n in names]
+        by_size = chunk_counts(sizes, int(ranks_in[g]), options)
         if by_size is not None:
-            counts.update({n: by_size[tensors[n][0]] for n in names})
+            share = sum(sizes) // int(ranks_in[g])
+            counts.update({n: (by_size[tensors[n][0]], share) for n in names})
     return counts
 
 

@@ -201,13 +201,14 @@ def _analyse(
     regions: dict[Box, list[int]],
     options: PlanOptions,
     files: int | None,
+    share: int,
     hostmap: HostMap,
 ) -> _Class:
     unique = sorted(regions)
     _validate_cover(name, shape, unique)
     holders = [sorted(regions[b]) for b in unique]
     held = [np.asarray(h, dtype=np.int64) for h in holders]  # shared by every chunk a region holds fully
-    probe = _layout(_DeclView(name, shape, dtype, itemsize), unique, options, files)
+    probe = _layout(_DeclView(name, shape, dtype, itemsize), unique, options, files, share)
     starts = [b.offsets[0] for b in unique] if shape else []
     longest = max((b.lengths[0] for b in unique), default=0) if shape else 0
     chunks, candidates, pieces, nbytes, flags = [], [], [], [], []
@@ -309,9 +310,9 @@ def build_compact_plan(
         t, key = first[name], keys[name]
         c = cache.get(key)
         if c is None:
-            files = counts.get(name) if counts else None
+            files, share = (counts or {}).get(name, (None, 0))
             c = cache[key] = _analyse(
-                t.shape, t.itemsize, t.dtype, name, regions_by_key[key][0], options, files, hostmap
+                t.shape, t.itemsize, t.dtype, name, regions_by_key[key][0], options, files, share, hostmap
             )
         classes[name] = c
 

@@ -204,7 +204,7 @@ def build_global_plan(
         regions = holders[name]
         unique = sorted(regions)
         _validate_cover(name, d.shape, unique)
-        layout = _layout(d, unique, options, counts and counts.get(name))
+        layout = _layout(d, unique, options, *(counts or {}).get(name, (None, 0)))
         layouts[name] = layout
         regions_of[name] = tuple((b, min(regions[b])) for b in unique)
         for index, chunk in enumerate(chunk_boxes(d.shape, layout.chunk_shape)):
@@ -317,10 +317,10 @@ def _validate_cover(name: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> 
 
 
 def _layout(
-    d: TensorDecl, boxes: Sequence[Box], options: PlanOptions, files: int | None = None
+    d: TensorDecl, boxes: Sequence[Box], options: PlanOptions, files: int | None = None, share: int = 0
 ) -> ArrayLayout:
     """The stored layout of ``d`` (:func:`~arraycheckpoint.chunking.tensor_chunk_shape`)."""
-    chunk = tensor_chunk_shape(d.shape, d.itemsize, boxes, options, files)
+    chunk = tensor_chunk_shape(d.shape, d.itemsize, boxes, options, files, share)
     inner = split_chunk(chunk, d.itemsize, options.inner_chunk_bytes)
     return ArrayLayout(d.name, d.shape, d.dtype, chunk, inner, options.compression)
 
