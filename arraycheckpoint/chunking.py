@@ -5,29 +5,34 @@ Two ways, both deterministic and shared by the reference and the compact planner
 * :func:`choose_chunk_shape`: per tensor, a grid aligned with the saved regions, coarsened up to
   ``min_chunk_bytes`` and split down to ``max_chunk_bytes``. Used when the save is small for its world
   (a rank's share of the bytes is below the target file size: some ranks write nothing either way);
-* :func:`chunk_counts` + :func:`counted_chunk_shape`: when every rank's share holds at least one target-sized
-  file, the number of files is chosen for the whole save at once. ``k = min(share // min_chunk_bytes, 2)``
-  files per rank (more where files would exceed ``max_chunk_bytes``), ``k * world`` files apportioned among the
-  tensors by the divisor (Jefferson / D'Hondt) method, which minimises the largest file for that count. Every
-  file is then within a few percent of the same size and there are at most ``k`` per rank, so a worst-fit
-  gives every rank ``k`` files and max/mean bytes written per rank stays near 1 (with 16-64 MiB files and
-  fewer than ~64 files per rank this is not possible with per-tensor grids: ``k + 1`` files on some ranks and
-  ``k`` on others is a 1.2-1.5 imbalance). :func:`tensor_chunk_shape` keeps a tensor's aligned grid (its
-  shards written where they are) unless that grid's chunks travel anyway, or one of them alone is above the
-  balance bound; otherwise the apportioned grid, whose file boundaries may fall inside saved regions: the
-  two sides then travel to one writer (the owner choice keeps that on one host where the regions allow:
+* :func:`apportion` + :func:`counted_chunk_shape`: when every rank's share holds at least one target-sized
+  file, the number of files is chosen for the whole save at once, per *holder group* (the ranks linked by
+  holding parts of the same tensors: the world for FSDP or DDP, one pipeline stage for Megatron).
+  ``k = min(share // min_chunk_bytes, 2)`` files per rank of the group (more where files would exceed
+  ``max_chunk_bytes``), ``k * ranks`` files apportioned among the group's tensors by the divisor (Jefferson /
+  D'Hondt) method, which minimises the largest file for that count (:func:`chunk_counts`). Every file of a
+  group is then within a few percent of the same size and there are at most ``k`` per rank, so a worst-fit
+  gives every rank ``k`` files of its own group and max/mean bytes written per rank stays near 1 (with
+  16-64 MiB files and fewer than ~64 files per rank this is not possible with per-tensor grids: ``k + 1``
+  files on some ranks and ``k`` on others is a 1.2-1.5 imbalance). :func:`tensor_chunk_shape` keeps a
+  tensor's aligned grid (its shards written where they are) where it has about as many files of about the
+  apportioned size; otherwise the apportioned grid, whose file boundaries may fall inside saved regions: the
+  sides then travel to one writer (the owner choice keeps that on one host where the regions allow:
   :mod:`arraycheckpoint.owners`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
+
+import numpy as np
 
 from .regions import Box
 
 FILES_PER_RANK = 2  # apportioned files per rank when the target size allows more: pairs balance well
+MIXED_FILES = 8  # aligned files of at most a rank's share / this are kept whatever the apportioned size
 
 
 class _Sizes(Protocol):
@@ -45,22 +50,30 @@ def tensor_chunk_shape(
     share: int = 0,
 ) -> tuple[int, ...]:
     """The chunk grid of one tensor: ``files`` apportioned chunks (:func:`counted_chunk_shape`) or the aligned
-    grid (:func:`choose_chunk_shape`). ``share``: the save's bytes per rank.
+    grid (:func:`choose_chunk_shape`). ``share``: bytes per rank of the tensor's holder group.
 
-    The apportioned grid is used when it gives about ``files`` chunks (within ``write_balance``) and either nests in the saved regions (no
-    chunk straddles two), or the aligned grid's chunks straddle regions anyway, or an aligned chunk alone
-    exceeds ``write_balance x share`` (no assignment could then keep the balance bound).
+    The apportioned grid is used when it gives about ``files`` chunks (within ``write_balance``) and either
+    nests in the saved regions (no chunk straddles two) or the aligned grid's chunks straddle regions anyway,
+    or the aligned grid has more files than that or larger ones (beyond ``write_balance``): a few files
+    larger than the rest would leave their writers above the balance bound, with two files per rank. Aligned
+    files of at most ``share / MIXED_FILES`` are kept whatever their size: with that many files per rank,
+    worst fit evens out files of different sizes (and they need no exchange).
     """
     aligned = choose_chunk_shape(shape, itemsize, boxes, options)
     if files is None or not shape:
         return aligned
+    count = lambda chunk: math.prod(-(-e // c) for e, c in zip(shape, chunk))  # noqa: E731
     counted = counted_chunk_shape(shape, boxes, files)
-    if math.prod(-(-e // c) for e, c in zip(shape, counted)) * options.write_balance < files:
-        return aligned  # the shape cannot be cut into about that many chunks: they would be too large
+    bound = options.write_balance
+    if count(counted) * bound < files and count(aligned) <= files:
+        return aligned  # the shape cannot be cut into about that many chunks; the aligned grid has no more
     edges = _interior_gcd(shape, boxes)  # a chunk grid nests in the regions when every edge lies on it
     nests = lambda chunk: all(g % c == 0 for g, c in zip(edges, chunk))  # noqa: E731
-    too_big = math.prod(aligned) * itemsize > options.write_balance * share
-    return counted if nests(counted) or not nests(aligned) or too_big else aligned
+    if nests(counted) or not nests(aligned):
+        return counted
+    similar = count(aligned) <= bound * files and math.prod(aligned) <= bound * math.prod(counted)
+    small = math.prod(aligned) * itemsize * MIXED_FILES <= share
+    return aligned if similar or small else counted
 
 
 def choose_chunk_shape(
@@ -118,8 +131,8 @@ def split_chunk(chunk: tuple[int, ...], itemsize: int, limit: int) -> tuple[int,
 
 
 def chunk_counts(sizes: Iterable[int], world: int, options: _Sizes) -> dict[int, int] | None:
-    """Files per tensor size for the whole save (``{tensor bytes: files}``), or None when the save is too
-    small for its world (a rank's share below ``min_chunk_bytes``: per-tensor grids then).
+    """Files per tensor size for ``world`` ranks sharing the tensors of ``sizes`` (``{tensor bytes: files}``),
+    or None when they are too few bytes for that many ranks (a rank's share below ``min_chunk_bytes``).
 
     ``sizes`` lists every tensor's bytes (one entry per tensor). The count depends on a tensor's bytes only,
     so tensors of equal size get equal grids (the compact planner analyses them once).
@@ -138,19 +151,80 @@ def chunk_counts(sizes: Iterable[int], world: int, options: _Sizes) -> dict[int,
     )
     seats = per_rank * world
 
-    def count(d: int) -> int:
-        return sum(max(1, s // d) * n for s, n in weights.items())
+    def files(s: int, d: int) -> int:
+        return max(1, s // d, -(-s // options.max_chunk_bytes))  # none above the maximum
 
-    lo, hi = 1, max(weights) + 1  # count(hi) == number of tensors <= seats unless tensors outnumber seats
+    def count(d: int) -> int:
+        return sum(files(s, d) * n for s, n in weights.items())
+
+    lo, hi = 1, max(weights) + 1  # count(hi): the fewest files (one per tensor, or as the maximum needs)
     if count(hi) > seats:
-        return {s: 1 for s in weights}
+        return {s: files(s, hi) for s in weights}
     while lo < hi:  # the smallest divisor whose apportionment fits the seats (the largest files are smallest)
         mid = (lo + hi) // 2
         if count(mid) <= seats:
             hi = mid
         else:
             lo = mid + 1
-    return {s: max(1, s // lo) for s in weights}
+    return {s: files(s, lo) for s in weights}
+
+
+def apportion(
+    tensors: Mapping[str, tuple[int, np.ndarray]], world: int, options: _Sizes
+) -> dict[str, tuple[int, int]] | None:
+    """Files per tensor and the bytes per rank of its holder group (``{name: (files, share)}``; a tensor left
+    out keeps its aligned grid), or None when the save is too small for its world (a rank's share below
+    ``min_chunk_bytes``: aligned grids everywhere).
+
+    ``tensors[name]`` is (bytes, sorted ranks holding part of it). Tensors are apportioned per *holder
+    group*: the ranks linked by holding parts of the same tensors (a Megatron pipeline stage; the whole world
+    for FSDP or DDP), each group's files among its own ranks (:func:`chunk_counts`). Every file of a group is
+    then about its bytes per rank / files per rank, and the group's ranks write their own data with two
+    files each, where one world-wide count would give groups holding a few percent more than the mean a
+    third file on some ranks (or send it to another group). Tensors below ``min_chunk_bytes`` are one file and
+    link no groups (a small tensor held everywhere would otherwise merge them all). Where some rank holds no
+    large tensor (FSDP with fewer rows than ranks) it writes too: one group then, of the whole world.
+    """
+    total = sum(n for n, _h in tensors.values())
+    if world < 1 or total // world < options.min_chunk_bytes:
+        return None
+    counts = {name: (1, 0) for name, (n, _h) in tensors.items() if 0 < n < options.min_chunk_bytes}
+    big = sorted(name for name, (n, h) in tensors.items() if n >= options.min_chunk_bytes and len(h))
+    group = np.full(world, -1, dtype=np.int64)  # rank -> holder group (union-find over tensors)
+    parent: list[int] = []
+
+    def root(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    of: dict[str, int] = {}
+    seen: dict[bytes, int] = {}  # tensors held by the same ranks link them once
+    for name in big:
+        ranks = tensors[name][1]
+        g = seen.setdefault(ranks.tobytes(), len(parent))
+        if g == len(parent):
+            parent.append(g)
+            for other in np.unique(group[ranks]).tolist():
+                if other >= 0:
+                    parent[root(other)] = g
+            group[ranks] = g
+        of[name] = g
+    members: dict[int, list[str]] = {}
+    for name in big:
+        members.setdefault(root(of[name]), []).append(name)
+    roots = np.asarray([root(g) for g in range(len(parent))], dtype=np.int64)
+    ranks_in = np.bincount(roots[group[group >= 0]], minlength=len(parent))
+    if (group < 0).any():  # ranks holding nothing large write too: one group, the world
+        members, ranks_in = {0: big}, np.asarray([world])
+    for g, names in members.items():
+        sizes = [tensors[n][0] for n in names]
+        by_size = chunk_counts(sizes, int(ranks_in[g]), options)
+        if by_size is not None:
+            share = sum(sizes) // int(ranks_in[g])
+            counts.update({n: (by_size[tensors[n][0]], share) for n in names})
+    return counts
 
 
 def counted_chunk_shape(shape: tuple[int, ...], boxes: Sequence[Box], files: int) -> tuple[int, ...]:

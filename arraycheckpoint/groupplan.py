@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .chunking import chunk_counts
+from .chunking import apportion
 from .errors import PlanError
 from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
 from .plan import (
@@ -35,6 +35,7 @@ from .plan import (
     PlanOptions,
     RankPlan,
     Transfer,
+    _holder_set,
     _layout,
     _validate_cover,
 )
@@ -213,6 +214,7 @@ def _analyse(
     chunks, candidates, pieces, nbytes, flags = [], [], [], [], []
     uses: list[list[tuple[int, int]]] = [[] for _ in unique]
     whole_cands: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per region holding whole chunks
+    part_cands: dict[tuple[tuple[int, int], ...], tuple[np.ndarray, np.ndarray]] = {}
     for ci, chunk in enumerate(chunk_boxes(shape, probe.chunk_shape)):
         if shape:
             lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.lengths[0]
@@ -230,7 +232,10 @@ def _analyse(
             cands = whole_cands[whole[0]]
         else:
             chunk_pieces = [(p, i) for i, p in parts]
-            cands = chunk_candidates(hostmap, None, [(p.volume * itemsize, held[i]) for i, p in parts])
+            key = tuple((i, p.volume) for i, p in parts)  # chunks drawing alike on the same regions
+            if key not in part_cands:
+                part_cands[key] = chunk_candidates(hostmap, None, [(v * itemsize, held[i]) for i, v in key])
+            cands = part_cands[key]
         for pi, (_p, region) in enumerate(chunk_pieces):
             uses[region].append((ci, pi))
         chunks.append(chunk)
@@ -284,20 +289,30 @@ def build_compact_plan(
 
     hostmap = options.host_map(world)
     sizes = {n: math.prod(t.shape) * t.itemsize for n, t in first.items()}
-    counts = chunk_counts(sizes.values(), world, options)
-    share = sum(sizes.values()) // max(world, 1)
-    classes: dict[str, _Class] = {}
-    cache: dict[Any, _Class] = {}
+    keys: dict[str, Any] = {}
+    regions_by_key: dict[Any, tuple[dict[Box, list[int]], np.ndarray]] = {}
     for name in sorted(contribs):
         t = first[name]
         # tensors with the same contributions (up to the name) share one analysis
-        key = (t.shape, t.itemsize, t.dtype, tuple((id(d), r, x.rule) for d, r, x in contribs[name]))
+        key = keys[name] = (
+            t.shape,
+            t.itemsize,
+            t.dtype,
+            tuple((id(d), r, x.rule) for d, r, x in contribs[name]),
+        )
+        if key not in regions_by_key:
+            regions = _regions_of(name, contribs[name])
+            regions_by_key[key] = (regions, _holder_set(regions.values()))
+    counts = apportion({n: (sizes[n], regions_by_key[k][1]) for n, k in keys.items()}, world, options)
+    classes: dict[str, _Class] = {}
+    cache: dict[Any, _Class] = {}
+    for name in sorted(contribs):
+        t, key = first[name], keys[name]
         c = cache.get(key)
         if c is None:
-            files = counts.get(sizes[name]) if counts else None
-            regions = _regions_of(name, contribs[name])
+            files, share = (counts or {}).get(name, (None, 0))
             c = cache[key] = _analyse(
-                t.shape, t.itemsize, t.dtype, name, regions, options, files, share, hostmap
+                t.shape, t.itemsize, t.dtype, name, regions_by_key[key][0], options, files, share, hostmap
             )
         classes[name] = c
 
@@ -311,7 +326,9 @@ def build_compact_plan(
     for neg, name, ci in order:
         c = classes[name]
         cands, near = c.candidates[ci]
-        writers[name][ci] = picker.pick(-neg, cands, near, c.is_partial[ci])
+        picker.pick(-neg, cands, near, c.is_partial[ci])
+    for (_neg, name, ci), w in zip(order, picker.owners().tolist()):
+        writers[name][ci] = w
 
     files = [0] * world
     tensors: dict[str, TensorDecision] = {}

@@ -23,12 +23,12 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .chunking import choose_chunk_shape, chunk_counts, split_chunk, tensor_chunk_shape
+from .chunking import apportion, choose_chunk_shape, split_chunk, tensor_chunk_shape
 from .errors import PlanError
 from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
 from .regions import Box, chunk_boxes, intersect
@@ -195,8 +195,7 @@ def build_global_plan(
     # Chunks of every tensor, to be balanced together.
     hostmap = options.host_map(world)
     sizes = {n: math.prod(d.shape) * d.itemsize for n, d in decls.items()}
-    counts = chunk_counts(sizes.values(), world, options)
-    share = sum(sizes.values()) // max(world, 1)
+    counts = apportion({n: (sizes[n], _holder_set(holders[n].values())) for n in decls}, world, options)
     layouts: dict[str, ArrayLayout] = {}
     chunk_list: list[tuple[int, str, int, Box, list[Piece], tuple[np.ndarray, np.ndarray, bool]]] = []
     regions_of: dict[str, tuple[tuple[Box, int], ...]] = {}
@@ -205,7 +204,7 @@ def build_global_plan(
         regions = holders[name]
         unique = sorted(regions)
         _validate_cover(name, d.shape, unique)
-        layout = _layout(d, unique, options, counts and counts.get(sizes[name]), share)
+        layout = _layout(d, unique, options, *(counts or {}).get(name, (None, 0)))
         layouts[name] = layout
         regions_of[name] = tuple((b, min(regions[b])) for b in unique)
         for index, chunk in enumerate(chunk_boxes(d.shape, layout.chunk_shape)):
@@ -220,11 +219,10 @@ def build_global_plan(
             )
 
     picker = OwnerPicker(world, sum(sizes.values()), options.write_balance, options.straddle_writers)
-    owner: dict[tuple[str, int], int] = {}
-    for nbytes, name, index, _c, _p, (cands, near, partial) in sorted(
-        chunk_list, key=lambda c: (-c[0], c[1], c[2])
-    ):
-        owner[(name, index)] = picker.pick(nbytes, cands, near, partial)
+    ordered_chunks = sorted(chunk_list, key=lambda c: (-c[0], c[1], c[2]))
+    for nbytes, _name, _index, _c, _p, (cands, near, partial) in ordered_chunks:
+        picker.pick(nbytes, cands, near, partial)
+    owner = {(c[1], c[2]): w for c, w in zip(ordered_chunks, picker.owners().tolist())}
 
     ordered = {name: [(b, sorted(holders[name][b])) for b in sorted(holders[name])] for name in decls}
     writes: dict[int, list[ChunkWrite]] = defaultdict(list)
@@ -272,6 +270,12 @@ def build_global_plan(
             )
         )
     return GlobalPlan(tensors, tuple(ranks))
+
+
+def _holder_set(holders: Iterable[Sequence[int]]) -> np.ndarray:
+    """Every rank holding part of a tensor, sorted (``holders``: the ranks of each of its regions)."""
+    parts = [np.asarray(h, dtype=np.int64) for h in holders]
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _candidates(boxes: Sequence[Box], chunk: Box) -> list[Box]:
