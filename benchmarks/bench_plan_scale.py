@@ -588,6 +588,9 @@ def main() -> None:
         help="add a DP dataloader's shard index on every rank (DP rank = rank): template (one template and rows "
         "of numbers) or per-rank (every rank's index in its commit status and the metadata)",
     )
+    ap.add_argument(
+        "--write-balance", type=float, default=None, help="PlanOptions.write_balance (default: the library's)"
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     opts = PlanOptions(
@@ -595,6 +598,8 @@ def main() -> None:
     )
     if not a.no_host_map and "ranks_per_host" in PlanOptions.__dataclass_fields__:
         opts = dataclasses.replace(opts, ranks_per_host=a.ranks_per_host)
+    if a.write_balance is not None:
+        opts = dataclasses.replace(opts, write_balance=a.write_balance)
     out = run(a.ranks, a.tensors, a.layout, opts, a.sample, a.ranks_per_host, a.perrank, a.dataloader)
     if a.json:
         print(json.dumps(out))
