@@ -211,7 +211,8 @@ def fall_back(
 
 def check(template: Any, rows: Any, tensors: Mapping[str, Any], world: int) -> str | None:
     """Why a stored template object is malformed (None when valid): ``rows`` must map kinds to stacked
-    arrays ``[world, k]`` of the kind's dtype, and every placeholder must lie inside its row."""
+    arrays ``[world, k]`` of the kind's dtype, ``k`` exactly the template's placeholders of that kind (a
+    reader sizes its row buffers from that shape: a hostile width is refused before anything is allocated)."""
     if not isinstance(rows, dict) or not set(rows) <= set(KINDS):
         return f"rows must map some of {sorted(KINDS)} to array names"
     try:
@@ -228,8 +229,8 @@ def check(template: Any, rows: Any, tensors: Mapping[str, Any], world: int) -> s
         dtype = KINDS[kind][0]
         if tm is None or not tm.rank_rows or len(tm.shape) != 2 or tm.dtype != dtype.name:
             return f"rows[{kind!r}] must name a stored [{world}, k] {dtype.name} array of rank rows"
-        if tm.shape[1] < need:
-            return f"rows[{kind!r}] holds {tm.shape[1]} leaves per rank, the template needs {need}"
+        if tm.shape[1] != need:  # exactly: a reader sizes its row buffers from this shape
+            return f"rows[{kind!r}] holds {tm.shape[1]} leaves per rank, the template has {need}"
     return None
 
 

@@ -258,6 +258,13 @@ def test_hostile_template_metadata_is_refused(tmp_path) -> None:
     def far_leaf(o, t):
         o["template"]["values"][0]["step"] = {"__leaf__": "i999"}
 
+    def wide_rows(o, t):
+        # a self-consistent row array far wider than the template's leaves: a reader would size its
+        # buffer from it (64 GiB of int64 per rank here) before any file check
+        t[f"{PR}/~int"].update(
+            shape=[1, 2**33], chunk_shape=[1, 2**26], inner_chunk_shape=[1, 2**26], writers=[0] * 128
+        )
+
     cases = [
         far_leaf,
         lambda o, t: o["template"]["values"][0].update(step={"__leaf__": "q1"}),
@@ -267,6 +274,7 @@ def test_hostile_template_metadata_is_refused(tmp_path) -> None:
         lambda o, t: o["rows"].pop("float"),
         lambda o, t: t[f"{PR}/~int"].update(dtype="float64"),
         lambda o, t: t[f"{PR}/~int"].pop("rank_rows"),
+        wide_rows,
     ]
     for fn in cases:
         with pytest.raises(MetadataError, match=r"objects\['extra_state/~per_rank'\]"):
