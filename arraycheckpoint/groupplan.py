@@ -16,6 +16,7 @@ structure) are analysed once, and the worst-fit balance runs over all chunks wit
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import math
 from collections import defaultdict
@@ -28,6 +29,7 @@ import numpy as np
 from .chunking import apportion
 from .errors import PlanError
 from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
+from .packing import assign_packs, by_pack
 from .plan import (
     ArrayLayout,
     ChunkWrite,
@@ -108,6 +110,7 @@ class TensorDecision:
     layout: ArrayLayout
     writers: tuple[int, ...]  # per chunk, row-major over the chunk grid
     creator: int
+    pack: str | None = None  # the pack holding the array (arraycheckpoint.packing), None: its own directory
 
 
 @dataclass
@@ -341,6 +344,14 @@ def build_compact_plan(
             name, t.shape, t.dtype, c.layout_shape[0], c.layout_shape[1], options.compression
         )
         tensors[name] = TensorDecision(layout, tuple(int(w) for w in ws), creator)
+    packs = assign_packs(
+        {n: (d.layout, d.writers, d.creator) for n, d in tensors.items()},
+        {n: first[n].itemsize for n in names},
+        options.pack_array_bytes,
+        options.min_chunk_bytes,
+    )
+    for name, key in packs.items():
+        tensors[name] = dataclasses.replace(tensors[name], pack=key)
     h = hashlib.sha1()
     class_digest: dict[int, bytes] = {}  # the regions of a class, hashed once for all its tensors
     for name in names:
@@ -350,7 +361,7 @@ def build_compact_plan(
             for b, hs in zip(c.boxes, c.holders):
                 ch.update(repr((b.offsets, b.lengths, hs)).encode())
             class_digest[id(c)] = ch.digest()
-        h.update(repr((name, d.layout, d.creator)).encode())
+        h.update(repr((name, d.layout, d.creator, d.pack)).encode())
         h.update(writers[name].tobytes())
         h.update(class_digest[id(c)])
     exchange = any(_any_transfer(classes[n], writers[n]) for n in names)
@@ -392,10 +403,12 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
         for ci, pi, w in sorted(outgoing):  # chunk order, as the reference planner lists them
             sends.append(Transfer(name, c.pieces[ci][pi][0], rank, w))
     layouts = tuple(plan.tensors[n].layout for n in sorted(mine))
+    packs = {n: plan.tensors[n].pack for n in mine if plan.tensors[n].pack is not None}
     return RankPlan(
         rank=rank,
         layouts=layouts,
-        create=tuple(sorted(n for n in mine if plan.tensors[n].creator == rank)),
+        create=tuple(sorted(n for n in mine if plan.tensors[n].creator == rank and n not in packs)),
+        packs=tuple(by_pack(packs).items()),  # type: ignore[arg-type]
         writes=tuple(writes),
         sends=tuple(sends),
         recvs=tuple(recvs),

@@ -19,12 +19,14 @@ from typing import Any
 from .errors import ArrayCheckpointError, MetadataError, UnsafeNameError
 from .regions import Box
 
+#: 5: small arrays one rank writes whole are stored in packs, uncompressed ZIP files holding complete zarr v3
+#: arrays (:mod:`arraycheckpoint.packing`); a tensor's ``pack`` names its file.
 #: 4: per-rank objects whose ranks share one structure are stored as one template plus numeric rows
 #: (:mod:`arraycheckpoint.rankdoc`); 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys
 #: ``c.i.j``; 2: regions stored as layout rules (format 1 listed every rank's region). Versions 1 and 2 keep
 #: their control files in the root (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 def chunk_key_separator(format_version: int) -> str:
@@ -141,6 +143,8 @@ class TensorMeta:
     regions: tuple[tuple[int, Any], ...] = ()  # format 2: (layout group, rule) pairs the shards follow from
     # a stacked per-rank array: the leading dimension is the saving rank (extent world_size); see perrank.py
     rank_rows: bool = False
+    # format 5: the pack file (key relative to the root) holding the whole array, None: ``<ckpt>/<name>/``
+    pack: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -206,6 +210,7 @@ class CheckpointMetadata:
                     ),
                     "writers": list(t.writers),
                     **({"rank_rows": True} if t.rank_rows else {}),
+                    **({"pack": t.pack} if t.pack is not None else {}),
                 }
                 for name, t in sorted(self.tensors.items())
             },
@@ -310,8 +315,9 @@ def _parse(doc: Any) -> CheckpointMetadata:
                 f"metadata: {where}.rank_rows must be true or absent, and a stacked per-rank array's leading "
                 f"dimension must be the world size {world_size} (shape {list(shape)})"
             )
+        pack = _parse_pack(t.get("pack"), where, version, world_size, compression, shape, chunk)
         tensors[name] = TensorMeta(
-            name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows
+            name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows, pack
         )
     objects = {
         name: _parse_object(name, o, version, tensors, world_size)
@@ -337,6 +343,32 @@ def _parse(doc: Any) -> CheckpointMetadata:
         codec_preset=doc.get("codec_preset") if isinstance(doc.get("codec_preset"), int) else 0,
         layout_groups=tuple(doc.get("layout_groups", [])) if version >= 2 else (),
     )
+
+
+def _parse_pack(
+    pack: Any,
+    where: str,
+    version: int,
+    world_size: int,
+    compression: str | None,
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+) -> str | None:
+    """A tensor's ``pack`` entry: absent, or (format 5) a pack key of a rank of the world holding an
+    uncompressed array of whole chunks (what a save packs; anything else is no valid checkpoint)."""
+    from .packing import PACK_KEY
+
+    if pack is None:
+        return None
+    m = PACK_KEY.match(pack) if isinstance(pack, str) and version >= 5 else None
+    if m is None or int(m.group(1)) >= world_size:
+        raise MetadataError(
+            f"metadata: {where}.pack {pack!r} is not a pack of this checkpoint (format {version} of "
+            f"{world_size} ranks names packs '.acp/packs/<rank>.<index>.zip' from format 5 on)"
+        )
+    if compression is not None or any(s % c for s, c in zip(shape, chunk)):
+        raise MetadataError(f"metadata: {where} is packed but compressed or not in whole chunks")
+    return pack
 
 
 def _parse_object(

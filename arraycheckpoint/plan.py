@@ -31,6 +31,7 @@ import numpy as np
 from .chunking import apportion, choose_chunk_shape, split_chunk, tensor_chunk_shape
 from .errors import PlanError
 from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
+from .packing import assign_packs, by_pack
 from .regions import Box, chunk_boxes, intersect
 
 __all__ = ["choose_chunk_shape", "split_chunk"]  # re-exported (their home is arraycheckpoint.chunking)
@@ -75,6 +76,10 @@ class PlanOptions:
     host_of: tuple[int, ...] = ()
     # a rank's written bytes may exceed the mean by this factor before chunks go to a less-loaded rank
     write_balance: float = 1.05
+    # arrays one rank writes whole, uncompressed and of at most this many stored bytes go into that rank's
+    # packs (arraycheckpoint.packing: ZIP files every zarr reader opens), about ``min_chunk_bytes`` each,
+    # instead of a directory and two files apiece; 0 keeps every array in its own directory
+    pack_array_bytes: int = 2 << 20
 
     def host_map(self, world: int) -> HostMap:
         """The :class:`~arraycheckpoint.owners.HostMap` these options describe for ``world`` ranks."""
@@ -132,6 +137,9 @@ class RankPlan:
     recvs: tuple[Transfer, ...]
     exchange: bool = False  # whether any rank sends fragments (every rank enters the all-to-all then)
     plan_id: str = ""  # digest of the whole global plan; ranks compare it at commit
+    # (pack key, member arrays) of the packs this rank writes; members are not in ``create`` (their
+    # zarr.json goes into the pack)
+    packs: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def needed_boxes(self) -> dict[str, list[Box]]:
         """Regions of local data this rank reads during the save (its own pieces and what it sends)."""
@@ -151,6 +159,7 @@ class TensorPlan:
     regions: tuple[tuple[Box, int], ...]  # unique saved regions and the rank credited with them
     writers: tuple[int, ...]  # per chunk, row-major
     creator: int
+    pack: str | None = None  # the pack holding the array (arraycheckpoint.packing), None: its own directory
 
 
 @dataclass(frozen=True)
@@ -247,12 +256,20 @@ def build_global_plan(
         files[creator] += 1
         creators[name] = creator
 
+    packs = assign_packs(
+        {n: (layouts[n], tuple(writers.get(n, [])), creators[n]) for n in decls},
+        {n: d.itemsize for n, d in decls.items()},
+        options.pack_array_bytes,
+        options.min_chunk_bytes,
+    )
     tensors = {
-        name: TensorPlan(layouts[name], regions_of[name], tuple(writers.get(name, [])), creators[name])
+        name: TensorPlan(
+            layouts[name], regions_of[name], tuple(writers.get(name, [])), creators[name], packs.get(name)
+        )
         for name in sorted(decls)
     }
     digest = hashlib.sha1(
-        repr([(n, t.layout, t.regions, t.writers, t.creator) for n, t in sorted(tensors.items())]).encode()
+        repr([(n, t.layout, t.regions, t.writers, t.creator, t.pack) for n, t in sorted(tensors.items())]).encode()
     ).hexdigest()[:16]
     ranks = []
     for r in range(world):
@@ -261,12 +278,13 @@ def build_global_plan(
             RankPlan(
                 rank=r,
                 layouts=tuple(layouts[n] for n in sorted(mine)),
-                create=tuple(sorted(n for n, c in creators.items() if c == r)),
+                create=tuple(sorted(n for n, c in creators.items() if c == r and n not in packs)),
                 writes=tuple(writes[r]),
                 sends=tuple(t for t in transfers if t.src == r),
                 recvs=tuple(t for t in transfers if t.dst == r),
                 exchange=bool(transfers),
                 plan_id=digest,
+                packs=tuple(by_pack(packs, mine).items()),
             )
         )
     return GlobalPlan(tensors, tuple(ranks))
@@ -375,6 +393,7 @@ def rank_plan_to_json(p: RankPlan) -> dict:
         "recvs": [[t.name, _box_json(t.box), t.src, t.dst] for t in p.recvs],
         "exchange": p.exchange,
         "plan_id": p.plan_id,
+        "packs": [[k, list(names)] for k, names in p.packs],
     }
 
 
@@ -394,4 +413,5 @@ def rank_plan_from_json(j: dict) -> RankPlan:
         recvs=tuple(Transfer(n, _box(b), s, d) for n, b, s, d in j["recvs"]),
         exchange=bool(j["exchange"]),
         plan_id=str(j["plan_id"]),
+        packs=tuple((str(k), tuple(names)) for k, names in j.get("packs", ())),
     )

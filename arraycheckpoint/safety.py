@@ -279,7 +279,10 @@ def check_chunk_files(
 
     chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
     selected = list(meta.tensors) if names is None else [n for n in dict.fromkeys(names) if n in meta.tensors]
+    packed = [n for n in selected if meta.tensors[n].pack is not None]
+    selected = [n for n in selected if meta.tensors[n].pack is None]
     items = _array_inventory(storage, root, meta, selected if names is not None else None)
+    items.update(check_packs(storage, root, meta, packed))
     chunks: dict[str, list[int | None]] = {}
     for key, size in items.items():
         m = chunk_key.match(key)
@@ -310,7 +313,7 @@ def _array_inventory(storage: Any, root: str, meta: Any, names: list[str] | None
     if names is None:
         return inventory(storage, root)
     if getattr(storage, "commit_strategy", "") != "rename":
-        stored = sum(chunk_count(t.shape, t.chunk_shape) + 1 for t in meta.tensors.values())
+        stored = sum(chunk_count(t.shape, t.chunk_shape) + 1 for t in meta.tensors.values() if t.pack is None)
         if len(names) * _KEYS_PER_LISTING >= stored:  # one listing of everything takes fewer requests
             return inventory(storage, root)
     out: dict[str, int | None] = {}
@@ -360,10 +363,18 @@ def check_arrays(
     docs = {name: doc for name, (doc, _) in generated.items()}
     if getattr(storage, "commit_strategy", "") == "rename" or meta.codec_preset != CODEC_PRESET:
         kv = _kvstore(storage, base)
-        reads = {name: kv.read(f"{name}/zarr.json") for name in wanted}
+        packs = {
+            key: _pack_kvstore(storage, base, key)
+            for key in {meta.tensors[n].pack for n in wanted} - {None}
+        }
+        reads = {
+            name: (packs[meta.tensors[name].pack] if meta.tensors[name].pack else kv).read(f"{name}/zarr.json")
+            for name in wanted
+        }
         for name, fut in reads.items():
             result = fut.result()
-            where = f"{base}/{name}"
+            pack = meta.tensors[name].pack
+            where = f"{base}/{pack}:{name}" if pack else f"{base}/{name}"
             if result.state != "value":
                 raise MetadataError(
                     f"tensor {name!r}: {where}/zarr.json is missing; the checkpoint is damaged"
@@ -422,6 +433,159 @@ def _has_byte(kv: Any, key: str, offset: int) -> bool:
             return False
         raise
     return result.state == "value" and len(result.value) > 0
+
+
+# Packs -----------------------------------------------------------------------------------------------------
+#: Largest ``zarr.json`` member of a pack: what a save writes is about 1 KiB; this caps what one member can
+#: make the reader allocate before its bounded parse.
+MAX_PACKED_JSON_BYTES = 64 << 10
+
+
+def check_packs(storage: Any, root: str, meta: Any, names: Collection[str]) -> dict[str, int | None]:
+    """The packs holding the arrays ``names`` (format 5, :mod:`arraycheckpoint.packing`) are sound.
+
+    Each pack must be a regular file (no link on the way, on local file systems) no larger than its declared
+    arrays can be, and its ZIP central directory must name every member of the arrays read exactly once,
+    stored uncompressed (nothing is inflated: no ZIP bomb) and no larger than the member can be: the array's
+    ``zarr.json`` within :data:`MAX_PACKED_JSON_BYTES`, and exactly as many chunk members as its grid
+    declares, each within its encoding's size. Only then does tensorstore's ``zip`` driver read a member.
+
+    Returns:
+        ``pack key -> size`` of the packs checked.
+
+    Raises:
+        InconsistentCheckpointError: a pack or a member is missing, or a chunk count is off.
+        CorruptCheckpointError: a link, a non-regular or oversized pack, a compressed, duplicated or
+            oversized member, or a pack that is no ZIP archive.
+    """
+    from .codecs import numpy_dtype
+    from .metadata import chunk_key_separator
+    from .packing import by_pack
+
+    if not names:
+        return {}
+    chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
+    members_of = by_pack({n: t.pack for n, t in meta.tensors.items() if t.pack is not None})
+    base = root.rstrip("/")
+    out: dict[str, int | None] = {}
+    for key, reading in by_pack({n: meta.tensors[n].pack for n in names}).items():
+        every = members_of[key]
+        limits = {
+            n: _max_file_bytes(
+                meta.tensors[n].chunk_shape,
+                meta.tensors[n].inner_chunk_shape,
+                numpy_dtype(meta.tensors[n].dtype).itemsize,
+            )
+            for n in every
+        }
+        chunk_bytes = [limits[n] * chunk_count(meta.tensors[n].shape, meta.tensors[n].chunk_shape) for n in every]
+        from .packing import MEMBER_OVERHEAD, group_keys, max_pack_bytes
+
+        json_bytes = [MAX_PACKED_JSON_BYTES] * (len(every) + len(group_keys(every)))
+        entries = sum(chunk_count(meta.tensors[n].shape, meta.tensors[n].chunk_shape) for n in every)
+        entries += len(json_bytes)
+        bound = max_pack_bytes(chunk_bytes + json_bytes, entries, sum(len(n) + 32 for n in every) * entries)
+        bound = min(bound, MAX_OBJECT_BYTES * 4)
+        infos, size = _pack_directory(storage, base, key, bound)
+        out[key] = size
+        where = f"{base}/{key}"
+        seen: dict[str, Any] = {}
+        for info in infos:
+            if info.filename in seen:
+                raise CorruptCheckpointError(f"{where} names the member {info.filename!r} twice; the pack is damaged")
+            seen[info.filename] = info
+        chunks: dict[str, list[Any]] = {}
+        for fname, info in seen.items():
+            m = chunk_key.match(fname)
+            if m:
+                chunks.setdefault(m.group(1), []).append(info)
+        for name in reading:
+            t = meta.tensors[name]
+            doc = seen.get(f"{name}/zarr.json")
+            if doc is None:
+                raise InconsistentCheckpointError(
+                    f"tensor {name!r}: its pack {where} holds no {name}/zarr.json; the checkpoint is damaged"
+                )
+            found = chunks.get(name, [])
+            expected = chunk_count(t.shape, t.chunk_shape)
+            if len(found) != expected:
+                raise InconsistentCheckpointError(
+                    f"tensor {name!r}: the metadata declares {expected} chunk(s) of {list(t.chunk_shape)}, but its "
+                    f"pack {where} holds {len(found)}; the metadata does not describe this checkpoint"
+                )
+            for info, limit in [(doc, MAX_PACKED_JSON_BYTES)] + [(i, limits[name]) for i in found]:
+                if info.compress_type != 0 or info.compress_size != info.file_size:
+                    raise CorruptCheckpointError(
+                        f"tensor {name!r}: member {info.filename!r} of {where} is compressed (method "
+                        f"{info.compress_type}); packs store members uncompressed, nothing is inflated"
+                    )
+                if info.file_size > limit:
+                    raise CorruptCheckpointError(
+                        f"tensor {name!r}: member {info.filename!r} of {where} is {info.file_size} bytes, more "
+                        f"than its encoding can be ({limit}); the checkpoint is damaged"
+                    )
+    return out
+
+
+def _pack_directory(storage: Any, base: str, key: str, bound: int) -> tuple[list[Any], int | None]:
+    """The ZIP central directory of the pack ``key`` (its entries) and the pack's size, after checking that
+    the pack is a regular object of at most ``bound`` bytes (never read through a link)."""
+    import io
+    import zipfile
+
+    from .packing import PACK_DIR
+
+    path = f"{base}/{key}"
+    try:
+        if getattr(storage, "commit_strategy", "") == "rename":
+            _check_path_below(base, PACK_DIR)
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged") from None
+            except OSError as e:  # ELOOP: a symbolic link
+                raise CorruptCheckpointError(
+                    f"{path} cannot be opened without following a link ({e}); nothing in a checkpoint is read "
+                    "through a link"
+                ) from None
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptCheckpointError(f"{path} is not a regular file; the checkpoint is damaged")
+                _check_pack_size(path, st.st_size, bound)
+                return zipfile.ZipFile(f).infolist(), st.st_size
+        kv = _kvstore(storage, f"{base}/{PACK_DIR}")
+        leaf = key[len(PACK_DIR) + 1 :]
+        try:
+            result = kv.read(leaf, byte_range=slice(0, bound + 1)).result()
+        except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the bound, so read it whole
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            result = kv.read(leaf).result()
+        if result.state != "value":
+            raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
+        data = bytes(result.value)
+        _check_pack_size(path, len(data), bound)
+        return zipfile.ZipFile(io.BytesIO(data)).infolist(), len(data)
+    except zipfile.BadZipFile as e:
+        raise CorruptCheckpointError(f"{path} is not a readable ZIP archive ({e}); the checkpoint is damaged") from None
+
+
+def _check_pack_size(path: str, size: int, bound: int) -> None:
+    if size > bound:
+        raise CorruptCheckpointError(
+            f"{path} is larger than its arrays can be stored in ({bound} bytes at most); the checkpoint is "
+            "damaged or hostile"
+        )
+
+
+def _pack_kvstore(storage: Any, base: str, key: str) -> Any:
+    import tensorstore as ts
+
+    from ._tscontext import context
+
+    spec = {"driver": "zip", "base": storage.object_kvstore_spec(base, key)}
+    return ts.KvStore.open(spec, context=context()).result()
 
 
 def _kvstore(storage: Any, root: str) -> Any:

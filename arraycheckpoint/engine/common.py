@@ -53,6 +53,15 @@ def array_spec(storage: Storage, root: str, layout: Any, separator: str = ".") -
     }
 
 
+def array_kvstore_spec(storage: Storage, root: str, tensor: Any) -> dict[str, Any]:
+    """The kvstore spec of a stored array (a :class:`~arraycheckpoint.metadata.TensorMeta`): its directory
+    ``<root>/<name>/``, or, for a packed array (format 5), its keys inside the pack's ZIP file."""
+    pack = getattr(tensor, "pack", None)
+    if pack is None:
+        return storage.kvstore_spec(f"{root.rstrip('/')}/{tensor.name}")
+    return {"driver": "zip", "base": storage.object_kvstore_spec(root, pack), "path": f"{tensor.name}/"}
+
+
 def wait_write(fut: Any, name: str) -> None:
     try:
         fut.result()

@@ -240,6 +240,7 @@ def build_metadata(
             writers=td.writers,
             regions=regions,
             rank_rows=name in stacked,
+            pack=td.pack,
         )
     objects: dict[str, ObjectMeta] = {}
     for o in request.objects:

@@ -24,7 +24,7 @@ from ..monitoring import PhaseRecorder
 from ..regions import Box
 from ..storage import Storage, storage_for
 from ..storage.base import reading
-from .common import DEFAULT_INFLIGHT_BYTES, read_result, write_sidecar
+from .common import DEFAULT_INFLIGHT_BYTES, array_kvstore_spec, read_result, write_sidecar
 
 
 class LoadPipeline:
@@ -218,7 +218,7 @@ class LoadPipeline:
             for name, doc in docs.items():
                 spec = {
                     "driver": "zarr3",
-                    "kvstore": storage.kvstore_spec(f"{root.rstrip('/')}/{name}"),
+                    "kvstore": array_kvstore_spec(storage, root, meta.tensors[name]),
                     "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
                     "metadata": doc,
                 }

@@ -34,7 +34,7 @@ from ..plan import ArrayLayout, RankPlan
 from ..regions import Box, intersect
 from ..storage import storage_for
 from ..storage.local import LocalStorage
-from . import shardfile
+from . import packfile, shardfile
 from .common import array_spec, describe, wait_write
 from .coordinate import Coordinator, declaration_digest, declare, structure_key
 from .job import SaveJob, SaveOptions
@@ -234,6 +234,7 @@ class SavePipeline:
 
         with job.recorder.phase("write") as rec:
             layouts = {layout.name: layout for layout in plan.layouts}
+            packed = {name: key for key, names in plan.packs for name in names}
             writer = _writer(job)
             try:
                 created = _create_arrays(job, writer, [layouts[name] for name in plan.create])
@@ -241,7 +242,7 @@ class SavePipeline:
                 # tensorstore array opened with the metadata assumed (on storage already, or written by another
                 # rank), so nothing is read or validated per array
                 direct = [
-                    shardfile.can_encode(layouts[w.name], w.chunk, _write_dtype(job, w.name))
+                    w.name in packed or shardfile.can_encode(layouts[w.name], w.chunk, _write_dtype(job, w.name))
                     for w in plan.writes
                 ]
                 opening = {
@@ -254,27 +255,45 @@ class SavePipeline:
                     for name in dict.fromkeys(w.name for w, d in zip(plan.writes, direct) if not d)
                 }
                 stores = {name: fut.result() for name, fut in opening.items()}
+                packs = _Packs(job, plan, layouts)
                 inflight: deque[tuple[Any, int, str]] = deque()
                 pending = 0
                 total = 0
-                for w, encode in zip(plan.writes, direct):
-                    data = self._chunk_data(job, w, received)
-                    nbytes = data.nbytes
+
+                def start(fut: Any, nbytes: int, name: str) -> None:
+                    nonlocal pending, total
+                    inflight.append((fut, nbytes, name))
+                    pending += nbytes
+                    total += nbytes
+
+                def make_room(nbytes: int) -> None:
+                    nonlocal pending
                     if inflight and pending + nbytes > job.options.max_inflight_bytes:
                         writer.flush()
                     while inflight and pending + nbytes > job.options.max_inflight_bytes:
                         fut, n, name = inflight.popleft()
                         wait_write(fut, name)
                         pending -= n
+
+                for full in packs.ready():  # packs of empty arrays only
+                    make_room(full.nbytes)
+                    start(writer.write_pack(full.key, full.members), full.nbytes, full.label)
+                for w, encode in zip(plan.writes, direct):
+                    data = self._chunk_data(job, w, received)
+                    if w.name in packed:  # held until its pack is complete, then written with it
+                        for full in packs.add(w, data):
+                            make_room(full.nbytes)
+                            start(writer.write_pack(full.key, full.members), full.nbytes, full.label)
+                        continue
+                    make_room(data.nbytes)
                     if encode:
                         layout = layouts[w.name]
                         key = f"{w.name}/{shardfile.chunk_key(layout, w.chunk)}"
                         fut = writer.write(key, shardfile.encode(data, layout.inner_chunk_shape))
                     else:
                         fut = stores[w.name][w.chunk.slices()].write(data)
-                    inflight.append((fut, nbytes, w.name))
-                    pending += nbytes
-                    total += nbytes
+                    start(fut, data.nbytes, w.name)
+                packs.check_done()
                 writer.flush()
                 for fut, _n, name in inflight:
                     wait_write(fut, name)
@@ -327,21 +346,84 @@ def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> lis
 
     One key-value write per array instead of one validating ``ts.open(create=True)`` each (which reads, checks
     and writes the metadata one array at a time): with thousands of small tensors that open dominated the save.
-    The staging directory is fresh, so there is no existing metadata to conflict with. Arrays that differ only
-    in the path before their last component (``dimension_names`` come from that component: the ``exp_avg`` of
-    every parameter) share one encoded document.
+    The staging directory is fresh, so there is no existing metadata to conflict with.
     """
-    templates: dict[ArrayLayout, tuple[bytes, ...]] = {}
-    writes = []
-    for layout in layouts:
+    docs = ZarrJsonDocs()
+    return [(layout.name, writer.write(f"{layout.name}/zarr.json", [docs.encode(layout)])) for layout in layouts]
+
+
+class ZarrJsonDocs:
+    """Encodes ``zarr.json`` documents; arrays that differ only in the path before their last component
+    (``dimension_names`` come from that component: the ``exp_avg`` of every parameter) share one template."""
+
+    def __init__(self) -> None:
+        self._templates: dict[ArrayLayout, tuple[bytes, ...]] = {}
+
+    def encode(self, layout: ArrayLayout) -> bytes:
+        """The ``zarr.json`` bytes of ``layout``'s array."""
         key = dataclasses.replace(layout, name="")
-        parts = templates.get(key)
+        parts = self._templates.get(key)
         if parts is None:
-            parts = templates[key] = zarr_json_template(layout)
+            parts = self._templates[key] = zarr_json_template(layout)
         names = dimension_names_for(layout.name, len(layout.shape))
-        doc = parts[0] + b"".join(json.dumps(n).encode() + p for n, p in zip(names, parts[1:]))
-        writes.append((layout.name, writer.write(f"{layout.name}/zarr.json", [doc])))
-    return writes
+        return parts[0] + b"".join(json.dumps(n).encode() + p for n, p in zip(names, parts[1:]))
+
+
+@dataclasses.dataclass
+class FullPack:
+    """A pack whose every member is encoded: ready to write."""
+
+    key: str
+    members: list[tuple[str, list[shardfile.Buffer]]]
+    nbytes: int
+    label: str  # what a failed write names: the pack and its first array
+
+
+class _Packs:
+    """Collects the encoded arrays of this rank's packs (plan order) and hands each one out once complete."""
+
+    def __init__(self, job: SaveJob, plan: RankPlan, layouts: dict[str, ArrayLayout]) -> None:
+        docs = ZarrJsonDocs()
+        self._layouts = layouts
+        self._left: dict[str, int] = {}
+        self._members: dict[str, list[tuple[str, list[shardfile.Buffer]]]] = {}
+        self._names: dict[str, tuple[str, ...]] = {}
+        self._pack_of: dict[str, str] = {}
+        self._bytes: dict[str, int] = {}
+        writes: dict[str, int] = {}
+        for w in plan.writes:
+            writes[w.name] = writes.get(w.name, 0) + 1
+        for key, names in plan.packs:
+            self._names[key] = names
+            self._left[key] = sum(writes.get(n, 0) for n in names)
+            self._members[key] = [(f"{n}/zarr.json", [docs.encode(layouts[n])]) for n in names]
+            self._bytes[key] = 0
+            self._pack_of.update(dict.fromkeys(names, key))
+
+    def ready(self) -> list[FullPack]:
+        """Packs complete without any chunk (every member array is empty)."""
+        return [self._take(k) for k in list(self._left) if self._left[k] == 0]
+
+    def add(self, w: Any, data: np.ndarray) -> list[FullPack]:
+        """Encode chunk ``w`` of a packed array from ``data``; returns its pack if that completed it."""
+        key = self._pack_of[w.name]
+        layout = self._layouts[w.name]
+        little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
+        parts = shardfile.encode(little, layout.inner_chunk_shape)
+        self._members[key].append((f"{w.name}/{shardfile.chunk_key(layout, w.chunk)}", parts))
+        self._bytes[key] += data.nbytes
+        self._left[key] -= 1
+        return [self._take(key)] if self._left[key] == 0 else []
+
+    def check_done(self) -> None:
+        """Every pack was handed out (a plan whose writes miss a member would leave one behind)."""
+        if self._left:
+            raise SaveFailedError(f"packs {sorted(self._left)} were left incomplete by the save plan")
+
+    def _take(self, key: str) -> FullPack:
+        del self._left[key]
+        members = packfile.members_with_groups(list(self._names[key]), self._members.pop(key))
+        return FullPack(key, members, self._bytes[key], f"{self._names[key][0]} (pack {key})")
 
 
 #: Stands for one dimension name in a ``zarr.json`` template; never part of an encoded layout otherwise.

@@ -50,6 +50,17 @@ def _crc32c() -> Any:
 
 _CRC = _crc32c()
 
+
+def _any_crc32c() -> Any:
+    """google_crc32c whatever its implementation (packed arrays, :mod:`arraycheckpoint.packing`, are always
+    encoded here: the plan decides packing identically on every rank, whatever each interpreter has)."""
+    import google_crc32c
+
+    return google_crc32c
+
+
+_ANY_CRC = _CRC if _CRC is not None else _any_crc32c()
+
 Buffer = bytes | np.ndarray
 
 
@@ -76,11 +87,11 @@ def crc32c(buf: Buffer) -> int:
     """CRC32C of ``buf`` (bytes or a C-contiguous array), without copying an array."""
     if isinstance(buf, np.ndarray):
         if buf.nbytes == 0:
-            return _CRC.value(b"")
+            return _ANY_CRC.value(b"")
         # google_crc32c takes only buffers without a release hook (bytes): a ctypes view of the same memory
         view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
-        return _CRC.value(view)
-    return _CRC.value(buf)
+        return _ANY_CRC.value(view)
+    return _ANY_CRC.value(buf)
 
 
 def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> list[Buffer]:
@@ -122,6 +133,12 @@ class KvWriter:
     def write(self, key: str, parts: list[Buffer]) -> Any:
         data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
         return self._kv.write(key, data)
+
+    def write_pack(self, key: str, members: list[tuple[str, list[Buffer]]]) -> Any:
+        """Write the pack ``key`` holding ``members`` (:mod:`.packfile`) as one object."""
+        from .packfile import zip_bytes
+
+        return self._kv.write(key, zip_bytes(members))
 
     def flush(self) -> None:
         pass
@@ -171,6 +188,16 @@ class FileWriter:
         if self._batch_bytes >= BATCH_BYTES or len(self._batch) >= BATCH_FILES:
             self.flush()
         return fut
+
+    def write_pack(self, key: str, members: list[tuple[str, list[Buffer]]]) -> Future[None]:
+        """Create the pack file ``key`` holding ``members`` (:mod:`.packfile`) on the pool."""
+        from .packfile import write_zip_file
+
+        def run() -> None:
+            self._make_parents(key)
+            write_zip_file(f"{self._root}/{key}", members)
+
+        return self._pool.submit(run)
 
     def flush(self) -> None:
         """Hand the pending batch of small files to the pool (call before waiting on any returned future)."""

@@ -59,6 +59,14 @@ class Storage(ABC):
     def kvstore_spec(self, root: str) -> dict[str, Any]:
         """The tensorstore kvstore spec of the directory/prefix ``root`` (with trailing slash semantics)."""
 
+    def object_kvstore_spec(self, root: str, key: str) -> dict[str, Any]:
+        """The tensorstore kvstore spec of the one object ``key`` below ``root`` (a pack file, which
+        tensorstore's ``zip`` driver takes as its ``base``)."""
+        head, _, leaf = key.rpartition("/")
+        spec = dict(self.kvstore_spec(self.join(root, head) if head else root))
+        spec["path"] = str(spec.get("path", "")) + leaf
+        return spec
+
     def normalize(self, url: str) -> str:
         """The canonical root string of ``url`` for this backend."""
         return url.rstrip("/")
