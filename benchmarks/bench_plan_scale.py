@@ -463,7 +463,11 @@ def run(
     t3 = time.perf_counter()
     CheckpointMetadata.from_json(text)
     parse_s = time.perf_counter() - t3
-    files = sum(len(d.writers) for d in plan.tensors.values())
+    # every object the save writes for arrays: an unpacked array's chunk files and its zarr.json, one file
+    # per pack (arraycheckpoint.packing); group documents and control files (a few) are not counted
+    packs = {d.pack for d in plan.tensors.values() if d.pack is not None}
+    unpacked = [d for d in plan.tensors.values() if d.pack is None]
+    files = sum(len(d.writers) + 1 for d in unpacked) + len(packs)
     total = sum(int(np.prod(d.layout.shape)) * isz[n] for n, d in plan.tensors.items())
     per_rank = np.bincount(
         np.concatenate([np.asarray(d.writers) for d in plan.tensors.values()]),
@@ -497,6 +501,8 @@ def run(
         "metadata_bytes": len(text),
         "metadata_parse_s": round(parse_s, 3),
         "files": files,
+        "packs": len(packs),
+        "packed_arrays": len(plan.tensors) - len(unpacked),
         "files_per_tb": round(files * 1e12 / total),
         "write_balance_max_over_mean": round(float(per_rank.max() / per_rank.mean()), 3),
         "exchange_bytes_total": ex["total"],

@@ -181,9 +181,6 @@ def test_engine_waits_for_fences_before_staged_and_writes(tmp_path):
     fut.staged.result(timeout=10)
     fut.result(timeout=30)
     assert fence.waited
-    import tensorstore as ts
+    from readers import ts_read
 
-    stored = ts.open(
-        {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / "model/w")}}
-    ).result()
-    np.testing.assert_array_equal(stored.read().result(), value)
+    np.testing.assert_array_equal(ts_read(str(tmp_path / "c"), "model/w"), value)

@@ -38,11 +38,17 @@ def test_objects_and_marker_land_in_the_bucket(s3_server, s3_prefix: str) -> Non
         and spec["endpoint"] == s3_server.endpoint
     )
     assert spec["context"]["s3_request_retries"]["max_retries"] >= 1
-    acp.save(root, {"model": {"w": torch.ones(4, 4)}})
+    # a small tensor lands in the rank's pack (one object), one above the pack limit in its own directory
+    big = torch.ones(1024, 1024)  # 4 MiB: above PlanOptions.pack_array_bytes
+    acp.save(root, {"model": {"w": torch.ones(4, 4), "big": big}})
     prefix = root[len(f"s3://{s3_server.bucket}/") :] + "/"
     keys = s3_server.keys(prefix)
-    assert prefix + COMMIT_MARKER in keys and prefix + "model/w/c.0.0" in keys
+    assert prefix + COMMIT_MARKER in keys and prefix + "model/big/c.0.0" in keys
+    assert prefix + ".acp/packs/0.0.zip" in keys and prefix + "model/w/c.0.0" not in keys
     assert prefix + ".acp-lock" not in keys
+    target = {"model": {"w": torch.zeros(4, 4), "big": torch.zeros(1024, 1024)}}
+    acp.load(root, target)
+    assert torch.equal(target["model"]["w"], torch.ones(4, 4)) and torch.equal(target["model"]["big"], big)
 
 
 def _save_two_ranks(rank: int, world: int, endpoint: str, url: str) -> None:
