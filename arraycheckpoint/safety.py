@@ -12,6 +12,10 @@ of on-disk bytes the load path makes before tensorstore or numpy sees them:
   FIFO, no device, nowhere below the root) and as many chunk objects as their chunk grids declare, so a shape
   of 1e13 declared by a checkpoint that holds one small file is refused before any buffer exists
   (:func:`check_checkpoint`: both, for every array; what the tools run);
+* :func:`check_packs` (within :func:`check_chunk_files`): the packs (format 5, ZIP files of small arrays)
+  holding the arrays read are regular files laid out as a save writes them, with exactly the members their
+  arrays declare, stored uncompressed, bounded, and with local headers that agree with the central directory
+  (tensorstore's ``zip`` driver decodes by the local header), so nothing is ever inflated;
 * :func:`check_arrays`: just before the arrays are opened, every ``zarr.json`` read in one concurrent batch and
   cross-checked against ``.metadata.json`` (bounded parse; the exact bytes this release writes are accepted
   as they are), crc32c required on every inner chunk and on the shard index (whatever the checkpoint says
@@ -26,13 +30,15 @@ Limits and their reasons are the module constants below.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
 import re
 import stat
-from collections.abc import Collection, Mapping
+import struct
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -312,6 +318,8 @@ def _array_inventory(storage: Any, root: str, meta: Any, names: list[str] | None
     """Keys (relative to ``root``) and sizes of the arrays ``names``' files, or of everything if None."""
     if names is None:
         return inventory(storage, root)
+    if not names:  # only packed arrays are read: their packs are checked, nothing is listed
+        return {}
     if getattr(storage, "commit_strategy", "") != "rename":
         stored = sum(chunk_count(t.shape, t.chunk_shape) + 1 for t in meta.tensors.values() if t.pack is None)
         if len(names) * _KEYS_PER_LISTING >= stored:  # one listing of everything takes fewer requests
@@ -444,131 +452,371 @@ MAX_PACKED_JSON_BYTES = 64 << 10
 def check_packs(storage: Any, root: str, meta: Any, names: Collection[str]) -> dict[str, int | None]:
     """The packs holding the arrays ``names`` (format 5, :mod:`arraycheckpoint.packing`) are sound.
 
-    Each pack must be a regular file (no link on the way, on local file systems) no larger than its declared
-    arrays can be, and its ZIP central directory must name every member of the arrays read exactly once,
-    stored uncompressed (nothing is inflated: no ZIP bomb) and no larger than the member can be: the array's
-    ``zarr.json`` within :data:`MAX_PACKED_JSON_BYTES`, and exactly as many chunk members as its grid
-    declares, each within its encoding's size. Only then does tensorstore's ``zip`` driver read a member.
+    A pack must be a regular file (no link on the way, never a FIFO, on local file systems) no larger than its
+    declared arrays can be, laid out as a save writes it (:func:`_pack_directory`: the end record at the very
+    end, the central directory right before it and no larger than its arrays' entries take, no member
+    overlapping another). Every entry must be a member its arrays can have: a group ``zarr.json``, an
+    array's ``zarr.json``, or a chunk key inside that array's grid; none twice. For each array read: its
+    ``zarr.json`` (within :data:`MAX_PACKED_JSON_BYTES`) and every chunk of its grid are present, stored
+    uncompressed, each chunk no larger than its uncompressed encoding, and, since tensorstore's ``zip`` driver
+    takes a member's compression method and sizes from its *local* header, every local header of these
+    members says the same as the central directory (stored, same sizes, same name, no data descriptor, no
+    encryption). Nothing is inflated: no ZIP bomb. Only then does tensorstore read a member.
 
     Returns:
         ``pack key -> size`` of the packs checked.
 
     Raises:
-        InconsistentCheckpointError: a pack or a member is missing, or a chunk count is off.
-        CorruptCheckpointError: a link, a non-regular or oversized pack, a compressed, duplicated or
-            oversized member, or a pack that is no ZIP archive.
+        InconsistentCheckpointError: a pack or a member of an array read is missing.
+        CorruptCheckpointError: a link, a FIFO, an oversized pack, a pack that is not a ZIP archive as a save
+            writes it, a member no array of the pack has, or a compressed, duplicated or oversized member.
     """
-    from .codecs import numpy_dtype
     from .metadata import chunk_key_separator
-    from .packing import by_pack
+    from .packing import by_pack, group_keys
 
     if not names:
         return {}
-    chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
+    separator = chunk_key_separator(meta.format_version)
     members_of = by_pack({n: t.pack for n, t in meta.tensors.items() if t.pack is not None})
     base = root.rstrip("/")
     out: dict[str, int | None] = {}
     for key, reading in by_pack({n: meta.tensors[n].pack for n in names}).items():
         every = members_of[key]
-        limits = {
-            n: _max_file_bytes(
-                meta.tensors[n].chunk_shape,
-                meta.tensors[n].inner_chunk_shape,
-                numpy_dtype(meta.tensors[n].dtype).itemsize,
+        limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in every}
+        grids = {n: _chunk_grid(meta.tensors[n]) for n in every}
+        groups = group_keys(every)
+        # the directory's size from the metadata alone (members counted, never enumerated)
+        max_directory = sum(_CD_ENTRY_BYTES + len(g.encode()) for g in groups) + sum(
+            (1 + math.prod(g)) * (_CD_ENTRY_BYTES + len(n.encode()) + 1 + max(9, _longest_chunk_key(g)))
+            for n, g in grids.items()
+        )
+        check_members = functools.partial(
+            _check_pack_members,
+            meta,
+            reading=reading,
+            every=every,
+            grids=grids,
+            limits=limits,
+            groups=set(groups),
+            separator=separator,
+            where=f"{base}/{key}",
+        )
+        try:
+            _, size = _pack_directory(
+                storage,
+                base,
+                key,
+                _pack_bound(meta, every, limits),
+                max_directory_bytes=max_directory,
+                check_members=check_members,
             )
-            for n in every
-        }
-        chunk_bytes = [limits[n] * chunk_count(meta.tensors[n].shape, meta.tensors[n].chunk_shape) for n in every]
-        from .packing import MEMBER_OVERHEAD, group_keys, max_pack_bytes
-
-        json_bytes = [MAX_PACKED_JSON_BYTES] * (len(every) + len(group_keys(every)))
-        entries = sum(chunk_count(meta.tensors[n].shape, meta.tensors[n].chunk_shape) for n in every)
-        entries += len(json_bytes)
-        bound = max_pack_bytes(chunk_bytes + json_bytes, entries, sum(len(n) + 32 for n in every) * entries)
-        bound = min(bound, MAX_OBJECT_BYTES * 4)
-        infos, size = _pack_directory(storage, base, key, bound)
+        except CorruptCheckpointError as e:  # name the tensors the pack was read for
+            if str(e).startswith("tensor '"):
+                raise
+            named = ", ".join(repr(n) for n in reading[:3])
+            more = f" (and {len(reading) - 3} more)" if len(reading) > 3 else ""
+            raise type(e)(f"tensor{'s' if len(reading) > 1 else ''} {named}{more}: {e}") from None
         out[key] = size
-        where = f"{base}/{key}"
-        seen: dict[str, Any] = {}
-        for info in infos:
-            if info.filename in seen:
-                raise CorruptCheckpointError(f"{where} names the member {info.filename!r} twice; the pack is damaged")
-            seen[info.filename] = info
-        chunks: dict[str, list[Any]] = {}
-        for fname, info in seen.items():
-            m = chunk_key.match(fname)
-            if m:
-                chunks.setdefault(m.group(1), []).append(info)
-        for name in reading:
-            t = meta.tensors[name]
-            doc = seen.get(f"{name}/zarr.json")
-            if doc is None:
-                raise InconsistentCheckpointError(
-                    f"tensor {name!r}: its pack {where} holds no {name}/zarr.json; the checkpoint is damaged"
-                )
-            found = chunks.get(name, [])
-            expected = chunk_count(t.shape, t.chunk_shape)
-            if len(found) != expected:
-                raise InconsistentCheckpointError(
-                    f"tensor {name!r}: the metadata declares {expected} chunk(s) of {list(t.chunk_shape)}, but its "
-                    f"pack {where} holds {len(found)}; the metadata does not describe this checkpoint"
-                )
-            for info, limit in [(doc, MAX_PACKED_JSON_BYTES)] + [(i, limits[name]) for i in found]:
-                if info.compress_type != 0 or info.compress_size != info.file_size:
-                    raise CorruptCheckpointError(
-                        f"tensor {name!r}: member {info.filename!r} of {where} is compressed (method "
-                        f"{info.compress_type}); packs store members uncompressed, nothing is inflated"
-                    )
-                if info.file_size > limit:
-                    raise CorruptCheckpointError(
-                        f"tensor {name!r}: member {info.filename!r} of {where} is {info.file_size} bytes, more "
-                        f"than its encoding can be ({limit}); the checkpoint is damaged"
-                    )
     return out
 
 
-def _pack_directory(storage: Any, base: str, key: str, bound: int) -> tuple[list[Any], int | None]:
-    """The ZIP central directory of the pack ``key`` (its entries) and the pack's size, after checking that
-    the pack is a regular object of at most ``bound`` bytes (never read through a link)."""
-    import io
-    import zipfile
+def _check_pack_members(
+    meta: Any,
+    entries: list[PackMember],
+    reading: Collection[str],
+    every: Collection[str],
+    grids: Mapping[str, tuple[int, ...]],
+    limits: Mapping[str, int],
+    groups: Collection[str],
+    separator: str,
+    where: str,
+) -> list[PackMember]:
+    """Check the directory ``entries`` of the pack ``where`` holding the arrays ``every`` against the
+    metadata (see :func:`check_packs`); return the entries of the arrays ``reading``, whose local headers the
+    caller checks next."""
+    members = set(every)
+    reading = set(reading)
+    seen: set[str] = set()
+    docs: dict[str, PackMember] = {}
+    chunks: dict[str, list[PackMember]] = {}
+    for e in entries:
+        if e.filename in seen:
+            raise CorruptCheckpointError(
+                f"{where} names the member {e.filename!r} twice; the pack is damaged"
+            )
+        seen.add(e.filename)
+        if e.filename in groups:
+            continue
+        array, _, leaf = e.filename.rpartition("/")
+        if array in members and leaf == "zarr.json":
+            docs[array] = e
+            continue
+        owner = _chunk_owner(e.filename, members, grids, separator)
+        if owner is not None:
+            chunks.setdefault(owner, []).append(e)
+            continue
+        near = next((n for n in members if e.filename.startswith(n + "/")), None)
+        about = f"tensor {near!r}: " if near is not None else ""
+        raise CorruptCheckpointError(
+            f"{about}{where} holds the member {e.filename!r}, which none of its arrays has (a chunk outside "
+            "the grid, or a foreign file); the pack is damaged or hostile"
+        )
+    checked: list[PackMember] = []
+    for name in sorted(reading):
+        t = meta.tensors[name]
+        doc = docs.get(name)
+        if doc is None:
+            raise InconsistentCheckpointError(
+                f"tensor {name!r}: its pack {where} holds no {name}/zarr.json; the checkpoint is damaged"
+            )
+        found = chunks.get(name, [])
+        expected = math.prod(grids[name])
+        if len(found) != expected:  # unique and inside the grid: as many as the grid has means all of them
+            raise InconsistentCheckpointError(
+                f"tensor {name!r}: the metadata declares {expected} chunk(s) of {list(t.chunk_shape)}, but "
+                f"its pack {where} holds {len(found)}; the metadata does not describe this checkpoint"
+            )
+        for e, limit in [(doc, MAX_PACKED_JSON_BYTES)] + [(c, limits[name]) for c in found]:
+            if e.compress_type != 0 or e.compress_size != e.file_size:
+                raise CorruptCheckpointError(
+                    f"tensor {name!r}: member {e.filename!r} of {where} is compressed (method "
+                    f"{e.compress_type}); packs store members uncompressed, nothing is inflated"
+                )
+            if e.file_size > limit:
+                raise CorruptCheckpointError(
+                    f"tensor {name!r}: member {e.filename!r} of {where} is {e.file_size} bytes, more "
+                    f"than its encoding can be ({limit}); the checkpoint is damaged"
+                )
+            checked.append(e)
+    return checked
 
+
+def _chunk_owner(
+    filename: str, members: Collection[str], grids: Mapping[str, tuple[int, ...]], separator: str
+) -> str | None:
+    """The array of ``members`` whose grid has the chunk key ``filename`` (canonical decimal indices, one per
+    dimension, each inside the grid), or None."""
+    m = _CHUNK_KEYS[separator].match(filename)
+    if m is None or m.group(1) not in members:
+        return None
+    array = m.group(1)
+    rest = filename[len(array) + 2 :]  # after "<array>/c"
+    parts = rest.split(separator)[1:] if rest else []
+    grid = grids[array]
+    if len(parts) != len(grid):
+        return None
+    for p, g in zip(parts, grid):
+        if p != str(int(p)) or int(p) >= g:
+            return None
+    return array
+
+
+def _chunk_grid(t: Any) -> tuple[int, ...]:
+    """Chunks per dimension of the array ``t`` (``()`` for a 0-d array: one chunk)."""
+    return tuple(-(-s // c) for s, c in zip(t.shape, t.chunk_shape))
+
+
+def _longest_chunk_key(grid: tuple[int, ...]) -> int:
+    """Length of the longest chunk key of ``grid`` (``c`` and one separator and index per dimension)."""
+    return 1 + sum(1 + len(str(max(g - 1, 0))) for g in grid)
+
+
+def _packed_chunk_bytes(t: Any) -> int:
+    """Size of one chunk member of the packed array ``t``: packs hold uncompressed arrays of whole chunks
+    (the metadata parser refuses anything else), so a chunk file is its data, a crc32c per inner chunk and
+    the shard index (16 bytes per inner chunk and its crc32c), and never more."""
+    from .codecs import numpy_dtype
+
+    inner = math.prod(c // i for c, i in zip(t.chunk_shape, t.inner_chunk_shape))
+    return math.prod(t.chunk_shape) * numpy_dtype(t.dtype).itemsize + inner * 20 + 4
+
+
+def _pack_bound(meta: Any, every: Collection[str], limits: Mapping[str, int]) -> int:
+    """Upper bound of the size of the pack holding exactly the arrays ``every`` (``limits``: each one's
+    largest chunk file): every member's bytes (a ``zarr.json`` within :data:`MAX_PACKED_JSON_BYTES`), its
+    local and central records and its name twice, and the end records."""
+    from .packing import MEMBER_OVERHEAD, TRAILER_BYTES, group_keys
+
+    total = TRAILER_BYTES
+    for g in group_keys(every):
+        total += MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * len(g.encode())
+    for n in every:
+        grid = _chunk_grid(meta.tensors[n])
+        prefix = len(n.encode()) + 1
+        total += MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (prefix + len("zarr.json"))
+        total += math.prod(grid) * (limits[n] + MEMBER_OVERHEAD + 2 * (prefix + _longest_chunk_key(grid)))
+    return min(total, MAX_OBJECT_BYTES * 4)
+
+
+def read_pack_directory(storage: Any, root: str, meta: Any, key: str) -> tuple[list[PackMember], int | None]:
+    """The ZIP central directory (:class:`PackMember` entries, in stored order, duplicates kept) and the
+    size of the pack ``key`` of ``meta``, read with the checks of :func:`check_packs` on the pack itself (a
+    regular file, no link, no larger than its declared arrays can be, a ZIP archive) but none on its members:
+    for tools that report each defect of a member themselves (``arraycheckpoint verify``).
+
+    Raises:
+        InconsistentCheckpointError: the pack is missing.
+        CorruptCheckpointError: a link, a non-regular or oversized pack, or no ZIP archive.
+    """
+    every = sorted(n for n, t in meta.tensors.items() if t.pack == key)
+    limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in every}
+    return _pack_directory(storage, root.rstrip("/"), key, _pack_bound(meta, every, limits))
+
+
+def _pack_directory(
+    storage: Any,
+    base: str,
+    key: str,
+    bound: int,
+    *,
+    max_directory_bytes: int | None = None,
+    check_members: Callable[[list[PackMember]], list[PackMember]] | None = None,
+) -> tuple[list[PackMember], int | None]:
+    """The ZIP central directory of the pack ``key`` (its entries, in stored order, duplicates kept) and the
+    pack's size, read and checked without ever inflating or allocating more than the directory.
+
+    The pack must be a regular object of at most ``bound`` bytes (on local file systems: opened with
+    ``O_NOFOLLOW | O_NONBLOCK`` below a link-free path, so neither a link nor a FIFO is followed or waited
+    on), and a ZIP archive laid out as a save writes it (:func:`_parse_zip_directory`): this leaves no room
+    for tensorstore's ``zip`` driver and this check to read different directories. ``max_directory_bytes``
+    (what the directory of the pack's arrays can take) is checked from the end record, before the directory
+    is read; it then holds at most one entry per 46 bytes. ``check_members(entries)`` (see
+    :func:`check_packs`) checks the entries and returns those tensorstore will read, whose local headers are
+    then checked (:func:`_check_local_headers`).
+    Local files are read with ``pread``; object stores with ranged reads (the last
+    :data:`_PACK_TAIL_BYTES` first, which usually hold the directory, then one small read per local header),
+    so a pack is never downloaded whole to be checked.
+
+    Raises:
+        InconsistentCheckpointError: the pack is missing.
+        CorruptCheckpointError: a link, a non-regular or oversized pack, a pack that is no ZIP archive as a
+            save writes it, or what ``check_members`` and the local headers refuse.
+    """
     from .packing import PACK_DIR
 
     path = f"{base}/{key}"
-    try:
-        if getattr(storage, "commit_strategy", "") == "rename":
-            _check_path_below(base, PACK_DIR)
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged") from None
-            except OSError as e:  # ELOOP: a symbolic link
-                raise CorruptCheckpointError(
-                    f"{path} cannot be opened without following a link ({e}); nothing in a checkpoint is read "
-                    "through a link"
-                ) from None
-            with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise CorruptCheckpointError(f"{path} is not a regular file; the checkpoint is damaged")
-                _check_pack_size(path, st.st_size, bound)
-                return zipfile.ZipFile(f).infolist(), st.st_size
-        kv = _kvstore(storage, f"{base}/{PACK_DIR}")
-        leaf = key[len(PACK_DIR) + 1 :]
+    if getattr(storage, "commit_strategy", "") == "rename":
+        _check_path_below(base, PACK_DIR)
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            result = kv.read(leaf, byte_range=slice(0, bound + 1)).result()
-        except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the bound, so read it whole
-            if "OUT_OF_RANGE" not in str(e):
-                raise
-            result = kv.read(leaf).result()
-        if result.state != "value":
-            raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
-        data = bytes(result.value)
-        _check_pack_size(path, len(data), bound)
-        return zipfile.ZipFile(io.BytesIO(data)).infolist(), len(data)
-    except zipfile.BadZipFile as e:
-        raise CorruptCheckpointError(f"{path} is not a readable ZIP archive ({e}); the checkpoint is damaged") from None
+            fd = os.open(path, flags)  # O_NONBLOCK: opening a FIFO returns at once (refused just below)
+        except FileNotFoundError:
+            raise InconsistentCheckpointError(
+                f"the pack {path} is missing; the checkpoint is damaged"
+            ) from None
+        except OSError as e:  # ELOOP: a symbolic link
+            raise CorruptCheckpointError(
+                f"{path} cannot be opened without following a link ({e}); nothing in a checkpoint is read "
+                "through a link"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{path} is not a regular file; the checkpoint is damaged")
+            _check_pack_size(path, st.st_size, bound)
+
+            reader = _PackReader(path, lambda ranges: [os.pread(fd, n, o) for o, n in ranges], st.st_size)
+            last = min(st.st_size, _PACK_TAIL_BYTES)
+            (tail,) = reader.read_many([(st.st_size - last, last)])
+            return _read_pack(path, tail, st.st_size, bound, reader, max_directory_bytes, check_members)
+        finally:
+            os.close(fd)
+    kv = _kvstore(storage, f"{base}/{PACK_DIR}")
+    leaf = key[len(PACK_DIR) + 1 :]
+    want = min(bound + 1, _PACK_TAIL_BYTES)
+    size: int | None = None
+    try:
+        result = kv.read(leaf, byte_range=slice(-want, None)).result()
+    except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the suffix asked for: read it whole
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        result = kv.read(leaf).result()
+        if result.state == "value":
+            size = len(result.value)
+    if result.state != "value":
+        raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
+    tail = bytes(result.value)
+    if size is not None:
+        _check_pack_size(path, size, bound)
+    elif want == bound + 1:  # the object holds at least bound + 1 bytes
+        _check_pack_size(path, bound + 1, bound)
+
+    def read_remote(ranges: list[tuple[int, int]]) -> list[bytes]:
+        futures = [kv.read(leaf, byte_range=slice(o, o + n) if n is not None else None) for o, n in ranges]
+        out = []
+        for f in futures:
+            try:
+                r = f.result()
+            except ValueError as e:  # OUT_OF_RANGE: shorter than its end records say
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+                raise CorruptCheckpointError(f"{path} is shorter than its end records say") from None
+            if r.state != "value":
+                raise InconsistentCheckpointError(f"the pack {path} vanished while it was checked")
+            out.append(bytes(r.value))
+        return out
+
+    reader = _PackReader(path, read_remote, size, tail, whole_when_cheaper=True)
+    return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members)
+
+
+class _PackReader:
+    """Reads of byte ranges of one pack (``read(ranges)``: ``pread`` on a local file, concurrent ranged reads
+    on an object store), serving what the first read of its end (``tail``) holds from memory. With
+    ``whole_when_cheaper``, a batch of more ranges than the pack's size in first reads (``n x``
+    :data:`_PACK_TAIL_BYTES` >= size: many members read from a small pack) fetches the pack once instead."""
+
+    def __init__(
+        self,
+        path: str,
+        read: Callable[[list[tuple[int, int | None]]], list[bytes]],
+        size: int | None,
+        tail: bytes = b"",
+        whole_when_cheaper: bool = False,
+    ) -> None:
+        self.path, self._read, self.size, self._tail = path, read, size, tail
+        self._whole: bytes | None = None
+        self._cheaper = whole_when_cheaper
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        if self.size is None:
+            return self._read(list(ranges))
+        cheaper = self._cheaper and len(ranges) * _PACK_TAIL_BYTES >= self.size > len(self._tail)
+        if cheaper and self._whole is None:
+            (self._whole,) = self._read([(0, None)])
+            if len(self._whole) != self.size:
+                raise CorruptCheckpointError(f"{self.path} is not the size its end records say (or changed)")
+        held = self._whole if self._whole is not None else self._tail
+        start = self.size - len(held)
+        out: list[bytes | None] = [None] * len(ranges)
+        missing = []
+        for i, (offset, length) in enumerate(ranges):
+            if start <= offset and offset + length <= start + len(held):
+                out[i] = held[offset - start : offset - start + length]
+            else:
+                missing.append(i)
+        for i, data in zip(missing, self._read([ranges[i] for i in missing]) if missing else []):
+            out[i] = data
+        return [b"" if d is None else d for d in out]
+
+
+def _read_pack(
+    path: str,
+    tail: bytes,
+    size: int | None,
+    bound: int,
+    reader: _PackReader,
+    max_directory_bytes: int | None,
+    check_members: Callable[[list[PackMember]], list[PackMember]] | None,
+) -> tuple[list[PackMember], int]:
+    """:func:`_pack_directory` once the pack's last bytes ``tail`` (and its ``size`` where known) are read."""
+    entries, size, cd_offset = _parse_zip_directory(
+        path, tail, size, bound, reader.read_many, max_directory_bytes
+    )
+    reader.size = size
+    if check_members is not None:
+        _check_local_headers(path, check_members(entries), entries, cd_offset, reader.read_many)
+    return entries, size
 
 
 def _check_pack_size(path: str, size: int, bound: int) -> None:
@@ -577,6 +825,251 @@ def _check_pack_size(path: str, size: int, bound: int) -> None:
             f"{path} is larger than its arrays can be stored in ({bound} bytes at most); the checkpoint is "
             "damaged or hostile"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class PackMember:
+    """One entry of a pack's ZIP central directory (the attribute names of :class:`zipfile.ZipInfo`)."""
+
+    filename: str
+    compress_type: int
+    compress_size: int
+    file_size: int
+    header_offset: int
+    flag_bits: int
+    raw_name: bytes
+
+
+#: Bytes of a pack's end read first: the end records and the directory of a pack of a few thousand members.
+_PACK_TAIL_BYTES = 256 << 10
+#: A directory entry's bytes besides its name: the 46-byte record and at most a zip64 extra field (28 bytes);
+#: a save writes no entry comment.
+_CD_ENTRY_BYTES = 46 + 32
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory record (22 bytes)
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # zip64 end of central directory locator (20 bytes)
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory record, no extensible data (56)
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header (46 bytes)
+_LOCAL = struct.Struct("<4s5H3L2H")  # local file header (30 bytes)
+_U32 = 0xFFFFFFFF
+_EOCD_SIG, _LOCATOR_SIG, _ZIP64_EOCD_SIG = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
+_CENTRAL_SIG, _LOCAL_SIG = b"PK\x01\x02", b"PK\x03\x04"
+#: General-purpose flag bits a member may have: only bit 11 (UTF-8 name). Refused: encryption (bits 0, 6,
+#: 13) and a data descriptor (bit 3: the sizes follow the data, and a reader would take them from there).
+_ALLOWED_FLAGS = 0x0800
+
+
+def _parse_zip_directory(
+    path: str,
+    tail: bytes,
+    size: int | None,
+    bound: int,
+    read_many: Callable[[list[tuple[int, int]]], list[bytes]],
+    max_directory_bytes: int | None,
+) -> tuple[list[PackMember], int, int]:
+    """The central directory of the ZIP archive whose last bytes are ``tail``: ``(entries, archive size,
+    directory offset)``.
+
+    Only the layout :mod:`zipfile` writes for a save is accepted, strictly enough that every reader finds the
+    same directory: the end record is the archive's last 22 bytes (no comment, and the last end signature in
+    the file, which is the record tensorstore looks for), a zip64 locator and record (if any) sit right before
+    it, the directory ends where they start (nothing prepended: Python's :mod:`zipfile` would shift every
+    offset by what was, tensorstore would not), the record's entry count is the number of entries the
+    directory holds and they fill it exactly, every name is ASCII (or flagged UTF-8) without NUL (Python cuts
+    a name at NUL, tensorstore does not), and no member's header and data overlap the next one's. Sizes and
+    offsets in zip64 extra fields are read as tensorstore reads them.
+    """
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{path} is not a ZIP archive as a save writes it: {why}; the checkpoint is damaged or hostile"
+        )
+
+    if len(tail) < _EOCD.size:
+        raise bad(f"{len(tail)} bytes are too few for an end-of-central-directory record")
+    at = len(tail) - _EOCD.size
+    sig, disk, cd_disk, n_disk, n, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
+    if sig != _EOCD_SIG or tail.rfind(_EOCD_SIG) != at:
+        raise bad("no end-of-central-directory record as its last 22 bytes")
+    if comment or disk or cd_disk or n_disk != n:
+        raise bad("a comment, several disks or inconsistent entry counts in its end record")
+    trailer = _EOCD.size
+    loc_at = at - _ZIP64_LOCATOR.size
+    if loc_at >= 0 and tail[loc_at : loc_at + 4] == _LOCATOR_SIG:
+        _sig, z_disk, z_offset, disks = _ZIP64_LOCATOR.unpack_from(tail, loc_at)
+        rec_at = loc_at - _ZIP64_EOCD.size
+        if rec_at < 0 or z_disk or disks > 1:
+            raise bad("a zip64 locator without its record, or several disks")
+        sig, rec_size, _made, _need, disk, cd_disk, n_disk, n, cd_size, cd_offset = _ZIP64_EOCD.unpack_from(
+            tail, rec_at
+        )
+        if sig != _ZIP64_EOCD_SIG or rec_size != _ZIP64_EOCD.size - 12 or disk or cd_disk or n_disk != n:
+            raise bad("a zip64 end record that is not the plain one right before its locator")
+        trailer += _ZIP64_LOCATOR.size + _ZIP64_EOCD.size
+        if z_offset != cd_offset + cd_size:
+            raise bad("its zip64 locator and record are not right after its central directory")
+    elif n == 0xFFFF or cd_size == _U32 or cd_offset == _U32:
+        raise bad("zip64 values in its end record but no zip64 record")
+    archive = cd_offset + cd_size + trailer
+    if size is None:
+        if archive > bound:
+            raise CorruptCheckpointError(
+                f"{path} declares {archive} bytes, more than its arrays can be stored in ({bound} bytes at "
+                "most); the checkpoint is damaged or hostile"
+            )
+        if archive < len(tail):
+            raise bad("its directory does not end where its end records begin")
+        size = archive
+    elif archive != size:
+        raise bad("its directory does not end where its end records begin (data before or after the archive)")
+    if max_directory_bytes is not None and cd_size > max_directory_bytes:
+        raise bad(f"a directory of {cd_size} bytes, more than its arrays' take ({max_directory_bytes})")
+    if cd_size < n * _CENTRAL.size:
+        raise bad(f"{n} entries cannot fit in a central directory of {cd_size} bytes")
+    start = size - len(tail)
+    if cd_offset >= start:
+        directory = tail[cd_offset - start : cd_offset - start + cd_size]
+    else:
+        (directory,) = read_many([(cd_offset, cd_size)])
+    if len(directory) != cd_size:
+        raise bad("its central directory is cut short")
+    entries: list[PackMember] = []
+    pos = 0
+    for _ in range(n):
+        if pos + _CENTRAL.size > cd_size:
+            raise bad("its central directory is cut short")
+        (
+            sig, _made, _need, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len,
+            comment_len, disk, _internal, _external, offset,
+        ) = _CENTRAL.unpack_from(directory, pos)
+        pos += _CENTRAL.size
+        end = pos + name_len + extra_len + comment_len
+        if sig != _CENTRAL_SIG or end > cd_size:
+            raise bad("a damaged central directory entry")
+        raw = bytes(directory[pos : pos + name_len])
+        usize, csize, offset = _zip64_fields(
+            bytes(directory[pos + name_len : pos + name_len + extra_len]), usize, csize, offset, bad
+        )
+        pos = end
+        if flags & ~_ALLOWED_FLAGS or disk:
+            raise bad(f"member {raw!r} is encrypted, has a data descriptor or another disk ({flags:#x})")
+        entries.append(PackMember(_member_name(raw, flags, bad), method, csize, usize, offset, flags, raw))
+    if pos != cd_size:
+        raise bad(f"its central directory holds {cd_size - pos} bytes after its {n} entries")
+    ordered = sorted(entries, key=lambda e: e.header_offset)
+    for e, after in zip(ordered, ordered[1:] + [None]):
+        limit = after.header_offset if after is not None else cd_offset
+        if e.header_offset + _LOCAL.size + len(e.raw_name) + e.compress_size > limit:
+            raise bad(f"member {e.filename!r} overlaps the next one or the central directory")
+    return entries, size, cd_offset
+
+
+def _member_name(raw: bytes, flags: int, bad: Callable[[str], Exception]) -> str:
+    """A member's name from its stored bytes: UTF-8 when flagged so, else ASCII; never with a NUL."""
+    if b"\0" in raw:
+        raise bad(f"the member name {raw!r} holds a NUL byte")
+    try:
+        return raw.decode("utf-8" if flags & 0x0800 else "ascii")
+    except UnicodeDecodeError:
+        raise bad(f"the member name {raw!r} is neither ASCII nor flagged UTF-8") from None
+
+
+def _zip64_fields(
+    extra: bytes, usize: int, csize: int, offset: int | None, bad: Callable[[str], Exception]
+) -> tuple[int, int, int | None]:
+    """Sizes (and header offset) of an entry after its extra field, read as tensorstore reads them: a zip64
+    field (at most one) supplies, in this order, each 32-bit value that is 0xFFFFFFFF. The extra fields must
+    tile the extra data exactly, and every 0xFFFFFFFF value must be supplied."""
+    pos, seen = 0, False
+    values = [usize, csize] + ([] if offset is None else [offset])
+    while pos < len(extra):
+        if pos + 4 > len(extra):
+            raise bad("a damaged extra field")
+        tag, length = struct.unpack_from("<HH", extra, pos)
+        pos += 4
+        if pos + length > len(extra):
+            raise bad("a damaged extra field")
+        if tag == 1:
+            if seen:
+                raise bad("two zip64 extra fields in one header")
+            seen = True
+            body, used = extra[pos : pos + length], 0
+            for i, v in enumerate(values):
+                if v == _U32:
+                    if used + 8 > len(body):
+                        raise bad("a zip64 extra field without the value its header defers to it")
+                    (values[i],) = struct.unpack_from("<Q", body, used)
+                    used += 8
+        pos += length
+    if not seen and _U32 in values:
+        raise bad("a size or offset deferred to a zip64 extra field that is not there")
+    return values[0], values[1], (values[2] if offset is not None else None)
+
+
+def _check_local_headers(
+    path: str,
+    members: list[PackMember],
+    entries: list[PackMember],
+    cd_offset: int,
+    read_many: Callable[[list[tuple[int, int]]], list[bytes]],
+) -> None:
+    """Every local header of ``members`` says what the central directory says.
+
+    tensorstore's ``zip`` driver finds a member through the central directory but decodes it as its *local*
+    header says (method, sizes): a member stored in the directory but deflated in its local header would be
+    inflated. Each header must be there, stored, with the directory's sizes and name, no data descriptor, no
+    encryption, and its data must end before the next member's header (tensorstore reads only up to there).
+    """
+
+    if not members:
+        return
+    offsets = sorted({e.header_offset for e in entries} | {cd_offset})
+    following = {o: offsets[i + 1] for i, o in enumerate(offsets[:-1])}
+    ranges = []
+    for e in members:
+        room = following[e.header_offset] - e.header_offset - _LOCAL.size - len(e.raw_name) - e.compress_size
+        ranges.append((e.header_offset, _LOCAL.size + len(e.raw_name) + min(room, 64)))
+    heads = read_many(ranges)
+    for e, head in zip(members, heads):
+        what = f"the local header of member {e.filename!r}"
+        array = e.filename.rpartition("/")[0]  # the members checked are an array's zarr.json and chunks
+
+        def bad(why: str, array: str = array) -> CorruptCheckpointError:
+            return CorruptCheckpointError(
+                f"tensor {array!r}: {path}: {why}; the pack is damaged or hostile (nothing was inflated)"
+            )
+
+        if len(head) < _LOCAL.size:
+            raise bad(f"{what} is cut short")
+        sig, _need, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len = _LOCAL.unpack_from(
+            head
+        )
+        if sig != _LOCAL_SIG:
+            raise bad(f"{what} is missing (no local header signature at offset {e.header_offset})")
+        if flags & ~_ALLOWED_FLAGS:
+            raise bad(f"{what} declares encryption or a data descriptor (flags {flags:#x})")
+        if method != 0:
+            raise bad(
+                f"{what} declares compression method {method} where the central directory says stored (0)"
+            )
+        end = _LOCAL.size + name_len + extra_len
+        if end > len(head):
+            room = following[e.header_offset] - e.header_offset - e.compress_size
+            if end > room:
+                raise bad(f"{what} runs into the next member")
+            (head,) = read_many([(e.header_offset, end)])
+            if len(head) < end:
+                raise bad(f"{what} is cut short")
+        if bytes(head[_LOCAL.size : _LOCAL.size + name_len]) != e.raw_name:
+            raise bad(f"{what} names another member")
+        extra = bytes(head[_LOCAL.size + name_len : end])
+        usize, csize, _ = _zip64_fields(extra, usize, csize, None, lambda w, what=what: bad(f"{what}: {w}"))
+        if csize != e.file_size or usize != e.file_size:
+            raise bad(
+                f"{what} declares {csize} stored and {usize} decoded bytes, the central directory "
+                f"{e.file_size}"
+            )
+        if e.header_offset + end + e.file_size > following[e.header_offset]:
+            raise bad(f"the data of member {e.filename!r} runs into the next member")
 
 
 def _pack_kvstore(storage: Any, base: str, key: str) -> Any:

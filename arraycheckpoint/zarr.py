@@ -12,14 +12,24 @@ group holding one bfloat16 array fails. Importing this module registers the type
     root.tree()
     w = root["model/layers.0.attn.wq.weight"][...]  # numpy array of dtype ml_dtypes.bfloat16
 
-It imports zarr, numpy and ml_dtypes (and arraycheckpoint's own light modules), never torch or jax. Nothing
-else happens at import: no array is opened and no global zarr setting changes.
+From format 5 on, small arrays live in packs (ZIP files under ``.acp/packs/``), which a plain walk of the
+checkpoint directory does not see. :func:`checkpoint_store` returns a read-only zarr store presenting the whole
+checkpoint as one hierarchy, every packed array at its natural path (:mod:`arraycheckpoint.zarrstore`)::
+
+    from arraycheckpoint.zarr import checkpoint_store
+
+    root = zarr.open_group(checkpoint_store("ckpt/step_100"), mode="r")
+    root.tree()  # packed and unpacked tensors alike
+
+It imports zarr, numpy and ml_dtypes (and arraycheckpoint's own light modules), never torch, jax or
+tensorstore. Nothing else happens at import: no array is opened and no global zarr setting changes.
 """
 
 from __future__ import annotations
 
 from .codecs.dtypes import ML_DTYPE_CLASSES, register_zarr_dtypes
+from .zarrstore import CheckpointStore, checkpoint_store
 
-__all__ = ["ML_DTYPE_CLASSES", "register_zarr_dtypes"]
+__all__ = ["ML_DTYPE_CLASSES", "CheckpointStore", "checkpoint_store", "register_zarr_dtypes"]
 
 register_zarr_dtypes()

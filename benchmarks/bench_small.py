@@ -7,7 +7,10 @@ paired, and the report gives the median of those ratios over the timed rounds (t
 The protocol is ``benchmarks/common.py``'s: saves are timed until ``os.sync()`` returns, loads until the
 preallocated target tensors hold the data (``torch.load`` and safetensors return new tensors, which are copied
 into the targets, as ``load_state_dict`` does). CPU seconds (user + system of this process, all threads) sit
-next to wall seconds: the CPU figure moves much less with the machine's load. Run::
+next to wall seconds: the CPU figure moves much less with the machine's load. Two reference rows show what the
+file system costs: ``acp, no packs`` is arraycheckpoint with ``PlanOptions(pack_array_bytes=0)`` (every tensor
+in its own directory, format 4's layout) and ``format floor`` the bare file operations of that layout without
+any encoding; ``files`` counts the files each method left. Run::
 
     python benchmarks/bench_small.py                          # 2,000 x 16 KiB, 3 timed rounds
     python benchmarks/bench_small.py --kib 256 --json out.json
@@ -83,8 +86,26 @@ def _floor_load(path: str, state: State, target: State) -> State:
     return target
 
 
+def _unpacked_save(path: str, state: State) -> None:
+    import arraycheckpoint as acp
+
+    acp.save(path, {"model": state}, plan_options=acp.PlanOptions(pack_array_bytes=0))
+
+
+def _unpacked_load(path: str, state: State, target: State) -> State:
+    import arraycheckpoint as acp
+
+    acp.load(path, {"model": target})
+    return target
+
+
 FLOOR = Method("format floor", _floor_save, _floor_load)
-METHODS = [m for m in _ALL_METHODS if m.name in ("arraycheckpoint", "DCP", "safetensors", "torch.save")] + [FLOOR]
+#: arraycheckpoint with every array in its own directory (format 4's layout; ``pack_array_bytes=0``)
+UNPACKED = Method("acp, no packs", _unpacked_save, _unpacked_load)
+METHODS = [m for m in _ALL_METHODS if m.name in ("arraycheckpoint", "DCP", "safetensors", "torch.save")] + [
+    UNPACKED,
+    FLOOR,
+]
 OURS = "arraycheckpoint"
 
 
@@ -106,6 +127,7 @@ def run_round(root: Path, rnd: int, state: State, target: State, check: bool) ->
             m.save(path, state)
             sync()
         out[f"{m.name}/save"], out[f"{m.name}/save_cpu"] = t
+        out[f"{m.name}/files"] = _files(path)
         with stopwatch() as t:
             loaded = m.load(path, state, target)
         out[f"{m.name}/load"], out[f"{m.name}/load_cpu"] = t
@@ -118,6 +140,13 @@ def run_round(root: Path, rnd: int, state: State, target: State, check: bool) ->
     return out
 
 
+def _files(path: str) -> int:
+    """Files (not directories) a method left at ``path``."""
+    if os.path.isfile(path):
+        return 1
+    return sum(len(files) for _d, _s, files in os.walk(path))
+
+
 def summarise(rounds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     """Per method and measurement: median seconds, and the paired median ratio anchor / ours."""
     summary: dict[str, dict[str, float]] = {}
@@ -126,12 +155,13 @@ def summarise(rounds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
         for what in ("save", "load", "save_cpu", "load_cpu"):
             s[what] = median([r[f"{m.name}/{what}"] for r in rounds])
             s[f"{what}_speedup"] = median([ratio(r[f"{m.name}/{what}"], r[f"{OURS}/{what}"]) for r in rounds])
+        s["files"] = median([r[f"{m.name}/files"] for r in rounds])
         summary[m.name] = s
     return summary
 
 
 def report(summary: dict[str, dict[str, float]], count: int, kib: float, repeats: int) -> str:
-    headers = ["method", "save s", "save CPU s", "acp speed-up", "load s", "load CPU s", "acp speed-up"]
+    headers = ["method", "save s", "save CPU s", "acp speed-up", "load s", "load CPU s", "acp speed-up", "files"]
     rows = []
     for m in METHODS:
         s = summary[m.name]
@@ -144,6 +174,7 @@ def report(summary: dict[str, dict[str, float]], count: int, kib: float, repeats
                 fmt_seconds(s["load"]),
                 fmt_seconds(s["load_cpu"]),
                 fmt_ratio(s["load_speedup"]),
+                f"{int(s['files']):,}",
             ]
         )
     dcp = summary["DCP"]

@@ -18,6 +18,18 @@ import numpy as np
 import pytest
 import torch
 from dist import free_port, run_distributed
+from faults.packtools import (
+    LAYOUTS,
+    chunk_member,
+    delete_member,
+    flip_member_byte,
+    member_span,
+    members,
+    pack_key,
+    pack_of,
+    replace_member,
+    save_options,
+)
 from killing import kill_rank_at, report_outcome, wait_for
 
 import arraycheckpoint as acp
@@ -213,10 +225,13 @@ def test_disk_full_on_a_small_tmpfs(tmp_path: Path, scheme: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- corrupt data
-@pytest.fixture
-def saved(tmp_path: Path) -> Path:
+# Both layouts: model/w (64 x 32) and model/b in their own directories (pack_array_bytes=0), or as members of
+# one pack (format 5's default for small arrays), where the damage hits the member inside the ZIP file.
+@pytest.fixture(params=LAYOUTS)
+def saved(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
     path = tmp_path / "ck"
-    acp.save(path, state_for(5))
+    acp.save(path, state_for(5), **save_options(request.param))
+    assert (pack_key(path, "model/w") is None) == (request.param == "directory")
     return path
 
 
@@ -235,38 +250,81 @@ def _data_file(path: Path) -> Path:
     return files[0]
 
 
+def _packed(path: Path) -> bool:
+    return pack_key(path, "model/w") is not None
+
+
+W_CHUNK = chunk_member("model/w")
+
+
 @pytest.mark.parametrize("where", ["start", "middle", "index"])
 def test_flipped_byte_is_detected_and_names_the_tensor(saved: Path, where: str) -> None:
-    data = _data_file(saved)
-    raw = bytearray(data.read_bytes())
-    pos = {"start": 0, "middle": len(raw) // 2, "index": len(raw) - 6}[where]
-    raw[pos] ^= 0x10
-    data.write_bytes(bytes(raw))
+    if _packed(saved):  # the same byte of the chunk, inside the pack
+        size = member_span(pack_of(saved, "model/w"), W_CHUNK)[1]
+        flip_member_byte(
+            pack_of(saved, "model/w"), W_CHUNK, {"start": 0, "middle": size // 2, "index": size - 6}[where]
+        )
+    else:
+        data = _data_file(saved)
+        raw = bytearray(data.read_bytes())
+        pos = {"start": 0, "middle": len(raw) // 2, "index": len(raw) - 6}[where]
+        raw[pos] ^= 0x10
+        data.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match="model/w"):
         acp.load(saved, zeros_like_state())
     assert_verify_names(saved, "model/w")
-    # the untouched tensor still loads on its own
+    # the untouched tensor still loads on its own (from the same pack, in the packed layout)
     part = acp.load(saved, {"model": {"b": torch.zeros(32)}}, strict=False)
     assert torch.equal(part["model"]["b"], state_for(5)["model"]["b"])
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.0])
 def test_truncated_data_file_names_the_tensor(saved: Path, keep: float) -> None:
-    data = _data_file(saved)
-    raw = data.read_bytes()
-    data.write_bytes(raw[: int(len(raw) * keep)])
+    if _packed(saved):  # the member cut short inside a consistent archive (what a rewriting tool leaves)
+        pack = pack_of(saved, "model/w")
+        raw = dict(members(pack))[W_CHUNK]
+        replace_member(pack, W_CHUNK, raw[: int(len(raw) * keep)])
+    else:
+        data = _data_file(saved)
+        raw = data.read_bytes()
+        data.write_bytes(raw[: int(len(raw) * keep)])
     with pytest.raises(CorruptCheckpointError, match="model/w"):
         acp.load(saved, zeros_like_state())
     assert_verify_names(saved, "model/w")
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.99])
+def test_truncated_pack_names_its_tensors_and_the_pack(tmp_path: Path, keep: float) -> None:
+    """The pack file itself cut short (its central directory lost): every array of the pack is refused,
+    naming the tensors and the pack; verify reports each of them."""
+    from arraycheckpoint.tools.verify import verify
+
+    path = tmp_path / "ck"
+    acp.save(path, state_for(5))
+    pack = pack_of(path, "model/w")
+    raw = pack.read_bytes()
+    pack.write_bytes(raw[: int(len(raw) * keep)])
+    with pytest.raises(CorruptCheckpointError, match="'model/w'") as info:
+        acp.load(path, zeros_like_state())
+    assert str(pack) in str(info.value) and "'model/b'" in str(info.value)
+    report = verify(path)
+    assert {p.tensor for p in report.problems} == {"model/w", "model/b"}, [str(p) for p in report.problems]
+
+
+def _delete_data_file(path: Path) -> None:
+    if _packed(path):
+        delete_member(pack_of(path, "model/w"), W_CHUNK)
+    else:
+        _data_file(path).unlink()
+
+
 def test_deleted_data_file_is_reported_by_verify(saved: Path) -> None:
-    _data_file(saved).unlink()
+    _delete_data_file(saved)
     assert_verify_names(saved, "model/w")
 
 
 def test_deleted_data_file_names_the_tensor(saved: Path) -> None:
-    _data_file(saved).unlink()
+    _delete_data_file(saved)
     with pytest.raises(CorruptCheckpointError, match="model/w"):
         acp.load(saved, zeros_like_state())
 

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from faults.packtools import LAYOUTS, flip_member_byte, pack_of, save_options
 
 import arraycheckpoint as acp
 from arraycheckpoint.metadata import COMMIT_MARKER, METADATA_FILE
@@ -226,12 +227,20 @@ def test_uncommitted_checkpoint_does_not_load(tmp_path):
         acp.load(tmp_path / "nothing", {"model": {"w": torch.zeros(3)}})
 
 
-def test_corrupted_chunk_names_the_tensor(tmp_path):
-    acp.save(tmp_path / "ck", {"model": {"good": torch.randn(50), "bad": torch.randn(64, 64)}})
-    (path,) = chunk_files(tmp_path / "ck" / "model" / "bad")[-1:]
-    data = bytearray(open(path, "rb").read())
-    data[123] ^= 0x10
-    open(path, "wb").write(bytes(data))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_corrupted_chunk_names_the_tensor(tmp_path, layout):
+    acp.save(
+        tmp_path / "ck",
+        {"model": {"good": torch.randn(50), "bad": torch.randn(64, 64)}},
+        **save_options(layout),
+    )
+    if layout == "packed":  # the chunk is a member of the pack: flip the same byte of it there
+        flip_member_byte(pack_of(tmp_path / "ck", "model/bad"), "model/bad/c.0.0", 123)
+    else:
+        (path,) = chunk_files(tmp_path / "ck" / "model" / "bad")[-1:]
+        data = bytearray(open(path, "rb").read())
+        data[123] ^= 0x10
+        open(path, "wb").write(bytes(data))
     with pytest.raises(acp.CorruptCheckpointError, match="model/bad"):
         acp.load(tmp_path / "ck", {"model": {"good": torch.zeros(50), "bad": torch.zeros(64, 64)}})
 
@@ -296,33 +305,46 @@ _READER = """
 import sys, json, numpy as np, tensorstore as ts, zarr
 zarr.core.dtype.data_type_registry._lazy_load()  # zarr 3.1.6 does not load dtype entry points by itself
 root = sys.argv[1]
+with open(f"{root}/.acp/metadata.json") as f:  # plain JSON: where each array is stored
+    tensors = json.load(f)["tensors"]
 out = {}
 for name in ["model/w_bf16", "model/w_f8", "model/w_f32"]:
-    a = zarr.open_array(f"{root}/{name}", mode="r")[...]
-    t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{root}/{name}/"}}).result().read().result()
+    pack = tensors[name].get("pack")
+    if pack is None:  # the array's own directory
+        a = zarr.open_array(f"{root}/{name}", mode="r")[...]
+        kvstore = {"driver": "file", "path": f"{root}/{name}/"}
+    else:  # a member of a pack: a ZIP file holding complete zarr v3 arrays
+        with zarr.storage.ZipStore(f"{root}/{pack}", mode="r") as store:
+            a = zarr.open_array(store, path=name, mode="r")[...]
+        kvstore = {"driver": "zip", "base": f"file://{root}/{pack}", "path": f"{name}/"}
+    t = ts.open({"driver": "zarr3", "kvstore": kvstore}).result().read().result()
     assert np.array_equal(a.view(np.uint8), t.view(np.uint8)), name
-    out[name] = [str(a.dtype), a.view(np.uint8).tobytes().hex()]
+    out[name] = [str(a.dtype), a.view(np.uint8).tobytes().hex(), pack]
 assert "torch" not in sys.modules
 print(json.dumps(out))
 """
 
 
-def test_external_readers_open_a_checkpoint_without_arraycheckpoint(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_external_readers_open_a_checkpoint_without_arraycheckpoint(tmp_path, layout):
+    """zarr-python and tensorstore, with no arraycheckpoint code, read every array bit-exactly: from its own
+    directory, or from the pack the plain-JSON metadata names (zarr's ZipStore, tensorstore's zip driver)."""
     gen = torch.Generator().manual_seed(5)
     state = {
         "w_bf16": torch.randn(40, 30, generator=gen).to(torch.bfloat16),
         "w_f8": torch.randn(17, generator=gen).to(torch.float8_e4m3fn),
         "w_f32": torch.randn(3, 5, 7, generator=gen),
     }
-    acp.save(tmp_path / "ck", {"model": state})
+    acp.save(tmp_path / "ck", {"model": state}, **save_options(layout))
     res = subprocess.run(
         [sys.executable, "-c", _READER, str(tmp_path / "ck")], capture_output=True, text=True
     )
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     for key, t in state.items():
-        dtype, hexbytes = got[f"model/{key}"]
+        dtype, hexbytes, pack = got[f"model/{key}"]
         assert bytes.fromhex(hexbytes) == t.contiguous().view(torch.uint8).numpy().tobytes()
+        assert (pack is None) == (layout == "directory"), (key, pack)
     assert got["model/w_bf16"][0] == "bfloat16"
 
 

@@ -194,7 +194,8 @@ def cmd_rename(args: argparse.Namespace) -> int:
         print("finished an interrupted rename")
     for old, new in sorted({**result.tensors, **result.objects}.items()):
         print(f"{old} -> {new}")
-    print(f"renamed {len(result.tensors)} tensors and {len(result.objects)} objects in {args.path}")
+    packs = f" ({len(result.packs)} pack file(s) rewritten)" if result.packs else ""
+    print(f"renamed {len(result.tensors)} tensors and {len(result.objects)} objects in {args.path}{packs}")
     return EXIT_OK
 
 
@@ -360,7 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     progress_flag(p)
 
     p = add(
-        "rename", cmd_rename, "rename keys in place (directory renames + metadata rewrite, local paths only)"
+        "rename",
+        cmd_rename,
+        "rename keys in place (directory renames or pack rewrites + metadata rewrite, local paths only)",
     )
     p.add_argument("path", help="local checkpoint path")
     p.add_argument(

@@ -1,7 +1,8 @@
 """``arraycheckpoint diff``: compare two checkpoints tensor by tensor, whatever layouts saved them.
 
-Both sides are read through the engine as global tensors, in blocks of whole rows, so memory stays bounded by
-the block size. Equality is bitwise (NaNs with equal bits are equal, ``-0.0 != 0.0``); the maximum absolute
+Both sides are read through the engine as global tensors, in blocks of whole rows (small tensors in batches of
+whole tensors, one read per batch: the members of a pack are read together), so memory stays bounded by the
+block size. Equality is bitwise (NaNs with equal bits are equal, ``-0.0 != 0.0``); the maximum absolute
 difference is reported for numeric tensors. JSON objects are compared for equality too.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import rankdoc
+from ..regions import Box
 from .common import BLOCK_BYTES, Checkpoint, read_boxes, row_blocks
 
 
@@ -49,39 +51,79 @@ def _numeric(arr: np.ndarray) -> np.ndarray | None:
         return None
 
 
-def compare_tensor(
-    a: Checkpoint, b: Checkpoint, name: str, atol: float = 0.0, block_bytes: int = BLOCK_BYTES
-) -> TensorDiff:
-    """Compare tensor ``name`` present in both checkpoints."""
-    ta, tb = a.meta.tensors[name], b.meta.tensors[name]
-    if ta.shape != tb.shape:
-        return TensorDiff(name, "shape", detail=f"shape {list(ta.shape)} vs {list(tb.shape)}")
-    if ta.dtype != tb.dtype:
-        return TensorDiff(name, "dtype", detail=f"dtype {ta.dtype} vs {tb.dtype}")
-    max_diff = 0.0
-    differing = 0
-    bitwise = True
-    for box in row_blocks(ta, block_bytes):
-        x = np.asarray(read_boxes(a, [(name, box)])[(name, box)])
-        y = np.asarray(read_boxes(b, [(name, box)])[(name, box)])
+@dataclass
+class _Tally:
+    """What the blocks of one tensor compared so far differ in."""
+
+    bitwise: bool = True
+    differing: int = 0
+    max_diff: float = 0.0
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Compare one block (the same region of both sides)."""
+        x, y = np.asarray(x), np.asarray(y)
         if x.size == 0:
-            continue
+            return
         xb = np.ascontiguousarray(x).reshape(-1).view(np.uint8).reshape(x.size, -1)
         yb = np.ascontiguousarray(y).reshape(-1).view(np.uint8).reshape(y.size, -1)
         neq = np.any(xb != yb, axis=1)
         n = int(neq.sum())
         if n:
-            bitwise = False
-            differing += n
+            self.bitwise = False
+            self.differing += n
             xn, yn = _numeric(x), _numeric(y)
             if xn is not None and yn is not None:
-                d = np.abs(xn - yn).reshape(-1)[neq]
+                with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, counted as inf below
+                    d = np.abs(xn - yn).reshape(-1)[neq]
                 # NaN against a number (or NaNs with different bits) counts as an infinite difference
-                max_diff = max(max_diff, float(np.max(np.where(np.isnan(d), np.inf, d))))
-    if bitwise:
-        return TensorDiff(name, "equal", 0.0)
-    status = "equal" if atol > 0 and max_diff <= atol else "different"
-    return TensorDiff(name, status, max_diff, differing, f"{differing} element(s) differ")
+                self.max_diff = max(self.max_diff, float(np.max(np.where(np.isnan(d), np.inf, d))))
+
+    def result(self, name: str, atol: float) -> TensorDiff:
+        if self.bitwise:
+            return TensorDiff(name, "equal", 0.0)
+        status = "equal" if atol > 0 and self.max_diff <= atol else "different"
+        return TensorDiff(name, status, self.max_diff, self.differing, f"{self.differing} element(s) differ")
+
+
+def _mismatch(a: Checkpoint, b: Checkpoint, name: str) -> TensorDiff | None:
+    """The difference of ``name``'s shape or dtype between the sides (None when they agree)."""
+    ta, tb = a.meta.tensors[name], b.meta.tensors[name]
+    if ta.shape != tb.shape:
+        return TensorDiff(name, "shape", detail=f"shape {list(ta.shape)} vs {list(tb.shape)}")
+    if ta.dtype != tb.dtype:
+        return TensorDiff(name, "dtype", detail=f"dtype {ta.dtype} vs {tb.dtype}")
+    return None
+
+
+def compare_tensor(
+    a: Checkpoint, b: Checkpoint, name: str, atol: float = 0.0, block_bytes: int = BLOCK_BYTES
+) -> TensorDiff:
+    """Compare tensor ``name`` present in both checkpoints."""
+    mismatch = _mismatch(a, b, name)
+    if mismatch is not None:
+        return mismatch
+    tally = _Tally()
+    for box in row_blocks(a.meta.tensors[name], block_bytes):
+        tally.add(read_boxes(a, [(name, box)])[(name, box)], read_boxes(b, [(name, box)])[(name, box)])
+    return tally.result(name, atol)
+
+
+def compare_small_tensors(
+    a: Checkpoint, b: Checkpoint, names: Sequence[str], atol: float = 0.0
+) -> dict[str, TensorDiff]:
+    """Compare whole tensors ``names`` (of the same shape and dtype on both sides) with one read per side.
+
+    Small arrays are often members of one pack (format 5): reading them together opens and checks each
+    pack once per batch rather than once per tensor.
+    """
+    requests = [(n, Box.full(a.meta.tensors[n].shape)) for n in names]
+    xs, ys = read_boxes(a, requests), read_boxes(b, requests)
+    out = {}
+    for name, box in requests:
+        tally = _Tally()
+        tally.add(xs[(name, box)], ys[(name, box)])
+        out[name] = tally.result(name, atol)
+    return out
 
 
 def diff_checkpoints(
@@ -91,29 +133,56 @@ def diff_checkpoints(
     progress: Callable[[int], None] | None = None,
     namespaces: Sequence[str] | None = None,
     objects: bool = True,
+    block_bytes: int = BLOCK_BYTES,
 ) -> DiffReport:
     """Compare every tensor and object of ``a`` and ``b``.
 
     Args:
         atol: accept numeric differences up to ``atol`` (default 0: bit-exact).
-        progress: called with each compared tensor's byte count.
+        progress: called with the byte count of each batch of compared tensors.
         namespaces: compare only entries in these top-level namespaces (``model``, ``optimizer``, ...).
         objects: compare JSON objects too (``False``: tensors only).
+        block_bytes: bytes read at once per side: a larger tensor is compared in blocks of rows, smaller
+            ones in batches of whole tensors up to this size.
     """
     report = DiffReport()
 
     def wanted(name: str) -> bool:
         return namespaces is None or name.split("/", 1)[0] in namespaces
 
+    results: dict[str, TensorDiff] = {}
+    batch: list[str] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal held
+        if batch:
+            results.update(compare_small_tensors(a, b, batch, atol))
+            if progress is not None:
+                progress(held)
+        batch.clear()
+        held = 0
+
     for name in sorted(n for n in set(a.meta.tensors) | set(b.meta.tensors) if wanted(n)):
         if name not in b.meta.tensors:
-            report.tensors.append(TensorDiff(name, "only_a"))
+            results[name] = TensorDiff(name, "only_a")
         elif name not in a.meta.tensors:
-            report.tensors.append(TensorDiff(name, "only_b"))
-        else:
-            report.tensors.append(compare_tensor(a, b, name, atol))
+            results[name] = TensorDiff(name, "only_b")
+        elif (mismatch := _mismatch(a, b, name)) is not None:
+            results[name] = mismatch
             if progress is not None:
                 progress(a.meta.tensors[name].nbytes)
+        elif a.meta.tensors[name].nbytes > block_bytes:
+            results[name] = compare_tensor(a, b, name, atol, block_bytes)
+            if progress is not None:
+                progress(a.meta.tensors[name].nbytes)
+        else:
+            if held + a.meta.tensors[name].nbytes > block_bytes:
+                flush()
+            batch.append(name)
+            held += a.meta.tensors[name].nbytes
+    flush()
+    report.tensors.extend(results[n] for n in sorted(results))
     for name in sorted(n for n in set(a.meta.objects) | set(b.meta.objects) if objects and wanted(n)):
         oa, ob = a.meta.objects.get(name), b.meta.objects.get(name)
         if oa is None or ob is None:

@@ -1,16 +1,21 @@
 """``arraycheckpoint rename``: rename keys of a committed checkpoint in place, without rewriting data.
 
-Each tensor is a Zarr array in the directory named after it, so renaming a tensor is a directory rename plus a
-metadata rewrite; JSON objects live in the metadata only. A mapping key without ``/`` is a parameter FQN and
-renames it in every namespace (``model/<fqn>``, ``optimizer/<fqn>/...``), in the optimizer's param groups and
-in the tied-weight aliases; a key with ``/`` is an entry name (or entry prefix) renamed as is.
+A tensor is a Zarr array either in the directory named after it or (format 5) as members of a pack file
+(:mod:`arraycheckpoint.packing`), so renaming a tensor is a directory rename, or a rewrite of its pack under
+a fresh key (:mod:`.repack`: a ZIP member cannot be renamed in place), plus a metadata rewrite; JSON objects
+live in the metadata only. Each renamed array's ``dimension_names`` follow its new name. A mapping key
+without ``/`` is a parameter FQN and renames it in every namespace (``model/<fqn>``, ``optimizer/<fqn>/...``),
+in the optimizer's param groups and in the tied-weight aliases; a key with ``/`` is an entry name (or entry
+prefix) renamed as is.
 
-Crash safety on a local file system: a journal (``.acp-rename.json``) holding the moves and the new metadata is
-written first, then the commit marker is removed, so readers see no checkpoint rather than a half-renamed one.
-Directories move in two steps through a private temporary directory (so swaps and chains work), the new
-metadata replaces the old one by an atomic ``os.replace``, and the commit marker comes back last. If the
-process dies on the way, running ``rename`` again on the path finishes the journal. On object stores a rename
-would be a copy of every object plus a delete; that is refused here (export/import or a re-save instead).
+Crash safety on a local file system: a journal (``.acp-rename.json``) holding the moves, the packs to
+rewrite and the new metadata is written first, then the commit marker is removed, so readers see no
+checkpoint rather than a half-renamed one. Directories move in two steps through a private temporary
+directory (so swaps and chains work); new packs are written there and renamed into place; the new metadata
+replaces the old one by an atomic ``os.replace``; only then are the old packs removed, and the commit marker
+comes back last. If the process dies on the way, running ``rename`` again on the path finishes the journal.
+On object stores a rename would be a copy of every object plus a delete; that is refused here (export/import
+or a re-save instead).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +32,7 @@ from ..errors import ArrayCheckpointError, CheckpointNotFoundError
 from ..metadata import CheckpointMetadata, ObjectMeta, check_name
 from ..storage import LocalStorage, storage_for
 from ..storage.local import fsync_path
+from . import repack
 
 JOURNAL = ".acp-rename.json"
 TMP_DIR = ".acp-rename-tmp"
@@ -39,6 +45,8 @@ class RenameResult:
     tensors: dict[str, str]
     objects: dict[str, str]
     resumed: bool = False
+    #: packs rewritten: old pack key -> new pack key (format 5)
+    packs: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _expand(
@@ -118,9 +126,13 @@ def _rewrite_refs(value: Any, rules: list[tuple[str, str]]) -> Any:
 
 
 def plan_rename(
-    meta: CheckpointMetadata, mapping: Mapping[str, str]
+    meta: CheckpointMetadata, mapping: Mapping[str, str], taken_packs: Collection[str] = ()
 ) -> tuple[CheckpointMetadata, RenameResult]:
-    """The renamed metadata and what moves; raises on unknown keys, unsafe or clashing new names."""
+    """The renamed metadata and what moves; raises on unknown keys, unsafe or clashing new names.
+
+    Every pack holding a renamed array gets a fresh key (above the rank's packs in ``meta`` and in
+    ``taken_packs``, the files already in the pack directory), named by every array it holds.
+    """
     rules, fqn_map = _expand(meta, mapping)
     tensors = {}
     moved_t: dict[str, str] = {}
@@ -176,7 +188,24 @@ def plan_rename(
         raise ArrayCheckpointError(
             f"rename map keys match no entry of the checkpoint: {sorted(used - matched)[:10]}"
         )
-    return dataclasses.replace(meta, tensors=tensors, objects=objects), RenameResult(moved_t, moved_o)
+    rewritten = {p for p in (meta.tensors[o].pack for o in moved_t) if p is not None}
+    packs = repack.fresh_pack_keys(meta, rewritten, taken_packs)
+    tensors = {
+        n: dataclasses.replace(t, pack=packs[t.pack]) if t.pack in packs else t for n, t in tensors.items()
+    }
+    return dataclasses.replace(meta, tensors=tensors, objects=objects), RenameResult(
+        moved_t, moved_o, packs=packs
+    )
+
+
+def journal_doc(new_meta: CheckpointMetadata, result: RenameResult) -> dict[str, Any]:
+    """The journal of a planned rename (:func:`plan_rename`): what :func:`_execute` carries out."""
+    return {
+        "tensors": result.tensors,
+        "objects": result.objects,
+        "packs": result.packs,
+        "metadata": new_meta.to_json(),
+    }
 
 
 def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] | None) -> RenameResult:
@@ -196,7 +225,9 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
         with open(journal) as f:
             doc = json.load(f)
         _execute(root, doc)
-        return RenameResult(dict(doc["tensors"]), dict(doc["objects"]), resumed=True)
+        return RenameResult(
+            dict(doc["tensors"]), dict(doc["objects"]), resumed=True, packs=dict(doc.get("packs", {}))
+        )
     if mapping is None:
         raise ArrayCheckpointError("rename needs --map FILE (no interrupted rename to finish here)")
     if not storage.is_committed(root):
@@ -205,10 +236,12 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
     raw = storage.read(root, files.metadata)
     if raw is None:
         raise CheckpointNotFoundError(f"checkpoint {root} has no {files.metadata}")
-    new_meta, result = plan_rename(CheckpointMetadata.from_json(raw), mapping)
+    meta = CheckpointMetadata.from_json(raw)
+    new_meta, result = plan_rename(meta, mapping, repack.existing_pack_keys(root))
     if not result.tensors and not result.objects:
         return result
-    doc = {"tensors": result.tensors, "objects": result.objects, "metadata": new_meta.to_json()}
+    repack.check_old_packs(root, meta, result.packs)
+    doc = journal_doc(new_meta, result)
     _write_durable(journal, json.dumps(doc).encode())
     _execute(root, doc)
     return result
@@ -234,34 +267,53 @@ def _execute(root: str, doc: dict[str, Any]) -> None:
         fsync_path(os.path.dirname(marker))
     tmp = os.path.join(root, TMP_DIR)
     os.makedirs(tmp, exist_ok=True)
+    new_meta = CheckpointMetadata.from_json(doc["metadata"])
+    packs: dict[str, str] = dict(doc.get("packs", {}))
+    # directories: the arrays with one (a packed array has none; its pack is rewritten below)
     moves = sorted(doc["tensors"].items())
     for i, (old, _new) in enumerate(moves):  # step 1: out of the way (makes swaps and chains safe)
         src = os.path.join(root, old)
         if os.path.isdir(src) and not os.path.exists(os.path.join(tmp, str(i))):
             os.rename(src, os.path.join(tmp, str(i)))
-    new_meta = CheckpointMetadata.from_json(doc["metadata"])
-    group_doc = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
-    for i, (_old, new) in enumerate(moves):  # step 2: into place, creating parent groups
+    for i, (old, new) in enumerate(moves):  # step 2: into place, creating parent groups
         staged = os.path.join(tmp, str(i))
         if os.path.isdir(staged):
             dst = os.path.join(root, new)
             parent = os.path.dirname(dst)
             os.makedirs(parent, exist_ok=True)
             os.rename(staged, dst)
-    for name in list(new_meta.tensors) + list(new_meta.objects):
-        parts = name.split("/")
-        for j in range(1, len(parts)):
-            group = os.path.join(root, *parts[:j])
-            zj = os.path.join(group, "zarr.json")
-            if os.path.isdir(group) and not os.path.exists(zj):
-                with open(zj, "wb") as f:
-                    f.write(group_doc)
+        if new_meta.tensors[new].pack is None and os.path.isdir(os.path.join(root, new)):
+            repack.rename_array_doc(root, old, new)  # its dimension names follow the new name
+    old_names = {new: old for old, new in moves}
+    for old_key, new_key in sorted(packs.items()):
+        repack.build_pack(root, old_key, new_key, new_meta, old_names, tmp)
+    _write_groups(root, new_meta)
     _prune_groups(root, new_meta)
     _write_durable(os.path.join(root, files.metadata), doc["metadata"].encode())
+    repack.remove_packs(root, packs)  # only now: until the metadata names the new packs, the old ones count
     shutil.rmtree(tmp, ignore_errors=True)
     _write_durable(marker, b"committed\n")
     os.unlink(os.path.join(root, JOURNAL))
     fsync_path(root)
+
+
+def _write_groups(root: str, meta: CheckpointMetadata) -> None:
+    """A group ``zarr.json`` in every directory above an entry where none is (what a save writes: also above
+    a packed array, whose own keys are in its pack)."""
+    group_doc = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
+    groups = {
+        "/".join(parts[:j])
+        for name in list(meta.tensors) + list(meta.objects)
+        for parts in [name.split("/")]
+        for j in range(1, len(parts))
+    }
+    for group in sorted(groups):
+        path = os.path.join(root, *group.split("/"))
+        zj = os.path.join(path, "zarr.json")
+        os.makedirs(path, exist_ok=True)
+        if not os.path.exists(zj):
+            with open(zj, "wb") as f:
+                f.write(group_doc)
 
 
 def _prune_groups(root: str, meta: CheckpointMetadata) -> None:

@@ -12,7 +12,8 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     """A JSON-able summary: per-tensor rows, totals per namespace, topology, roles, step, versions.
 
     Each tensor row has ``name, dtype, shape, bytes, regions`` (saved regions), ``ranks`` (distinct ranks that
-    held a region), ``chunks`` (stored chunk files) and ``chunk_shape``.
+    held a region), ``chunks`` (stored chunks), ``chunk_shape`` and ``pack``: the pack file holding the array
+    (format 5, a key relative to the checkpoint root), or None for an array in its own directory.
     """
     meta = ckpt.meta
     rows = []
@@ -30,6 +31,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
                 "chunks": chunks,
                 "chunk_shape": list(tm.chunk_shape),
                 "compression": tm.compression,
+                "pack": tm.pack,
             }
         )
         ns = name.split("/", 1)[0]
@@ -53,6 +55,8 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
                 "tensors": len(rows),
                 "bytes": sum(r["bytes"] for r in rows),
                 "objects": len(meta.objects),
+                "packed": sum(1 for r in rows if r["pack"] is not None),
+                "packs": len({r["pack"] for r in rows} - {None}),
                 "namespaces": per_ns,
             },
         }
@@ -69,7 +73,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"roles       {', '.join(s['roles']) or '-'}",
         "",
     ]
-    header = ("name", "dtype", "shape", "bytes", "regions", "ranks", "chunks")
+    header = ("name", "dtype", "shape", "bytes", "regions", "ranks", "chunks", "stored in")
     table = [header] + [
         (
             r["name"],
@@ -79,14 +83,17 @@ def format_summary(s: dict[str, Any]) -> str:
             str(r["regions"]),
             str(r["ranks"]),
             str(r["chunks"]),
+            _stored_in(r.get("pack")),
         )
         for r in s["tensors"]
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for i, row in enumerate(table):
-        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])] + [
-            c.rjust(w) for c, w in zip(row[2:], widths[2:])
-        ]
+        cells = (
+            [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
+            + [c.rjust(w) for c, w in zip(row[2:-1], widths[2:-1])]
+            + [row[-1]]
+        )
         lines.append("  ".join(cells).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -101,8 +108,15 @@ def format_summary(s: dict[str, Any]) -> str:
         line = f"{label:<{label_w}}  {count:>{count_w}} tensors  {human_bytes(nbytes):>{size_w}}"
         if label == "total":
             line += f"  ({nbytes} bytes), {t['objects']} JSON objects"
+            if t.get("packs"):
+                line += f"; {t['packed']} small tensors in {t['packs']} pack file(s)"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _stored_in(pack: str | None) -> str:
+    """Where a tensor's array is, for the table: its directory, or its pack (format 5)."""
+    return "dir" if pack is None else pack
 
 
 def _kv(d: dict[str, Any]) -> str:

@@ -1,10 +1,13 @@
 """``arraycheckpoint verify``: is a checkpoint complete and undamaged?
 
 Checks, in order: the commit marker and metadata (and, format 3, the control node ``.acp/zarr.json``); for
-every tensor, that its saved regions (ShardMeta) cover
-the whole global shape; that every stored chunk file of its chunk grid exists (a missing file would read back
-as zeros); and that every chunk decodes with its checksums (each read goes through the engine, so a crc32c
-mismatch in a shard index or an inner chunk raises). Every problem is reported with the tensor and chunk named.
+every tensor, that its saved regions (ShardMeta) cover the whole global shape; that every stored chunk of its
+chunk grid exists (a missing file would read back as zeros): a file of the array's directory, or, for a
+packed array (format 5), a member of its pack, whose ZIP directory is read once per pack with the checks of
+:func:`arraycheckpoint.safety.read_pack_directory`; and that every chunk decodes with its checksums (each
+read goes through the engine, tensorstore's ``zip`` driver for a packed array, so a crc32c mismatch in a
+shard index or an inner chunk raises; the arrays of one pack are read in one load). Every problem is
+reported with the tensor and chunk named, and the pack file for a packed array.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .. import safety
 from ..engine import engine
-from ..errors import ArrayCheckpointError
+from ..errors import ArrayCheckpointError, CorruptCheckpointError
 from ..items import LoadShard, LoadTensor
 from ..metadata import CONTROL_DIR, CheckpointMetadata, TensorMeta, chunk_key_separator
 from ..regions import Box, chunk_boxes, intersect
@@ -153,6 +158,8 @@ def verify(
             )
         )
     ckpt = Checkpoint(storage, root, meta)
+    packs = _PackIndex(storage, root, meta)
+    jobs: dict[str, list[tuple[TensorMeta, list[tuple[tuple[int, ...], Box]]]]] = {}
     for name, tm in sorted(meta.tensors.items()):
         report.tensors += 1
         for hole in uncovered(tm)[:5]:
@@ -168,7 +175,17 @@ def verify(
             report.problems.append(
                 Problem(name, None, f"metadata lists {len(tm.writers)} chunk writers for {len(boxes)} chunks")
             )
-        present = _stored_chunks(storage, root, name)
+        report.chunks += len(boxes)
+        report.bytes += tm.nbytes
+        if tm.pack is None:
+            present = _stored_chunks(storage, root, name)
+        else:
+            found = packs.chunks(tm, report)
+            if found is None:  # the pack is unusable or lacks the array's zarr.json: nothing to read
+                if progress is not None:
+                    progress(tm.nbytes)
+                continue
+            present = found
         readable = []
         for box in boxes:
             idx = chunk_index(box, tm.chunk_shape)
@@ -177,16 +194,73 @@ def verify(
                 writer = (
                     f" (written by rank {tm.writers[len(readable)]})" if len(tm.writers) == len(boxes) else ""
                 )
-                report.problems.append(Problem(name, idx, f"stored chunk file {key} is missing{writer}"))
+                report.problems.append(Problem(name, idx, f"{_chunk_file(tm, key, root)} is missing{writer}"))
             else:
                 readable.append((idx, box))
-        report.chunks += len(boxes)
-        if read_data and readable:
-            _read_chunks(ckpt, tm, readable, report)
-        report.bytes += tm.nbytes
+        if readable:
+            # the arrays of one pack are read together: each load of a pack reads its ZIP directory once
+            jobs.setdefault(tm.pack or f"/{name}", []).append((tm, readable))
+    for group in jobs.values():
+        if read_data:
+            _read_group(ckpt, group, report)
         if progress is not None:
-            progress(tm.nbytes)
+            progress(sum(tm.nbytes for tm, _ in group))
     return report
+
+
+class _PackIndex:
+    """The chunk members of every packed array, from one read of each pack's ZIP directory."""
+
+    def __init__(self, storage: Storage, root: str, meta: CheckpointMetadata) -> None:
+        self.storage, self.root, self.meta = storage, root.rstrip("/"), meta
+        self._members: dict[str, set[str] | BaseException] = {}
+
+    def path(self, pack: str) -> str:
+        """Where the pack ``pack`` (a key relative to the root) is."""
+        return f"{self.root}/{pack}"
+
+    def chunks(self, tm: TensorMeta, report: VerifyReport) -> set[str] | None:
+        """The chunk keys the pack of ``tm`` holds for it; None (and a problem reported) when the pack is
+        missing or unreadable, or the array's ``zarr.json`` member is missing or duplicated."""
+        assert tm.pack is not None
+        got = self._members.get(tm.pack)
+        if got is None:
+            try:
+                infos, _size = safety.read_pack_directory(self.storage, self.root, self.meta, tm.pack)
+                counts = Counter(i.filename for i in infos)
+                got = set(counts)
+                twice = sorted(n for n, c in counts.items() if c > 1)
+                if twice:
+                    got = CorruptCheckpointError(
+                        f"{self.path(tm.pack)} names the member(s) {twice[:5]} twice; the pack is damaged"
+                    )
+            except ArrayCheckpointError as e:
+                got = e
+            self._members[tm.pack] = got
+        if isinstance(got, BaseException):
+            report.problems.append(Problem(tm.name, None, f"stored in the pack {tm.pack}: {_short(got)}"))
+            return None
+        if f"{tm.name}/zarr.json" not in got:
+            report.problems.append(
+                Problem(
+                    tm.name, None, f"member {tm.name}/zarr.json of the pack {self.path(tm.pack)} is missing"
+                )
+            )
+            return None
+        prefix = f"{tm.name}/"
+        return {k[len(prefix) :] for k in got if k.startswith(prefix) and _is_chunk_key(k[len(prefix) :])}
+
+
+def _chunk_file(tm: TensorMeta, key: str, root: str) -> str:
+    """How a report names the stored file of ``tm``'s chunk ``key``: a file of its directory, or a member of
+    its pack."""
+    if tm.pack is None:
+        return f"stored chunk file {key}"
+    return f"member {tm.name}/{key} of the pack {root.rstrip('/')}/{tm.pack}"
+
+
+def _is_chunk_key(key: str) -> bool:
+    return key == "c" or key.startswith(("c/", "c."))
 
 
 def _stored_chunks(storage: Storage, root: str, name: str) -> set[str]:
@@ -194,34 +268,56 @@ def _stored_chunks(storage: Storage, root: str, name: str) -> set[str]:
         keys = storage.list(f"{root.rstrip('/')}/{name}")
     except Exception:  # noqa: BLE001 - an unlistable array shows up as every chunk missing
         return set()
-    return {k for k in keys if k == "c" or k.startswith(("c/", "c."))}
+    return {k for k in keys if _is_chunk_key(k)}
+
+
+def _discard(_arr: object) -> None:
+    return None
+
+
+def _read_group(
+    ckpt: Checkpoint, group: list[tuple[TensorMeta, list[tuple[tuple[int, ...], Box]]]], report: VerifyReport
+) -> None:
+    """Read every chunk of the arrays of ``group`` (one array, or the arrays of one pack) in one load,
+    discarding the data; on failure bisect the group (a pack of thousands of arrays with one bad member costs
+    a few dozen loads, not thousands), then read the failing array chunk by chunk to name each bad chunk."""
+    if len(group) == 1:
+        _read_chunks(ckpt, group[0][0], group[0][1], report)
+        return
+    targets = [LoadTensor(tm.name, [LoadShard(box, _discard) for _i, box in chunks]) for tm, chunks in group]
+    try:
+        engine().load(ckpt.storage, ckpt.root, ckpt.meta, targets)
+        return
+    except Exception:  # noqa: BLE001 - narrowed down below
+        pass
+    half = len(group) // 2
+    _read_group(ckpt, group[:half], report)
+    _read_group(ckpt, group[half:], report)
 
 
 def _read_chunks(
     ckpt: Checkpoint, tm: TensorMeta, chunks: list[tuple[tuple[int, ...], Box]], report: VerifyReport
 ) -> None:
     """Read every chunk (discarding the data); on failure retry one by one to name each bad chunk."""
-
-    def discard(_arr: object) -> None:
-        return None
-
     try:
         engine().load(
             ckpt.storage,
             ckpt.root,
             ckpt.meta,
-            [LoadTensor(tm.name, [LoadShard(box, discard) for _i, box in chunks])],
+            [LoadTensor(tm.name, [LoadShard(box, _discard) for _i, box in chunks])],
         )
         return
     except Exception:  # noqa: BLE001 - narrowed down below
         pass
+    sep = chunk_key_separator(ckpt.meta.format_version)
     for idx, box in chunks:
         try:
             engine().load(
-                ckpt.storage, ckpt.root, ckpt.meta, [LoadTensor(tm.name, [LoadShard(box, discard)])]
+                ckpt.storage, ckpt.root, ckpt.meta, [LoadTensor(tm.name, [LoadShard(box, _discard)])]
             )
         except Exception as e:  # noqa: BLE001
-            report.problems.append(Problem(tm.name, idx, f"unreadable: {_short(e)}"))
+            where = f" ({_chunk_file(tm, chunk_key(idx, sep), ckpt.root)})" if tm.pack is not None else ""
+            report.problems.append(Problem(tm.name, idx, f"unreadable{where}: {_short(e)}"))
 
 
 def _short(e: BaseException) -> str:

@@ -77,3 +77,57 @@ def flip_byte(path: str, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def chunk_span(ckpt: str, name: str, key: str) -> tuple[str, int, int]:
+    """Where the stored chunk ``key`` (``c.1.0``) of the tensor ``name`` lies: ``(file, offset, size)``.
+
+    An array of its own directory: the chunk file, whole. A packed array (format 5): its member's bytes
+    inside the pack's ZIP file (after the member's local header, which ``zipfile`` does not expose).
+    """
+    import struct
+    import zipfile
+
+    from arraycheckpoint.metadata import CheckpointMetadata
+    from arraycheckpoint.storage import LocalStorage
+
+    meta = CheckpointMetadata.from_json(
+        LocalStorage().read(ckpt, LocalStorage().control_files(ckpt).metadata)
+    )
+    tm = meta.tensors[name]
+    if tm.pack is None:
+        path = os.path.join(ckpt, *name.split("/"), key)
+        return path, 0, os.path.getsize(path)
+    pack = os.path.join(ckpt, *tm.pack.split("/"))
+    with zipfile.ZipFile(pack) as zf:
+        info = zf.getinfo(f"{name}/{key}")
+    with open(pack, "rb") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)
+    assert header[:4] == b"PK\x03\x04"
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return pack, info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def flip_chunk_byte(ckpt: str, name: str, key: str, offset: int) -> None:
+    """XOR one byte of a stored chunk (``offset`` within the chunk; negative: from its end), in its own file
+    or inside its pack member."""
+    path, start, size = chunk_span(ckpt, name, key)
+    flip_byte(path, start + (offset % size))
+
+
+def remove_chunk(ckpt: str, name: str, key: str) -> str:
+    """Delete a stored chunk: its file, or its member from the pack (the pack is rewritten without it, with
+    Python's ``zipfile``); returns the file that held it."""
+    import zipfile
+
+    path, _start, _size = chunk_span(ckpt, name, key)
+    if not path.endswith(".zip"):  # a chunk file of the array's directory
+        os.unlink(path)
+        return path
+    with zipfile.ZipFile(path) as zf:
+        kept = [(i, zf.read(i)) for i in zf.infolist() if i.filename != f"{name}/{key}"]
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for info, data in kept:
+            zf.writestr(info, data)
+    return path

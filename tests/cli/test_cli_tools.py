@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -10,13 +11,16 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from cli_helpers import REPO, cli, cli_json, flip_byte
+import zarr
+from cli_helpers import REPO, chunk_span, cli, cli_json, flip_chunk_byte, remove_chunk
 
 import arraycheckpoint as acp
 from arraycheckpoint.metadata import COMMIT_MARKER, FORMAT_VERSION, METADATA_FILE
 from arraycheckpoint.plan import PlanOptions
 
 SMALL_CHUNKS = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=1024, inner_chunk_bytes=256)
+#: the arrays' two stored layouts: small arrays in packs (the default, format 5), or each in its directory
+LAYOUTS = {"packed": SMALL_CHUNKS, "dirs": dataclasses.replace(SMALL_CHUNKS, pack_array_bytes=0)}
 
 
 def _model(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -39,17 +43,32 @@ def _assert_same_model(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(sa[k], sb[k]), k
 
 
-@pytest.fixture()
-def saved(tmp_path):
+def _save(path: str, options: PlanOptions) -> tuple[str, torch.nn.Module, torch.optim.Optimizer]:
     model, opt = _trained()
-    path = str(tmp_path / "ckpt")
     acp.save(
         path,
         {"model": model, "optimizer": opt, "extra_state": {"epoch": 3}},
         step=42,
-        plan_options=SMALL_CHUNKS,
+        plan_options=options,
     )
     return path, model, opt
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    return _save(str(tmp_path / "ckpt"), SMALL_CHUNKS)
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def saved_in(request, tmp_path):
+    """``saved`` in each stored layout, with the layout's name; the tests damage or move specific files."""
+    path, model, opt = _save(str(tmp_path / "ckpt"), LAYOUTS[request.param])
+    packed = {n for n, t in acp.read_metadata(path).tensors.items() if t.pack is not None}
+    if request.param == "packed":  # the arrays the tests touch are packed, or the test proves nothing
+        assert {"model/0.weight", "model/0.bias", "model/2.bias", "optimizer/0.weight/exp_avg"} <= packed
+    else:
+        assert not packed
+    return path, model, opt, request.param
 
 
 def test_help_for_every_subcommand():
@@ -90,28 +109,34 @@ def test_inspect_table_and_json(saved):
     assert "no committed checkpoint" in cli("inspect", path + "-missing", check=2).stderr
 
 
-def test_verify_ok_then_flipped_byte_then_missing_chunk(saved):
-    path, _, _ = saved
+def test_verify_ok_then_flipped_byte_then_missing_chunk(saved_in):
+    path, _, _, layout = saved_in
     out = cli("verify", path).stdout
     assert out.startswith("OK")
-    chunk = os.path.join(path, "model", "0.weight", "c.1.0")
-    assert os.path.exists(chunk)
-    flip_byte(chunk, 3)  # a data byte of the first inner chunk
+    where = ".acp/packs/" if layout == "packed" else ""
+    assert chunk_span(path, "model/0.weight", "c.1.0")[0].endswith(".zip") == (layout == "packed")
+    flip_chunk_byte(path, "model/0.weight", "c.1.0", 3)  # a data byte of the first inner chunk
     proc = cli("verify", path, check=1)
     bad = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
-    assert len(bad) == 1 and "model/0.weight chunk 1/0" in bad[0], proc.stdout
-    flip_byte(chunk, 3)
+    assert len(bad) == 1 and "model/0.weight chunk 1/0" in bad[0] and where in bad[0], proc.stdout
+    flip_chunk_byte(path, "model/0.weight", "c.1.0", 3)
     assert cli("verify", path).stdout.startswith("OK")
 
-    flip_byte(chunk, os.path.getsize(chunk) - 1)  # the shard index checksum
-    assert "model/0.weight chunk 1/0" in cli("verify", path, check=1).stdout
-    flip_byte(chunk, os.path.getsize(chunk) - 1)
+    flip_chunk_byte(path, "model/0.weight", "c.1.0", -1)  # the shard index checksum
+    bad = [line for line in cli("verify", path, check=1).stdout.splitlines() if line.startswith("BAD")]
+    assert len(bad) == 1 and "model/0.weight chunk 1/0" in bad[0] and where in bad[0], bad
+    flip_chunk_byte(path, "model/0.weight", "c.1.0", -1)
+    assert cli("verify", path).stdout.startswith("OK")
 
-    other = os.path.join(path, "model", "2.weight", "c.0.0")
-    os.unlink(other)
+    remove_chunk(path, "model/2.weight", "c.0.0")  # an array with a partial edge chunk: never packed
+    remove_chunk(path, "model/0.bias", "c.0")
     doc = json.loads(cli("verify", path, "--json", check=1).stdout)
     assert doc["ok"] is False
     assert any("model/2.weight chunk 0/0" in p and "missing" in p for p in doc["problems"]), doc
+    missing = [p for p in doc["problems"] if "model/0.bias chunk 0:" in p and "missing" in p]
+    assert len(missing) == 1 and where in missing[0], doc
+    if layout == "packed":
+        assert "member model/0.bias/c.0 of the pack" in missing[0], missing
 
 
 def test_verify_uncommitted_and_absent(saved, tmp_path):
@@ -172,10 +197,19 @@ def test_import_bad_source(tmp_path):
     assert "weights_only" in cli("import", str(junk), str(tmp_path / "c"), check=2).stderr
 
 
-def test_rename_then_load_model_and_optimizer(saved, tmp_path):
+def _stored_array(path: str, name: str) -> zarr.Array:
+    """The tensor ``name`` opened with plain zarr-python, from its directory or from its pack."""
+    pack = acp.read_metadata(path).tensors[name].pack
+    if pack is None:
+        return zarr.open_array(zarr.storage.LocalStore(path, read_only=True), path=name, mode="r")
+    return zarr.open_array(zarr.storage.ZipStore(os.path.join(path, pack), mode="r"), path=name, mode="r")
+
+
+def test_rename_then_load_model_and_optimizer(saved_in, tmp_path):
     from collections import OrderedDict
 
-    path, model, opt = saved
+    path, model, opt, layout = saved_in
+    packs_before = set(os.listdir(os.path.join(path, ".acp", "packs"))) if layout == "packed" else set()
     mapping = tmp_path / "map.json"
     mapping.write_text(
         json.dumps(
@@ -186,8 +220,25 @@ def test_rename_then_load_model_and_optimizer(saved, tmp_path):
     assert "model/0.weight -> model/inp.weight" in out
     assert "optimizer/0.weight/exp_avg -> optimizer/inp.weight/exp_avg" in out
     assert not os.path.exists(os.path.join(path, "model", "0.weight"))
-    assert os.path.isdir(os.path.join(path, "model", "inp.weight"))
     assert not os.path.exists(os.path.join(path, "optimizer", "0.weight"))
+    if layout == "dirs":
+        assert os.path.isdir(os.path.join(path, "model", "inp.weight"))
+    else:  # every pack held a renamed array: each was rewritten under a fresh key, the old files are gone
+        assert not os.path.exists(os.path.join(path, "model", "inp.weight"))
+        packs_after = set(os.listdir(os.path.join(path, ".acp", "packs")))
+        assert packs_after and not packs_after & packs_before
+        assert {t.pack for t in acp.read_metadata(path).tensors.values()} - {None} == {
+            f".acp/packs/{p}" for p in packs_after
+        }
+    # the renamed arrays are plain zarr arrays under their new names (dimension names included), bit-exact
+    sd = model.state_dict()
+    params = dict(zip(["0.weight", "0.bias", "2.weight", "2.bias"], model.parameters()))
+    for old, new in [("0.weight", "inp.weight"), ("0.bias", "inp.bias"), ("2.weight", "out.weight")]:
+        arr = _stored_array(path, f"model/{new}")
+        assert np.array_equal(arr[...], sd[old].numpy()), new
+        assert arr.metadata.dimension_names == tuple(f"{new}.dim{i}" for i in range(sd[old].ndim))
+        exp_avg = _stored_array(path, f"optimizer/{new}/exp_avg")
+        assert np.array_equal(exp_avg[...], opt.state[params[old]]["exp_avg"].numpy()), new
     assert cli("verify", path).stdout.startswith("OK")
 
     torch.manual_seed(7)
@@ -235,21 +286,27 @@ def test_rename_refusals(saved, tmp_path):
     assert "local file systems only" in cli("rename", "memory://ckpt", "--map", str(m), check=2).stderr
 
 
-def test_rename_resumes_an_interrupted_journal(saved, tmp_path):
-    """Simulate a crash after the journal was written and the first directory moved."""
+def test_rename_resumes_an_interrupted_journal(saved_in, tmp_path):
+    """Simulate a crash after the journal was written and the first array started moving: its directory
+    moved aside (directory layout), or its new pack half written (packed layout)."""
     from arraycheckpoint.metadata import CheckpointMetadata
-    from arraycheckpoint.tools.rename import JOURNAL, TMP_DIR, plan_rename
+    from arraycheckpoint.tools.rename import JOURNAL, TMP_DIR, journal_doc, plan_rename
 
-    path, model, _ = saved
+    path, model, _, layout = saved_in
     meta = CheckpointMetadata.from_json(open(os.path.join(path, METADATA_FILE)).read())
     new_meta, result = plan_rename(meta, {"2.bias": "head.bias"})
-    doc = {"tensors": result.tensors, "objects": result.objects, "metadata": new_meta.to_json()}
+    assert bool(result.packs) == (layout == "packed")
     with open(os.path.join(path, JOURNAL), "w") as f:
-        json.dump(doc, f)
+        json.dump(journal_doc(new_meta, result), f)
     os.unlink(os.path.join(path, COMMIT_MARKER))
     os.makedirs(os.path.join(path, TMP_DIR))
     moves = sorted(result.tensors.items())
-    os.rename(os.path.join(path, moves[0][0]), os.path.join(path, TMP_DIR, "0"))
+    if layout == "dirs":
+        os.rename(os.path.join(path, moves[0][0]), os.path.join(path, TMP_DIR, "0"))
+    else:
+        new_pack = sorted(result.packs.values())[0]
+        with open(os.path.join(path, TMP_DIR, new_pack.rsplit("/", 1)[-1] + ".part"), "wb") as f:
+            f.write(b"PK\x03\x04 a pack cut short by the crash")
     assert cli("inspect", path, check=2).returncode == 2  # invisible mid-rename
     assert "finished an interrupted rename" in cli("rename", path).stdout
     doc = cli_json("inspect", path)
@@ -260,3 +317,8 @@ def test_rename_resumes_an_interrupted_journal(saved, tmp_path):
     got = {}
     acp.load(path, {"model": {"head.bias": (got.setdefault("b", torch.empty(5)))}}, strict=False)
     assert np.array_equal(got["b"].numpy(), model.state_dict()["2.bias"].numpy())
+    assert np.array_equal(_stored_array(path, "model/head.bias")[...], model.state_dict()["2.bias"].numpy())
+    assert not os.path.exists(os.path.join(path, TMP_DIR))
+    for old in result.packs:  # the packs of the old names are gone
+        assert not os.path.exists(os.path.join(path, old))
+    assert cli("verify", path).stdout.startswith("OK")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import arraycheckpoint as acp
+from arraycheckpoint.plan import PlanOptions
 from arraycheckpoint.tools.rename import rename_checkpoint
 
 
@@ -26,12 +28,21 @@ def _state(scale: float) -> dict:
     }
 
 
-def test_renamed_document_arrays_still_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack_array_bytes", [None, 0], ids=["packed", "dirs"])
+def test_renamed_document_arrays_still_load(tmp_path: Path, pack_array_bytes: int | None) -> None:
     ck = tmp_path / "ck"
     saved = _state(1.0)
-    acp.save(ck, saved)
-    result = rename_checkpoint(ck, {"extra_state/t": "extra_state/u", "extra_state/~rows/0/a": "extra_state/~rows/0/b"})
-    assert result.tensors == {"extra_state/t": "extra_state/u", "extra_state/~rows/0/a": "extra_state/~rows/0/b"}
+    options = None if pack_array_bytes is None else PlanOptions(pack_array_bytes=pack_array_bytes)
+    acp.save(ck, saved, plan_options=options)
+    packed = {n for n, t in acp.read_metadata(ck).tensors.items() if t.pack is not None}
+    assert ("extra_state/t" in packed) == (pack_array_bytes is None)
+    result = rename_checkpoint(
+        ck, {"extra_state/t": "extra_state/u", "extra_state/~rows/0/a": "extra_state/~rows/0/b"}
+    )
+    assert result.tensors == {
+        "extra_state/t": "extra_state/u",
+        "extra_state/~rows/0/a": "extra_state/~rows/0/b",
+    }
     meta = acp.read_metadata(ck)
     assert "extra_state/t" not in meta.tensors and "extra_state/u" in meta.tensors
     target = _state(0.0)

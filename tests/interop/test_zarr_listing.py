@@ -1,19 +1,24 @@
-"""Format 3: listing a checkpoint with zarr-python or xarray warns about nothing (control files live in ``.acp/``).
+"""Listing a checkpoint with zarr-python or xarray warns about nothing, and every tensor is found and read.
 
 zarr-python 3.1 warns (``ZarrUserWarning: Object at ... is not recognized as a component of a Zarr
 hierarchy``) for every key of a group directory that is not a zarr node. Format 2 kept ``.metadata.json``,
 ``.committed`` and ``.metrics*.json`` in the root; format 3 keeps them inside ``.acp``, an empty zarr array
-that readers never list. Here every warning is an error while zarr-python lists (``members``, ``tree``),
-xarray opens the tree, and zarr-python, xarray and tensorstore read every array bit-exactly.
+that readers never list. Format 5 stores small arrays in packs (ZIP files under ``.acp/packs/``): a plain walk
+of the directory lists the other arrays, ``arraycheckpoint.zarr.checkpoint_store`` lists them all. Here every
+warning is an error while zarr-python lists (``members``, ``tree``) the directory and the store, xarray opens
+both trees, and zarr-python (the array's directory, or ``ZipStore`` on its pack), xarray and tensorstore (the
+``file`` or ``zip`` key-value driver) read every array bit-exactly, each found from the plain-JSON metadata.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from fixtures.make_format2 import full_state
 
@@ -30,34 +35,73 @@ def _same(got: object, want: np.ndarray, name: str) -> None:
     assert np.array_equal(got.view(UINT[size]), want.view(UINT[size])), name
 
 
-def check_plain_readers(ckpt: Path, expected: dict[str, np.ndarray]) -> None:
-    """List and read ``ckpt`` with zarr-python, xarray and tensorstore, every warning an error."""
+def packed_arrays(ckpt: Path) -> dict[str, str]:
+    """``name -> pack`` of every packed array, from the metadata as plain JSON."""
+    doc = json.loads((ckpt / CONTROL.metadata).read_text())
+    return {name: t["pack"] for name, t in doc["tensors"].items() if t.get("pack") is not None}
+
+
+def _arrays(group: object) -> dict[str, object]:
+    import zarr
+
+    return {k: v for k, v in group.members(max_depth=None) if isinstance(v, zarr.Array)}  # type: ignore[attr-defined]
+
+
+def check_plain_readers(ckpt: Path, expected: dict[str, np.ndarray], packed: bool) -> None:
+    """List and read ``ckpt`` with zarr-python, xarray and tensorstore, every warning an error.
+
+    ``packed``: whether the save must have packed arrays (else it must have none, and no pack directory).
+    """
     import tensorstore as ts
     import xarray as xr
     import zarr
 
-    import arraycheckpoint.zarr  # noqa: F401 - zarr-python's bfloat16
+    from arraycheckpoint.zarr import checkpoint_store  # also zarr-python's bfloat16
 
+    packs = packed_arrays(ckpt)
+    assert bool(packs) == packed, packs
+    assert set(packs) <= set(expected), set(packs) - set(expected)
     files = sorted(os.listdir(ckpt / CONTROL_DIR))
-    assert files == sorted(os.path.basename(k) for k in vars(CONTROL).values()), files
+    control = [os.path.basename(k) for k in vars(CONTROL).values()] + (["packs"] if packed else [])
+    assert files == sorted(control), files
     assert not any(os.path.exists(ckpt / k) for k in vars(LEGACY_CONTROL).values() if k)
+    for name in packs:
+        assert not (ckpt / name).exists(), f"{name} is packed and has a directory too"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        group = zarr.open_group(str(ckpt), mode="r")
-        members = dict(group.members(max_depth=None))
+        # a plain walk of the directory: every array stored in its own directory, and no warning
+        plain = zarr.open_group(str(ckpt), mode="r")
+        assert str(plain.tree())
+        unpacked = set(expected) - set(packs)
+        assert set(_arrays(plain)) == unpacked | {CONTROL_DIR}, set(_arrays(plain)) ^ (
+            unpacked | {CONTROL_DIR}
+        )
+        plain_tree = xr.open_datatree(str(ckpt), engine="zarr", consolidated=False)
+        # the checkpoint as one hierarchy: every array, packed or not
+        store = checkpoint_store(ckpt)
+        group = zarr.open_group(store, mode="r")
+        members = _arrays(group)
         assert str(group.tree())
-        tree = xr.open_datatree(str(ckpt), engine="zarr", consolidated=False)
-        arrays = {k for k, v in members.items() if isinstance(v, zarr.Array)}
-        assert arrays == set(expected) | {CONTROL_DIR}, arrays ^ (set(expected) | {CONTROL_DIR})
+        tree = xr.open_datatree(store, engine="zarr", consolidated=False)
+        assert set(members) == set(expected) | {CONTROL_DIR}, set(members) ^ (set(expected) | {CONTROL_DIR})
         control = members[CONTROL_DIR]
         assert control.shape == (0,) and control[...].size == 0
         assert "arraycheckpoint" in control.attrs
         assert tree.dataset[CONTROL_DIR].shape == (0,)
         for name, want in expected.items():
-            _same(members[name][...], want, f"zarr {name}")
+            _same(members[name][...], want, f"zarr store {name}")
             parent, var = name.rsplit("/", 1)
-            _same(tree[parent].dataset[var].values, want, f"xarray {name}")
-            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{ckpt}/{name}/"}}
+            _same(tree[parent].dataset[var].values, want, f"xarray store {name}")
+            if name in packs:  # plain readers of the pack the metadata names
+                pack = str(ckpt / packs[name])
+                with zarr.storage.ZipStore(pack, mode="r") as zstore:
+                    _same(zarr.open_array(zstore, path=name, mode="r")[...], want, f"zarr ZipStore {name}")
+                kvstore = {"driver": "zip", "base": {"driver": "file", "path": pack}, "path": f"{name}/"}
+            else:
+                _same(zarr.open_array(str(ckpt / name), mode="r")[...], want, f"zarr {name}")
+                _same(plain_tree[parent].dataset[var].values, want, f"xarray {name}")
+                kvstore = {"driver": "file", "path": f"{ckpt}/{name}/"}
+            spec = {"driver": "zarr3", "kvstore": kvstore}
             _same(ts.open(spec, open=True).result().read().result(), want, f"tensorstore {name}")
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{ckpt}/{CONTROL_DIR}/"}}
         assert ts.open(spec, open=True).result().shape == (0,)
@@ -70,7 +114,10 @@ class Mixed(torch.nn.Module):
         self.low = torch.nn.Linear(5, 3).to(torch.bfloat16)
 
 
-def test_single_process_checkpoint_lists_without_warnings(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack_array_bytes", [None, 0], ids=["packs", "directories"])
+def test_single_process_checkpoint_lists_without_warnings(
+    tmp_path: Path, pack_array_bytes: int | None
+) -> None:
     torch.manual_seed(3)
     model = Mixed()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -78,11 +125,15 @@ def test_single_process_checkpoint_lists_without_warnings(tmp_path: Path) -> Non
     opt.step()
     ids = torch.arange(12, dtype=torch.int64).reshape(3, 4)
     ckpt = tmp_path / "ck"
-    acp.save(ckpt, {"model": model, "optimizer": opt, "extra_state": {"ids": ids, "step": 4}}, step=4)
+    options = (
+        acp.PlanOptions() if pack_array_bytes is None else acp.PlanOptions(pack_array_bytes=pack_array_bytes)
+    )
+    state = {"model": model, "optimizer": opt, "extra_state": {"ids": ids, "step": 4}}
+    acp.save(ckpt, state, step=4, plan_options=options)
     acp.load(ckpt, {"model": Mixed()}, record_metrics=True)
     expected = full_state(model, opt, scalars=True)
     expected["extra_state/ids"] = ids.numpy()
-    check_plain_readers(ckpt, expected)
+    check_plain_readers(ckpt, expected, packed=pack_array_bytes is None)
 
 
 def _fsdp2_save(rank: int, world: int, path: str) -> dict[str, np.ndarray]:
@@ -107,7 +158,7 @@ def test_two_process_fsdp2_checkpoint_lists_without_warnings(tmp_path: Path) -> 
         record_metrics=True,
     )
     assert acp.read_metadata(ckpt).world_size == 2
-    check_plain_readers(ckpt, expected)
+    check_plain_readers(ckpt, expected, packed=True)
 
 
 def test_verify_reports_a_missing_control_node(tmp_path: Path) -> None:
