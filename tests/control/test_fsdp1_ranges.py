@@ -109,7 +109,10 @@ def test_fsdp1_ranks_declare_range_rules(tmp_path):
     saved = results[0][1]
     for r in results[1:]:
         assert all(np.array_equal(saved[k], r[1][k]) for k in saved)
-    stored = zarr.open_group(str(tmp_path / "both"), mode="r")  # what was written, read by zarr-python
+    from arraycheckpoint.zarr import checkpoint_store
+
+    # what was written, read by zarr-python (packed arrays through the store's one-hierarchy view)
+    stored = zarr.open_group(checkpoint_store(str(tmp_path / "both")), mode="r")
     for k, v in saved.items():
         assert np.array_equal(stored[k][...], v), k
     for loaded in run_distributed(_load_body, world=2, args=(str(tmp_path),), timeout=300):

@@ -77,9 +77,10 @@ def _arrays(root: str) -> dict[str, np.ndarray]:
     """Every array under ``extra_state/`` as zarr-python reads it."""
     import zarr
 
-    return {
-        n: np.asarray(a[...]) for n, a in _walk(zarr.open_group(os.path.join(root, "extra_state"), mode="r"))
-    }
+    from arraycheckpoint.zarr import checkpoint_store
+
+    group = zarr.open_group(checkpoint_store(root), mode="r")["extra_state"]
+    return {n: np.asarray(a[...]) for n, a in _walk(group)}
 
 
 def _walk(group) -> list:
@@ -90,7 +91,14 @@ def _walk(group) -> list:
 
 
 def _chunk_files(root: str, name: str) -> int:
-    return len(chunk_files(os.path.join(root, name)))
+    """Stored chunk files of ``name``: in its directory, or its chunk members when it is packed."""
+    import zarr
+
+    from arraycheckpoint.zarr import checkpoint_store
+
+    if os.path.isdir(os.path.join(root, name)):
+        return len(chunk_files(os.path.join(root, name)))
+    return zarr.open_array(checkpoint_store(root), path=name, mode="r").nchunks_initialized
 
 
 def test_three_ranks_store_one_stacked_array_per_slot_and_load_at_2_and_4(tmp_path) -> None:

@@ -127,7 +127,9 @@ def test_template_form_saves_once_and_loads_bit_exactly_at_2_1_and_3_ranks(tmp_p
             assert not any(n.startswith(PR) for n in meta.tensors)  # no leaf rows
         assert any("~rows/" in n for n in meta.tensors)  # the arrays stay stacked either way
     # zarr-python reads the rows: row r holds rank r's leaves (floats by their bits)
-    group = zarr.open_group(os.path.join(root, "agree"), mode="r")
+    from arraycheckpoint.zarr import checkpoint_store
+
+    group = zarr.open_group(checkpoint_store(os.path.join(root, "agree")), mode="r")
     ints, floats = np.asarray(group[f"{PR}/~int"][...]), np.asarray(group[f"{PR}/~float"][...])
     template = acp.read_metadata(f"{root}/agree").objects[PR].template
     assert ints.dtype == np.int64 and floats.dtype == np.float64 and ints.shape[0] == floats.shape[0] == 2

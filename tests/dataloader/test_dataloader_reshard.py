@@ -80,7 +80,9 @@ def test_exactly_once_across_dp4_dp2_dp3(tmp_path) -> None:
     p2 = run_distributed(_phase, 4, (str(tmp_path), 3, a, 5, b, False, 2))
     meta = acp.read_metadata(b)
     assert meta.objects["dataloader"].value["dp_size"] == 2
-    ints = np.asarray(zarr.open_group(b, mode="r")["dataloader/~shards/~int"][...])
+    from arraycheckpoint.zarr import checkpoint_store
+
+    ints = np.asarray(zarr.open_group(checkpoint_store(b), mode="r")["dataloader/~shards/~int"][...])
     assert ints[:, 0].tolist() == [0, 0, 1, 1]  # every rank indexed its shards: its DP rank leads its row
     shards = {n: t for n, t in meta.tensors.items() if n.startswith("dataloader/shard_")}
     assert sorted(shards) == [f"dataloader/shard_{d}_{w}/buffer" for d in range(2) for w in range(3)]

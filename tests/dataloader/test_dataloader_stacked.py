@@ -74,7 +74,9 @@ def _zarr_arrays(root: str) -> dict[str, np.ndarray]:
             out.update(walk(sub, f"{prefix}{n}/"))
         return out
 
-    return walk(zarr.open_group(os.path.join(root, "dataloader"), mode="r"))
+    from arraycheckpoint.zarr import checkpoint_store
+
+    return walk(zarr.open_group(checkpoint_store(root), mode="r")["dataloader"])
 
 
 def _check_loaded(got: list[dict], saved_world: int, grow: bool = False) -> None:
