@@ -269,7 +269,9 @@ def build_global_plan(
         for name in sorted(decls)
     }
     digest = hashlib.sha1(
-        repr([(n, t.layout, t.regions, t.writers, t.creator, t.pack) for n, t in sorted(tensors.items())]).encode()
+        repr(
+            [(n, t.layout, t.regions, t.writers, t.creator, t.pack) for n, t in sorted(tensors.items())]
+        ).encode()
     ).hexdigest()[:16]
     ranks = []
     for r in range(world):

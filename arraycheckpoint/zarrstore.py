@@ -34,7 +34,6 @@ This module imports zarr, numpy and arraycheckpoint's light modules; never torch
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import stat
 import struct
@@ -51,6 +50,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataErr
 from .metadata import CONTROL_LAYOUTS, CheckpointMetadata
 from .packing import PACK_KEY, chunk_count, group_keys, stored_bytes
 from .safety import MAX_PACKED_JSON_BYTES
+from .storage.ranged import TailFile
 
 __all__ = ["CheckpointStore", "checkpoint_store"]
 
@@ -415,7 +415,7 @@ class CheckpointStore(Store):
             if cd_at < tail_at:
                 tail = await self._read(key, cd_at, tail_at) + tail
                 tail_at = cd_at
-            infos = zipfile.ZipFile(_Sparse(size, tail_at, tail)).infolist()
+            infos = zipfile.ZipFile(TailFile(size, tail_at, tail)).infolist()
         except (zipfile.BadZipFile, struct.error, ValueError, EOFError) as e:
             raise CorruptCheckpointError(
                 f"{where} is not a readable ZIP archive ({e}); the pack is damaged"
@@ -527,40 +527,6 @@ def _directory_span(tail: bytes, size: int) -> tuple[int, int]:
     if cd_at + cd_size != end:
         raise zipfile.BadZipFile("the central directory does not end where its end records start")
     return cd_at, cd_size
-
-
-class _Sparse(io.RawIOBase):
-    """A read-only file of ``size`` bytes of which only ``[start, size)`` (``data``) is known: what
-    :class:`zipfile.ZipFile` reads to list an archive (its directory and end records)."""
-
-    def __init__(self, size: int, start: int, data: bytes) -> None:
-        super().__init__()
-        self._size, self._start, self._data, self._pos = size, start, data, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        end = min(self._size, self._pos + len(b))
-        if end <= self._pos:
-            return 0
-        if self._pos < self._start:
-            raise zipfile.BadZipFile("the archive's records point before its central directory")
-        data = self._data[self._pos - self._start : end - self._start]
-        memoryview(b)[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 async def _control_read(base: Store, local: str | None, key: str, limit: int | None) -> bytes | None:

@@ -161,7 +161,16 @@ def summarise(rounds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def report(summary: dict[str, dict[str, float]], count: int, kib: float, repeats: int) -> str:
-    headers = ["method", "save s", "save CPU s", "acp speed-up", "load s", "load CPU s", "acp speed-up", "files"]
+    headers = [
+        "method",
+        "save s",
+        "save CPU s",
+        "acp speed-up",
+        "load s",
+        "load CPU s",
+        "acp speed-up",
+        "files",
+    ]
     rows = []
     for m in METHODS:
         s = summary[m.name]

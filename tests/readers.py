@@ -25,7 +25,11 @@ def ts_spec(root: str, name: str) -> dict[str, Any]:
     if pack is None:
         kvstore: dict[str, Any] = {"driver": "file", "path": os.path.join(root, name) + "/"}
     else:
-        kvstore = {"driver": "zip", "base": {"driver": "file", "path": os.path.join(root, pack)}, "path": name + "/"}
+        kvstore = {
+            "driver": "zip",
+            "base": {"driver": "file", "path": os.path.join(root, pack)},
+            "path": name + "/",
+        }
     return {"driver": "zarr3", "kvstore": kvstore}
 
 

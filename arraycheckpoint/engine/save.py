@@ -242,7 +242,8 @@ class SavePipeline:
                 # tensorstore array opened with the metadata assumed (on storage already, or written by another
                 # rank), so nothing is read or validated per array
                 direct = [
-                    w.name in packed or shardfile.can_encode(layouts[w.name], w.chunk, _write_dtype(job, w.name))
+                    w.name in packed
+                    or shardfile.can_encode(layouts[w.name], w.chunk, _write_dtype(job, w.name))
                     for w in plan.writes
                 ]
                 opening = {
@@ -349,7 +350,9 @@ def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> lis
     The staging directory is fresh, so there is no existing metadata to conflict with.
     """
     docs = ZarrJsonDocs()
-    return [(layout.name, writer.write(f"{layout.name}/zarr.json", [docs.encode(layout)])) for layout in layouts]
+    return [
+        (layout.name, writer.write(f"{layout.name}/zarr.json", [docs.encode(layout)])) for layout in layouts
+    ]
 
 
 class ZarrJsonDocs:

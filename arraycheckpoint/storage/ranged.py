@@ -5,7 +5,7 @@ it; downloading every pack whole for that check would multiply a load's traffic 
 ranks, every rank that reads one small array of a pack). The directory sits at the end of the archive, so one
 suffix read of :data:`TAIL_BYTES` usually holds it: the end-of-central-directory record gives the directory's
 offset and size, from which the archive's size follows, and Python's :mod:`zipfile` parses the directory
-through :class:`RangedFile`, which serves the tail from memory and any other range with one more read.
+through :class:`TailFile`, which serves the tail from memory and any other range with one more read.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import struct
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 #: Bytes of the first (suffix) read: the directory of a pack of a few thousand members.
@@ -22,13 +23,16 @@ _ZIP64_LOCATOR = b"PK\x06\x07"
 _ZIP64_EOCD = b"PK\x06\x06"
 
 
-class RangedFile(io.RawIOBase):
-    """A read-only, seekable file of ``size`` bytes over one key of a tensorstore key-value store, whose last
-    ``len(tail)`` bytes are already known."""
+class TailFile(io.RawIOBase):
+    """A read-only, seekable file of ``size`` bytes of which ``[start, size)`` (``data``: an archive's
+    directory and end records) is known; any other range comes from ``fetch(start, end)``, or, without it,
+    is refused (``zipfile.BadZipFile``: the archive's records point before its directory)."""
 
-    def __init__(self, kv: Any, key: str, size: int, tail: bytes) -> None:
+    def __init__(
+        self, size: int, start: int, data: bytes, fetch: Callable[[int, int], bytes] | None = None
+    ) -> None:
         super().__init__()
-        self._kv, self._key, self._size, self._tail = kv, key, size, tail
+        self._size, self._start, self._data, self._fetch = size, start, data, fetch
         self._pos = 0
 
     def readable(self) -> bool:
@@ -49,11 +53,12 @@ class RangedFile(io.RawIOBase):
         end = min(self._size, self._pos + len(b))
         if end <= self._pos:
             return 0
-        start_tail = self._size - len(self._tail)
-        if self._pos >= start_tail:
-            data = self._tail[self._pos - start_tail : end - start_tail]
+        if self._pos >= self._start:
+            data = self._data[self._pos - self._start : end - self._start]
+        elif self._fetch is not None:
+            data = self._fetch(self._pos, end)
         else:
-            data = bytes(self._kv.read(self._key, byte_range=slice(self._pos, end)).result().value)
+            raise zipfile.BadZipFile("the archive's records point before its central directory")
         n = len(data)
         memoryview(b)[:n] = data
         self._pos += n
@@ -85,7 +90,11 @@ def central_directory(kv: Any, key: str, bound: int) -> tuple[list[zipfile.ZipIn
         raise zipfile.BadZipFile(f"the archive declares {size} bytes, more than {bound}")
     if size < len(tail):
         raise zipfile.BadZipFile("the end-of-directory record does not match the archive's size")
-    return zipfile.ZipFile(RangedFile(kv, key, size, tail)).infolist(), size
+
+    def fetch(start: int, end: int) -> bytes:
+        return bytes(kv.read(key, byte_range=slice(start, end)).result().value)
+
+    return zipfile.ZipFile(TailFile(size, size - len(tail), tail, fetch)).infolist(), size
 
 
 def _archive_size(tail: bytes) -> int:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import zarr
 from dist import run_distributed, torch_full_state
 
 import arraycheckpoint as acp
-import zarr
 
 pytestmark = pytest.mark.multiprocess
 

@@ -8,8 +8,6 @@ to one array per DP shard.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from dist import run_distributed
 

@@ -64,7 +64,9 @@ def body_zarr_opens_ours_not_orbax(tmp):
     arr = zarr.open_array(packed, path="model/w", mode="r")
     assert arr.shape == (64, 32) and np.array_equal(arr[...], w)
     store = checkpoint_store(f"{tmp}/ours")
-    assert np.array_equal(zarr.open_array(store, path="model/b", mode="r")[...].view(np.uint16), b.view(np.uint16))
+    assert np.array_equal(
+        zarr.open_array(store, path="model/b", mode="r")[...].view(np.uint16), b.view(np.uint16)
+    )
     assert zarr.open_array(store, path="model/w", mode="r")[8:40, 5:9].tolist() == w[8:40, 5:9].tolist()
     group = zarr.open_group(store, mode="r")
     assert sorted(k for k, _ in group["model"].members()) == ["b", "w"]
