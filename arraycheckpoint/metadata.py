@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from .errors import ArrayCheckpointError, MetadataError, UnsafeNameError
+from .packing import PACK_KEY
 from .regions import Box
 
 #: 5: small arrays one rank writes whole are stored in packs, uncompressed ZIP files holding complete zarr v3
@@ -356,8 +357,6 @@ def _parse_pack(
 ) -> str | None:
     """A tensor's ``pack`` entry: absent, or (format 5) a pack key of a rank of the world holding an
     uncompressed array of whole chunks (what a save packs; anything else is no valid checkpoint)."""
-    from .packing import PACK_KEY
-
     if pack is None:
         return None
     m = PACK_KEY.match(pack) if isinstance(pack, str) and version >= 5 else None

@@ -13,8 +13,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
+#: The directory layout (format 4's): every array in its own directory, which the cases here damage. Packed
+#: arrays (format 5) have their own hostile cases (tests/faults/test_hostile_packs.py).
+UNPACKED = {"pack_array_bytes": 0}
+
+
 def save_small(path: str, *, compression: str | None = None, extra: Any = None) -> dict[str, Any]:
-    """Save a tiny model (and optional extra state) to ``path``; return the state saved."""
+    """Save a tiny model (and optional extra state) to ``path`` in the directory layout; return the state
+    saved."""
     import numpy as np
     import torch
 
@@ -25,7 +31,7 @@ def save_small(path: str, *, compression: str | None = None, extra: Any = None) 
     state: dict[str, Any] = {"model": model}
     if extra is not None:
         state["extra_state"] = extra
-    acp.save(path, state, compression=compression)
+    acp.save(path, state, compression=compression, plan_options=acp.PlanOptions(**UNPACKED))
     return {"weight": model.weight.detach().clone(), "bias": model.bias.detach().clone(), "np": np}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hostile import chunk_files, edit_metadata, edit_zarr_json, load_in_subprocess, save_small
+from hostile import UNPACKED, chunk_files, edit_metadata, edit_zarr_json, load_in_subprocess, save_small
 
 import arraycheckpoint as acp
 from arraycheckpoint import safety
@@ -88,7 +88,7 @@ def test_chunk_bytes_are_bounded() -> None:
 
 def test_zero_length_tensors_still_load(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
-    acp.save(ck, {"extra_state": {"empty": np.zeros((0, 3), np.float32), "scalar": np.float64(2.5)}})
+    acp.save(ck, {"extra_state": {"empty": np.zeros((0, 3), np.float32), "scalar": np.float64(2.5)}})  # packed
     out = acp.load(ck, {"extra_state": {}})
     assert out["extra_state"]["empty"].shape == (0, 3)
 
@@ -98,7 +98,7 @@ def _two_checkpoints(tmp_path: Path) -> tuple[str, str]:
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     save_small(a)
     torch.manual_seed(1)
-    acp.save(b, {"model": torch.nn.Linear(64, 32)})
+    acp.save(b, {"model": torch.nn.Linear(64, 32)}, plan_options=acp.PlanOptions(**UNPACKED))
     return a, b
 
 
@@ -285,7 +285,7 @@ def test_parent_is_a_regular_file_names_the_problem(tmp_path: Path) -> None:
 def test_fsspec_local_refuses_links_and_special_files(tmp_path: Path, kind: str) -> None:
     a, b = _two_checkpoints(tmp_path)
     url = f"local://{tmp_path}/f"
-    acp.save(url, _target())
+    acp.save(url, _target(), plan_options=acp.PlanOptions(**UNPACKED))
     victim = chunk_files(str(tmp_path / "f" / "model" / "weight"))[0]
     os.remove(victim)
     if kind == "symlink":
