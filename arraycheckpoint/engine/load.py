@@ -24,6 +24,8 @@ from ..monitoring import PhaseRecorder
 from ..regions import Box
 from ..storage import Storage, storage_for
 from ..storage.base import reading
+from ..storage.local import LocalStorage
+from . import packread
 from .common import DEFAULT_INFLIGHT_BYTES, array_kvstore_spec, read_result, write_sidecar
 
 
@@ -215,14 +217,25 @@ class LoadPipeline:
             docs = safety.check_arrays(
                 storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards}
             )
-            for name, doc in docs.items():
-                spec = {
+            # packed arrays on a local file system are decoded here (one pread per member, hardware crc32c),
+            # the rest (and any packed shard not in the layout a save writes) through tensorstore
+            packed = (
+                packread.PackedReader(root, meta, storage)
+                if isinstance(storage, LocalStorage) and packread.fast_path_available()
+                else None
+            )
+
+            def spec_of(name: str) -> dict[str, Any]:
+                return {
                     "driver": "zarr3",
                     "kvstore": array_kvstore_spec(storage, root, meta.tensors[name]),
                     "fill_missing_data_reads": False,  # a missing chunk file is damage, not zeros
-                    "metadata": doc,
+                    "metadata": docs[name],
                 }
-                opening[name] = ts.open(spec, open=True, assume_metadata=True, context=context())
+
+            for name in docs:
+                if packed is None or meta.tensors[name].pack is None:
+                    opening[name] = ts.open(spec_of(name), open=True, assume_metadata=True, context=context())
             stores = {}
             for name, fut in opening.items():
                 try:
@@ -239,37 +252,88 @@ class LoadPipeline:
                     sink(result)
                 return n
 
-            for t in targets:
-                stored = numpy_dtype(meta.tensors[t.name].dtype) if t.shards else None
-                for shard in t.shards:
-                    if shard.target is not None and shard.target.dtype == stored:
-                        # straight into the destination: no intermediate array, no second copy; a region
-                        # larger than the cap is read in slabs, so the bytes in flight stay within it
-                        for box, target in _slabs(shard.box, shard.target, max_inflight_bytes):
-                            n = box.volume * stored.itemsize
-                            while inflight and pending + n > max_inflight_bytes:
-                                pending -= drain_one()
-                            dest = ts.array(target, copy=False, write=True)
-                            inflight.append((dest.write(stores[t.name][box.slices()]), None, t.name, box, n))
-                            pending += n
-                            total += n
+            try:
+                for t in targets:
+                    if not t.shards:
                         continue
-                    n = shard.box.volume * stored.itemsize
+                    stored = numpy_dtype(meta.tensors[t.name].dtype)
+                    if t.name not in stores:  # packed: decoded here, or opened now
+                        assert packed is not None
+                        whole = packed.read(t.name, [sh.box for sh in t.shards])
+                        if whole is not None:
+                            total += _deliver(t, whole)
+                            continue
+                        stores[t.name] = ts.open(
+                            spec_of(t.name), open=True, assume_metadata=True, context=context()
+                        ).result()
+                    pending, total = self._read_tensor(
+                        t, stored, stores[t.name], inflight, pending, total, max_inflight_bytes, drain_one
+                    )
+                while inflight:
+                    drain_one()
+            finally:
+                if packed is not None:
+                    packed.close()
+            rec["bytes"] = total
+
+    @staticmethod
+    def _read_tensor(
+        t: LoadTensor,
+        stored: Any,
+        store: Any,
+        inflight: deque[tuple[Any, Any, str, Box, int]],
+        pending: int,
+        total: int,
+        max_inflight_bytes: int,
+        drain_one: Any,
+    ) -> tuple[int, int]:
+        """Start the reads of ``t``'s shards from its tensorstore array; returns the new (pending, total)."""
+        import tensorstore as ts
+
+        for shard in t.shards:
+            if shard.target is not None and shard.target.dtype == stored:
+                # straight into the destination: no intermediate array, no second copy; a region larger
+                # than the cap is read in slabs, so the bytes in flight stay within it
+                for box, target in _slabs(shard.box, shard.target, max_inflight_bytes):
+                    n = box.volume * stored.itemsize
                     while inflight and pending + n > max_inflight_bytes:
                         pending -= drain_one()
-                    region = stores[t.name][shard.box.slices()]
-                    if shard.staging is not None:  # e.g. a pinned buffer on its way to a device
-                        buf = shard.staging(shard.box.lengths, stored)
-                        dest = ts.array(buf, copy=False, write=True)
-                        sink = lambda _r, s=shard.sink, b=buf: s(b)  # noqa: E731
-                        inflight.append((dest.write(region), sink, t.name, shard.box, n))
-                    else:
-                        inflight.append((region.read(), shard.sink, t.name, shard.box, n))
+                    dest = ts.array(target, copy=False, write=True)
+                    inflight.append((dest.write(store[box.slices()]), None, t.name, box, n))
                     pending += n
                     total += n
-            while inflight:
-                drain_one()
-            rec["bytes"] = total
+                continue
+            n = shard.box.volume * stored.itemsize
+            while inflight and pending + n > max_inflight_bytes:
+                pending -= drain_one()
+            region = store[shard.box.slices()]
+            if shard.staging is not None:  # e.g. a pinned buffer on its way to a device
+                buf = shard.staging(shard.box.lengths, stored)
+                dest = ts.array(buf, copy=False, write=True)
+                sink = lambda _r, s=shard.sink, b=buf: s(b)  # noqa: E731
+                inflight.append((dest.write(region), sink, t.name, shard.box, n))
+            else:
+                inflight.append((region.read(), shard.sink, t.name, shard.box, n))
+            pending += n
+            total += n
+        return pending, total
+
+
+def _deliver(t: LoadTensor, whole: np.ndarray) -> int:
+    """Hand every shard of ``t`` its region of the decoded array ``whole``; returns the bytes delivered."""
+    total = 0
+    for shard in t.shards:
+        region = whole[shard.box.slices()]
+        if shard.target is not None and shard.target.dtype == whole.dtype:
+            shard.target[...] = region
+        elif shard.staging is not None:  # e.g. a pinned buffer on its way to a device
+            buf = shard.staging(shard.box.lengths, whole.dtype)
+            buf[...] = region
+            shard.sink(buf)
+        else:
+            shard.sink(np.array(region))
+        total += region.nbytes
+    return total
 
 
 def _gone(storage: Storage, root: str, error: Exception, doing: str) -> CheckpointNotFoundError | None:
