@@ -261,7 +261,11 @@ _KEYS_PER_LISTING = 1000
 
 
 def check_chunk_files(
-    storage: Any, root: str, meta: Any, names: Collection[str] | None
+    storage: Any,
+    root: str,
+    meta: Any,
+    names: Collection[str] | None,
+    directories: dict[str, list[Any]] | None = None,
 ) -> dict[str, int | None]:
     """The stored files of the arrays ``names`` (every array if None) match their metadata.
 
@@ -272,6 +276,8 @@ def check_chunk_files(
     metadata operations per load; checking what one reads costs one directory listing per array read. On
     object stores, one listing of the whole checkpoint replaces the per-array ones when it takes fewer
     requests (a rank that reads most arrays).
+
+    ``directories`` receives the ZIP directories of the packs checked (:func:`check_packs`).
 
     Returns:
         The inventory (key -> size) of the arrays checked.
@@ -288,7 +294,7 @@ def check_chunk_files(
     packed = [n for n in selected if meta.tensors[n].pack is not None]
     selected = [n for n in selected if meta.tensors[n].pack is None]
     items = _array_inventory(storage, root, meta, selected if names is not None else None)
-    items.update(check_packs(storage, root, meta, packed))
+    items.update(check_packs(storage, root, meta, packed, directories))
     chunks: dict[str, list[int | None]] = {}
     for key, size in items.items():
         m = chunk_key.match(key)
@@ -372,11 +378,12 @@ def check_arrays(
     if getattr(storage, "commit_strategy", "") == "rename" or meta.codec_preset != CODEC_PRESET:
         kv = _kvstore(storage, base)
         packs = {
-            key: _pack_kvstore(storage, base, key)
-            for key in {meta.tensors[n].pack for n in wanted} - {None}
+            key: _pack_kvstore(storage, base, key) for key in {meta.tensors[n].pack for n in wanted} - {None}
         }
         reads = {
-            name: (packs[meta.tensors[name].pack] if meta.tensors[name].pack else kv).read(f"{name}/zarr.json")
+            name: (packs[meta.tensors[name].pack] if meta.tensors[name].pack else kv).read(
+                f"{name}/zarr.json"
+            )
             for name in wanted
         }
         for name, fut in reads.items():
@@ -449,7 +456,13 @@ def _has_byte(kv: Any, key: str, offset: int) -> bool:
 MAX_PACKED_JSON_BYTES = 64 << 10
 
 
-def check_packs(storage: Any, root: str, meta: Any, names: Collection[str]) -> dict[str, int | None]:
+def check_packs(
+    storage: Any,
+    root: str,
+    meta: Any,
+    names: Collection[str],
+    directories: dict[str, list[Any]] | None = None,
+) -> dict[str, int | None]:
     """The packs holding the arrays ``names`` (format 5, :mod:`arraycheckpoint.packing`) are sound.
 
     A pack must be a regular file (no link on the way, never a FIFO, on local file systems) no larger than its
@@ -462,6 +475,9 @@ def check_packs(storage: Any, root: str, meta: Any, names: Collection[str]) -> d
     takes a member's compression method and sizes from its *local* header, every local header of these
     members says the same as the central directory (stored, same sizes, same name, no data descriptor, no
     encryption). Nothing is inflated: no ZIP bomb. Only then does tensorstore read a member.
+
+    ``directories``, when given, receives each checked pack's directory (``pack key -> [PackMember]``), so a
+    reader of the members needs no second parse.
 
     Returns:
         ``pack key -> size`` of the packs checked.
@@ -502,7 +518,7 @@ def check_packs(storage: Any, root: str, meta: Any, names: Collection[str]) -> d
             where=f"{base}/{key}",
         )
         try:
-            _, size = _pack_directory(
+            entries, size = _pack_directory(
                 storage,
                 base,
                 key,
@@ -517,6 +533,8 @@ def check_packs(storage: Any, root: str, meta: Any, names: Collection[str]) -> d
             more = f" (and {len(reading) - 3} more)" if len(reading) > 3 else ""
             raise type(e)(f"tensor{'s' if len(reading) > 1 else ''} {named}{more}: {e}") from None
         out[key] = size
+        if directories is not None:
+            directories[key] = entries
     return out
 
 
@@ -938,8 +956,23 @@ def _parse_zip_directory(
         if pos + _CENTRAL.size > cd_size:
             raise bad("its central directory is cut short")
         (
-            sig, _made, _need, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len,
-            comment_len, disk, _internal, _external, offset,
+            sig,
+            _made,
+            _need,
+            flags,
+            method,
+            _time,
+            _date,
+            _crc,
+            csize,
+            usize,
+            name_len,
+            extra_len,
+            comment_len,
+            disk,
+            _internal,
+            _external,
+            offset,
         ) = _CENTRAL.unpack_from(directory, pos)
         pos += _CENTRAL.size
         end = pos + name_len + extra_len + comment_len

@@ -213,14 +213,15 @@ class LoadPipeline:
             # checked zarr.json (or the preset's metadata), crc32c required; no zstd bomb (links and FIFOs:
             # refused by check_chunk_files above)
             # the stored files of what this rank reads, and only those (see check_chunk_files)
-            safety.check_chunk_files(storage, root, meta, [t.name for t in targets if t.shards])
+            directories: dict[str, list[Any]] = {}  # the packs' ZIP directories, parsed once by the checks
+            safety.check_chunk_files(storage, root, meta, [t.name for t in targets if t.shards], directories)
             docs = safety.check_arrays(
                 storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards}
             )
             # packed arrays on a local file system are decoded here (one pread per member, hardware crc32c),
             # the rest (and any packed shard not in the layout a save writes) through tensorstore
             packed = (
-                packread.PackedReader(root, meta, storage)
+                packread.PackedReader(root, meta, storage, directories)
                 if isinstance(storage, LocalStorage) and packread.fast_path_available()
                 else None
             )

@@ -125,10 +125,11 @@ def chunk_members(tm: Any, separator: str) -> list[tuple[tuple[int, ...], str]]:
 class PackedReader:
     """Packed arrays of one load, decoded one at a time from their packs (opened once each)."""
 
-    def __init__(self, root: str, meta: Any, storage: Any) -> None:
+    def __init__(self, root: str, meta: Any, storage: Any, directories: dict[str, list[Any]]) -> None:
         from ..metadata import chunk_key_separator
 
         self._root, self._meta, self._storage = root, meta, storage
+        self._directories = directories  # what the load's checks parsed (safety.check_packs)
         self._sep = chunk_key_separator(meta.format_version)
         self._packs: dict[str, PackFile] = {}
 
@@ -137,9 +138,11 @@ class PackedReader:
         tm = self._meta.tensors[name]
         pack = self._packs.get(tm.pack)
         if pack is None:
-            from ..safety import read_pack_directory
+            entries = self._directories.get(tm.pack)
+            if entries is None:  # not checked by this load (cannot happen through LoadPipeline)
+                from ..safety import read_pack_directory
 
-            entries, _size = read_pack_directory(self._storage, self._root, self._meta, tm.pack)
+                entries, _size = read_pack_directory(self._storage, self._root, self._meta, tm.pack)
             pack = self._packs[tm.pack] = PackFile(self._root, tm.pack, {e.filename: e for e in entries})
         return read_array(pack, tm, chunk_members(tm, self._sep), wanted)
 
