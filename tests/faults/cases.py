@@ -20,6 +20,10 @@ from arraycheckpoint.codecs import array_metadata
 from arraycheckpoint.metadata import METADATA_FILE
 from arraycheckpoint.storage import storage_for
 
+#: The directory layout: these cases damage an array's own files; packed arrays (format 5) have their own
+#: hostile cases (tests/faults/test_hostile_packs.py)
+UNPACKED = acp.PlanOptions(pack_array_bytes=0)
+
 
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -76,7 +80,7 @@ def _load(url: str, extra: bool = False) -> tuple[str, torch.nn.Module]:
 
 
 def chunk_larger_than_shape(url: str) -> str:
-    acp.save(url, {"model": _model(1)})
+    acp.save(url, {"model": _model(1)}, plan_options=UNPACKED)
     _edit_json(
         url,
         METADATA_FILE,
@@ -86,7 +90,7 @@ def chunk_larger_than_shape(url: str) -> str:
 
 
 def zarr_json_shape_1e13(url: str) -> str:
-    acp.save(url, {"model": _model(1)})
+    acp.save(url, {"model": _model(1)}, plan_options=UNPACKED)
     _edit_json(url, METADATA_FILE, lambda d: d.update(codec_preset=0))
 
     def huge(doc: dict[str, Any]) -> None:
@@ -99,7 +103,11 @@ def zarr_json_shape_1e13(url: str) -> str:
 
 
 def extra_state_1e13(url: str) -> str:
-    acp.save(url, {"model": _model(1), "extra_state": {"buf": np.arange(32, dtype=np.int64)}})
+    acp.save(
+        url,
+        {"model": _model(1), "extra_state": {"buf": np.arange(32, dtype=np.int64)}},
+        plan_options=UNPACKED,
+    )
     st, root = storage_for(url)
     name = next(n for n in json.loads(st.read(root, METADATA_FILE))["tensors"] if "extra" in n)
 
@@ -113,7 +121,7 @@ def extra_state_1e13(url: str) -> str:
 
 def crc32c_off(url: str) -> str:
     model = _model(1)
-    acp.save(url, {"model": model})
+    acp.save(url, {"model": model}, plan_options=UNPACKED)
     _edit_json(url, METADATA_FILE, lambda d: d.update(codec_preset=0))
     tm = acp.read_metadata(url).tensors["model/weight"]
     meta = array_metadata(tm.shape, np.float32, tm.chunk_shape, tm.inner_chunk_shape)
@@ -132,7 +140,7 @@ def crc32c_off(url: str) -> str:
 def zstd_bomb(url: str) -> str:
     import tensorstore as ts
 
-    acp.save(url, {"model": _model(1)}, compression="zstd")
+    acp.save(url, {"model": _model(1)}, compression="zstd", plan_options=UNPACKED)
     n = (64 << 20) // 4
     spec = {
         "driver": "zarr3",
@@ -152,14 +160,14 @@ def zstd_bomb(url: str) -> str:
 def oversized_chunk(url: str) -> str:
     """A compressed chunk file far larger than any encoding of its chunk: refused before it is read whole,
     also where the storage lists no sizes (memory, S3)."""
-    acp.save(url, {"model": _model(1)}, compression="zstd")
+    acp.save(url, {"model": _model(1)}, compression="zstd", plan_options=UNPACKED)
     st, root = storage_for(url)
     st.write(st.join(root, "model/weight"), _chunk_keys(url, "model/weight")[0], b"\0" * (16 << 20))
     return _load(url)[0]
 
 
 def deep_json(url: str) -> str:
-    acp.save(url, {"model": _model(1), "extra_state": {"step": 1}})
+    acp.save(url, {"model": _model(1), "extra_state": {"step": 1}}, plan_options=UNPACKED)
     st, root = storage_for(url)
     raw = st.read(root, METADATA_FILE).decode()
     raw = raw.replace('"step":1', '"step":' + "[" * 5000 + "]" * 5000, 1)
@@ -168,7 +176,7 @@ def deep_json(url: str) -> str:
 
 
 def flipped_byte(url: str) -> str:
-    acp.save(url, {"model": _model(1)})
+    acp.save(url, {"model": _model(1)}, plan_options=UNPACKED)
     st, root = storage_for(url)
     array_root = st.join(root, "model/weight")
     key = _chunk_keys(url, "model/weight")[0]
@@ -179,7 +187,7 @@ def flipped_byte(url: str) -> str:
 
 
 def missing_chunk(url: str) -> str:
-    acp.save(url, {"model": _model(1)})
+    acp.save(url, {"model": _model(1)}, plan_options=UNPACKED)
     st, root = storage_for(url)
     st.delete_key(st.join(root, "model/weight"), _chunk_keys(url, "model/weight")[0])
     return _load(url)[0]
@@ -187,7 +195,7 @@ def missing_chunk(url: str) -> str:
 
 def round_trip(url: str) -> str:
     model = _model(1)
-    acp.save(url, {"model": model})
+    acp.save(url, {"model": model}, plan_options=UNPACKED)
     out, target = _load(url)
     return out + (" equal" if torch.equal(target.weight, model.weight) else " different")
 
