@@ -162,13 +162,19 @@ def test_step_removed_under_a_reader_raises_checkpoint_not_found(tmp_path: Path,
     assert torch.equal(target.weight, before)
 
 
-def test_all_or_nothing_leaves_targets_untouched_on_a_failed_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["packed", "directory"])
+def test_all_or_nothing_leaves_targets_untouched_on_a_failed_load(tmp_path: Path, layout: str) -> None:
+    from packtools import chunk_member, flip_member_byte, pack_of, save_options
+
     ck = str(tmp_path / "ck")
-    acp.save(ck, {"model": _linear(1)})
-    victim = chunk_files(os.path.join(ck, "model/bias"))[0]
-    data = bytearray(Path(victim).read_bytes())
-    data[0] ^= 0xFF
-    Path(victim).write_bytes(bytes(data))
+    acp.save(ck, {"model": _linear(1)}, **save_options(layout))
+    if layout == "packed":  # a flipped data byte of the bias inside its pack
+        flip_member_byte(pack_of(ck, "model/bias"), chunk_member("model/bias", (0,)), 0)
+    else:
+        victim = chunk_files(os.path.join(ck, "model/bias"))[0]
+        data = bytearray(Path(victim).read_bytes())
+        data[0] ^= 0xFF
+        Path(victim).write_bytes(bytes(data))
     target = _linear(0)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(CorruptCheckpointError, match="model/bias"):
