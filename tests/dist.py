@@ -7,18 +7,34 @@ Usage in a test::
     run_distributed(body, world=4, args=(str(tmp_path),))
 
 Every rank's exception is re-raised in the test process with the rank named; return values come back as a
-list in rank order. Workers are spawned fresh (no fork), so each has its own torch state.
+list in rank order.
+
+Workers are spawned (no fork), so each has its own torch state, and they are **kept** between calls: a pool of
+``world`` processes with their gloo group already initialised runs one body after another (spawning four
+processes that import torch costs about 8 CPU-seconds, and the suite calls this more than a hundred times). A
+pool is only reused while nothing went wrong: a body that raised on any rank, a timeout, or a rank that died
+retires the whole pool (a rank may be stuck in a collective), and the next call spawns a fresh one. Each body
+runs with the caller's ``sys.path``, working directory and environment (a pool is keyed by the environment, so a
+test that sets a variable before the call gets workers spawned with it); what a body changes in ``os.environ``
+or the working directory is undone after it. ``ACP_TEST_POOL=0`` spawns fresh processes for every call.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import pickle
+import queue as queue_mod
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+POOLS_KEPT = 3  # pools alive at once (one per world size in practice); each worker holds torch in memory
+JOBS_PER_POOL = 60  # a pool is renewed after this many bodies (bounds what leaks between bodies)
 
 
 def free_port() -> int:
@@ -27,7 +43,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _run_job(rank: int, world: int, job: bytes) -> tuple[str, Any]:
+    """Unpickle and run one body in the caller's sys.path, cwd and environment; restore them afterwards."""
+    path, cwd, env, payload = pickle.loads(job)
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    sys.path[:] = path
+    try:
+        os.environ.clear()
+        os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        os.environ.update({k: saved_env[k] for k in ("MASTER_ADDR", "MASTER_PORT")})
+        os.chdir(cwd)
+        fn, args = pickle.loads(payload)
+        return "ok", fn(rank, world, *args)
+    except BaseException:  # noqa: BLE001 - ship every failure to the parent
+        return "error", traceback.format_exc()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+
+
+def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -41,38 +77,121 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - ship every failure to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, -1, "error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            item = jobs.get()
+            if item is None:
+                break
+            number, job = item
+            status, value = _run_job(rank, world, job)
+            try:
+                results.put((rank, number, status, value))
+            except Exception:  # noqa: BLE001 - an unpicklable result
+                results.put((rank, number, "error", traceback.format_exc()))
+            if status != "ok":
+                break  # the parent retires this pool: other ranks may be stuck in a collective
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 300) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return results in rank order."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
+class _Pool:
+    """``world`` spawned gloo workers that run bodies one at a time."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self.jobs[r], self.results))
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self.used = 0
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> tuple[dict[int, Any], list[str]]:
+        self.used += 1
+        number = self.used
+        job = pickle.dumps((list(sys.path), os.getcwd(), dict(os.environ), pickle.dumps((fn, args))))
+        for q in self.jobs:
+            q.put((number, job))
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        while len(results) < self.world and not errors:
+            try:
+                rank, got, status, value = self.results.get(timeout=timeout)
+            except queue_mod.Empty:
+                errors.append(f"no rank reported within {timeout} s")
+                break
+            if got != number and got != -1:
+                continue  # a late answer of an earlier body (cannot happen while pools retire on error)
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 60)
+        return results, errors
+
+    def close(self, grace: float = 5.0) -> None:
+        for q in self.jobs:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self.procs:
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
+
+
+_pools: dict[tuple[int, frozenset[tuple[str, str]]], _Pool] = {}
+
+
+def _close_all() -> None:
+    while _pools:
+        _pools.popitem()[1].close(grace=2.0)
+
+
+atexit.register(_close_all)
+
+
+def _pool_for(world: int) -> _Pool:
+    key = (world, frozenset((k, v) for k, v in os.environ.items() if not k.startswith("PYTEST_")))
+    pool = _pools.pop(key, None)
+    if pool is not None and (not pool.alive() or pool.used >= JOBS_PER_POOL):
+        pool.close()
+        pool = None
+    if pool is None:
+        while len(_pools) >= POOLS_KEPT:
+            _pools.pop(next(iter(_pools))).close()  # the least recently used
+        pool = _Pool(world)
+    _pools[key] = pool  # most recently used last
+    return pool
+
+
+def run_distributed(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 300) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return results in rank order."""
+    if os.environ.get("ACP_TEST_POOL", "1") == "0":
+        pool, results, errors = _Pool(world), {}, ["the body did not run"]
+        try:
+            results, errors = pool.run(fn, args, timeout)
+        finally:
+            pool.close(grace=5 if errors else 60)
+    else:
+        pool = _pool_for(world)
+        results, errors = pool.run(fn, args, timeout)
+        if errors or len(results) != world:
+            _pools.pop(next(k for k, v in _pools.items() if v is pool))
+            pool.close()
     if errors or len(results) != world:
         raise AssertionError("distributed test failed:\n" + "\n".join(errors or ["a rank did not report"]))
     return [results[r] for r in range(world)]
