@@ -60,13 +60,15 @@ class VerifyReport:
         return not self.problems
 
 
-#: Coverage of overlapping regions is checked on the grid their boundaries cut the tensor into: at most this
-#: many cells (a few seconds), swept as at most ``_MAX_SLABS`` slabs of at most ``_MAX_SLAB_CELLS`` cells each
-#: (checked at once with numpy); a region list beyond that is reported, not checked (a save writes disjoint
-#: regions, or identical replicas, which take the fast path).
-MAX_COVER_CELLS = 1 << 30
-_MAX_SLABS = 1 << 17
-_MAX_SLAB_CELLS = 1 << 22
+#: Coverage of overlapping regions is checked by a sweep over the grid their boundaries cut the tensor into:
+#: the last one or two dimensions are a count grid (at most ``_MAX_GRID_CELLS`` cells) that each region adds
+#: itself to when the sweep enters it and leaves when the sweep passes it, keeping the number of uncovered
+#: cells, so the work is the regions' areas on that grid, not the number of cells of the whole tensor. Region
+#: lists needing more than ``MAX_COVER_WORK`` cell updates (or more than ``_MAX_SWEEPS`` sweep steps) are
+#: reported, not checked: a save writes disjoint regions, or identical replicas, which take the fast path.
+MAX_COVER_WORK = 1 << 31
+_MAX_SWEEPS = 1 << 20
+_MAX_GRID_CELLS = 1 << 22
 #: holes :func:`uncovered` lists at most (runs of grid cells along the last dimension)
 MAX_HOLES = 1024
 
@@ -94,7 +96,7 @@ def uncovered(tm: TensorMeta) -> list[Box]:
 
 
 def _swept_holes(name: str, shape: tuple[int, ...], boxes: list[Box]) -> list[Box]:
-    """:func:`uncovered` for any regions: the grid their boundaries cut ``shape`` into, swept slab by slab."""
+    """:func:`uncovered` for any regions: a sweep over the grid their boundaries cut ``shape`` into."""
     import numpy as np
 
     pad = len(shape) == 1  # a 1-d tensor is swept as [n, 1]
@@ -106,57 +108,67 @@ def _swept_holes(name: str, shape: tuple[int, ...], boxes: list[Box]) -> list[Bo
     cuts = [np.unique(np.concatenate([[0, n], lo_pts[:, k], hi_pts[:, k]])) for k, n in enumerate(shape)]
     cuts = [c[(c >= 0) & (c <= n)] for c, n in zip(cuts, shape)]
     sizes = [len(c) - 1 for c in cuts]
-    lead = d - 2 if sizes[-2] * sizes[-1] <= _MAX_SLAB_CELLS else d - 1  # dimensions swept one cell at a time
-    slabs = math.prod(sizes[:lead])
-    if math.prod(sizes) > MAX_COVER_CELLS or slabs > _MAX_SLABS or math.prod(sizes[lead:]) > _MAX_SLAB_CELLS:
-        raise MetadataError(
-            f"tensor {name!r}: its {len(boxes)} saved regions overlap and cut it into {math.prod(sizes)} pieces, "
-            f"more than the {MAX_COVER_CELLS} a coverage check visits; a save writes disjoint regions (or "
-            "identical replicas), so the metadata is damaged or hostile"
-        )
     lo = np.stack([np.searchsorted(cuts[k], lo_pts[:, k]) for k in range(d)], axis=1)
     hi = np.stack([np.searchsorted(cuts[k], hi_pts[:, k]) for k in range(d)], axis=1)
+    sweep = d - 3 if d >= 3 else 0  # the dimension swept; before it: enumerated; after it: the count grid
+    grid_shape = sizes[sweep + 1 :]
+    outer = math.prod(sizes[:sweep])
+    areas = np.prod(hi[:, sweep + 1 :] - lo[:, sweep + 1 :], axis=1)
+    work = outer * (2 * int(areas.sum()) + sizes[sweep])
+    if work > MAX_COVER_WORK or outer * sizes[sweep] > _MAX_SWEEPS or math.prod(grid_shape) > _MAX_GRID_CELLS:
+        raise MetadataError(
+            f"tensor {name!r}: its {len(boxes)} saved regions overlap so much that checking their coverage "
+            f"takes {work} cell updates, more than the {MAX_COVER_WORK} a check does; a save writes disjoint "
+            "regions (or identical replicas), so the metadata is damaged or hostile"
+        )
     holes: list[Box] = []
-    previous: tuple[Any, list[tuple[int, ...]]] | None = None  # (active boxes, empty runs) of the last slab
-    for cell in itertools.product(*(range(n) for n in sizes[:lead])):
-        active = np.all((lo[:, :lead] <= cell) & (hi[:, :lead] > cell), axis=1) if lead else None
-        if previous is not None and np.array_equal(active, previous[0]):
-            runs = previous[1]  # the same regions cover this slab: the same holes
-        else:
-            runs = _empty_runs(lo[active] if lead else lo, hi[active] if lead else hi, sizes, lead)
-            previous = (active, runs)
-        for run in runs:
-            idx = cell + run[:-1]  # grid index of the run's first cell; run[-1]: its end along the last dim
-            offsets = tuple(int(cuts[k][i]) for k, i in enumerate(idx))
-            ends = tuple(int(cuts[k][i + 1]) for k, i in enumerate(idx[:-1])) + (int(cuts[-1][run[-1]]),)
-            box = Box(offsets, tuple(e - o for e, o in zip(ends, offsets)))
-            holes.append(Box(box.offsets[:1], box.lengths[:1]) if pad else box)
-            if len(holes) >= MAX_HOLES:
-                return holes
+    for cell in itertools.product(*(range(n) for n in sizes[:sweep])):
+        live = np.flatnonzero(np.all((lo[:, :sweep] <= cell) & (hi[:, :sweep] > cell), axis=1))
+        enter = live[np.argsort(lo[live, sweep], kind="stable")]
+        leave = live[np.argsort(hi[live, sweep], kind="stable")]
+        count = np.zeros(grid_shape, dtype=np.int32)
+        empty = count.size  # cells of the grid no region covers at the current sweep position
+        i_enter = i_leave = 0
+        for pos in range(sizes[sweep]):
+            while i_leave < len(leave) and hi[leave[i_leave], sweep] <= pos:
+                part = count[_grid_slices(lo, hi, leave[i_leave], sweep)]
+                part -= 1
+                empty += int(np.count_nonzero(part == 0))
+                i_leave += 1
+            while i_enter < len(enter) and lo[enter[i_enter], sweep] <= pos:
+                part = count[_grid_slices(lo, hi, enter[i_enter], sweep)]
+                empty -= int(np.count_nonzero(part == 0))
+                part += 1
+                i_enter += 1
+            if not empty:
+                continue
+            for run in _empty_runs(count == 0):
+                idx = (*cell, pos, *run[:-1])  # grid index of the run's first cell; run[-1]: its end
+                offsets = tuple(int(cuts[k][i]) for k, i in enumerate(idx))
+                ends = tuple(int(cuts[k][i + 1]) for k, i in enumerate(idx[:-1])) + (int(cuts[-1][run[-1]]),)
+                box = Box(offsets, tuple(e - o for e, o in zip(ends, offsets)))
+                holes.append(Box(box.offsets[:1], box.lengths[:1]) if pad else box)
+                if len(holes) >= MAX_HOLES:
+                    return holes
     return holes
 
 
-def _empty_runs(lo: Any, hi: Any, sizes: list[int], lead: int) -> list[tuple[int, ...]]:
-    """Runs of grid cells no box covers in one slab (the dimensions from ``lead`` on, 1 or 2 of them), each as
-    ``(i, start, end)`` (2-d) or ``(start, end)`` (1-d) along the last dimension; ``lo``/``hi`` are the
-    active boxes' grid bounds."""
+def _grid_slices(lo: Any, hi: Any, box: int, sweep: int) -> tuple[slice, ...]:
+    """Where region ``box`` lies on the count grid (the dimensions after ``sweep``)."""
+    return tuple(slice(int(a), int(b)) for a, b in zip(lo[box, sweep + 1 :], hi[box, sweep + 1 :]))
+
+
+def _empty_runs(empty: Any) -> list[tuple[int, ...]]:
+    """Runs of ``True`` along the last dimension of the 1-d or 2-d mask ``empty``: ``(i, start, end)`` (2-d)
+    or ``(start, end)`` (1-d)."""
     import numpy as np
 
-    dims = sizes[lead:]
-    diff = np.zeros([n + 1 for n in dims], dtype=np.int32)
-    if len(dims) == 2:
-        for rows, cols, sign in ((lo, lo, 1), (lo, hi, -1), (hi, lo, -1), (hi, hi, 1)):
-            np.add.at(diff, (rows[:, -2], cols[:, -1]), sign)
-        empty = diff.cumsum(0).cumsum(1)[: dims[0], : dims[1]] == 0
-    else:
-        np.add.at(diff, lo[:, -1], 1)
-        np.add.at(diff, hi[:, -1], -1)
-        empty = (diff.cumsum()[: dims[0]] == 0)[None, :]
+    rows = empty if empty.ndim == 2 else empty[None, :]
     runs: list[tuple[int, ...]] = []
-    for i in np.flatnonzero(empty.any(axis=1)):
-        edges = np.flatnonzero(np.diff(np.concatenate([[0], empty[i].astype(np.int8), [0]])))
+    for i in np.flatnonzero(rows.any(axis=1)):
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], rows[i].astype(np.int8), [0]])))
         for start, end in zip(edges[::2], edges[1::2]):
-            runs.append((int(i), int(start), int(end)) if len(dims) == 2 else (int(start), int(end)))
+            runs.append((int(i), int(start), int(end)) if empty.ndim == 2 else (int(start), int(end)))
     return runs
 
 
