@@ -246,6 +246,7 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
         return result
     repack.check_old_packs(root, meta, result.packs)
     doc = journal_doc(new_meta, result)
+    check_journal(root, doc)  # before the journal exists: a refused rename leaves nothing behind
     _write_durable(journal, json.dumps(doc).encode())
     _execute(root, doc)
     return result

@@ -83,6 +83,25 @@ def test_planted_journal_moving_through_a_link_moves_nothing(ckpt, tmp_path, cap
     _assert_loads(path, model)
 
 
+def test_rename_of_an_array_directory_that_is_a_link_touches_nothing(tmp_path, capsys):
+    import shutil
+
+    from arraycheckpoint.plan import PlanOptions
+
+    path = tmp_path / "ck"
+    acp.save(path, {"model": torch.nn.Linear(3, 2)}, plan_options=PlanOptions(pack_array_bytes=0))
+    victim = tmp_path / "victim"
+    shutil.move(path / "model" / "weight", victim)  # the array now lives outside, reached through a link
+    os.symlink(victim, path / "model" / "weight")
+    before = sorted(os.listdir(victim))
+    (tmp_path / "map.json").write_text(json.dumps({"model/weight": "model/w2"}))
+    code, _, err = _run(capsys, "rename", path, "--map", tmp_path / "map.json")
+    assert code == EXIT_USAGE and "symlink" in err and str(path / "model" / "weight") in err
+    assert sorted(os.listdir(victim)) == before and os.path.islink(path / "model" / "weight")
+    assert not (path / JOURNAL).exists() and not (path / "model" / "w2").exists()
+    assert (path / ".acp" / "committed").exists()
+
+
 @pytest.mark.parametrize(
     "content, why",
     [
