@@ -175,8 +175,8 @@ def check_name(name: Any) -> str:
         ):
             raise UnsafeNameError(
                 f"entry name {name!r} has an unsafe component {part!r}: components must be non-empty, must not "
-                "start with '.' or '__' and must not contain '\\', ':', NUL, another control character or a lone surrogate "
-                "(rename the key before saving)"
+                "start with '.' or '__' and must not contain '\\', ':', NUL, another control character or a "
+                "lone surrogate (rename the key before saving)"
             )
         if part == "zarr.json":
             raise UnsafeNameError(f"entry name {name!r} clashes with Zarr's metadata file name")
@@ -196,7 +196,7 @@ def check_name_tree(names: Iterable[str], what: str = "tensor") -> None:
     """Refuse a set of array names in which one is a path prefix of another (``model/a`` and ``model/a/b``):
     an array cannot live inside another array's directory (or pack key), so such a checkpoint never loads.
 
-    Linear in the total number of name components. Raises :class:`UnsafeNameError` naming both.
+    One set lookup per name component (plus a sort, for a deterministic error). Raises :class:`UnsafeNameError` naming both.
     """
     from .errors import UnsafeNameError
 

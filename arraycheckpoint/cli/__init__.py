@@ -423,7 +423,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (UsageError, ArrayCheckpointError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (
+        UsageError,
+        ArrayCheckpointError,
+        FileNotFoundError,
+        NotADirectoryError,
+        IsADirectoryError,
+        PermissionError,
+    ) as e:
         print(f"arraycheckpoint {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `arraycheckpoint inspect ... | head`: the reader left; not an error
