@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import sys
 import threading
 from collections.abc import Mapping
@@ -137,7 +138,7 @@ class CheckpointManager:
         self.step_prefix = step_prefix
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
-        self._step_re = re.compile(re.escape(step_prefix) + r"(\d+)")
+        self._step_re = re.compile(re.escape(step_prefix) + r"([0-9]+)", re.ASCII)
         self._sync = _RankSync(self.save_options.get("comm"))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-manager")
         self._pending: ManagedSave | None = None
@@ -166,12 +167,25 @@ class CheckpointManager:
         return self.storage.join(self.root, self._step_name(step))
 
     def _step_dirs(self) -> dict[int, str]:
+        """Step -> checkpoint root of every child named exactly as this manager names a step (ASCII digits,
+        ``<prefix><step:08d>``: ``step_٩٩`` is no step 99) that is a directory (on a local file system a
+        FIFO, file or symlink of that name is skipped, never opened, deleted or followed)."""
         out = {}
         for name in self.storage.children(self.root):
             m = self._step_re.fullmatch(name)
-            if m:
+            if m and self._step_name(int(m.group(1))) == name and self._is_step_dir(name):
                 out[int(m.group(1))] = self.storage.join(self.root, name)
         return out
+
+    def _is_step_dir(self, name: str) -> bool:
+        from .storage import LocalStorage
+
+        if not isinstance(self.storage, LocalStorage):
+            return True  # object stores: a step is a prefix (nothing there can be a FIFO or a link)
+        try:
+            return stat.S_ISDIR(os.lstat(os.path.join(self.root, name)).st_mode)
+        except FileNotFoundError:
+            return False
 
     def all_steps(self) -> list[int]:
         """Every step with a committed checkpoint, ascending."""

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .errors import ArrayCheckpointError, MetadataError, UnsafeNameError
+from ._validate import check_name as check_name  # the one validator of entry names (saves use it too)
+from ._validate import check_name_tree
+from .errors import ArrayCheckpointError, MetadataError
 from .packing import PACK_KEY
 from .regions import Box
 
@@ -85,35 +87,6 @@ def marker_owner(key: str) -> str | None:
 
 MAX_ELEMENTS = 1 << 50  # refuse absurd shapes before allocating anything
 MAX_NDIM = 64
-
-_FORBIDDEN_CHARS = ("\\", "\x00", ":")
-
-
-def check_name(name: str) -> str:
-    """Validate a checkpoint entry name (``model/layers.0.w``) and return it.
-
-    Components are separated by ``/``; each must be non-empty, must not be ``.``/``..`` or start with ``.``
-    (reserved for the format's own files) or ``__`` (reserved by Zarr v3), and must not contain ``\\``, ``:``
-    or NUL. Absolute names are refused. Raises :class:`UnsafeNameError` naming the offending name.
-    """
-    if not isinstance(name, str) or not name:
-        raise UnsafeNameError(f"invalid entry name {name!r}: names must be non-empty strings")
-    if name.startswith("/"):
-        raise UnsafeNameError(f"entry name {name!r} is absolute; names are relative to the checkpoint root")
-    for part in name.split("/"):
-        if (
-            not part
-            or part.startswith(".")
-            or part.startswith("__")
-            or any(c in part for c in _FORBIDDEN_CHARS)
-        ):
-            raise UnsafeNameError(
-                f"entry name {name!r} has an unsafe component {part!r}: components must be non-empty, must not "
-                "start with '.' or '__' and must not contain '\\', ':' or NUL (rename the key before saving)"
-            )
-        if part == "zarr.json":
-            raise UnsafeNameError(f"entry name {name!r} clashes with Zarr's metadata file name")
-    return name
 
 
 @dataclass(frozen=True)
@@ -320,6 +293,7 @@ def _parse(doc: Any) -> CheckpointMetadata:
         tensors[name] = TensorMeta(
             name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows, pack
         )
+    check_name_tree(tensors)  # an array inside an array never loads (a save refuses it too)
     objects = {
         name: _parse_object(name, o, version, tensors, world_size)
         for name, o in _req(doc, "objects", dict, "metadata").items()

@@ -220,3 +220,32 @@ def test_two_rank_manager(tmp_path: Path) -> None:
     steps = run_distributed(_two_rank_manager, world=2, args=(str(tmp_path / "run"),))
     assert steps == [[2, 3], [2, 3]]
     assert sorted(os.listdir(tmp_path / "run")) == ["step_00000002", "step_00000003"]
+
+
+def _in_thread(fn, bound: float = 60.0):
+    """Run ``fn`` in a daemon thread; its result, or a failure when it is still blocked after ``bound`` s."""
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(result=fn()), daemon=True)
+    t.start()
+    t.join(bound)
+    assert not t.is_alive(), "blocked (a FIFO opened?)"
+    return box["result"]
+
+
+def test_non_directories_and_foreign_digits_are_no_steps(tmp_path: Path) -> None:
+    """A FIFO named like a step used to hang the manager's start-up cleanup (shutil.rmtree opened it); a
+    directory named step_٩٩ (Arabic-Indic digits, which int() accepts) was listed as step 99 and chosen as
+    the latest. Only directories named exactly as the manager names steps (ASCII, 8 digits) are steps."""
+    acp.save(tmp_path / "step_00000002", state_for(2))
+    os.mkfifo(tmp_path / "step_00000004")
+    (tmp_path / "step_٩٩").mkdir()
+    acp.save(tmp_path / "elsewhere", state_for(7))
+    os.symlink(tmp_path / "elsewhere", tmp_path / "step_00000007")  # a link is no step either
+    (tmp_path / "step_5").mkdir()  # not the manager's own naming (step_00000005)
+    mgr = _in_thread(lambda: CheckpointManager(tmp_path))
+    assert mgr.removed == [] and mgr.all_steps() == [2] and mgr.latest_step() == 2
+    assert_state(_in_thread(lambda: mgr.restore(state=empty_state())), 2)
+    assert sorted(os.listdir(tmp_path)) == [
+        "elsewhere", "step_00000002", "step_00000004", "step_00000007", "step_5", "step_٩٩"
+    ]  # fmt: skip
+    mgr.close()

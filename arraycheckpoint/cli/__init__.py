@@ -45,10 +45,18 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 
 def _load_map(path: str) -> dict[str, str]:
+    """The rename map of ``--map``/``--rename``: bounded like any JSON the tools read (at most 256 MiB, nested
+    at most 100 levels, UTF-8); a pipe (``--map <(...)``) is fine, it is the user's own input."""
+    from ..errors import MetadataError
+    from ..safety import MAX_METADATA_BYTES, load_json_bounded
+
     try:
-        with open(path) as f:
-            mapping = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_METADATA_BYTES + 1)
+        mapping = load_json_bounded(raw, max_bytes=MAX_METADATA_BYTES, what=f"mapping file {path}")
+    except OSError as e:
+        raise UsageError(f"cannot read the mapping file {path}: {e}") from None
+    except MetadataError as e:
         raise UsageError(f"cannot read the mapping file {path}: {e}") from None
     if not isinstance(mapping, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
@@ -246,6 +254,11 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     from ..tools.metrics import format_table, phase_table, plot, recorded_metrics
 
     ckpt = open_checkpoint(args.path)
+    if not hasattr(ckpt.storage, "control_files"):  # a foreign checkpoint opens as its load source
+        kind = getattr(ckpt.storage, "kind", "foreign")
+        raise UsageError(
+            f"{args.path} is a {kind} checkpoint, not one arraycheckpoint saved: it records no {args.kind} metrics"
+        )
     try:
         table = phase_table(recorded_metrics(ckpt.storage, ckpt.root, ckpt.meta), args.kind)
     except KeyError as e:
@@ -410,7 +423,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (UsageError, ArrayCheckpointError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (
+        UsageError,
+        ArrayCheckpointError,
+        FileNotFoundError,
+        NotADirectoryError,
+        IsADirectoryError,
+        PermissionError,
+    ) as e:
         print(f"arraycheckpoint {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `arraycheckpoint inspect ... | head`: the reader left; not an error

@@ -47,6 +47,7 @@ from ..metadata import (
     ObjectMeta,
     TensorMeta,
     check_name,
+    check_name_tree,
 )
 from ..regions import Box
 from ..rules import Mesh, digest, encode_ranks, rule_boxes
@@ -280,6 +281,7 @@ def declare(tensors: list[SaveTensor], rank: int) -> Decl:
     meshes: list[Mesh] = []
     out = []
     seen = set()
+    check_name_tree(t.name for t in tensors)  # model/a and model/a/b: an array inside an array never loads
     for t in tensors:
         check_name(t.name)
         if t.name in seen:

@@ -20,8 +20,8 @@ write is one ordinary single-process save through the engine (atomic commit incl
 from __future__ import annotations
 
 import glob
-import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +30,11 @@ import numpy as np
 
 from ..collectives import SingleProcessCommunicator
 from ..engine import SaveOptions, engine
-from ..errors import ArrayCheckpointError, PickleNotAllowedError
+from ..errors import ArrayCheckpointError, MetadataError, PickleNotAllowedError
 from ..items import SaveRequest, SaveShard, SaveTensor
 from ..metadata import check_name
 from ..regions import Box
+from ..safety import MAX_METADATA_BYTES, load_json_bounded
 
 
 @dataclass
@@ -81,15 +82,50 @@ def detect_kind(src: str) -> str:
     return "safetensors" if src.endswith(".safetensors") else "torch"
 
 
+_INDEX = "model.safetensors.index.json"
+
+
 def _safetensors_files(src: str, kind: str) -> list[str]:
+    """The safetensors files of ``src``: itself, the files its index names, or its ``*.safetensors``.
+
+    The index is read like checkpoint metadata (a regular file, never through a link, at most 256 MiB, JSON
+    nested at most 100 levels); the files it names must be plain ``*.safetensors`` names inside ``src`` (no
+    ``/``, no ``..``, no control character), and every file read is a regular file (a FIFO would block), not
+    a link inside the directory. Raises :class:`ArrayCheckpointError` naming the file.
+    """
     if kind == "safetensors":
-        return [src]
-    index = os.path.join(src, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        return [os.path.join(src, name) for name in sorted(set(weight_map.values()))]
-    return sorted(glob.glob(os.path.join(src, "*.safetensors")))
+        return [_regular(src, follow=True)]
+    index = os.path.join(src, _INDEX)
+    if not os.path.lexists(index):
+        return [_regular(p, follow=False) for p in sorted(glob.glob(os.path.join(src, "*.safetensors")))]
+    from ..storage import LocalStorage
+
+    raw = LocalStorage().read(src, _INDEX)  # no link, no FIFO, bounded
+    doc = load_json_bounded(raw or b"", max_bytes=MAX_METADATA_BYTES, what=index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MetadataError(f"{index} has no 'weight_map' object of tensor name -> file name")
+    for name in set(weight_map.values()):
+        if (
+            not name.endswith(".safetensors")
+            or name.startswith(".")
+            or any(c in name for c in "/\\")
+            or not name.isprintable()
+        ):
+            raise MetadataError(f"{index} names an unsafe file {name!r}: a plain *.safetensors name in {src}")
+    return [_regular(os.path.join(src, name), follow=False) for name in sorted(set(weight_map.values()))]
+
+
+def _regular(path: str, follow: bool) -> str:
+    """``path`` when it is a regular file (through a link only when ``follow``: the source the user named)."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except OSError as e:
+        raise ArrayCheckpointError(f"cannot read the safetensors file {path}: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise ArrayCheckpointError(f"safetensors file {path} is {kind}; import reads regular files only")
+    return path
 
 
 def _tensors_safetensors(files: list[str]) -> dict[str, tuple[Any, Callable[[], Any]]]:
@@ -99,18 +135,23 @@ def _tensors_safetensors(files: list[str]) -> dict[str, tuple[Any, Callable[[], 
 
     out: dict[str, tuple[Any, Callable[[], Any]]] = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sl = f.get_slice(key)
-                meta = torch.empty(sl.get_shape(), dtype=_st_dtype(sl.get_dtype()), device="meta")
+        try:
+            with safe_open(path, framework="pt") as f:
+                entries = [(key, f.get_slice(key)) for key in f.keys()]  # noqa: SIM118 - not a mapping
+                shapes = [(key, sl.get_shape(), sl.get_dtype()) for key, sl in entries]
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ArrayCheckpointError(f"{path} is not a readable safetensors file: {why}") from None
+        for key, shape, dtype in shapes:
+            meta = torch.empty(shape, dtype=_st_dtype(dtype), device="meta")
 
-                def load(path: str = path, key: str = key) -> Any:
-                    with safe_open(path, framework="pt") as g:
-                        return g.get_tensor(key)
+            def load(path: str = path, key: str = key) -> Any:
+                with safe_open(path, framework="pt") as g:
+                    return g.get_tensor(key)
 
-                if key in out:
-                    raise ArrayCheckpointError(f"tensor {key!r} appears in two safetensors files ({path})")
-                out[key] = (meta, load)
+            if key in out:
+                raise ArrayCheckpointError(f"tensor {key!r} appears in two safetensors files ({path})")
+            out[key] = (meta, load)
     return out
 
 

@@ -89,26 +89,82 @@ def phase_table(meta: CheckpointMetadata | dict[str, Any], kind: str = "save") -
         raise KeyError(f"unknown metrics kind {kind!r}: use one of {', '.join(KINDS)}")
     if not isinstance(records, dict) or not records:
         raise KeyError(f"the checkpoint holds no {kind!r} metrics (recorded: {sorted(metrics) or 'none'})")
-    ranks = sorted(int(r) for r in records)
+    checked = _checked_records(records, kind)
+    ranks = sorted(checked)
     seen: set[str] = set()
     for r in ranks:
-        seen.update(p["phase"] for p in records[str(r)].get("phases", []))
+        seen.update(p[0] for p in checked[r][1])
+    if len(seen) > MAX_PHASES:
+        raise MetadataError(
+            f"the {kind!r} metrics name {len(seen)} distinct phases (at most {MAX_PHASES}); the record is damaged"
+        )
     phases = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
-    walls = [records[str(r)].get("wall_start", 0.0) for r in ranks]
+    walls = [checked[r][0] for r in ranks]
     t0 = min(walls) if walls else 0.0
     seconds, nbytes, timeline = [], [], {}
     for r, wall in zip(ranks, walls):
         row_s = dict.fromkeys(phases, 0.0)
         row_b = dict.fromkeys(phases, 0)
         spans = []
-        for p in records[str(r)].get("phases", []):
-            row_s[p["phase"]] += float(p.get("seconds", 0.0))
-            row_b[p["phase"]] += int(p.get("bytes", 0))
-            spans.append((p["phase"], wall - t0 + float(p.get("start", 0.0)), float(p.get("seconds", 0.0))))
+        for phase, start, secs, moved in checked[r][1]:
+            row_s[phase] += secs
+            row_b[phase] += moved
+            spans.append((phase, wall - t0 + start, secs))
         seconds.append([row_s[p] for p in phases])
         nbytes.append([row_b[p] for p in phases])
         timeline[r] = spans
     return PhaseTable(kind, ranks, phases, seconds, nbytes, timeline)
+
+
+#: distinct phase names a table may have (the engine records fewer than ten)
+MAX_PHASES = 256
+
+_Record = tuple[float, list[tuple[str, float, float, int]]]
+
+
+def _checked_records(records: dict[Any, Any], kind: str) -> dict[int, _Record]:
+    """``records`` (rank -> record, as the engine writes them) with every field checked: a rank key is a
+    canonical decimal number, a record an object whose ``wall_start`` is a finite number and whose
+    ``phases`` a list of objects with a string ``phase``, finite ``start``/``seconds`` and an integer
+    ``bytes`` >= 0 (each optional but ``phase``). Raises :class:`MetadataError` naming the record."""
+    out: dict[int, _Record] = {}
+    for key, record in records.items():
+        where = f"{kind!r} metrics record {key!r}"
+        if not (isinstance(key, str) and key.isdecimal() and key.isascii() and str(int(key)) == key):
+            raise MetadataError(f"{where}: the key is not a rank number; the record is damaged")
+        if not isinstance(record, dict):
+            raise MetadataError(f"{where} is not a JSON object; the record is damaged")
+        phases = record.get("phases", [])
+        if not isinstance(phases, list):
+            raise MetadataError(f"{where}: 'phases' is not a list; the record is damaged")
+        spans = []
+        for i, p in enumerate(phases):
+            if not isinstance(p, dict) or not isinstance(p.get("phase"), str):
+                raise MetadataError(f"{where}: phase {i} is not an object with a string 'phase'")
+            spans.append(
+                (
+                    p["phase"],
+                    _number(p.get("start", 0.0), f"{where}, phase {i}: 'start'"),
+                    _number(p.get("seconds", 0.0), f"{where}, phase {i}: 'seconds'"),
+                    _count(p.get("bytes", 0), f"{where}, phase {i}: 'bytes'"),
+                )
+            )
+        out[int(key)] = (_number(record.get("wall_start", 0.0), f"{where}: 'wall_start'"), spans)
+    return out
+
+
+def _number(value: Any, where: str) -> float:
+    """``value`` as a finite float, else :class:`MetadataError` naming ``where``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e300:
+        return float(value)
+    raise MetadataError(f"{where} is {value!r}, not a finite number; the record is damaged")
+
+
+def _count(value: Any, where: str) -> int:
+    """``value`` as a byte count (a number in [0, 2^63), truncated), else :class:`MetadataError` naming ``where``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1 << 63:
+        return int(value)
+    raise MetadataError(f"{where} is {value!r}, not a byte count; the record is damaged")
 
 
 def format_table(t: PhaseTable) -> str:

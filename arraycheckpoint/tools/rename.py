@@ -24,18 +24,23 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ArrayCheckpointError, CheckpointNotFoundError
+from .. import safety
+from ..errors import ArrayCheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError
 from ..metadata import CheckpointMetadata, ObjectMeta, check_name
+from ..packing import PACK_KEY
 from ..storage import LocalStorage, storage_for
 from ..storage.local import fsync_path
 from . import repack
 
 JOURNAL = ".acp-rename.json"
 TMP_DIR = ".acp-rename-tmp"
+#: how the rename creates a file: afresh, never through a link
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass
@@ -221,9 +226,8 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
             "be copied and deleted; export and re-import, or load and re-save under the new names instead"
         )
     journal = os.path.join(root, JOURNAL)
-    if os.path.exists(journal):
-        with open(journal) as f:
-            doc = json.load(f)
+    if os.path.lexists(journal):
+        doc = read_journal(root)
         _execute(root, doc)
         return RenameResult(
             dict(doc["tensors"]), dict(doc["objects"]), resumed=True, packs=dict(doc.get("packs", {}))
@@ -242,6 +246,7 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
         return result
     repack.check_old_packs(root, meta, result.packs)
     doc = journal_doc(new_meta, result)
+    check_journal(root, doc)  # before the journal exists: a refused rename leaves nothing behind
     _write_durable(journal, json.dumps(doc).encode())
     _execute(root, doc)
     return result
@@ -249,7 +254,9 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
 
 def _write_durable(path: str, data: bytes) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    if os.path.lexists(tmp):  # a stale one of an interrupted run (or a planted link: never written through)
+        os.unlink(tmp)
+    with os.fdopen(os.open(tmp, _CREATE, 0o644), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -257,8 +264,98 @@ def _write_durable(path: str, data: bytes) -> None:
     fsync_path(os.path.dirname(path))
 
 
+def read_journal(root: str) -> dict[str, Any]:
+    """The journal of the interrupted rename at ``root``, checked as untrusted input (anyone who could write
+    the checkpoint could have planted it) before any of it is carried out.
+
+    The journal is read like the metadata (a regular file, never through a link, never a FIFO, at most
+    256 MiB, JSON nested at most 100 levels) and must be one object of ``tensors`` and ``objects`` (old name
+    -> new name, each name passing the metadata's :func:`check_name`), ``packs`` (pack key -> pack key) and
+    ``metadata`` (a checkpoint metadata document naming every new tensor); see :func:`check_journal` for the
+    paths it touches.
+
+    Raises:
+        MetadataError: naming the journal and what is wrong with it.
+    """
+    path = os.path.join(root, JOURNAL)
+    try:
+        raw = LocalStorage().read(root, JOURNAL)
+        if raw is None:
+            raise MetadataError("it vanished while being read")
+        doc = safety.load_json_bounded(raw, max_bytes=safety.MAX_METADATA_BYTES, what=path)
+        check_journal(root, doc)
+    except ArrayCheckpointError as e:
+        raise MetadataError(
+            f"rename journal {path} is not a journal this tool wrote ({e}); nothing was changed. If no rename "
+            "of this checkpoint was interrupted, remove the file"
+        ) from None
+    return doc
+
+
+def check_journal(root: str, doc: Any) -> None:
+    """Refuse a journal ``doc`` that could touch anything outside the checkpoint at ``root``.
+
+    Every name is an entry name (no ``..``, no absolute name, no control character), every pack key is a
+    pack key of format 5, every new tensor is in the journal's metadata, and no path the rename moves, creates
+    or removes (the arrays' old and new directories, their groups, the pack directory, the control files,
+    the private temporary directory and what it holds) runs through a symlink or a non-directory below
+    ``root``.
+
+    Raises:
+        ArrayCheckpointError: naming what is wrong.
+    """
+    if not isinstance(doc, dict):
+        raise MetadataError(f"its top level is a JSON {type(doc).__name__}, not an object")
+    maps: dict[str, dict[str, str]] = {}
+    for field_name in ("tensors", "objects", "packs"):
+        value = doc.get(field_name, {} if field_name == "packs" else None)
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            raise MetadataError(f"{field_name!r} must be an object of strings")
+        maps[field_name] = value
+    if not isinstance(doc.get("metadata"), str):
+        raise MetadataError("'metadata' must be a string holding the renamed checkpoint's metadata")
+    for old, new in (*maps["tensors"].items(), *maps["objects"].items()):
+        check_name(old)
+        check_name(new)
+    for key in (*maps["packs"], *maps["packs"].values()):
+        if not PACK_KEY.match(key):
+            raise MetadataError(f"{key!r} is not a pack key")
+    new_meta = CheckpointMetadata.from_json(doc["metadata"])
+    missing = sorted(set(maps["tensors"].values()) - set(new_meta.tensors))
+    if missing:
+        raise MetadataError(f"its metadata has no tensor {missing[0]!r}, a target of its moves")
+    files = LocalStorage().control_files(root)
+    names = [*maps["tensors"], *new_meta.tensors, *new_meta.objects]
+    dirs = {"/".join(n.split("/")[:i]) for n in names for i in range(1, n.count("/") + 2)}
+    dirs.update(k.rsplit("/", 1)[0] for k in (files.metadata, files.committed, *maps["packs"]) if "/" in k)
+    dirs.add(TMP_DIR)
+    for d in sorted(dirs):
+        _check_no_link(root, d)
+    if os.path.isdir(os.path.join(root, TMP_DIR)):
+        safety.scan_local(os.path.join(root, TMP_DIR))  # what an interrupted run staged: no link, no FIFO
+
+
+def _check_no_link(root: str, rel: str) -> None:
+    """``root/rel`` and every directory on the way below ``root`` are directories or absent (never a link)."""
+    current = root
+    for part in rel.split("/"):
+        current = os.path.join(current, part)
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise CorruptCheckpointError(
+                f"{current} is {kind}; a rename moves nothing through a link and nothing outside the checkpoint"
+            )
+
+
 def _execute(root: str, doc: dict[str, Any]) -> None:
     """Carry out a journal; idempotent, so an interrupted run can simply be repeated."""
+    check_journal(root, doc)  # also a fresh journal: the checkpoint's own directories may be planted links
     # the checkpoint's own layout (format 3's .acp/ or an older root): its metadata is there throughout
     files = LocalStorage().control_files(root)
     marker = os.path.join(root, files.committed)
@@ -311,8 +408,8 @@ def _write_groups(root: str, meta: CheckpointMetadata) -> None:
         path = os.path.join(root, *group.split("/"))
         zj = os.path.join(path, "zarr.json")
         os.makedirs(path, exist_ok=True)
-        if not os.path.exists(zj):
-            with open(zj, "wb") as f:
+        if not os.path.lexists(zj):
+            with os.fdopen(os.open(zj, _CREATE, 0o644), "wb") as f:
                 f.write(group_doc)
 
 

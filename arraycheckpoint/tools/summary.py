@@ -13,9 +13,13 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
 
     Each tensor row has ``name, dtype, shape, bytes, regions`` (saved regions), ``ranks`` (distinct ranks that
     held a region), ``chunks`` (stored chunks), ``chunk_shape`` and ``pack``: the pack file holding the array
-    (format 5, a key relative to the checkpoint root), or None for an array in its own directory.
+    (format 5, a key relative to the checkpoint root), or None for an array in its own directory. ``source``
+    is the kind of a foreign checkpoint (``"safetensors"``, ``"dcp"``; its ``committed`` is None: such a
+    checkpoint has no commit marker), None for an arraycheckpoint checkpoint.
     """
     meta = ckpt.meta
+    # a foreign checkpoint (Hugging Face safetensors, DCP) opens as its load source: it has no commit marker
+    source = getattr(ckpt.storage, "kind", None) if not hasattr(ckpt.storage, "is_committed") else None
     rows = []
     per_ns: dict[str, dict[str, int]] = {}
     for name, tm in sorted(meta.tensors.items()):
@@ -41,7 +45,8 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     return jsonable(
         {
             "path": ckpt.root,
-            "committed": ckpt.storage.is_committed(ckpt.root),
+            "committed": None if source is not None else ckpt.storage.is_committed(ckpt.root),
+            "source": source,
             "format_version": meta.format_version,
             "library_version": meta.library_version,
             "framework": meta.framework,
@@ -67,7 +72,9 @@ def format_summary(s: dict[str, Any]) -> str:
     """The human-readable table of :func:`summarize`'s result."""
     lines = [
         f"checkpoint  {s['path']}",
-        f"format      version {s['format_version']} (written by arraycheckpoint {s['library_version'] or '?'})",
+        f"format      version {s['format_version']} (written by arraycheckpoint {s['library_version'] or '?'})"
+        if not s.get("source")
+        else f"format      {s['source']} (a foreign checkpoint, read as acp.load reads it)",
         f"framework   {s['framework']}   step {s['step']}   saved by {s['world_size']} rank(s)",
         f"topology    {_kv(s['topology'])}",
         f"roles       {', '.join(s['roles']) or '-'}",
@@ -83,7 +90,7 @@ def format_summary(s: dict[str, Any]) -> str:
             str(r["regions"]),
             str(r["ranks"]),
             str(r["chunks"]),
-            _stored_in(r.get("pack")),
+            s.get("source") or _stored_in(r.get("pack")),
         )
         for r in s["tensors"]
     ]
