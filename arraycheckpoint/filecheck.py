@@ -104,7 +104,12 @@ def open_regular(root: str, key: str, *, limit: int | None = None, what: str = "
     Raises:
         CorruptCheckpointError: a link, a FIFO, socket, device or directory, or a file above ``limit``.
     """
-    fd = open_below(root, key)
+    try:
+        fd = open_below(root, key)
+    except CorruptCheckpointError as e:
+        if not what:
+            raise
+        raise CorruptCheckpointError(f"{what}{e}") from None
     if fd is None:
         return None
     try:
