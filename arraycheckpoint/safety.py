@@ -766,29 +766,18 @@ def _pack_directory(
 
     path = f"{base}/{key}"
     if getattr(storage, "commit_strategy", "") == "rename":
-        _check_path_below(base, PACK_DIR)
-        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags)  # O_NONBLOCK: opening a FIFO returns at once (refused just below)
-        except FileNotFoundError:
-            raise InconsistentCheckpointError(
-                f"the pack {path} is missing; the checkpoint is damaged"
-            ) from None
-        except OSError as e:  # ELOOP: a symbolic link
-            raise CorruptCheckpointError(
-                f"{path} cannot be opened without following a link ({e}); nothing in a checkpoint is read "
-                "through a link"
-            ) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{path} is not a regular file; the checkpoint is damaged")
-            _check_pack_size(path, st.st_size, bound)
+        from .filecheck import open_regular
 
-            reader = _PackReader(path, lambda ranges: [os.pread(fd, n, o) for o, n in ranges], st.st_size)
-            last = min(st.st_size, _PACK_TAIL_BYTES)
-            (tail,) = reader.read_many([(st.st_size - last, last)])
-            return _read_pack(path, tail, st.st_size, bound, reader, max_directory_bytes, check_members)
+        opened = open_regular(base, key)  # no link on the way, never a FIFO (O_NONBLOCK), a regular file
+        if opened is None:
+            raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
+        fd, size = opened
+        try:
+            _check_pack_size(path, size, bound)
+            reader = _PackReader(path, lambda ranges: [os.pread(fd, n, o) for o, n in ranges], size)
+            last = min(size, _PACK_TAIL_BYTES)
+            (tail,) = reader.read_many([(size - last, last)])
+            return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members)
         finally:
             os.close(fd)
     kv = _kvstore(storage, f"{base}/{PACK_DIR}")
