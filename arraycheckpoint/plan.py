@@ -342,7 +342,22 @@ def _layout(
     """The stored layout of ``d`` (:func:`~arraycheckpoint.chunking.tensor_chunk_shape`)."""
     chunk = tensor_chunk_shape(d.shape, d.itemsize, boxes, options, files, share)
     inner = split_chunk(chunk, d.itemsize, options.inner_chunk_bytes)
+    _check_loadable(d, chunk, inner)
     return ArrayLayout(d.name, d.shape, d.dtype, chunk, inner, options.compression)
+
+
+def _check_loadable(d: TensorDecl, chunk: tuple[int, ...], inner: tuple[int, ...]) -> None:
+    """Refuse, before anything is written, a layout the load would refuse (a chunk above the decoded-chunk
+    limit, more chunks than any storage holds: :func:`arraycheckpoint.safety.check_tensor_layout`)."""
+    from .errors import MetadataError
+    from .safety import check_tensor_layout
+
+    try:
+        check_tensor_layout(d.name, d.shape, d.dtype, chunk, inner)
+    except MetadataError as e:
+        raise PlanError(
+            f"{e}: a checkpoint with this layout could not be loaded; change the PlanOptions"
+        ) from None
 
 
 def assign_shared_reads(

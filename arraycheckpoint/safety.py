@@ -57,6 +57,14 @@ MAX_ARRAY_JSON_BYTES = 1 << 20
 #: JSON nesting limit: the deepest document arraycheckpoint writes is a user's extra state (a few levels);
 #: Python's json parser recurses per level and fails near 1,000, so the limit stays well below that.
 MAX_JSON_DEPTH = 100
+#: JSON containers (arrays and objects) any document may hold regardless of its size: about 64 MiB of
+#: parsed dicts at most; user extra state of a million small lists stays under it.
+JSON_CONTAINERS_FREE = 1 << 20
+#: Bytes of JSON text per further container: a saved metadata document holds about one array or object per
+#: 24 bytes (8 per tensor entry of about 190 bytes), empty objects ``{},`` one per 3 bytes.
+JSON_BYTES_PER_CONTAINER = 16
+#: Block of JSON text scanned at once by :func:`json_shape`.
+_SCAN_BLOCK = 1 << 20
 #: Largest decoded chunk (one stored file). The planner's default is 64 MiB; a chunk is decoded whole in
 #: memory by tensorstore, so this caps what one hostile file can make a reader allocate.
 MAX_CHUNK_BYTES = 4 << 30
@@ -64,6 +72,12 @@ MAX_CHUNK_BYTES = 4 << 30
 MAX_OBJECT_BYTES = MAX_CHUNK_BYTES + (MAX_CHUNK_BYTES >> 4)
 #: Most inner chunks per stored file: tensorstore reads a 16-byte index entry per inner chunk at once.
 MAX_INNER_CHUNKS = 1 << 22
+#: Most chunks (stored files, or pack members) of one array: a file system holds at most 2^32 files (inode
+#: numbers of ext4 and xfs), and listing that many objects takes millions of requests.
+MAX_CHUNKS_PER_ARRAY = 1 << 32
+#: Most chunks of one packed array: every member of a pack takes at least 154 bytes (132 of ZIP records, its
+#: name twice, 24 bytes of encoding around one element), and a pack is at most 4 x MAX_OBJECT_BYTES.
+MAX_PACKED_CHUNKS = 4 * MAX_OBJECT_BYTES // 154
 #: zstd block size limit (RFC 8878): no block decodes to more than this.
 _ZSTD_BLOCK_MAX = 128 << 10
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -77,18 +91,38 @@ _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 # JSON ------------------------------------------------------------------------------------------------------
 def json_depth(raw: bytes) -> int:
     """Deepest nesting of arrays/objects in the JSON text ``raw`` (strings ignored); linear, no recursion."""
+    return json_shape(raw)[0]
+
+
+def json_shape(raw: bytes) -> tuple[int, int]:
+    """``(deepest nesting, number of arrays and objects)`` of the JSON text ``raw`` (strings ignored).
+
+    Linear and in bounded memory: one copy of the text with its strings emptied, then blocks of
+    :data:`_SCAN_BLOCK` bytes (about 9 bytes per byte of one block), never an integer per byte of a document of
+    hundreds of MiB. No recursion, nothing parsed.
+    """
     bare = _STRING.sub(b'""', raw)
-    codes = np.frombuffer(bare, dtype=np.uint8)
-    if codes.size == 0:
-        return 0
-    step = np.zeros(codes.size, dtype=np.int64)
-    step[(codes == ord("[")) | (codes == ord("{"))] = 1
-    step[(codes == ord("]")) | (codes == ord("}"))] = -1
-    return int(np.cumsum(step).max(initial=0))
+    level = deepest = containers = 0
+    for start in range(0, len(bare), _SCAN_BLOCK):
+        codes = np.frombuffer(bare, dtype=np.uint8, count=min(_SCAN_BLOCK, len(bare) - start), offset=start)
+        opens = (codes == ord("[")) | (codes == ord("{"))
+        step = opens.view(np.int8) - ((codes == ord("]")) | (codes == ord("}"))).view(np.int8)
+        levels = np.cumsum(step, dtype=np.int32)  # within a block: at most _SCAN_BLOCK levels
+        deepest = max(deepest, level + int(levels.max()))
+        level += int(levels[-1])
+        containers += int(np.count_nonzero(opens))
+    return deepest, containers
+
+
+def max_json_containers(nbytes: int) -> int:
+    """Most arrays and objects a JSON document of ``nbytes`` may hold (:data:`JSON_CONTAINERS_FREE` plus one
+    per :data:`JSON_BYTES_PER_CONTAINER` bytes); a parsed container costs 56-64 bytes or more, so this bounds
+    what a document can make its reader allocate, whatever its size limit."""
+    return JSON_CONTAINERS_FREE + nbytes // JSON_BYTES_PER_CONTAINER
 
 
 def load_json_bounded(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH, what: str) -> Any:
-    """Parse JSON from untrusted bytes with a size and a nesting-depth cap.
+    """Parse JSON from untrusted bytes with a size cap, a nesting-depth cap and a cap on its containers.
 
     Args:
         raw: the document.
@@ -100,7 +134,9 @@ def load_json_bounded(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_
         The parsed value.
 
     Raises:
-        MetadataError: too long, too deep, or not valid JSON (the message names ``what``).
+        MetadataError: too long, too deep, holding more arrays and objects than :func:`max_json_containers`
+            allows for its size, or not valid JSON (the message names ``what``). Nothing is parsed before
+            the size, depth and container checks pass.
     """
     data = raw.encode() if isinstance(raw, str) else bytes(raw)
     if len(data) > max_bytes:
@@ -108,11 +144,17 @@ def load_json_bounded(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_
             f"{what} is {len(data)} bytes, above the limit of {max_bytes}: a valid checkpoint's file is far "
             "smaller; the checkpoint is damaged or was not written by arraycheckpoint"
         )
-    depth = json_depth(data)
+    depth, containers = json_shape(data)
     if depth > max_depth:
         raise MetadataError(
             f"{what} nests JSON {depth} levels deep, above the limit of {max_depth}; the checkpoint is damaged "
             "or hostile (extra state this deep cannot be saved either)"
+        )
+    if containers > max_json_containers(len(data)):
+        raise MetadataError(
+            f"{what} holds {containers} JSON arrays and objects in {len(data)} bytes, above the limit of "
+            f"{max_json_containers(len(data))} (a valid checkpoint's metadata holds about one per 24 bytes); "
+            "refused before parsing: the checkpoint is damaged or hostile"
         )
     try:
         return json.loads(data)
@@ -165,6 +207,9 @@ def check_tensor_layout(
     inner = math.prod(c // i for c, i in zip(chunk_shape, inner_chunk_shape))
     if inner > MAX_INNER_CHUNKS:
         raise bad(f"one chunk holds {inner} inner chunks, above the limit of {MAX_INNER_CHUNKS}")
+    chunks = chunk_count(shape, chunk_shape)
+    if chunks > MAX_CHUNKS_PER_ARRAY:
+        raise bad(f"the array has {chunks} chunks, more than any storage holds ({MAX_CHUNKS_PER_ARRAY})")
 
 
 def chunk_count(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> int:
@@ -254,6 +299,13 @@ def check_layouts(meta: Any) -> None:
     """
     for name, t in meta.tensors.items():
         check_tensor_layout(name, t.shape, t.dtype, t.chunk_shape, t.inner_chunk_shape)
+        chunks = chunk_count(t.shape, t.chunk_shape)
+        if t.pack is not None and chunks > MAX_PACKED_CHUNKS:
+            raise MetadataError(
+                f"tensor {name!r}: packed in {t.pack} as {chunks} chunks of {list(t.chunk_shape)} (shape "
+                f"{list(t.shape)}), more than any pack holds ({MAX_PACKED_CHUNKS}); the checkpoint's metadata "
+                "is damaged or hostile"
+            )
 
 
 #: Keys one listing request returns (S3 and GCS pages), to weigh one listing per array against one of all.
@@ -714,29 +766,18 @@ def _pack_directory(
 
     path = f"{base}/{key}"
     if getattr(storage, "commit_strategy", "") == "rename":
-        _check_path_below(base, PACK_DIR)
-        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags)  # O_NONBLOCK: opening a FIFO returns at once (refused just below)
-        except FileNotFoundError:
-            raise InconsistentCheckpointError(
-                f"the pack {path} is missing; the checkpoint is damaged"
-            ) from None
-        except OSError as e:  # ELOOP: a symbolic link
-            raise CorruptCheckpointError(
-                f"{path} cannot be opened without following a link ({e}); nothing in a checkpoint is read "
-                "through a link"
-            ) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{path} is not a regular file; the checkpoint is damaged")
-            _check_pack_size(path, st.st_size, bound)
+        from .filecheck import open_regular
 
-            reader = _PackReader(path, lambda ranges: [os.pread(fd, n, o) for o, n in ranges], st.st_size)
-            last = min(st.st_size, _PACK_TAIL_BYTES)
-            (tail,) = reader.read_many([(st.st_size - last, last)])
-            return _read_pack(path, tail, st.st_size, bound, reader, max_directory_bytes, check_members)
+        opened = open_regular(base, key)  # no link on the way, never a FIFO (O_NONBLOCK), a regular file
+        if opened is None:
+            raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
+        fd, size = opened
+        try:
+            _check_pack_size(path, size, bound)
+            reader = _PackReader(path, lambda ranges: [os.pread(fd, n, o) for o, n in ranges], size)
+            last = min(size, _PACK_TAIL_BYTES)
+            (tail,) = reader.read_many([(size - last, last)])
+            return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members)
         finally:
             os.close(fd)
     kv = _kvstore(storage, f"{base}/{PACK_DIR}")
@@ -874,6 +915,9 @@ _CENTRAL_SIG, _LOCAL_SIG = b"PK\x01\x02", b"PK\x03\x04"
 #: General-purpose flag bits a member may have: only bit 11 (UTF-8 name). Refused: encryption (bits 0, 6,
 #: 13) and a data descriptor (bit 3: the sizes follow the data, and a reader would take them from there).
 _ALLOWED_FLAGS = 0x0800
+#: Info-ZIP Unicode Path extra field: a second name for a member, which tensorstore checks and uses and
+#: Python's zipfile (before 3.12) ignores; refused in every pack, so that every reader sees one name.
+UNICODE_PATH_TAG = 0x7075
 
 
 def _parse_zip_directory(
@@ -1021,6 +1065,11 @@ def _zip64_fields(
         pos += 4
         if pos + length > len(extra):
             raise bad("a damaged extra field")
+        if tag == UNICODE_PATH_TAG:
+            raise bad(
+                "a Unicode Path extra field (0x7075), which some readers (tensorstore) take as the member's "
+                "name and others (Python's zipfile) ignore; a save writes none"
+            )
         if tag == 1:
             if seen:
                 raise bad("two zip64 extra fields in one header")

@@ -50,7 +50,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataErr
 from .metadata import CONTROL_LAYOUTS, CheckpointMetadata
 from .packing import PACK_KEY, chunk_count, group_keys, stored_bytes
 from .safety import MAX_PACKED_JSON_BYTES
-from .storage.ranged import TailFile
+from .storage.ranged import TailFile, check_member_names
 
 __all__ = ["CheckpointStore", "checkpoint_store"]
 
@@ -420,6 +420,7 @@ class CheckpointStore(Store):
             raise CorruptCheckpointError(
                 f"{where} is not a readable ZIP archive ({e}); the pack is damaged"
             ) from None
+        check_member_names(infos, where)  # one name per member, whichever reader reads the pack
         members: dict[str, _Member] = {}
         for info in infos:
             if info.filename not in limits:

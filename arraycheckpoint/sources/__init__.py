@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..monitoring import PhaseRecorder
     from ..storage import Storage
 
-__all__ = ["LoadSource", "open_source"]
+__all__ = ["LoadSource", "local_dir", "open_source"]
 
 
 class LoadSource(ABC):
@@ -58,6 +58,24 @@ class LoadSource(ABC):
         """
 
 
+def local_dir(storage: Storage, root: str) -> str | None:
+    """The directory of ``root`` when ``storage`` is a local file system (its files are then opened with
+    the checks of :mod:`arraycheckpoint.filecheck`: no link, no FIFO, sizes known), else None."""
+    spec = storage.kvstore_spec(root)
+    return str(spec["path"]) if spec.get("driver") == "file" else None
+
+
+def _has(storage: Storage, root: str, key: str) -> bool:
+    """Whether ``root/key`` exists, without reading it: locally an ``lstat`` (a link or a FIFO exists, and
+    the source's checks then refuse it, naming it), elsewhere the storage's own test."""
+    import os
+
+    local = local_dir(storage, root)
+    if local is None:
+        return storage.exists(root, key)
+    return os.path.lexists(os.path.join(local, key))
+
+
 def open_source(storage: Storage, root: str, *, allow_pickle: bool = False) -> LoadSource | None:
     """The foreign checkpoint at ``root`` (a directory of ``storage``), or None when there is none.
 
@@ -67,10 +85,10 @@ def open_source(storage: Storage, root: str, *, allow_pickle: bool = False) -> L
     """
     from .safetensors import INDEX_FILE, SINGLE_FILE, SafetensorsSource
 
-    if storage.exists(root, INDEX_FILE) or storage.exists(root, SINGLE_FILE):
+    if _has(storage, root, INDEX_FILE) or _has(storage, root, SINGLE_FILE):
         return SafetensorsSource.open(storage, root)
     from .dcp import DCP_METADATA, DcpSource
 
-    if storage.exists(root, DCP_METADATA):
+    if _has(storage, root, DCP_METADATA):
         return DcpSource.open(storage, root, allow_pickle=allow_pickle)
     return None

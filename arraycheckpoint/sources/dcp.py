@@ -19,6 +19,7 @@ Names: DCP's flattened keys map to entries through the key paths DCP records (``
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptCheckpointError, MetadataError, PickleNotAllowedError
+from ..filecheck import open_regular
 from ..items import LoadShard, LoadTensor
 from ..metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from ..monitoring import PhaseRecorder
@@ -105,7 +107,13 @@ class DcpSource(LoadSource):
                         "(e.g. compression); load it with torch.distributed.checkpoint and save it with acp.save"
                     )
                 rel = str(info.relative_path)
-                if "/" in rel or rel.startswith("."):
+                if (
+                    not rel
+                    or "/" in rel
+                    or "\\" in rel
+                    or rel.startswith(".")
+                    or any(ord(c) < 32 for c in rel)
+                ):
                     raise MetadataError(f"{root}: tensor {name!r} names an unsafe file {rel!r}")
                 mine.append(_Chunk(box, rel, int(info.offset), int(info.length)))
             chunks[name] = mine
@@ -119,6 +127,7 @@ class DcpSource(LoadSource):
                 tuple(ShardMeta(c.box.offsets, c.box.lengths, 0) for c in mine),
             )
         meta = CheckpointMetadata(framework="dcp", world_size=1, tensors=tensors, objects={})
+        _check_files(storage, root, chunks)
         return cls(storage, root, meta, chunks)
 
     @property
@@ -163,7 +172,18 @@ class DcpSource(LoadSource):
 
 
 def _data_start(kv: Any, root: str, name: str, c: _Chunk, dtype: np.dtype[Any]) -> int:
-    """Absolute file offset of a chunk's C-order bytes: raw items as they are, zip items through the zip."""
+    """Absolute file offset of a chunk's C-order bytes: raw items as they are, zip items through the zip
+    (a zip whose records run past their bytes is damage, naming the tensor and the file)."""
+    try:
+        return _zip_data_start(kv, root, name, c, dtype)
+    except (struct.error, StopIteration):
+        raise CorruptCheckpointError(
+            f"{root}/{c.key}: tensor {name!r} chunk {list(c.box.offsets)}: a damaged zip record (it runs past "
+            "its bytes)"
+        ) from None
+
+
+def _zip_data_start(kv: Any, root: str, name: str, c: _Chunk, dtype: np.dtype[Any]) -> int:
     nbytes = math.prod(c.box.lengths) * dtype.itemsize
     if c.length == nbytes:
         return c.offset  # DCP's raw (safetensors-style) serialization
@@ -228,8 +248,43 @@ def _zip64_sizes(extra: bytes, csize: int, usize: int, local: int) -> tuple[int,
     return csize, usize, local
 
 
+def _check_files(storage: Any, root: str, chunks: dict[str, list[_Chunk]]) -> None:
+    """On a local file system, every ``.distcp`` file the metadata names is a regular file (no link, never a
+    FIFO: :func:`arraycheckpoint.filecheck.open_regular`) holding every item recorded in it: a file cut short
+    is refused here, naming a tensor stored past its end and the file, before anything is read."""
+    from . import local_dir
+
+    local = local_dir(storage, root)
+    if local is None:
+        return
+    ends: dict[str, tuple[int, str]] = {}
+    for name, mine in chunks.items():
+        for c in mine:
+            if c.offset + c.length > ends.get(c.key, (-1, ""))[0]:
+                ends[c.key] = (c.offset + c.length, name)
+    for key, (end, name) in sorted(ends.items()):
+        opened = open_regular(local, key, what=f"tensor {name!r}: ")
+        if opened is None:
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: {root}/{key} is missing; the checkpoint is damaged"
+            )
+        os.close(opened[0])
+        if opened[1] < end:
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: {root}/{key} is {opened[1]} bytes, but the tensor is stored up to byte {end}; "
+                "the file is truncated"
+            )
+
+
 def _read(kv: Any, key: str, begin: int, n: int, where: str) -> bytes:
-    res = kv.read(key, byte_range=slice(begin, begin + n)).result()
+    try:
+        res = kv.read(key, byte_range=slice(begin, begin + n)).result()
+    except ValueError as e:  # tensorstore: OUT_OF_RANGE for a range starting past the end of the value
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        raise CorruptCheckpointError(
+            f"{where}: {key} is truncated (bytes [{begin}, {begin + n}) asked)"
+        ) from None
     if res.state != "value" or len(res.value) != n:
         raise CorruptCheckpointError(f"{where}: {key} is missing or truncated")
     return bytes(res.value)

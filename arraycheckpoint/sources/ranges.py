@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import numpy as np
 
 from .._tscontext import context
 from ..errors import CorruptCheckpointError, StorageError
+from ..filecheck import open_regular
 from ..items import LoadShard
 from ..regions import Box
 
@@ -163,6 +163,11 @@ class RangeReader:
             try:
                 res = fut.result()
             except Exception as e:  # noqa: BLE001
+                if isinstance(e, ValueError) and "OUT_OF_RANGE" in str(e):  # the range starts past the end
+                    raise CorruptCheckpointError(
+                        f"tensor {t.name!r}: {t.key} in {self.root} is shorter than its header says (bytes "
+                        f"[{r.begin}, {r.end}) asked); the file is truncated"
+                    ) from None
                 raise StorageError(f"tensor {t.name!r}: reading {t.key} in {self.root} failed: {e}") from e
             data = res.value if res.state == "value" else b""
             if len(data) != r.end - r.begin:
@@ -196,14 +201,10 @@ class _LocalFiles:
     def read_into(self, t: StoredTensor, begin: int, dest: np.ndarray, root: str) -> None:
         fd = self._fds.get(t.key)
         if fd is None:
-            try:
-                fd = os.open(os.path.join(self.path, t.key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError as e:
-                raise StorageError(f"tensor {t.name!r}: cannot open {t.key} in {root}: {e}") from e
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise StorageError(f"tensor {t.name!r}: {t.key} in {root} is not a regular file")
-            self._fds[t.key] = fd
+            opened = open_regular(self.path, t.key, what=f"tensor {t.name!r}: ")  # no link, no FIFO
+            if opened is None:
+                raise CorruptCheckpointError(f"tensor {t.name!r}: {t.key} in {root} is missing")
+            fd = self._fds[t.key] = opened[0]
         view = memoryview(dest)
         done = 0
         while done < len(view):

@@ -13,19 +13,21 @@ its size is bounded, every field is checked, and a tensor's byte count must equa
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import posixpath
 import struct
 from collections.abc import Mapping
 from typing import Any
 
 from ..codecs import numpy_dtype
-from ..errors import MetadataError
+from ..errors import InconsistentCheckpointError, MetadataError
+from ..filecheck import open_regular, pread_exact, read_below
 from ..items import LoadTensor
 from ..metadata import MAX_ELEMENTS, MAX_NDIM, CheckpointMetadata, ShardMeta, TensorMeta, check_name
 from ..monitoring import PhaseRecorder
-from . import LoadSource
+from ..safety import load_json_bounded
+from . import LoadSource, _has, local_dir
 from .ranges import RangeReader, StoredTensor
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,7 +59,8 @@ DTYPES = {
 
 
 def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
-    raw = storage.read(root, key)
+    local = local_dir(storage, root)
+    raw = read_below(local, key, limit) if local is not None else storage.read(root, key)
     if raw is None:
         raise MetadataError(f"{root}: {key} is missing")
     if len(raw) > limit:
@@ -65,29 +68,78 @@ def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
     return raw
 
 
-def _header(kv: Any, root: str, key: str) -> tuple[int, dict[str, Any]]:
-    """(data start, header dict) of one safetensors file, read as two byte ranges."""
-    head = kv.read(key, byte_range=slice(0, 8)).result()
-    if head.state != "value" or len(head.value) != 8:
-        raise MetadataError(f"{root}: {key} is missing or shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", head.value)
-    if n > MAX_HEADER_BYTES:
-        raise MetadataError(
-            f"{root}: {key} claims a {n}-byte header (limit {MAX_HEADER_BYTES}); not safetensors"
-        )
-    body = kv.read(key, byte_range=slice(8, 8 + n)).result()
-    if len(body.value) != n:
-        raise MetadataError(f"{root}: {key} is truncated inside its header")
+def _json(raw: bytes, limit: int, what: str) -> Any:
+    """A JSON document of the directory (its index, a file's header), parsed with the bounds of the native
+    metadata (:func:`arraycheckpoint.safety.load_json_bounded`: size, nesting, containers); a document that
+    fails them is damage: :class:`InconsistentCheckpointError` (a ``MetadataError`` and a
+    ``CorruptCheckpointError``)."""
     try:
-        doc = json.loads(bytes(body.value))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MetadataError(f"{root}: {key} has a header that is not JSON ({e})") from None
+        return load_json_bounded(raw, max_bytes=limit, what=what)
+    except MetadataError as e:
+        raise InconsistentCheckpointError(str(e)) from None
+
+
+def _header(kv: Any, root: str, key: str, local: str | None) -> tuple[int, dict[str, Any], int | None]:
+    """(data start, header dict, file size where known) of one safetensors file.
+
+    A local file is opened once (:func:`arraycheckpoint.filecheck.open_regular`: no link, no FIFO) and read
+    with ``pread``; other storage with two byte-range reads. The header length is checked against the
+    file's size before the header is read.
+    """
+    where = f"{root}/{key}"
+    if local is not None:
+        opened = open_regular(local, key)
+        if opened is None:
+            raise MetadataError(f"{where} is missing")
+        fd, size = opened
+        try:
+            if size < 8:
+                raise InconsistentCheckpointError(
+                    f"{where} is {size} bytes, shorter than a safetensors header; the file is truncated"
+                )
+            (n,) = struct.unpack("<Q", pread_exact(fd, 0, 8, where))
+            _check_header_length(where, n, size)
+            body = pread_exact(fd, 8, n, where)
+        finally:
+            os.close(fd)
+    else:
+        size = None
+        head = _kv_read(kv, key, 0, 8)
+        if head is None or len(head) != 8:
+            raise MetadataError(f"{where} is missing or shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        _check_header_length(where, n, None)
+        body = _kv_read(kv, key, 8, 8 + n)
+        if body is None or len(body) != n:
+            raise InconsistentCheckpointError(f"{where} is truncated inside its header")
+    doc = _json(body, MAX_HEADER_BYTES, f"{where} (its header)")
     if not isinstance(doc, dict):
-        raise MetadataError(f"{root}: {key} has a header that is not a JSON object")
-    return 8 + n, doc
+        raise MetadataError(f"{where} has a header that is not a JSON object")
+    return 8 + n, doc, size
 
 
-def _tensor(root: str, key: str, base: int, name: str, entry: Any) -> StoredTensor:
+def _check_header_length(where: str, n: int, size: int | None) -> None:
+    if n > MAX_HEADER_BYTES:
+        raise MetadataError(f"{where} claims a {n}-byte header (limit {MAX_HEADER_BYTES}); not safetensors")
+    if size is not None and 8 + n > size:
+        raise InconsistentCheckpointError(
+            f"{where} claims a {n}-byte header, but the file holds {size} bytes; the file is truncated or not "
+            "safetensors"
+        )
+
+
+def _kv_read(kv: Any, key: str, begin: int, end: int) -> bytes | None:
+    """Bytes ``[begin, end)`` of ``key`` (fewer at the end of the value), None when it is absent."""
+    try:
+        result = kv.read(key, byte_range=slice(begin, end)).result()
+    except ValueError as e:  # tensorstore: OUT_OF_RANGE for a range starting past the end of the value
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        return b""
+    return bytes(result.value) if result.state == "value" else None
+
+
+def _tensor(root: str, key: str, base: int, name: str, entry: Any, size: int | None = None) -> StoredTensor:
     where = f"{root}/{key}: tensor {name!r}"
     if not isinstance(entry, Mapping):
         raise MetadataError(f"{where}: header entry is not an object")
@@ -115,12 +167,18 @@ def _tensor(root: str, key: str, base: int, name: str, entry: Any) -> StoredTens
             f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but shape {shape} of "
             f"{st_dtype} needs {math.prod(shape) * dtype.itemsize}"
         )
+    if size is not None and base + offsets[1] > size:
+        raise InconsistentCheckpointError(
+            f"{where}: data_offsets {offsets} end at byte {base + offsets[1]} of a {size}-byte file; the file is "
+            "truncated"
+        )
     return StoredTensor(name, key, base + offsets[0], tuple(shape), dtype)
 
 
 def _check_file_name(root: str, fname: Any) -> str:
     if (
         not isinstance(fname, str)
+        or any(ord(c) < 32 or c == "\x7f" for c in fname)  # NUL and control characters
         or not fname.endswith(".safetensors")
         or "/" in fname
         or "\\" in fname
@@ -164,11 +222,9 @@ class SafetensorsSource(LoadSource):
 
         from .._tscontext import context
 
-        if storage.exists(root, INDEX_FILE):
-            try:
-                index = json.loads(_read_bounded(storage, root, INDEX_FILE, MAX_INDEX_BYTES))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise MetadataError(f"{root}/{INDEX_FILE} is not JSON ({e})") from None
+        if _has(storage, root, INDEX_FILE):
+            raw = _read_bounded(storage, root, INDEX_FILE, MAX_INDEX_BYTES)
+            index = _json(raw, MAX_INDEX_BYTES, f"{root}/{INDEX_FILE}")
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise MetadataError(f"{root}/{INDEX_FILE} has no weight_map object")
@@ -176,10 +232,15 @@ class SafetensorsSource(LoadSource):
         else:
             weight_map = None
             files = [SINGLE_FILE]
-        kv = ts.KvStore.open(storage.kvstore_spec(root), context=context()).result()
+        local = local_dir(storage, root)
+        kv = (
+            None
+            if local is not None
+            else ts.KvStore.open(storage.kvstore_spec(root), context=context()).result()
+        )
         tensors: dict[str, StoredTensor] = {}
         for fname in files:
-            base, header = _header(kv, root, fname)
+            base, header, size = _header(kv, root, fname, local)
             for key, entry in header.items():
                 if key == "__metadata__":
                     continue
@@ -188,7 +249,7 @@ class SafetensorsSource(LoadSource):
                 name = check_name(f"{NAMESPACE}/{key}")
                 if name in tensors:
                     raise MetadataError(f"{root}: tensor {key!r} appears in two files")
-                tensors[name] = _tensor(root, fname, base, name, entry)
+                tensors[name] = _tensor(root, fname, base, name, entry, size)
         if weight_map is not None:
             absent = sorted(k for k in weight_map if f"{NAMESPACE}/{k}" not in tensors)
             if absent:

@@ -26,8 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
+from ..filecheck import open_below
 from ..metadata import COMMIT_MARKER
 from .base import Storage
+
+_open_below = open_below  # the shared check of every reader (arraycheckpoint.filecheck)
 
 _LEFTOVER = re.compile(r"^(\.(?P<a>.+)\.acp-(staging|trash)-.+|\.(?P<b>.+)\.acp-lock|(?P<c>.+)\.acp-old-.+)$")
 
@@ -200,52 +203,6 @@ class LocalStorage(Storage):
                         continue
                 removed.append(path)
         return removed
-
-
-def _open_below(root: str, key: str) -> int | None:
-    """A descriptor of ``root/key`` opened component by component below ``root`` with ``O_NOFOLLOW`` (``root``
-    itself may be a link), so neither the file nor a directory on the way (``.acp``) can be a symlink; the
-    file is opened non-blocking (a FIFO does not hang). None when something on the way is absent.
-
-    Raises:
-        CorruptCheckpointError: a component below ``root`` is a symlink, or a non-directory on the way.
-        StorageError: any other failure, naming the path.
-    """
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as e:
-        raise StorageError(f"storage read of {os.path.join(root, key)} failed: {e}") from e
-    parts = key.split("/")
-    try:
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_NONBLOCK if last else os.O_DIRECTORY)
-            where = os.path.join(root, *parts[: i + 1])
-            try:
-                child = os.open(part, flags, dir_fd=fd)
-            except FileNotFoundError:
-                return None
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise StorageError(f"storage read of {os.path.join(root, key)} failed: {e}") from e
-                if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
-                    raise CorruptCheckpointError(
-                        f"{where} is a symlink; nothing in a checkpoint is read through a link (replace it "
-                        "with the file itself, or re-save the checkpoint)"
-                    ) from None
-                raise CorruptCheckpointError(
-                    f"{where} is not a directory; the checkpoint is damaged (a checkpoint holds only regular "
-                    "files and directories)"
-                ) from None
-            os.close(fd)
-            fd = child
-        child, fd = fd, -1
-        return child
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def _check_parents(directory: Path) -> None:

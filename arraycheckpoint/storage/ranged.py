@@ -7,8 +7,41 @@ its last bytes hold the ZIP central directory, which :mod:`zipfile` lists throug
 from __future__ import annotations
 
 import io
+import struct
 import zipfile
+from collections.abc import Iterable
 from typing import Any
+
+from ..safety import UNICODE_PATH_TAG
+
+
+def check_member_names(infos: Iterable[zipfile.ZipInfo], where: str) -> None:
+    """Refuse a member that carries a second name: an Info-ZIP Unicode Path extra field, which tensorstore's
+    ``zip`` driver takes as the member's name (and refuses when it differs) while Python's :mod:`zipfile`
+    (before 3.12) ignores it, so two readers would see different members; or a NUL in its name (zipfile cuts
+    the name there, tensorstore does not). A pack as a save writes it has neither.
+
+    Raises:
+        CorruptCheckpointError: naming the member and ``where`` (the pack).
+    """
+    from ..errors import CorruptCheckpointError
+
+    for info in infos:
+        extra, pos = info.extra, 0
+        while pos + 4 <= len(extra):
+            tag, length = struct.unpack_from("<HH", extra, pos)
+            if tag == UNICODE_PATH_TAG:
+                raise CorruptCheckpointError(
+                    f"member {info.filename!r} of {where} carries a Unicode Path extra field (a second name, "
+                    "which tensorstore reads and zipfile ignores); a save writes none: the pack is damaged or "
+                    "hostile"
+                )
+            pos += 4 + length
+        if "\0" in info.orig_filename:
+            raise CorruptCheckpointError(
+                f"member {info.orig_filename!r} of {where} has a NUL byte in its name; the pack is damaged or "
+                "hostile"
+            )
 
 
 class TailFile(io.RawIOBase):
