@@ -128,9 +128,11 @@ def _expect_tensor(
     names: StoredNames,
     targets: list[LoadTensor],
     expected: dict[str, Expected],
+    stored: str | None = None,
 ) -> LoadTensor | None:
-    """Plan reading target tensor ``name`` (global shape and local pieces ``placed``) from its stored entry."""
-    stored = names(name)
+    """Plan reading target tensor ``name`` (global shape and local pieces ``placed``) from its stored entry
+    (``stored``, default: what ``names`` maps ``name`` to)."""
+    stored = stored or names(name)
     if stored is None:
         return None
     shape, pieces = placed
@@ -148,18 +150,23 @@ def _load_module(
     expected: dict[str, Expected],
     dropped: set[str],
 ) -> Callable[[], None]:
-    """Plan a module's tensors; ``finish`` checks that tied target weights were stored equal."""
+    """Plan a module's tensors; ``finish`` checks that tied target weights were stored equal.
+
+    A weight the target ties under several names loads from whichever of them the checkpoint stores (a
+    Hugging Face directory stores a tied weight once, under one of its names, e.g. ``embed_tokens``).
+    """
+    stored_as = _tied_stored_names(ns, view, names)
     for fqn, t in view.tensors.items():
-        _expect_tensor(f"{ns}/{fqn}", t, view.layout(t), names, targets, expected)
+        _expect_tensor(f"{ns}/{fqn}", t, view.layout(t), names, targets, expected, stored_as.get(fqn))
     if names.aliases(ns):
         expected[f"{ns}/~aliases"] = Expected()
     checks: list[tuple[str, str, list[torch.Tensor], list[torch.Tensor]]] = []
     for alias, primary in view.aliases.items():
         # a target that ties two names: a checkpoint storing them separately must hold equal tensors
         a_name, p_name = f"{ns}/{alias}", f"{ns}/{primary}"
-        stored, primary_stored = names(a_name), names(p_name)
-        if stored is None or stored == primary_stored:
-            continue
+        stored, primary_stored = names(a_name), stored_as.get(primary) or names(p_name)
+        if stored is None or stored == primary_stored or stored not in names.meta.tensors:
+            continue  # stored once (under the primary's name or the alias's): nothing to compare
         t = view.tensors[primary]
         shape, pieces = view.layout(t)
         copies = [torch.empty_like(v) for _, v in pieces]
@@ -181,6 +188,19 @@ def _load_module(
                 )
 
     return finish
+
+
+def _tied_stored_names(ns: str, view: ModuleView, names: StoredNames) -> dict[str, str]:
+    """``{primary fqn: stored entry}`` for each tied target weight whose primary name the checkpoint does not
+    hold but one of its other names does (the entry under that other name)."""
+    out: dict[str, str] = {}
+    for alias, primary in view.aliases.items():
+        if primary in out or names(f"{ns}/{primary}") in names.meta.tensors:
+            continue
+        stored = names(f"{ns}/{alias}")
+        if stored is not None and stored in names.meta.tensors:
+            out[primary] = stored
+    return out
 
 
 def _load_module_extra(
