@@ -75,7 +75,7 @@ class TorchAdapter(Adapter):
         expected: dict[str, Expected] = {}
         finishers: list[Callable[[], None]] = []
         dropped: set[str] = set()
-        names = StoredNames(meta, options.key_map)
+        names = StoredNames(meta, _top_level_key_map(meta, modules, options.key_map))
         views = {ns: ModuleView(m) for ns, m in modules.items()}
         result = dict(state)
         for ns in modules:
@@ -188,6 +188,32 @@ def _load_module(
                 )
 
     return finish
+
+
+def _top_level_key_map(
+    meta: CheckpointMetadata,
+    modules: Mapping[str, torch.nn.Module],
+    key_map: Callable[[str], str | None] | None,
+) -> Callable[[str], str | None] | None:
+    """``key_map`` extended for model FQNs stored at the top level (no namespace), as torchtitan saves
+    through DCP (``tok_embeddings.weight`` beside ``optimizer/...``): when exactly one target module's
+    namespace has nothing stored under it and the checkpoint has top-level tensors, that module's
+    ``<ns>/<fqn>`` reads ``<fqn>`` (only where ``<ns>/<fqn>`` itself is not stored). Ambiguous cases (two
+    such modules) are left to an explicit ``key_map`` (``lambda n: n.split("/", 1)[1]``)."""
+    top = {n for n in meta.tensors if "/" not in n}
+    bare = [ns for ns in modules if not any(n.startswith(ns + "/") for n in meta.tensors)]
+    if not top or len(bare) != 1:
+        return key_map
+    prefix = bare[0] + "/"
+
+    def mapped(name: str) -> str | None:
+        stored = key_map(name) if key_map else name
+        if stored is not None and stored.startswith(prefix) and stored not in meta.tensors:
+            fqn = stored[len(prefix) :]
+            return fqn if fqn in top else stored
+        return stored
+
+    return mapped
 
 
 def _tied_stored_names(ns: str, view: ModuleView, names: StoredNames) -> dict[str, str]:
