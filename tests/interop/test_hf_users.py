@@ -110,8 +110,9 @@ def _read_bytes(report: dict) -> int:
     return sum(p.get("bytes", 0) for p in report["metrics"] if p["phase"] == "read")
 
 
-def readme_body(rank: int, world: int, hf: str) -> dict:
-    """The README's Hugging Face example: FSDP2 at ``world`` ranks, strict, with the bytes each rank reads."""
+def readme_body(rank: int, world: int, hf: str, ckpt: str) -> dict:
+    """The README's Hugging Face example: FSDP2 at ``world`` ranks, strict, with the bytes each rank reads;
+    then the FSDP2 model is saved with acp.save (for the export tests)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -123,22 +124,108 @@ def readme_body(rank: int, world: int, hf: str) -> dict:
     acp.load(hf, {"model": model}, strict=True, report=report)
     read = _rchar() - before
     full = {k: v.full_tensor().numpy() for k, v in model.state_dict().items()}
+    acp.save(ckpt, {"model": model})
     return {"full": full, "rchar": read, "reported": _read_bytes(report)}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, torch.nn.Module, list[dict]]:
+    """A one-file HF directory of a tied tiny Llama, loaded (README example) and saved by FSDP2 at 2 ranks."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    src = llama(True, 0, vocab=2048, hidden=64)
+    hf = save_hf(src, tmp / "hf")
+    results = run_distributed(readme_body, 2, (str(hf), str(tmp / "ckpt")))
+    return hf, tmp / "ckpt", src, results
 
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
-def test_readme_example_fsdp2_reads_its_regions_once(tmp_path: Path) -> None:
+def test_readme_example_fsdp2_reads_its_regions_once(fsdp2_run) -> None:
     """One ``model.safetensors`` (0.6 MiB, the embedding 0.5 MiB of it): each of 2 ranks reads about half
     of it (an existence check that read the whole file made this 1.5x), and the report counts those bytes."""
-    src = llama(True, 0, vocab=2048, hidden=64)
-    hf = save_hf(src, tmp_path / "hf")
+    hf, _, src, results = fsdp2_run
     size = (hf / "model.safetensors").stat().st_size
     want = {k: v.numpy() for k, v in src.state_dict().items()}
-    results = run_distributed(readme_body, 2, (str(hf),))
     for r in results:
         assert set(r["full"]) == set(want)
         for k, v in want.items():
             assert np.array_equal(r["full"][k], v), k
         assert r["rchar"] < 0.6 * size, (r["rchar"], size)
         assert r["reported"] <= r["rchar"] <= r["reported"] + 64 * 1024 + 0.05 * size, r
+
+
+# ------------------------------------------------------------------------------------------ export
+def _export(*argv: str) -> None:
+    from arraycheckpoint.cli import main
+
+    assert main(["export", *argv]) == 0
+
+
+@pytest.mark.multiprocess
+def test_export_of_fsdp2_checkpoint_loads_in_transformers(fsdp2_run, tmp_path: Path) -> None:
+    """config.json and generation_config.json come from what acp.save stored for the transformers model;
+    the tied weight is written once; the index holds no absolute path; from_pretrained is bit-exact."""
+    import json
+
+    _, ckpt, src, _ = fsdp2_run
+    out = tmp_path / "out"
+    _export(str(ckpt), str(out))
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(os.listdir(out))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    assert str(tmp_path) not in json.dumps(index) and not os.path.isabs(index["metadata"]["source"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    _assert_same(model, src)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_export_with_config_and_pattern_rename(tmp_path: Path, tied_dir) -> None:
+    """A checkpoint with no stored config (a plain state dict under other names): --config copies the HF
+    directory's files, {i} and re: rename rules map the names, and transformers loads the result."""
+    hf, src = tied_dir
+    sd = {k.replace("model.layers.", "blocks.").replace("model.", ""): v for k, v in src.state_dict().items()}
+    sd.pop("lm_head.weight")
+    acp.save(tmp_path / "ckpt", {"model": sd})
+    rules = {
+        "blocks.{i}.self_attn.{p}.weight": "model.layers.{i}.self_attn.{p}.weight",
+        r"re:blocks\.(\d+)\.(mlp|input_layernorm|post_attention_layernorm)\.(.*)": r"model.layers.\1.\2.\3",
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+    }
+    (tmp_path / "rename.json").write_text(__import__("json").dumps(rules))
+    out = tmp_path / "out"
+    _export(str(tmp_path / "ckpt"), str(out), "--config", str(hf), "--rename", str(tmp_path / "rename.json"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    _assert_same(model, src)
+    (tmp_path / "bad.json").write_text('{"nothing.{i}.here": "x"}')
+    from arraycheckpoint.cli import main
+
+    assert (
+        main(["export", str(tmp_path / "ckpt"), str(tmp_path / "o2"), "--rename", str(tmp_path / "bad.json")])
+        == 2
+    )
+
+
+# ------------------------------------------------------------------------------------------ accelerate
+def test_accelerate_prepared_objects_save_and_load(tmp_path: Path) -> None:
+    """accelerate's save_state hard-codes FileSystemWriter; acp.save/acp.load take its prepared model and
+    optimizer as they are (docs/integrations.md)."""
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(cpu=True)
+    model = llama(False, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.03)
+    model, opt = acc.prepare(model, opt)
+    out = model(torch.arange(8).reshape(1, 8)).logits.sum()
+    acc.backward(out)
+    opt.step()
+    acp.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    model2 = llama(False, 1)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    model2, opt2 = acc.prepare(model2, opt2)
+    acp.load(tmp_path / "ckpt", {"model": model2, "optimizer": opt2}, strict=True)
+    _assert_same(acc.unwrap_model(model2), acc.unwrap_model(model))
+    inner, inner2 = opt.optimizer, opt2.optimizer
+    for p, p2 in zip(acc.unwrap_model(model).parameters(), acc.unwrap_model(model2).parameters()):
+        for k, v in inner.state[p].items():
+            assert torch.equal(v, inner2.state[p2][k]), k
+    assert inner2.param_groups[0]["lr"] == 0.03

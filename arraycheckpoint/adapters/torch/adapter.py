@@ -34,6 +34,9 @@ from .tensors import layout, load_shard
 
 # _plain and _restore_like are imported from here by megatron_optim
 
+#: a transformers model's config.json / generation_config.json, stored beside its tensors (``<ns>/~hf_config``)
+HF_CONFIG = "~hf_config"
+
 
 class TorchAdapter(Adapter):
     """Translates torch state; DDP, FSDP1 and FSDP2/DTensor are recognised from the objects."""
@@ -117,6 +120,9 @@ def _save_module(ns: str, view: ModuleView, tensors: list, objects: list, option
         tensors.append(tensor_item(f"{ns}/{fqn}", t, pieces, shape, view.rule_of(t)))
     if view.aliases:
         objects.append(SaveObject(f"{ns}/~aliases", dict(view.aliases)))
+    hf = _hf_config(view.model)
+    if hf:
+        objects.append(SaveObject(f"{ns}/{HF_CONFIG}", hf))
     for fqn, value in view.extra.items():
         save_extra(f"{ns}/{fqn}", value, tensors, objects, options)
 
@@ -160,6 +166,8 @@ def _load_module(
         _expect_tensor(f"{ns}/{fqn}", t, view.layout(t), names, targets, expected, stored_as.get(fqn))
     if names.aliases(ns):
         expected[f"{ns}/~aliases"] = Expected()
+    if f"{ns}/{HF_CONFIG}" in names.meta.objects:
+        expected[f"{ns}/{HF_CONFIG}"] = Expected()  # for export (config.json); nothing to load
     checks: list[tuple[str, str, list[torch.Tensor], list[torch.Tensor]]] = []
     for alias, primary in view.aliases.items():
         # a target that ties two names: a checkpoint storing them separately must hold equal tensors
@@ -188,6 +196,27 @@ def _load_module(
                 )
 
     return finish
+
+
+def _hf_config(model: torch.nn.Module) -> dict[str, Any]:
+    """A transformers model's ``config`` and ``generation_config`` as JSON (what ``save_pretrained`` writes
+    beside the weights), kept so that ``arraycheckpoint export`` writes a directory transformers loads; empty
+    for any other module."""
+    import json
+
+    out = {}
+    for key in ("config", "generation_config"):
+        cfg = getattr(model, key, None)
+        to_json = getattr(cfg, "to_json_string", None)
+        if to_json is None or (key == "config" and not getattr(cfg, "model_type", None)):
+            continue
+        try:
+            doc = json.loads(to_json(use_diff=False) if key == "config" else to_json())
+        except Exception:  # noqa: BLE001 - a config JSON cannot hold: the user passes --config to export
+            continue
+        if isinstance(doc, dict):
+            out[key] = doc
+    return out
 
 
 def _top_level_key_map(
