@@ -11,8 +11,8 @@ Key names: model tensors lose their ``model/`` namespace (``model/layers.0.w`` -
 except when the Hugging Face config says ``tie_word_embeddings``: then once, as ``save_pretrained`` does.
 ``rename`` maps exact keys, ``{i}`` patterns (``decoder.layers.{i}.mlp.linear_fc2.weight`` ->
 ``model.layers.{i}.mlp.down_proj.weight``; any ``{name}`` matches one dot-free component) and ``re:`` regular expressions
-(``re:decoder\\.layers\\.(\\d+)\\.(.*)`` -> ``model.layers.\\1.\\2``, a full match); a rule that matches no key is
-an error.
+(``re:decoder\\.layers\\.(\\d+)\\.(.*)`` -> ``model.layers.\\1.\\2``, a full match); exact keys first, then the patterns in the
+map's order (the first match wins); a rule that matches no key is an error.
 
 Hugging Face files beside the weights (``config.json``, ``generation_config.json``): from ``config`` (a
 ``config.json`` file or a directory holding one), else from the ``model/~hf_config`` object that
