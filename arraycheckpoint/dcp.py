@@ -20,9 +20,17 @@ tensor and its layout.
 Names. DCP flattens nested state dicts to dotted keys and records each key's path (``planner_data``); entries
 are that path joined with ``/``, so FQNs with dots stay unambiguous: ``("model", "layers.0.w")`` ->
 ``model/layers.0.w``, and optimizer state ``("optimizer", "state", "layers.0.w", "exp_avg")`` ->
-``optimizer/layers.0.w/exp_avg`` (the ``state`` level dropped, as :func:`arraycheckpoint.save` names it).
-Non-tensor values (DCP pickles them: ``param_groups``, counters) are kept as opaque bytes in the JSON metadata
-object ``~dcp`` for :class:`Reader`; :func:`arraycheckpoint.load` never unpickles them.
+``optimizer/layers.0.w/exp_avg`` (the ``state`` level dropped, as :func:`arraycheckpoint.save` names it); a
+flattened optimizer (``flatten_optimizer_state_dict=True``: ``optimizer.state.<fqn>.exp_avg``) is stored the
+same way. Key components an entry name cannot hold (``w:1``, ``__w``, ``.w``) are escaped with ``~``; the
+JSON metadata object ``~dcp`` records every key's entry, so :class:`Reader` gives the keys back exactly.
+Non-tensor values (DCP pickles them: ``param_groups``, counters) are kept as DCP's bytes in ``~dcp`` for
+:class:`Reader`; :func:`arraycheckpoint.load` never unpickles them, but reads the JSON copies the Writer also
+stores of an optimizer's ``param_groups`` (``<ns>/~param_groups``) and non-tensor per-parameter state.
+
+Like ``FileSystemWriter``, :class:`Writer` replaces a checkpoint at its path (``overwrite=True``), and it
+leaves a JSON ``.metadata`` file in the checkpoint root for DCP-style resume discovery (torchtitan's
+``_find_load_step``); see docs/integrations.md.
 
 :class:`Reader` also reads checkpoints written by :func:`arraycheckpoint.save` (and Hugging Face / DCP load
 sources): entry ``a/b`` is DCP key ``a.b``, ``ns/fqn/state`` is ``ns.state.fqn.state``.
