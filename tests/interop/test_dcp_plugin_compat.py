@@ -151,6 +151,15 @@ def test_flattened_optimizer_with_top_level_model_fqns_loads_through_acp(tmp_pat
     )
     _assert_same(model, opt, m4, o4)
     assert app.n == 5
+    # the same state dict written by FileSystemWriter loads through acp.load too (allow_pickle: DCP's metadata)
+    theirs = str(tmp_path / "fs")
+    dcp.save({**msd, "optimizer": osd}, checkpoint_id=theirs)
+    m5, o5 = _trained(4, 0.5)
+    acp.load(theirs, {"model": m5, "optimizer": o5}, strict=True, allow_pickle=True)
+    _assert_same(model, opt, m5, o5)
+    # a FileSystemReader pointed at the plug-in's checkpoint fails loudly (its .metadata is JSON, no pickle)
+    with pytest.raises(BaseException, match="pickle|load key"):
+        dcp.load({**msd4}, checkpoint_id=path)
 
 
 def test_async_save_in_one_process(tmp_path: Path) -> None:
