@@ -20,9 +20,17 @@ tensor and its layout.
 Names. DCP flattens nested state dicts to dotted keys and records each key's path (``planner_data``); entries
 are that path joined with ``/``, so FQNs with dots stay unambiguous: ``("model", "layers.0.w")`` ->
 ``model/layers.0.w``, and optimizer state ``("optimizer", "state", "layers.0.w", "exp_avg")`` ->
-``optimizer/layers.0.w/exp_avg`` (the ``state`` level dropped, as :func:`arraycheckpoint.save` names it).
-Non-tensor values (DCP pickles them: ``param_groups``, counters) are kept as opaque bytes in the JSON metadata
-object ``~dcp`` for :class:`Reader`; :func:`arraycheckpoint.load` never unpickles them.
+``optimizer/layers.0.w/exp_avg`` (the ``state`` level dropped, as :func:`arraycheckpoint.save` names it); a
+flattened optimizer (``flatten_optimizer_state_dict=True``: ``optimizer.state.<fqn>.exp_avg``) is stored the
+same way. Key components an entry name cannot hold (``w:1``, ``__w``, ``.w``) are escaped with ``~``; the
+JSON metadata object ``~dcp`` records every key's entry, so :class:`Reader` gives the keys back exactly.
+Non-tensor values (DCP pickles them: ``param_groups``, counters) are kept as DCP's bytes in ``~dcp`` for
+:class:`Reader`; :func:`arraycheckpoint.load` never unpickles them, but reads the JSON copies the Writer also
+stores of an optimizer's ``param_groups`` (``<ns>/~param_groups``) and non-tensor per-parameter state.
+
+Like ``FileSystemWriter``, :class:`Writer` replaces a checkpoint at its path (``overwrite=True``), and it
+leaves a JSON ``.metadata`` file in the checkpoint root for DCP-style resume discovery (torchtitan's
+``_find_load_step``); see docs/integrations.md.
 
 :class:`Reader` also reads checkpoints written by :func:`arraycheckpoint.save` (and Hugging Face / DCP load
 sources): entry ``a/b`` is DCP key ``a.b``, ``ns/fqn/state`` is ``ns.state.fqn.state``.
@@ -37,7 +45,7 @@ import json
 import math
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,7 +53,7 @@ import numpy as np
 from . import __version__
 from ._tscontext import context
 from .codecs import CODEC_PRESET, array_metadata, numpy_dtype, zarr_dtype_name
-from .errors import ArrayCheckpointError, PlanError
+from .errors import ArrayCheckpointError, CheckpointExistsError, PlanError, UnsafeNameError
 from .hierarchy import hierarchy_documents
 from .metadata import CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
 from .plan import PlanOptions, split_chunk
@@ -58,12 +66,15 @@ try:  # the plug-in needs torch; importing arraycheckpoint does not
 except ImportError:  # pragma: no cover - torch absent
     StorageReader = StorageWriter = object  # type: ignore[assignment,misc]
 
-__all__ = ["DCP_OBJECT", "Reader", "Writer", "entry_name", "fit_chunk_grid"]
+__all__ = ["DCP_OBJECT", "Reader", "Writer", "entry_name", "entry_names", "fit_chunk_grid", "native_objects"]
 
 #: JSON object holding DCP's key -> entry mapping and its non-tensor values (base64 of DCP's bytes)
 DCP_OBJECT = "~dcp"
 MAX_BYTE_IO = 16 << 20  # a non-tensor value DCP pickles: param_groups, counters; not data
 FAILED = "~acp-failed"  # a rank's write failure, carried to the coordinator as its WriteResult
+#: the file DCP's resume discovery looks for (torchtitan's ``_find_load_step``); JSON here, never a pickle
+DISCOVERY_FILE = ".metadata"
+_FLAT = ("state.", "param_groups.")  # torch's flatten_optimizer_state_dict keys
 
 
 def _failure(result: Any) -> bool:
@@ -71,14 +82,132 @@ def _failure(result: Any) -> bool:
     return isinstance(result.storage_data, dict) and FAILED in result.storage_data
 
 
+def _escape_part(part: str) -> str:
+    """One key component as an entry name component: as it is when allowed, else escaped with ``~``
+    (``~`` -> ``~~``, ``/`` -> ``~s``, ``\\`` -> ``~b``, ``:`` -> ``~c``, NUL -> ``~0``, a leading ``.`` ->
+    ``~d``, a leading ``__`` -> ``~u_``). FileSystemWriter accepts keys such as ``w:1``, ``__w``, ``.w``;
+    the writer records every key's entry, so a round trip gives the key back exactly."""
+    try:
+        if "/" not in part:
+            return check_name(part)
+    except UnsafeNameError:
+        pass
+    out = (
+        part.replace("~", "~~").replace("/", "~s").replace("\\", "~b").replace(":", "~c").replace("\0", "~0")
+    )
+    if out.startswith("."):
+        out = "~d" + out[1:]
+    if out.startswith("__"):
+        out = "~u" + out[1:]
+    return "~e" + out if out in ("", "zarr.json") else out
+
+
+def _join(parts: Sequence[str]) -> str:
+    return check_name("/".join(_escape_part(p) for p in parts))
+
+
 def entry_name(fqn: str, path: Sequence[Any] | None) -> str:
     """The entry a DCP key is stored under (see the module docstring)."""
     if not path:
-        return check_name(fqn)
+        return _join(fqn.split("/"))
     parts = [str(p) for p in path]
     if len(parts) == 4 and parts[1] == "state":  # optimizer state: <ns>/<param fqn>/<state>
         parts = [parts[0], parts[2], parts[3]]
-    return check_name("/".join(parts))
+    return _join(parts)
+
+
+def _flat_optimizers(paths: Mapping[str, Sequence[Any] | None]) -> set[str]:
+    """Namespaces holding a flattened optimizer state dict (``flatten_optimizer_state_dict=True``, as
+    torchtitan saves): every key below them is ``state.<fqn>.<key>`` or ``param_groups.<fqn>.<hyper>``."""
+    subs: dict[str, list[str | None]] = {}
+    for path in paths.values():
+        if path:
+            subs.setdefault(str(path[0]), []).append(str(path[1]) if len(path) == 2 else None)
+    return {
+        ns
+        for ns, keys in subs.items()
+        if all(k is not None and k.startswith(_FLAT) for k in keys)
+        and any(k is not None and k.startswith("param_groups.") for k in keys)
+    }
+
+
+def _flat_parts(path: Sequence[Any]) -> tuple[str, str, str, str]:
+    """``(namespace, "state" or "param_groups", param fqn, key)`` of a flattened optimizer key's path
+    (state and hyper-parameter names hold no dot; the FQN between them may)."""
+    kind, _, rest = str(path[1]).partition(".")
+    fqn, _, key = rest.rpartition(".")
+    return str(path[0]), kind, fqn, key
+
+
+def entry_names(keys: Iterable[str], paths: Mapping[str, Sequence[Any] | None]) -> dict[str, str]:
+    """DCP key -> entry for every key of one checkpoint: :func:`entry_name`, except that a flattened
+    optimizer's ``<ns>.state.<fqn>.<key>`` is stored as ``<ns>/<fqn>/<key>`` like an unflattened one, so
+    :func:`arraycheckpoint.load` reads it into an optimizer."""
+    flat = _flat_optimizers(paths)
+    out = {}
+    for k in keys:
+        path = paths.get(k)
+        if path and len(path) == 2 and str(path[0]) in flat and str(path[1]).startswith("state."):
+            ns, _, fqn, key = _flat_parts(path)
+            out[k] = _join([ns, fqn, key])
+        else:
+            out[k] = entry_name(k, path)
+    return out
+
+
+def native_objects(
+    names: Mapping[str, str], paths: Mapping[str, Sequence[Any] | None], values: Mapping[str, Any]
+) -> dict[str, ObjectMeta]:
+    """The JSON objects :func:`arraycheckpoint.load` reads, from DCP's non-tensor values (``values``: key ->
+    JSON document, as :func:`arraycheckpoint.extras.encode` makes it): an optimizer's ``param_groups``
+    (DCP's list, or a flattened optimizer's ``param_groups.<fqn>.<hyper>`` gathered into groups of equal
+    hyper-parameters) as ``<ns>/~param_groups``, and non-tensor per-parameter state as ``<ns>/<fqn>/<key>``."""
+    from . import extras
+
+    flat = _flat_optimizers(paths)
+    out: dict[str, ObjectMeta] = {}
+    hyper: dict[str, dict[str, dict[str, Any]]] = {}  # ns -> fqn -> {name: value}
+    indexed: dict[str, dict[int, dict[str, Any]]] = {}  # ns -> group index -> {name: value}
+    for k, doc in values.items():
+        path = [str(p) for p in paths.get(k) or ()]
+        if len(path) == 2 and path[1] == "param_groups":
+            name = _join([path[0], "~param_groups"])
+            out[name] = ObjectMeta(name, "global", doc)
+        elif len(path) == 4 and path[1] == "param_groups" and path[2].isdigit():  # DCP flattens the list
+            indexed.setdefault(path[0], {}).setdefault(int(path[2]), {})[path[3]] = extras.decode(doc, {})
+        elif len(path) == 4 and path[1] == "state":
+            out[names[k]] = ObjectMeta(names[k], "global", doc)
+        elif len(path) == 2 and path[0] in flat:
+            ns, kind, fqn, key = _flat_parts(path)
+            if kind == "state":
+                out[names[k]] = ObjectMeta(names[k], "global", doc)
+            else:
+                hyper.setdefault(ns, {}).setdefault(fqn, {})[key] = extras.decode(doc, {})
+    for ns, by_index in indexed.items():
+        name = _join([ns, "~param_groups"])
+        groups_list = [by_index[i] for i in sorted(by_index)]
+        out[name] = ObjectMeta(name, "global", extras.encode(groups_list, ns, lambda _: False)[0])
+    for ns, by_param in hyper.items():
+        groups: dict[str, dict[str, Any]] = {}
+        for fqn, h in by_param.items():
+            sig = json.dumps(extras.encode(h, ns, lambda _: False)[0], sort_keys=True)
+            groups.setdefault(sig, {**h, "params": []})["params"].append(fqn)
+        name = _join([ns, "~param_groups"])
+        out[name] = ObjectMeta(name, "global", extras.encode(list(groups.values()), ns, lambda _: False)[0])
+    return out
+
+
+def json_value(value: Any) -> Any:
+    """``value`` (a non-tensor DCP value) as a JSON document of :mod:`arraycheckpoint.extras`, or None
+    when JSON cannot hold it (it then stays DCP's bytes only)."""
+    from . import extras
+    from .adapters.torch.optimizer import _plain
+
+    try:
+        doc, arrays = extras.encode(_plain(value), "~dcp", lambda _: False)
+    except Exception:  # noqa: BLE001 - not JSON-able: kept as DCP's bytes only
+        return None
+    return None if arrays else doc
 
 
 def dcp_key(entry: str) -> str:
@@ -146,10 +275,11 @@ class Writer(StorageWriter):
 
     Args:
         path: checkpoint path or URL (as for :func:`arraycheckpoint.save`).
-        overwrite: replace a committed checkpoint at ``path``.
+        overwrite: replace a committed checkpoint at ``path`` (True, as DCP's ``FileSystemWriter``: a loop
+            saving to one ``checkpoint_id`` works); False refuses with "Checkpoint already exists".
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, overwrite: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, overwrite: bool = True) -> None:
         super().__init__()
         self.path = os.fspath(path) if path is not None else None
         self.overwrite = overwrite
@@ -173,17 +303,19 @@ class Writer(StorageWriter):
         from torch.distributed.checkpoint.planner import WriteItemType
 
         storage, final = storage_for(self._require_path())
-        storage.check_target(final, self.overwrite)
+        try:
+            storage.check_target(final, self.overwrite)
+        except CheckpointExistsError as e:
+            raise CheckpointExistsError(f"Checkpoint already exists and overwrite is False: {e}") from None
         staging = storage.staging_root(final, uuid.uuid4().hex[:12])
         paths: dict[str, Any] = {}
         for p in plans:
             paths.update(p.planner_data or {})
-        names: dict[str, str] = {}
+        names = entry_names({i.index.fqn for p in plans for i in p.items}, paths)
         tensors: dict[str, dict[str, Any]] = {}
         for rank, p in enumerate(plans):
             for item in p.items:
                 fqn = item.index.fqn
-                names[fqn] = entry_name(fqn, paths.get(fqn))
                 if item.type == WriteItemType.BYTE_IO:
                     continue
                 td = item.tensor_data
@@ -281,7 +413,9 @@ class Writer(StorageWriter):
                         f"DCP value {item.index.fqn!r} pickles to {len(raw)} bytes (limit {MAX_BYTE_IO}); "
                         "store large data as tensors"
                     )
-                results.append(WriteResult(item.index, len(raw), base64.b64encode(raw).decode()))
+                value = json_value(getattr(planner, "state_dict", {}).get(item.index.fqn))
+                stored = {"b64": base64.b64encode(raw).decode(), "json": value}
+                results.append(WriteResult(item.index, len(raw), stored))
                 continue
             chunk = item.tensor_data.chunk
             box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
@@ -344,17 +478,24 @@ class Writer(StorageWriter):
                 writers,
                 regions=_box_rules(t["items"], group_of),
             )
-        byte_io = {
-            r.index.fqn: r.storage_data for rank in results for r in rank if isinstance(r.storage_data, str)
-        }
+        stored = [
+            (r.index.fqn, r.storage_data)
+            for rank in results
+            for r in rank
+            if isinstance(r.storage_data, dict)
+        ]
+        byte_io = {k: sd["b64"] for k, sd in stored if isinstance(sd.get("b64"), str)}
+        values = {k: sd["json"] for k, sd in stored if sd.get("json") is not None}
         paths = {k: [p if isinstance(p, int) else str(p) for p in v] for k, v in g["paths"].items()}
         dcp_doc = {"version": 1, "keys": names, "paths": paths, "bytes": byte_io}
+        objects = native_objects(names, g["paths"], values)
+        objects[DCP_OBJECT] = ObjectMeta(DCP_OBJECT, "global", value=dcp_doc)
         world = len(results)
         meta = CheckpointMetadata(
             framework="torch",
             world_size=world,
             tensors=tensors,
-            objects={DCP_OBJECT: ObjectMeta(DCP_OBJECT, "global", value=dcp_doc)},
+            objects=objects,
             topology={"world_size": world, "framework": "torch", "writer": "torch.distributed.checkpoint"},
             library_version=__version__,
             codec_preset=CODEC_PRESET,
@@ -368,6 +509,13 @@ class Writer(StorageWriter):
                     tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, name=entry
                 )
             ).encode()
+        docs[DISCOVERY_FILE] = json.dumps(
+            {
+                "format": "arraycheckpoint",
+                "note": "an arraycheckpoint checkpoint (this file lets DCP-style resume discovery find it); "
+                "read it with arraycheckpoint.dcp.Reader or arraycheckpoint.load, not FileSystemReader",
+            }
+        ).encode()
         writes = [kv.write(key, doc) for key, doc in sorted(docs.items())]
         for w in writes:
             w.result()

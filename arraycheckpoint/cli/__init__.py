@@ -132,7 +132,7 @@ def _verify_total(path: str) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..tools.common import open_checkpoint, parse_size
-    from ..tools.export import export_safetensors, export_torch, select
+    from ..tools.export import export_safetensors, export_torch, hf_files, select
 
     try:
         cap = parse_size(args.max_shard_size)
@@ -143,12 +143,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..tools.export import FusedSplit
 
     split = FusedSplit(args.num_heads, args.num_query_groups) if args.num_heads else None
-    entries = select(ckpt, args.what, args.dtype, rename, unstack=args.unstack, split=split)
+    extra = hf_files(ckpt, args.config) if args.format == "safetensors" else {}
+    tie = extra.get("config.json", {}).get("tie_word_embeddings") is True
+    entries = select(
+        ckpt, args.what, args.dtype, rename, unstack=args.unstack, split=split, tie_word_embeddings=tie
+    )
     total = sum(e.nbytes for e in entries)
     with _progress(total, "export", args.progress) as bar:
         if args.format == "safetensors":
             result = export_safetensors(
-                ckpt, args.out, entries, cap, progress=bar.update, overwrite=args.overwrite
+                ckpt, args.out, entries, cap, progress=bar.update, overwrite=args.overwrite, extra_files=extra
             )
         else:
             result = export_torch(ckpt, args.out, entries, progress=bar.update, overwrite=args.overwrite)
@@ -342,7 +346,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shard-size", default="5GB", help="cap per safetensors file, e.g. 5GB, 500MB (default 5GB)"
     )
     p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16, float16, float32")
-    p.add_argument("--rename", metavar="FILE", help="JSON object mapping exported key -> new key")
+    p.add_argument(
+        "--rename",
+        metavar="FILE",
+        help="JSON object mapping exported key -> new key; keys may be {i} patterns or re:<regex> (\\1 in the value)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="Hugging Face config.json, or a directory with config.json [and generation_config.json], to write "
+        "beside the weights (default: the config arraycheckpoint.save stored for a transformers model)",
+    )
     p.add_argument(
         "--unstack", action="store_true", help="megatron: write stacked [L, ...] layers as layers.{i}.* keys"
     )

@@ -2,8 +2,9 @@
 
 A DCP directory holds ``.metadata`` (a pickle of DCP's ``Metadata``: every key's global shape, dtype and
 chunks, and where each chunk is stored) and ``*.distcp`` files. ``.metadata`` is only unpickled with
-``allow_pickle=True``; without it, loading fails saying so. Non-tensor values (DCP pickles them too) are not
-loaded.
+``allow_pickle=True``; without it, loading fails saying so. Non-tensor values (DCP pickles them too:
+``step``, ``param_groups``) are read once when the directory is opened: :class:`arraycheckpoint.dcp.Reader`
+hands them back to DCP, and :func:`arraycheckpoint.load` restores an optimizer's ``param_groups``.
 
 Tensor chunks are stored either as a ``torch.save`` zip archive each (DCP's default) or as raw bytes (DCP's
 safetensors serialization). From a zip only the stored (uncompressed) ``data/0`` entry is used: its bytes are
@@ -73,7 +74,7 @@ class DcpSource(LoadSource):
         import pickle
 
         from ..codecs import zarr_dtype_name
-        from ..dcp import entry_name
+        from ..dcp import entry_names
 
         raw = storage.read(root, DCP_METADATA)
         if raw is None or len(raw) > MAX_METADATA_BYTES:
@@ -87,10 +88,11 @@ class DcpSource(LoadSource):
         where = {(idx.fqn, tuple(idx.offset or ())): info for idx, info in (md.storage_data or {}).items()}
         tensors: dict[str, TensorMeta] = {}
         chunks: dict[str, list[_Chunk]] = {}
+        names = entry_names(md.state_dict_metadata, paths)
         for fqn, sm in md.state_dict_metadata.items():
             if not isinstance(sm, TensorStorageMetadata):
                 continue
-            name = entry_name(fqn, paths.get(fqn))
+            name = names[fqn]
             shape = tuple(int(s) for s in sm.size)
             dtype = zarr_dtype_name(torch_to_numpy(sm.properties.dtype))
             mine = []
@@ -126,8 +128,9 @@ class DcpSource(LoadSource):
                 None,
                 tuple(ShardMeta(c.box.offsets, c.box.lengths, 0) for c in mine),
             )
-        meta = CheckpointMetadata(framework="dcp", world_size=1, tensors=tensors, objects={})
         _check_files(storage, root, chunks)
+        objects = _byte_objects(storage, root, md, names, paths, where)
+        meta = CheckpointMetadata(framework="dcp", world_size=1, tensors=tensors, objects=objects)
         return cls(storage, root, meta, chunks)
 
     @property
@@ -169,6 +172,47 @@ class DcpSource(LoadSource):
                     shard.sink(out)
             rec["bytes"] = reader.fetched
             rec["wanted_bytes"] = reader.wanted
+
+
+def _byte_objects(
+    storage: Any, root: str, md: Any, names: dict[str, str], paths: dict[str, Any], where: dict[Any, Any]
+) -> dict[str, Any]:
+    """DCP's non-tensor values (``step``, ``param_groups``, ...: ``torch.save`` bytes each, read once here,
+    the caller allowed pickles) as :class:`~arraycheckpoint.dcp.Reader` and :func:`arraycheckpoint.load`
+    see them in a checkpoint of :class:`~arraycheckpoint.dcp.Writer`: the ``~dcp`` object (keys, paths,
+    bytes) and the JSON objects of :func:`~arraycheckpoint.dcp.native_objects` (``param_groups``)."""
+    import base64
+    import io
+
+    import tensorstore as ts
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from .._tscontext import context
+    from ..dcp import DCP_OBJECT, MAX_BYTE_IO, json_value, native_objects
+    from ..metadata import ObjectMeta
+
+    kv = ts.KvStore.open(storage.kvstore_spec(root), context=context()).result()
+    raw: dict[str, str] = {}
+    values: dict[str, Any] = {}
+    for fqn, sm in md.state_dict_metadata.items():
+        info = where.get((fqn, ())) if isinstance(sm, BytesStorageMetadata) else None
+        if info is None:
+            continue
+        rel, length = str(info.relative_path), int(info.length)
+        if "/" in rel or rel.startswith(".") or not 0 <= length <= MAX_BYTE_IO:
+            raise MetadataError(f"{root}: value {fqn!r} names an unsafe file {rel!r} or {length} bytes")
+        data = _read(kv, rel, int(info.offset), length, f"{root}/{rel}: value {fqn!r}")
+        raw[fqn] = base64.b64encode(data).decode()
+        value = json_value(torch.load(io.BytesIO(data), weights_only=False))  # noqa: S614 - allow_pickle
+        if value is not None:
+            values[fqn] = value
+    keys = {k: names[k] for k in md.state_dict_metadata}
+    doc_paths = {k: [p if isinstance(p, int) else str(p) for p in v] for k, v in paths.items()}
+    doc = {"version": 1, "keys": keys, "paths": doc_paths, "bytes": raw}
+    objects = native_objects(names, paths, values)
+    objects[DCP_OBJECT] = ObjectMeta(DCP_OBJECT, "global", value=doc)
+    return objects
 
 
 def _data_start(kv: Any, root: str, name: str, c: _Chunk, dtype: np.dtype[Any]) -> int:

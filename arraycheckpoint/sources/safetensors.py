@@ -24,7 +24,15 @@ from ..codecs import numpy_dtype
 from ..errors import InconsistentCheckpointError, MetadataError
 from ..filecheck import open_regular, pread_exact, read_below
 from ..items import LoadTensor
-from ..metadata import MAX_ELEMENTS, MAX_NDIM, CheckpointMetadata, ShardMeta, TensorMeta, check_name
+from ..metadata import (
+    MAX_ELEMENTS,
+    MAX_NDIM,
+    CheckpointMetadata,
+    ObjectMeta,
+    ShardMeta,
+    TensorMeta,
+    check_name,
+)
 from ..monitoring import PhaseRecorder
 from ..safety import load_json_bounded
 from . import LoadSource, _has, local_dir
@@ -36,6 +44,11 @@ NAMESPACE = "model"
 FRAMEWORK = "safetensors"  # the ``framework`` of a safetensors directory's metadata
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 MAX_INDEX_BYTES = 256 << 20
+CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 16 << 20
+#: Hugging Face output-embedding name and the input-embedding names it is tied to (``tie_word_embeddings``)
+OUTPUT_EMBEDDING = "lm_head.weight"
+INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 
 #: safetensors dtype -> zarr v3 data_type name
 DTYPES = {
@@ -194,9 +207,15 @@ class SafetensorsSource(LoadSource):
 
     kind = "safetensors"
 
-    def __init__(self, storage: Any, root: str, tensors: dict[str, StoredTensor]) -> None:
+    def __init__(
+        self, storage: Any, root: str, tensors: dict[str, StoredTensor], aliases: dict[str, str] | None = None
+    ) -> None:
         super().__init__(storage, root)
         self.tensors = tensors
+        objects = {}
+        if aliases:
+            name = f"{NAMESPACE}/~aliases"
+            objects[name] = ObjectMeta(name, "global", dict(aliases))
         self._meta = CheckpointMetadata(
             framework=FRAMEWORK,
             world_size=1,
@@ -212,7 +231,7 @@ class SafetensorsSource(LoadSource):
                 )
                 for n, t in tensors.items()
             },
-            objects={},
+            objects=objects,
         )
 
     @classmethod
@@ -256,7 +275,7 @@ class SafetensorsSource(LoadSource):
                 raise MetadataError(
                     f"{root}/{INDEX_FILE} lists tensors its files do not hold: {', '.join(absent[:10])}"
                 )
-        return cls(storage, root, tensors)
+        return cls(storage, root, tensors, _tied_aliases(storage, root, tensors))
 
     @property
     def metadata(self) -> CheckpointMetadata:
@@ -272,6 +291,23 @@ class SafetensorsSource(LoadSource):
             reader.finish()
             rec["bytes"] = reader.fetched
             rec["wanted_bytes"] = reader.wanted
+
+
+def _tied_aliases(storage: Any, root: str, tensors: Mapping[str, StoredTensor]) -> dict[str, str]:
+    """The tied output embedding the directory stores once: ``{"lm_head.weight": "<...>embed_tokens.weight"}``
+    when its ``config.json`` says ``tie_word_embeddings`` (transformers' default) and only the input embedding
+    is stored; empty otherwise (no config, untied, or no single input embedding)."""
+    if f"{NAMESPACE}/{OUTPUT_EMBEDDING}" in tensors or not storage.exists(root, CONFIG_FILE):
+        return {}
+    try:
+        config = json.loads(_read_bounded(storage, root, CONFIG_FILE, MAX_CONFIG_BYTES))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MetadataError(f"{root}/{CONFIG_FILE} is not JSON ({e})") from None
+    if not isinstance(config, dict) or config.get("tie_word_embeddings", True) is not True:
+        return {}
+    prefix = f"{NAMESPACE}/"
+    found = [n[len(prefix) :] for n in tensors if n.endswith(INPUT_EMBEDDINGS)]
+    return {OUTPUT_EMBEDDING: found[0]} if len(found) == 1 else {}
 
 
 def _zarr_name(t: StoredTensor) -> str:

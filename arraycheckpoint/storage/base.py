@@ -105,8 +105,13 @@ class Storage(ABC):
         self._retry("write", f"{root}/{key}", lambda: self._kv(root).write(key, data).result())
 
     def exists(self, root: str, key: str) -> bool:
-        """Whether ``root/key`` holds a value."""
-        return self.read(root, key) is not None
+        """Whether ``root/key`` holds a value, without reading it: an empty byte range, which tensorstore's
+        object-store drivers (s3, gcs, http) send as a HEAD request and its file driver as a stat."""
+
+        def op() -> bool:
+            return bool(self._kv(root).read(key, byte_range=slice(0, 0)).result().state == "value")
+
+        return bool(self._retry("exists", f"{root}/{key}", op))
 
     def list(self, root: str) -> list[str]:
         """Every key below ``root`` (relative, sorted)."""

@@ -148,6 +148,22 @@ class LocalStorage(Storage):
                 )
             return f.read(MAX_METADATA_BYTES + 1)
 
+    def exists(self, root: str, key: str) -> bool:
+        """Whether ``root/key`` is a file, by a stat of the descriptor (never a read; links refused as in
+        :meth:`read`)."""
+        fd = _open_below(root, key)
+        if fd is None:
+            return False
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+        if not regular:
+            raise CorruptCheckpointError(
+                f"{os.path.join(root, key)} is not a regular file; a checkpoint holds only regular files"
+            )
+        return True
+
     def delete(self, root: str) -> None:
         try:
             shutil.rmtree(root)

@@ -7,7 +7,17 @@ about one output file (twice that when casting), never the model size.
 
 Key names: model tensors lose their ``model/`` namespace (``model/layers.0.w`` -> ``layers.0.w``), as
 ``model.state_dict()`` names them; with ``what="all"`` other tensors keep their full names
-(``optimizer/layers.0.w/exp_avg``). Tied weights recorded in ``model/~aliases`` are written under every name.
+(``optimizer/layers.0.w/exp_avg``). Tied weights recorded in ``model/~aliases`` are written under every name,
+except when the Hugging Face config says ``tie_word_embeddings``: then once, as ``save_pretrained`` does.
+``rename`` maps exact keys, ``{i}`` patterns (``decoder.layers.{i}.mlp.linear_fc2.weight`` ->
+``model.layers.{i}.mlp.down_proj.weight``; any ``{name}`` matches one dot-free component) and ``re:`` regular expressions
+(``re:decoder\\.layers\\.(\\d+)\\.(.*)`` -> ``model.layers.\\1.\\2``, a full match); exact keys first, then the patterns in the
+map's order (the first match wins); a rule that matches no key is an error.
+
+Hugging Face files beside the weights (``config.json``, ``generation_config.json``): from ``config`` (a
+``config.json`` file or a directory holding one), else from the ``model/~hf_config`` object that
+:func:`arraycheckpoint.save` stores for a transformers model; the index names the checkpoint by its base name
+only (no absolute path).
 ``--format torch`` writes one ``torch.save`` file of the same dict (for small models: it is built in memory).
 
 Megatron checkpoints (``--unstack``): stacked ``[L, ...]`` layer arrays become per-layer keys
@@ -25,6 +35,7 @@ import glob
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +103,84 @@ class ExportResult:
     tensors: int = 0
 
 
+HF_CONFIG = "model/~hf_config"  # {"config": {...}, "generation_config": {...}} of a transformers model
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def hf_files(ckpt: Checkpoint, config: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """``{file name: JSON document}`` of the Hugging Face files an export writes beside the weights: from
+    ``config`` (a ``config.json`` file, or a directory with ``config.json`` and maybe
+    ``generation_config.json``), else from what the checkpoint stored (``model/~hf_config``), else none."""
+    if config is not None:
+        path = os.fspath(config)
+        paths = (
+            {n: os.path.join(path, n) for n in CONFIG_FILES} if os.path.isdir(path) else {"config.json": path}
+        )
+        out = {}
+        for name, p in paths.items():
+            if not os.path.isfile(p):
+                if name == "config.json":
+                    raise ArrayCheckpointError(f"--config {path}: no config.json there")
+                continue
+            try:
+                with open(p) as f:
+                    out[name] = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ArrayCheckpointError(f"--config: cannot read {p}: {e}") from None
+            if not isinstance(out[name], dict):
+                raise ArrayCheckpointError(f"--config: {p} is not a JSON object")
+        return out
+    stored = ckpt.meta.objects.get(HF_CONFIG)
+    doc = stored.value if stored is not None and isinstance(stored.value, dict) else {}
+    keys = {"config": "config.json", "generation_config": "generation_config.json"}
+    return {keys[k]: v for k, v in doc.items() if k in keys and isinstance(v, dict)}
+
+
+class Renamer:
+    """Output key renaming: exact keys, ``{name}`` patterns and ``re:`` regular expressions (module doc)."""
+
+    def __init__(self, rename: Mapping[str, str] | None) -> None:
+        self.exact: dict[str, str] = {}
+        self.patterns: list[tuple[str, re.Pattern[str], str, bool]] = []  # (rule, regex, template, is_re)
+        for old, new in (rename or {}).items():
+            if old.startswith("re:"):
+                try:
+                    self.patterns.append((old, re.compile(old[3:]), new, True))
+                except re.error as e:
+                    raise ArrayCheckpointError(
+                        f"rename rule {old!r} is not a regular expression: {e}"
+                    ) from None
+            elif re.search(r"\{\w+\}", old):
+                parts = re.split(r"\{(\w+)\}", old)
+                regex = "".join(
+                    re.escape(p) if i % 2 == 0 else f"(?P<{p}>[^.]+)" for i, p in enumerate(parts)
+                )
+                self.patterns.append((old, re.compile(regex), new, False))
+            else:
+                self.exact[old] = new
+        self.used: set[str] = set()
+
+    def __call__(self, key: str) -> str:
+        if key in self.exact:
+            self.used.add(key)
+            return self.exact[key]
+        for rule, regex, template, is_re in self.patterns:
+            m = regex.fullmatch(key)
+            if m is None:
+                continue
+            self.used.add(rule)
+            try:
+                return m.expand(template) if is_re else template.format(**m.groupdict())
+            except (re.error, KeyError, IndexError) as e:
+                raise ArrayCheckpointError(
+                    f"rename rule {rule!r} -> {template!r} does not apply: {e}"
+                ) from None
+        return key
+
+    def unused(self) -> list[str]:
+        return sorted((set(self.exact) | {p[0] for p in self.patterns}) - self.used)
+
+
 def select(
     ckpt: Checkpoint,
     what: str = "model",
@@ -99,6 +188,7 @@ def select(
     rename: Mapping[str, str] | None = None,
     unstack: bool = False,
     split: FusedSplit | None = None,
+    tie_word_embeddings: bool = False,
 ) -> list[ExportEntry]:
     """The output keys of an export, in name order; raises on clashes after renaming.
 
@@ -108,6 +198,8 @@ def select(
         rename: output key -> new output key (keys not in it keep their names).
         unstack: write megatron's stacked layers as per-layer keys (see the module docstring).
         split: with ``unstack``, split fused ``linear_qkv`` / gated ``linear_fc1`` tensors.
+        tie_word_embeddings: write a tied weight once (the Hugging Face config ties the embeddings), not
+            under each of its names.
     """
     if what not in ("model", "all"):
         raise ArrayCheckpointError(f"--what must be 'model' or 'all', not {what!r}")
@@ -126,7 +218,7 @@ def select(
     elif split is not None:
         raise ArrayCheckpointError("splitting fused tensors needs --unstack (megatron checkpoints)")
     aliases = meta.objects.get("model/~aliases")
-    if aliases is not None and isinstance(aliases.value, dict):
+    if aliases is not None and isinstance(aliases.value, dict) and not tie_word_embeddings:
         for alias, target in sorted(aliases.value.items()):
             if f"model/{target}" in meta.tensors:
                 pairs.append((f"model/{target}", str(alias)))
@@ -135,16 +227,13 @@ def select(
             f"checkpoint {ckpt.root} has no tensors to export with --what {what} (namespaces: "
             f"{sorted({n.split('/', 1)[0] for n in meta.tensors}) or 'none'}); try --what all"
         )
-    rename = dict(rename or {})
-    unknown = sorted(set(rename) - {p[1] for p in pairs})
-    if unknown:
-        raise ArrayCheckpointError(f"rename map names keys that are not exported: {unknown[:10]}")
+    renamer = Renamer(rename)
     entries = []
     seen: dict[str, str] = {}
     for pair in pairs:
         stored, key = pair[0], pair[1]
         index, rows = pair[2:] if len(pair) == 4 else ((), ())
-        key = rename.get(key, key)
+        key = renamer(key)
         if key in seen:
             raise ArrayCheckpointError(
                 f"export key {key!r} would come from both {seen[key]!r} and {stored!r}; fix the rename map"
@@ -157,6 +246,9 @@ def select(
             shape[0] = sum(b - a for a, b in rows)
         nbytes = math.prod(shape) * numpy_dtype(out).itemsize
         entries.append(ExportEntry(stored, key, out, nbytes, tuple(index), tuple(rows)))
+    unknown = renamer.unused()
+    if unknown:
+        raise ArrayCheckpointError(f"rename map names keys that are not exported: {unknown[:10]}")
     return entries
 
 
@@ -241,8 +333,10 @@ def export_safetensors(
     max_shard_size: int,
     progress: Callable[[int], None] | None = None,
     overwrite: bool = False,
+    extra_files: Mapping[str, Any] | None = None,
 ) -> ExportResult:
-    """Write ``entries`` as sharded safetensors plus the index into ``out_dir`` (created if needed).
+    """Write ``entries`` as sharded safetensors plus the index into ``out_dir`` (created if needed), and
+    ``extra_files`` (``{name: JSON document}``: ``config.json``, ``generation_config.json``) beside them.
 
     Raises :class:`ArrayCheckpointError` when ``out_dir`` already holds safetensors files, unless
     ``overwrite`` (then they are removed first).
@@ -252,8 +346,9 @@ def export_safetensors(
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     stale = sorted(glob.glob(os.path.join(out_dir, "*.safetensors")))
-    if os.path.exists(os.path.join(out_dir, INDEX_FILE)):
-        stale.append(os.path.join(out_dir, INDEX_FILE))
+    for name in (INDEX_FILE, *(extra_files or {})):
+        if os.path.exists(os.path.join(out_dir, name)):
+            stale.append(os.path.join(out_dir, name))
     if stale and not overwrite:
         raise ArrayCheckpointError(
             f"{out_dir} already holds safetensors files ({os.path.basename(stale[0])}, ...); export into an empty "
@@ -284,7 +379,7 @@ def export_safetensors(
         "metadata": {
             "total_size": result.total_size,
             "format": "arraycheckpoint",
-            "source": ckpt.root,
+            "source": os.path.basename(ckpt.root.rstrip("/")),
             "step": ckpt.meta.step,
         },
         "weight_map": dict(sorted(weight_map.items())),
@@ -293,6 +388,10 @@ def export_safetensors(
     with open(result.index, "w") as f:
         json.dump(index, f, indent=2)
         f.write("\n")
+    for name, doc in (extra_files or {}).items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
     return result
 
 

@@ -117,3 +117,45 @@ def test_export_unstack_splits_qkv_and_fc1_with_rename(megatron_ckpt, tmp_path: 
         norm = source["decoder.layers.self_attention.linear_qkv.layer_norm_weight"][i]
         assert np.array_equal(got[f"decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight"], norm)
     assert not any("linear_qkv.weight" in k or "linear_fc1.weight" in k for k in got)
+
+
+@pytest.mark.multiprocess
+def test_export_unstack_with_query_groups_and_pattern_rename(megatron_ckpt, tmp_path: Path) -> None:
+    """A megatron GPTModel (TP=2) exported to Llama-style names with ``--num-heads --num-query-groups`` and a
+    few ``{i}`` / ``re:`` rules instead of one exact rule per layer and tensor (first matching rule wins)."""
+    path, source = megatron_ckpt
+    out = tmp_path / "hf"
+    rules = {
+        "decoder.layers.{i}.self_attention.linear_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+        "decoder.layers.{i}.self_attention.{p}_proj.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
+        r"re:decoder\.layers\.(\d+)\.mlp\.(gate|up)_proj\.weight": r"model.layers.\1.mlp.\2_proj.weight",
+        "decoder.layers.{i}.mlp.linear_fc2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    }
+    (tmp_path / "rename.json").write_text(json.dumps(rules))
+    argv = [
+        "export",
+        path,
+        str(out),
+        "--unstack",
+        "--num-heads",
+        str(HEADS),
+        "--num-query-groups",
+        str(HEADS),
+    ]
+    assert main([*argv, "--rename", str(tmp_path / "rename.json")]) == 0
+    got = _read_dir(out)
+    qkv = source["decoder.layers.self_attention.linear_qkv.weight"]
+    fc1 = source["decoder.layers.mlp.linear_fc1.weight"]
+    half = fc1.shape[1] // 2
+    for i in range(LAYERS):
+        q, k, v = reference_qkv(qkv[i], HEADS, HEADS)
+        for name, want in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            assert np.array_equal(got[f"model.layers.{i}.self_attn.{name}.weight"], want), (i, name)
+        assert np.array_equal(got[f"model.layers.{i}.mlp.gate_proj.weight"], fc1[i, :half])
+        assert np.array_equal(got[f"model.layers.{i}.mlp.up_proj.weight"], fc1[i, half:])
+        fc2 = source["decoder.layers.mlp.linear_fc2.weight"][i]
+        assert np.array_equal(got[f"model.layers.{i}.mlp.down_proj.weight"], fc2)
+        proj = source["decoder.layers.self_attention.linear_proj.weight"][i]
+        assert np.array_equal(got[f"model.layers.{i}.self_attn.o_proj.weight"], proj)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not os.path.isabs(index["metadata"]["source"])

@@ -127,7 +127,8 @@ class FaultProxy:
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(proxy.body)))
                     self.end_headers()
-                    self.wfile.write(proxy.body)
+                    if self.command != "HEAD":  # a HEAD response has no body (exists() sends HEAD)
+                        self.wfile.write(proxy.body)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
                 headers = {k: v for k, v in self.headers.items()}

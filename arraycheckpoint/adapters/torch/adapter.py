@@ -34,6 +34,9 @@ from .tensors import layout, load_shard
 
 # _plain and _restore_like are imported from here by megatron_optim
 
+#: a transformers model's config.json / generation_config.json, stored beside its tensors (``<ns>/~hf_config``)
+HF_CONFIG = "~hf_config"
+
 
 class TorchAdapter(Adapter):
     """Translates torch state; DDP, FSDP1 and FSDP2/DTensor are recognised from the objects."""
@@ -75,7 +78,7 @@ class TorchAdapter(Adapter):
         expected: dict[str, Expected] = {}
         finishers: list[Callable[[], None]] = []
         dropped: set[str] = set()
-        names = StoredNames(meta, options.key_map)
+        names = StoredNames(meta, _top_level_key_map(meta, modules, options.key_map))
         views = {ns: ModuleView(m) for ns, m in modules.items()}
         result = dict(state)
         for ns in modules:
@@ -117,6 +120,9 @@ def _save_module(ns: str, view: ModuleView, tensors: list, objects: list, option
         tensors.append(tensor_item(f"{ns}/{fqn}", t, pieces, shape, view.rule_of(t)))
     if view.aliases:
         objects.append(SaveObject(f"{ns}/~aliases", dict(view.aliases)))
+    hf = _hf_config(view.model)
+    if hf:
+        objects.append(SaveObject(f"{ns}/{HF_CONFIG}", hf))
     for fqn, value in view.extra.items():
         save_extra(f"{ns}/{fqn}", value, tensors, objects, options)
 
@@ -128,9 +134,11 @@ def _expect_tensor(
     names: StoredNames,
     targets: list[LoadTensor],
     expected: dict[str, Expected],
+    stored: str | None = None,
 ) -> LoadTensor | None:
-    """Plan reading target tensor ``name`` (global shape and local pieces ``placed``) from its stored entry."""
-    stored = names(name)
+    """Plan reading target tensor ``name`` (global shape and local pieces ``placed``) from its stored entry
+    (``stored``, default: what ``names`` maps ``name`` to)."""
+    stored = stored or names(name)
     if stored is None:
         return None
     shape, pieces = placed
@@ -148,18 +156,25 @@ def _load_module(
     expected: dict[str, Expected],
     dropped: set[str],
 ) -> Callable[[], None]:
-    """Plan a module's tensors; ``finish`` checks that tied target weights were stored equal."""
+    """Plan a module's tensors; ``finish`` checks that tied target weights were stored equal.
+
+    A weight the target ties under several names loads from whichever of them the checkpoint stores (a
+    Hugging Face directory stores a tied weight once, under one of its names, e.g. ``embed_tokens``).
+    """
+    stored_as = _tied_stored_names(ns, view, names)
     for fqn, t in view.tensors.items():
-        _expect_tensor(f"{ns}/{fqn}", t, view.layout(t), names, targets, expected)
+        _expect_tensor(f"{ns}/{fqn}", t, view.layout(t), names, targets, expected, stored_as.get(fqn))
     if names.aliases(ns):
         expected[f"{ns}/~aliases"] = Expected()
+    if f"{ns}/{HF_CONFIG}" in names.meta.objects:
+        expected[f"{ns}/{HF_CONFIG}"] = Expected()  # for export (config.json); nothing to load
     checks: list[tuple[str, str, list[torch.Tensor], list[torch.Tensor]]] = []
     for alias, primary in view.aliases.items():
         # a target that ties two names: a checkpoint storing them separately must hold equal tensors
         a_name, p_name = f"{ns}/{alias}", f"{ns}/{primary}"
-        stored, primary_stored = names(a_name), names(p_name)
-        if stored is None or stored == primary_stored:
-            continue
+        stored, primary_stored = names(a_name), stored_as.get(primary) or names(p_name)
+        if stored is None or stored == primary_stored or stored not in names.meta.tensors:
+            continue  # stored once (under the primary's name or the alias's): nothing to compare
         t = view.tensors[primary]
         shape, pieces = view.layout(t)
         copies = [torch.empty_like(v) for _, v in pieces]
@@ -181,6 +196,66 @@ def _load_module(
                 )
 
     return finish
+
+
+def _hf_config(model: torch.nn.Module) -> dict[str, Any]:
+    """A transformers model's ``config`` and ``generation_config`` as JSON (what ``save_pretrained`` writes
+    beside the weights), kept so that ``arraycheckpoint export`` writes a directory transformers loads; empty
+    for any other module."""
+    import json
+
+    out = {}
+    for key in ("config", "generation_config"):
+        cfg = getattr(model, key, None)
+        to_json = getattr(cfg, "to_json_string", None)
+        if to_json is None or (key == "config" and not getattr(cfg, "model_type", None)):
+            continue
+        try:
+            doc = json.loads(to_json(use_diff=False) if key == "config" else to_json())
+        except Exception:  # noqa: BLE001 - a config JSON cannot hold: the user passes --config to export
+            continue
+        if isinstance(doc, dict):
+            out[key] = doc
+    return out
+
+
+def _top_level_key_map(
+    meta: CheckpointMetadata,
+    modules: Mapping[str, torch.nn.Module],
+    key_map: Callable[[str], str | None] | None,
+) -> Callable[[str], str | None] | None:
+    """``key_map`` extended for model FQNs stored at the top level (no namespace), as torchtitan saves
+    through DCP (``tok_embeddings.weight`` beside ``optimizer/...``): when exactly one target module's
+    namespace has nothing stored under it and the checkpoint has top-level tensors, that module's
+    ``<ns>/<fqn>`` reads ``<fqn>`` (only where ``<ns>/<fqn>`` itself is not stored). Ambiguous cases (two
+    such modules) are left to an explicit ``key_map`` (``lambda n: n.split("/", 1)[1]``)."""
+    top = {n for n in meta.tensors if "/" not in n}
+    bare = [ns for ns in modules if not any(n.startswith(ns + "/") for n in meta.tensors)]
+    if not top or len(bare) != 1:
+        return key_map
+    prefix = bare[0] + "/"
+
+    def mapped(name: str) -> str | None:
+        stored = key_map(name) if key_map else name
+        if stored is not None and stored.startswith(prefix) and stored not in meta.tensors:
+            fqn = stored[len(prefix) :]
+            return fqn if fqn in top else stored
+        return stored
+
+    return mapped
+
+
+def _tied_stored_names(ns: str, view: ModuleView, names: StoredNames) -> dict[str, str]:
+    """``{primary fqn: stored entry}`` for each tied target weight whose primary name the checkpoint does not
+    hold but one of its other names does (the entry under that other name)."""
+    out: dict[str, str] = {}
+    for alias, primary in view.aliases.items():
+        if primary in out or names(f"{ns}/{primary}") in names.meta.tensors:
+            continue
+        stored = names(f"{ns}/{alias}")
+        if stored is not None and stored in names.meta.tensors:
+            out[primary] = stored
+    return out
 
 
 def _load_module_extra(
