@@ -10,6 +10,7 @@ A tensor's layout is the list of ``(global box, local view)`` pairs it holds on 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,11 +174,11 @@ class FlatFragment:
 
 
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (and sympy) for a state that
+    has none: a DTensor can only exist once that module was imported."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
 
 
 def layout(
