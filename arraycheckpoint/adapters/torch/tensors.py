@@ -111,6 +111,17 @@ class TorchSource:
             return t.view(torch_int).numpy().view(np_dtype)
         return t.numpy()
 
+    def region(self, shape: tuple[int, ...], index: tuple[slice, ...]) -> TorchSource | None:
+        """A source of the part ``index`` of this region seen with ``shape`` (its box's lengths), or None when
+        the tensor cannot be viewed with that shape (the engine then copies the whole region)."""
+        t = self.tensor.detach()
+        if tuple(t.shape) != tuple(shape):
+            try:
+                t = t.view(shape)
+            except RuntimeError:
+                return None
+        return TorchSource(t[index])
+
     def copy_into(self, out: np.ndarray) -> Any:
         """Fill ``out``; returns None when done, or a fence (``wait()``) for an asynchronous device copy."""
         src = self.tensor.detach()
