@@ -8,8 +8,9 @@ destination; here each inner chunk the destination holds whole and contiguously 
 ``preadv`` into the destination itself (the other inner chunks into one scratch buffer, then the part
 wanted is copied out), and both checksums are verified with the hardware CRC32C.
 
-Only the exact layout a save writes is read here (every inner chunk present at its exact size, the file
-exactly as long as that layout); anything else returns False and the caller reads that region through
+Only the layout a save writes is read here (every inner chunk the region needs present at its exact size
+inside the file; tensorstore leaves out an edge chunk's inner chunks beyond the array); anything else returns
+False and the caller reads that region through
 tensorstore, which reads every valid zarr shard. The files were checked first
 (:func:`arraycheckpoint.safety.check_chunk_files`: regular files, no link on the path, sizes bounded); a file
 is opened without following a link all the same. A checksum that does not match raises
@@ -97,8 +98,10 @@ class ChunkReader:
             return False  # tensorstore reports a missing or unreadable file in its own words
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != data_end + table_len:
+            # a whole chunk holds every inner chunk; an edge chunk's inner chunks outside the array may be absent
+            if not stat.S_ISREG(st.st_mode) or not table_len <= st.st_size <= data_end + table_len:
                 return False
+            data_end = st.st_size - table_len
             table = os.pread(fd, table_len, data_end)
             if len(table) != table_len:
                 return False
@@ -117,7 +120,7 @@ class ChunkReader:
                 offset, nbytes = entries[2 * k], entries[2 * k + 1]
                 if nbytes != inner_bytes + 4 or offset + nbytes > data_end:
                     return False
-                dest = out[part.slices(box)]
+                dest = out[(*part.slices(box), ...)]  # a view, also of a 0-d array
                 if part == block and dest.flags.c_contiguous:
                     data = dest.reshape(-1).view(np.uint8)  # straight into the destination
                 else:
@@ -142,4 +145,6 @@ class ChunkReader:
 
 
 def _corrupt(tm: Any, path: str, why: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"tensor {tm.name!r}: {path} is damaged: {why} (DATA_LOSS: digest mismatch)")
+    return CorruptCheckpointError(
+        f"tensor {tm.name!r}: {path} is damaged: {why} (DATA_LOSS: digest mismatch)"
+    )

@@ -277,7 +277,15 @@ class LoadPipeline:
                             return stores[name]
 
                         pending, total = _read_direct(
-                            direct, t, stored, store_of, inflight, pending, total, max_inflight_bytes, drain_one
+                            direct,
+                            t,
+                            stored,
+                            store_of,
+                            inflight,
+                            pending,
+                            total,
+                            max_inflight_bytes,
+                            drain_one,
                         )
                         continue
                     if t.name not in stores:  # packed: decoded here, or opened now
