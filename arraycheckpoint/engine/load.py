@@ -210,7 +210,8 @@ class LoadPipeline:
             for t in targets:
                 wanted.setdefault(t.name, []).extend(s.box for s in t.shards)
             for t in targets:
-                check_name(t.name)
+                if t.name not in meta.tensors:  # the metadata's own names were checked once, when parsed
+                    check_name(t.name)
             # checked zarr.json (or the preset's metadata), crc32c required; no zstd bomb (links and FIFOs:
             # refused by check_chunk_files above)
             # the stored files of what this rank reads, and only those (see check_chunk_files)
