@@ -87,6 +87,8 @@ def _ddp_snapshot_body(rank: int, world: int, tmp: str) -> dict:
 
     model, opt = build(0)
     step(model, opt)
+    if rank == 0:  # buffers for every whole shard: rank 0's snapshots carve the regions out of them
+        acp.prepare({"model": model, "optimizer": opt})
     # chunks far smaller than the tensors: every replicated tensor is split among the ranks' writes
     options = PlanOptions(
         min_chunk_bytes=1024, max_chunk_bytes=2048, inner_chunk_bytes=512, pack_array_bytes=0
@@ -122,7 +124,8 @@ def _ddp_snapshot_body(rank: int, world: int, tmp: str) -> dict:
 def test_ddp_snapshot_copies_only_what_each_rank_writes(tmp_path: Path) -> None:
     """DDP at 3 gloo ranks, ``save_async`` on the first save (planned before the snapshot) and on a cached one:
     each rank copies into host buffers exactly the bytes of the chunks it writes (a third of the state, not
-    all of it), and both checkpoints reload bit-exactly with the values at the time of the save."""
+    all of it), from buffers ``acp.prepare`` reserved (rank 0) or of the regions' sizes (the others), and both
+    checkpoints reload bit-exactly with the values at the time of the save."""
     sys.path.insert(0, str(ROOT / "tests"))
     from dist import run_distributed
 

@@ -158,9 +158,24 @@ class SavePipeline:
                         job.local.setdefault(t.name, []).append((shard.box, view))  # immutable: no copy
                         nbytes += view.nbytes
                         continue
-                    for box, source in _copy_regions(shard, parts):
-                        buf = self._pool.take(box.lengths, dtype)
-                        job.buffers.append(buf)
+                    regions = _copy_regions(shard, parts)
+                    # a buffer of the whole shard that acp.prepare reserved: the regions are carved out of it
+                    # (no allocation on the blocking path of a first save), else one buffer per region
+                    whole = (
+                        self._pool.take_idle(shard.box.lengths, dtype)
+                        if len(regions) > 1 or (regions[0][0] != shard.box)
+                        else None
+                    )
+                    if whole is not None:
+                        job.buffers.append(whole)
+                    cursor = 0
+                    for box, source in regions:
+                        if whole is not None:
+                            buf = whole.reshape(-1)[cursor : cursor + box.volume].reshape(box.lengths)
+                            cursor += box.volume
+                        else:
+                            buf = self._pool.take(box.lengths, dtype)
+                            job.buffers.append(buf)
                         fence = source.copy_into(buf)
                         if fence is not None:
                             job.fences.append(fence)
