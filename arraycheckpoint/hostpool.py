@@ -127,6 +127,7 @@ class HostBufferPool:
         self._slab_used = 0
         self._slabs: list[_Region] = []
         self._warned = False
+        self._reserved: set[int] = set()  # byte sizes reserve() prepared (take_idle hands out only those)
         self.pinned_bytes = 0
         self.pageable_bytes = 0
         self.hits = 0
@@ -168,6 +169,23 @@ class HostBufferPool:
             self._in_use[block.region.address + block.offset] = block
         return block.array()[:nbytes].view(dtype).reshape(shape)
 
+    def take_idle(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """An idle buffer of ``shape`` and ``dtype`` (as :meth:`take`) of a size :meth:`reserve` prepared, or
+        None: never allocates. A snapshot that copies parts of a region carves them out of the buffer
+        ``acp.prepare`` reserved for the whole region, when there is one."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = _round(max(nbytes, 1))
+        with self._lock:
+            free = self._free.get(size) if size in self._reserved else None
+            if not free:
+                return None
+            block = free.pop()
+            self._idle_large.pop(id(block), None)
+            self.hits += 1
+            self._in_use[block.region.address + block.offset] = block
+        return block.array()[:nbytes].view(dtype).reshape(shape)
+
     def give(self, buffers: Iterable[np.ndarray]) -> None:
         """Return buffers from :meth:`take`; arrays the pool did not hand out are ignored."""
         with self._lock:
@@ -187,6 +205,8 @@ class HostBufferPool:
     def reserve(self, sizes: Iterable[tuple[tuple[int, ...], np.dtype]]) -> None:
         """Allocate (prefault, pin) buffers for these shapes now, so a later save finds them ready."""
         taken = [self.take(shape, dtype) for shape, dtype in sizes]
+        with self._lock:
+            self._reserved.update(_round(max(b.nbytes, 1)) for b in taken)
         self.give(taken)
 
     def clear(self) -> None:
@@ -194,6 +214,7 @@ class HostBufferPool:
         with self._lock:
             self._free.clear()
             self._idle_large.clear()
+            self._reserved.clear()
             self._slab, self._slab_used = None, 0
             live = {id(b.region): b.region for b in self._in_use.values()}.values()
             self._slabs = [r for r in live if r in self._slabs]

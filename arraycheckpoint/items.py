@@ -23,7 +23,9 @@ class HostSource(Protocol):
     A source may also offer ``stable_view() -> np.ndarray | None``: a host array that will not change until
     the save completes (immutable jax arrays on CPU), and ``borrowed_view() -> np.ndarray | None``: a host
     array valid while the caller waits for the commit (a blocking ``save()``). The engine then writes from
-    it without a staging copy.
+    it without a staging copy. ``region(shape, index) -> HostSource | None`` (optional): a source of the part
+    ``index`` of the region seen with ``shape`` (the region's lengths), so a snapshot copies only the chunks
+    this rank writes; without it (or when it returns None) the whole region is copied.
     """
 
     def copy_into(self, out: np.ndarray) -> Any:
@@ -40,6 +42,13 @@ class ArraySource:
 
     def copy_into(self, out: np.ndarray) -> None:
         np.copyto(out, np.asarray(self.array).reshape(out.shape), casting="no")
+
+    def region(self, shape: tuple[int, ...], index: tuple[slice, ...]) -> ArraySource | None:
+        """The part ``index`` of a numpy region seen with ``shape`` (other arrays: None, copied whole)."""
+        a = self.array
+        if type(a) is not np.ndarray or (a.shape != tuple(shape) and not a.flags.c_contiguous):
+            return None
+        return ArraySource(a.reshape(shape)[index])
 
 
 @dataclass

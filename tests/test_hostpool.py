@@ -120,6 +120,21 @@ def test_reserve_makes_later_takes_hits():
     assert pool.stats()["misses"] == misses and len({_addr(b) for b in bufs}) == 3
 
 
+def test_take_idle_hands_out_only_reserved_sizes_and_never_allocates():
+    pool = HostBufferPool(pinned_budget=1 << 30)
+    assert pool.take_idle((64, 64), np.float32) is None  # nothing reserved
+    pool.give([pool.take((64, 64), np.float32)])
+    assert pool.take_idle((64, 64), np.float32) is None  # idle, but not of a size reserve() prepared
+    pool.reserve([((32, 32), np.dtype(np.float32))])
+    misses = pool.stats()["misses"]
+    buf = pool.take_idle((32, 32), np.float32)
+    assert buf is not None and buf.shape == (32, 32) and buf.dtype == np.float32
+    assert pool.take_idle((32, 32), np.float32) is None  # the one reserved buffer is in use
+    pool.give([buf])
+    assert pool.take_idle((32, 32), np.float32) is not None
+    assert pool.stats()["misses"] == misses
+
+
 def test_prepare_fills_the_pool_for_the_first_save(tmp_path):
     torch = pytest.importorskip("torch")
     from arraycheckpoint.hostpool import shared_pool

@@ -7,6 +7,7 @@ This module does not know any framework (adapters translate) and never writes a 
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from ..regions import Box
 from ..storage import Storage, storage_for
 from ..storage.base import reading
 from ..storage.local import LocalStorage
-from . import packread
+from . import chunkread, packread
 from .common import DEFAULT_INFLIGHT_BYTES, array_kvstore_spec, read_result, write_sidecar
 
 
@@ -209,7 +210,8 @@ class LoadPipeline:
             for t in targets:
                 wanted.setdefault(t.name, []).extend(s.box for s in t.shards)
             for t in targets:
-                check_name(t.name)
+                if t.name not in meta.tensors:  # the metadata's own names were checked once, when parsed
+                    check_name(t.name)
             # checked zarr.json (or the preset's metadata), crc32c required; no zstd bomb (links and FIFOs:
             # refused by check_chunk_files above)
             # the stored files of what this rank reads, and only those (see check_chunk_files)
@@ -234,7 +236,15 @@ class LoadPipeline:
                     "metadata": docs[name],
                 }
 
+            # unpacked uncompressed arrays on a local file system: read here, once, into the destination
+            direct = (
+                chunkread.ChunkReader(root, meta, threads=_read_threads())
+                if isinstance(storage, LocalStorage) and chunkread.available()
+                else None
+            )
             for name in docs:
+                if direct is not None and direct.handles(name):
+                    continue  # opened only if a file is not in the layout a save writes
                 if packed is None or meta.tensors[name].pack is None:
                     opening[name] = ts.open(spec_of(name), open=True, assume_metadata=True, context=context())
             stores = {}
@@ -258,6 +268,27 @@ class LoadPipeline:
                     if not t.shards:
                         continue
                     stored = numpy_dtype(meta.tensors[t.name].dtype)
+                    if direct is not None and direct.handles(t.name):
+
+                        def store_of(name: str = t.name) -> Any:
+                            if name not in stores:
+                                stores[name] = ts.open(
+                                    spec_of(name), open=True, assume_metadata=True, context=context()
+                                ).result()
+                            return stores[name]
+
+                        pending, total = _read_direct(
+                            direct,
+                            t,
+                            stored,
+                            store_of,
+                            inflight,
+                            pending,
+                            total,
+                            max_inflight_bytes,
+                            drain_one,
+                        )
+                        continue
                     if t.name not in stores:  # packed: decoded here, or opened now
                         assert packed is not None
                         whole = packed.read(t.name, [sh.box for sh in t.shards])
@@ -275,7 +306,11 @@ class LoadPipeline:
             finally:
                 if packed is not None:
                     packed.close()
+                if direct is not None:
+                    direct.close()
             rec["bytes"] = total
+            if direct is not None:  # chunk bytes read into their destination, and through a scratch buffer
+                rec["direct"], rec["scratch"] = direct.direct_bytes, direct.scratch_bytes
 
     @staticmethod
     def _read_tensor(
@@ -318,6 +353,60 @@ class LoadPipeline:
             pending += n
             total += n
         return pending, total
+
+
+def _read_direct(
+    reader: chunkread.ChunkReader,
+    t: LoadTensor,
+    stored: np.dtype,
+    store_of: Callable[[], Any],
+    inflight: deque[tuple[Any, Any, str, Box, int]],
+    pending: int,
+    total: int,
+    max_inflight_bytes: int,
+    drain_one: Any,
+) -> tuple[int, int]:
+    """Start reading ``t``'s shards with ``reader``: into the destination (``target``), the sink's staging
+    buffer, or one new array handed to the sink; returns the new (pending, total)."""
+    for shard in t.shards:
+        sink = None
+        if shard.target is not None and shard.target.dtype == stored:
+            out = shard.target
+        elif shard.staging is not None:  # e.g. a pinned buffer on its way to a device
+            out = shard.staging(shard.box.lengths, stored)
+            sink = lambda _r, s=shard.sink, b=out: s(b)  # noqa: E731
+        else:
+            out = np.empty(shard.box.lengths, stored)
+            sink = shard.sink
+        n = shard.box.volume * stored.itemsize
+        while inflight and pending + n > max_inflight_bytes:
+            pending -= drain_one()
+        read = _DirectRead(reader.submit(t.name, shard.box, out), shard.box, out, store_of)
+        inflight.append((read, sink, t.name, shard.box, n))
+        pending += n
+        total += n
+    return pending, total
+
+
+class _DirectRead:
+    """The chunk reads of one region; ``result()`` waits for them (reading through tensorstore what the
+    reader left, a file not in the layout a save writes) and returns the filled array."""
+
+    def __init__(self, futures: list[Any], box: Box, out: np.ndarray, store_of: Callable[[], Any]) -> None:
+        self._futures, self._box, self._out, self._store_of = futures, box, out, store_of
+
+    def result(self) -> np.ndarray:
+        import tensorstore as ts
+
+        done = [f.result() for f in self._futures]
+        if not all(done):
+            ts.array(self._out, copy=False, write=True).write(self._store_of()[self._box.slices()]).result()
+        return self._out
+
+
+def _read_threads() -> int:
+    """Threads reading chunk files (a cold read needs requests in flight; a warm one, cores)."""
+    return max(2, min(8, os.cpu_count() or 2))
 
 
 def _deliver(t: LoadTensor, whole: np.ndarray) -> int:

@@ -1,8 +1,9 @@
 """The save pipeline: snapshot in the caller's thread, then exchange, write and flush in the background.
 
-``save_async`` copies the local regions the plan needs into reusable host buffers and returns; one background
-thread per process then runs, in order, the coordinator's planning step, the fragment exchange (chunks that
-straddle ranks), the tensorstore writes (bounded bytes in flight), one flush, and the coordinator's commit.
+``save_async`` plans (unless the plan is cached: the first save of a structure, or after it changed), copies
+the local regions this rank writes or sends into reusable host buffers and returns; one background thread per
+process then runs, in order, the fragment exchange (chunks that straddle ranks), the writes (bounded bytes in
+flight), one flush, and the coordinator's commit.
 Saves run strictly one after another (buffers and the checkpoint group are reused).
 """
 
@@ -27,7 +28,7 @@ from ..collectives import Communicator
 from ..errors import ArrayCheckpointError, SaveFailedError
 from ..future import CheckpointFuture
 from ..hostpool import HostBufferPool
-from ..items import SaveRequest
+from ..items import HostSource, SaveRequest, SaveShard
 from ..monitoring import PhaseRecorder
 from ..perrank import fall_back, stack_digest
 from ..plan import ArrayLayout, RankPlan
@@ -110,6 +111,9 @@ class SavePipeline:
                 raise SaveFailedError(
                     job.error or "another rank could not describe its state (see its error)"
                 )
+            # plan first (a cached plan is already there): the snapshot copies only what this rank writes or
+            # sends; every rank plans (collectives in "gather" mode) before rank 0 may fail its target check
+            self._coordinator.plan(job)
             if comm.rank == 0:
                 storage.check_target(final, options.overwrite)
                 storage.acquire(final, token)
@@ -127,30 +131,59 @@ class SavePipeline:
         return future
 
     def _snapshot(self, job: SaveJob) -> None:
-        need = job.cached.rank_plan.needed_boxes() if job.cached else None
-        nbytes = 0
+        """Copy into host buffers the local regions this rank writes or sends, and nothing else.
+
+        The plan is known (cached, or made just before in the caller's thread), so a region of a shard that
+        another rank writes is not copied: a replica (DDP) copies the chunks this rank writes, not the whole
+        tensor. Sources that offer a zero-copy view are registered whole without a copy. Records the bytes
+        registered (``bytes``) and the bytes copied into host buffers (``copied``) in the snapshot phase.
+        """
+        assert job.cached is not None, "the snapshot needs the plan"
+        need = job.cached.rank_plan.needed_boxes()
+        nbytes = copied = 0
         with job.recorder.phase("snapshot") as rec:
             for t in job.request.tensors:
-                wanted = need.get(t.name, []) if need is not None else None
+                wanted = need.get(t.name)
+                if not wanted:
+                    continue
                 dtype = job.dtypes[t.name]
                 for shard in t.shards:
                     if shard.box.volume == 0:
                         continue
-                    if wanted is not None and not any(intersect(shard.box, w) is not None for w in wanted):
+                    parts = [b for w in wanted if (b := intersect(shard.box, w)) is not None]
+                    if not parts:
                         continue
                     view = _zero_copy_view(shard.source, job.options.blocking)
                     if view is not None and tuple(view.shape) == shard.box.lengths and view.dtype == dtype:
                         job.local.setdefault(t.name, []).append((shard.box, view))  # immutable: no copy
                         nbytes += view.nbytes
                         continue
-                    buf = self._pool.take(shard.box.lengths, dtype)
-                    job.buffers.append(buf)
-                    fence = shard.source.copy_into(buf)
-                    if fence is not None:
-                        job.fences.append(fence)
-                    job.local.setdefault(t.name, []).append((shard.box, buf))
-                    nbytes += buf.nbytes
+                    regions = _copy_regions(shard, parts)
+                    # a buffer of the whole shard that acp.prepare reserved: the regions are carved out of it
+                    # (no allocation on the blocking path of a first save), else one buffer per region
+                    whole = (
+                        self._pool.take_idle(shard.box.lengths, dtype)
+                        if len(regions) > 1 or (regions[0][0] != shard.box)
+                        else None
+                    )
+                    if whole is not None:
+                        job.buffers.append(whole)
+                    cursor = 0
+                    for box, source in regions:
+                        if whole is not None:
+                            buf = whole.reshape(-1)[cursor : cursor + box.volume].reshape(box.lengths)
+                            cursor += box.volume
+                        else:
+                            buf = self._pool.take(box.lengths, dtype)
+                            job.buffers.append(buf)
+                        fence = source.copy_into(buf)
+                        if fence is not None:
+                            job.fences.append(fence)
+                        job.local.setdefault(t.name, []).append((box, buf))
+                        nbytes += buf.nbytes
+                        copied += buf.nbytes
             rec["bytes"] = nbytes
+            rec["copied"] = copied
 
     def _run(self, job: SaveJob) -> None:
         comm = job.comm
@@ -158,7 +191,7 @@ class SavePipeline:
             job.error = _await_fences(job) or job.error
             job.future._set_staged()
         try:
-            plan = self._coordinator.plan(job)
+            plan = job.cached if job.mode != "skip" else None  # planned before the snapshot
             claimed = _target_claimed(job) if plan is not None else False
             # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
             # the exchange while it waits in the commit gather (e.g. rank 0's CheckpointExistsError)
@@ -469,6 +502,36 @@ def _unstack(job: SaveJob) -> None:
         job.decl_digest = declaration_digest(job.decl, job.comm, job.options)
     except Exception as e:  # noqa: BLE001 - keep the agreed collectives; the save fails at commit
         job.error = job.error or describe(e, job.comm.rank)
+
+
+def _copy_regions(shard: SaveShard, parts: list[Box]) -> list[tuple[Box, HostSource]]:
+    """What to copy of ``shard`` to hold the disjoint regions ``parts`` of it: ``(box, source)`` pairs.
+
+    The whole shard when the parts cover it or its source cannot cut out a region (no ``region`` method, or it
+    returns None); else one copy per part, with parts that continue each other along the first dimension
+    merged (a rank's consecutive row chunks are one copy)."""
+    region = getattr(shard.source, "region", None)
+    if region is None or sum(p.volume for p in parts) >= shard.box.volume:
+        return [(shard.box, shard.source)]
+    merged: list[Box] = []
+    for p in sorted(parts, key=lambda b: b.offsets):
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.offsets[1:] == p.offsets[1:]
+            and last.lengths[1:] == p.lengths[1:]
+            and last.offsets[0] + last.lengths[0] == p.offsets[0]
+        ):
+            merged[-1] = Box(last.offsets, (last.lengths[0] + p.lengths[0], *last.lengths[1:]))
+        else:
+            merged.append(p)
+    out: list[tuple[Box, HostSource]] = []
+    for box in merged:
+        sub = region(shard.box.lengths, box.slices(shard.box))
+        if sub is None:
+            return [(shard.box, shard.source)]
+        out.append((box, sub))
+    return out
 
 
 def _zero_copy_view(source: Any, blocking: bool) -> np.ndarray | None:

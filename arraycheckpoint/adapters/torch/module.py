@@ -5,6 +5,7 @@ This module reads framework objects and produces names, layouts and sinks; it do
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,11 +97,15 @@ def flat_range_rules(handle: Any) -> list[tuple[Any, ...]] | None:
 
 
 def is_fsdp1(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        return False
-    return any(isinstance(m, FSDP) for m in model.modules())
+    """Whether ``model`` contains FSDP1 wrappers.
+
+    Looked up in ``sys.modules``, never imported: an FSDP1 module can only exist once its package was imported,
+    and importing ``torch.distributed.fsdp`` (which pulls in DTensor and sympy) cost a fresh process's first
+    load seconds for a plain module.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FullyShardedDataParallel", None) if fsdp is not None else None
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
 class ModuleView:

@@ -10,6 +10,7 @@ A tensor's layout is the list of ``(global box, local view)`` pairs it holds on 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,17 @@ class TorchSource:
             return t.view(torch_int).numpy().view(np_dtype)
         return t.numpy()
 
+    def region(self, shape: tuple[int, ...], index: tuple[slice, ...]) -> TorchSource | None:
+        """A source of the part ``index`` of this region seen with ``shape`` (its box's lengths), or None when
+        the tensor cannot be viewed with that shape (the engine then copies the whole region)."""
+        t = self.tensor.detach()
+        if tuple(t.shape) != tuple(shape):
+            try:
+                t = t.view(shape)
+            except RuntimeError:
+                return None
+        return TorchSource(t[index])
+
     def copy_into(self, out: np.ndarray) -> Any:
         """Fill ``out``; returns None when done, or a fence (``wait()``) for an asynchronous device copy."""
         src = self.tensor.detach()
@@ -173,11 +185,11 @@ class FlatFragment:
 
 
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (and sympy) for a state that
+    has none: a DTensor can only exist once that module was imported."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
 
 
 def layout(
