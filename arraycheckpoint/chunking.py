@@ -25,7 +25,7 @@ from .regions import Box
 
 NEST_FACTOR = 4  # a nested grid of more than this many chunks per region: the regions are flat ranges
 ROW_SPREAD = 32  # row grids: chunks of at most 1/ROW_SPREAD of a region's rows (the part that may travel)
-ROW_FLOOR_DIV = 64  # ... and of at least min_chunk_bytes / ROW_FLOOR_DIV (bounds the chunk count)
+ROW_FLOOR_DIV = 4096  # ... and of at least min_chunk_bytes / ROW_FLOOR_DIV (whole rows of 1-D tensors)
 
 
 class _Sizes(Protocol):
