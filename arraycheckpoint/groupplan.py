@@ -149,7 +149,7 @@ class _Class:
     holders: list[list[int]]  # sorted ranks per region
     layout_shape: tuple[tuple[int, ...], tuple[int, ...]]  # chunk, inner
     chunks: list[Box]
-    candidates: list[np.ndarray]  # per chunk: the ranks that may write it (holders of its largest piece)
+    candidates: list[np.ndarray]  # per chunk: the ranks that may write it (the holders of most of it)
     pieces: list[list[tuple[Box, int]]]  # per chunk: (piece box, region index)
     uses: list[list[tuple[int, int]]]  # per region: (chunk index, piece index) of the pieces it supplies
     nbytes: np.ndarray  # per chunk
@@ -226,7 +226,7 @@ def _analyse(
         else:
             parts = [(i, intersect(unique[i], chunk)) for i in idx]
             chunk_pieces = [(p, i) for i, p in parts if p is not None]
-            region = min(chunk_pieces, key=lambda x: (-x[0].volume, x[1]))[1]  # the largest piece's holders
+            region = _most_held(chunk_pieces, holders)
             straddles = straddles or len(chunk_pieces) > 1
         for pi, (_p, r) in enumerate(chunk_pieces):
             uses[r].append((ci, pi))
@@ -238,6 +238,17 @@ def _analyse(
     return _Class(
         unique, holders, (chunk_shape, inner), chunks, candidates, pieces, uses, nbytes, forced, straddles
     )
+
+
+def _most_held(pieces: list[tuple[Box, int]], holders: list[list[int]]) -> int:
+    """A region whose holders hold the most of a straddling chunk (its pieces summed per holder set; ties:
+    the set listed first, then the lowest region index)."""
+    held: dict[tuple[int, ...], tuple[int, int]] = {}
+    for box, region in pieces:
+        key = tuple(holders[region])
+        n, first = held.get(key, (0, region))
+        held[key] = (n + box.volume, min(first, region))
+    return min(held.values(), key=lambda x: (-x[0], x[1]))[1]
 
 
 def build_compact_plan(
