@@ -8,9 +8,12 @@ Output: a :class:`CompactPlan`: per tensor its chunk grid, the writer of every c
 ``zarr.json``. Every rank derives its own work (:func:`rank_plan`) from the compact plan and the
 declarations; nothing is listed per rank.
 
-The decisions are exactly those of the reference planner :func:`arraycheckpoint.plan.build_global_plan` fed
-the same regions (tests compare both): tensors whose regions are the same (same shape, item size and holder
-structure) are analysed once, and the worst-fit balance runs over all chunks with numpy. Pure: no I/O.
+This is the one planner: :func:`arraycheckpoint.plan.build_global_plan` states every rank's regions as box
+rules and runs it too (tests compare plans from rules with plans from the expanded regions). Tensors whose
+regions are the same (same shape, item size and holder structure) are analysed once. Chunk grids nest in the
+saved regions (:mod:`arraycheckpoint.chunking`); a chunk held by one rank is written there, replicated chunks
+go to their holders by worst fit (:mod:`arraycheckpoint.owners`), so only the row grids of flat ranges
+(FSDP1) move bytes. Pure: no I/O.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The save pipeline: snapshot in the caller's thread, then exchange, write and flush in the background.
 
 ``save_async`` copies the local regions the plan needs into reusable host buffers and returns; one background
-thread per process then runs, in order, the coordinator's planning step, the fragment exchange (chunks that
-straddle ranks), the tensorstore writes (bounded bytes in flight), one flush, and the coordinator's commit.
+thread per process then runs, in order, the coordinator's planning step, the fragment exchange (only the
+chunks of flat ranges, FSDP1, straddle ranks), the tensorstore writes (bounded bytes in flight), one flush,
+and the coordinator's commit.
 Saves run strictly one after another (buffers and the checkpoint group are reused).
 """
 
