@@ -51,7 +51,7 @@ def _loads(plan) -> np.ndarray:
     return load
 
 
-@pytest.mark.parametrize("dp", [16, 64])
+@pytest.mark.parametrize("dp", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_megatron_balance_at_simulated_scale(dp):
     """TP=8 x PP=4 x DP (512 and 2,048 ranks), ~770 KB per rank. The stage holding the embedding has ~4%
     more than the mean, and no byte leaves its stage: every rank writes within 1.1 x the mean, nothing

@@ -67,14 +67,14 @@ def _scale(layout: str, world: int) -> tuple[list, int]:
     return [(decl, range(world))], sum(int(np.prod(s)) * i for _n, s, _d, i in tensors)
 
 
+@pytest.mark.parametrize("world", [512, pytest.param(2048, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
-def test_write_balance_at_2048_simulated_ranks(layout):
-    """2,048 ranks, ~270 KB per rank, 100 KB target files, no byte moved. DDP: replicated chunks cut to at
+def test_write_balance_at_simulated_scale(layout, world):
+    """512 and 2,048 ranks (~270 KB per rank at 2,048), 100 KB target files, no byte moved. DDP: replicated chunks cut to at
     most (write_balance - 1) of a rank's share, every rank writes within ``write_balance`` of the mean. FSDP2:
     every rank writes exactly the rows it holds (Shard(0) of 1,024-3,584 rows over 2,048 ranks leaves some
     ranks without rows: that imbalance is the layout's, nothing moves to even it). Files under per-rank
     packs stay bounded by bytes plus ranks, and the plan is deterministic."""
-    world = 2048
     groups, total = _scale(layout, world)
     opts = PlanOptions(
         min_chunk_bytes=100_000, max_chunk_bytes=400_000, inner_chunk_bytes=1 << 14, ranks_per_host=8
