@@ -8,9 +8,12 @@ Output: a :class:`CompactPlan`: per tensor its chunk grid, the writer of every c
 ``zarr.json``. Every rank derives its own work (:func:`rank_plan`) from the compact plan and the
 declarations; nothing is listed per rank.
 
-The decisions are exactly those of the reference planner :func:`arraycheckpoint.plan.build_global_plan` fed
-the same regions (tests compare both): tensors whose regions are the same (same shape, item size and holder
-structure) are analysed once, and the worst-fit balance runs over all chunks with numpy. Pure: no I/O.
+This is the one planner: :func:`arraycheckpoint.plan.build_global_plan` states every rank's regions as box
+rules and runs it too (tests compare plans from rules with plans from the expanded regions). Tensors whose
+regions are the same (same shape, item size and holder structure) are analysed once. Chunk grids nest in the
+saved regions (:mod:`arraycheckpoint.chunking`); a chunk held by one rank is written there, replicated chunks
+go to their holders by worst fit (:mod:`arraycheckpoint.owners`), so only the row grids of flat ranges
+(FSDP1) move bytes. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from .chunking import apportion
+from .chunking import split_chunk, tensor_chunk_shape
 from .errors import PlanError
-from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
+from .owners import WorstFit, fragment_source, replica_caps
 from .packing import assign_packs, by_pack
 from .plan import (
     ArrayLayout,
@@ -37,9 +40,8 @@ from .plan import (
     PlanOptions,
     RankPlan,
     Transfer,
-    _holder_set,
-    _layout,
     _validate_cover,
+    check_loadable,
 )
 from .regions import Box, chunk_boxes, intersect
 from .rules import Mesh, check_rule, mesh_regions, range_regions
@@ -126,7 +128,6 @@ class CompactPlan:
     tensors: dict[str, TensorDecision]
     plan_id: str
     exchange: bool = False  # whether any fragment travels (then every rank enters the exchange)
-    hostmap: HostMap | None = field(default=None, repr=False)
     _classes: dict[str, _Class] = field(default_factory=dict, repr=False)
     _index: dict[str, list[tuple[Decl, TensorRule]]] = field(default_factory=dict, repr=False)
 
@@ -146,17 +147,18 @@ class CompactPlan:
 
 @dataclass
 class _Class:
-    """What tensors with identical region structure share: regions, chunks, candidates, pieces."""
+    """What tensors with identical region structure share: regions, chunks, writers' candidates, pieces."""
 
     boxes: list[Box]
     holders: list[list[int]]  # sorted ranks per region
     layout_shape: tuple[tuple[int, ...], tuple[int, ...]]  # chunk, inner
     chunks: list[Box]
-    candidates: list[tuple[np.ndarray, np.ndarray]]  # per chunk: owner candidates (owners.chunk_candidates)
+    candidates: list[np.ndarray]  # per chunk: the ranks that may write it (the holders of most of it)
     pieces: list[list[tuple[Box, int]]]  # per chunk: (piece box, region index)
     uses: list[list[tuple[int, int]]]  # per region: (chunk index, piece index) of the pieces it supplies
-    nbytes: list[int]
-    is_partial: list[bool]  # no single region holds the chunk entirely
+    nbytes: np.ndarray  # per chunk
+    forced: np.ndarray  # per chunk: its writer when it has one candidate, else -1 (worst fit decides)
+    straddles: bool  # some chunk lies in several regions (a row grid over flat ranges): fragments travel
     _held: dict[int, list[int]] | None = None  # rank -> regions it holds (built on first use)
 
     def held_by(self, rank: int) -> list[int]:
@@ -199,72 +201,60 @@ def _regions_of(name: str, contribs: list[tuple[Decl, tuple[int, ...], TensorRul
 def _analyse(
     shape: tuple[int, ...],
     itemsize: int,
-    dtype: str,
     name: str,
     regions: dict[Box, list[int]],
     options: PlanOptions,
-    files: int | None,
-    share: int,
-    hostmap: HostMap,
+    cap: int | None,
+    dtype: str,
 ) -> _Class:
     unique = sorted(regions)
     _validate_cover(name, shape, unique)
     holders = [sorted(regions[b]) for b in unique]
-    held = [np.asarray(h, dtype=np.int64) for h in holders]  # shared by every chunk a region holds fully
-    probe = _layout(_DeclView(name, shape, dtype, itemsize), unique, options, files, share)
+    held = [np.asarray(h, dtype=np.int64) for h in holders]  # shared by every chunk a region holds
+    chunk_shape, nested = tensor_chunk_shape(shape, itemsize, unique, options, cap)
+    inner = split_chunk(chunk_shape, itemsize, options.inner_chunk_bytes)
+    check_loadable(name, shape, dtype, chunk_shape, inner)  # before the chunks are enumerated
     starts = [b.offsets[0] for b in unique] if shape else []
     longest = max((b.lengths[0] for b in unique), default=0) if shape else 0
-    chunks, candidates, pieces, nbytes, flags = [], [], [], [], []
+    chunks, candidates, pieces = [], [], []
     uses: list[list[tuple[int, int]]] = [[] for _ in unique]
-    whole_cands: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per region holding whole chunks
-    part_cands: dict[tuple[tuple[int, int], ...], tuple[np.ndarray, np.ndarray]] = {}
-    for ci, chunk in enumerate(chunk_boxes(shape, probe.chunk_shape)):
+    straddles = False
+    for ci, chunk in enumerate(chunk_boxes(shape, chunk_shape)):
         if shape:
             lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.lengths[0]
             # regions are sorted by offset: only those starting in (lo - longest, hi) can overlap
             idx = range(bisect.bisect_right(starts, lo - longest), bisect.bisect_left(starts, hi))
         else:
             idx = range(len(unique))
-        parts = [(i, intersect(unique[i], chunk)) for i in idx]
-        parts = [(i, p) for i, p in parts if p is not None]
-        whole = [i for i, p in parts if p == chunk]  # at most one: identical regions were merged
-        if whole:
-            chunk_pieces = [(chunk, whole[0])]
-            if whole[0] not in whole_cands:
-                whole_cands[whole[0]] = chunk_candidates(hostmap, held[whole[0]], ())
-            cands = whole_cands[whole[0]]
+        if nested:  # the chunk lies inside exactly one region: the first one containing its origin
+            region = next(i for i in idx if unique[i].contains(chunk))
+            chunk_pieces = [(chunk, region)]
         else:
-            chunk_pieces = [(p, i) for i, p in parts]
-            key = tuple((i, p.volume) for i, p in parts)  # chunks drawing alike on the same regions
-            if key not in part_cands:
-                part_cands[key] = chunk_candidates(hostmap, None, [(v * itemsize, held[i]) for i, v in key])
-            cands = part_cands[key]
-        for pi, (_p, region) in enumerate(chunk_pieces):
-            uses[region].append((ci, pi))
+            parts = [(i, intersect(unique[i], chunk)) for i in idx]
+            chunk_pieces = [(p, i) for i, p in parts if p is not None]
+            region = _most_held(chunk_pieces, holders)
+            straddles = straddles or len(chunk_pieces) > 1
+        for pi, (_p, r) in enumerate(chunk_pieces):
+            uses[r].append((ci, pi))
         chunks.append(chunk)
-        candidates.append(cands)
+        candidates.append(held[region])
         pieces.append(chunk_pieces)
-        nbytes.append(chunk.volume * itemsize)
-        flags.append(not whole)
+    nbytes = np.asarray([c.volume * itemsize for c in chunks], dtype=np.int64)
+    forced = np.asarray([int(c[0]) if len(c) == 1 else -1 for c in candidates], dtype=np.int64)
     return _Class(
-        unique,
-        holders,
-        (probe.chunk_shape, probe.inner_chunk_shape),
-        chunks,
-        candidates,
-        pieces,
-        uses,
-        nbytes,
-        flags,
+        unique, holders, (chunk_shape, inner), chunks, candidates, pieces, uses, nbytes, forced, straddles
     )
 
 
-@dataclass(frozen=True)
-class _DeclView:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    itemsize: int
+def _most_held(pieces: list[tuple[Box, int]], holders: list[list[int]]) -> int:
+    """A region whose holders hold the most of a straddling chunk (its pieces summed per holder set; ties:
+    the set listed first, then the lowest region index)."""
+    held: dict[tuple[int, ...], tuple[int, int]] = {}
+    for box, region in pieces:
+        key = tuple(holders[region])
+        n, first = held.get(key, (0, region))
+        held[key] = (n + box.volume, min(first, region))
+    return min(held.values(), key=lambda x: (-x[0], x[1]))[1]
 
 
 def build_compact_plan(
@@ -290,10 +280,8 @@ def build_compact_plan(
                 )
             contribs[t.name].append((decl, ranks, t))
 
-    hostmap = options.host_map(world)
-    sizes = {n: math.prod(t.shape) * t.itemsize for n, t in first.items()}
     keys: dict[str, Any] = {}
-    regions_by_key: dict[Any, tuple[dict[Box, list[int]], np.ndarray]] = {}
+    regions_by_key: dict[Any, dict[Box, list[int]]] = {}
     for name in sorted(contribs):
         t = first[name]
         # tensors with the same contributions (up to the name) share one analysis
@@ -304,34 +292,53 @@ def build_compact_plan(
             tuple((id(d), r, x.rule) for d, r, x in contribs[name]),
         )
         if key not in regions_by_key:
-            regions = _regions_of(name, contribs[name])
-            regions_by_key[key] = (regions, _holder_set(regions.values()))
-    counts = apportion({n: (sizes[n], regions_by_key[k][1]) for n, k in keys.items()}, world, options)
+            regions_by_key[key] = _regions_of(name, contribs[name])
+    uses = defaultdict(int)  # tensors per class: a replicated region counts once per tensor
+    for key in keys.values():
+        uses[key] += 1
+    caps = replica_caps(
+        (
+            (b.volume * k[1] * uses[k], sorted(hs))
+            for k, regions in regions_by_key.items()
+            for b, hs in regions.items()
+            if len(hs) > 1
+        ),
+        options.inner_chunk_bytes,
+        options.write_balance,
+        options.max_chunk_bytes,
+    )
     classes: dict[str, _Class] = {}
     cache: dict[Any, _Class] = {}
     for name in sorted(contribs):
         t, key = first[name], keys[name]
         c = cache.get(key)
         if c is None:
-            files, share = (counts or {}).get(name, (None, 0))
-            c = cache[key] = _analyse(
-                t.shape, t.itemsize, t.dtype, name, regions_by_key[key][0], options, files, share, hostmap
-            )
+            regions = regions_by_key[key]
+            cap = min((caps[tuple(sorted(hs))] for hs in regions.values() if len(hs) > 1), default=None)
+            c = cache[key] = _analyse(t.shape, t.itemsize, name, regions, options, cap, t.dtype)
         classes[name] = c
 
-    # worst fit over every chunk of every tensor: largest first, ties by (name, index) (arraycheckpoint.owners)
+    # forced chunks (one holder) first, then the replicated ones by worst fit: largest first, ties by
+    # (name, index) (arraycheckpoint.owners)
     names = sorted(classes)
-    order = sorted(
-        ((-nb, name, ci) for name in names for ci, nb in enumerate(classes[name].nbytes)),
-    )
-    picker = OwnerPicker(world, sum(sizes.values()), options.write_balance, options.straddle_writers)
-    writers: dict[str, np.ndarray] = {n: np.empty(len(classes[n].chunks), dtype=np.int64) for n in names}
-    for neg, name, ci in order:
+    load = np.zeros(world, dtype=np.int64)
+    class_load: dict[int, np.ndarray] = {}
+    writers: dict[str, np.ndarray] = {}
+    order = []
+    for name in names:
         c = classes[name]
-        cands, near = c.candidates[ci]
-        picker.pick(-neg, cands, near, c.is_partial[ci])
-    for (_neg, name, ci), w in zip(order, picker.owners().tolist()):
-        writers[name][ci] = w
+        if id(c) not in class_load:
+            own = c.forced >= 0
+            class_load[id(c)] = np.bincount(c.forced[own], weights=c.nbytes[own], minlength=world).astype(
+                np.int64
+            )
+        load += class_load[id(c)]
+        writers[name] = c.forced.copy()
+        order.extend((-int(c.nbytes[ci]), name, ci) for ci in np.nonzero(c.forced < 0)[0].tolist())
+    order.sort()
+    fit = WorstFit(load)
+    for neg, name, ci in order:
+        writers[name][ci] = fit.pick(-neg, classes[name].candidates[ci])
 
     files = [0] * world
     tensors: dict[str, TensorDecision] = {}
@@ -343,7 +350,7 @@ def build_compact_plan(
         layout = ArrayLayout(
             name, t.shape, t.dtype, c.layout_shape[0], c.layout_shape[1], options.compression
         )
-        tensors[name] = TensorDecision(layout, tuple(int(w) for w in ws), creator)
+        tensors[name] = TensorDecision(layout, tuple(ws.tolist()), creator)
     packs = assign_packs(
         {n: (d.layout, d.writers, d.creator) for n, d in tensors.items()},
         {n: first[n].itemsize for n in names},
@@ -364,8 +371,8 @@ def build_compact_plan(
         h.update(repr((name, d.layout, d.creator, d.pack)).encode())
         h.update(writers[name].tobytes())
         h.update(class_digest[id(c)])
-    exchange = any(_any_transfer(classes[n], writers[n]) for n in names)
-    plan = CompactPlan(world, groups, tensors, h.hexdigest()[:16], exchange, hostmap)
+    exchange = any(classes[n].straddles for n in names)
+    plan = CompactPlan(world, groups, tensors, h.hexdigest()[:16], exchange)
     plan._classes = classes
     return plan
 
@@ -376,7 +383,6 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     mine: set[str] = set()
-    hostmap = plan.hostmap or HostMap(plan.world)
     for name in sorted(plan.tensors):
         d = plan.tensors[name]
         c = plan._classes[name]
@@ -387,7 +393,7 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
             resolved = []
             for box, region in c.pieces[ci]:
                 hs = c.holders[region]
-                src = rank if _holds(hs, rank) else fragment_source(hs, rank, hostmap)
+                src = rank if _holds(hs, rank) else fragment_source(hs, rank)
                 resolved.append(Piece(box, src))
                 if src != rank:
                     recvs.append(Transfer(name, box, src, rank))
@@ -398,7 +404,7 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
             hs = c.holders[region]
             for ci, pi in c.uses[region]:
                 w = int(ws[ci])
-                if w != rank and not _holds(hs, w) and fragment_source(hs, w, hostmap) == rank:
+                if w != rank and not _holds(hs, w) and fragment_source(hs, w) == rank:
                     outgoing.append((ci, pi, w))
         for ci, pi, w in sorted(outgoing):  # chunk order, as the reference planner lists them
             sends.append(Transfer(name, c.pieces[ci][pi][0], rank, w))
@@ -420,12 +426,3 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
 def _holds(sorted_ranks: list[int], rank: int) -> bool:
     i = bisect.bisect_left(sorted_ranks, rank)
     return i < len(sorted_ranks) and sorted_ranks[i] == rank
-
-
-def _any_transfer(c: _Class, ws: np.ndarray) -> bool:
-    for ci in range(len(c.chunks)):  # a chunk held entirely travels too when balance moved it off its holders
-        w = int(ws[ci])
-        for _box, region in c.pieces[ci]:
-            if not _holds(c.holders[region], w):
-                return True
-    return False

@@ -8,33 +8,30 @@ Steps, per tensor:
 
 1. check that every rank agrees on global shape and dtype;
 2. deduplicate identical regions (replicas) and validate the rest: in bounds, no partial overlap, full coverage;
-3. pick a regular chunk grid (:mod:`arraycheckpoint.chunking`): aligned to the saved region boundaries for a
-   save too small for its world, else sized for the whole save so that every rank writes about as many
-   bytes; one chunk is one stored file;
-4. assign one writer per chunk by worst fit on bytes (largest chunk first), preferring a holder on the host
-   that holds most of the chunk, within a write-balance bound (:mod:`arraycheckpoint.owners`: the cost model);
-5. where the writer lacks part of its chunk (irregular shards straddling chunk boundaries), plan a transfer
-   of the missing fragment from a holder, on the writer's host where one is: the engine ships all of them in
-   one batched exchange.
+3. pick a regular chunk grid that nests in the saved regions (:mod:`arraycheckpoint.chunking`): no chunk
+   straddles two regions, none is above ``max_chunk_bytes``; one chunk is one stored file (the small ones
+   go into their writer's packs);
+4. assign one writer per chunk among the ranks holding it, replicas by worst fit on bytes (largest chunk
+   first, :mod:`arraycheckpoint.owners`): no tensor byte travels;
+5. only a row grid over flat ranges (FSDP1) straddles regions: the writer of such a chunk receives the
+   other sides of the rank boundaries in it (one batched exchange).
+
+There is one planner: :func:`build_global_plan` states each rank's regions as box rules and runs the compact
+planner (:func:`arraycheckpoint.groupplan.build_compact_plan`), then lists every rank's work.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from .chunking import apportion, choose_chunk_shape, split_chunk, tensor_chunk_shape
+from .chunking import split_chunk
 from .errors import PlanError
-from .owners import HostMap, OwnerPicker, chunk_candidates, fragment_source
-from .packing import assign_packs, by_pack
-from .regions import Box, chunk_boxes, intersect
+from .regions import Box, intersect
 
-__all__ = ["choose_chunk_shape", "split_chunk"]  # re-exported (their home is arraycheckpoint.chunking)
+__all__ = ["split_chunk"]  # re-exported (its home is arraycheckpoint.chunking)
 
 
 @dataclass(frozen=True)
@@ -52,38 +49,27 @@ class TensorDecl:
 class PlanOptions:
     """Knobs of the chunk grid. Sizes are bytes of one stored chunk file / one inner (read) chunk.
 
-    ``min_chunk_bytes`` is the target file size: it bounds the number of files by the checkpoint's bytes
-    (about bytes / 16 MiB) instead of tensors x ranks. Shards smaller than it are assembled by one writer from
-    its neighbours' fragments (one batched exchange in the background); shards above it are written where
-    they are. Lower it to trade more files for less data movement.
+    Chunk grids nest in the saved regions, so a save moves no tensor bytes between ranks; no chunk file holds
+    more than ``max_chunk_bytes``. ``min_chunk_bytes`` is the target file size: chunk files below it go into
+    their writer's packs (about that size each), which bound the number of files by the checkpoint's bytes
+    (about bytes / 16 MiB plus a pack or two per rank) instead of tensors x ranks.
     """
 
     min_chunk_bytes: int = 16 << 20
     max_chunk_bytes: int = 64 << 20
     inner_chunk_bytes: int = 1 << 20
     compression: str | None = None
-    # who writes a chunk (arraycheckpoint.owners): "balanced": its least-loaded holder on the hosts holding
-    # most of it, unless that would load it above ``write_balance`` x the mean, then a rank of those hosts
-    # with room, else the least-loaded rank of the world (locality while it is free, balance at scale);
-    # "holders": only holders on those hosts; "any": a chunk no rank holds entirely goes to the least-loaded
-    # rank of the world
-    straddle_writers: str = "balanced"
-    # the host of every rank, for the owner choice and the fragment sources (arraycheckpoint.owners):
-    # contiguous blocks of ``ranks_per_host`` ranks (torchrun's LOCAL_WORLD_SIZE; 0: unknown, which a save
-    # fills from the environment when every rank agrees), or ``host_of[rank]`` for irregular placements;
-    # with neither, every rank is its own host
+    # where ranks are (torchrun's LOCAL_WORLD_SIZE, or a host id per rank): recorded only. Chunks are written
+    # by ranks that hold them, so no placement decision depends on hosts any more
     ranks_per_host: int = 0
     host_of: tuple[int, ...] = ()
-    # a rank's written bytes may exceed the mean by this factor before chunks go to a less-loaded rank
+    # replicated chunks are cut small enough that worst fit over their holders keeps every rank's written
+    # bytes within this factor of the mean (arraycheckpoint.owners.replica_caps)
     write_balance: float = 1.05
     # arrays one rank writes whole, uncompressed and of at most this many stored bytes go into that rank's
     # packs (arraycheckpoint.packing: ZIP files every zarr reader opens), about ``min_chunk_bytes`` each,
     # instead of a directory and two files apiece; 0 keeps every array in its own directory
     pack_array_bytes: int = 2 << 20
-
-    def host_map(self, world: int) -> HostMap:
-        """The :class:`~arraycheckpoint.owners.HostMap` these options describe for ``world`` ranks."""
-        return HostMap(world, self.ranks_per_host, self.host_of)
 
 
 @dataclass(frozen=True)
@@ -173,7 +159,11 @@ class GlobalPlan:
 def build_global_plan(
     local: Sequence[Sequence[TensorDecl]], options: PlanOptions | None = None
 ) -> GlobalPlan:
-    """Combine every rank's local declarations into a validated global plan.
+    """Combine every rank's local declarations into a validated global plan (every rank's work listed).
+
+    Each rank's regions become box rules of one declaration per rank, planned by
+    :func:`arraycheckpoint.groupplan.build_compact_plan` (the one planner); this lists every rank's
+    :class:`RankPlan`, for tests and tools at small worlds.
 
     Args:
         local: ``local[r]`` lists the tensors rank ``r`` holds (ranks with nothing pass an empty list).
@@ -183,137 +173,21 @@ def build_global_plan(
         PlanError: ranks disagree on a tensor's shape/dtype; a region is out of bounds; regions overlap
             partially; or the regions do not cover a tensor entirely.
     """
-    options = options or PlanOptions()
-    world = len(local)
-    decls: dict[str, TensorDecl] = {}
-    holders: dict[str, dict[Box, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for rank, entries in enumerate(local):
-        for d in entries:
-            first = decls.setdefault(d.name, d)
-            if (first.shape, first.dtype) != (d.shape, d.dtype):
-                raise PlanError(
-                    f"tensor {d.name!r}: rank {rank} has shape {d.shape} dtype {d.dtype} but another rank has "
-                    f"shape {first.shape} dtype {first.dtype}; every rank must describe the same global tensor"
-                )
-            for box in d.boxes:
-                if not box.within(d.shape):
-                    raise PlanError(f"tensor {d.name!r}: rank {rank} region {box} is outside shape {d.shape}")
-                if box.volume:
-                    holders[d.name][box].append(rank)
+    from .groupplan import Decl, TensorRule, build_compact_plan, rank_plan  # groupplan imports this module
 
-    # Chunks of every tensor, to be balanced together.
-    hostmap = options.host_map(world)
-    sizes = {n: math.prod(d.shape) * d.itemsize for n, d in decls.items()}
-    counts = apportion({n: (sizes[n], _holder_set(holders[n].values())) for n in decls}, world, options)
-    layouts: dict[str, ArrayLayout] = {}
-    chunk_list: list[tuple[int, str, int, Box, list[Piece], tuple[np.ndarray, np.ndarray, bool]]] = []
-    regions_of: dict[str, tuple[tuple[Box, int], ...]] = {}
-    for name in sorted(decls):
-        d = decls[name]
-        regions = holders[name]
-        unique = sorted(regions)
-        _validate_cover(name, d.shape, unique)
-        layout = _layout(d, unique, options, *(counts or {}).get(name, (None, 0)))
-        layouts[name] = layout
-        regions_of[name] = tuple((b, min(regions[b])) for b in unique)
-        for index, chunk in enumerate(chunk_boxes(d.shape, layout.chunk_shape)):
-            parts = [(b, intersect(b, chunk)) for b in _candidates(unique, chunk)]
-            parts = [(b, p) for b, p in parts if p is not None]
-            full = sorted({r for b, p in parts if p == chunk for r in regions[b]})
-            pieces = [Piece(p, -1) for b, p in parts if p != chunk] if not full else [Piece(chunk, -1)]
-            held = [(p.volume * d.itemsize, np.asarray(sorted(regions[b]))) for b, p in parts]
-            cands, near = chunk_candidates(hostmap, np.asarray(full) if full else None, held)
-            chunk_list.append(
-                (chunk.volume * d.itemsize, name, index, chunk, pieces, (cands, near, not full))
-            )
-
-    picker = OwnerPicker(world, sum(sizes.values()), options.write_balance, options.straddle_writers)
-    ordered_chunks = sorted(chunk_list, key=lambda c: (-c[0], c[1], c[2]))
-    for nbytes, _name, _index, _c, _p, (cands, near, partial) in ordered_chunks:
-        picker.pick(nbytes, cands, near, partial)
-    owner = {(c[1], c[2]): w for c, w in zip(ordered_chunks, picker.owners().tolist())}
-
-    ordered = {name: [(b, sorted(holders[name][b])) for b in sorted(holders[name])] for name in decls}
-    writes: dict[int, list[ChunkWrite]] = defaultdict(list)
-    transfers: list[Transfer] = []
-    writers: dict[str, list[int]] = defaultdict(list)
-    for _n, name, index, chunk, pieces, _cands in chunk_list:
-        dst = owner[(name, index)]
-        writers[name].append(dst)
-        resolved = []
-        for piece in pieces:
-            src = _source(ordered[name], piece.box, dst, hostmap)
-            resolved.append(Piece(piece.box, src))
-            if src != dst:
-                transfers.append(Transfer(name, piece.box, src, dst))
-        writes[dst].append(ChunkWrite(name, chunk, tuple(resolved)))
-
-    creators: dict[str, int] = {}
-    files = [0] * world
-    for name in sorted(decls):
-        ws = writers.get(name)
-        creator = ws[0] if ws else min(range(world), key=lambda r: (files[r], r))
-        files[creator] += 1
-        creators[name] = creator
-
-    packs = assign_packs(
-        {n: (layouts[n], tuple(writers.get(n, [])), creators[n]) for n in decls},
-        {n: d.itemsize for n, d in decls.items()},
-        options.pack_array_bytes,
-        options.min_chunk_bytes,
-    )
+    groups = [
+        (
+            Decl((), tuple(TensorRule(d.name, d.shape, d.dtype, d.itemsize, ("boxes", d.boxes)) for d in e)),
+            (r,),
+        )
+        for r, e in enumerate(local)
+    ]
+    compact = build_compact_plan(groups, len(local), options)
     tensors = {
-        name: TensorPlan(
-            layouts[name], regions_of[name], tuple(writers.get(name, [])), creators[name], packs.get(name)
-        )
-        for name in sorted(decls)
+        name: TensorPlan(d.layout, compact.regions(name), d.writers, d.creator, d.pack)
+        for name, d in sorted(compact.tensors.items())
     }
-    digest = hashlib.sha1(
-        repr(
-            [(n, t.layout, t.regions, t.writers, t.creator, t.pack) for n, t in sorted(tensors.items())]
-        ).encode()
-    ).hexdigest()[:16]
-    ranks = []
-    for r in range(world):
-        mine = {w.name for w in writes[r]} | {n for n, c in creators.items() if c == r}
-        ranks.append(
-            RankPlan(
-                rank=r,
-                layouts=tuple(layouts[n] for n in sorted(mine)),
-                create=tuple(sorted(n for n, c in creators.items() if c == r and n not in packs)),
-                writes=tuple(writes[r]),
-                sends=tuple(t for t in transfers if t.src == r),
-                recvs=tuple(t for t in transfers if t.dst == r),
-                exchange=bool(transfers),
-                plan_id=digest,
-                packs=tuple(by_pack(packs, mine).items()),
-            )
-        )
-    return GlobalPlan(tensors, tuple(ranks))
-
-
-def _holder_set(holders: Iterable[Sequence[int]]) -> np.ndarray:
-    """Every rank holding part of a tensor, sorted (``holders``: the ranks of each of its regions)."""
-    parts = [np.asarray(h, dtype=np.int64) for h in holders]
-    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _candidates(boxes: Sequence[Box], chunk: Box) -> list[Box]:
-    """Boxes that may intersect ``chunk`` (a cheap prefilter on dim 0; boxes are sorted by offsets)."""
-    if chunk.ndim == 0:
-        return list(boxes)
-    lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.lengths[0]
-    return [b for b in boxes if b.offsets[0] < hi and b.offsets[0] + b.lengths[0] > lo]
-
-
-def _source(regions: list[tuple[Box, list[int]]], piece: Box, writer: int, hostmap: HostMap) -> int:
-    """The rank that supplies ``piece``: the writer itself when it holds it, else
-    :func:`~arraycheckpoint.owners.fragment_source` of the region holding it. ``regions``: the tensor's
-    distinct regions sorted by offset, each with its sorted holders."""
-    for box, ranks in regions:
-        if box.contains(piece):
-            return writer if writer in ranks else fragment_source(ranks, writer, hostmap)
-    raise PlanError(f"no rank holds region {piece}")  # unreachable after validation
+    return GlobalPlan(tensors, tuple(rank_plan(compact, r) for r in range(len(local))))
 
 
 def _validate_cover(name: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> None:
@@ -336,24 +210,16 @@ def _validate_cover(name: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> 
         )
 
 
-def _layout(
-    d: TensorDecl, boxes: Sequence[Box], options: PlanOptions, files: int | None = None, share: int = 0
-) -> ArrayLayout:
-    """The stored layout of ``d`` (:func:`~arraycheckpoint.chunking.tensor_chunk_shape`)."""
-    chunk = tensor_chunk_shape(d.shape, d.itemsize, boxes, options, files, share)
-    inner = split_chunk(chunk, d.itemsize, options.inner_chunk_bytes)
-    _check_loadable(d, chunk, inner)
-    return ArrayLayout(d.name, d.shape, d.dtype, chunk, inner, options.compression)
-
-
-def _check_loadable(d: TensorDecl, chunk: tuple[int, ...], inner: tuple[int, ...]) -> None:
+def check_loadable(
+    name: str, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...], inner: tuple[int, ...]
+) -> None:
     """Refuse, before anything is written, a layout the load would refuse (a chunk above the decoded-chunk
     limit, more chunks than any storage holds: :func:`arraycheckpoint.safety.check_tensor_layout`)."""
     from .errors import MetadataError
     from .safety import check_tensor_layout
 
     try:
-        check_tensor_layout(d.name, d.shape, d.dtype, chunk, inner)
+        check_tensor_layout(name, shape, dtype, chunk, inner)
     except MetadataError as e:
         raise PlanError(
             f"{e}: a checkpoint with this layout could not be loaded; change the PlanOptions"

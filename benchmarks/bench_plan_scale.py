@@ -61,28 +61,45 @@ from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan, rank
 from arraycheckpoint.items import SaveObject, SaveRequest, SaveShard, SaveTensor
 from arraycheckpoint.metadata import CheckpointMetadata
 from arraycheckpoint.monitoring import PhaseRecorder
+from arraycheckpoint.owners import fragment_source
 from arraycheckpoint.plan import PlanOptions
-
-try:
-    from arraycheckpoint.owners import HostMap, fragment_source
-except ImportError:  # the planner before host maps (to measure it with this script)
-
-    class HostMap:  # type: ignore[no-redef]
-        def __init__(self, world: int, per_host: int = 1) -> None:
-            self.block = max(1, per_host)
-
-        def host(self, r: int) -> int:
-            return r // self.block
-
-        def hosts(self, rs: np.ndarray) -> np.ndarray:
-            return rs // self.block
-
-    def fragment_source(hs, w, _h):  # type: ignore[no-redef]
-        raise NotImplementedError("replicated fragments: the old planner's sources are not modelled")
-
-
 from arraycheckpoint.regions import Box
 from arraycheckpoint.rules import Mesh, chunk_bounds, digest, rule_boxes
+
+
+class HostMap:
+    """Hosts as contiguous blocks of ``per_host`` ranks (to count the bytes that would cross hosts)."""
+
+    def __init__(self, world: int, per_host: int = 1) -> None:
+        self.block = max(1, per_host)
+
+    def host(self, r: int) -> int:
+        return r // self.block
+
+    def hosts(self, rs: np.ndarray) -> np.ndarray:
+        return rs // self.block
+
+
+ZARR_JSON_BYTES = 1024  # about one array's zarr.json (it goes into its creator's packs)
+
+
+def count_files(plan, min_chunk_bytes: int) -> dict[str, int]:
+    """Files of a save under per-rank packs: every chunk file of at least ``min_chunk_bytes`` is one file;
+    each rank's smaller chunk files plus the zarr.json of the arrays it creates fill packs of about
+    ``min_chunk_bytes`` (``ceil(bytes / min_chunk_bytes)`` per rank). Group documents and control files (a
+    few) are not counted."""
+    small = np.zeros(plan.world, dtype=np.int64)
+    own = 0
+    for name, d in plan.tensors.items():
+        nb = plan._classes[name].nbytes
+        ws = np.asarray(d.writers, dtype=np.int64)
+        big = nb >= min_chunk_bytes
+        own += int(big.sum())
+        small += np.bincount(ws[~big], weights=nb[~big], minlength=plan.world).astype(np.int64)
+        small[d.creator] += ZARR_JSON_BYTES
+    packs = int((-(-small // max(1, min_chunk_bytes))).sum())
+    return {"files": own + packs, "chunk_files": own, "packs": packs}
+
 
 H, FFN, HEADS_KV = 8192, 28672, 10240
 _BF16 = np.dtype("uint16")  # placeholder numpy dtype of itemsize 2 (replaced below when ml_dtypes exists)
@@ -433,7 +450,7 @@ def run(
     recv[0] += int(obj_bytes.sum())
     recv[1:] += 16
     # each rank's own work list and fragment traffic (a sample of ranks; every rank at small worlds)
-    hostmap = HostMap(world, per_host)  # the real host map (the planner's, when --host-map is on)
+    hostmap = HostMap(world, per_host)  # hosts of ranks, to count what would cross them
     rng = random.Random(0)
     picks = sorted(
         set(range(world)) if world <= sample else {0, world - 1, *rng.sample(range(world), sample)}
@@ -463,19 +480,17 @@ def run(
     t3 = time.perf_counter()
     CheckpointMetadata.from_json(text)
     parse_s = time.perf_counter() - t3
-    # every object the save writes for arrays: an unpacked array's chunk files and its zarr.json, one file
-    # per pack (arraycheckpoint.packing); group documents and control files (a few) are not counted
-    packs = {d.pack for d in plan.tensors.values() if d.pack is not None}
-    unpacked = [d for d in plan.tensors.values() if d.pack is None]
-    files = sum(len(d.writers) + 1 for d in unpacked) + len(packs)
+    counted = count_files(plan, options.min_chunk_bytes)
+    files = counted["files"]
     total = sum(int(np.prod(d.layout.shape)) * isz[n] for n, d in plan.tensors.items())
-    per_rank = np.bincount(
-        np.concatenate([np.asarray(d.writers) for d in plan.tensors.values()]),
-        weights=np.concatenate(
-            [[c.volume * isz[n] for c in plan._classes[n].chunks] for n, d in plan.tensors.items()]
-        ),
-        minlength=world,
-    )
+    per_rank = np.zeros(world, dtype=np.int64)
+    max_chunk = 0
+    for n, d in plan.tensors.items():
+        nb = plan._classes[n].nbytes
+        per_rank += np.bincount(np.asarray(d.writers, dtype=np.int64), weights=nb, minlength=world).astype(
+            np.int64
+        )
+        max_chunk = max(max_chunk, int(nb.max()) if len(nb) else 0)
     extra_names = [n for n in plan.tensors if n.startswith(("extra_state/", "dataloader/"))]
     ex = exchange_totals(plan, hostmap)
     return {
@@ -501,11 +516,14 @@ def run(
         "metadata_bytes": len(text),
         "metadata_parse_s": round(parse_s, 3),
         "files": files,
-        "packs": len(packs),
-        "packed_arrays": len(plan.tensors) - len(unpacked),
+        "chunk_files": counted["chunk_files"],
+        "packs": counted["packs"],
+        "chunks": int(sum(len(d.writers) for d in plan.tensors.values())),
+        "max_chunk_bytes": max_chunk,
         "files_per_tb": round(files * 1e12 / total),
         "write_balance_max_over_mean": round(float(per_rank.max() / per_rank.mean()), 3),
         "exchange_bytes_total": ex["total"],
+        "exchange_fraction_of_state": round(ex["total"] / total, 5),
         "exchange_recv_bytes_max": ex["recv_max"],
         "exchange_send_bytes_max": ex["send_max"],
         "cross_host_bytes_total": ex["cross_total"],
@@ -522,43 +540,37 @@ def run(
 def exchange_totals(plan, hostmap: HostMap) -> dict[str, int]:
     """Every rank's fragment traffic of ``plan`` (bytes received and sent, all and crossing hosts), computed
     from the compact plan per chunk (what ``rank_plan`` would list for every rank, without deriving 10,000
-    work lists). ``hostmap``: where ranks are, whatever the planner was told."""
+    work lists): a piece travels when the chunk's writer does not hold its region."""
     world = plan.world
     recv = np.zeros(world, dtype=np.int64)
     send = np.zeros(world, dtype=np.int64)
     crecv = np.zeros(world, dtype=np.int64)
     csend = np.zeros(world, dtype=np.int64)
-    planned = getattr(plan, "hostmap", None) or HostMap(world)
-    per_class: dict[int, tuple[list[np.ndarray], list[np.ndarray], list[list[int]]]] = {}
+    per_class: dict[int, tuple] = {}
     for name, d in plan.tensors.items():
         c = plan._classes[name]
         isz = numpy_dtype(d.layout.dtype).itemsize
-        if (
-            id(c) not in per_class
-        ):  # per chunk: piece bytes, the single holder (-1: replicated), replicated pieces
-            pb, single, multi = [], [], []
-            for pieces in c.pieces:
-                pb.append(np.asarray([b.volume * isz for b, _ in pieces], dtype=np.int64))
-                single.append(
-                    np.asarray([c.holders[g][0] if len(c.holders[g]) == 1 else -1 for _, g in pieces])
-                )
-                multi.append([i for i, (_, g) in enumerate(pieces) if len(c.holders[g]) > 1])
-            per_class[id(c)] = (pb, single, multi)
-        pb, single, multi = per_class[id(c)]
-        for ci, w in enumerate(d.writers):
-            src = single[ci].copy()
-            for i in multi[ci]:
-                hs = c.holders[c.pieces[ci][i][1]]
-                src[i] = w if w in hs else fragment_source(hs, w, planned)
-            moved = src != w
-            if not moved.any():
-                continue
-            srcs, nbytes = src[moved], pb[ci][moved]
-            recv[w] += nbytes.sum()
-            np.add.at(send, srcs, nbytes)
-            far = hostmap.hosts(srcs) != hostmap.host(w)
-            crecv[w] += nbytes[far].sum()
-            np.add.at(csend, srcs[far], nbytes[far])
+        if id(c) not in per_class:  # flat arrays of pieces: chunk, region, bytes, single holder (-1: several)
+            chunk_of = np.asarray([ci for ci, ps in enumerate(c.pieces) for _ in ps], dtype=np.int64)
+            region = np.asarray([g for ps in c.pieces for _, g in ps], dtype=np.int64)
+            nbytes = np.asarray([b.volume * isz for ps in c.pieces for b, _ in ps], dtype=np.int64)
+            single = np.asarray([h[0] if len(h) == 1 else -1 for h in c.holders], dtype=np.int64)[region]
+            per_class[id(c)] = (chunk_of, region, nbytes, single)
+        chunk_of, region, nbytes, single = per_class[id(c)]
+        w = np.asarray(d.writers, dtype=np.int64)[chunk_of]
+        src = single.copy()
+        for i in np.nonzero(single < 0)[0].tolist():  # replicated regions: the writer, or a holder sends
+            hs = c.holders[int(region[i])]
+            src[i] = w[i] if w[i] in hs else fragment_source(hs, int(w[i]))
+        moved = src != w
+        if not moved.any():
+            continue
+        srcs, dsts, nb = src[moved], w[moved], nbytes[moved]
+        np.add.at(recv, dsts, nb)
+        np.add.at(send, srcs, nb)
+        far = hostmap.hosts(srcs) != hostmap.hosts(dsts)
+        np.add.at(crecv, dsts[far], nb[far])
+        np.add.at(csend, srcs[far], nb[far])
     return {
         "total": int(recv.sum()),
         "recv_max": int(recv.max()),
@@ -576,9 +588,6 @@ def main() -> None:
     ap.add_argument("--layout", choices=["fsdp2", "megatron", "ddp", "fsdp1", "jax"], default="fsdp2")
     ap.add_argument("--min-chunk-mib", type=float, default=16.0, help="PlanOptions.min_chunk_bytes in MiB")
     ap.add_argument("--ranks-per-host", type=int, default=8, help="hosts are blocks of this many ranks")
-    ap.add_argument(
-        "--no-host-map", action="store_true", help="plan without the host map (hosts still counted)"
-    )
     ap.add_argument("--max-chunk-mib", type=float, default=64.0, help="PlanOptions.max_chunk_bytes in MiB")
     ap.add_argument("--sample", type=int, default=64, help="ranks whose work lists are derived and timed")
     ap.add_argument(
@@ -602,8 +611,6 @@ def main() -> None:
     opts = PlanOptions(
         min_chunk_bytes=int(a.min_chunk_mib * (1 << 20)), max_chunk_bytes=int(a.max_chunk_mib * (1 << 20))
     )
-    if not a.no_host_map and "ranks_per_host" in PlanOptions.__dataclass_fields__:
-        opts = dataclasses.replace(opts, ranks_per_host=a.ranks_per_host)
     if a.write_balance is not None:
         opts = dataclasses.replace(opts, write_balance=a.write_balance)
     out = run(a.ranks, a.tensors, a.layout, opts, a.sample, a.ranks_per_host, a.perrank, a.dataloader)

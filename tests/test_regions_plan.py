@@ -122,3 +122,33 @@ def test_rank_plan_json_round_trip() -> None:
     local = [[_decl("w", shape, flat_range_to_boxes(shape, a, b))] for a, b in [(0, 13), (13, 30)]]
     for rp in build_global_plan(local).ranks:
         assert rank_plan_from_json(rank_plan_to_json(rp)) == rp
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chunk_grids_nest_in_the_regions_and_stay_under_the_maximum(seed: int) -> None:
+    """Random regular-ish layouts (each dimension cut like torch.chunk over a few ranks, uneven and empty
+    shards included) and random maxima: every interior region boundary lies on the grid, and no chunk holds
+    more than the maximum (or one element)."""
+    from arraycheckpoint.chunking import nests, tensor_chunk_shape
+
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        shape = tuple(int(x) for x in rng.integers(1, 60, size=rng.integers(1, 4)))
+        cuts = []
+        for extent in shape:
+            parts = int(rng.integers(1, 6))
+            step = -(-extent // parts)
+            cuts.append([(lo, min(step, extent - lo)) for lo in range(0, extent, step)])
+        boxes = [Box(tuple(o for o, _n in combo), tuple(n for _o, n in combo)) for combo in _product(cuts)]
+        itemsize = int(rng.choice([1, 2, 4, 8]))
+        limit = int(rng.integers(itemsize, 4096))
+        opts = PlanOptions(min_chunk_bytes=1 << 10, max_chunk_bytes=limit)
+        chunk, nested = tensor_chunk_shape(shape, itemsize, boxes, opts)
+        assert nested and nests(shape, chunk, boxes), (shape, boxes, chunk)
+        assert math.prod(chunk) * itemsize <= limit, (shape, chunk, limit)
+
+
+def _product(cuts):
+    import itertools
+
+    return itertools.product(*cuts)

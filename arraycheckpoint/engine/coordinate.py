@@ -10,7 +10,7 @@ Per save, in the background thread of every rank, in this order:
    coordinator (rank 0) gathers 16-byte digests, then one declaration per distinct digest, and broadcasts
    the distinct declarations once; every rank then plans (:mod:`arraycheckpoint.groupplan`: deterministic,
    the same plan everywhere) and derives its own work. No rank receives O(world size x payload) bytes;
-2. (the save pipeline exchanges fragments and writes its chunks)
+2. (the save pipeline writes the chunks this rank holds; only flat ranges (FSDP1) exchange fragments first)
 3. *commit*: the coordinator gathers every rank's status, writes the metadata, the control node and the
    group ``zarr.json`` files (:mod:`arraycheckpoint.hierarchy`), commits through the storage's strategy and
    broadcasts the outcome, so an error on any rank surfaces on every rank.
@@ -79,7 +79,8 @@ class Coordinator:
         :mod:`arraycheckpoint.rankdoc`; the plan is then gathered, never cached nor taken from the cache, since
         a cache key does not cover the templates) and ``h`` this rank's ranks-per-host
         (:func:`local_ranks_per_host`, 0 when unknown): the plan uses it as the host map only when every rank
-        reports the same value, else no host map on every rank (logged). Every rank reaches the same decision,
+        reports the same value, else no host map on every rank (logged; chunks are written by ranks holding
+        them, so the host map changes no decision of the plan today). Every rank reaches the same decision,
         so the collectives that follow are the same on every rank: a structure change on one rank replans
         everywhere, never hangs.
         """

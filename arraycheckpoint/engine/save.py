@@ -2,8 +2,8 @@
 
 ``save_async`` plans (unless the plan is cached: the first save of a structure, or after it changed), copies
 the local regions this rank writes or sends into reusable host buffers and returns; one background thread per
-process then runs, in order, the fragment exchange (chunks that straddle ranks), the writes (bounded bytes in
-flight), one flush, and the coordinator's commit.
+process then runs, in order, the fragment exchange (only the chunks of flat ranges, FSDP1, straddle ranks),
+the writes (bounded bytes in flight), one flush, and the coordinator's commit.
 Saves run strictly one after another (buffers and the checkpoint group are reused).
 """
 

@@ -120,9 +120,10 @@ def test_three_ranks_store_one_stacked_array_per_slot_and_load_at_2_and_4(tmp_pa
         assert np.array_equal(arrays["~rows/0/numpy/key"][r], s["numpy"])
         assert np.array_equal(arrays["~rows/1/tokens"][r], s["tokens"])
     assert arrays["~rows/0/torch"].shape == (3, 5056)
-    for name in ("~rows/0/torch", "~rows/1/tokens"):  # rows aggregated into one file, not one per rank
-        assert _chunk_files(root, f"extra_state/{name}") == 1
     meta = acp.read_metadata(root)
+    for name in ("~rows/0/torch", "~rows/1/tokens"):  # each rank writes its own row: no bytes travel
+        assert _chunk_files(root, f"extra_state/{name}") == 3
+        assert meta.tensors[f"extra_state/{name}"].writers == (0, 1, 2)
     assert all(t.rank_rows for n, t in meta.tensors.items() if "~rows" in n)
     assert meta.objects["extra_state/~per_rank"].rows is not None  # one template for every rank
 
@@ -194,10 +195,12 @@ def test_stacked_marker_is_checked_against_the_world_size(tmp_path) -> None:
 def test_simulated_10000_ranks_declare_one_rule_and_write_bounded_files() -> None:
     """The real save path (``save_items`` -> ``declare``) at 10,000 simulated ranks: a PerRank RNG state is the
     same declaration on every rank (each plans alone, no gather), 3 arrays and 2 rows of numeric leaves,
-    files bounded by bytes; the
+    each rank writing its own rows, files under per-rank packs bounded by bytes plus ranks; the
     fallback would be one distinct declaration per rank."""
     import math
     from types import SimpleNamespace
+
+    from test_groupplan import count_files
 
     from arraycheckpoint import perrank
     from arraycheckpoint.adapters.base import AdapterOptions
@@ -231,9 +234,11 @@ def test_simulated_10000_ranks_declare_one_rule_and_write_bounded_files() -> Non
     options = PlanOptions()
     plan = build_compact_plan([(decl, tuple(range(world)))], world, options)
     total = sum(math.prod(t.shape) * t.itemsize for t in decl.tensors)
-    files = sum(len(d.writers) for d in plan.tensors.values())
     assert all(d.layout.shape[0] == world for d in plan.tensors.values())
-    assert files <= total // options.min_chunk_bytes + len(plan.tensors)  # bounded by bytes, not by ranks
+    for d in plan.tensors.values():  # every rank writes its own row (no bytes travel) into its packs
+        assert d.writers == tuple(range(world))
+    # files under per-rank packs: bounded by bytes plus ranks (one pack per rank), not ranks x arrays
+    assert count_files(plan, options.min_chunk_bytes) <= total // options.min_chunk_bytes + world
     # every rank's row is written once: the writers' chunks cover each array, each from the rows' pieces
     for name, d in plan.tensors.items():
         writes = [w for r in set(d.writers) for w in rank_plan(plan, r).writes if w.name == name]

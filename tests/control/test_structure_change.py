@@ -102,46 +102,47 @@ def test_fsdp2_ranks_declare_identically_and_plan_without_collectives(tmp_path):
         assert np.array_equal(v.numpy(), results[0][3][k]), k
 
 
-def _straddle_writer_holds_nothing(rank, world, root):
-    """Rank 2 holds no part of ``w`` but is the least-loaded rank: it writes the straddling chunk."""
+def _flat_ranges_straddle(rank, world, root):
+    """FSDP1-like flat ranges of ``w`` (elements 0-13, 13-27, 27-40 of a 10 x 4 tensor): no grid nests in
+    ranges cut inside rows, so one chunk is written by rank 1 (it holds most of it) from its own piece and
+    the pieces ranks 0 and 2 send it; replicas ``big0``/``big1`` on ranks 0 and 1 are written by a holder."""
     import numpy as np
 
     from arraycheckpoint.collectives import default_communicator
     from arraycheckpoint.engine import SaveOptions, engine
     from arraycheckpoint.items import ArraySource, SaveRequest, SaveShard, SaveTensor
     from arraycheckpoint.plan import PlanOptions
-    from arraycheckpoint.regions import Box
+    from arraycheckpoint.regions import Box, flat_range_to_boxes
 
     full = np.arange(40, dtype=np.float32).reshape(10, 4)
     big = np.ones((64, 4), dtype=np.float64)
-    tensors = []
+    lo, hi = [(0, 13), (13, 27), (27, 40)][rank]
+    flat = full.reshape(-1)
+    shards = [
+        SaveShard(b, ArraySource(full[b.slices()].copy())) for b in flat_range_to_boxes((10, 4), lo, hi)
+    ]
+    assert sum(s.box.volume for s in shards) == len(flat[lo:hi])
+    tensors = [SaveTensor("model/w", (10, 4), full.dtype, shards)]
     if rank < 2:
-        lo, hi = (0, 5) if rank == 0 else (5, 10)
-        tensors.append(
-            SaveTensor(
-                "model/w",
-                (10, 4),
-                full.dtype,
-                [SaveShard(Box((lo, 0), (hi - lo, 4)), ArraySource(full[lo:hi]))],
-            )
-        )
         for name in ("model/big0", "model/big1"):  # replicas on ranks 0 and 1: one each
             shard = SaveShard(Box((0, 0), (64, 4)), ArraySource(big))
             tensors.append(SaveTensor(name, (64, 4), big.dtype, [shard]))
     req = SaveRequest(tensors, [], framework="torch")
-    opts = SaveOptions(
-        plan=PlanOptions(min_chunk_bytes=1 << 20, max_chunk_bytes=1 << 20, straddle_writers="any")
-    )
+    opts = SaveOptions(plan=PlanOptions(min_chunk_bytes=1 << 20, max_chunk_bytes=1 << 20))
     engine().save_async(f"{root}/ck", req, default_communicator(), opts).result()
-    return full
+    plan = list(engine()._save._coordinator._plans.values())[-1].rank_plan
+    return full, [(t.src, t.dst) for t in plan.sends]
 
 
-def test_a_writer_that_holds_none_of_a_straddling_chunk(tmp_path):
+def test_a_straddling_chunk_of_flat_ranges_is_assembled_by_the_holder_of_most_of_it(tmp_path):
     import numpy as np
 
-    full = run_distributed(_straddle_writer_holds_nothing, world=3, args=(str(tmp_path),), timeout=120)[0]
+    results = run_distributed(_flat_ranges_straddle, world=3, args=(str(tmp_path),), timeout=120)
+    full = results[0][0]
+    assert sorted(p for _f, sends in results for p in sends) == [(0, 1), (0, 1), (2, 1), (2, 1)], results
     meta = acp.read_metadata(tmp_path / "ck")
-    assert meta.tensors["model/w"].writers == (2,)  # the only rank with no load
+    assert meta.tensors["model/w"].writers == (1,)  # 14 of its 40 elements are on rank 1
+    assert {meta.tensors[n].writers for n in ("model/big0", "model/big1")} == {(0,), (1,)}
     out = {"w": torch.zeros(10, 4), "big0": torch.zeros(64, 4, dtype=torch.float64)}
     acp.load(tmp_path / "ck", {"model": out}, strict=False)
     assert np.array_equal(out["w"].numpy(), full)

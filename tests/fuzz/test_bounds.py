@@ -105,13 +105,17 @@ def test_chunk_counts_no_storage_holds_are_refused() -> None:
 
 def test_the_save_plan_refuses_a_layout_the_load_would_refuse() -> None:
     """A chunk grid the load would refuse is refused when the save plans it, before anything is written."""
-    from arraycheckpoint.plan import PlanOptions, TensorDecl, _layout
+    from arraycheckpoint.plan import PlanOptions, TensorDecl, build_global_plan
     from arraycheckpoint.regions import Box
 
     whole = (Box((0,), (1 << 36,)),)
     decl = TensorDecl("model/x", (1 << 36,), "uint8", 1, whole)
+
+    def layout(options: PlanOptions):
+        return build_global_plan([[decl]], options).tensors["model/x"].layout
+
     with pytest.raises(PlanError, match="more than any storage holds"):
-        _layout(decl, whole, PlanOptions(min_chunk_bytes=1, max_chunk_bytes=8))
+        layout(PlanOptions(min_chunk_bytes=1, max_chunk_bytes=8))
     with pytest.raises(PlanError, match="above the limit"):
-        _layout(decl, whole, PlanOptions(min_chunk_bytes=1 << 33, max_chunk_bytes=1 << 36))
-    assert _layout(decl, whole, PlanOptions()).chunk_shape == (64 << 20,)
+        layout(PlanOptions(min_chunk_bytes=1 << 33, max_chunk_bytes=1 << 36))
+    assert layout(PlanOptions()).chunk_shape == (64 << 20,)
