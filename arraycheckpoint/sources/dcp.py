@@ -108,15 +108,7 @@ class DcpSource(LoadSource):
                         f"{root}: tensor {name!r} is stored through DCP extensions {info.transform_descriptors} "
                         "(e.g. compression); load it with torch.distributed.checkpoint and save it with acp.save"
                     )
-                rel = str(info.relative_path)
-                if (
-                    not rel
-                    or "/" in rel
-                    or "\\" in rel
-                    or rel.startswith(".")
-                    or any(ord(c) < 32 for c in rel)
-                ):
-                    raise MetadataError(f"{root}: tensor {name!r} names an unsafe file {rel!r}")
+                rel = _file_name(root, f"tensor {name!r}", info)
                 mine.append(_Chunk(box, rel, int(info.offset), int(info.length)))
             chunks[name] = mine
             tensors[name] = TensorMeta(
@@ -128,8 +120,14 @@ class DcpSource(LoadSource):
                 None,
                 tuple(ShardMeta(c.box.offsets, c.box.lengths, 0) for c in mine),
             )
-        _check_files(storage, root, chunks)
-        objects = _byte_objects(storage, root, md, names, paths, where)
+        values = _value_records(root, md, where)
+        spans = [
+            (c.key, c.offset + c.length, f"tensor {name!r}") for name, mine in chunks.items() for c in mine
+        ]
+        _check_files(
+            storage, root, spans + [(v.key, v.offset + v.length, f"value {k!r}") for k, v in values.items()]
+        )
+        objects = _byte_objects(storage, root, md, names, paths, values)
         meta = CheckpointMetadata(framework="dcp", world_size=1, tensors=tensors, objects=objects)
         return cls(storage, root, meta, chunks)
 
@@ -174,43 +172,80 @@ class DcpSource(LoadSource):
             rec["wanted_bytes"] = reader.wanted
 
 
+def _file_name(root: str, what: str, info: Any) -> str:
+    """The ``.distcp`` file a DCP storage record names: a plain file name inside ``root`` (no ``/`` or
+    ``\\``, no leading ``.``, no control character), or :class:`MetadataError` naming ``what``."""
+    rel = str(info.relative_path)
+    if not rel or "/" in rel or "\\" in rel or rel.startswith(".") or any(ord(c) < 32 for c in rel):
+        raise MetadataError(f"{root}: {what} names an unsafe file {rel!r}")
+    return rel
+
+
+@dataclass(frozen=True)
+class _Value:
+    key: str  # relative path of the .distcp file
+    offset: int
+    length: int
+
+
+def _value_records(root: str, md: Any, where: dict[Any, Any]) -> dict[str, _Value]:
+    """Where each of DCP's non-tensor values is stored (DCP key -> file and byte range), checked like the
+    tensors' records: a plain file name inside ``root``, a length of at most ``MAX_BYTE_IO``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from ..dcp import MAX_BYTE_IO
+
+    out: dict[str, _Value] = {}
+    for fqn, sm in md.state_dict_metadata.items():
+        info = where.get((fqn, ())) if isinstance(sm, BytesStorageMetadata) else None
+        if info is None:
+            continue
+        rel, offset, length = _file_name(root, f"value {fqn!r}", info), int(info.offset), int(info.length)
+        if not 0 <= length <= MAX_BYTE_IO or offset < 0:
+            raise MetadataError(f"{root}/{rel}: value {fqn!r} is stored as {length} bytes at {offset}")
+        out[fqn] = _Value(rel, offset, length)
+    return out
+
+
 def _byte_objects(
-    storage: Any, root: str, md: Any, names: dict[str, str], paths: dict[str, Any], where: dict[Any, Any]
+    storage: Any, root: str, md: Any, names: dict[str, str], paths: dict[str, Any], values: dict[str, _Value]
 ) -> dict[str, Any]:
-    """DCP's non-tensor values (``step``, ``param_groups``, ...: ``torch.save`` bytes each, read once here,
-    the caller allowed pickles) as :class:`~arraycheckpoint.dcp.Reader` and :func:`arraycheckpoint.load`
-    see them in a checkpoint of :class:`~arraycheckpoint.dcp.Writer`: the ``~dcp`` object (keys, paths,
-    bytes) and the JSON objects of :func:`~arraycheckpoint.dcp.native_objects` (``param_groups``)."""
+    """DCP's non-tensor values (``step``, ``param_groups``, ...: ``torch.save`` bytes each, read once here
+    from the files :func:`_check_files` passed, the caller allowed pickles) as
+    :class:`~arraycheckpoint.dcp.Reader` and :func:`arraycheckpoint.load` see them in a checkpoint of
+    :class:`~arraycheckpoint.dcp.Writer`: the ``~dcp`` object (keys, paths, bytes) and the JSON objects of
+    :func:`~arraycheckpoint.dcp.native_objects` (``param_groups``)."""
     import base64
     import io
 
     import tensorstore as ts
     import torch
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from .._tscontext import context
-    from ..dcp import DCP_OBJECT, MAX_BYTE_IO, json_value, native_objects
+    from ..dcp import DCP_OBJECT, json_value, native_objects
     from ..metadata import ObjectMeta
 
-    kv = ts.KvStore.open(storage.kvstore_spec(root), context=context()).result()
+    kv = ts.KvStore.open(storage.kvstore_spec(root), context=context()).result() if values else None
     raw: dict[str, str] = {}
-    values: dict[str, Any] = {}
-    for fqn, sm in md.state_dict_metadata.items():
-        info = where.get((fqn, ())) if isinstance(sm, BytesStorageMetadata) else None
-        if info is None:
-            continue
-        rel, length = str(info.relative_path), int(info.length)
-        if "/" in rel or rel.startswith(".") or not 0 <= length <= MAX_BYTE_IO:
-            raise MetadataError(f"{root}: value {fqn!r} names an unsafe file {rel!r} or {length} bytes")
-        data = _read(kv, rel, int(info.offset), length, f"{root}/{rel}: value {fqn!r}")
+    docs: dict[str, Any] = {}
+    for fqn, v in values.items():
+        where = f"{root}/{v.key}: value {fqn!r}"
+        data = _read(kv, v.key, v.offset, v.length, where)
         raw[fqn] = base64.b64encode(data).decode()
-        value = json_value(torch.load(io.BytesIO(data), weights_only=False))  # noqa: S614 - allow_pickle
+        try:
+            loaded = torch.load(io.BytesIO(data), weights_only=False)  # noqa: S614 - allow_pickle
+        except Exception as e:  # noqa: BLE001 - torch raises many kinds (UnpicklingError, RuntimeError, EOFError)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CorruptCheckpointError(
+                f"{where}: not a torch.save'd value ({why}); the file is damaged"
+            ) from None
+        value = json_value(loaded)
         if value is not None:
-            values[fqn] = value
+            docs[fqn] = value
     keys = {k: names[k] for k in md.state_dict_metadata}
     doc_paths = {k: [p if isinstance(p, int) else str(p) for p in v] for k, v in paths.items()}
     doc = {"version": 1, "keys": keys, "paths": doc_paths, "bytes": raw}
-    objects = native_objects(names, paths, values)
+    objects = native_objects(names, paths, docs)
     objects[DCP_OBJECT] = ObjectMeta(DCP_OBJECT, "global", value=doc)
     return objects
 
@@ -292,31 +327,29 @@ def _zip64_sizes(extra: bytes, csize: int, usize: int, local: int) -> tuple[int,
     return csize, usize, local
 
 
-def _check_files(storage: Any, root: str, chunks: dict[str, list[_Chunk]]) -> None:
-    """On a local file system, every ``.distcp`` file the metadata names is a regular file (no link, never a
-    FIFO: :func:`arraycheckpoint.filecheck.open_regular`) holding every item recorded in it: a file cut short
-    is refused here, naming a tensor stored past its end and the file, before anything is read."""
+def _check_files(storage: Any, root: str, spans: list[tuple[str, int, str]]) -> None:
+    """On a local file system, every ``.distcp`` file the metadata names (``spans``: file, the end of a
+    tensor chunk or value stored in it, what is stored there) is a regular file (no link, never a FIFO:
+    :func:`arraycheckpoint.filecheck.open_regular`) holding every item recorded in it: a file cut short is
+    refused here, naming a tensor or value stored past its end and the file, before anything is read."""
     from . import local_dir
 
     local = local_dir(storage, root)
     if local is None:
         return
     ends: dict[str, tuple[int, str]] = {}
-    for name, mine in chunks.items():
-        for c in mine:
-            if c.offset + c.length > ends.get(c.key, (-1, ""))[0]:
-                ends[c.key] = (c.offset + c.length, name)
-    for key, (end, name) in sorted(ends.items()):
-        opened = open_regular(local, key, what=f"tensor {name!r}: ")
+    for key, end, what in spans:
+        if end > ends.get(key, (-1, ""))[0]:
+            ends[key] = (end, what)
+    for key, (end, what) in sorted(ends.items()):
+        opened = open_regular(local, key, what=f"{what}: ")
         if opened is None:
-            raise CorruptCheckpointError(
-                f"tensor {name!r}: {root}/{key} is missing; the checkpoint is damaged"
-            )
+            raise CorruptCheckpointError(f"{what}: {root}/{key} is missing; the checkpoint is damaged")
         os.close(opened[0])
         if opened[1] < end:
             raise CorruptCheckpointError(
-                f"tensor {name!r}: {root}/{key} is {opened[1]} bytes, but the tensor is stored up to byte {end}; "
-                "the file is truncated"
+                f"{what}: {root}/{key} is {opened[1]} bytes, but the {what.split()[0]} is stored up to byte "
+                f"{end}; the file is truncated"
             )
 
 

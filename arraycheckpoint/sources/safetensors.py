@@ -299,10 +299,8 @@ def _tied_aliases(storage: Any, root: str, tensors: Mapping[str, StoredTensor]) 
     is stored; empty otherwise (no config, untied, or no single input embedding)."""
     if f"{NAMESPACE}/{OUTPUT_EMBEDDING}" in tensors or not storage.exists(root, CONFIG_FILE):
         return {}
-    try:
-        config = json.loads(_read_bounded(storage, root, CONFIG_FILE, MAX_CONFIG_BYTES))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MetadataError(f"{root}/{CONFIG_FILE} is not JSON ({e})") from None
+    raw = _read_bounded(storage, root, CONFIG_FILE, MAX_CONFIG_BYTES)
+    config = _json(raw, MAX_CONFIG_BYTES, f"{root}/{CONFIG_FILE}")  # bounded like the index and headers
     if not isinstance(config, dict) or config.get("tie_word_embeddings", True) is not True:
         return {}
     prefix = f"{NAMESPACE}/"

@@ -6,8 +6,9 @@ Sources, detected from the path:
   ``*.safetensors`` files: tensors are read lazily, one at a time, while the engine takes its snapshot;
 * a torch.distributed.checkpoint (DCP) directory (it holds ``.metadata``): DCP's ``.metadata`` file is a
   pickle, and unpickling runs code from the file, so this needs ``allow_pickle=True`` (``--allow-pickle``); tensors
-  are read with DCP's own ``FileSystemReader`` into a state dict built from its metadata; non-tensor entries
-  (pickled in DCP) are skipped and reported;
+  are read lazily, one at a time, through the DCP load source (:mod:`arraycheckpoint.sources.dcp`) with the
+  checks of :func:`arraycheckpoint.load` (no link, no FIFO, no truncated file; DCP storage extensions such as
+  compression are refused, naming the tensor); non-tensor entries (pickled in DCP) are skipped and reported;
 * any other file: a ``torch.save`` state dict, loaded with ``torch.load(weights_only=True)`` (no arbitrary
   unpickling); nested dicts are flattened with ``.``; non-tensor values are skipped and reported.
 
@@ -205,21 +206,55 @@ def _tensors_torch(src: str, skipped: list[str]) -> dict[str, Any]:
     return flat
 
 
-def _tensors_dcp(src: str, skipped: list[str]) -> dict[str, Any]:
+def _tensors_dcp(
+    src: str, skipped: list[str], progress: Callable[[int], None] | None
+) -> dict[str, tuple[Any, _DcpTensor]]:
+    """DCP key -> (meta tensor: shape and dtype, lazy reader) of the DCP directory ``src``, read through the
+    DCP load source (:class:`~arraycheckpoint.sources.dcp.DcpSource`) as :func:`arraycheckpoint.load` reads
+    it: its ``.metadata`` and every ``.distcp`` file pass the checks of :mod:`arraycheckpoint.filecheck`
+    (no link, never a FIFO, no file shorter than what is stored in it) before anything is read, and damage
+    is a :class:`~arraycheckpoint.errors.CorruptCheckpointError` naming the tensor and the file. Non-tensor
+    values are skipped and reported."""
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(src)
-    md = reader.read_metadata()
-    state: dict[str, Any] = {}
-    for key, m in md.state_dict_metadata.items():
-        if isinstance(m, TensorStorageMetadata):
-            state[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        else:
+    from ..adapters.torch.tensors import torch_dtype
+    from ..codecs import numpy_dtype
+    from ..dcp import DCP_OBJECT
+    from ..sources.dcp import DcpSource
+    from ..storage import storage_for
+
+    storage, root = storage_for(src)
+    source = DcpSource.open(storage, root, allow_pickle=True)
+    meta = source.metadata
+    out: dict[str, tuple[Any, _DcpTensor]] = {}
+    for key, name in meta.objects[DCP_OBJECT].value["keys"].items():  # DCP key -> entry name
+        tm = meta.tensors.get(name)
+        if tm is None:
             skipped.append(f"{key} (non-tensor DCP entry: pickled, not imported)")
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    return state
+            continue
+        shape = tuple(int(s) for s in tm.shape)
+        t = torch.empty(shape, dtype=torch_dtype(numpy_dtype(tm.dtype)), device="meta")
+        out[key] = (t, _DcpTensor(source, name, progress))
+    return out
+
+
+@dataclass
+class _DcpTensor:
+    """Reads one whole tensor of a DCP source into the engine's host buffer."""
+
+    source: Any
+    name: str
+    progress: Callable[[int], None] | None = None
+
+    def copy_into(self, out: np.ndarray) -> None:
+        from ..engine.common import DEFAULT_INFLIGHT_BYTES
+        from ..items import LoadShard, LoadTensor
+        from ..monitoring import PhaseRecorder
+
+        shard = LoadShard(Box.full(out.shape), lambda a: np.copyto(out, a), target=out)
+        self.source.read([LoadTensor(self.name, [shard])], DEFAULT_INFLIGHT_BYTES, PhaseRecorder())
+        if self.progress is not None:
+            self.progress(out.nbytes)
 
 
 def import_checkpoint(
@@ -264,9 +299,10 @@ def import_checkpoint(
     if kind in ("safetensors", "hf"):
         for key, (meta, load) in _tensors_safetensors(_safetensors_files(src, kind)).items():
             tensors[key] = (meta, _LazySource(load, progress))
+    elif kind == "dcp":
+        tensors.update(_tensors_dcp(src, result.skipped, progress))
     else:
-        flat = _tensors_torch(src, result.skipped) if kind == "torch" else _tensors_dcp(src, result.skipped)
-        for key, t in flat.items():
+        for key, t in _tensors_torch(src, result.skipped).items():
             tensors[key] = (t, _Counted(TorchSource(t.detach().contiguous()), progress))
     if not tensors:
         raise ArrayCheckpointError(f"{src} holds no tensors to import")

@@ -240,7 +240,7 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
     raw = storage.read(root, files.metadata)
     if raw is None:
         raise CheckpointNotFoundError(f"checkpoint {root} has no {files.metadata}")
-    meta = CheckpointMetadata.from_json(raw)
+    meta = _read_metadata(raw, os.path.join(root, files.metadata))
     new_meta, result = plan_rename(meta, mapping, repack.existing_pack_keys(root))
     if not result.tensors and not result.objects:
         return result
@@ -250,6 +250,18 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
     _write_durable(journal, json.dumps(doc).encode())
     _execute(root, doc)
     return result
+
+
+def _read_metadata(raw: bytes, what: str) -> CheckpointMetadata:
+    """The checkpoint's metadata read from the file ``what``, refused (naming the file) where no checkpoint
+    could hold it: bounded JSON, and every tensor's layout as a load checks it
+    (:func:`arraycheckpoint.safety.check_layouts`), so a rename never commits metadata no load accepts."""
+    try:
+        meta = CheckpointMetadata.from_json(raw, what=what)
+        safety.check_layouts(meta)
+    except MetadataError as e:
+        raise MetadataError(str(e) if what in str(e) else f"{what}: {e}") from None
+    return meta
 
 
 def _write_durable(path: str, data: bytes) -> None:
@@ -323,6 +335,7 @@ def check_journal(root: str, doc: Any) -> None:
         if not PACK_KEY.match(key):
             raise MetadataError(f"{key!r} is not a pack key")
     new_meta = CheckpointMetadata.from_json(doc["metadata"])
+    safety.check_layouts(new_meta)
     missing = sorted(set(maps["tensors"].values()) - set(new_meta.tensors))
     if missing:
         raise MetadataError(f"its metadata has no tensor {missing[0]!r}, a target of its moves")

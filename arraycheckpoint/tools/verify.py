@@ -227,6 +227,8 @@ def verify(
         )
     try:
         meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
+        # the bounds (chunks per array, chunk bytes) before anything is sized from the declared layouts
+        safety.check_layouts(meta)
     except ArrayCheckpointError as e:
         report.problems.append(Problem("", None, str(e)))
         return report

@@ -81,12 +81,27 @@ def save_dcp(dest: Path) -> None:
         dcp.save({"model": tensors()}, checkpoint_id=str(dest))
 
 
+def save_dcp_values(dest: Path) -> None:
+    """A DCP directory whose non-tensor values fill a file of their own: DCP's writer deals values to its
+    files round-robin, then tensors to the emptiest file, so with three files and three values the third
+    file holds only ``note``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = {"model": tensors(), "step": 5, "epoch": 1, "note": "x"}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dest), thread_count=3))
+
+
 BASES: dict[str, Callable[[Path], None]] = {
     "packed": lambda d: save_native(d, "packed"),
     "directory": lambda d: save_native(d, "directory"),
     "hf1": lambda d: save_hf(d, sharded=False),
     "hf2": lambda d: save_hf(d, sharded=True),
     "dcp": save_dcp,
+    "dcpv": save_dcp_values,
 }
 _BASE_CACHE: dict[str, Path] = {}
 
@@ -260,6 +275,20 @@ def _hf_index(dest: Path, weight_map: dict) -> None:
 def _distcp(dest: Path) -> Path:
     (f,) = [p for p in dest.iterdir() if p.suffix == ".distcp"]
     return f
+
+
+def _value_distcp(dest: Path) -> Path:
+    """The ``.distcp`` file of a ``dcpv`` directory that holds values only (no tensor is stored in it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = dcp.FileSystemReader(str(dest)).read_metadata()
+    kinds: dict[str, set[bool]] = {}
+    for idx, info in md.storage_data.items():
+        is_value = isinstance(md.state_dict_metadata[idx.fqn], BytesStorageMetadata)
+        kinds.setdefault(info.relative_path, set()).add(is_value)
+    (name,) = [f for f, k in kinds.items() if k == {True}]
+    return dest / name
 
 
 def _manager_fifo(dest: Path) -> None:
@@ -475,6 +504,10 @@ def _items() -> list[Item]:
         Item("dcp_distcp_link", "dcp", _on("dcp", lambda d, o: _link_outside(_distcp(d), o, "distcp"))),
         Item("dcp_distcp_fifo", "dcp", _on("dcp", lambda d, o: _fifo(_distcp(d))), fifo=True),
         Item("dcp_metadata_fifo", "dcp", _on("dcp", lambda d, o: _fifo(d / ".metadata")), fifo=True),
+        # a file holding only non-tensor values (read when the directory is opened, before any tensor)
+        Item("dcp_value_link", "dcp", _on("dcpv", lambda d, o: _link_outside(_value_distcp(d), o, "value"))),
+        Item("dcp_value_fifo", "dcp", _on("dcpv", lambda d, o: _fifo(_value_distcp(d))), fifo=True),
+        Item("dcp_value_cut", "dcp", _on("dcpv", lambda d, o: _cut(_value_distcp(d), 0.5))),
         # CheckpointManager roots
         Item("manager_fifo_step", "manager", lambda d, o: _manager_fifo(d), fifo=True),
         Item("manager_digits", "manager", lambda d, o: _manager_digits(d)),

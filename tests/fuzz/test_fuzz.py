@@ -18,18 +18,9 @@ import pytest
 from fuzz.corpus import ITEMS
 from fuzz.entry import ENTRIES
 
-_H1 = "hostile1 (CLI tools, rename journal, manager, names)"
 _DP = "dp2packs (checkpoint_store: links, FIFOs, sizes, zarr.json and members checked like the load)"
 #: (item, entry point) -> the branch that fixes it (xfail until merged; then delete the entries)
 KNOWN: dict[tuple[str, str], str] = {
-    # left after hostile1: rename's errors name the metadata file but not the checkpoint; rename keeps
-    # metadata no checkpoint can hold; verify enumerates 2^50 chunks before its checks; `import` reads DCP
-    # files with its own unchecked reader
-    **{(i, "rename"): _H1 for i in ("meta_deep", "meta_non_utf8", "meta_empty_objects_8mib")},
-    ("directory_huge_shape", "rename"): _H1,
-    ("packed_huge_shape", "verify"): _H1,
-    **{(f"dcp_{i}", "import"): _H1 for i in ("cut_0", "cut_half", "cut_minus1", "cut_100", "distcp_link")},
-    **{(f"dcp_{i}", "import"): _H1 for i in ("distcp_fifo", "metadata_fifo")},
     # dp2packs: checkpoint_store
     **{
         (i, "store"): _DP

@@ -71,6 +71,14 @@ def _load(path: Path, **kw) -> None:
         ("dcp_cut_0", CorruptCheckpointError, ("__0_0.distcp is 0 bytes", "tensor 'model/")),
         ("dcp_distcp_link", CorruptCheckpointError, ("__0_0.distcp is a symlink", "tensor 'model/")),
         ("dcp_distcp_fifo", CorruptCheckpointError, ("__0_0.distcp is not a regular file",)),
+        # a file of values only: checked like the tensors' files before the values are read
+        ("dcp_value_link", CorruptCheckpointError, ("value 'note'", "__0_2.distcp is a symlink")),
+        ("dcp_value_fifo", CorruptCheckpointError, ("value 'note'", "__0_2.distcp is not a regular file")),
+        (
+            "dcp_value_cut",
+            CorruptCheckpointError,
+            ("value 'note'", "__0_2.distcp is", "the file is truncated"),
+        ),
         ("pack_unicode_path", CorruptCheckpointError, ("Unicode Path extra field", "0.0.zip")),
     ],
 )
@@ -89,9 +97,9 @@ def test_sources_still_load_valid_directories_bit_exactly(build, tmp_path: Path)
     from fuzz.corpus import _BASE_CACHE
 
     want = tensors()
-    for base in ("hf1", "hf2", "dcp"):
+    for base in ("hf1", "hf2", "dcp", "dcpv"):
         target = {"model": {"w": torch.zeros(8, 4), "b": torch.zeros(4)}}
-        acp.load(_BASE_CACHE[base], target, allow_pickle=(base == "dcp"))
+        acp.load(_BASE_CACHE[base], target, allow_pickle=base.startswith("dcp"), strict=base != "dcpv")
         assert torch.equal(target["model"]["w"], want["w"]) and torch.equal(
             target["model"]["b"], want["b"]
         ), base

@@ -109,7 +109,10 @@ def save_body(rank: int, world: int, folder: str) -> dict:
             )
         else:
             mgr.save(step)  # async (threaded) save
-            mgr.close()  # waits for it
+            # torchtitan's close() does not wait for an async save (its trainer saves the last step
+            # synchronously, which first waits for the one in flight): wait as that does
+            mgr.maybe_wait_for_saving()
+            mgr.close()
     return {"state": _full_state(model, opts), "lr": opts.optimizers[0].param_groups[0]["lr"]}
 
 
