@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -266,6 +267,7 @@ def check_chunk_files(
     meta: Any,
     names: Collection[str] | None,
     directories: dict[str, list[Any]] | None = None,
+    regions: Mapping[str, list[Any] | None] | None = None,
 ) -> dict[str, int | None]:
     """The stored files of the arrays ``names`` (every array if None) match their metadata.
 
@@ -277,7 +279,9 @@ def check_chunk_files(
     object stores, one listing of the whole checkpoint replaces the per-array ones when it takes fewer
     requests (a rank that reads most arrays).
 
-    ``directories`` receives the ZIP directories of the packs checked (:func:`check_packs`).
+    ``directories`` receives the ZIP directories of the packs checked (:func:`check_packs`,
+    :func:`check_rank_packs`); ``regions`` (name -> regions read) limits the format-6 packs checked to those
+    holding chunks that meet them.
 
     Returns:
         The inventory (key -> size) of the arrays checked.
@@ -292,9 +296,12 @@ def check_chunk_files(
     chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
     selected = list(meta.tensors) if names is None else [n for n in dict.fromkeys(names) if n in meta.tensors]
     packed = [n for n in selected if meta.tensors[n].pack is not None]
+    by_rank = [n for n in packed if meta.tensors[n].pack_rank is not None]
+    packed = [n for n in packed if meta.tensors[n].pack_rank is None]
     selected = [n for n in selected if meta.tensors[n].pack is None]
     items = _array_inventory(storage, root, meta, selected if names is not None else None)
     items.update(check_packs(storage, root, meta, packed, directories))
+    items.update(check_rank_packs(storage, root, meta, by_rank, regions, directories))
     chunks: dict[str, list[int | None]] = {}
     for key, size in items.items():
         m = chunk_key.match(key)
@@ -377,14 +384,14 @@ def check_arrays(
     docs = {name: doc for name, (doc, _) in generated.items()}
     if getattr(storage, "commit_strategy", "") == "rename" or meta.codec_preset != CODEC_PRESET:
         kv = _kvstore(storage, base)
-        packs = {
-            key: _pack_kvstore(storage, base, key) for key in {meta.tensors[n].pack for n in wanted} - {None}
-        }
+        # format 6: a packed array's zarr.json is checked where its pack is read (check_packed_doc)
+        own = [n for n in wanted if meta.tensors[n].pack_rank is None]
+        packs = {key: _pack_kvstore(storage, base, key) for key in {meta.tensors[n].pack for n in own} - {None}}
         reads = {
             name: (packs[meta.tensors[name].pack] if meta.tensors[name].pack else kv).read(
                 f"{name}/zarr.json"
             )
-            for name in wanted
+            for name in own
         }
         for name, fut in reads.items():
             result = fut.result()
@@ -406,6 +413,20 @@ def check_arrays(
         if tm.compression is not None:
             _check_zstd_chunks(_kvstore(storage, f"{base}/{name}"), tm, f"{base}/{name}", boxes, sep)
     return docs
+
+
+def check_packed_doc(tm: Any, raw: bytes, where: str, separator: str) -> None:
+    """The ``zarr.json`` bytes ``raw`` of the packed array ``tm`` (read from ``where``) agree with the checkpoint
+    metadata (:func:`check_arrays`' check, for the readers of format-6 packs).
+
+    Raises:
+        MetadataError: a malformed document, or one that disagrees with the metadata or lacks crc32c.
+    """
+    doc, exact = _generated(tm, separator)
+    if raw == exact:
+        return
+    stored = load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{where}/zarr.json")
+    _cross_check(tm, stored, doc, where)
 
 
 def _generated(tm: Any, separator: str) -> tuple[dict[str, Any], bytes]:
@@ -536,6 +557,212 @@ def check_packs(
         if directories is not None:
             directories[key] = entries
     return out
+
+
+def chunks_wanted(t: Any, boxes: list[Any] | None) -> np.ndarray:
+    """Flat (row-major) indices of the chunks of the array ``t`` that meet any region of ``boxes`` (every
+    chunk when None), sorted."""
+    grid = _chunk_grid(t)
+    if boxes is None:
+        return np.arange(math.prod(grid), dtype=np.int64)
+    hit: set[int] = set()
+    for b in boxes:
+        if not math.prod(b.lengths):
+            continue
+        ranges = [
+            range(o // c, -(-(o + n) // c)) for o, n, c in zip(b.offsets, b.lengths, t.chunk_shape)
+        ]
+        for idx in itertools.product(*ranges):
+            hit.add(int(np.ravel_multi_index(idx, grid)) if grid else 0)
+    return np.asarray(sorted(hit), dtype=np.int64)
+
+
+def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
+    """Format 6: what each rank's packs hold: ``rank -> (arrays whose zarr.json it holds, array -> number of
+    its chunks)`` over every packed array of ``meta``."""
+    out: dict[int, tuple[list[str], dict[str, int]]] = {}
+    for name, t in meta.tensors.items():
+        creator = t.pack_rank
+        if creator is None:
+            continue
+        out.setdefault(creator, ([], {}))[0].append(name)
+        if t.writers:
+            ranks, counts = np.unique(np.asarray(t.writers, dtype=np.int64), return_counts=True)
+            for r, n in zip(ranks.tolist(), counts.tolist()):
+                out.setdefault(r, ([], {}))[1][name] = n
+    return out
+
+
+def check_rank_packs(
+    storage: Any,
+    root: str,
+    meta: Any,
+    names: Collection[str],
+    regions: Mapping[str, list[Any] | None] | None = None,
+    directories: dict[str, list[Any]] | None = None,
+) -> dict[str, int | None]:
+    """The packs holding what is read of the format-6 packed arrays ``names`` are sound
+    (:mod:`arraycheckpoint.packing`: chunk ``i`` of an array is in a pack of ``writers[i]``, its
+    ``zarr.json`` in a pack of its creator).
+
+    For every rank whose packs hold a member read (the chunks meeting ``regions[name]``, every chunk when
+    absent, and the ``zarr.json``), its packs ``<rank>.0.zip``, ``<rank>.1.zip``, ... are read until the first
+    that does not exist, each with the checks of :func:`check_packs`: a regular file (no link, no FIFO), no
+    larger than what that rank's packed members can take, a ZIP archive as a save writes it, every entry a
+    member that rank holds (an array's ``zarr.json`` it created, a chunk key inside the grid of an array whose
+    chunk it wrote; none twice across its packs), stored uncompressed, bounded, and, for each member read,
+    a local header that agrees with the central directory. Every member read must be present.
+
+    ``directories``, when given, receives each checked pack's directory.
+
+    Returns:
+        ``pack key -> size`` of the packs checked.
+
+    Raises:
+        InconsistentCheckpointError: a member read is in no pack of its rank.
+        CorruptCheckpointError: what :func:`check_packs` refuses, for the packs of a format-6 checkpoint.
+    """
+    from .metadata import chunk_key_separator
+    from .packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key
+
+    if not names:
+        return {}
+    separator = chunk_key_separator(meta.format_version)
+    base = root.rstrip("/")
+    needed: dict[int, set[str]] = {}  # rank -> member keys read from its packs
+    for name in names:
+        t = meta.tensors[name]
+        needed.setdefault(t.pack_rank, set()).add(f"{name}/zarr.json")
+        grid = _chunk_grid(t)
+        writers = np.asarray(t.writers, dtype=np.int64)
+        for flat in chunks_wanted(t, None if regions is None else regions.get(name)).tolist():
+            idx = np.unravel_index(flat, grid) if grid else ()
+            key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
+            needed.setdefault(int(writers[flat]), set()).add(key)
+    holds = _rank_members(meta)
+    out: dict[str, int | None] = {}
+    for rank in sorted(needed):
+        docs, chunks = holds.get(rank, ([], {}))
+        limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in set(docs) | set(chunks)}
+        grids = {n: _chunk_grid(meta.tensors[n]) for n in limits}
+        entries_bound = sum(_CD_ENTRY_BYTES + len(n.encode()) + 10 for n in docs) + sum(
+            k * (_CD_ENTRY_BYTES + len(n.encode()) + 1 + max(9, _longest_chunk_key(grids[n])))
+            for n, k in chunks.items()
+        )
+        members = len(docs) + sum(chunks.values())
+        bound = min(
+            TRAILER_BYTES * (members + 1)
+            + sum(MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 10) for n in docs)
+            + sum(
+                k * (limits[n] + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 1 + _longest_chunk_key(grids[n])))
+                for n, k in chunks.items()
+            ),
+            MAX_OBJECT_BYTES * 4,
+        )
+        seen: set[str] = set()
+        reading = needed[rank]
+        check = functools.partial(
+            _check_rank_pack_members,
+            meta,
+            rank=rank,
+            docs=set(docs),
+            grids=grids,
+            limits=limits,
+            reading=reading,
+            seen=seen,
+            separator=separator,
+        )
+        for k in range(members + 1):
+            key = pack_key(rank, k)
+            entries, size = _pack_directory(
+                storage,
+                base,
+                key,
+                bound,
+                max_directory_bytes=entries_bound,
+                check_members=functools.partial(check, where=f"{base}/{key}"),
+                missing_ok=True,
+            )
+            if size is None and not entries:
+                break
+            if k == members:
+                raise CorruptCheckpointError(
+                    f"{base}/{key} exists, but rank {rank}'s {members} packed member(s) fill at most "
+                    f"{members} pack(s); the checkpoint is damaged or hostile"
+                )
+            out[key] = size
+            if directories is not None:
+                directories[key] = entries
+        missing = sorted(reading - seen)
+        if missing:
+            name = missing[0].rpartition("/")[0]
+            raise InconsistentCheckpointError(
+                f"tensor {name!r}: {missing[0]} is in none of rank {rank}'s packs ({base}/"
+                f".acp/packs/{rank}.<k>.zip){f' (and {len(missing) - 1} more members)' if len(missing) > 1 else ''}; "
+                "the checkpoint is damaged (a pack lost or cut short)"
+            )
+    return out
+
+
+def _check_rank_pack_members(
+    meta: Any,
+    entries: list[PackMember],
+    rank: int,
+    docs: Collection[str],
+    grids: Mapping[str, tuple[int, ...]],
+    limits: Mapping[str, int],
+    reading: Collection[str],
+    seen: set[str],
+    separator: str,
+    where: str,
+) -> list[PackMember]:
+    """Check the directory ``entries`` of one of ``rank``'s packs (``where``) against the metadata (see
+    :func:`check_rank_packs`); ``seen`` collects the member names over all of that rank's packs. Returns the
+    entries read, whose local headers the caller checks next."""
+    checked: list[PackMember] = []
+    for e in entries:
+        if e.filename in seen:
+            raise CorruptCheckpointError(
+                f"{where} holds the member {e.filename!r} a second time (in this or another of rank {rank}'s "
+                "packs); the pack is damaged or hostile"
+            )
+        seen.add(e.filename)
+        array, _, leaf = e.filename.rpartition("/")
+        if leaf == "zarr.json" and array in docs:
+            limit = MAX_PACKED_JSON_BYTES
+        else:
+            owner = _chunk_owner(e.filename, grids, grids, separator)
+            flat = _chunk_flat(e.filename, owner, grids, separator) if owner is not None else None
+            if owner is None or flat is None or meta.tensors[owner].writers[flat] != rank:
+                near = next((n for n in grids if e.filename.startswith(n + "/")), None)
+                about = f"tensor {near!r}: " if near is not None else ""
+                raise CorruptCheckpointError(
+                    f"{about}{where} holds the member {e.filename!r}, which rank {rank} did not write (a chunk "
+                    "outside the grid or of another writer, or a foreign file); the pack is damaged or hostile"
+                )
+            limit = limits[owner]
+        name = e.filename.rpartition("/")[0]
+        if e.compress_type != 0 or e.compress_size != e.file_size:
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: member {e.filename!r} of {where} is compressed (method "
+                f"{e.compress_type}); packs store members uncompressed, nothing is inflated"
+            )
+        if e.file_size > limit:
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: member {e.filename!r} of {where} is {e.file_size} bytes, more "
+                f"than its encoding can be ({limit}); the checkpoint is damaged"
+            )
+        if e.filename in reading:
+            checked.append(e)
+    return checked
+
+
+def _chunk_flat(filename: str, array: str, grids: Mapping[str, tuple[int, ...]], separator: str) -> int | None:
+    """The flat (row-major) index of the chunk key ``filename`` of ``array`` (checked by :func:`_chunk_owner`)."""
+    grid = grids[array]
+    rest = filename[len(array) + 2 :]
+    parts = [int(p) for p in rest.split(separator)[1:]] if rest else []
+    return int(np.ravel_multi_index(parts, grid)) if grid else 0
 
 
 def _check_pack_members(
@@ -689,6 +916,7 @@ def _pack_directory(
     *,
     max_directory_bytes: int | None = None,
     check_members: Callable[[list[PackMember]], list[PackMember]] | None = None,
+    missing_ok: bool = False,
 ) -> tuple[list[PackMember], int | None]:
     """The ZIP central directory of the pack ``key`` (its entries, in stored order, duplicates kept) and the
     pack's size, read and checked without ever inflating or allocating more than the directory.
@@ -706,7 +934,7 @@ def _pack_directory(
     so a pack is never downloaded whole to be checked.
 
     Raises:
-        InconsistentCheckpointError: the pack is missing.
+        InconsistentCheckpointError: the pack is missing (with ``missing_ok``: ``([], None)`` is returned).
         CorruptCheckpointError: a link, a non-regular or oversized pack, a pack that is no ZIP archive as a
             save writes it, or what ``check_members`` and the local headers refuse.
     """
@@ -719,6 +947,8 @@ def _pack_directory(
         try:
             fd = os.open(path, flags)  # O_NONBLOCK: opening a FIFO returns at once (refused just below)
         except FileNotFoundError:
+            if missing_ok:
+                return [], None
             raise InconsistentCheckpointError(
                 f"the pack {path} is missing; the checkpoint is damaged"
             ) from None
@@ -752,6 +982,8 @@ def _pack_directory(
         if result.state == "value":
             size = len(result.value)
     if result.state != "value":
+        if missing_ok:
+            return [], None
         raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
     tail = bytes(result.value)
     if size is not None:
