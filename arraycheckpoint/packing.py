@@ -45,18 +45,6 @@ def pack_key(rank: int, index: int) -> str:
     return f"{PACK_DIR}/{rank}.{index}.zip"
 
 
-def stored_bytes(layout: Any, itemsize: int) -> int:
-    """Bytes of ``layout``'s chunk files when written uncompressed (data, crc32c per inner chunk, index)."""
-    chunks = chunk_count(layout.shape, layout.chunk_shape)
-    inner = math.prod(c // i for c, i in zip(layout.chunk_shape, layout.inner_chunk_shape))
-    return chunks * (math.prod(layout.chunk_shape) * itemsize + inner * 20 + 4)
-
-
-def chunk_count(shape: Iterable[int], chunk_shape: Iterable[int]) -> int:
-    """Chunks in the grid (0 for an empty array)."""
-    return math.prod(-(-s // max(c, 1)) for s, c in zip(shape, chunk_shape))
-
-
 #: Format 6: the packs of one rank (``.acp/packs/<rank>``: the files ``<rank>.<k>.zip``), what a packed
 #: array's ``pack`` names (the rank whose packs hold its ``zarr.json``; chunk ``i`` lies in its writer's).
 RANK_PACKS = re.compile(r"^\.acp/packs/(0|[1-9][0-9]{0,8})$")

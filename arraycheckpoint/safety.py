@@ -386,7 +386,9 @@ def check_arrays(
         kv = _kvstore(storage, base)
         # format 6: a packed array's zarr.json is checked where its pack is read (check_packed_doc)
         own = [n for n in wanted if meta.tensors[n].pack_rank is None]
-        packs = {key: _pack_kvstore(storage, base, key) for key in {meta.tensors[n].pack for n in own} - {None}}
+        packs = {
+            key: _pack_kvstore(storage, base, key) for key in {meta.tensors[n].pack for n in own} - {None}
+        }
         reads = {
             name: (packs[meta.tensors[name].pack] if meta.tensors[name].pack else kv).read(
                 f"{name}/zarr.json"
@@ -569,9 +571,7 @@ def chunks_wanted(t: Any, boxes: list[Any] | None) -> np.ndarray:
     for b in boxes:
         if not math.prod(b.lengths):
             continue
-        ranges = [
-            range(o // c, -(-(o + n) // c)) for o, n, c in zip(b.offsets, b.lengths, t.chunk_shape)
-        ]
+        ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(b.offsets, b.lengths, t.chunk_shape)]
         for idx in itertools.product(*ranges):
             hit.add(int(np.ravel_multi_index(idx, grid)) if grid else 0)
     return np.asarray(sorted(hit), dtype=np.int64)
@@ -757,7 +757,9 @@ def _check_rank_pack_members(
     return checked
 
 
-def _chunk_flat(filename: str, array: str, grids: Mapping[str, tuple[int, ...]], separator: str) -> int | None:
+def _chunk_flat(
+    filename: str, array: str, grids: Mapping[str, tuple[int, ...]], separator: str
+) -> int | None:
     """The flat (row-major) index of the chunk key ``filename`` of ``array`` (checked by :func:`_chunk_owner`)."""
     grid = grids[array]
     rest = filename[len(array) + 2 :]

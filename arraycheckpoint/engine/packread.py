@@ -260,7 +260,7 @@ class PackedReader:
                     raise damaged("it is not the chunk file a save writes (size or layout)")
                 return None
         total = 0
-        for shard, (box, arr) in zip(t.shards, dests):
+        for shard, (_box, arr) in zip(t.shards, dests):
             if arr is not shard.target:
                 shard.sink(arr)
             total += arr.nbytes
