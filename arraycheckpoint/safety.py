@@ -674,15 +674,20 @@ def check_rank_packs(
         )
         for k in range(members + 1):
             key = pack_key(rank, k)
-            entries, size = _pack_directory(
-                storage,
-                base,
-                key,
-                bound,
-                max_directory_bytes=entries_bound,
-                check_members=functools.partial(check, where=f"{base}/{key}"),
-                missing_ok=True,
-            )
+            try:
+                entries, size = _pack_directory(
+                    storage,
+                    base,
+                    key,
+                    bound,
+                    max_directory_bytes=entries_bound,
+                    check_members=functools.partial(check, where=f"{base}/{key}"),
+                    missing_ok=True,
+                )
+            except CorruptCheckpointError as e:  # name the tensors the pack was read for
+                if str(e).startswith("tensor '"):
+                    raise
+                raise type(e)(f"{_tensors_named(reading)}: {e}") from None
             if size is None and not entries:
                 break
             if k == members:
@@ -695,13 +700,19 @@ def check_rank_packs(
                 directories[key] = entries
         missing = sorted(reading - seen)
         if missing:
-            name = missing[0].rpartition("/")[0]
             raise InconsistentCheckpointError(
-                f"tensor {name!r}: {missing[0]} is in none of rank {rank}'s packs ({base}/"
+                f"{_tensors_named(missing)}: {missing[0]} is missing: in none of rank {rank}'s packs ({base}/"
                 f".acp/packs/{rank}.<k>.zip){f' (and {len(missing) - 1} more members)' if len(missing) > 1 else ''}; "
                 "the checkpoint is damaged (a pack lost or cut short)"
             )
     return out
+
+
+def _tensors_named(members: Collection[str]) -> str:
+    """``tensor 'a'`` / ``tensors 'a', 'b', 'c' (and 4 more)``: the arrays of the pack members ``members``."""
+    names = sorted({m.rpartition("/")[0] for m in members})
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    return f"tensor{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names[:3])}{more}"
 
 
 def _check_rank_pack_members(
@@ -737,8 +748,9 @@ def _check_rank_pack_members(
                 near = next((n for n in grids if e.filename.startswith(n + "/")), None)
                 about = f"tensor {near!r}: " if near is not None else ""
                 raise CorruptCheckpointError(
-                    f"{about}{where} holds the member {e.filename!r}, which rank {rank} did not write (a chunk "
-                    "outside the grid or of another writer, or a foreign file); the pack is damaged or hostile"
+                    f"{about}{where} holds the member {e.filename!r}, which none of its arrays has (rank {rank} "
+                    "wrote no such chunk: outside the grid, of another writer, or a foreign file); the pack is "
+                    "damaged or hostile"
                 )
             limit = limits[owner]
         name = e.filename.rpartition("/")[0]
