@@ -298,10 +298,11 @@ def _execute(root: str, doc: dict[str, Any]) -> None:
     _write_durable(os.path.join(root, files.metadata), doc["metadata"].encode())
     # only now: until the metadata names the new packs, the old ones count (format 6: rewritten in place)
     repack.remove_packs(root, [k for k, v in packs.items() if k != v])
-    shutil.rmtree(tmp, ignore_errors=True)
     _write_durable(marker, b"committed\n")
     os.unlink(os.path.join(root, JOURNAL))
     fsync_path(root)
+    # only once the journal is gone: a resumed run must still see which packs were rewritten in place
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_groups(root: str, meta: CheckpointMetadata) -> None:
