@@ -45,15 +45,18 @@ def pack_key(rank: int, index: int) -> str:
     return f"{PACK_DIR}/{rank}.{index}.zip"
 
 
-#: Format 6: the packs of one rank (``.acp/packs/<rank>``: the files ``<rank>.<k>.zip``), what a packed
-#: array's ``pack`` names (the rank whose packs hold its ``zarr.json``; chunk ``i`` lies in its writer's).
-RANK_PACKS = re.compile(r"^\.acp/packs/(0|[1-9][0-9]{0,8})$")
+#: Format 6: the packs of one rank (``.acp/packs/<rank>@<target>``: the files ``<rank>.<k>.zip``, filled to
+#: ``target`` bytes each), what a packed array's ``pack`` names (the rank whose packs hold its ``zarr.json``;
+#: chunk ``i`` lies in the packs of ``writers[i]``).
+RANK_PACKS = re.compile(r"^\.acp/packs/(0|[1-9][0-9]{0,8})(?:@([1-9][0-9]{0,15}))?$")
+#: What an array's ``zarr.json`` counts for when a rank fills its packs (its real size varies by release).
+DOC_BYTES = 1024
 
 
-def rank_packs(rank: int) -> str:
-    """Format 6: the name of ``rank``'s packs (the prefix of its pack keys), what a packed array's
-    ``pack`` holds when ``rank`` created it."""
-    return f"{PACK_DIR}/{rank}"
+def rank_packs(rank: int, target: int = 0) -> str:
+    """Format 6: the name of ``rank``'s packs filled to ``target`` bytes each (what a packed array's ``pack``
+    holds when ``rank`` created it); ``target`` 0: unknown (readers then search every pack of the rank)."""
+    return f"{PACK_DIR}/{rank}@{target}" if target > 0 else f"{PACK_DIR}/{rank}"
 
 
 def packs_rank(pack: str | None) -> int | None:
@@ -61,6 +64,12 @@ def packs_rank(pack: str | None) -> int | None:
     keys, None)."""
     m = RANK_PACKS.match(pack) if isinstance(pack, str) else None
     return int(m.group(1)) if m else None
+
+
+def packs_target(pack: str | None) -> int:
+    """The fill target of a format-6 ``pack`` entry (0: not recorded)."""
+    m = RANK_PACKS.match(pack) if isinstance(pack, str) else None
+    return int(m.group(2)) if m and m.group(2) else 0
 
 
 def chunk_file_bytes(layout: Any, itemsize: int) -> int:
@@ -97,10 +106,10 @@ def assign_packs(
     array_limit: int,
     pack_bytes: int,
 ) -> dict[str, str]:
-    """Which arrays are packed (format 6): ``name -> rank_packs(creator)`` for every packed array.
+    """Which arrays are packed (format 6): ``name -> rank_packs(creator, pack_bytes)`` for every packed array.
 
     A packed array's ``zarr.json`` goes into its creator's packs, each chunk file into its writer's packs
-    (:func:`fill_packs` decides which of them: a rank's own business, readers find members by key through
+    (:class:`PackFill` says which of them, from the metadata alone; readers can also find members by key in
     the packs' central directories). The decision is a function of the plan alone (every rank and the
     coordinator derive the same, and it is part of the plan digest); it costs O(arrays), never O(chunks).
 
@@ -108,10 +117,11 @@ def assign_packs(
         decisions: ``name -> (layout, writers per chunk, creator)`` of every array of the save.
         itemsizes: bytes per element of every array.
         array_limit: ``PlanOptions.pack_array_bytes``; 0 packs nothing.
-        pack_bytes: the target file size (``PlanOptions.min_chunk_bytes``): chunk files below it are packed.
+        pack_bytes: the target file size (``PlanOptions.min_chunk_bytes``): chunk files below it are packed,
+            and packs are filled to it.
     """
     return {
-        name: rank_packs(creator)
+        name: rank_packs(creator, pack_bytes)
         for name, (layout, _writers, creator) in sorted(decisions.items())
         if packable(layout, itemsizes[name], array_limit, pack_bytes)
     }
@@ -129,8 +139,46 @@ def fill_packs(members: Iterable[tuple[str, int]], rank: int, target: int) -> li
             out.append((pack_key(rank, len(out)), []))
             held = 0
         out[-1][1].append(key)
-        held += nbytes + len(key)
+        held += nbytes
     return out
+
+
+class PackFill:
+    """:func:`fill_packs` in closed form, for runs of equal-sized members: which pack of its rank the ``j``-th
+    member of a run gets, without enumerating the members before it. A save fills a rank's packs array by
+    array in name order: the array's ``zarr.json`` where the rank created it (:data:`DOC_BYTES`), then the
+    chunk files it wrote of it (row-major order), so a reader computes any member's pack from the metadata
+    (writers per chunk, the target in ``pack``) and opens that pack only."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.index = -1  # the pack being filled
+        self.held = target  # its bytes (a full one: the first member opens pack 0)
+
+    def _first(self, size: int) -> int:
+        """Members of ``size`` bytes that still go into the current pack."""
+        return -(-(self.target - self.held) // size) if self.held < self.target else 0
+
+    def where(self, j: int, size: int) -> int:
+        """The pack index of the ``j``-th (0-based) member of a run of ``size``-byte members added now."""
+        first = self._first(size)
+        if j < first:
+            return self.index
+        return self.index + 1 + (j - first) // -(-self.target // size)
+
+    def add(self, count: int, size: int) -> None:
+        """Add a run of ``count`` members of ``size`` bytes."""
+        if count <= 0:
+            return
+        first = self._first(size)
+        if count <= first:
+            self.held += count * size
+            return
+        per = -(-self.target // size)
+        rest = count - first
+        full = (rest - 1) // per
+        self.index += 1 + full
+        self.held = (rest - full * per) * size
 
 
 def by_pack(packs: Mapping[str, str], names: Iterable[str] | None = None) -> dict[str, tuple[str, ...]]:

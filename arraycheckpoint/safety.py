@@ -629,16 +629,19 @@ def check_rank_packs(
         return {}
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
-    needed: dict[int, set[str]] = {}  # rank -> member keys read from its packs
+    needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
+    writers_of = {
+        n: np.asarray(t.writers, dtype=np.int64) for n, t in meta.tensors.items() if t.pack_rank is not None
+    }
     for name in names:
         t = meta.tensors[name]
-        needed.setdefault(t.pack_rank, set()).add(f"{name}/zarr.json")
+        needed.setdefault(t.pack_rank, {})[f"{name}/zarr.json"] = (name, -1)
         grid = _chunk_grid(t)
-        writers = np.asarray(t.writers, dtype=np.int64)
+        writers = writers_of[name]
         for flat in chunks_wanted(t, None if regions is None else regions.get(name)).tolist():
             idx = np.unravel_index(flat, grid) if grid else ()
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
-            needed.setdefault(int(writers[flat]), set()).add(key)
+            needed.setdefault(int(writers[flat]), {})[key] = (name, flat)
     holds = _rank_members(meta)
     out: dict[str, int | None] = {}
     for rank in sorted(needed):
@@ -660,7 +663,7 @@ def check_rank_packs(
             MAX_OBJECT_BYTES * 4,
         )
         seen: set[str] = set()
-        reading = needed[rank]
+        reading = set(needed[rank])
         check = functools.partial(
             _check_rank_pack_members,
             meta,
@@ -672,7 +675,17 @@ def check_rank_packs(
             seen=seen,
             separator=separator,
         )
-        for k in range(members + 1):
+        # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
+        # order up to the first absent one, only when a member read is not there
+        where_of = _predicted_packs(meta, rank, needed[rank], writers_of)
+        probe = [(k, False) for k in sorted(set(where_of.values()))] + [(k, True) for k in range(members + 1)]
+        opened: set[int] = set()
+        for k, probing in probe:
+            if k in opened:
+                continue
+            if probing and not reading - seen:
+                break
+            opened.add(k)
             key = pack_key(rank, k)
             try:
                 entries, size = _pack_directory(
@@ -689,7 +702,9 @@ def check_rank_packs(
                     raise
                 raise type(e)(f"{_tensors_named(reading)}: {e}") from None
             if size is None and not entries:
-                break
+                if probing:
+                    break
+                continue  # reported below as missing members
             if k == members:
                 raise CorruptCheckpointError(
                     f"{base}/{key} exists, but rank {rank}'s {members} packed member(s) fill at most "
@@ -700,12 +715,65 @@ def check_rank_packs(
                 directories[key] = entries
         missing = sorted(reading - seen)
         if missing:
+            at = where_of.get(missing[0])
+            expected = f", expected in {base}/{pack_key(rank, at)}" if at is not None else ""
+            more = f" (and {len(missing) - 1} more members)" if len(missing) > 1 else ""
             raise InconsistentCheckpointError(
-                f"{_tensors_named(missing)}: {missing[0]} is missing: in none of rank {rank}'s packs ({base}/"
-                f".acp/packs/{rank}.<k>.zip){f' (and {len(missing) - 1} more members)' if len(missing) > 1 else ''}; "
-                "the checkpoint is damaged (a pack lost or cut short)"
+                f"{_tensors_named(missing)}: {missing[0]} is missing: in none of rank {rank}'s packs "
+                f"({base}/.acp/packs/{rank}.<k>.zip{expected}){more}; the checkpoint is damaged (a pack lost "
+                "or cut short)"
             )
     return out
+
+
+def _predicted_packs(
+    meta: Any, rank: int, reading: Mapping[str, tuple[str, int]], writers_of: Mapping[str, np.ndarray]
+) -> dict[str, int]:
+    """Format 6: the index of the pack of ``rank`` holding each member of ``reading`` (``member -> (array,
+    chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.packing.PackFill`);
+    empty when the metadata records no fill target."""
+    from .packing import DOC_BYTES, PackFill, packs_target
+
+    names = sorted(writers_of)
+    targets = {packs_target(meta.tensors[n].pack) for n in names}
+    if len(targets) != 1 or 0 in targets:
+        return {}
+    fill = PackFill(targets.pop())
+    by_array: dict[str, list[tuple[str, int]]] = {}
+    for member, (name, flat) in reading.items():
+        by_array.setdefault(name, []).append((member, flat))
+    out: dict[str, int] = {}
+    for name in names:  # by array name: its document (where this rank created it), then its chunks
+        mine = writers_of[name] == rank
+        count = int(np.count_nonzero(mine))
+        size = _packed_chunk_bytes(meta.tensors[name])
+        created = meta.tensors[name].pack_rank == rank
+        if created and not count:  # the document alone
+            for member, _flat in by_array.get(name, []):
+                out[member] = fill.where(0, DOC_BYTES)
+            fill.add(1, DOC_BYTES)
+            continue
+        if not count:
+            continue
+        first = (
+            size + DOC_BYTES if created else size
+        )  # the document counted with (and kept by) the first chunk
+        for member, flat in by_array.get(name, []):
+            j = 0 if flat < 0 else int(np.count_nonzero(mine[:flat]))
+            out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)
+        fill.add(1, first)
+        fill.add(count - 1, size)
+    return out
+
+
+def _after_first(fill: Any, first: int, j: int, size: int) -> int:
+    """The pack of the ``j``-th member of a run of ``size`` bytes that follows one member of ``first``."""
+    from .packing import PackFill
+
+    probe = PackFill(fill.target)
+    probe.index, probe.held = fill.index, fill.held
+    probe.add(1, first)
+    return probe.where(j, size)
 
 
 def _tensors_named(members: Collection[str]) -> str:

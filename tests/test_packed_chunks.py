@@ -109,7 +109,7 @@ def test_every_chunk_file_is_in_its_writers_packs(saved) -> None:
     members = _members(path)
     spread = 0
     for name, t in meta.tensors.items():
-        assert t.pack == f".acp/packs/{t.pack_rank}", name
+        assert t.pack == f".acp/packs/{t.pack_rank}@{OPTIONS.min_chunk_bytes}", name
         assert f"{name}/zarr.json" in members and os.path.basename(
             members[f"{name}/zarr.json"][0]
         ).startswith(f"{t.pack_rank}.")

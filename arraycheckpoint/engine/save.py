@@ -29,7 +29,7 @@ from ..future import CheckpointFuture
 from ..hostpool import HostBufferPool
 from ..items import SaveRequest
 from ..monitoring import PhaseRecorder
-from ..packing import chunk_file_bytes, fill_packs, rank_packs
+from ..packing import DOC_BYTES, chunk_file_bytes, fill_packs, packs_rank
 from ..perrank import fall_back, stack_digest
 from ..plan import ArrayLayout, RankPlan
 from ..regions import Box, intersect
@@ -392,16 +392,28 @@ class _Packs:
     def __init__(self, job: SaveJob, plan: RankPlan, layouts: dict[str, ArrayLayout]) -> None:
         docs = ZarrJsonDocs()
         self._layouts = layouts
-        mine = rank_packs(plan.rank)
         self.packed = {name for _k, names in plan.packs for name in names}
-        created = sorted(name for k, names in plan.packs if k == mine for name in names)
+        created = sorted(name for k, names in plan.packs if packs_rank(k) == plan.rank for name in names)
         encoded = {f"{n}/zarr.json": [docs.encode(layouts[n])] for n in created}
-        sizes = [(key, len(parts[0])) for key, parts in encoded.items()]
+        # the order packing.PackFill computes from the metadata: by array name, its document (if this rank
+        # created it) before its chunks (in row-major order)
+        members = [(n, -1, f"{n}/zarr.json", DOC_BYTES) for n in created]
         for w in plan.writes:
             if w.name in self.packed:
                 layout = layouts[w.name]
-                itemsize = numpy_dtype(layout.dtype).itemsize
-                sizes.append((self._key(w), chunk_file_bytes(layout, itemsize)))
+                grid = [-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape)]
+                index = [o // c for o, c in zip(w.chunk.offsets, layout.chunk_shape)]
+                flat = int(np.ravel_multi_index(index, grid)) if grid else 0
+                size = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
+                members.append((w.name, flat, self._key(w), size))
+        members.sort()
+        # an array's document stays with its first chunk here: counted with it (packing.PackFill)
+        for i, (name, flat, key, _size) in enumerate(members):
+            if flat < 0 and i + 1 < len(members) and members[i + 1][0] == name:
+                members[i] = (name, flat, key, 0)
+                n, f, k, sz = members[i + 1]
+                members[i + 1] = (n, f, k, sz + DOC_BYTES)
+        sizes = [(key, size) for _n, _f, key, size in members]
         self._pack_of: dict[str, str] = {}
         self._left: dict[str, int] = {}
         self._members: dict[str, list[tuple[str, list[shardfile.Buffer]]]] = {}

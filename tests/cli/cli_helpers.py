@@ -102,7 +102,7 @@ def chunk_span(ckpt: str, name: str, key: str) -> tuple[str, int, int]:
     if tm.pack_rank is not None:  # format 6: the pack of its rank's packs that holds the member
         k = 0
         while True:
-            pack = os.path.join(ckpt, *f"{tm.pack}.{k}.zip".split("/"))
+            pack = os.path.join(ckpt, *f"{tm.pack.partition('@')[0]}.{k}.zip".split("/"))
             with zipfile.ZipFile(pack) as zf:
                 if f"{name}/{key}" in zf.namelist():
                     break

@@ -37,6 +37,7 @@ def pack_key(ck: str | os.PathLike[str], name: str) -> str | None:
         key = json.load(f)["tensors"][name].get("pack")
     if key is None or key.endswith(".zip"):
         return key
+    key = key.partition("@")[0]  # format 6: ".acp/packs/<rank>@<fill target>"
     k = 0
     while (Path(ck) / f"{key}.{k}.zip").is_file():
         with zipfile.ZipFile(Path(ck) / f"{key}.{k}.zip") as zf:
