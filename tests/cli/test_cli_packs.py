@@ -96,7 +96,7 @@ def test_verify_reads_every_member_of_a_pack(tmp_path: Path) -> None:
     """Each packed array's every chunk is decoded: a flipped byte in any member is found and named."""
     ck = tmp_path / "ck"
     _save(ck, min_chunk_bytes=1 << 20, max_chunk_bytes=64, inner_chunk_bytes=32)
-    packs = _all_packed(ck)
+    _all_packed(ck)
     meta = acp.read_metadata(ck)
     multi = [n for n, t in meta.tensors.items() if t.chunk_shape != t.shape]
     assert multi, "no packed tensor of several chunks"
