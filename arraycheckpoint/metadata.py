@@ -19,17 +19,20 @@ from typing import Any
 from ._validate import check_name as check_name  # the one validator of entry names (saves use it too)
 from ._validate import check_name_tree
 from .errors import ArrayCheckpointError, MetadataError
-from .packing import PACK_KEY
+from .packing import PACK_KEY, RANK_PACKS
 from .regions import Box
 
+#: 6: every chunk file below the target size is in its writer's packs; a packed array's ``pack`` is
+#: ``.acp/packs/<creator>`` (the rank whose packs hold its ``zarr.json``), chunk ``i`` lies in the packs of
+#: ``writers[i]`` (found by key in their central directories: nothing per chunk in the metadata).
 #: 5: small arrays one rank writes whole are stored in packs, uncompressed ZIP files holding complete zarr v3
 #: arrays (:mod:`arraycheckpoint.packing`); a tensor's ``pack`` names its file.
 #: 4: per-rank objects whose ranks share one structure are stored as one template plus numeric rows
 #: (:mod:`arraycheckpoint.rankdoc`); 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys
 #: ``c.i.j``; 2: regions stored as layout rules (format 1 listed every rank's region). Versions 1 and 2 keep
 #: their control files in the root (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 def chunk_key_separator(format_version: int) -> str:
@@ -117,8 +120,17 @@ class TensorMeta:
     regions: tuple[tuple[int, Any], ...] = ()  # format 2: (layout group, rule) pairs the shards follow from
     # a stacked per-rank array: the leading dimension is the saving rank (extent world_size); see perrank.py
     rank_rows: bool = False
-    # format 5: the pack file (key relative to the root) holding the whole array, None: ``<ckpt>/<name>/``
+    # format 5: the pack file (key relative to the root) holding the whole array; format 6: the packs of the
+    # array's creator (``.acp/packs/<rank>``, holding its zarr.json; chunk i is in the packs of writers[i]);
+    # None: ``<ckpt>/<name>/``
     pack: str | None = None
+
+    @property
+    def pack_rank(self) -> int | None:
+        """Format 6: the rank whose packs hold this packed array's ``zarr.json`` (None: not in that form)."""
+        from .packing import packs_rank
+
+        return packs_rank(self.pack)
 
     @property
     def nbytes(self) -> int:
@@ -289,7 +301,7 @@ def _parse(doc: Any) -> CheckpointMetadata:
                 f"metadata: {where}.rank_rows must be true or absent, and a stacked per-rank array's leading "
                 f"dimension must be the world size {world_size} (shape {list(shape)})"
             )
-        pack = _parse_pack(t.get("pack"), where, version, world_size, compression, shape, chunk)
+        pack = _parse_pack(t.get("pack"), where, version, world_size, compression, shape, chunk, writers)
         tensors[name] = TensorMeta(
             name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows, pack
         )
@@ -328,11 +340,27 @@ def _parse_pack(
     compression: str | None,
     shape: tuple[int, ...],
     chunk: tuple[int, ...],
+    writers: tuple[int, ...] = (),
 ) -> str | None:
-    """A tensor's ``pack`` entry: absent, or (format 5) a pack key of a rank of the world holding an
-    uncompressed array of whole chunks (what a save packs; anything else is no valid checkpoint)."""
+    """A tensor's ``pack`` entry: absent; (format 5) a pack key of a rank of the world holding an
+    uncompressed array of whole chunks; (format 6) the packs ``.acp/packs/<rank>`` of a rank of the world
+    holding an uncompressed array whose every chunk has its writer listed. Anything else is no valid
+    checkpoint."""
     if pack is None:
         return None
+    if version >= 6:
+        m = RANK_PACKS.match(pack) if isinstance(pack, str) else None
+        nchunks = math.prod(-(-n // c) for n, c in zip(shape, chunk)) if shape else 1
+        if m is None or int(m.group(1)) >= world_size:
+            raise MetadataError(
+                f"metadata: {where}.pack {pack!r} names no rank's packs of this checkpoint (format {version} "
+                f"of {world_size} ranks names '.acp/packs/<rank>')"
+            )
+        if compression is not None or len(writers) != nchunks:
+            raise MetadataError(
+                f"metadata: {where} is packed but compressed, or does not list the writer of every chunk"
+            )
+        return pack
     m = PACK_KEY.match(pack) if isinstance(pack, str) and version >= 5 else None
     if m is None or int(m.group(1)) >= world_size:
         raise MetadataError(

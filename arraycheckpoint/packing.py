@@ -1,4 +1,4 @@
-"""Which small arrays share a pack file (pure: no I/O).
+"""Which chunk files share a pack file (pure: no I/O).
 
 A checkpoint of thousands of small tensors would otherwise cost the file system three metadata operations per
 tensor (the array's directory, its ``zarr.json``, its one chunk file): on a parallel file system or a disk
@@ -9,11 +9,17 @@ every member array keeps the exact keys it would have in the checkpoint director
 ``zip::<url>`` through fsspec) and tensorstore with its ``zip`` key-value driver, so every tensor is still one
 standalone zarr v3 array with its global shape; the checkpoint metadata names each array's pack.
 
-An array is packed when one rank writes all of it (its creator writes every chunk), it is uncompressed, every
-chunk is whole (the engine encodes those files itself, :mod:`arraycheckpoint.engine.shardfile`), and its stored
-bytes are at most ``PlanOptions.pack_array_bytes``. Each rank's packed arrays, in name order, fill packs of
-about ``PlanOptions.min_chunk_bytes`` (the target file size), so packs bound the file count like chunks do.
-The decision is a function of the plan alone: every rank and the coordinator derive the same packs.
+Format 6 (this release): any chunk file below the target file size (``PlanOptions.min_chunk_bytes``) of an
+uncompressed array goes into its **writer's** packs, under its checkpoint key (``<name>/c.i.j``), so one
+array's chunks may lie in several ranks' packs and no byte moves between ranks to fill them; the array's
+``zarr.json`` goes into its creator's packs. Chunk files at or above the target keep their own files. The
+metadata says which arrays are packed (a tensor's ``pack`` is ``.acp/packs/<creator>``) and, through the
+writer of every chunk it lists already, whose packs hold each chunk; which of that rank's packs holds it is
+found in the packs' central directories (read once per load), so the metadata grows by nothing per chunk.
+Each rank fills its packs (``<rank>.0.zip``, ``<rank>.1.zip``, ...) in plan order up to about the target.
+Edge chunks are padded to the full chunk shape with the fill value, as zarr does, so every chunk packs.
+
+Format 5 packed only whole small arrays one rank wrote, named by their pack key (still read).
 """
 
 from __future__ import annotations
@@ -39,11 +45,43 @@ def pack_key(rank: int, index: int) -> str:
     return f"{PACK_DIR}/{rank}.{index}.zip"
 
 
+#: Format 6: the packs of one rank (``.acp/packs/<rank>@<target>``: the files ``<rank>.<k>.zip``, filled to
+#: ``target`` bytes each), what a packed array's ``pack`` names (the rank whose packs hold its ``zarr.json``;
+#: chunk ``i`` lies in the packs of ``writers[i]``).
+RANK_PACKS = re.compile(r"^\.acp/packs/(0|[1-9][0-9]{0,8})(?:@([1-9][0-9]{0,15}))?$")
+#: What an array's ``zarr.json`` counts for when a rank fills its packs (its real size varies by release).
+DOC_BYTES = 1024
+
+
+def rank_packs(rank: int, target: int = 0) -> str:
+    """Format 6: the name of ``rank``'s packs filled to ``target`` bytes each (what a packed array's ``pack``
+    holds when ``rank`` created it); ``target`` 0: unknown (readers then search every pack of the rank)."""
+    return f"{PACK_DIR}/{rank}@{target}" if target > 0 else f"{PACK_DIR}/{rank}"
+
+
+def packs_rank(pack: str | None) -> int | None:
+    """The rank of a format-6 ``pack`` entry (:func:`rank_packs`), None for anything else (format 5's pack
+    keys, None)."""
+    m = RANK_PACKS.match(pack) if isinstance(pack, str) else None
+    return int(m.group(1)) if m else None
+
+
+def packs_target(pack: str | None) -> int:
+    """The fill target of a format-6 ``pack`` entry (0: not recorded)."""
+    m = RANK_PACKS.match(pack) if isinstance(pack, str) else None
+    return int(m.group(2)) if m and m.group(2) else 0
+
+
+def chunk_file_bytes(layout: Any, itemsize: int) -> int:
+    """Bytes of one chunk file of ``layout`` when written uncompressed (edge chunks are padded to the full
+    chunk shape, like zarr does): data, a crc32c per inner chunk, the index and its crc32c."""
+    inner = math.prod(c // i for c, i in zip(layout.chunk_shape, layout.inner_chunk_shape))
+    return math.prod(layout.chunk_shape) * itemsize + inner * 20 + 4
+
+
 def stored_bytes(layout: Any, itemsize: int) -> int:
     """Bytes of ``layout``'s chunk files when written uncompressed (data, crc32c per inner chunk, index)."""
-    chunks = chunk_count(layout.shape, layout.chunk_shape)
-    inner = math.prod(c // i for c, i in zip(layout.chunk_shape, layout.inner_chunk_shape))
-    return chunks * (math.prod(layout.chunk_shape) * itemsize + inner * 20 + 4)
+    return chunk_count(layout.shape, layout.chunk_shape) * chunk_file_bytes(layout, itemsize)
 
 
 def chunk_count(shape: Iterable[int], chunk_shape: Iterable[int]) -> int:
@@ -51,15 +89,15 @@ def chunk_count(shape: Iterable[int], chunk_shape: Iterable[int]) -> int:
     return math.prod(-(-s // max(c, 1)) for s, c in zip(shape, chunk_shape))
 
 
-def packable(layout: Any, writers: Iterable[int], creator: int, itemsize: int, limit: int) -> bool:
-    """Whether the array ``layout`` goes into its creator's pack (see the module docstring)."""
-    if limit <= 0 or layout.compression is not None:
+def packable(layout: Any, itemsize: int, enabled: int, target: int) -> bool:
+    """Whether the chunk files of the array ``layout`` go into their writers' packs: the array is
+    uncompressed (the engine encodes its files itself, :mod:`arraycheckpoint.engine.shardfile`) and one chunk
+    file is below the target file size ``target``; ``enabled`` (``PlanOptions.pack_array_bytes``) 0 packs
+    nothing. Every chunk file of an array has the same size (edge chunks are padded), so an array is packed
+    whole or not at all."""
+    if enabled <= 0 or layout.compression is not None:
         return False
-    if any(int(w) != creator for w in writers):
-        return False
-    if any(s % max(c, 1) for s, c in zip(layout.shape, layout.chunk_shape)):
-        return False  # a partial edge chunk: written through tensorstore, which pads it
-    return stored_bytes(layout, itemsize) <= limit
+    return chunk_file_bytes(layout, itemsize) < target
 
 
 def assign_packs(
@@ -68,28 +106,79 @@ def assign_packs(
     array_limit: int,
     pack_bytes: int,
 ) -> dict[str, str]:
-    """The pack of every packed array: ``name -> pack key``.
+    """Which arrays are packed (format 6): ``name -> rank_packs(creator, pack_bytes)`` for every packed array.
+
+    A packed array's ``zarr.json`` goes into its creator's packs, each chunk file into its writer's packs
+    (:class:`PackFill` says which of them, from the metadata alone; readers can also find members by key in
+    the packs' central directories). The decision is a function of the plan alone (every rank and the
+    coordinator derive the same, and it is part of the plan digest); it costs O(arrays), never O(chunks).
 
     Args:
         decisions: ``name -> (layout, writers per chunk, creator)`` of every array of the save.
         itemsizes: bytes per element of every array.
-        array_limit: largest stored array packed (``PlanOptions.pack_array_bytes``; 0 packs nothing).
-        pack_bytes: a pack is closed once it holds at least this many bytes.
+        array_limit: ``PlanOptions.pack_array_bytes``; 0 packs nothing.
+        pack_bytes: the target file size (``PlanOptions.min_chunk_bytes``): chunk files below it are packed,
+            and packs are filled to it.
     """
-    out: dict[str, str] = {}
-    if array_limit <= 0:
-        return out
-    filled: dict[int, tuple[int, int]] = defaultdict(lambda: (0, 0))  # rank -> (pack index, bytes in it)
-    for name in sorted(decisions):
-        layout, writers, creator = decisions[name]
-        if not packable(layout, writers, creator, itemsizes[name], array_limit):
-            continue
-        index, held = filled[creator]
-        if held >= pack_bytes:
-            index, held = index + 1, 0
-        out[name] = pack_key(creator, index)
-        filled[creator] = (index, held + stored_bytes(layout, itemsizes[name]) + len(name))
+    return {
+        name: rank_packs(creator, pack_bytes)
+        for name, (layout, _writers, creator) in sorted(decisions.items())
+        if packable(layout, itemsizes[name], array_limit, pack_bytes)
+    }
+
+
+def fill_packs(members: Iterable[tuple[str, int]], rank: int, target: int) -> list[tuple[str, list[str]]]:
+    """``rank``'s packs: its packed members (``(key, bytes)`` in the order given) filled into packs
+    ``<rank>.0.zip``, ``<rank>.1.zip``, ...; a pack is closed once it holds at least ``target`` bytes.
+
+    Returns ``[(pack key, member keys)]``."""
+    out: list[tuple[str, list[str]]] = []
+    held = target
+    for key, nbytes in members:
+        if held >= target:
+            out.append((pack_key(rank, len(out)), []))
+            held = 0
+        out[-1][1].append(key)
+        held += nbytes
     return out
+
+
+class PackFill:
+    """:func:`fill_packs` in closed form, for runs of equal-sized members: which pack of its rank the ``j``-th
+    member of a run gets, without enumerating the members before it. A save fills a rank's packs array by
+    array in name order: the array's ``zarr.json`` where the rank created it (:data:`DOC_BYTES`), then the
+    chunk files it wrote of it (row-major order), so a reader computes any member's pack from the metadata
+    (writers per chunk, the target in ``pack``) and opens that pack only."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.index = -1  # the pack being filled
+        self.held = target  # its bytes (a full one: the first member opens pack 0)
+
+    def _first(self, size: int) -> int:
+        """Members of ``size`` bytes that still go into the current pack."""
+        return -(-(self.target - self.held) // size) if self.held < self.target else 0
+
+    def where(self, j: int, size: int) -> int:
+        """The pack index of the ``j``-th (0-based) member of a run of ``size``-byte members added now."""
+        first = self._first(size)
+        if j < first:
+            return self.index
+        return self.index + 1 + (j - first) // -(-self.target // size)
+
+    def add(self, count: int, size: int) -> None:
+        """Add a run of ``count`` members of ``size`` bytes."""
+        if count <= 0:
+            return
+        first = self._first(size)
+        if count <= first:
+            self.held += count * size
+            return
+        per = -(-self.target // size)
+        rest = count - first
+        full = (rest - 1) // per
+        self.index += 1 + full
+        self.held = (rest - full * per) * size
 
 
 def by_pack(packs: Mapping[str, str], names: Iterable[str] | None = None) -> dict[str, tuple[str, ...]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -318,6 +319,7 @@ def check_chunk_files(
     meta: Any,
     names: Collection[str] | None,
     directories: dict[str, list[Any]] | None = None,
+    regions: Mapping[str, list[Any] | None] | None = None,
 ) -> dict[str, int | None]:
     """The stored files of the arrays ``names`` (every array if None) match their metadata.
 
@@ -329,7 +331,9 @@ def check_chunk_files(
     object stores, one listing of the whole checkpoint replaces the per-array ones when it takes fewer
     requests (a rank that reads most arrays).
 
-    ``directories`` receives the ZIP directories of the packs checked (:func:`check_packs`).
+    ``directories`` receives the ZIP directories of the packs checked (:func:`check_packs`,
+    :func:`check_rank_packs`); ``regions`` (name -> regions read) limits the format-6 packs checked to those
+    holding chunks that meet them.
 
     Returns:
         The inventory (key -> size) of the arrays checked.
@@ -344,9 +348,12 @@ def check_chunk_files(
     chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
     selected = list(meta.tensors) if names is None else [n for n in dict.fromkeys(names) if n in meta.tensors]
     packed = [n for n in selected if meta.tensors[n].pack is not None]
+    by_rank = [n for n in packed if meta.tensors[n].pack_rank is not None]
+    packed = [n for n in packed if meta.tensors[n].pack_rank is None]
     selected = [n for n in selected if meta.tensors[n].pack is None]
     items = _array_inventory(storage, root, meta, selected if names is not None else None)
     items.update(check_packs(storage, root, meta, packed, directories))
+    items.update(check_rank_packs(storage, root, meta, by_rank, regions, directories))
     chunks: dict[str, list[int | None]] = {}
     for key, size in items.items():
         m = chunk_key.match(key)
@@ -429,14 +436,16 @@ def check_arrays(
     docs = {name: doc for name, (doc, _) in generated.items()}
     if getattr(storage, "commit_strategy", "") == "rename" or meta.codec_preset != CODEC_PRESET:
         kv = _kvstore(storage, base)
+        # format 6: a packed array's zarr.json is checked where its pack is read (check_packed_doc)
+        own = [n for n in wanted if meta.tensors[n].pack_rank is None]
         packs = {
-            key: _pack_kvstore(storage, base, key) for key in {meta.tensors[n].pack for n in wanted} - {None}
+            key: _pack_kvstore(storage, base, key) for key in {meta.tensors[n].pack for n in own} - {None}
         }
         reads = {
             name: (packs[meta.tensors[name].pack] if meta.tensors[name].pack else kv).read(
                 f"{name}/zarr.json"
             )
-            for name in wanted
+            for name in own
         }
         for name, fut in reads.items():
             result = fut.result()
@@ -458,6 +467,20 @@ def check_arrays(
         if tm.compression is not None:
             _check_zstd_chunks(_kvstore(storage, f"{base}/{name}"), tm, f"{base}/{name}", boxes, sep)
     return docs
+
+
+def check_packed_doc(tm: Any, raw: bytes, where: str, separator: str) -> None:
+    """The ``zarr.json`` bytes ``raw`` of the packed array ``tm`` (read from ``where``) agree with the checkpoint
+    metadata (:func:`check_arrays`' check, for the readers of format-6 packs).
+
+    Raises:
+        MetadataError: a malformed document, or one that disagrees with the metadata or lacks crc32c.
+    """
+    doc, exact = _generated(tm, separator)
+    if raw == exact:
+        return
+    stored = load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{where}/zarr.json")
+    _cross_check(tm, stored, doc, where)
 
 
 def _generated(tm: Any, separator: str) -> tuple[dict[str, Any], bytes]:
@@ -588,6 +611,292 @@ def check_packs(
         if directories is not None:
             directories[key] = entries
     return out
+
+
+def chunks_wanted(t: Any, boxes: list[Any] | None) -> np.ndarray:
+    """Flat (row-major) indices of the chunks of the array ``t`` that meet any region of ``boxes`` (every
+    chunk when None), sorted."""
+    grid = _chunk_grid(t)
+    if boxes is None:
+        return np.arange(math.prod(grid), dtype=np.int64)
+    hit: set[int] = set()
+    for b in boxes:
+        if not math.prod(b.lengths):
+            continue
+        ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(b.offsets, b.lengths, t.chunk_shape)]
+        for idx in itertools.product(*ranges):
+            hit.add(int(np.ravel_multi_index(idx, grid)) if grid else 0)
+    return np.asarray(sorted(hit), dtype=np.int64)
+
+
+def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
+    """Format 6: what each rank's packs hold: ``rank -> (arrays whose zarr.json it holds, array -> number of
+    its chunks)`` over every packed array of ``meta``."""
+    out: dict[int, tuple[list[str], dict[str, int]]] = {}
+    for name, t in meta.tensors.items():
+        creator = t.pack_rank
+        if creator is None:
+            continue
+        out.setdefault(creator, ([], {}))[0].append(name)
+        if t.writers:
+            ranks, counts = np.unique(np.asarray(t.writers, dtype=np.int64), return_counts=True)
+            for r, n in zip(ranks.tolist(), counts.tolist()):
+                out.setdefault(r, ([], {}))[1][name] = n
+    return out
+
+
+def check_rank_packs(
+    storage: Any,
+    root: str,
+    meta: Any,
+    names: Collection[str],
+    regions: Mapping[str, list[Any] | None] | None = None,
+    directories: dict[str, list[Any]] | None = None,
+) -> dict[str, int | None]:
+    """The packs holding what is read of the format-6 packed arrays ``names`` are sound
+    (:mod:`arraycheckpoint.packing`: chunk ``i`` of an array is in a pack of ``writers[i]``, its
+    ``zarr.json`` in a pack of its creator).
+
+    For every rank whose packs hold a member read (the chunks meeting ``regions[name]``, every chunk when
+    absent, and the ``zarr.json``), its packs ``<rank>.0.zip``, ``<rank>.1.zip``, ... are read until the first
+    that does not exist, each with the checks of :func:`check_packs`: a regular file (no link, no FIFO), no
+    larger than what that rank's packed members can take, a ZIP archive as a save writes it, every entry a
+    member that rank holds (an array's ``zarr.json`` it created, a chunk key inside the grid of an array whose
+    chunk it wrote; none twice across its packs), stored uncompressed, bounded, and, for each member read,
+    a local header that agrees with the central directory. Every member read must be present.
+
+    ``directories``, when given, receives each checked pack's directory.
+
+    Returns:
+        ``pack key -> size`` of the packs checked.
+
+    Raises:
+        InconsistentCheckpointError: a member read is in no pack of its rank.
+        CorruptCheckpointError: what :func:`check_packs` refuses, for the packs of a format-6 checkpoint.
+    """
+    from .metadata import chunk_key_separator
+    from .packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key
+
+    if not names:
+        return {}
+    separator = chunk_key_separator(meta.format_version)
+    base = root.rstrip("/")
+    needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
+    writers_of = {
+        n: np.asarray(t.writers, dtype=np.int64) for n, t in meta.tensors.items() if t.pack_rank is not None
+    }
+    for name in names:
+        t = meta.tensors[name]
+        needed.setdefault(t.pack_rank, {})[f"{name}/zarr.json"] = (name, -1)
+        grid = _chunk_grid(t)
+        writers = writers_of[name]
+        for flat in chunks_wanted(t, None if regions is None else regions.get(name)).tolist():
+            idx = np.unravel_index(flat, grid) if grid else ()
+            key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
+            needed.setdefault(int(writers[flat]), {})[key] = (name, flat)
+    holds = _rank_members(meta)
+    out: dict[str, int | None] = {}
+    for rank in sorted(needed):
+        docs, chunks = holds.get(rank, ([], {}))
+        limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in set(docs) | set(chunks)}
+        grids = {n: _chunk_grid(meta.tensors[n]) for n in limits}
+        entries_bound = sum(_CD_ENTRY_BYTES + len(n.encode()) + 10 for n in docs) + sum(
+            k * (_CD_ENTRY_BYTES + len(n.encode()) + 1 + max(9, _longest_chunk_key(grids[n])))
+            for n, k in chunks.items()
+        )
+        members = len(docs) + sum(chunks.values())
+        bound = min(
+            TRAILER_BYTES * (members + 1)
+            + sum(MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 10) for n in docs)
+            + sum(
+                k * (limits[n] + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 1 + _longest_chunk_key(grids[n])))
+                for n, k in chunks.items()
+            ),
+            MAX_OBJECT_BYTES * 4,
+        )
+        seen: set[str] = set()
+        reading = set(needed[rank])
+        check = functools.partial(
+            _check_rank_pack_members,
+            meta,
+            rank=rank,
+            docs=set(docs),
+            grids=grids,
+            limits=limits,
+            reading=reading,
+            seen=seen,
+            separator=separator,
+        )
+        # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
+        # order up to the first absent one, only when a member read is not there
+        where_of = _predicted_packs(meta, rank, needed[rank], writers_of)
+        probe = [(k, False) for k in sorted(set(where_of.values()))] + [(k, True) for k in range(members + 1)]
+        opened: set[int] = set()
+        for k, probing in probe:
+            if k in opened:
+                continue
+            if probing and not reading - seen:
+                break
+            opened.add(k)
+            key = pack_key(rank, k)
+            try:
+                entries, size = _pack_directory(
+                    storage,
+                    base,
+                    key,
+                    bound,
+                    max_directory_bytes=entries_bound,
+                    check_members=functools.partial(check, where=f"{base}/{key}"),
+                    missing_ok=True,
+                )
+            except CorruptCheckpointError as e:  # name the tensors the pack was read for
+                if str(e).startswith("tensor '"):
+                    raise
+                raise type(e)(f"{_tensors_named(reading)}: {e}") from None
+            if size is None and not entries:
+                if probing:
+                    break
+                continue  # reported below as missing members
+            if k == members:
+                raise CorruptCheckpointError(
+                    f"{base}/{key} exists, but rank {rank}'s {members} packed member(s) fill at most "
+                    f"{members} pack(s); the checkpoint is damaged or hostile"
+                )
+            out[key] = size
+            if directories is not None:
+                directories[key] = entries
+        missing = sorted(reading - seen)
+        if missing:
+            at = where_of.get(missing[0])
+            expected = f", expected in {base}/{pack_key(rank, at)}" if at is not None else ""
+            more = f" (and {len(missing) - 1} more members)" if len(missing) > 1 else ""
+            raise InconsistentCheckpointError(
+                f"{_tensors_named(missing)}: {missing[0]} is missing: in none of rank {rank}'s packs "
+                f"({base}/.acp/packs/{rank}.<k>.zip{expected}){more}; the checkpoint is damaged (a pack lost "
+                "or cut short)"
+            )
+    return out
+
+
+def _predicted_packs(
+    meta: Any, rank: int, reading: Mapping[str, tuple[str, int]], writers_of: Mapping[str, np.ndarray]
+) -> dict[str, int]:
+    """Format 6: the index of the pack of ``rank`` holding each member of ``reading`` (``member -> (array,
+    chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.packing.PackFill`);
+    empty when the metadata records no fill target."""
+    from .packing import DOC_BYTES, PackFill, packs_target
+
+    names = sorted(writers_of)
+    targets = {packs_target(meta.tensors[n].pack) for n in names}
+    if len(targets) != 1 or 0 in targets:
+        return {}
+    fill = PackFill(targets.pop())
+    by_array: dict[str, list[tuple[str, int]]] = {}
+    for member, (name, flat) in reading.items():
+        by_array.setdefault(name, []).append((member, flat))
+    out: dict[str, int] = {}
+    for name in names:  # by array name: its document (where this rank created it), then its chunks
+        mine = writers_of[name] == rank
+        count = int(np.count_nonzero(mine))
+        size = _packed_chunk_bytes(meta.tensors[name])
+        created = meta.tensors[name].pack_rank == rank
+        if created and not count:  # the document alone
+            for member, _flat in by_array.get(name, []):
+                out[member] = fill.where(0, DOC_BYTES)
+            fill.add(1, DOC_BYTES)
+            continue
+        if not count:
+            continue
+        first = (
+            size + DOC_BYTES if created else size
+        )  # the document counted with (and kept by) the first chunk
+        for member, flat in by_array.get(name, []):
+            j = 0 if flat < 0 else int(np.count_nonzero(mine[:flat]))
+            out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)
+        fill.add(1, first)
+        fill.add(count - 1, size)
+    return out
+
+
+def _after_first(fill: Any, first: int, j: int, size: int) -> int:
+    """The pack of the ``j``-th member of a run of ``size`` bytes that follows one member of ``first``."""
+    from .packing import PackFill
+
+    probe = PackFill(fill.target)
+    probe.index, probe.held = fill.index, fill.held
+    probe.add(1, first)
+    return probe.where(j, size)
+
+
+def _tensors_named(members: Collection[str]) -> str:
+    """``tensor 'a'`` / ``tensors 'a', 'b', 'c' (and 4 more)``: the arrays of the pack members ``members``."""
+    names = sorted({m.rpartition("/")[0] for m in members})
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    return f"tensor{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names[:3])}{more}"
+
+
+def _check_rank_pack_members(
+    meta: Any,
+    entries: list[PackMember],
+    rank: int,
+    docs: Collection[str],
+    grids: Mapping[str, tuple[int, ...]],
+    limits: Mapping[str, int],
+    reading: Collection[str],
+    seen: set[str],
+    separator: str,
+    where: str,
+) -> list[PackMember]:
+    """Check the directory ``entries`` of one of ``rank``'s packs (``where``) against the metadata (see
+    :func:`check_rank_packs`); ``seen`` collects the member names over all of that rank's packs. Returns the
+    entries read, whose local headers the caller checks next."""
+    checked: list[PackMember] = []
+    for e in entries:
+        if e.filename in seen:
+            raise CorruptCheckpointError(
+                f"{where} holds the member {e.filename!r} a second time (in this or another of rank {rank}'s "
+                "packs); the pack is damaged or hostile"
+            )
+        seen.add(e.filename)
+        array, _, leaf = e.filename.rpartition("/")
+        if leaf == "zarr.json" and array in docs:
+            limit = MAX_PACKED_JSON_BYTES
+        else:
+            owner = _chunk_owner(e.filename, grids, grids, separator)
+            flat = _chunk_flat(e.filename, owner, grids, separator) if owner is not None else None
+            if owner is None or flat is None or meta.tensors[owner].writers[flat] != rank:
+                near = next((n for n in grids if e.filename.startswith(n + "/")), None)
+                about = f"tensor {near!r}: " if near is not None else ""
+                raise CorruptCheckpointError(
+                    f"{about}{where} holds the member {e.filename!r}, which none of its arrays has (rank {rank} "
+                    "wrote no such chunk: outside the grid, of another writer, or a foreign file); the pack is "
+                    "damaged or hostile"
+                )
+            limit = limits[owner]
+        name = e.filename.rpartition("/")[0]
+        if e.compress_type != 0 or e.compress_size != e.file_size:
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: member {e.filename!r} of {where} is compressed (method "
+                f"{e.compress_type}); packs store members uncompressed, nothing is inflated"
+            )
+        if e.file_size > limit:
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: member {e.filename!r} of {where} is {e.file_size} bytes, more "
+                f"than its encoding can be ({limit}); the checkpoint is damaged"
+            )
+        if e.filename in reading:
+            checked.append(e)
+    return checked
+
+
+def _chunk_flat(
+    filename: str, array: str, grids: Mapping[str, tuple[int, ...]], separator: str
+) -> int | None:
+    """The flat (row-major) index of the chunk key ``filename`` of ``array`` (checked by :func:`_chunk_owner`)."""
+    grid = grids[array]
+    rest = filename[len(array) + 2 :]
+    parts = [int(p) for p in rest.split(separator)[1:]] if rest else []
+    return int(np.ravel_multi_index(parts, grid)) if grid else 0
 
 
 def _check_pack_members(
@@ -741,6 +1050,7 @@ def _pack_directory(
     *,
     max_directory_bytes: int | None = None,
     check_members: Callable[[list[PackMember]], list[PackMember]] | None = None,
+    missing_ok: bool = False,
 ) -> tuple[list[PackMember], int | None]:
     """The ZIP central directory of the pack ``key`` (its entries, in stored order, duplicates kept) and the
     pack's size, read and checked without ever inflating or allocating more than the directory.
@@ -758,7 +1068,7 @@ def _pack_directory(
     so a pack is never downloaded whole to be checked.
 
     Raises:
-        InconsistentCheckpointError: the pack is missing.
+        InconsistentCheckpointError: the pack is missing (with ``missing_ok``: ``([], None)`` is returned).
         CorruptCheckpointError: a link, a non-regular or oversized pack, a pack that is no ZIP archive as a
             save writes it, or what ``check_members`` and the local headers refuse.
     """
@@ -770,6 +1080,8 @@ def _pack_directory(
 
         opened = open_regular(base, key)  # no link on the way, never a FIFO (O_NONBLOCK), a regular file
         if opened is None:
+            if missing_ok:
+                return [], None
             raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
         fd, size = opened
         try:
@@ -793,6 +1105,8 @@ def _pack_directory(
         if result.state == "value":
             size = len(result.value)
     if result.state != "value":
+        if missing_ok:
+            return [], None
         raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
     tail = bytes(result.value)
     if size is not None:

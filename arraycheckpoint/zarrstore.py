@@ -42,14 +42,15 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import FsspecStore, LocalStore
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError
-from .metadata import CONTROL_LAYOUTS, CheckpointMetadata
-from .packing import PACK_KEY, chunk_count, group_keys, stored_bytes
-from .safety import MAX_PACKED_JSON_BYTES
+from .metadata import CONTROL_LAYOUTS, CheckpointMetadata, chunk_key_separator
+from .packing import PACK_DIR, PACK_KEY, chunk_count, chunk_file_bytes, group_keys, pack_key, stored_bytes
+from .safety import MAX_PACKED_JSON_BYTES, check_layouts
 from .storage.ranged import TailFile, check_member_names
 
 __all__ = ["CheckpointStore", "checkpoint_store"]
@@ -130,16 +131,19 @@ class CheckpointStore(Store):
         self._local = local_root
         self._packed: dict[str, str] = {}  # array name -> pack key
         self._in_pack: dict[str, list[str]] = {}  # pack key -> its arrays
+        check_layouts(meta)  # every declared layout possible (bounded chunks) before anything is sized by it
         for name, t in sorted(meta.tensors.items()):
             if t.pack is None:
                 continue
-            if not PACK_KEY.match(t.pack):  # the metadata parser checked it; a store never trusts less
+            if not (PACK_KEY.match(t.pack) or t.pack_rank is not None):  # checked by the metadata parser too
                 raise MetadataError(
                     f"tensor {name!r} names the pack {t.pack!r}, which is no pack of a checkpoint"
                 )
             self._packed[name] = t.pack
-            self._in_pack.setdefault(t.pack, []).append(name)
+            if t.pack_rank is None:
+                self._in_pack.setdefault(t.pack, []).append(name)
         # directories above packed arrays: their children from the packs, and which pack holds their zarr.json
+        # (format 5; a format-6 save writes every group document as a file)
         self._children: dict[str, set[str]] = {}
         self._group_pack: dict[str, str] = {}
         for name, pack in self._packed.items():
@@ -147,8 +151,12 @@ class CheckpointStore(Store):
             for i in range(len(parts)):
                 parent = "/".join(parts[:i])
                 self._children.setdefault(parent, set()).add(parts[i])
-                self._group_pack.setdefault(parent, pack)
+                if self._meta.tensors[name].pack_rank is None:
+                    self._group_pack.setdefault(parent, pack)
         self._packs: dict[str, _Pack] = {}
+        # format 6: rank -> member -> (pack, member), every pack of that rank read once
+        self._ranks: dict[int, dict[str, tuple[_Pack, _Member]]] = {}
+        self._sep = chunk_key_separator(meta.format_version)
 
     @classmethod
     async def open_checkpoint(cls, base: Store, local_root: str | None = None) -> CheckpointStore:
@@ -225,6 +233,17 @@ class CheckpointStore(Store):
     async def _member(self, key: str) -> tuple[_Pack, _Member] | None:
         """The pack member serving ``key`` (a packed array's key, or a group document only a pack holds)."""
         name = self._array_of(key)
+        if name is not None and self._meta.tensors[name].pack_rank is not None:
+            rank = self._rank_of(name, key)
+            if rank is None:
+                return None
+            found = (await self._rank(rank)).get(key)
+            if found is None:  # every chunk has its member (all-zero ones too): a missing one is damage
+                raise CorruptCheckpointError(
+                    f"tensor {name!r}: {key} is in none of rank {rank}'s packs ({self._where(PACK_DIR)}/"
+                    f"{rank}.<k>.zip); the checkpoint is damaged"
+                )
+            return found
         if name is not None:
             pack = await self._pack(self._packed[name])
             member = pack.members.get(key)
@@ -247,10 +266,45 @@ class CheckpointStore(Store):
         if self._served_by_pack(key) or self._group_of(key) in self._group_pack:
             found = await self._member(key)
             if found is not None:
-                return await self._read_member(*found, prototype, byte_range)
+                buf = await self._read_member(*found, prototype, byte_range)
+                self._check_doc(key, buf.to_bytes(), byte_range)
+                return buf
             if self._served_by_pack(key):
                 return None
-        return await self._base.get(key, prototype, byte_range)
+        if self._local is not None:  # never through a link, never a FIFO, bounded before it is read
+            data = await asyncio.to_thread(_read_file_below, self._local, key, self._limit(key), byte_range)
+        else:
+            buf = await self._base.get(key, prototype, byte_range)
+            data = None if buf is None else buf.to_bytes()
+        if data is None:
+            return None
+        self._check_doc(key, data, byte_range)
+        return prototype.buffer.from_bytes(data)
+
+    def _limit(self, key: str) -> int:
+        """The largest a valid checkpoint's file ``key`` can be: a chunk file of its array's encoding, an
+        array or group document, or a control file."""
+        from .codecs import numpy_dtype
+        from .safety import MAX_ARRAY_JSON_BYTES, MAX_METADATA_BYTES, _max_file_bytes
+
+        if key.endswith("zarr.json"):
+            return MAX_ARRAY_JSON_BYTES
+        at = key.rfind("/")
+        while at > 0:
+            t = self._meta.tensors.get(key[:at])
+            if t is not None:
+                return _max_file_bytes(t.chunk_shape, t.inner_chunk_shape, numpy_dtype(t.dtype).itemsize)
+            at = key.rfind("/", 0, at)
+        return MAX_METADATA_BYTES
+
+    def _check_doc(self, key: str, data: bytes, byte_range: ByteRequest | None) -> None:
+        """An array's ``zarr.json`` served must agree with the checkpoint metadata (as the load checks it)."""
+        from .safety import check_packed_doc
+
+        if byte_range is None and key.endswith("/zarr.json"):
+            t = self._meta.tensors.get(key[: -len("/zarr.json")])
+            if t is not None:
+                check_packed_doc(t, data, self._where(t.name), self._sep)
 
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
@@ -263,6 +317,8 @@ class CheckpointStore(Store):
                 return True
             if self._served_by_pack(key):
                 return False
+        if self._local is not None:
+            return await asyncio.to_thread(_exists_below, self._local, key)
         return await self._base.exists(key)
 
     async def getsize(self, key: str) -> int:
@@ -272,6 +328,11 @@ class CheckpointStore(Store):
                 return int(found[1].info.file_size)
             if self._served_by_pack(key):
                 raise FileNotFoundError(key)
+        if self._local is not None:
+            size = await asyncio.to_thread(_size_below, self._local, key, True)
+            if size is None:
+                raise FileNotFoundError(key)
+            return size
         return await self._base.getsize(key)
 
     # Listing ----------------------------------------------------------------------------------------------
@@ -290,8 +351,7 @@ class CheckpointStore(Store):
             return
         below = path + "/"
         if self._array_of(below) is not None:  # a packed array or a key inside one
-            pack = await self._pack(self._packed[self._array_of(below)])  # type: ignore[index]
-            for key in pack.members:
+            for key in await self._array_keys(self._array_of(below)):  # type: ignore[arg-type]
                 if key.startswith(below):
                     yield key
             return
@@ -307,8 +367,7 @@ class CheckpointStore(Store):
         name = self._array_of(below) if path else None
         seen: set[str] = set()
         if name is not None:  # inside a packed array: its pack's members
-            pack = await self._pack(self._packed[name])
-            for key in pack.members:
+            for key in await self._array_keys(name):
                 if key.startswith(below):
                     child = key[len(below) :].split("/", 1)[0]
                     if child not in seen:
@@ -335,15 +394,95 @@ class CheckpointStore(Store):
                 key = f"{group}/zarr.json" if group else "zarr.json"
                 if not await self._base.exists(key) and await self._member(key) is not None:
                     yield key
-        for pack_key, names in sorted(self._in_pack.items()):
+        for name in sorted(self._packed):
+            if self._meta.tensors[name].pack_rank is not None and name.startswith(below):
+                for key in await self._array_keys(name):
+                    yield key
+        for pkey, names in sorted(self._in_pack.items()):
             wanted = [n for n in names if n.startswith(below)]
             if not wanted:
                 continue
-            pack = await self._pack(pack_key)
+            pack = await self._pack(pkey)
             for key in pack.members:
                 name = self._array_of(key)
-                if name is not None and name.startswith(below) and self._packed[name] == pack_key:
+                if name is not None and name.startswith(below) and self._packed[name] == pkey:
                     yield key
+
+    async def _array_keys(self, name: str) -> list[str]:
+        """The keys of the packed array ``name``: format 6, its ``zarr.json`` and every chunk of its grid (each
+        has its member, checked when read); format 5, its pack's members."""
+        t = self._meta.tensors[name]
+        if t.pack_rank is None:
+            pack = await self._pack(self._packed[name])
+            return [k for k in pack.members if k.startswith(name + "/")]
+        return [f"{name}/zarr.json"] + [
+            f"{name}/{self._sep.join(['c', *map(str, index)])}" for index in _grid(t.shape, t.chunk_shape)
+        ]
+
+    def _rank_of(self, name: str, key: str) -> int | None:
+        """Format 6: the rank whose packs hold ``key`` of the packed array ``name`` (its creator for its
+        ``zarr.json``, a chunk's writer for the chunk), None for a key the array does not have."""
+        t = self._meta.tensors[name]
+        leaf = key[len(name) + 1 :]
+        if leaf == "zarr.json":
+            return t.pack_rank
+        flat = _chunk_flat(leaf, t.shape, t.chunk_shape, self._sep)
+        return None if flat is None else t.writers[flat]
+
+    async def _rank(self, rank: int) -> dict[str, tuple[_Pack, _Member]]:
+        """Format 6: every member of ``rank``'s packs (``<rank>.0.zip``, ``<rank>.1.zip``, ... up to the first
+        absent one), each pack's directory read and checked once: every entry must be a member that rank
+        holds (none twice), and every member it holds must be there."""
+        found = self._ranks.get(rank)
+        if found is not None:
+            return found
+        from .codecs import numpy_dtype
+
+        limits: dict[str, int] = {}
+        for name in self._packed:
+            t = self._meta.tensors[name]
+            if t.pack_rank is None:
+                continue
+            if t.pack_rank == rank:
+                limits[f"{name}/zarr.json"] = MAX_PACKED_JSON_BYTES
+            mine = [i for i, w in enumerate(t.writers) if w == rank]
+            if mine:
+                per_chunk = chunk_file_bytes(t, numpy_dtype(t.dtype).itemsize)
+                grid = [-(-s // c) for s, c in zip(t.shape, t.chunk_shape)]
+                for flat in mine:
+                    index = [int(i) for i in np.unravel_index(flat, grid)] if grid else []
+                    limits[f"{name}/{self._sep.join(['c', *map(str, index)])}"] = per_chunk
+        found = {}
+        for k in range(len(limits) + 1):
+            key = pack_key(rank, k)
+            if not await self._exists_object(key):
+                break
+            if k == len(limits):
+                raise CorruptCheckpointError(
+                    f"{self._where(key)} exists, but rank {rank}'s {len(limits)} packed member(s) fill at most "
+                    f"{len(limits)} pack(s); the checkpoint is damaged or hostile"
+                )
+            pack = await self._read_directory(key, limits)
+            for member, m in pack.members.items():
+                if member in found:
+                    raise CorruptCheckpointError(
+                        f"{self._where(key)} holds the member {member!r} a second time (in another of rank "
+                        f"{rank}'s packs); the pack is damaged or hostile"
+                    )
+                found[member] = (pack, m)
+        missing = sorted(set(limits) - set(found))
+        if missing:
+            raise CorruptCheckpointError(
+                f"tensor {missing[0].rpartition('/')[0]!r}: {missing[0]} is in none of rank {rank}'s packs "
+                f"({self._where(PACK_DIR)}/{rank}.<k>.zip); the checkpoint is damaged"
+            )
+        self._ranks[rank] = found
+        return found
+
+    async def _exists_object(self, key: str) -> bool:
+        if self._local is not None:
+            return await asyncio.to_thread(_exists_below, self._local, key)
+        return bool(await self._base.exists(key))
 
     # Writes -----------------------------------------------------------------------------------------------
     async def set(self, key: str, value: Buffer) -> None:
@@ -384,13 +523,15 @@ class CheckpointStore(Store):
     def _where(self, key: str) -> str:
         return f"{self._local or self._base}/{key}"
 
-    async def _read_directory(self, key: str) -> _Pack:
-        """Read and check the central directory of the pack ``key`` (see the module docstring)."""
+    async def _read_directory(self, key: str, rank_limits: dict[str, int] | None = None) -> _Pack:
+        """Read and check the central directory of the pack ``key`` (see the module docstring); format 6:
+        ``rank_limits`` (member -> largest size) lists every member the pack's rank holds, and an entry
+        outside it is damage."""
         from .codecs import numpy_dtype
 
         where = self._where(key)
-        names = self._in_pack.get(key, [])
-        limits: dict[str, int] = {}
+        names = self._in_pack.get(key, []) if rank_limits is None else []
+        limits: dict[str, int] = dict(rank_limits or {})
         for name in names:
             t = self._meta.tensors[name]
             chunks = chunk_count(t.shape, t.chunk_shape)
@@ -424,6 +565,11 @@ class CheckpointStore(Store):
         members: dict[str, _Member] = {}
         for info in infos:
             if info.filename not in limits:
+                if rank_limits is not None:
+                    raise CorruptCheckpointError(
+                        f"{where} holds the member {info.filename!r}, which its rank did not write (a chunk of "
+                        "another writer or outside the grid, or a foreign file); the pack is damaged or hostile"
+                    )
                 continue  # not an array the metadata puts in this pack: never served
             if info.filename in members:
                 raise CorruptCheckpointError(
@@ -486,27 +632,73 @@ class CheckpointStore(Store):
                     "pack is damaged"
                 )
             pack.data_at[info.filename] = at
-        size = int(info.file_size)
-        if byte_range is None:
-            start, end = 0, size
-        elif isinstance(byte_range, RangeByteRequest):
-            start, end = min(byte_range.start, size), min(byte_range.end, size)
-        elif isinstance(byte_range, OffsetByteRequest):
-            start, end = min(byte_range.offset, size), size
-        elif isinstance(byte_range, SuffixByteRequest):
-            start, end = max(0, size - byte_range.suffix), size
-        else:
-            raise TypeError(f"unexpected byte range {byte_range!r}")
+        start, end = _span(byte_range, int(info.file_size))
         data = await self._read(pack.key, at + start, at + max(start, end))
         return prototype.buffer.from_bytes(data)
 
 
 # Helpers ----------------------------------------------------------------------------------------------------
+def _span(byte_range: ByteRequest | None, size: int) -> tuple[int, int]:
+    """``[start, end)`` of ``byte_range`` in a value of ``size`` bytes."""
+    if byte_range is None:
+        return 0, size
+    if isinstance(byte_range, RangeByteRequest):
+        return min(byte_range.start, size), min(byte_range.end, size)
+    if isinstance(byte_range, OffsetByteRequest):
+        return min(byte_range.offset, size), size
+    if isinstance(byte_range, SuffixByteRequest):
+        return max(0, size - byte_range.suffix), size
+    raise TypeError(f"unexpected byte range {byte_range!r}")
+
+
+def _read_file_below(root: str, key: str, limit: int, byte_range: ByteRequest | None) -> bytes | None:
+    """``byte_range`` of the file ``root/key`` (None when absent), opened below ``root`` without following a
+    link and without blocking on a FIFO, refused unless it is a regular file of at most ``limit`` bytes."""
+    from .storage.local import _open_below
+
+    fd = _open_below(root, key)
+    if fd is None:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{root}/{key} is not a regular file; the checkpoint is damaged")
+        if st.st_size > limit:
+            raise CorruptCheckpointError(
+                f"{root}/{key} is {st.st_size} bytes, more than a valid checkpoint's file there can be ({limit}); "
+                "the checkpoint is damaged or hostile"
+            )
+        start, end = _span(byte_range, st.st_size)
+        data = os.pread(fd, max(0, end - start), start)
+        if len(data) != max(0, end - start):
+            raise CorruptCheckpointError(f"{root}/{key} changed while it was read")
+        return data
+    finally:
+        os.close(fd)
+
+
 def _grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
     """Every chunk index of the grid (one, ``()``, for a 0-d array)."""
     import itertools
 
     return itertools.product(*(range(-(-s // max(c, 1))) for s, c in zip(shape, chunk_shape)))
+
+
+def _chunk_flat(
+    leaf: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], separator: str
+) -> int | None:
+    """The flat (row-major) index of the chunk key ``leaf`` (``c.1.0``) in the grid, None when ``leaf`` is
+    no canonical chunk key inside it."""
+    grid = [-(-s // max(c, 1)) for s, c in zip(shape, chunk_shape)]
+    parts = leaf.split(separator)
+    if parts[0] != "c" or len(parts) != len(grid) + 1:
+        return None
+    flat = 0
+    for p, g in zip(parts[1:], grid):
+        if not p.isascii() or not p.isdigit() or p != str(int(p)) or int(p) >= g:
+            return None
+        flat = flat * g + int(p)
+    return flat
 
 
 def _directory_span(tail: bytes, size: int) -> tuple[int, int]:
@@ -561,7 +753,20 @@ def _open_pack(root: str, key: str) -> int:
     return fd
 
 
-def _size_below(root: str, key: str) -> int:
+def _exists_below(root: str, key: str) -> bool:
+    """Whether ``root/key`` exists (opened below ``root`` without following a link: a link raises)."""
+    from .storage.local import _open_below
+
+    fd = _open_below(root, key)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+def _size_below(root: str, key: str, missing_ok: bool = False) -> int | None:
+    if missing_ok and not _exists_below(root, key):
+        return None
     fd = _open_pack(root, key)
     try:
         return os.fstat(fd).st_size

@@ -1,6 +1,7 @@
 """Plain readers of a checkpoint's arrays for tests: tensorstore and JSON only, none of arraycheckpoint's code.
 
-A packed array (format 5) lives in the ZIP file its metadata entry names; every other array in its own
+A packed array lives in the ZIP file its metadata entry names (format 5) or in a pack of the rank it names
+(format 6: here, checkpoints one rank wrote, so that pack holds the whole array); every other array in its own
 directory. Tests that check what was stored read it the way an outside reader would.
 """
 
@@ -22,6 +23,8 @@ def tensor_entry(root: str, name: str) -> dict[str, Any]:
 def ts_spec(root: str, name: str) -> dict[str, Any]:
     """A plain tensorstore zarr3 spec of the stored array ``name``: its directory, or its pack member."""
     pack = tensor_entry(root, name).get("pack")
+    if pack is not None and not pack.endswith(".zip"):  # format 6: the pack of the rank holding its zarr.json
+        pack = _pack_holding(root, f"{name}/zarr.json")
     if pack is None:
         kvstore: dict[str, Any] = {"driver": "file", "path": os.path.join(root, name) + "/"}
     else:
@@ -31,6 +34,18 @@ def ts_spec(root: str, name: str) -> dict[str, Any]:
             "path": name + "/",
         }
     return {"driver": "zarr3", "kvstore": kvstore}
+
+
+def _pack_holding(root: str, member: str) -> str | None:
+    """The pack file (relative to ``root``) holding ``member``, found with :mod:`zipfile`."""
+    import zipfile
+
+    packs = os.path.join(root, ".acp", "packs")
+    for leaf in sorted(os.listdir(packs)):
+        with zipfile.ZipFile(os.path.join(packs, leaf)) as zf:
+            if member in zf.namelist():
+                return f".acp/packs/{leaf}"
+    return None
 
 
 def ts_read(root: str, name: str) -> np.ndarray:

@@ -5,7 +5,7 @@ The fixtures under ``tests/fixtures/format4/`` were written by the last code of 
 ``.acp/``, no packs. The expected tensors beside them were written by safetensors. They load bit-exactly in one
 process and into FSDP2 at 2 and 3 gloo ranks, ``verify`` passes them (and finds a damaged chunk),
 zarr-python reads every tensor through :func:`arraycheckpoint.zarr.checkpoint_store`, and a state loaded from
-one saves again as format 5 with packs.
+one saves again in the current format, with packs.
 """
 
 from __future__ import annotations
@@ -190,15 +190,15 @@ def test_format4_zarr_python_reads_every_tensor(tmp_path, name) -> None:
         assert arrays["model/body.weight"][...].dtype == np.float32
 
 
-def test_format4_state_saves_again_as_format5_with_packs(tmp_path) -> None:
-    """A state loaded from the format-4 fixture saves as format 5 (small arrays packed) and loads back."""
+def test_format4_state_saves_again_with_packs(tmp_path) -> None:
+    """A state loaded from the format-4 fixture saves as format 6 (chunk files packed) and loads back."""
     model, opt, extra = _load_single(_copy(tmp_path, "single"))
     new = tmp_path / "resaved"
     acp.save(new, {"model": model, "optimizer": opt, "extra_state": extra}, step=4)
     meta = acp.read_metadata(new)
-    assert meta.format_version == 5 and meta.step == 4
-    packed = {n: t.pack for n, t in meta.tensors.items() if t.pack is not None}
-    assert packed and all(p.startswith(".acp/packs/") and os.path.isfile(new / p) for p in packed.values())
+    assert meta.format_version == 6 and meta.step == 4
+    packed = {n: t.pack_rank for n, t in meta.tensors.items() if t.pack is not None}
+    assert packed and set(packed.values()) == {0} and os.path.isfile(new / ".acp" / "packs" / "0.0.zip")
     assert sorted(meta.tensors) == sorted(acp.read_metadata(os.path.join(FIXTURES, "single")).tensors)
     model2, opt2, extra2 = _single_state(seed=321)
     out = acp.load(new, {"model": model2, "optimizer": opt2, "extra_state": extra2})

@@ -1,6 +1,7 @@
-"""Packed arrays on a local file system are decoded by the engine itself (arraycheckpoint.engine.packread):
-one pread per member and hardware crc32c, instead of a tensorstore array per tensor. Both paths must give the
-same bits, partial regions included, and a member in any other layout must fall back to tensorstore."""
+"""Packed chunks are decoded by the engine itself (arraycheckpoint.engine.packread): one pread per member and
+crc32c, straight into the destinations, instead of a tensorstore array per tensor. They must give the same bits,
+partial regions included; a format-5 member in any other layout falls back to tensorstore, a format-6 one is
+damage."""
 
 from __future__ import annotations
 
@@ -49,37 +50,70 @@ def _same(got: dict, want: dict) -> None:
         assert np.asarray(v).tobytes() == g.tobytes(), k
 
 
-@pytest.mark.skipif(not packread.fast_path_available(), reason="no hardware crc32c in this interpreter")
 def test_packed_arrays_are_decoded_by_the_engine_bit_exactly(tmp_path, monkeypatch) -> None:
     ck = _save(tmp_path)
     calls = []
-    real = packread.read_array
-    monkeypatch.setattr(packread, "read_array", lambda *a: calls.append(a[1].name) or real(*a))
+    real = packread.PackedReader.deliver
+    monkeypatch.setattr(
+        packread.PackedReader, "deliver", lambda self, t: calls.append(t.name) or real(self, t)
+    )
     _same(_load(ck), _state())
-    assert {"extra_state/w", "extra_state/b", "extra_state/i"} <= set(calls)
+    assert {"extra_state/w", "extra_state/b", "extra_state/i", "extra_state/flag"} <= set(calls)
 
 
-def test_a_member_in_another_layout_falls_back_to_tensorstore(tmp_path, monkeypatch) -> None:
+def test_partial_regions_of_packed_chunks_are_read_bit_exactly(tmp_path) -> None:
+    """A region that cuts through chunks and inner chunks gets exactly its bytes (checked against numpy)."""
+    from arraycheckpoint.engine import engine
+    from arraycheckpoint.items import LoadShard, LoadTensor
+    from arraycheckpoint.regions import Box
+    from arraycheckpoint.storage import storage_for
+
     ck = _save(tmp_path)
-    monkeypatch.setattr(packread, "read_array", lambda *a: None)  # "not the layout a save writes"
-    _same(_load(ck), _state())
-
-
-@pytest.mark.skipif(not packread.fast_path_available(), reason="no hardware crc32c in this interpreter")
-def test_short_member_is_not_decoded(tmp_path) -> None:
-    """A member whose size is not the exact uncompressed encoding is left to tensorstore (None)."""
-    ck = _save(tmp_path)
+    storage, root = storage_for(ck)
     meta = acp.read_metadata(ck)
-    tm = meta.tensors["extra_state/i"]
+    w = _state()["w"]
+    got = {}
+    boxes = [Box((3, 5), (17, 30)), Box((40, 0), (8, 40)), Box((0, 39), (48, 1))]
+    targets = [np.full(b.lengths, -1.0, np.float32) for b in boxes]
+    shards = [LoadShard(b, lambda a, b=b: got.__setitem__(b, a), target=t) for b, t in zip(boxes, targets)]
+    engine().load(storage, root, meta, [LoadTensor("extra_state/w", shards)])
+    for b, t in zip(boxes, targets):
+        assert np.array_equal(t, w[b.slices()]), b
 
-    class Short:
-        path, key = "p", "k"
 
-        def member(self, name: str) -> bytes:
-            return b"\0" * 7
+def test_a_format5_member_in_another_layout_falls_back_to_tensorstore(tmp_path, monkeypatch) -> None:
+    """Format 5 (the fixture written by f62d3f0): a member the engine does not decode goes to tensorstore."""
+    import os
+    import shutil
 
-    members = packread.chunk_members(tm, ".")
-    assert packread.read_array(Short(), tm, members, [b for b in []]) is not None  # nothing wanted: no read
+    from fixtures.make_format2 import full_state
+    from test_format5_compat import _expected, _load_single
+    from test_format5_compat import _same as same5
+
+    src = os.path.join(os.path.dirname(__file__), "fixtures", "format5", "single")
+    shutil.copytree(src, tmp_path / "single")
+    monkeypatch.setattr(packread, "decode_into", lambda *a: False)  # "not the layout a save writes"
+    model, opt, _extra = _load_single(tmp_path / "single")
+    same5(full_state(model, opt), _expected("single"))
+
+
+def test_a_format6_member_in_another_layout_is_damage(tmp_path, monkeypatch) -> None:
+    from arraycheckpoint.errors import CorruptCheckpointError
+
+    ck = _save(tmp_path)
+    monkeypatch.setattr(packread, "decode_into", lambda *a: False)
+    with pytest.raises(CorruptCheckpointError, match="not the chunk file a save writes"):
+        _load(ck)
+
+
+def test_short_member_is_not_decoded() -> None:
+    """A member whose size is not the exact uncompressed encoding is not decoded (False)."""
     from arraycheckpoint.regions import Box
 
-    assert packread.read_array(Short(), tm, members, [Box.full(tm.shape)]) is None
+    class T:
+        dtype, chunk_shape, inner_chunk_shape = "int64", (5, 3), (5, 3)
+
+    out = np.zeros((5, 3), np.int64)
+    lay = packread._Layout(T)
+    raw = np.zeros(7, np.uint8)
+    assert not packread.decode_into(raw, lay, (0, 0), [(Box((0, 0), (5, 3)), out)], ValueError)

@@ -308,8 +308,15 @@ root = sys.argv[1]
 with open(f"{root}/.acp/metadata.json") as f:  # plain JSON: where each array is stored
     tensors = json.load(f)["tensors"]
 out = {}
+import os, zipfile
+where = {}  # format 6: "pack" names the rank whose packs hold the array; one rank wrote it all here
+packs = f"{root}/.acp/packs"
+for leaf in sorted(os.listdir(packs)) if os.path.isdir(packs) else []:
+    where.update(dict.fromkeys(zipfile.ZipFile(f"{packs}/{leaf}").namelist(), f".acp/packs/{leaf}"))
 for name in ["model/w_bf16", "model/w_f8", "model/w_f32"]:
     pack = tensors[name].get("pack")
+    if pack is not None and not pack.endswith(".zip"):
+        pack = where[f"{name}/zarr.json"]
     if pack is None:  # the array's own directory
         a = zarr.open_array(f"{root}/{name}", mode="r")[...]
         kvstore = {"driver": "file", "path": f"{root}/{name}/"}

@@ -216,15 +216,20 @@ class LoadPipeline:
             # refused by check_chunk_files above)
             # the stored files of what this rank reads, and only those (see check_chunk_files)
             directories: dict[str, list[Any]] = {}  # the packs' ZIP directories, parsed once by the checks
-            safety.check_chunk_files(storage, root, meta, [t.name for t in targets if t.shards], directories)
-            docs = safety.check_arrays(
-                storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards}
+            safety.check_chunk_files(
+                storage, root, meta, [t.name for t in targets if t.shards], directories, wanted
             )
-            # packed arrays on a local file system are decoded here (one pread per member, hardware crc32c),
-            # the rest (and any packed shard not in the layout a save writes) through tensorstore
+            # format-6 packed arrays: decoded by packread (whose zarr.json it checks), never by tensorstore
+            by_rank = {t.name for t in targets if t.shards and meta.tensors[t.name].pack_rank is not None}
+            docs = safety.check_arrays(
+                storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards and t.name not in by_rank}
+            )
+            # packed chunks are decoded here (one pread or ranged read per member, crc32c, straight into the
+            # destinations), format 5's on a local file system with hardware crc32c only; the rest (and any
+            # format-5 member not in the layout a save writes) through tensorstore
             packed = (
                 packread.PackedReader(root, meta, storage, directories)
-                if isinstance(storage, LocalStorage) and packread.fast_path_available()
+                if by_rank or (isinstance(storage, LocalStorage) and packread.fast_path_available())
                 else None
             )
 
@@ -291,9 +296,9 @@ class LoadPipeline:
                         continue
                     if t.name not in stores:  # packed: decoded here, or opened now
                         assert packed is not None
-                        whole = packed.read(t.name, [sh.box for sh in t.shards])
-                        if whole is not None:
-                            total += _deliver(t, whole)
+                        delivered = packed.deliver(t)
+                        if delivered is not None:
+                            total += delivered
                             continue
                         stores[t.name] = ts.open(
                             spec_of(t.name), open=True, assume_metadata=True, context=context()
@@ -407,23 +412,6 @@ class _DirectRead:
 def _read_threads() -> int:
     """Threads reading chunk files (a cold read needs requests in flight; a warm one, cores)."""
     return max(2, min(8, os.cpu_count() or 2))
-
-
-def _deliver(t: LoadTensor, whole: np.ndarray) -> int:
-    """Hand every shard of ``t`` its region of the decoded array ``whole``; returns the bytes delivered."""
-    total = 0
-    for shard in t.shards:
-        region = whole[shard.box.slices()]
-        if shard.target is not None and shard.target.dtype == whole.dtype:
-            shard.target[...] = region
-        elif shard.staging is not None:  # e.g. a pinned buffer on its way to a device
-            buf = shard.staging(shard.box.lengths, whole.dtype)
-            buf[...] = region
-            shard.sink(buf)
-        else:
-            shard.sink(np.array(region))
-        total += region.nbytes
-    return total
 
 
 def _gone(storage: Storage, root: str, error: Exception, doing: str) -> CheckpointNotFoundError | None:

@@ -30,12 +30,13 @@ from ..future import CheckpointFuture
 from ..hostpool import HostBufferPool
 from ..items import HostSource, SaveRequest, SaveShard
 from ..monitoring import PhaseRecorder
+from ..packing import DOC_BYTES, chunk_file_bytes, fill_packs, packs_rank
 from ..perrank import fall_back, stack_digest
 from ..plan import ArrayLayout, RankPlan
 from ..regions import Box, intersect
 from ..storage import storage_for
 from ..storage.local import LocalStorage
-from . import packfile, shardfile
+from . import shardfile
 from .common import array_spec, describe, wait_write
 from .coordinate import Coordinator, declaration_digest, declare, structure_key
 from .job import SaveJob, SaveOptions
@@ -267,7 +268,8 @@ class SavePipeline:
 
         with job.recorder.phase("write") as rec:
             layouts = {layout.name: layout for layout in plan.layouts}
-            packed = {name: key for key, names in plan.packs for name in names}
+            packs = _Packs(job, plan, layouts)
+            packed = packs.packed
             writer = _writer(job)
             try:
                 created = _create_arrays(job, writer, [layouts[name] for name in plan.create])
@@ -289,7 +291,6 @@ class SavePipeline:
                     for name in dict.fromkeys(w.name for w, d in zip(plan.writes, direct) if not d)
                 }
                 stores = {name: fut.result() for name, fut in opening.items()}
-                packs = _Packs(job, plan, layouts)
                 inflight: deque[tuple[Any, int, str]] = deque()
                 pending = 0
                 total = 0
@@ -309,7 +310,7 @@ class SavePipeline:
                         wait_write(fut, name)
                         pending -= n
 
-                for full in packs.ready():  # packs of empty arrays only
+                for full in packs.ready():  # packs of zarr.json documents only
                     make_room(full.nbytes)
                     start(writer.write_pack(full.key, full.members), full.nbytes, full.label)
                 for w, encode in zip(plan.writes, direct):
@@ -416,40 +417,71 @@ class FullPack:
 
 
 class _Packs:
-    """Collects the encoded arrays of this rank's packs (plan order) and hands each one out once complete."""
+    """This rank's packs (:mod:`arraycheckpoint.packing`): the ``zarr.json`` of the packed arrays it creates
+    and the chunk files of packed arrays it writes, filled in plan order into packs of about the target file
+    size (:func:`~arraycheckpoint.packing.fill_packs`); each pack is handed out once all its members are
+    encoded."""
 
     def __init__(self, job: SaveJob, plan: RankPlan, layouts: dict[str, ArrayLayout]) -> None:
         docs = ZarrJsonDocs()
         self._layouts = layouts
+        self.packed = {name for _k, names in plan.packs for name in names}
+        created = sorted(name for k, names in plan.packs if packs_rank(k) == plan.rank for name in names)
+        encoded = {f"{n}/zarr.json": [docs.encode(layouts[n])] for n in created}
+        # the order packing.PackFill computes from the metadata: by array name, its document (if this rank
+        # created it) before its chunks (in row-major order)
+        members = [(n, -1, f"{n}/zarr.json", DOC_BYTES) for n in created]
+        for w in plan.writes:
+            if w.name in self.packed:
+                layout = layouts[w.name]
+                grid = [-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape)]
+                index = [o // c for o, c in zip(w.chunk.offsets, layout.chunk_shape)]
+                flat = int(np.ravel_multi_index(index, grid)) if grid else 0
+                size = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
+                members.append((w.name, flat, self._key(w), size))
+        members.sort()
+        # an array's document stays with its first chunk here: counted with it (packing.PackFill)
+        for i, (name, flat, key, _size) in enumerate(members):
+            if flat < 0 and i + 1 < len(members) and members[i + 1][0] == name:
+                members[i] = (name, flat, key, 0)
+                n, f, k, sz = members[i + 1]
+                members[i + 1] = (n, f, k, sz + DOC_BYTES)
+        sizes = [(key, size) for _n, _f, key, size in members]
+        self._pack_of: dict[str, str] = {}
         self._left: dict[str, int] = {}
         self._members: dict[str, list[tuple[str, list[shardfile.Buffer]]]] = {}
-        self._names: dict[str, tuple[str, ...]] = {}
-        self._pack_of: dict[str, str] = {}
         self._bytes: dict[str, int] = {}
-        writes: dict[str, int] = {}
-        for w in plan.writes:
-            writes[w.name] = writes.get(w.name, 0) + 1
-        for key, names in plan.packs:
-            self._names[key] = names
-            self._left[key] = sum(writes.get(n, 0) for n in names)
-            self._members[key] = [(f"{n}/zarr.json", [docs.encode(layouts[n])]) for n in names]
+        self._first: dict[str, str] = {}
+        for key, members in fill_packs(sizes, plan.rank, job.options.plan.min_chunk_bytes):
+            self._left[key] = len(members)
+            self._members[key] = []
             self._bytes[key] = 0
-            self._pack_of.update(dict.fromkeys(names, key))
+            self._first[key] = members[0].rpartition("/")[0]
+            self._pack_of.update(dict.fromkeys(members, key))
+        self._ready = [p for key, parts in encoded.items() for p in self._put(key, parts, len(parts[0]))]
 
-    def ready(self) -> list[FullPack]:
-        """Packs complete without any chunk (every member array is empty)."""
-        return [self._take(k) for k in list(self._left) if self._left[k] == 0]
+    def _key(self, w: Any) -> str:
+        return f"{w.name}/{shardfile.chunk_key(self._layouts[w.name], w.chunk)}"
 
-    def add(self, w: Any, data: np.ndarray) -> list[FullPack]:
-        """Encode chunk ``w`` of a packed array from ``data``; returns its pack if that completed it."""
-        key = self._pack_of[w.name]
-        layout = self._layouts[w.name]
-        little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
-        parts = shardfile.encode(little, layout.inner_chunk_shape)
-        self._members[key].append((f"{w.name}/{shardfile.chunk_key(layout, w.chunk)}", parts))
-        self._bytes[key] += data.nbytes
+    def _put(self, member: str, parts: list[shardfile.Buffer], nbytes: int) -> list[FullPack]:
+        key = self._pack_of[member]
+        self._members[key].append((member, parts))
+        self._bytes[key] += nbytes
         self._left[key] -= 1
         return [self._take(key)] if self._left[key] == 0 else []
+
+    def ready(self) -> list[FullPack]:
+        """Packs complete without any chunk (``zarr.json`` documents only)."""
+        out, self._ready = self._ready, []
+        return out
+
+    def add(self, w: Any, data: np.ndarray) -> list[FullPack]:
+        """Encode chunk ``w`` of a packed array from ``data`` (an edge chunk padded to the full chunk shape
+        with the fill value, as zarr does); returns its pack if that completed it."""
+        layout = self._layouts[w.name]
+        little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
+        parts = shardfile.encode(shardfile.padded(little, layout.chunk_shape), layout.inner_chunk_shape)
+        return self._put(self._key(w), parts, data.nbytes)
 
     def check_done(self) -> None:
         """Every pack was handed out (a plan whose writes miss a member would leave one behind)."""
@@ -458,8 +490,7 @@ class _Packs:
 
     def _take(self, key: str) -> FullPack:
         del self._left[key]
-        members = packfile.members_with_groups(list(self._names[key]), self._members.pop(key))
-        return FullPack(key, members, self._bytes[key], f"{self._names[key][0]} (pack {key})")
+        return FullPack(key, self._members.pop(key), self._bytes[key], f"{self._first[key]} (pack {key})")
 
 
 #: Stands for one dimension name in a ``zarr.json`` template; never part of an encoded layout otherwise.

@@ -11,7 +11,8 @@ chunk, C order) and the index's ``crc32c``. That is simple enough to produce her
   source buffer, and, on a local file system, hand the source buffer to ``writev(2)`` without copying it into
   a write buffer first (tensorstore copies it and checksums in software).
 
-Compressed arrays and partial edge chunks still go through tensorstore. Nothing is read here: loads go through
+Compressed arrays and partial edge chunks still go through tensorstore, except the edge chunks of packed
+arrays (:mod:`arraycheckpoint.packing`), padded here to the full chunk shape (:func:`padded`). Nothing is read here: loads go through
 tensorstore (or zarr-python), which verify both checksums, so a file this module got wrong fails its first read.
 """
 
@@ -117,6 +118,17 @@ def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> list[Buffer]
     parts.append(raw_index)
     parts.append(crc32c(raw_index).to_bytes(4, "little"))
     return parts
+
+
+def padded(data: np.ndarray, chunk_shape: tuple[int, ...]) -> np.ndarray:
+    """``data`` (an edge chunk cut at the array's end) padded to the full ``chunk_shape`` with the fill value
+    (zero, :func:`arraycheckpoint.codecs.presets.array_metadata`), as zarr writes edge chunks; ``data``
+    itself when it is whole."""
+    if tuple(data.shape) == tuple(chunk_shape):
+        return data
+    out = np.zeros(chunk_shape, dtype=data.dtype)
+    out[tuple(slice(0, n) for n in data.shape)] = data
+    return out
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:

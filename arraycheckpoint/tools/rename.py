@@ -131,12 +131,13 @@ def _rewrite_refs(value: Any, rules: list[tuple[str, str]]) -> Any:
 
 
 def plan_rename(
-    meta: CheckpointMetadata, mapping: Mapping[str, str], taken_packs: Collection[str] = ()
+    meta: CheckpointMetadata, mapping: Mapping[str, str], taken_packs: Collection[str] = (), root: str = ""
 ) -> tuple[CheckpointMetadata, RenameResult]:
     """The renamed metadata and what moves; raises on unknown keys, unsafe or clashing new names.
 
     Every pack holding a renamed array gets a fresh key (above the rank's packs in ``meta`` and in
-    ``taken_packs``, the files already in the pack directory), named by every array it holds.
+    ``taken_packs``, the files already in the pack directory), named by every array it holds. Format 6:
+    every pack (of the checkpoint at ``root``) holding a member of a renamed array is rewritten in place.
     """
     rules, fqn_map = _expand(meta, mapping)
     tensors = {}
@@ -193,8 +194,10 @@ def plan_rename(
         raise ArrayCheckpointError(
             f"rename map keys match no entry of the checkpoint: {sorted(used - matched)[:10]}"
         )
-    rewritten = {p for p in (meta.tensors[o].pack for o in moved_t) if p is not None}
+    rewritten = {p for p in (meta.tensors[o].pack for o in moved_t) if p is not None and p.endswith(".zip")}
     packs = repack.fresh_pack_keys(meta, rewritten, taken_packs)
+    # format 6: the packs (of every rank) holding a member of a renamed array are rewritten in place
+    packs.update((k, k) for k in repack.rank_packs_holding(root, meta, set(moved_t)))
     tensors = {
         n: dataclasses.replace(t, pack=packs[t.pack]) if t.pack in packs else t for n, t in tensors.items()
     }
@@ -241,7 +244,7 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
     if raw is None:
         raise CheckpointNotFoundError(f"checkpoint {root} has no {files.metadata}")
     meta = _read_metadata(raw, os.path.join(root, files.metadata))
-    new_meta, result = plan_rename(meta, mapping, repack.existing_pack_keys(root))
+    new_meta, result = plan_rename(meta, mapping, repack.existing_pack_keys(root), root)
     if not result.tensors and not result.objects:
         return result
     repack.check_old_packs(root, meta, result.packs)
@@ -396,15 +399,20 @@ def _execute(root: str, doc: dict[str, Any]) -> None:
             repack.rename_array_doc(root, old, new)  # its dimension names follow the new name
     old_names = {new: old for old, new in moves}
     for old_key, new_key in sorted(packs.items()):
-        repack.build_pack(root, old_key, new_key, new_meta, old_names, tmp)
+        if old_key == new_key:  # format 6: in place
+            repack.rebuild_rank_pack(root, old_key, old_names, tmp)
+        else:
+            repack.build_pack(root, old_key, new_key, new_meta, old_names, tmp)
     _write_groups(root, new_meta)
     _prune_groups(root, new_meta)
     _write_durable(os.path.join(root, files.metadata), doc["metadata"].encode())
-    repack.remove_packs(root, packs)  # only now: until the metadata names the new packs, the old ones count
-    shutil.rmtree(tmp, ignore_errors=True)
+    # only now: until the metadata names the new packs, the old ones count (format 6: rewritten in place)
+    repack.remove_packs(root, [k for k, v in packs.items() if k != v])
     _write_durable(marker, b"committed\n")
     os.unlink(os.path.join(root, JOURNAL))
     fsync_path(root)
+    # only once the journal is gone: a resumed run must still see which packs were rewritten in place
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_groups(root: str, meta: CheckpointMetadata) -> None:

@@ -100,9 +100,56 @@ def rename_array_doc(root: str, old: str, new: str) -> None:
 
 def check_old_packs(root: str, meta: CheckpointMetadata, packs: Collection[str]) -> None:
     """The packs ``packs`` of ``meta`` (before the rename) pass :func:`safety.check_packs` for every array they
-    hold: checked before the journal is written, so a damaged pack refuses the rename with nothing touched."""
-    for key in sorted(packs):
+    hold (format 6: :func:`safety.check_rank_packs` for every packed array): checked before the journal is
+    written, so a damaged pack refuses the rename with nothing touched."""
+    for key in sorted(k for k in packs if k.endswith(".zip") and PACK_KEY.match(k) and _holds(meta, k)):
         safety.check_packs(LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack == key])
+    if any(t.pack_rank is not None for t in meta.tensors.values()) and packs:
+        safety.check_rank_packs(
+            LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack_rank is not None]
+        )
+
+
+def _holds(meta: CheckpointMetadata, key: str) -> bool:
+    return any(t.pack == key for t in meta.tensors.values())
+
+
+def rank_packs_holding(root: str, meta: CheckpointMetadata, arrays: Collection[str]) -> list[str]:
+    """Format 6: the keys of the packs holding a member of any of the packed ``arrays`` (the packs of their
+    creators and writers, read with the load's checks)."""
+    names = [n for n in arrays if meta.tensors[n].pack_rank is not None]
+    if not names or not root:
+        return []
+    directories: dict[str, list[safety.PackMember]] = {}
+    safety.check_rank_packs(LocalStorage(), root, meta, names, None, directories)
+    wanted = set(names)
+    return sorted(
+        k
+        for k, entries in directories.items()
+        if any(e.filename.rpartition("/")[0] in wanted for e in entries)
+    )
+
+
+def rebuild_rank_pack(root: str, key: str, old_names: Mapping[str, str], tmp_dir: str) -> None:
+    """Rewrite the format-6 pack ``key`` in place with the members of renamed arrays under their new names
+    (``old_names``: new name -> old name); idempotent across an interrupted run: the new pack is built in
+    ``tmp_dir`` (``<leaf>.new``), a ``<leaf>.done`` mark is written, then it replaces the pack, so a resumed
+    run finishes the replacement or skips a pack already renamed (never renaming twice: swaps stay safe)."""
+    leaf = key.rsplit("/", 1)[-1]
+    final = os.path.join(root, *key.split("/"))
+    built = os.path.join(tmp_dir, f"{leaf}.new")
+    done = os.path.join(tmp_dir, f"{leaf}.done")
+    if not os.path.exists(done):
+        old_to_new = {o: n for n, o in old_names.items()}
+        members = _renamed_members(final, old_to_new, groups=False)
+        tmp = os.path.join(tmp_dir, f"{leaf}.part")
+        _write_new(tmp, lambda f: write_zip(f, members))
+        os.rename(tmp, built)
+        _write_new(done, lambda f: f.write(b"built\n"))
+        fsync_path(tmp_dir)
+    if os.path.exists(built):
+        os.replace(built, final)
+        fsync_path(os.path.dirname(final))
 
 
 def build_pack(
@@ -163,15 +210,16 @@ def remove_packs(root: str, keys: Collection[str]) -> None:
         fsync_path(os.path.join(root, *PACK_DIR.split("/")))
 
 
-def _renamed_members(source: str, old_to_new: Mapping[str, str]) -> list[Member]:
+def _renamed_members(source: str, old_to_new: Mapping[str, str], groups: bool = True) -> list[Member]:
     """The members of the pack file ``source`` under their new names, without its group documents (the new
-    pack's are derived from the new names). A member of no array of the pack is kept as it is."""
-    groups = set(group_keys(old_to_new))
+    pack's are derived from the new names; format 6 has none). A member of no array of the pack is kept as it
+    is."""
+    skip = set(group_keys(old_to_new)) if groups else set()
     fd = os.open(source, os.O_RDONLY | _NOFOLLOW)
     out: list[Member] = []
     with os.fdopen(fd, "rb") as f, zipfile.ZipFile(f) as zf:
         for info in zf.infolist():
-            if info.filename in groups:
+            if info.filename in skip:
                 continue
             # an array's members are its zarr.json and its chunks, whose keys have no "/" (format 5: "c.0.0")
             old = info.filename.rpartition("/")[0]

@@ -61,7 +61,17 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
                 "bytes": sum(r["bytes"] for r in rows),
                 "objects": len(meta.objects),
                 "packed": sum(1 for r in rows if r["pack"] is not None),
-                "packs": len({r["pack"] for r in rows} - {None}),
+                # format 5: pack files; format 6: the ranks whose packs hold packed chunks or documents
+                "packs": len({r["pack"] for r in rows} - {None})
+                if meta.format_version < 6
+                else len(
+                    {
+                        int(w)
+                        for t in meta.tensors.values()
+                        if t.pack_rank is not None
+                        for w in (t.pack_rank, *t.writers)
+                    }
+                ),
                 "namespaces": per_ns,
             },
         }
@@ -116,13 +126,15 @@ def format_summary(s: dict[str, Any]) -> str:
         if label == "total":
             line += f"  ({nbytes} bytes), {t['objects']} JSON objects"
             if t.get("packs"):
-                line += f"; {t['packed']} small tensors in {t['packs']} pack file(s)"
+                where = "pack file(s)" if s["format_version"] < 6 else "ranks' packs"
+                line += f"; {t['packed']} tensors packed (chunk files below the target size) in {t['packs']} {where}"
         lines.append(line)
     return "\n".join(lines)
 
 
 def _stored_in(pack: str | None) -> str:
-    """Where a tensor's array is, for the table: its directory, or its pack (format 5)."""
+    """Where a tensor's array is, for the table: its directory, or its pack (format 5), or the packs of its
+    writers (format 6: ``.acp/packs/<creator>``)."""
     return "dir" if pack is None else pack
 
 

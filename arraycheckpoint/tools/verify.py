@@ -7,7 +7,9 @@ packed array (format 5), a member of its pack, whose ZIP directory is read once 
 :func:`arraycheckpoint.safety.read_pack_directory`; and that every chunk decodes with its checksums (each
 read goes through the engine, tensorstore's ``zip`` driver for a packed array, so a crc32c mismatch in a
 shard index or an inner chunk raises; the arrays of one pack are read in one load). Every problem is
-reported with the tensor and chunk named, and the pack file for a packed array.
+reported with the tensor and chunk named, and the pack file for a packed array. Format 6 (an array's chunks
+in the packs of the ranks that wrote them): every pack of those ranks is read once with the checks of the
+load (:func:`arraycheckpoint.safety.check_rank_packs`), then the arrays are read through the engine.
 """
 
 from __future__ import annotations
@@ -243,6 +245,7 @@ def verify(
         )
     ckpt = Checkpoint(storage, root, meta)
     packs = _PackIndex(storage, root, meta)
+    by_rank = _check_rank_packs(storage, root, meta, report)
     jobs: dict[str, list[tuple[TensorMeta, list[tuple[tuple[int, ...], Box]]]]] = {}
     for name, tm in sorted(meta.tensors.items()):
         report.tensors += 1
@@ -268,6 +271,15 @@ def verify(
         report.bytes += tm.nbytes
         if tm.pack is None:
             present = _stored_chunks(storage, root, name)
+        elif tm.pack_rank is not None:  # format 6: its packs were checked whole (or it was reported)
+            if name not in by_rank:
+                if progress is not None:
+                    progress(tm.nbytes)
+                continue
+            present = {
+                chunk_key(chunk_index(b, tm.chunk_shape), chunk_key_separator(meta.format_version))
+                for b in boxes
+            }
         else:
             found = packs.chunks(tm, report)
             if found is None:  # the pack is unusable or lacks the array's zarr.json: nothing to read
@@ -288,13 +300,37 @@ def verify(
                 readable.append((idx, box))
         if readable:
             # the arrays of one pack are read together: each load of a pack reads its ZIP directory once
-            jobs.setdefault(tm.pack or f"/{name}", []).append((tm, readable))
+            group = f"/{name}" if tm.pack is None else ("/packs" if tm.pack_rank is not None else tm.pack)
+            jobs.setdefault(group, []).append((tm, readable))
     for group in jobs.values():
         if read_data:
             _read_group(ckpt, group, report)
         if progress is not None:
             progress(sum(tm.nbytes for tm, _ in group))
     return report
+
+
+def _check_rank_packs(
+    storage: Storage, root: str, meta: CheckpointMetadata, report: VerifyReport
+) -> set[str]:
+    """Format 6: check the packs of every packed array (:func:`arraycheckpoint.safety.check_rank_packs`) and
+    return the arrays whose packs passed; a failure is narrowed down to the arrays it concerns, each reported."""
+    names = sorted(n for n, t in meta.tensors.items() if t.pack_rank is not None)
+    if not names:
+        return set()
+    try:
+        safety.check_rank_packs(storage, root, meta, names)
+        return set(names)
+    except ArrayCheckpointError:
+        pass
+    ok = set()
+    for name in names:
+        try:
+            safety.check_rank_packs(storage, root, meta, [name])
+            ok.add(name)
+        except ArrayCheckpointError as e:
+            report.problems.append(Problem(name, None, f"stored in packs: {_short(e)}"))
+    return ok
 
 
 class _PackIndex:
@@ -345,6 +381,8 @@ def _chunk_file(tm: TensorMeta, key: str, root: str) -> str:
     its pack."""
     if tm.pack is None:
         return f"stored chunk file {key}"
+    if tm.pack_rank is not None:
+        return f"member {tm.name}/{key} of a pack in {root.rstrip('/')}/{tm.pack.rpartition('/')[0]}"
     return f"member {tm.name}/{key} of the pack {root.rstrip('/')}/{tm.pack}"
 
 

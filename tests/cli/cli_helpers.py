@@ -82,7 +82,7 @@ def flip_byte(path: str, offset: int) -> None:
 def chunk_span(ckpt: str, name: str, key: str) -> tuple[str, int, int]:
     """Where the stored chunk ``key`` (``c.1.0``) of the tensor ``name`` lies: ``(file, offset, size)``.
 
-    An array of its own directory: the chunk file, whole. A packed array (format 5): its member's bytes
+    An array of its own directory: the chunk file, whole. A packed array (formats 5 and 6): its member's bytes
     inside the pack's ZIP file (after the member's local header, which ``zipfile`` does not expose).
     """
     import struct
@@ -99,6 +99,14 @@ def chunk_span(ckpt: str, name: str, key: str) -> tuple[str, int, int]:
         path = os.path.join(ckpt, *name.split("/"), key)
         return path, 0, os.path.getsize(path)
     pack = os.path.join(ckpt, *tm.pack.split("/"))
+    if tm.pack_rank is not None:  # format 6: the pack of its rank's packs that holds the member
+        k = 0
+        while True:
+            pack = os.path.join(ckpt, *f"{tm.pack.partition('@')[0]}.{k}.zip".split("/"))
+            with zipfile.ZipFile(pack) as zf:
+                if f"{name}/{key}" in zf.namelist():
+                    break
+            k += 1
     with zipfile.ZipFile(pack) as zf:
         info = zf.getinfo(f"{name}/{key}")
     with open(pack, "rb") as f:

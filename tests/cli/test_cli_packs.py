@@ -1,4 +1,4 @@
-"""The tools on packed checkpoints (format 5): small arrays stored as members of ``.acp/packs/<rank>.<k>.zip``.
+"""The tools on packed checkpoints (format 6): chunk files stored as members of ``.acp/packs/<rank>.<k>.zip``.
 
 Each test would fail if a tool ignored packs: verify reads and checks pack members (on a local path and on an
 object store), rename rewrites packs so that plain zarr-python reads them under the new names (and survives a
@@ -52,7 +52,10 @@ def _all_packed(path: Path | str) -> dict[str, str]:
 
 
 def _pack_file(path: Path | str, name: str) -> str:
-    return os.path.join(path, *acp.read_metadata(path).tensors[name].pack.split("/"))
+    """The pack file holding ``name``'s ``zarr.json`` (format 6: one of its creator's packs)."""
+    from faults.packtools import pack_key
+
+    return os.path.join(path, *pack_key(path, name).split("/"))
 
 
 # verify ------------------------------------------------------------------------------------------------------
@@ -70,7 +73,9 @@ def test_verify_names_a_missing_damaged_or_foreign_pack(tmp_path: Path) -> None:
     assert not report.ok
     named = {p.tensor for p in report.problems}
     assert named == set(members), report.problems  # every tensor of the pack, and only those
-    assert all(pack in p.message and "missing" in p.message for p in report.problems), report.problems
+    assert all(".acp/packs/0" in p.message and "missing" in p.message for p in report.problems), (
+        report.problems
+    )
 
     with open(pack, "wb") as f:
         f.write(b"not a zip file at all" * 4)
@@ -84,14 +89,14 @@ def test_verify_names_a_missing_damaged_or_foreign_pack(tmp_path: Path) -> None:
     proc = cli("verify", ck, "--no-data", check=1)
     bad = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
     assert len(bad) == 1 and bad[0].startswith("BAD  model/0.weight:"), proc.stdout
-    assert f"member model/0.weight/zarr.json of the pack {pack} is missing" in bad[0]
+    assert "model/0.weight/zarr.json is missing" in bad[0], bad[0]
 
 
 def test_verify_reads_every_member_of_a_pack(tmp_path: Path) -> None:
     """Each packed array's every chunk is decoded: a flipped byte in any member is found and named."""
     ck = tmp_path / "ck"
-    _save(ck, pack_array_bytes=1 << 20, min_chunk_bytes=64, max_chunk_bytes=64, inner_chunk_bytes=32)
-    packs = _all_packed(ck)
+    _save(ck, min_chunk_bytes=1 << 20, max_chunk_bytes=64, inner_chunk_bytes=32)
+    _all_packed(ck)
     meta = acp.read_metadata(ck)
     multi = [n for n, t in meta.tensors.items() if t.chunk_shape != t.shape]
     assert multi, "no packed tensor of several chunks"
@@ -102,7 +107,8 @@ def test_verify_reads_every_member_of_a_pack(tmp_path: Path) -> None:
     flip_chunk_byte(str(ck), name, key, 1)
     report = verify(ck)
     assert [(p.tensor, p.chunk) for p in report.problems] == [(name, last)], report.problems
-    assert packs[name] in report.problems[0].message and "unreadable" in report.problems[0].message
+    assert ".acp/packs/0" in report.problems[0].message and "unreadable" in report.problems[0].message
+    assert "crc32c" in report.problems[0].message
     flip_chunk_byte(str(ck), name, key, 1)
     assert verify(ck).ok
 
@@ -114,10 +120,10 @@ def test_verify_packed_checkpoint_on_an_object_store() -> None:
     report = verify(url)
     assert report.ok and report.tensors == len(packs), report.problems
     storage, root = storage_for(url)
-    key = packs["model/0.bias"]
+    key = packs["model/0.bias"].partition("@")[0] + ".0.zip"  # format 6: rank 0's first pack
     storage.write(root, key, b"PK not a zip")
     report = verify(url)
-    assert {p.tensor for p in report.problems} == {n for n, p in packs.items() if p == key}
+    assert {p.tensor for p in report.problems} == {n for n, p in packs.items() if p == packs["model/0.bias"]}
     assert all(f"{root}/{key}" in p.message for p in report.problems), report.problems
 
 
@@ -129,11 +135,10 @@ def _zip_array(pack: str, name: str) -> zarr.Array:
 def test_rename_rewrites_the_pack_for_zarr_python(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     saved = _save(ck)
-    before = set(_all_packed(ck).values())
+    _all_packed(ck)
+    before = {f".acp/packs/{f}" for f in os.listdir(ck / ".acp" / "packs")}
     result = rename_checkpoint(ck, {"0.weight": "embed.weight", "extra_state/t": "extra_state/deep/u"})
-    assert set(result.packs) == before and not set(result.packs.values()) & before
-    for old in before:  # replaced by the new packs, not left behind
-        assert not os.path.exists(os.path.join(ck, old))
+    assert result.packs == {k: k for k in before}  # format 6: rewritten in place
     weight = saved["model"].state_dict()["0.weight"].numpy()
     pack = _pack_file(ck, "model/embed.weight")
     arr = _zip_array(pack, "model/embed.weight")
@@ -150,7 +155,9 @@ def test_rename_rewrites_the_pack_for_zarr_python(tmp_path: Path) -> None:
         names = zf.namelist()
     assert not [n for n in names if "0.weight" in n or n.startswith("extra_state/t/")], names
     assert len(names) == len(set(names))
-    group = zarr.open_group(zarr.storage.ZipStore(deep, mode="r"), mode="r")
+    from arraycheckpoint.zarr import checkpoint_store
+
+    group = zarr.open_group(checkpoint_store(ck), mode="r")
     assert "u" in group["extra_state/deep"]
     with pytest.raises(FileNotFoundError):  # zarr's ArrayNotFoundError
         _zip_array(pack, "model/0.weight")
@@ -172,7 +179,7 @@ def test_rename_refuses_a_damaged_pack_touching_nothing(tmp_path: Path) -> None:
     mapping = tmp_path / "map.json"
     mapping.write_text(json.dumps({"0.weight": "w0"}))
     err = cli("rename", ck, "--map", mapping, check=2).stderr
-    assert "model/0.bias" in err and pack in err, err
+    assert "model/0.bias" in err and os.path.dirname(pack) in err, err
     assert sorted(str(p.relative_to(ck)) for p in ck.rglob("*")) == files  # no journal, marker kept
     assert "model/0.weight" in acp.read_metadata(ck).tensors
 
@@ -206,7 +213,9 @@ def test_rename_of_packs_resumes_after_a_crash(
     assert not os.path.exists(os.path.join(ck, JOURNAL)) and not os.path.exists(os.path.join(ck, TMP_DIR))
     meta = acp.read_metadata(ck)
     on_disk = {f".acp/packs/{p}" for p in os.listdir(os.path.join(ck, ".acp", "packs"))}
-    assert on_disk == {t.pack for t in meta.tensors.values()}  # no old pack left, every new one there
+    assert on_disk == {
+        f"{t.pack.partition('@')[0]}.0.zip" for t in meta.tensors.values()
+    }  # rewritten in place, nothing left
     sd = saved["model"].state_dict()
     for new, old in [("0.bias", "1.bias"), ("1.bias", "0.bias")]:
         arr = _zip_array(_pack_file(ck, f"model/{new}"), f"model/{new}")

@@ -260,8 +260,8 @@ def test_codecs_import_is_light(tmp_path: Path) -> None:
 
 
 def test_plain_readers_read_packed_checkpoint_arrays(tmp_path: Path) -> None:
-    """Format 5 packs small arrays into ZIP files (``.acp/packs/<rank>.<k>.zip``); the metadata, plain JSON,
-    names each array's pack. zarr-python (``ZipStore``, entry points only, no arraycheckpoint import) and
+    """Packs hold small arrays' chunk files (``.acp/packs/<rank>.<k>.zip``); the metadata, plain JSON, names
+    the rank whose packs hold each array (one rank wrote all of it here: the pack holding its zarr.json). zarr-python (``ZipStore``, entry points only, no arraycheckpoint import) and
     tensorstore (its ``zip`` key-value driver) read every packed array bit-exactly, every dtype."""
     import torch
 
@@ -283,8 +283,11 @@ def test_plain_readers_read_packed_checkpoint_arrays(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     acp.save(ckpt, {"model": model})
     tensors = json.loads((ckpt / ".acp" / "metadata.json").read_text())["tensors"]
-    packs = {n: t["pack"] for n, t in tensors.items() if t.get("pack") is not None}
+    from readers import _pack_holding  # format 6: the file of the named rank's packs holding the array
+
+    packs = {n: _pack_holding(str(ckpt), f"{n}/zarr.json") for n, t in tensors.items() if t.get("pack")}
     assert set(packs) == {f"model/{k}" for k in arrays}, sorted(packs)
+    (tmp_path / "packs.json").write_text(json.dumps(packs))
 
     entries = []
     for k, (key, data) in enumerate(arrays.items()):
@@ -307,10 +310,9 @@ def test_plain_readers_read_packed_checkpoint_arrays(tmp_path: Path) -> None:
         """
         import os
         ckpt = sys.argv[1]
-        with open(os.path.join(ckpt, ".acp", "metadata.json")) as f:
-            tensors = json.load(f)["tensors"]
+        packs = json.load(open(os.path.join(os.path.dirname(sys.argv[2]), "packs.json")))
         for case in json.load(open(sys.argv[2])):
-            pack = os.path.join(ckpt, tensors[case["name"]]["pack"])
+            pack = os.path.join(ckpt, packs[case["name"]])
             with zarr.storage.ZipStore(pack, mode="r") as store:
                 arr = zarr.open_array(store, path=case["name"], mode="r")
                 assert arr.metadata.data_type.to_json(zarr_format=3) == case["dtype"], arr.metadata
@@ -320,7 +322,7 @@ def test_plain_readers_read_packed_checkpoint_arrays(tmp_path: Path) -> None:
             assert got.shape == expected.shape, (got.shape, expected.shape, case)
             assert np.array_equal(got.view(UINT[got.dtype.itemsize]), expected), case
         assert "torch" not in sys.modules and "jax" not in sys.modules
-        print("PACKED-OK", len(tensors))
+        print("PACKED-OK", len(packs))
         """,
         str(ckpt),
         str(tmp_path / "manifest.json"),

@@ -190,8 +190,8 @@ def test_a_linked_pack_directory_is_refused_when_a_pack_is_read(tmp_path: Path) 
     import shutil
 
     ck = tmp_path / "ck"
-    state = {"small": torch.ones(8, 4), "big": torch.randn(600, 1000)}  # 2.4 MB: above pack_array_bytes
-    acp.save(str(ck), {"model": state})
+    state = {"small": torch.ones(8, 4), "big": torch.randn(600, 1000)}  # 2.4 MB: above the target size
+    acp.save(str(ck), {"model": state}, plan_options=PlanOptions(min_chunk_bytes=1 << 20))
     assert pack_key(ck, "model/big") is None and pack_key(ck, "model/small") is not None
     packs = ck / ".acp" / "packs"
     shutil.copytree(packs, tmp_path / "elsewhere")

@@ -30,9 +30,21 @@ def save_options(layout: str) -> dict:
 
 
 def pack_key(ck: str | os.PathLike[str], name: str) -> str | None:
-    """The pack key (relative to the root) of the stored array ``name``, from the plain-JSON metadata."""
+    """The pack key (relative to the root) of the pack holding the stored array ``name``'s ``zarr.json``,
+    from the plain-JSON metadata: format 5 names it; format 6 names the rank (``.acp/packs/<rank>``) whose
+    packs ``<rank>.<k>.zip`` hold it, found here with :mod:`zipfile`."""
     with open(Path(ck) / ".acp" / "metadata.json") as f:
-        return json.load(f)["tensors"][name].get("pack")
+        key = json.load(f)["tensors"][name].get("pack")
+    if key is None or key.endswith(".zip"):
+        return key
+    key = key.partition("@")[0]  # format 6: ".acp/packs/<rank>@<fill target>"
+    k = 0
+    while (Path(ck) / f"{key}.{k}.zip").is_file():
+        with zipfile.ZipFile(Path(ck) / f"{key}.{k}.zip") as zf:
+            if f"{name}/zarr.json" in zf.namelist():
+                return f"{key}.{k}.zip"
+        k += 1
+    return None
 
 
 def pack_of(ck: str | os.PathLike[str], name: str) -> Path:

@@ -1,11 +1,11 @@
-"""Packed arrays (format 5) read by zarr-python, xarray and tensorstore: as one hierarchy through
+"""Packed arrays (formats 5 and 6) read by zarr-python, xarray and tensorstore: as one hierarchy through
 ``arraycheckpoint.zarr.checkpoint_store``, and plainly from the pack the metadata names.
 
 A default save puts every small array one rank writes whole into a pack (an uncompressed ZIP file
 ``.acp/packs/<rank>.<k>.zip``); large arrays keep their own directories. The store must list and read both
-kinds at their natural paths, bit-exactly; zarr-python's ``ZipStore``, fsspec's ``zip::`` URLs and
-tensorstore's ``zip`` key-value driver must read a packed array with nothing of arraycheckpoint but the
-dtype registration; and the store must refuse hostile metadata and damaged packs rather than read them.
+kinds at their natural paths, bit-exactly; zarr-python's ``ZipStore`` and
+tensorstore's ``zip`` key-value driver must read a packed array one rank wrote whole from its pack with
+nothing of arraycheckpoint but the dtype registration; and the store must refuse hostile metadata and damaged packs rather than read them.
 """
 
 from __future__ import annotations
@@ -45,9 +45,17 @@ def _same(got: object, want: torch.Tensor | np.ndarray, what: str) -> None:
 
 
 def _packs(ckpt: Path) -> dict[str, str]:
-    """``name -> pack`` from the metadata, read as plain JSON."""
+    """``name -> pack file`` from the metadata, read as plain JSON (format 6: the file of the named rank's
+    packs holding the array's ``zarr.json``; one rank wrote each array here, so that pack holds all of it)."""
+    from readers import _pack_holding
+
     tensors = json.loads((ckpt / ".acp" / "metadata.json").read_text())["tensors"]
-    return {n: t["pack"] for n, t in tensors.items() if t.get("pack") is not None}
+    out = {}
+    for n, t in tensors.items():
+        pack = t.get("pack")
+        if pack is not None:
+            out[n] = pack if pack.endswith(".zip") else _pack_holding(str(ckpt), f"{n}/zarr.json")
+    return out
 
 
 def _get(store: object, key: str) -> bytes:
@@ -84,7 +92,13 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tor
     }
     extra = {"ids": torch.arange(30, dtype=torch.int64).reshape(5, 6), "step": 3}
     ckpt = tmp_path_factory.mktemp("packed") / "ckpt"
-    acp.save(ckpt, {"model": model, "extra_state": extra}, step=3)
+    # a 1 MiB target: the two large arrays' chunk files are above it (their own directories), the rest packed
+    acp.save(
+        ckpt,
+        {"model": model, "extra_state": extra},
+        step=3,
+        plan_options=acp.PlanOptions(min_chunk_bytes=1 << 20),
+    )
     expected = {f"model/{k}": v for k, v in model.items()}
     expected["extra_state/ids"] = extra["ids"]
     packs = _packs(ckpt)
@@ -107,7 +121,7 @@ def test_store_lists_and_reads_every_tensor(mixed) -> None:
         arrays = _arrays(root)
         tree = str(root.tree())
     assert set(arrays) == set(expected) | {".acp"}, sorted(arrays)
-    assert store.packed == packs and store.metadata.format_version >= 5
+    assert set(store.packed) == set(packs) and store.metadata.format_version >= 5
     for name, want in expected.items():
         assert name.rsplit("/", 1)[1] in tree, (name, tree)
         arr = arrays[name]
@@ -169,15 +183,6 @@ def test_plain_zipstore_fsspec_and_tensorstore_read_a_packed_tensor(mixed) -> No
         pack = str(ckpt / packs[name])
         with zarr.storage.ZipStore(pack, mode="r") as zstore:
             _same(zarr.open_array(zstore, path=name, mode="r")[...], expected[name], f"ZipStore {name}")
-        # zarr_format=3: with the format left open zarr also asks for the zarr v2 keys ``.zarray`` and
-        # ``.zattrs``, which fsspec's zip file system before 2026.9 reports missing as a raw KeyError, not
-        # FileNotFoundError (torchtitan -> datasets<=4.7 pins fsspec<=2026.2). Every other key exists: a
-        # pack holds the array's zarr.json and every one of its chunks.
-        _same(
-            zarr.open_array(f"zip::file://{pack}", path=name, mode="r", zarr_format=3)[...],
-            expected[name],
-            f"fsspec zip:: {name}",
-        )
         spec = {
             "driver": "zarr3",
             "kvstore": {"driver": "zip", "base": f"file://{pack}", "path": f"{name}/"},
@@ -218,20 +223,21 @@ def test_other_zarr_stores_as_the_base(mixed) -> None:
 
 
 def test_group_documents_only_a_pack_holds(tmp_path: Path) -> None:
-    """A directory above packed arrays whose ``zarr.json`` the checkpoint lacks is served from the pack."""
+    """Format 5 (the fixture f62d3f0 wrote): a directory above packed arrays whose ``zarr.json`` the checkpoint
+    lacks is served from the pack, which holds group documents (format-6 packs hold none: the save writes
+    every group document as a file)."""
     import zarr
 
     ckpt = tmp_path / "ck"
-    state = {"w": torch.randn(3, 4), "b": torch.randn(4)}
-    acp.save(ckpt, {"model": {"sub": state}})
-    assert _packs(ckpt)
-    (ckpt / "model" / "zarr.json").unlink(missing_ok=True)
-    shutil.rmtree(ckpt / "model" / "sub", ignore_errors=True)
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "format5" / "single", ckpt)
+    want = {n: np.asarray(a) for n, a in _arrays(zarr.open_group(checkpoint_store(ckpt), mode="r")).items()}
+    (ckpt / "model" / "zarr.json").unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         arrays = _arrays(zarr.open_group(checkpoint_store(ckpt), mode="r"))
-    for key, want in state.items():
-        _same(arrays[f"model/sub/{key}"][...], want, key)
+    assert set(arrays) == set(want)
+    for key, value in want.items():
+        _same(arrays[key][...], value, key)
 
 
 def _save_small(root: Path) -> Path:
@@ -345,7 +351,9 @@ def _two_rank_save(rank: int, world: int, path: str) -> dict[str, np.ndarray]:
         torch.nn.Linear(1 << 16, 16),
     )
     model[3].to(torch.bfloat16)
-    acp.save(path, {"model": model})
+    acp.save(
+        path, {"model": model}, plan_options=acp.PlanOptions(min_chunk_bytes=1 << 20)
+    )  # 4 MiB: own files
     return {f"model/{k}": _torch_bits(v) for k, v in model.state_dict().items()}
 
 

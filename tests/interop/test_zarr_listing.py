@@ -36,9 +36,23 @@ def _same(got: object, want: np.ndarray, name: str) -> None:
 
 
 def packed_arrays(ckpt: Path) -> dict[str, str]:
-    """``name -> pack`` of every packed array, from the metadata as plain JSON."""
+    """``name -> pack file`` of every packed array one pack holds whole (format 6: one rank created and wrote
+    it; an array over several ranks' packs is read through the checkpoint store only), from plain JSON."""
+    from readers import _pack_holding
+
     doc = json.loads((ckpt / CONTROL.metadata).read_text())
-    return {name: t["pack"] for name, t in doc["tensors"].items() if t.get("pack") is not None}
+    out = {}
+    for name, t in doc["tensors"].items():
+        pack = t.get("pack")
+        if pack is None:
+            continue
+        if not pack.endswith(".zip"):
+            rank = int(pack.split("/")[-1].partition("@")[0])
+            if set(t["writers"]) - {rank}:
+                continue
+            pack = _pack_holding(str(ckpt), f"{name}/zarr.json")
+        out[name] = pack
+    return out
 
 
 def _arrays(group: object) -> dict[str, object]:

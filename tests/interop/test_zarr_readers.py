@@ -81,9 +81,18 @@ import json, os
 import zarr
 
 def packs_of(ckpt):
+    # name -> the pack file holding its zarr.json (format 6: one of the files <rank>.<k>.zip of the rank the
+    # metadata names; one rank wrote each array here, so that pack holds all of it)
+    import zipfile
+
     with open(os.path.join(ckpt, ".acp", "metadata.json")) as f:
         tensors = json.load(f)["tensors"]
-    return {n: t["pack"] for n, t in tensors.items() if t.get("pack") is not None}
+    where = {}
+    packs = os.path.join(ckpt, ".acp", "packs")
+    for leaf in sorted(os.listdir(packs)) if os.path.isdir(packs) else []:
+        for member in zipfile.ZipFile(os.path.join(packs, leaf)).namelist():
+            where[member] = os.path.join(".acp", "packs", leaf)
+    return {n: where[n + "/zarr.json"] for n, t in tensors.items() if t.get("pack") is not None}
 
 def open_plain(ckpt, packs, name):
     if name in packs:
@@ -210,6 +219,10 @@ def _array_doc(ckpt: Path, name: str) -> dict:
     pack = json.loads((ckpt / ".acp" / "metadata.json").read_text())["tensors"][name].get("pack")
     if pack is None:
         return json.loads((ckpt / name / "zarr.json").read_text())
+    if not pack.endswith(".zip"):  # format 6: the pack of the named rank holding it
+        from readers import _pack_holding
+
+        pack = _pack_holding(str(ckpt), f"{name}/zarr.json")
     with zipfile.ZipFile(ckpt / pack) as zf:
         return json.loads(zf.read(f"{name}/zarr.json"))
 
