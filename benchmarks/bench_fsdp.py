@@ -70,6 +70,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("BYTECHECKPOINT_LOGGING_LEVEL", "ERROR")  # it logs every step of every save at INFO
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     try:
@@ -103,6 +104,62 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple, timeout: float = 3600
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------------- ByteCheckpoint
+#: the only address ByteCheckpoint's per-save gRPC coordinator may listen on in this benchmark
+LOCALHOST = "127.0.0.1"
+
+
+async def _bcp_async_serve_localhost(servicer: Any, async_addr: Any) -> None:
+    """``bytecheckpoint.utilities.server.server_lib.async_serve`` bound to 127.0.0.1 instead of ``[::]``."""
+    import grpc
+    from bytecheckpoint.utilities.server import report_service_pb2_grpc, server_lib
+
+    server = grpc.aio.server(options=server_lib._GRPC_OPTIONS)
+    report_service_pb2_grpc.add_ByteCheckpointReportServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{LOCALHOST}:0")
+    await server.start()
+    async_addr.obj = f"{LOCALHOST}:{port}"
+    async_addr.e.set()
+    await server.wait_for_termination()
+
+
+def _bcp_patch_server_lib() -> None:
+    from bytecheckpoint.utilities.server import server_lib
+
+    server_lib.async_serve = _bcp_async_serve_localhost
+    # its own address lookup opens a UDP socket towards 8.8.8.8; the server only listens on loopback
+    server_lib._get_local_ip = lambda: LOCALHOST
+
+
+def _bcp_serve_in_loop_localhost(world_size: int, conn: Any) -> None:
+    """Body of ByteCheckpoint's coordinator process, with the loopback patch applied in that process."""
+    from bytecheckpoint.utilities.server import server_lib
+
+    _bcp_patch_server_lib()
+    server_lib._serve_in_loop(world_size, conn)
+
+
+def _bcp_start_server_localhost(world_size: int) -> str:
+    """``server_lib.start_server_in_new_process`` whose spawned server binds 127.0.0.1 only."""
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    ctx.Process(target=_bcp_serve_in_loop_localhost, args=(world_size, child_conn), daemon=True).start()
+    return str(parent_conn.recv())
+
+
+def bcp_localhost() -> None:
+    """Make every ByteCheckpoint save of this process start its gRPC coordinator on 127.0.0.1.
+
+    ByteCheckpoint 0.0.2 has no setting for this: ``server_lib.async_serve`` binds ``[::]:0`` (all
+    interfaces) in a process spawned by ``start_server_in_new_process``, and advertises the address of the
+    interface that routes to 8.8.8.8. Both are replaced at runtime (site-packages is not edited).
+    """
+    from bytecheckpoint.utilities.server import server_lib
+
+    _bcp_patch_server_lib()
+    server_lib.start_server_in_new_process = _bcp_start_server_localhost
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -178,14 +235,18 @@ def _timed(fn: Callable[[], Any], pause: bool = True) -> tuple[float, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- verbs
-def acp_save(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+Model = torch.nn.Module
+Optim = torch.optim.Optimizer
+
+
+def acp_save(path: str, model: Model, opt: Optim) -> None:
     import arraycheckpoint as acp
 
     acp.save(path, {"model": model, "optimizer": opt})
     sync()
 
 
-def dcp_save(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def dcp_save(path: str, model: Model, opt: Optim) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -194,40 +255,146 @@ def dcp_save(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> N
     sync()
 
 
-def acp_load(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def dcp_acp_writer_save(path: str, model: Model, opt: Optim) -> None:
+    """``dcp.save`` of the same state dict as :func:`dcp_save`, through ``acp.dcp.Writer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import arraycheckpoint as acp
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=acp.dcp.Writer(path))
+    sync()
+
+
+def bcp_save(path: str, model: Model, opt: Optim) -> None:
+    import bytecheckpoint as bcp
+
+    bcp.save(path, {"model": model, "optimizer": opt}, framework="fsdp2")
+    sync()
+
+
+def acp_load(path: str, model: Model, opt: Optim) -> None:
     import arraycheckpoint as acp
 
     acp.load(path, {"model": model, "optimizer": opt})
 
 
-def dcp_load(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def _dcp_load_with(model: Model, opt: Optim, **where: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, **where)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def dcp_load(path: str, model: Model, opt: Optim) -> None:
+    _dcp_load_with(model, opt, checkpoint_id=path)
+
+
+def dcp_acp_reader_load(path: str, model: Model, opt: Optim) -> None:
+    """``dcp.load`` through ``acp.dcp.Reader`` (only checks what ``acp.dcp.Writer`` saved; not timed)."""
+    import arraycheckpoint as acp
+
+    _dcp_load_with(model, opt, storage_reader=acp.dcp.Reader(path))
+
+
+def bcp_load(path: str, model: Model, opt: Optim) -> None:
+    import bytecheckpoint as bcp
+
+    bcp.load(path, {"model": model, "optimizer": opt}, framework="fsdp2")
+
+
+Verb = Callable[[str, Model, Optim], None]
+#: every method: (name in the tables, save, load or None where only the save is compared)
+METHODS: dict[str, tuple[str, Verb, Verb | None]] = {
+    "acp": ("arraycheckpoint", acp_save, acp_load),
+    "dcp": ("DCP", dcp_save, dcp_load),
+    "bcp": ("ByteCheckpoint", bcp_save, bcp_load),
+    "dcp_acpw": ("dcp.save + acp.dcp.Writer", dcp_acp_writer_save, None),
+}
+#: methods kept after the last round and loaded again at the reshard world size
+RESHARDED = ("acp", "dcp", "bcp")
+
+
+def rotated(names: list[str], rnd: int) -> list[str]:
+    """``names`` rotated by ``rnd`` places: each round starts with a different method."""
+    k = rnd % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+# ---------------------------------------------------------------------------------------------- ByteCheckpoint probe
+def bcp_unavailable() -> str | None:
+    """Why ByteCheckpoint cannot be imported with FSDP2 support here (None: it can)."""
+    os.environ.setdefault("BYTECHECKPOINT_LOGGING_LEVEL", "ERROR")
+    try:
+        from bytecheckpoint.api import save as bcp_api_save
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip
+        return f"`import bytecheckpoint` failed: {type(e).__name__}: {e}"
+    if not getattr(bcp_api_save, "FSDP2_ENABLED", True):
+        return "bytecheckpoint imported, but its FSDP2Checkpointer did not (bytecheckpoint.api.save.FSDP2_ENABLED)"
+    return None
+
+
+def _bcp_probe(rank: int, world: int, root: str) -> bool:
+    """A one-layer FSDP2 save and load through ByteCheckpoint, checked bit-exactly."""
+    bcp_localhost()
+    model, opt = build(world, 1)
+    saved = [t.clone() for t in _local_tensors(model, opt)]
+    bcp_save(root, model, opt)
+    scramble(model, opt)
+    bcp_load(root, model, opt)
+    if not all(torch.equal(a, b) for a, b in zip(saved, _local_tensors(model, opt))):
+        raise RuntimeError("ByteCheckpoint's load did not restore the saved local shards")
+    return True
+
+
+def bcp_probe(root: Path) -> str | None:
+    """Why ByteCheckpoint cannot save and load FSDP2 on 2 CPU gloo ranks here (None: it can)."""
+    reason = bcp_unavailable()
+    if reason is not None:
+        return reason
+    try:
+        spawn(_bcp_probe, 2, (str(root / "bcp-probe"),), timeout=300)
+    except Exception as e:  # noqa: BLE001 - the failure is reported, the benchmark goes on without it
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        return f"a 2-rank CPU/gloo FSDP2 save + load failed: {lines[-1] if lines else type(e).__name__}"
+    finally:
+        remove(root / "bcp-probe")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- rounds
 def _round(
     rank: int,
     world: int,
+    rnd: int,
     paths: dict[str, str],
     model: Any,
     opt: Any,
     group: Any,
     check: list[torch.Tensor] | None,
 ) -> dict[str, float]:
-    """One round of every measurement at the save world size (``check``: the saved local tensors)."""
+    """One round of every measurement at the save world size, each method once in an order rotated by
+    ``rnd`` (``check``: the saved local tensors, compared after every load of this round)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import arraycheckpoint as acp
 
+    def verify(what: str) -> None:
+        if check is not None and not all(
+            torch.equal(a, b) for a, b in zip(check, _local_tensors(model, opt))
+        ):
+            raise RuntimeError(f"rank {rank}: {what} at world {world} did not restore the saved state")
+
+    methods = [m for m in METHODS if m in paths]
     rec: dict[str, float] = {}
-    rec["acp/save"], _ = _timed(lambda: acp_save(paths["acp"], model, opt))
-    rec["dcp/save"], _ = _timed(lambda: dcp_save(paths["dcp"], model, opt))
+    for m in rotated(methods, rnd):
+        save = METHODS[m][1]
+        rec[f"{m}/save"], _ = _timed(lambda save=save, m=m: save(paths[m], model, opt))
 
     def acp_async() -> Any:
         fut = acp.save_async(paths["acp_async"], {"model": model, "optimizer": opt})
@@ -240,27 +407,32 @@ def _round(
             {"model": msd, "optim": osd}, checkpoint_id=paths["dcp_async"], process_group=group
         )
 
-    rec["acp/async_block"], fut = _timed(acp_async)
-    rec["acp/async_total"], _ = _timed(lambda: (fut.result(), sync()), pause=False)
-    rec["acp/async_total"] += rec["acp/async_block"]
-    rec["dcp/async_block"], dfut = _timed(dcp_async)
-    rec["dcp/async_total"], _ = _timed(lambda: (dfut.result(), sync()), pause=False)
-    rec["dcp/async_total"] += rec["dcp/async_block"]
+    for kind in rotated(["acp", "dcp"], rnd):
+        start = acp_async if kind == "acp" else dcp_async
+        rec[f"{kind}/async_block"], fut = _timed(start)
+        rec[f"{kind}/async_total"], _ = _timed(lambda fut=fut: (fut.result(), sync()), pause=False)
+        rec[f"{kind}/async_total"] += rec[f"{kind}/async_block"]
 
-    for kind, load in (("acp", acp_load), ("dcp", dcp_load)):
+    for m in rotated([m for m in methods if METHODS[m][2] is not None], rnd):
+        load = METHODS[m][2]
         scramble(model, opt)
-        rec[f"{kind}/load"], _ = _timed(lambda load=load, kind=kind: load(paths[kind], model, opt))
-        if check is not None and not all(
-            torch.equal(a, b) for a, b in zip(check, _local_tensors(model, opt))
-        ):
-            raise RuntimeError(f"rank {rank}: {kind} load at world {world} did not restore the saved state")
+        rec[f"{m}/load"], _ = _timed(lambda load=load, m=m: load(paths[m], model, opt))
+        verify(f"{METHODS[m][0]} load")
+    if check is not None and "dcp_acpw" in paths:
+        scramble(model, opt)
+        dcp_acp_reader_load(paths["dcp_acpw"], model, opt)
+        verify("dcp.load through acp.dcp.Reader of what acp.dcp.Writer saved")
     return rec
 
 
-def bench_world(rank: int, world: int, root: str, layers: int, repeats: int) -> dict[str, Any]:
+def bench_world(
+    rank: int, world: int, root: str, layers: int, repeats: int, methods: list[str]
+) -> dict[str, Any]:
     """The measurements at the save world size; rank 0 returns them with the saved state's digests."""
     import torch.distributed as dist
 
+    if "bcp" in methods:
+        bcp_localhost()
     model, opt = build(world, layers)
     # DCP's async_save runs collectives in a background thread: give it its own gloo group, as its docs say,
     # so they cannot interleave with this benchmark's barriers on the default group
@@ -268,26 +440,31 @@ def bench_world(rank: int, world: int, root: str, layers: int, repeats: int) -> 
     reference = digests(model, opt)
     saved = [t.clone() for t in _local_tensors(model, opt)]
     res: dict[str, list[float]] = defaultdict(list)
-    sizes: dict[str, int] = {}
+    sizes: dict[str, tuple[int, int]] = {}
     for rnd in range(repeats + 1):
-        paths = {k: f"{root}/{k}-{rnd}" for k in ("acp", "dcp", "acp_async", "dcp_async")}
-        rec = _round(rank, world, paths, model, opt, group, saved if rnd == 0 else None)
+        paths = {k: f"{root}/{k}-{rnd}" for k in [*methods, "acp_async", "dcp_async"]}
+        rec = _round(rank, world, rnd, paths, model, opt, group, saved if rnd == 0 else None)
         dist.barrier()
         if rank == 0:
-            for k in ("acp", "dcp"):
-                sizes[k] = tree_bytes(paths[k])
+            for k in methods:
+                sizes[k] = (tree_bytes(paths[k]), _files(paths[k]))
             label = "warm-up" if rnd == 0 else f"round {rnd}"
             print(f"world {world} {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in rec.items()), flush=True)
             for k, p in paths.items():
-                if not (rnd == repeats and k in ("acp", "dcp")):
+                if not (rnd == repeats and k in RESHARDED):
                     remove(p)
         dist.barrier()
         if rnd > 0:
             for k, v in rec.items():
                 res[k].append(v)
     total = _sum_over_ranks(sum(t.numel() * t.element_size() for t in saved))
-    kept = {k: f"{root}/{k}-{repeats}" for k in ("acp", "dcp")}
+    kept = {k: f"{root}/{k}-{repeats}" for k in methods if k in RESHARDED}
     return {"results": dict(res), "digests": reference, "bytes": total, "files": sizes, "kept": kept}
+
+
+def _files(path: str) -> int:
+    """Files (not directories) under ``path``."""
+    return sum(len(files) for _d, _s, files in os.walk(path))
 
 
 def _sum_over_ranks(x: int) -> int:
@@ -301,11 +478,16 @@ def _sum_over_ranks(x: int) -> int:
 def bench_reshard(
     rank: int, world: int, kept: dict[str, str], layers: int, repeats: int, reference: dict[str, str]
 ) -> dict[str, Any]:
-    """Load both checkpoints at a different world size; check the reassembled state against the saved one."""
+    """Load every kept checkpoint at a different world size, methods interleaved and rotated per round;
+    the first load of each is checked against the saved state (digests of the reassembled tensors)."""
+    if "bcp" in kept:
+        bcp_localhost()
     model, opt = build(world, layers)
     res: dict[str, list[float]] = defaultdict(list)
     for rnd in range(repeats + 1):
-        for kind, load in (("acp", acp_load), ("dcp", dcp_load)):
+        for kind in rotated(list(kept), rnd):
+            load = METHODS[kind][2]
+            assert load is not None
             scramble(model, opt)
             sec, _ = _timed(lambda load=load, kind=kind: load(kept[kind], model, opt))
             if rnd == 0 and digests(model, opt) != reference:
@@ -318,37 +500,63 @@ def bench_reshard(
 
 
 # ---------------------------------------------------------------------------------------------- report
+def paired(res: dict[str, list[float]], key: str, ours: str, anchor: str) -> float:
+    """Median over rounds of ``anchor``'s time / ``ours``'s time in the same round (> 1: ours is faster)."""
+    a, b = res.get(f"{ours}/{key}", []), res.get(f"{anchor}/{key}", [])
+    return median([ratio(y, x) for x, y in zip(a, b)])
+
+
 def report(
     res: dict[str, list[float]],
     nbytes: int,
-    files: dict[str, int],
+    files: dict[str, tuple[int, int]],
+    methods: list[str],
     world: int,
     reshard: int,
     repeats: int,
-    stat: Callable[[list[float]], float] = median,
-    label: str = "median",
 ) -> str:
-    med = {k: stat(v) for k, v in res.items()}
+    """Per method the median seconds; per pair the paired median ratio; one line per target."""
+    measures = (
+        ("save", "save"),
+        ("async save: blocking", "async_block"),
+        ("async save: until durable", "async_total"),
+        (f"load at {world} ranks", "load"),
+        (f"load resharded {world} -> {reshard}", "load_reshard"),
+    )
     rows = []
-    checks = []
-    for what, key, goal in (
-        ("save", "save", 2.0),
-        ("async save: blocking", "async_block", 1.0),
-        ("async save: until durable", "async_total", None),
-        (f"load at {world} ranks", "load", 2.0),
-        (f"load resharded {world} -> {reshard}", "load_reshard", 2.0),
-    ):
-        a, d = med.get(f"acp/{key}", float("nan")), med.get(f"dcp/{key}", float("nan"))
-        sp = ratio(d, a)
-        rows.append([what, fmt_seconds(a), fmt_seconds(d), fmt_ratio(sp)])
+    for what, key in measures:
+        cells = [fmt_seconds(median(res.get(f"{m}/{key}", []))) for m in methods]
+        rows.append([what, *cells])
+    table = markdown_table(["FSDP2, median s", *(METHODS[m][0] for m in methods)], rows)
+
+    pairs: list[tuple[str, str, str, str, float | None]] = [
+        ("save", "save", "acp", "dcp", 1.5),
+        ("save", "save", "acp", "bcp", 1.5),
+        ("save", "save", "dcp_acpw", "dcp", 1.0),
+        ("async save: blocking", "async_block", "acp", "dcp", None),
+        ("async save: until durable", "async_total", "acp", "dcp", None),
+        (f"load at {world} ranks", "load", "acp", "dcp", 1.5),
+        (f"load at {world} ranks", "load", "acp", "bcp", None),
+        (f"load resharded {world} -> {reshard}", "load_reshard", "acp", "dcp", 1.5),
+        (f"load resharded {world} -> {reshard}", "load_reshard", "acp", "bcp", None),
+    ]
+    prow, checks = [], []
+    for what, key, ours, anchor, goal in pairs:
+        if ours not in methods or anchor not in methods:
+            continue
+        sp = paired(res, key, ours, anchor)
+        name = f"{METHODS[anchor][0]} / {METHODS[ours][0]}"
+        prow.append([what, name, fmt_ratio(sp), "-" if goal is None else f">= {goal:g}x"])
         if goal is not None:
-            checks.append(f"- {what}: {fmt_ratio(sp)} faster, target >= {goal:g}x ({verdict(sp >= goal)})")
-    table = markdown_table(["FSDP2", "arraycheckpoint s", "DCP s", "speed-up (DCP / ours)"], rows)
+            checks.append(f"- {what}: {name} = {fmt_ratio(sp)}, target >= {goal:g}x ({verdict(sp >= goal)})")
+    ptable = markdown_table(["measurement", "paired ratio", "median", "target"], prow)
+    disk = ", ".join(f"{METHODS[m][0]} {b / MiB:.0f} MiB in {n} files" for m, (b, n) in files.items())
     return (
-        f"FSDP2 model + Adam state: {nbytes / MiB:.0f} MiB over {world} ranks; {label} of {repeats} rounds after "
-        f"a warm-up round; slowest rank; saves timed until os.sync() returns.\n"
-        f"Files on disk (MiB): arraycheckpoint {files.get('acp', 0) / MiB:.0f}, DCP {files.get('dcp', 0) / MiB:.0f}."
-        f"\n\n{table}\n\nTargets:\n" + "\n".join(checks)
+        f"FSDP2 model + Adam state: {nbytes / MiB:.0f} MiB over {world} ranks; {repeats} interleaved rounds "
+        f"(every method once per round, order rotated) after a warm-up round; slowest rank; saves timed until "
+        f"os.sync() returns. On disk: {disk}.\n\n{table}\n\n"
+        f"Paired medians (median over rounds of anchor time / our time in the same round; > 1: faster):\n\n"
+        f"{ptable}\n\nTargets:\n" + "\n".join(checks)
     )
 
 
@@ -359,6 +567,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reshard-world", type=int, default=3, help="ranks that load resharded (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default 3)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir under /tmp)")
+    p.add_argument("--no-bcp", action="store_true", help="leave ByteCheckpoint out")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -368,8 +577,17 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(tempfile.mkdtemp(prefix="acp-bench-fsdp-", dir=base))
     print(machine_description(root), flush=True)
     print(f"model: {layers} x Linear({HIDDEN}, {HIDDEN}), Adam; checkpoints under {root}", flush=True)
+    methods = ["acp", "dcp", "bcp", "dcp_acpw"]
     try:
-        first = spawn(bench_world, args.world, (str(root), layers, args.repeats))[0]
+        why = "--no-bcp" if args.no_bcp else bcp_probe(root)
+        if why is not None:
+            methods.remove("bcp")
+            print(f"ByteCheckpoint skipped: {why}", flush=True)
+        else:
+            print(
+                "ByteCheckpoint: a 2-rank CPU/gloo probe saved and loaded bit-exactly; coordinator on 127.0.0.1"
+            )
+        first = spawn(bench_world, args.world, (str(root), layers, args.repeats, methods))[0]
         second = spawn(
             bench_reshard, args.reshard_world, (first["kept"], layers, args.repeats, first["digests"])
         )[0]
@@ -377,13 +595,7 @@ def main(argv: list[str] | None = None) -> None:
         remove(root)
     res = {**first["results"], **second["results"]}
     print()
-    for stat, label in ((median, "median"), (min, "best")):
-        print(
-            report(
-                res, first["bytes"], first["files"], args.world, args.reshard_world, args.repeats, stat, label
-            )
-        )
-        print()
+    print(report(res, first["bytes"], first["files"], methods, args.world, args.reshard_world, args.repeats))
 
 
 if __name__ == "__main__":
