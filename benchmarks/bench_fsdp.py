@@ -1,23 +1,33 @@
-"""FSDP2 on 4 ranks: arraycheckpoint against torch.distributed.checkpoint (DCP) on the same model.
+"""FSDP2 on 4 ranks: arraycheckpoint against DCP and ByteCheckpoint on the same model, in one run.
 
 The model is a stack of ``Linear(hidden, hidden)`` layers (~50M float32 parameters by default: ~600 MiB with
 Adam's ``exp_avg`` and ``exp_avg_sq``), each layer and the root wrapped with ``fully_shard`` over a CPU
 DeviceMesh, on ``--world`` gloo ranks spawned with ``torch.multiprocessing``; one optimizer step runs first so
-Adam state exists. Measured, per round, as the slowest rank's time after a barrier:
+Adam state exists. Every round runs every method once, in an order rotated each round (interleaved, so a burst
+of load on a shared machine lands on all of them), and each time is the slowest rank's after a barrier:
 
-* save: ``acp.save(path, {"model": model, "optimizer": opt})`` against ``get_state_dict`` + ``dcp.save``;
-* async blocking: ``acp.save_async`` until ``fut.staged`` completes against ``get_state_dict`` +
-  ``dcp.async_save`` until it returns;
-* load at the same world size: ``acp.load`` in place against ``get_state_dict`` + ``dcp.load`` +
-  ``set_state_dict``;
-* load resharded: a second spawn at ``--reshard-world`` ranks loads both checkpoints of the last round.
+* save: ``acp.save(path, {"model": model, "optimizer": opt})``; ``get_state_dict`` + ``dcp.save`` (DCP's
+  ``FileSystemWriter``); ``bytecheckpoint.save(path, {"model": model, "optimizer": opt}, framework="fsdp2")``;
+  and the same ``dcp.save`` through ``acp.dcp.Writer`` (compared with DCP's own writer);
+* async blocking / until durable: ``acp.save_async`` until ``fut.staged`` completes against
+  ``get_state_dict`` + ``dcp.async_save`` until it returns;
+* load at the same world size: ``acp.load`` in place, ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``,
+  ``bytecheckpoint.load(..., framework="fsdp2")``;
+* load resharded: a second spawn at ``--reshard-world`` ranks loads the last round's checkpoints.
 
-Every save is followed by ``os.sync()`` inside the timed region (DCP also fsyncs each of its files). Before
-each load the parameters and optimizer state are overwritten with garbage, and the first load of each kind is
-checked bit-exactly against the saved state (SHA-256 of every reassembled full tensor). Run::
+The report gives each method's median and, per pair, the paired median (the median over rounds of the
+anchor's time / ours in the same round), with a line per target. Every save is followed by ``os.sync()``
+inside the timed region. Before each load the parameters and optimizer state are overwritten with garbage;
+the warm-up round's loads are checked bit-exactly against the saved local shards, and the first resharded
+load of each method against SHA-256 digests of every reassembled full tensor.
 
-    python benchmarks/bench_fsdp.py                    # ~600 MiB, 4 ranks, reshard to 3
-    python benchmarks/bench_fsdp.py --params-m 5       # quick
+ByteCheckpoint 0.0.2 (``pip install --no-deps bytecheckpoint``) starts a gRPC coordinator on every save that
+listens on all interfaces; :func:`bcp_localhost` binds it to 127.0.0.1 at runtime. A 2-rank probe runs first:
+where ByteCheckpoint cannot be imported or cannot save and load FSDP2 on CPU/gloo, the benchmark says why and
+goes on without it (``--no-bcp`` leaves it out). Run::
+
+    python benchmarks/bench_fsdp.py                                # ~600 MiB, 4 ranks, reshard to 3
+    python benchmarks/bench_fsdp.py --params-m 2 --repeats 1       # quick
 """
 
 from __future__ import annotations
@@ -585,7 +595,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"ByteCheckpoint skipped: {why}", flush=True)
         else:
             print(
-                "ByteCheckpoint: a 2-rank CPU/gloo probe saved and loaded bit-exactly; coordinator on 127.0.0.1"
+                "ByteCheckpoint: a 2-rank CPU/gloo probe saved and loaded bit-exactly; coordinator on 127.0.0.1",
+                flush=True,
             )
         first = spawn(bench_world, args.world, (str(root), layers, args.repeats, methods))[0]
         second = spawn(
