@@ -14,6 +14,7 @@ any encoding; ``files`` counts the files each method left. Run::
 
     python benchmarks/bench_small.py                          # 2,000 x 16 KiB, 3 timed rounds
     python benchmarks/bench_small.py --kib 256 --json out.json
+    python benchmarks/bench_small.py --tensors 100000        # 100,000 tensors of 4 floats: acp and DCP only
 """
 
 from __future__ import annotations
@@ -117,11 +118,19 @@ def make_state(count: int, kib: float, seed: int = 0) -> State:
     return {f"layers.{i // 8}.p{i % 8}": torch.randn(shape, generator=g) for i in range(count)}
 
 
-def run_round(root: Path, rnd: int, state: State, target: State, check: bool) -> dict[str, float]:
+#: the methods of ``--tensors`` (tensors of a few floats): the others' rows would take most of the run
+TINY_METHODS = [m for m in METHODS if m.name in (OURS, "DCP")]
+#: floats per tensor of ``--tensors``
+TINY_FLOATS = 4
+
+
+def run_round(
+    root: Path, rnd: int, state: State, target: State, check: bool, methods: list[Method] = METHODS
+) -> dict[str, float]:
     """Every method once, in an order rotated by ``rnd``; returns ``{"<method>/<what>": seconds}``."""
     out: dict[str, float] = {}
-    k = rnd % len(METHODS)
-    for m in METHODS[k:] + METHODS[:k]:
+    k = rnd % len(methods)
+    for m in methods[k:] + methods[:k]:
         path = str(root / f"{m.name.replace(' ', '_').replace('.', '_')}-{rnd}{m.suffix}")
         with stopwatch() as t:
             m.save(path, state)
@@ -147,10 +156,10 @@ def _files(path: str) -> int:
     return sum(len(files) for _d, _s, files in os.walk(path))
 
 
-def summarise(rounds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+def summarise(rounds: list[dict[str, float]], methods: list[Method] = METHODS) -> dict[str, dict[str, float]]:
     """Per method and measurement: median seconds, and the paired median ratio anchor / ours."""
     summary: dict[str, dict[str, float]] = {}
-    for m in METHODS:
+    for m in methods:
         s: dict[str, float] = {}
         for what in ("save", "load", "save_cpu", "load_cpu"):
             s[what] = median([r[f"{m.name}/{what}"] for r in rounds])
@@ -160,7 +169,13 @@ def summarise(rounds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return summary
 
 
-def report(summary: dict[str, dict[str, float]], count: int, kib: float, repeats: int) -> str:
+def report(
+    summary: dict[str, dict[str, float]],
+    count: int,
+    kib: float,
+    repeats: int,
+    methods: list[Method] = METHODS,
+) -> str:
     headers = [
         "method",
         "save s",
@@ -172,7 +187,7 @@ def report(summary: dict[str, dict[str, float]], count: int, kib: float, repeats
         "files",
     ]
     rows = []
-    for m in METHODS:
+    for m in methods:
         s = summary[m.name]
         rows.append(
             [
@@ -187,6 +202,8 @@ def report(summary: dict[str, dict[str, float]], count: int, kib: float, repeats
             ]
         )
     dcp = summary["DCP"]
+    each = f"{kib:g} KiB" if kib >= 1 else f"{kib * 1024:g} bytes"
+    total = f"{count * kib / 1024:.1f} MiB" if count * kib >= 1024 else f"{count * kib:.1f} KiB"
     lines = [
         f"- save at least as fast as DCP: {fmt_ratio(dcp['save_speedup'])} "
         f"({'met' if dcp['save_speedup'] >= 1 else 'MISSED'})",
@@ -194,7 +211,7 @@ def report(summary: dict[str, dict[str, float]], count: int, kib: float, repeats
         f"({'met' if dcp['load_speedup'] >= 1 else 'MISSED'})",
     ]
     return (
-        f"State: {count} float32 tensors x {kib:g} KiB ({count * kib / 1024:.1f} MiB); median of {repeats} "
+        f"State: {count:,} float32 tensors x {each} ({total}); median of {repeats} "
         "interleaved rounds after a warm-up round; saves timed until os.sync() returns. Speed-up = paired "
         "median of anchor time / arraycheckpoint time per round (> 1: we are faster).\n\n"
         + markdown_table(headers, rows)
@@ -220,6 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--count", type=int, default=2000, help="number of tensors (default 2000)")
     p.add_argument("--kib", type=float, default=16, help="KiB per tensor (default 16)")
+    p.add_argument(
+        "--tensors",
+        type=int,
+        default=None,
+        help=f"instead: this many tensors of {TINY_FLOATS} floats (e.g. 100000), arraycheckpoint and DCP only",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default 3)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir under /tmp)")
     p.add_argument("--json", default=None, help="also write the rounds and the summary to this JSON file")
@@ -231,21 +254,24 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(tempfile.mkdtemp(prefix="acp-bench-small-", dir=base))
     machine = machine_description(root)
     print(machine, flush=True)
+    methods = METHODS
+    if args.tensors is not None:
+        args.count, args.kib, methods = args.tensors, TINY_FLOATS * 4 / 1024, TINY_METHODS
     state = make_state(args.count, args.kib)
     target = {k: torch.full_like(v, -1) for k, v in state.items()}
     rounds: list[dict[str, float]] = []
     try:
         for rnd in range(args.repeats + 1):
-            r = run_round(root, rnd, state, target, check=rnd == 0)
+            r = run_round(root, rnd, state, target, check=rnd == 0, methods=methods)
             label = "warm-up" if rnd == 0 else f"round {rnd}"
             print(f"{label}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
             if rnd > 0:
                 rounds.append(r)
     finally:
         remove(root)
-    summary = summarise(rounds)
+    summary = summarise(rounds, methods)
     print()
-    print(report(summary, args.count, args.kib, args.repeats))
+    print(report(summary, args.count, args.kib, args.repeats, methods))
     rss = peak_rss_mib()
     print(
         f"\npeak RSS of the benchmark process: {rss:.0f} MiB (state {args.count * args.kib / 1024:.0f} MiB)"
