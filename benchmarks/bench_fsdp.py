@@ -33,6 +33,7 @@ goes on without it (``--no-bcp`` leaves it out). Run::
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import os
 import socket
@@ -51,6 +52,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_small import git_revision  # noqa: E402
 from common import (  # noqa: E402
     MiB,
     fmt_ratio,
@@ -553,6 +555,11 @@ def report(
     prow, checks = [], []
     for what, key, ours, anchor, goal in pairs:
         if ours not in methods or anchor not in methods:
+            if goal is not None:
+                missing = METHODS[anchor if anchor not in methods else ours][0]
+                checks.append(
+                    f"- {what}: {METHODS[anchor][0]} / {METHODS[ours][0]}: not measured ({missing} skipped)"
+                )
             continue
         sp = paired(res, key, ours, anchor)
         name = f"{METHODS[anchor][0]} / {METHODS[ours][0]}"
@@ -586,6 +593,8 @@ def main(argv: list[str] | None = None) -> None:
     base.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="acp-bench-fsdp-", dir=base))
     print(machine_description(root), flush=True)
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    print(f"date {stamp}, revision {git_revision()}", flush=True)
     print(f"model: {layers} x Linear({HIDDEN}, {HIDDEN}), Adam; checkpoints under {root}", flush=True)
     methods = ["acp", "dcp", "bcp", "dcp_acpw"]
     try:
