@@ -175,7 +175,9 @@ def report(
     kib: float,
     repeats: int,
     methods: list[Method] = METHODS,
+    goal: float = 1.5,
 ) -> str:
+    """The table and a line per target (``goal``: the speed-up over DCP to reach, save and load alike)."""
     headers = [
         "method",
         "save s",
@@ -205,10 +207,9 @@ def report(
     each = f"{kib:g} KiB" if kib >= 1 else f"{kib * 1024:g} bytes"
     total = f"{count * kib / 1024:.1f} MiB" if count * kib >= 1024 else f"{count * kib:.1f} KiB"
     lines = [
-        f"- save at least as fast as DCP: {fmt_ratio(dcp['save_speedup'])} "
-        f"({'met' if dcp['save_speedup'] >= 1 else 'MISSED'})",
-        f"- load at least as fast as DCP: {fmt_ratio(dcp['load_speedup'])} "
-        f"({'met' if dcp['load_speedup'] >= 1 else 'MISSED'})",
+        f"- {what}: DCP / arraycheckpoint = {fmt_ratio(dcp[f'{what}_speedup'])}, target >= {goal:g}x "
+        f"({'met' if dcp[f'{what}_speedup'] >= goal else 'MISSED'})"
+        for what in ("save", "load")
     ]
     return (
         f"State: {count:,} float32 tensors x {each} ({total}); median of {repeats} "
@@ -271,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
         remove(root)
     summary = summarise(rounds, methods)
     print()
-    print(report(summary, args.count, args.kib, args.repeats, methods))
+    # the issue's targets: 1.5x DCP for 16 KiB and larger tensors, 1x for tensors of a few floats
+    goal = 1.0 if args.tensors is not None else 1.5
+    print(report(summary, args.count, args.kib, args.repeats, methods, goal))
     rss = peak_rss_mib()
     print(
         f"\npeak RSS of the benchmark process: {rss:.0f} MiB (state {args.count * args.kib / 1024:.0f} MiB)"
