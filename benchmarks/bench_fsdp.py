@@ -372,7 +372,8 @@ def bcp_probe(root: Path) -> str | None:
         spawn(_bcp_probe, 2, (str(root / "bcp-probe"),), timeout=300)
     except Exception as e:  # noqa: BLE001 - the failure is reported, the benchmark goes on without it
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        return f"a 2-rank CPU/gloo FSDP2 save + load failed: {lines[-1] if lines else type(e).__name__}"
+        what = lines[-1] if lines else f"{type(e).__name__} (no rank answered within 300 s)"
+        return f"a 2-rank CPU/gloo FSDP2 save + load failed: {what}"
     finally:
         remove(root / "bcp-probe")
     return None

@@ -200,7 +200,7 @@ def report(
                 fmt_seconds(s["load"]),
                 fmt_seconds(s["load_cpu"]),
                 fmt_ratio(s["load_speedup"]),
-                f"{int(s['files']):,}",
+                f"{int(s['files']):,}" if s["files"] == s["files"] else "-",
             ]
         )
     dcp = summary["DCP"]
