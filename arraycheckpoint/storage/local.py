@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
-from ..metadata import COMMIT_MARKER
+from ..metadata import COMMIT_MARKER, CONTROL_LAYOUTS
 from .base import Storage
 
+#: Root entries that only a checkpoint (committed or left by a crashed save) holds: its control files.
+_CONTROL_NAMES = frozenset(files.metadata.split("/")[0] for files in CONTROL_LAYOUTS)
 _LEFTOVER = re.compile(r"^(\.(?P<a>.+)\.acp-(staging|trash)-.+|\.(?P<b>.+)\.acp-lock|(?P<c>.+)\.acp-old-.+)$")
 
 
@@ -262,8 +264,8 @@ def _open_below(root: str, key: str) -> int | None:
 
 
 def _refuse_foreign(final: str, is_committed: Any) -> bool:
-    """Whether ``final`` is an empty directory; raise if it is anything but that, absent, or a committed
-    checkpoint (``is_committed(final)``).
+    """Whether ``final`` is an empty directory; raise if it is anything but that, absent, or a checkpoint
+    (``is_committed(final)``, or an uncommitted one: its control files are there).
 
     Raises:
         CheckpointExistsError: ``final`` is a file, a link, or a directory holding what is not a checkpoint
@@ -279,8 +281,8 @@ def _refuse_foreign(final: str, is_committed: Any) -> bool:
     entries = sorted(os.listdir(final))
     if not entries:
         return True
-    if is_committed(final):
-        return False
+    if is_committed(final) or any(e in _CONTROL_NAMES for e in entries):
+        return False  # a checkpoint: committed, or an uncommitted save's leftover (its control files show it)
     shown = [e + ("/" if os.path.isdir(os.path.join(final, e)) else "") for e in entries[:10]]
     more = f" and {len(entries) - 10} more" if len(entries) > 10 else ""
     raise CheckpointExistsError(
