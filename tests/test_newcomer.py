@@ -160,3 +160,16 @@ def test_commit_refuses_a_directory_that_appeared_during_the_save(tmp_path: Path
         storage.commit(staging, final, overwrite=True)
     assert (Path(final) / "notes.txt").read_text() == "my notes"
     assert not os.path.exists(os.path.join(final, "model"))
+
+
+# -- a packed checkpoint opened by its plain path -------------------------------------------------------------
+def test_plain_path_reader_sees_the_packed_arrays_hint(tmp_path: Path) -> None:
+    import xarray as xr
+    import zarr
+
+    acp.save(tmp_path / "c", _state())  # tiny tensors: packed
+    hint = zarr.open_group(str(tmp_path / "c"), mode="r").attrs["packed_arrays"]
+    assert hint.startswith("2 small arrays") and "arraycheckpoint.zarr.checkpoint_store" in hint
+    assert xr.open_zarr(str(tmp_path / "c"), consolidated=False).attrs["packed_arrays"] == hint
+    acp.save(tmp_path / "d", _state(), plan_options=acp.PlanOptions(pack_array_bytes=0))
+    assert "packed_arrays" not in zarr.open_group(str(tmp_path / "d"), mode="r").attrs
