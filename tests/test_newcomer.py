@@ -173,3 +173,31 @@ def test_plain_path_reader_sees_the_packed_arrays_hint(tmp_path: Path) -> None:
     assert xr.open_zarr(str(tmp_path / "c"), consolidated=False).attrs["packed_arrays"] == hint
     acp.save(tmp_path / "d", _state(), plan_options=acp.PlanOptions(pack_array_bytes=0))
     assert "packed_arrays" not in zarr.open_group(str(tmp_path / "d"), mode="r").attrs
+
+
+# -- a missing optional dependency ----------------------------------------------------------------------------
+def test_cli_without_torch_names_the_extra(tmp_path: Path) -> None:
+    acp.save(tmp_path / "c", _state())
+    hide = tmp_path / "hide" / "torch"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arraycheckpoint.cli",
+            "export",
+            str(tmp_path / "c"),
+            str(tmp_path / "out"),
+            "--format",
+            "torch",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'hide'}{os.pathsep}{REPO}"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'arraycheckpoint[torch]'" in proc.stderr and "internal error" not in proc.stderr
