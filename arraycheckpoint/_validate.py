@@ -174,7 +174,7 @@ def _is_empty_target(value: Any) -> bool:
     return value is None or (isinstance(value, (Mapping, list, tuple)) and not value)
 
 
-def check_namespaces_stored(meta: Any, job: Any, state: Mapping[str, Any]) -> None:
+def check_namespaces_stored(meta: Any, job: Any, state: Mapping[str, Any], job_key_map: Any = None) -> None:
     """Strict loads: refuse a target namespace the checkpoint holds nothing for, naming the stored ones.
 
     Per-entry checks cannot see this: an optimizer loads only the state that is stored (a parameter that
@@ -182,11 +182,13 @@ def check_namespaces_stored(meta: Any, job: Any, state: Mapping[str, Any]) -> No
     another namespace (``"optim"`` loaded as ``"optimizer"``), would load nothing and say nothing.
 
     Raises:
-        StateMismatchError: a non-empty target namespace with no stored entry under it (and none that its
-            names map to through ``key_map``).
+        StateMismatchError: a non-empty target namespace with no stored entry under it (not checked with a
+            ``key_map``, which may rename namespaces).
     """
     from .errors import StateMismatchError
 
+    if job_key_map is not None:
+        return  # names are renamed (a namespace too, possibly): the per-name checks and the key_map's decide
     stored = list(meta.tensors) + list(meta.objects)
     heads = {n.split("/", 1)[0] for n in stored if "~" not in n.split("/", 1)[0]}
     mapped = {

@@ -272,7 +272,7 @@ def load(
             lambda targets: eng.load(storage, root, meta, targets),  # a dataloader's index rows
         )  # stateful
         if strict:
-            check_namespaces_stored(meta, job, state)
+            check_namespaces_stored(meta, job, state, key_map)
         check_key_map_used(key_map, strict, report)
         found = check_expected(meta, job, options)
         needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
