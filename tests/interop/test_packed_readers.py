@@ -170,7 +170,7 @@ def test_plain_zipstore_fsspec_and_tensorstore_read_a_packed_tensor(mixed) -> No
         with zarr.storage.ZipStore(pack, mode="r") as zstore:
             _same(zarr.open_array(zstore, path=name, mode="r")[...], expected[name], f"ZipStore {name}")
         _same(
-            zarr.open_array(f"zip::file://{pack}", path=name, mode="r")[...],
+            zarr.open_array(f"zip::file://{pack}", path=name, mode="r", zarr_format=3)[...],
             expected[name],
             f"fsspec zip:: {name}",
         )
