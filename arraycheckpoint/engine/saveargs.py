@@ -9,7 +9,8 @@ to the coordinator and a broadcast), so a save whose arguments agree pays nothin
   every rank before anything is written, naming the argument and which ranks hold which value. Planned with
   each rank's own options, such a save used to hang (2 ranks) or abort inside gloo (3 ranks);
 * a differing global object (a non-tensor ``extra_state`` value) warns, naming it and the ranks: only rank
-  0's value is stored.
+  0's value is stored. A rank that reports no global object (megatron reports them from rank 0 only) agrees
+  with any.
 """
 
 from __future__ import annotations
@@ -51,10 +52,18 @@ def _as_int(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 2  # negatable int64
 
 
+#: What a rank that reports no global object sends for their digest: above every digest, so it agrees with
+#: anything (megatron reports its global values from rank 0 only)
+_NO_OPINION = 1 << 62
+
+
 def agreement_values(job: SaveJob) -> list[int]:
     """``[a, -a, g, -g]``: digests of the save arguments and of the global objects, for the all-reduce-min."""
     a = _as_int(json.dumps(save_arguments(job), sort_keys=True))
-    g = _as_int(json.dumps(_objects(job), sort_keys=True))
+    objects = _objects(job)
+    if not objects:
+        return [a, -a, _NO_OPINION, _NO_OPINION]
+    g = _as_int(json.dumps(objects, sort_keys=True))
     return [a, -a, g, -g]
 
 
@@ -66,7 +75,7 @@ def check_agreement(job: SaveJob, agreed: list[int]) -> None:
     if amin != -amax_neg:
         job.error = _differences(job, save_arguments(job), "save arguments")
         job.mode = "skip"
-    if gmin != -gmax_neg:
+    if gmin != _NO_OPINION and gmin != -gmax_neg:
         message = _differences(job, _objects(job), "objects")
         if job.comm.rank == 0:
             warnings.warn(message, UserWarning, stacklevel=2)
@@ -85,7 +94,8 @@ def _differences(job: SaveJob, mine: dict[str, str], what: str) -> str:
         for name in sorted(set().union(*gathered)):
             by_value: dict[str, list[int]] = {}
             for rank, values in enumerate(gathered):
-                by_value.setdefault(values.get(name, "(absent)"), []).append(rank)
+                if name in values or what == "save arguments":  # a rank without global objects agrees
+                    by_value.setdefault(values.get(name, "(absent)"), []).append(rank)
             if len(by_value) > 1:
                 groups = sorted(by_value.items(), key=lambda kv: kv[1][0])
                 lines.append(f"{name}: " + "; ".join(f"{v} on {_ranks(r)}" for v, r in groups))
