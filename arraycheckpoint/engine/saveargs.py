@@ -39,10 +39,12 @@ def save_arguments(job: SaveJob) -> dict[str, str]:
 
 
 def _objects(job: SaveJob) -> dict[str, str]:
-    """Digest (hex) of each global object's value: what rank 0 stores for every rank."""
+    """Digest (hex) of each global object's value: what rank 0 stores for every rank. Only the user's values
+    (``extra_state`` and the like): an adapter's own entries (``~param_groups``, megatron's ``~common``,
+    reported by rank 0 only) are left out."""
     out = {}
     for o in job.request.objects:
-        if o.scope == "global":
+        if o.scope == "global" and "~" not in o.name:
             text = json.dumps(o.value, sort_keys=True, default=repr, separators=(",", ":"))
             out[o.name] = hashlib.sha1(text.encode()).hexdigest()[:16]
     return out
