@@ -94,6 +94,20 @@ def check_timeout(timeout: Any) -> float | None:
     return float(timeout)
 
 
+def check_transforms(transforms: Any, jax_targets: bool) -> None:
+    """``transforms=`` applies to jax targets only: refuse it for torch ones instead of ignoring it.
+
+    Raises:
+        InvalidArgumentError: non-empty ``transforms`` with a torch (or megatron) target.
+    """
+    if transforms and not jax_targets:
+        raise InvalidArgumentError(
+            f"transforms= applies to jax targets only and would be ignored here ({', '.join(sorted(transforms))}): "
+            "for torch targets, load into a tensor of the stored layout and convert it yourself (e.g. "
+            "model.weight.copy_(loaded.T)), or rename with key_map="
+        )
+
+
 def key_map_function(
     key_map: Callable[[str], str | None] | Mapping[str, str | None] | None, state: Mapping[str, Any]
 ) -> Callable[[str], str | None] | None:
@@ -112,8 +126,86 @@ def key_map_function(
             f"these are not: {', '.join(map(repr, bare[:20]))}. Write them in full, "
             f"e.g. {f'{ns}/{bare[0]}'!r} -> {f'{ns}/<stored fqn>'!r}"
         )
-    mapping = dict(key_map)
-    return lambda name: mapping.get(name, name)
+    return MappingKeyMap(dict(key_map))
+
+
+class MappingKeyMap:
+    """A ``key_map`` mapping as the function adapters call; remembers which of its keys were asked for, so
+    an entry that matches no target name (a typo, a name of another model) is reported, not ignored."""
+
+    def __init__(self, mapping: dict[str, str | None]) -> None:
+        self.mapping = mapping
+        self.asked: set[str] = set()
+
+    def __call__(self, name: str) -> str | None:
+        self.asked.add(name)
+        return self.mapping.get(name, name)
+
+    def unmatched(self) -> list[str]:
+        """The mapping's keys no target name matched (sorted)."""
+        return sorted(k for k in self.mapping if k not in self.asked)
+
+
+def check_key_map_used(
+    key_map: Callable[[str], str | None] | None, strict: bool, report: dict[str, Any] | None
+) -> None:
+    """A ``key_map`` entry no target matched: an error under ``strict``, ``report["unmatched_key_map"]`` else.
+
+    Raises:
+        StateMismatchError: ``strict`` and some entries of a ``key_map`` mapping matched no target name.
+    """
+    if not isinstance(key_map, MappingKeyMap):
+        return
+    unmatched = key_map.unmatched()
+    if report is not None:
+        report["unmatched_key_map"] = unmatched
+    if unmatched and strict:
+        from .errors import StateMismatchError
+
+        names = sorted(key_map.asked)
+        raise StateMismatchError(
+            f"key_map entries that match no target name ({len(unmatched)}): {', '.join(unmatched[:20])}; "
+            f"target names look like {', '.join(names[:5]) or '(none)'} (pass strict=False to load anyway)"
+        )
+
+
+def _is_empty_target(value: Any) -> bool:
+    """A target that expects nothing: None or an empty container."""
+    return value is None or (isinstance(value, (Mapping, list, tuple)) and not value)
+
+
+def check_namespaces_stored(meta: Any, job: Any, state: Mapping[str, Any], job_key_map: Any = None) -> None:
+    """Strict loads: refuse a target namespace the checkpoint holds nothing for, naming the stored ones.
+
+    Per-entry checks cannot see this: an optimizer loads only the state that is stored (a parameter that
+    never stepped has none), so an optimizer target over a model-only checkpoint, or over one saved under
+    another namespace (``"optim"`` loaded as ``"optimizer"``), would load nothing and say nothing.
+
+    Raises:
+        StateMismatchError: a non-empty target namespace with no stored entry under it (not checked with a
+            ``key_map``, which may rename namespaces).
+    """
+    from .errors import StateMismatchError
+
+    if job_key_map is not None:
+        return  # names are renamed (a namespace too, possibly): the per-name checks and the key_map's decide
+    stored = list(meta.tensors) + list(meta.objects)
+    heads = {n.split("/", 1)[0] for n in stored if "~" not in n.split("/", 1)[0]}
+    mapped = {
+        n.split("/", 1)[0] for n, e in job.expected.items() if e.problem is None and (e.stored or n) in stored
+    }
+    empty = sorted(
+        ns
+        for ns, value in state.items()
+        if not _is_empty_target(value) and ns not in heads and ns not in mapped
+    )
+    if empty:
+        raise StateMismatchError(
+            f"the checkpoint holds nothing for namespace(s) {', '.join(map(repr, empty))} of the load target: "
+            f"it stores {', '.join(map(repr, sorted(heads))) or 'nothing'}. Name the target's namespaces as "
+            "they were saved (e.g. {'optim': optimizer} for a checkpoint saved under 'optim'), leave out what "
+            "was not saved, or pass strict=False to load the rest"
+        )
 
 
 def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNotFoundError:

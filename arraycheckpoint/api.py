@@ -12,7 +12,16 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._validate import check_kwargs, check_state, check_timeout, explain_not_found, key_map_function
+from ._validate import (
+    check_key_map_used,
+    check_kwargs,
+    check_namespaces_stored,
+    check_state,
+    check_timeout,
+    check_transforms,
+    explain_not_found,
+    key_map_function,
+)
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
 from .collectives import Communicator, default_communicator
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
@@ -243,6 +252,7 @@ def load(
         special, state = stateful.split(state, meta)
         # --
         framework = framework or detect_framework(state)
+        check_transforms(transforms, _FRAMEWORKS.get(framework) == "jax")
         options = AdapterOptions(
             allow_pickle=allow_pickle,
             strict=strict,
@@ -261,6 +271,9 @@ def load(
             options,
             lambda targets: eng.load(storage, root, meta, targets),  # a dataloader's index rows
         )  # stateful
+        if strict:
+            check_namespaces_stored(meta, job, state, key_map)
+        check_key_map_used(key_map, strict, report)
         found = check_expected(meta, job, options)
         needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
         communicator = _communicator(comm, framework) if needs_comm else None

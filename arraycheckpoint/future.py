@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+_pending: set[CheckpointFuture] = set()
+_pending_lock = threading.Lock()
+_hook_registered = False
 
 
 class CheckpointFuture:
@@ -19,6 +25,7 @@ class CheckpointFuture:
         self.path = path
         self.staged: Future[None] = Future()
         self._committed: Future[Any] = Future()
+        _track(self)
 
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the commit; returns the committed metadata. Raises the save's error."""
@@ -47,7 +54,54 @@ class CheckpointFuture:
             self._committed.set_result(value)
         else:
             self._committed.set_exception(error)
+        with _pending_lock:
+            _pending.discard(self)
 
     def __repr__(self) -> str:
         state = "committed" if self.done() else ("staged" if self.staged.done() else "snapshotting")
         return f"CheckpointFuture({self.path!r}, {state})"
+
+
+def _track(future: CheckpointFuture) -> None:
+    """Remember ``future`` until it completes, so that interpreter exit finishes it (:func:`finish_pending`)."""
+    global _hook_registered
+    with _pending_lock:
+        _pending.add(future)
+        if _hook_registered:
+            return
+        _hook_registered = True
+    # threading's exit hooks run before its threads are joined and in reverse order of registration: this
+    # one, registered after concurrent.futures' own, runs while executors still accept work (a save's
+    # background writes submit to them; after concurrent.futures' hook they fail "cannot schedule new
+    # futures after interpreter shutdown" and the save is lost without a word)
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(finish_pending)
+    except RuntimeError:
+        import atexit
+
+        atexit.register(finish_pending)
+
+
+def finish_pending() -> None:
+    """Wait for every save still in flight (called at interpreter exit): a script whose last call is
+    ``save_async`` (or ``CheckpointManager.save``) gets its checkpoint; a save that fails is reported on
+    stderr, naming its path."""
+    while True:
+        with _pending_lock:
+            futures = sorted(_pending, key=lambda f: f.path)
+        if not futures:
+            return
+        for fut in futures:
+            error = fut.exception()
+            with _pending_lock:
+                _pending.discard(fut)
+            if error is not None:
+                print(
+                    f"arraycheckpoint: the save to {fut.path} still in flight at exit FAILED and was not "
+                    f"committed: {type(error).__name__}: {error}",
+                    file=sys.stderr,
+                    flush=True,
+                )

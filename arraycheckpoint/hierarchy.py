@@ -1,7 +1,8 @@
 """The zarr documents a checkpoint's coordinator writes beside the arrays (pure: builds bytes, no I/O).
 
 At commit, the coordinator stores the metadata and makes the checkpoint a valid zarr v3 hierarchy: a group
-``zarr.json`` in the root (attributes: format version, framework, step, topology) and in every directory
+``zarr.json`` in the root (attributes: format version, framework, step, topology, and ``packed_arrays``, a hint
+for plain-path readers, when arrays are packed) and in every directory
 between the root and an entry, and the control node ``.acp/zarr.json``. The control node is an empty
 zarr v3 *array* (shape ``[0]``, ``uint8``): readers that list a group (zarr-python's ``members()``/``tree()``,
 xarray's ``open_datatree``) see one harmless empty array and never list inside it, so the control files
@@ -52,6 +53,16 @@ def control_node() -> dict[str, Any]:
     }
 
 
+def packed_hint(count: int) -> str:
+    """The root attribute telling a plain-path reader (xarray shows root attributes) where packed arrays are."""
+    return (
+        f"{count} small arrays of this checkpoint are stored in pack files ({CONTROL_DIR}/packs/, ZIP archives of "
+        "their zarr chunk files): opened by its plain path, their groups look empty. Read the whole checkpoint "
+        "through arraycheckpoint.zarr.checkpoint_store(path): zarr.open_group(checkpoint_store(path), mode='r') "
+        "or xarray.open_zarr(checkpoint_store(path), group='model')"
+    )
+
+
 def _base(key: str) -> str:
     return key[len(CONTROL_DIR) + 1 :]
 
@@ -71,6 +82,9 @@ def hierarchy_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
         "topology": dict(meta.topology),
         "roles": list(meta.roles),
     }
+    packed = sum(1 for t in meta.tensors.values() if t.pack is not None)
+    if packed:
+        attrs["packed_arrays"] = packed_hint(packed)
     docs = {CONTROL.metadata: meta.to_json().encode()}
     assert CONTROL.node is not None
     docs[CONTROL.node] = json.dumps(control_node()).encode()

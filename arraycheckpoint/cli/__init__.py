@@ -4,7 +4,8 @@ Exit codes scripts can rely on:
 
 * ``0``: success (for ``verify``: the checkpoint is intact; for ``diff``: no difference);
 * ``1``: a check failed (``verify`` found a problem, ``diff`` found a difference);
-* ``2``: usage or input error (bad arguments, no checkpoint at the path, unreadable source, bad map file);
+* ``2``: usage or input error (bad arguments, no checkpoint at the path, unreadable source, bad map file, an
+  optional dependency the command needs is not installed: the message names the extra to install);
 * ``3``: an unexpected internal error (a bug: the traceback is printed).
 
 The work itself lives in :mod:`arraycheckpoint.tools`; this module parses arguments and prints.
@@ -429,6 +430,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: top-level module -> the extra of this package that installs it
+_EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "megatron": "megatron", "matplotlib": "plot"}
+
+
+def missing_dependency(error: ModuleNotFoundError) -> str:
+    """The message for a missing optional dependency: what is missing and the command that installs it."""
+    module = (error.name or str(error)).split(".")[0]
+    extra = _EXTRAS.get(module)
+    fix = f"pip install 'arraycheckpoint[{extra}]'" if extra else f"pip install {module}"
+    return f"this needs {module!r}, which is not installed: {fix}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit code (see the module docstring)."""
     from ..errors import ArrayCheckpointError
@@ -446,6 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         PermissionError,
     ) as e:
         print(f"arraycheckpoint {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModuleNotFoundError as e:  # an optional dependency this command needs: say which extra installs it
+        print(f"arraycheckpoint {args.command}: error: {missing_dependency(e)}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `arraycheckpoint inspect ... | head`: the reader left; not an error
         import os

@@ -51,6 +51,7 @@ from ..metadata import (
 )
 from ..regions import Box
 from ..rules import Mesh, digest, encode_ranks, rule_boxes
+from . import saveargs
 from .common import describe, local_ranks_per_host, plan_options, write_sidecar
 from .job import CachedPlan, SaveJob, SaveOptions
 
@@ -80,7 +81,9 @@ class Coordinator:
         a cache key does not cover the templates) and ``h`` this rank's ranks-per-host
         (:func:`local_ranks_per_host`, 0 when unknown): the plan uses it as the host map only when every rank
         reports the same value, else no host map on every rank (logged; chunks are written by ranks holding
-        them, so the host map changes no decision of the plan today). Every rank reaches the same decision,
+        them, so the host map changes no decision of the plan today); four more values carry digests of the
+        save arguments and of the global objects (:mod:`.saveargs`: differing arguments skip the save on every
+        rank, naming them; differing global values warn). Every rank reaches the same decision,
         so the collectives that follow are the same on every rank: a structure change on one rank replans
         everywhere, never hangs.
         """
@@ -90,8 +93,10 @@ class Coordinator:
         s = _as_int(job.stack_digest)
         t = _as_int(job.template_digest)
         h = local_ranks_per_host(job.comm.rank, job.comm.world_size)
-        agreed = job.comm.all_reduce_min([int(job.decl is not None), d, -d, c, -c, s, -s, t, -t, h, -h])
-        ok, dmin, dmax_neg, cmin, cmax_neg, smin, smax_neg, tmin, tmax_neg, hmin, hmax_neg = agreed
+        agreed = job.comm.all_reduce_min(
+            [int(job.decl is not None), d, -d, c, -c, s, -s, t, -t, h, -h, *saveargs.agreement_values(job)]
+        )
+        ok, dmin, dmax_neg, cmin, cmax_neg, smin, smax_neg, tmin, tmax_neg, hmin, hmax_neg = agreed[:11]
         job.ranks_per_host = hmin if hmin == -hmax_neg else 0
         if hmin != -hmax_neg and job.comm.rank == 0:
             log.warning(
@@ -112,6 +117,7 @@ class Coordinator:
             job.mode = "local"
         else:
             job.mode = "gather"
+        saveargs.check_agreement(job, agreed[11:])  # differing save arguments: "skip", named on every rank
 
     def plan(self, job: SaveJob) -> CachedPlan | None:
         """This rank's part of the plan (None when the save is skipped); see :meth:`agree` for the path."""
@@ -159,7 +165,9 @@ class Coordinator:
                     "others between saves"
                 ]
             if errors:
-                outcome["error"] = "; ".join(str(e) for e in errors)
+                outcome["error"] = "; ".join(
+                    dict.fromkeys(str(e) for e in errors)
+                )  # one line per distinct error
             else:
                 try:
                     with job.recorder.phase("commit"):

@@ -27,10 +27,12 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..filecheck import open_below
-from ..metadata import COMMIT_MARKER
+from ..metadata import COMMIT_MARKER, CONTROL_LAYOUTS
 from .base import Storage
 
 _open_below = open_below  # the shared check of every reader (arraycheckpoint.filecheck)
+#: Root entries that only a checkpoint (committed or left by a crashed save) holds: its control files.
+_CONTROL_NAMES = frozenset(files.metadata.split("/")[0] for files in CONTROL_LAYOUTS)
 
 _LEFTOVER = re.compile(r"^(\.(?P<a>.+)\.acp-(staging|trash)-.+|\.(?P<b>.+)\.acp-lock|(?P<c>.+)\.acp-old-.+)$")
 
@@ -43,7 +45,8 @@ class LocalStorage(Storage):
     def normalize(self, url: str) -> str:
         if url.startswith("file://"):
             url = url[len("file://") :]
-        return str(Path(url).expanduser().absolute())
+        # abspath, not Path.absolute(): ``..`` is resolved here (tensorstore's file driver refuses it)
+        return os.path.abspath(os.path.expanduser(url))
 
     def kvstore_spec(self, root: str) -> dict[str, Any]:
         return {"driver": "file", "path": root.rstrip("/") + "/"}
@@ -100,6 +103,15 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def check_target(self, final: str, overwrite: bool) -> None:
+        """Refuse a target that is not a directory, or that holds anything but a committed checkpoint.
+
+        Only a committed checkpoint is ever replaced (and only with ``overwrite``): a directory of the user's
+        (``notes.txt``, ``tb_logs/``) is refused, naming what is in it, and kept as it is.
+        """
+        super().check_target(final, overwrite)
+        _refuse_foreign(final, self.is_committed)
+
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         self.write(staging, COMMIT_MARKER, b"committed\n")
         marker = os.path.join(staging, COMMIT_MARKER)
@@ -109,8 +121,11 @@ class LocalStorage(Storage):
         if os.path.lexists(final):
             if not overwrite and self.is_committed(final):
                 raise CheckpointExistsError(f"{final} was committed by someone else during this save")
-            old = final + f".acp-old-{os.path.basename(staging)}"
-            os.rename(final, old)
+            if _refuse_foreign(final, self.is_committed):  # appeared during this save: refused, kept
+                os.rmdir(final)  # empty: nothing of anyone's is lost
+            else:
+                old = final + f".acp-old-{os.path.basename(staging)}"
+                os.rename(final, old)
         try:
             os.rename(staging, final)
         except OSError as e:
@@ -219,6 +234,35 @@ class LocalStorage(Storage):
                         continue
                 removed.append(path)
         return removed
+
+
+def _refuse_foreign(final: str, is_committed: Any) -> bool:
+    """Whether ``final`` is an empty directory; raise if it is anything but that, absent, or a checkpoint
+    (``is_committed(final)``, or an uncommitted one: its control files are there).
+
+    Raises:
+        CheckpointExistsError: ``final`` is a file, a link, or a directory holding what is not a checkpoint
+            (the message lists the first entries).
+    """
+    if not os.path.lexists(final):
+        return False
+    if os.path.islink(final) or not os.path.isdir(final):
+        raise CheckpointExistsError(
+            f"cannot save to {final}: it exists and is not a directory (a file or a link); a save replaces only "
+            "a committed checkpoint: choose another path or remove it"
+        )
+    entries = sorted(os.listdir(final))
+    if not entries:
+        return True
+    if is_committed(final) or any(e in _CONTROL_NAMES for e in entries):
+        return False  # a checkpoint: committed, or an uncommitted save's leftover (its control files show it)
+    shown = [e + ("/" if os.path.isdir(os.path.join(final, e)) else "") for e in entries[:10]]
+    more = f" and {len(entries) - 10} more" if len(entries) > 10 else ""
+    raise CheckpointExistsError(
+        f"cannot save to {final}: the directory exists and is not a checkpoint (it holds {', '.join(shown)}{more}); "
+        "a save replaces only a committed checkpoint (with overwrite=True) and never deletes other files: "
+        "choose a new path (e.g. a subdirectory) or move those files away"
+    )
 
 
 def _check_parents(directory: Path) -> None:

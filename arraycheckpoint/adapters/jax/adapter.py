@@ -42,7 +42,7 @@ from .arrays import (
     flatten,
     is_array_target,
     is_jax_array,
-    leaf_name,
+    leaf_names,
     local_boxes,
     save_tensor,
     target_sharding,
@@ -91,8 +91,7 @@ class JaxAdapter(Adapter):
                 objects.append(SaveObject(ns, doc))
                 tensors.extend(save_tensor(n, np.asarray(a)) for n, a in arrays.items())
                 continue
-            for path, leaf in flat:
-                name = leaf_name(ns, path)
+            for (_path, leaf), (name, _legacy) in zip(flat, leaf_names(ns, value, flat)):
                 if isinstance(leaf, jax.ShapeDtypeStruct):
                     raise ArrayCheckpointError(
                         f"{name}: a jax.ShapeDtypeStruct has no values to save; pass the concrete jax.Array"
@@ -123,9 +122,17 @@ class JaxAdapter(Adapter):
                 continue
             leaves = [leaf for _, leaf in flat]
             setters: list[tuple[int, Callable[[], Any]]] = []
-            for i, (path, leaf) in enumerate(flat):
-                name = leaf_name(ns, path)
+            for i, ((_path, leaf), (name, legacy)) in enumerate(zip(flat, leaf_names(ns, value, flat))):
                 stored = options.key_map(name) if options.key_map else name
+                if (
+                    legacy is not None
+                    and stored == name
+                    and name not in meta.tensors
+                    and legacy in meta.tensors
+                ):
+                    stored = (
+                        legacy  # an nnx variable saved before it was named by its path (``<path>.value``)
+                    )
                 if stored is None:
                     continue
                 if is_array_target(leaf):

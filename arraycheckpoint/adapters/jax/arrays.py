@@ -6,6 +6,7 @@ Pure translation between JAX objects and :mod:`arraycheckpoint.items`; no I/O, n
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,36 @@ def key_name(key: Any) -> str:
 def leaf_name(ns: str, path: Sequence[Any]) -> str:
     """``model`` + ``(DictKey('layers'), SequenceKey(0), DictKey('w'))`` -> ``model/layers.0.w`` (torch FQN style)."""
     return f"{ns}/{'.'.join(key_name(k) for k in path)}" if path else ns
+
+
+def leaf_names(
+    ns: str, tree: Any, flat: Sequence[tuple[tuple[Any, ...], Any]]
+) -> list[tuple[str, str | None]]:
+    """Each leaf's ``(name, legacy name or None)``.
+
+    A flax ``nnx.Variable`` (the leaves of an ``nnx.State``: ``Param``, ``BatchStat``, ...) flattens to its
+    ``.value``: its array is named by the variable's path (``model/dense.kernel``, the name torch and a plain
+    pytree give it), not ``model/dense.kernel.value``; that older name is returned as the legacy name, for
+    checkpoints saved before.
+    """
+    variables = _nnx_variable_paths(tree)
+    out: list[tuple[str, str | None]] = []
+    for path, _leaf in flat:
+        if variables and len(path) > 1 and tuple(path[:-1]) in variables:
+            out.append((leaf_name(ns, path[:-1]), leaf_name(ns, path)))
+        else:
+            out.append((leaf_name(ns, path), None))
+    return out
+
+
+def _nnx_variable_paths(tree: Any) -> set[tuple[Any, ...]]:
+    """Paths of the flax ``nnx.Variable`` nodes in ``tree`` (empty when flax.nnx was never imported)."""
+    nnx = sys.modules.get("flax.nnx")
+    variable = getattr(nnx, "Variable", None) if nnx is not None else None
+    if variable is None:
+        return set()
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, variable))
+    return {tuple(path) for path, leaf in flat if isinstance(leaf, variable)}
 
 
 def flatten(tree: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:

@@ -1,0 +1,203 @@
+"""A newcomer's path: relative and ``..`` paths, saves pending at exit, nothing of the user's ever deleted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import arraycheckpoint as acp
+from arraycheckpoint.errors import CheckpointExistsError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}}
+
+
+def _zeros() -> dict:
+    return {"model": {"w": torch.zeros(8, 4), "b": torch.zeros(4)}}
+
+
+def _assert_loaded(path: str, seed: int = 0) -> None:
+    got = acp.load(path, _zeros())
+    for k, v in _state(seed)["model"].items():
+        assert torch.equal(got["model"][k], v), k
+
+
+def _run(script: str, cwd: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
+
+
+# -- relative and `..` paths -------------------------------------------------------------------------------
+def test_dotdot_paths_save_load_and_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    acp.save("../ckpts/ok", _state())
+    assert (tmp_path / "ckpts" / "ok").is_dir()
+    _assert_loaded("../ckpts/ok")
+    _assert_loaded("./../work/../ckpts/ok")
+    proc = subprocess.run(
+        [sys.executable, "-m", "arraycheckpoint.cli", "verify", "../ckpts/ok"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=work,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "BAD" not in proc.stdout
+
+
+# -- a save pending at interpreter exit -----------------------------------------------------------------------
+_SAVE_AT_EXIT = """
+    import sys, torch, arraycheckpoint as acp
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}}
+    if sys.argv[1] == "manager":
+        from arraycheckpoint.manager import CheckpointManager
+        mgr = CheckpointManager(sys.argv[2])
+        mgr.save(5, state)
+    else:
+        if sys.argv[1] == "fail":  # fault injection: the commit's storage operation fails
+            from arraycheckpoint.storage.local import LocalStorage
+            def broken(self, staging, final, overwrite):
+                raise OSError(28, "No space left on device")
+            LocalStorage.commit = broken
+        fut = acp.save_async(sys.argv[2], state)
+"""
+
+
+def test_save_async_pending_at_exit_is_committed(tmp_path: Path) -> None:
+    proc = _run(_SAVE_AT_EXIT, str(tmp_path), "async", "rel/ckpt")
+    assert proc.returncode == 0, proc.stderr
+    _assert_loaded(str(tmp_path / "rel" / "ckpt"))
+
+
+def test_manager_save_as_last_call_is_committed(tmp_path: Path) -> None:
+    proc = _run(_SAVE_AT_EXIT, str(tmp_path), "manager", "runs")
+    assert proc.returncode == 0, proc.stderr
+    from arraycheckpoint.manager import CheckpointManager
+
+    mgr = CheckpointManager(str(tmp_path / "runs"))
+    assert mgr.all_steps() == [5]
+    _assert_loaded(mgr.step_path(5))
+
+
+def test_save_failing_at_exit_says_so(tmp_path: Path) -> None:
+    proc = _run(_SAVE_AT_EXIT, str(tmp_path), "fail", "doomed")
+    assert "FAILED" in proc.stderr and str(tmp_path / "doomed") in proc.stderr, proc.stderr
+    assert "No space left on device" in proc.stderr
+    assert not (tmp_path / "doomed").exists()
+
+
+# -- nothing a user had is ever deleted ---------------------------------------------------------------------
+def _user_dir(path: Path) -> None:
+    (path / "tb_logs").mkdir(parents=True)
+    (path / "tb_logs" / "events.out").write_bytes(b"tb")
+    (path / "notes.txt").write_text("my notes")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_save_into_a_users_directory_refuses_and_keeps_it(tmp_path: Path, overwrite: bool) -> None:
+    target = tmp_path / "run"
+    _user_dir(target)
+    with pytest.raises((CheckpointExistsError, acp.SaveFailedError)) as info:
+        acp.save(target, _state(), overwrite=overwrite)
+    msg = str(info.value)
+    assert "not a checkpoint" in msg and "notes.txt" in msg and "tb_logs/" in msg, msg
+    assert (target / "notes.txt").read_text() == "my notes"
+    assert (target / "tb_logs" / "events.out").read_bytes() == b"tb"
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no lock, no staging left
+
+
+def test_save_into_a_file_refuses(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    target.write_text("data")
+    with pytest.raises((CheckpointExistsError, acp.SaveFailedError), match="not a directory"):
+        acp.save(target, _state())
+    assert target.read_text() == "data"
+
+
+def test_empty_directory_is_used_and_committed_replaced_only_with_overwrite(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    acp.save(target, _state(0))  # an empty directory (made by the user) is fine
+    _assert_loaded(str(target), 0)
+    with pytest.raises((CheckpointExistsError, acp.SaveFailedError), match="already exists"):
+        acp.save(target, _state(1))
+    _assert_loaded(str(target), 0)
+    acp.save(target, _state(1), overwrite=True)
+    _assert_loaded(str(target), 1)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_commit_refuses_a_directory_that_appeared_during_the_save(tmp_path: Path) -> None:
+    from arraycheckpoint.storage.local import LocalStorage
+
+    storage = LocalStorage()
+    final = str(tmp_path / "ckpt")
+    staging = storage.staging_root(final, "t")
+    storage.write(staging, "model/zarr.json", b"{}")
+    _user_dir(Path(final))
+    with pytest.raises(CheckpointExistsError, match="notes.txt"):
+        storage.commit(staging, final, overwrite=True)
+    assert (Path(final) / "notes.txt").read_text() == "my notes"
+    assert not os.path.exists(os.path.join(final, "model"))
+
+
+# -- a packed checkpoint opened by its plain path -------------------------------------------------------------
+def test_plain_path_reader_sees_the_packed_arrays_hint(tmp_path: Path) -> None:
+    import xarray as xr
+    import zarr
+
+    acp.save(tmp_path / "c", _state())  # tiny tensors: packed
+    hint = zarr.open_group(str(tmp_path / "c"), mode="r").attrs["packed_arrays"]
+    assert hint.startswith("2 small arrays") and "arraycheckpoint.zarr.checkpoint_store" in hint
+    assert xr.open_zarr(str(tmp_path / "c"), consolidated=False).attrs["packed_arrays"] == hint
+    acp.save(tmp_path / "d", _state(), plan_options=acp.PlanOptions(pack_array_bytes=0))
+    assert "packed_arrays" not in zarr.open_group(str(tmp_path / "d"), mode="r").attrs
+
+
+# -- a missing optional dependency ----------------------------------------------------------------------------
+def test_cli_without_torch_names_the_extra(tmp_path: Path) -> None:
+    acp.save(tmp_path / "c", _state())
+    hide = tmp_path / "hide" / "torch"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arraycheckpoint.cli",
+            "export",
+            str(tmp_path / "c"),
+            str(tmp_path / "out"),
+            "--format",
+            "torch",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'hide'}{os.pathsep}{REPO}"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'arraycheckpoint[torch]'" in proc.stderr and "internal error" not in proc.stderr
