@@ -98,6 +98,7 @@ def _ckpt_step_100() -> dict[str, Any]:
 
 SETUPS: dict[str, Callable[[], dict[str, Any]]] = {
     "use": dict,
+    "accelerate": dict,  # self-contained: accelerate's prepared model and optimizer, saved and loaded
     "key_map": _key_map,
     "manager": _model_opt,
     "timeout": _model_opt,
