@@ -1,4 +1,5 @@
-"""Every Python snippet of README.md runs as written (extracted from the README, so the two cannot drift).
+"""Every Python snippet of README.md runs as written (extracted from the README, so the two cannot drift); so
+does every annotated snippet of docs/*.md (a docs snippet without an annotation is not run).
 
 A snippet is annotated by the line before its fence: ``<!-- snippet: NAME -->`` runs it after the setup
 ``NAME`` below (which defines what the surrounding text says the reader has: a model, a checkpoint path),
@@ -27,11 +28,16 @@ _SNIPPET = re.compile(
 _FENCE = re.compile(r"^[ \t]*```python$", re.M)
 
 
+def _annotated(path: Path) -> list[tuple[str, str]]:
+    """``(tag, code)`` of every annotated snippet of ``path``, in file order (code dedented)."""
+    text = path.read_text()
+    return [(m.group("tag"), textwrap.dedent(m.group("code"))) for m in _SNIPPET.finditer(text)]
+
+
 def snippets() -> list[tuple[str, str]]:
-    """``(tag, code)`` of every annotated snippet, in README order (code dedented)."""
-    text = (REPO / "README.md").read_text()
-    found = [(m.group("tag"), textwrap.dedent(m.group("code"))) for m in _SNIPPET.finditer(text)]
-    assert len(found) == len(_FENCE.findall(text)), (
+    """``(tag, code)`` of every snippet of README.md (each must be annotated), in README order."""
+    found = _annotated(REPO / "README.md")
+    assert len(found) == len(_FENCE.findall((REPO / "README.md").read_text())), (
         "a ```python snippet of README.md has no '<!-- snippet: NAME -->' or '<!-- snippet: skip: REASON -->' "
         "line before it"
     )
@@ -90,9 +96,9 @@ def _ckpt_step_100() -> dict[str, Any]:
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
-    model.layers[0].w = torch.nn.Parameter(torch.randn(64, 64))  # 16 KiB: in its own directory
-    model.layers[0].norm = torch.nn.LayerNorm(64)  # 256 bytes: packed
-    acp.save("ckpt/step_100", {"model": model}, plan_options=acp.PlanOptions(pack_array_bytes=1024))
+    model.layers[0].w = torch.nn.Parameter(torch.randn(64, 64))  # 16 KiB: its own file (above the 8 KiB target)
+    model.layers[0].norm = torch.nn.LayerNorm(64)  # 256 bytes: packed (format 6: below the target file size)
+    acp.save("ckpt/step_100", {"model": model}, plan_options=acp.PlanOptions(min_chunk_bytes=8 << 10))
     return {"acp": acp, "arraycheckpoint": sys.modules["arraycheckpoint"]}
 
 
@@ -118,10 +124,13 @@ flax_target = {"dense": {"kernel": jax.ShapeDtypeStruct((4, 8), jax.numpy.bfloat
 
 
 def _cases() -> list[Any]:
+    sources = [("README", snippets())]
+    sources += [(f"docs-{p.stem}", _annotated(p)) for p in sorted((REPO / "docs").glob("*.md"))]
     out = []
-    for i, (tag, code) in enumerate(snippets()):
-        marks = [pytest.mark.skip(reason=tag[len("skip:") :].strip())] if tag.startswith("skip:") else []
-        out.append(pytest.param(tag, code, id=f"{i}-{tag.split(':')[0]}", marks=marks))
+    for where, found in sources:
+        for i, (tag, code) in enumerate(found):
+            marks = [pytest.mark.skip(reason=tag[len("skip:") :].strip())] if tag.startswith("skip:") else []
+            out.append(pytest.param(tag, code, id=f"{where}-{i}-{tag.split(':')[0]}", marks=marks))
     return out
 
 
@@ -140,9 +149,9 @@ def test_readme_snippet(tag: str, code: str, tmp_path: Path, monkeypatch: pytest
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
         return
-    assert tag in SETUPS, f"README snippet tagged {tag!r}: no such setup in {__file__}"
+    assert tag in SETUPS, f"snippet tagged {tag!r}: no such setup in {__file__}"
     namespace = SETUPS[tag]()
     check = namespace.pop("_check", None)
-    exec(compile(code, f"README.md snippet {tag}", "exec"), namespace)  # noqa: S102 - the README's own code
+    exec(compile(code, f"snippet {tag}", "exec"), namespace)  # noqa: S102 - the README's own code
     if check is not None:
         assert check(namespace)
