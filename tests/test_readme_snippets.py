@@ -96,7 +96,9 @@ def _ckpt_step_100() -> dict[str, Any]:
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
-    model.layers[0].w = torch.nn.Parameter(torch.randn(64, 64))  # 16 KiB: its own file (above the 8 KiB target)
+    model.layers[0].w = torch.nn.Parameter(
+        torch.randn(64, 64)
+    )  # 16 KiB: its own file (above the 8 KiB target)
     model.layers[0].norm = torch.nn.LayerNorm(64)  # 256 bytes: packed (format 6: below the target file size)
     acp.save("ckpt/step_100", {"model": model}, plan_options=acp.PlanOptions(min_chunk_bytes=8 << 10))
     return {"acp": acp, "arraycheckpoint": sys.modules["arraycheckpoint"]}
