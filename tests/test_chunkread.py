@@ -4,6 +4,8 @@ checksums verified; any file not in the layout a save writes goes through tensor
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,8 @@ from arraycheckpoint.items import LoadShard, LoadTensor
 from arraycheckpoint.plan import PlanOptions
 from arraycheckpoint.regions import Box
 
-# ~2 KiB chunks: [100, 40] float32 in chunks of [13, 40] (an edge chunk) and inner chunks of [1, 40]
+# ~2 KiB chunks: [100, 40] float32 in chunks of ~12 rows (an edge chunk) and inner chunks of a few rows; the
+# planner picks the exact shapes, which the tests read from the array's zarr.json
 OPTIONS = PlanOptions(min_chunk_bytes=1024, max_chunk_bytes=2048, inner_chunk_bytes=512, pack_array_bytes=0)
 
 
@@ -102,9 +105,15 @@ def test_a_shard_not_in_the_saved_layout_goes_through_tensorstore(saved, tmp_pat
     spec = array_spec(storage, root, meta.tensors["model/w"])
     spec["store_data_equal_to_fill_value"] = False
     arr = ts.open(spec, open=True, assume_metadata=True).result()
+    doc = json.loads((copy / "model" / "w" / "zarr.json").read_text())
+    rows = doc["chunk_grid"]["configuration"]["chunk_shape"][0]
+    inner = doc["codecs"][0]["configuration"]["chunk_shape"][0]
+    assert rows > inner  # chunk 1 holds several inner chunks: one can be left out
     want = state["w"].numpy().copy()
-    want[13:14] = 0  # one whole inner chunk of chunk 1 becomes fill value: tensorstore leaves it out
-    arr[13:26].write(want[13:26]).result()
+    want[rows : rows + inner] = (
+        0  # the first inner chunk of chunk 1 becomes fill value: tensorstore leaves it out
+    )
+    arr[rows : 2 * rows].write(want[rows : 2 * rows]).result()
     assert (copy / "model" / "w" / "c.1.0").stat().st_size < (copy / "model" / "w" / "c.0.0").stat().st_size
     with pytest.raises(CorruptCheckpointError, match="model/w.*missing"):
         acp.load(copy, {"model": {"w": torch.zeros(100, 40)}}, strict=False)

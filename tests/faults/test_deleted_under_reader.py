@@ -8,6 +8,7 @@ threads and hit a different point in each run."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 
 import arraycheckpoint as acp
 from arraycheckpoint import CheckpointManager, storage
+from arraycheckpoint.engine.chunkread import ChunkReader
+from arraycheckpoint.engine.packread import PackFile
 from arraycheckpoint.errors import CheckpointNotFoundError
 from arraycheckpoint.storage import LocalStorage, MemoryStorage, storage_for
 from arraycheckpoint.storage.fsspec_store import FsspecStorage
@@ -25,11 +28,14 @@ _HOOKED = ("is_committed", "exists", "read", "list", "list_sizes", "kvstore_spec
 
 
 class _Points:
-    """Counts the storage calls of every wrapped backend; runs ``action`` just before call ``trigger``."""
+    """Counts the storage calls of every wrapped backend, and the files the load's readers open themselves
+    (a pack, a chunk file: local files are read with ``pread``, not through the backend); runs ``action``
+    just before call ``trigger``."""
 
     calls = 0
     trigger = 0
     action: Callable[[], None] | None = None
+    lock = threading.RLock()  # chunk files are opened by reader threads; the action may call the backend
 
     @classmethod
     def arm(cls, trigger: int, action: Callable[[], None] | None) -> None:
@@ -37,10 +43,20 @@ class _Points:
 
     @classmethod
     def tick(cls) -> None:
-        cls.calls += 1
-        if cls.calls == cls.trigger and cls.action is not None:
-            action, cls.action = cls.action, None
-            action()
+        with cls.lock:
+            cls.calls += 1
+            action = cls.action if cls.calls == cls.trigger else None
+            if action is not None:
+                cls.action = None
+                action()
+
+
+def _ticking(real: Callable[..., Any]) -> Callable[..., Any]:
+    def method(*a: Any, **k: Any) -> Any:
+        _Points.tick()
+        return real(*a, **k)
+
+    return method
 
 
 def _wrapped(base: type, scheme: str, real: str, *args: Any) -> Callable[[], Any]:
@@ -69,8 +85,11 @@ BACKENDS = {
 
 
 @pytest.fixture(params=sorted(BACKENDS))
-def backend(request: Any, tmp_path: Path) -> Iterator[tuple[str, str]]:
+def backend(request: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
     name = request.param
+    # the direct readers' opens are points too: a step deleted after the checks, before its bytes are read
+    monkeypatch.setattr(PackFile, "__init__", _ticking(PackFile.__init__))
+    monkeypatch.setattr(ChunkReader, "_read_chunk", _ticking(ChunkReader._read_chunk))
     base, real, args = BACKENDS[name]
     scheme = f"acpdel{name}"
     storage.register_scheme(scheme, _wrapped(base, scheme, real, *args))

@@ -18,22 +18,14 @@ import pytest
 from fuzz.corpus import ITEMS
 from fuzz.entry import ENTRIES
 
-_DP = "dp2packs (checkpoint_store: links, FIFOs, sizes, zarr.json and members checked like the load)"
 #: (item, entry point) -> the branch that fixes it (xfail until merged; then delete the entries)
 KNOWN: dict[tuple[str, str], str] = {
-    # dp2packs: checkpoint_store
-    **{
-        (i, "store"): _DP
-        for i in (
-            "packed_huge_shape",
-            "pack_member_dotdot",
-            "chunk_link",
-            "chunk_fifo",
-            "chunk_cut_half",
-            "array_json_deep",
-            "directory_huge_shape",
-        )
-    },
+    # still open after dp2packs: checkpoint_store hands a chunk file cut in half to zarr-python unchecked, and
+    # zarr's crc32c codec raises a raw ValueError (checksum mismatch) instead of a CorruptCheckpointError
+    (
+        "chunk_cut_half",
+        "store",
+    ): "none yet (checkpoint_store: a truncated chunk file reaches zarr's crc32c codec)",
 }
 
 CASES = [
