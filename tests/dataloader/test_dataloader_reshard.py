@@ -77,7 +77,10 @@ def test_exactly_once_across_dp4_dp2_dp3(tmp_path) -> None:
     assert meta.objects["dataloader"].value["dp_size"] == 4
     index = meta.objects["dataloader/~shards"]  # one template: every rank's index has one structure
     assert index.rows is not None and not index.per_rank and index.template["dp_rank"] == {"__leaf__": "i0"}
-    p2 = run_distributed(_phase, 4, (str(tmp_path), 3, a, 5, b, False, 2))
+    # TP peers save one DP shard between them: its state must be the same on both, so they capture it where
+    # the reader produces the step (prepare_checkpoint); a synchronous snapshot of a background reader holds
+    # whatever each peer's reader has read ahead, and peers that read ahead differently disagree (PlanError)
+    p2 = run_distributed(_phase, 4, (str(tmp_path), 3, a, 5, b, True, 2))
     meta = acp.read_metadata(b)
     assert meta.objects["dataloader"].value["dp_size"] == 2
     from arraycheckpoint.zarr import checkpoint_store
