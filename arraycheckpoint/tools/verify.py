@@ -91,6 +91,8 @@ def uncovered(tm: TensorMeta) -> list[Box]:
         return []
     if not tm.shape:
         return [] if tm.shards else [Box((), ())]
+    if any(s.box.lengths == tm.shape and not any(s.box.offsets) for s in tm.shards):
+        return []  # one region is the whole tensor (every single-process save): covered, nothing to sort
     boxes = sorted({s.box for s in tm.shards if s.box.volume})
     if sum(b.volume for b in boxes) == math.prod(tm.shape) and _disjoint(boxes):
         return []  # disjoint regions inside the shape whose volumes add up to it: fully covered
