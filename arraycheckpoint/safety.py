@@ -772,12 +772,18 @@ def check_rank_packs(
             at = where_of.get(missing[0])
             expected = f", expected in {base}/{pack_key(rank, at)}" if at is not None else ""
             more = f" (and {len(missing) - 1} more members)" if len(missing) > 1 else ""
-            raise _naming(
+            err = _naming(
                 InconsistentCheckpointError,
                 missing,
                 f"{missing[0]} is missing: in none of rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip"
                 f"{expected}){more}; the checkpoint is damaged (a pack lost or cut short)",
             )
+            for member in reversed(missing):  # each array's own first missing member
+                err.tensors[member.rpartition("/")[0]] = (  # type: ignore[attr-defined]
+                    f"{member} is missing: in none of rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip); "
+                    "the checkpoint is damaged (a pack lost or cut short)"
+                )
+            raise err
     return out
 
 
@@ -837,11 +843,10 @@ E = TypeVar("E", bound=Exception)
 
 def _naming(kind: type[E], members: Collection[str], detail: str) -> E:
     """An error of ``kind`` about the arrays of the pack members ``members``: its message names them
-    (:func:`_tensors_named`); its ``tensors`` attribute lists them all and ``detail`` says what is wrong, so a
-    tool reports each array without checking them one by one (``arraycheckpoint verify``)."""
+    (:func:`_tensors_named`); its ``tensors`` attribute maps every one of them to what is wrong (``detail``),
+    so a tool reports each array without checking them one by one (``arraycheckpoint verify``)."""
     err = kind(f"{_tensors_named(members)}: {detail}")
-    err.tensors = sorted({m.rpartition("/")[0] for m in members})  # type: ignore[attr-defined]
-    err.detail = detail  # type: ignore[attr-defined]
+    err.tensors = dict.fromkeys(sorted({m.rpartition("/")[0] for m in members}), detail)  # type: ignore[attr-defined]
     return err
 
 

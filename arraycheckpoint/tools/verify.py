@@ -91,8 +91,8 @@ def uncovered(tm: TensorMeta) -> list[Box]:
         return []
     if not tm.shape:
         return [] if tm.shards else [Box((), ())]
-    if any(s.box.lengths == tm.shape and not any(s.box.offsets) for s in tm.shards):
-        return []  # one region is the whole tensor (every single-process save): covered, nothing to sort
+    if len(tm.shards) == 1 and tm.shards[0].box.lengths == tm.shape and not any(tm.shards[0].box.offsets):
+        return []  # the one region is the whole tensor (every single-process save): nothing to sort
     boxes = sorted({s.box for s in tm.shards if s.box.volume})
     if sum(b.volume for b in boxes) == math.prod(tm.shape) and _disjoint(boxes):
         return []  # disjoint regions inside the shape whose volumes add up to it: fully covered
@@ -361,12 +361,15 @@ def _check_rank_packs(
             ok.update(left)
             return ok
         except ArrayCheckpointError as e:
-            named = set(getattr(e, "tensors", ())) & set(left)  # the arrays of the damaged pack, all of them
-            if not named:
+            named = getattr(e, "tensors", {})  # every array the damage concerns -> what is wrong for it
+            if not set(named) & set(left):
                 narrow(left, _short(e))
                 return ok
-            detail = _short(Exception(getattr(e, "detail", str(e))))
-            report.problems.extend(Problem(n, None, f"stored in packs: {detail}") for n in sorted(named))
+            report.problems.extend(
+                Problem(n, None, f"stored in packs: {_short(Exception(named[n]))}")
+                for n in left
+                if n in named
+            )
             left = [n for n in left if n not in named]
     report.problems.extend(
         Problem(n, None, "stored in packs: not checked (too many damaged packs)") for n in left
