@@ -40,7 +40,7 @@ import re
 import stat
 import struct
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -752,7 +752,9 @@ def check_rank_packs(
             except CorruptCheckpointError as e:  # name the tensors the pack was read for
                 if str(e).startswith("tensor '"):
                     raise
-                raise type(e)(f"{_tensors_named(reading)}: {e}") from None
+                # the members this pack was opened for (all not found yet when probing past the predicted ones)
+                concerned = reading - seen if probing else {m for m, at in where_of.items() if at == k}
+                raise _naming(type(e), concerned or reading, str(e)) from None
             if size is None and not entries:
                 if probing:
                     break
@@ -770,11 +772,18 @@ def check_rank_packs(
             at = where_of.get(missing[0])
             expected = f", expected in {base}/{pack_key(rank, at)}" if at is not None else ""
             more = f" (and {len(missing) - 1} more members)" if len(missing) > 1 else ""
-            raise InconsistentCheckpointError(
-                f"{_tensors_named(missing)}: {missing[0]} is missing: in none of rank {rank}'s packs "
-                f"({base}/.acp/packs/{rank}.<k>.zip{expected}){more}; the checkpoint is damaged (a pack lost "
-                "or cut short)"
+            err = _naming(
+                InconsistentCheckpointError,
+                missing,
+                f"{missing[0]} is missing: in none of rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip"
+                f"{expected}){more}; the checkpoint is damaged (a pack lost or cut short)",
             )
+            for member in reversed(missing):  # each array's own first missing member
+                err.tensors[member.rpartition("/")[0]] = (  # type: ignore[attr-defined]
+                    f"{member} is missing: in none of rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip); "
+                    "the checkpoint is damaged (a pack lost or cut short)"
+                )
+            raise err
     return out
 
 
@@ -826,6 +835,19 @@ def _after_first(fill: Any, first: int, j: int, size: int) -> int:
     probe.index, probe.held = fill.index, fill.held
     probe.add(1, first)
     return probe.where(j, size)
+
+
+#: an error type :func:`_naming` builds
+E = TypeVar("E", bound=Exception)
+
+
+def _naming(kind: type[E], members: Collection[str], detail: str) -> E:
+    """An error of ``kind`` about the arrays of the pack members ``members``: its message names them
+    (:func:`_tensors_named`); its ``tensors`` attribute maps every one of them to what is wrong (``detail``),
+    so a tool reports each array without checking them one by one (``arraycheckpoint verify``)."""
+    err = kind(f"{_tensors_named(members)}: {detail}")
+    err.tensors = dict.fromkeys(sorted({m.rpartition("/")[0] for m in members}), detail)  # type: ignore[attr-defined]
+    return err
 
 
 def _tensors_named(members: Collection[str]) -> str:

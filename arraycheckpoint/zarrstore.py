@@ -37,7 +37,9 @@ import asyncio
 import os
 import stat
 import struct
+import threading
 import zipfile
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +159,8 @@ class CheckpointStore(Store):
         # format 6: rank -> member -> (pack, member), every pack of that rank read once
         self._ranks: dict[int, dict[str, tuple[_Pack, _Member]]] = {}
         self._sep = chunk_key_separator(meta.format_version)
+        # local packs: one descriptor per pack, opened (below the root, no link, a regular file) on first use
+        self._fds = _PackFiles(local_root) if local_root is not None else None
 
     @classmethod
     async def open_checkpoint(cls, base: Store, local_root: str | None = None) -> CheckpointStore:
@@ -209,6 +213,8 @@ class CheckpointStore(Store):
         self._is_open = True
 
     def close(self) -> None:
+        if self._fds is not None:
+            self._fds.close()
         self._base.close()
         super().close()
 
@@ -503,16 +509,16 @@ class CheckpointStore(Store):
         """Bytes ``[start, end)`` of the checkpoint's object ``key`` (a pack)."""
         if end <= start:
             return b""
-        if self._local is not None:
-            return await asyncio.to_thread(_pread_below, self._local, key, start, end)
+        if self._fds is not None:
+            return await asyncio.to_thread(self._fds.pread, key, start, end)
         buf = await self._base.get(key, default_buffer_prototype(), RangeByteRequest(start, end))
         if buf is None:
             raise CorruptCheckpointError(f"the pack {self._where(key)} is missing; the checkpoint is damaged")
         return buf.to_bytes()
 
     async def _size(self, key: str) -> int:
-        if self._local is not None:
-            return await asyncio.to_thread(_size_below, self._local, key)
+        if self._fds is not None:
+            return await asyncio.to_thread(self._fds.size, key)
         try:
             return int(await self._base.getsize(key))
         except FileNotFoundError:
@@ -611,30 +617,122 @@ class CheckpointStore(Store):
         self, pack: _Pack, member: _Member, prototype: BufferPrototype, byte_range: ByteRequest | None
     ) -> Buffer:
         info = member.info
+        start, end = _span(byte_range, int(info.file_size))
+        if self._fds is not None:  # a local pack: its header (first use) and the bytes in one worker call
+            data = await asyncio.to_thread(self._member_bytes_local, pack, info, start, end)
+            return prototype.buffer.from_bytes(data)
         at = pack.data_at.get(info.filename)
         if at is None:
-            name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+            name = _member_name(info)
             header = await self._read(pack.key, info.header_offset, info.header_offset + 30 + len(name))
-            if len(header) != 30 + len(name) or header[:4] != _LOCAL or header[30:] != name:
-                raise CorruptCheckpointError(
-                    f"member {info.filename!r} of {self._where(pack.key)} has no matching local header; the pack "
-                    "is damaged"
-                )
-            method, name_len, extra_len = struct.unpack("<H16xHH", header[8:30])
-            at = info.header_offset + 30 + name_len + extra_len
-            if (
-                method != zipfile.ZIP_STORED
-                or name_len != len(name)
-                or at + info.file_size > pack.directory_at
-            ):
-                raise CorruptCheckpointError(
-                    f"member {info.filename!r} of {self._where(pack.key)} has an inconsistent local header; the "
-                    "pack is damaged"
-                )
-            pack.data_at[info.filename] = at
-        start, end = _span(byte_range, int(info.file_size))
+            at = self._data_at(pack, info, header)
         data = await self._read(pack.key, at + start, at + max(start, end))
         return prototype.buffer.from_bytes(data)
+
+    def _member_bytes_local(self, pack: _Pack, info: zipfile.ZipInfo, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the member ``info`` of the local pack ``pack`` (its local header checked
+        on first use), through the pack's one descriptor."""
+        assert self._fds is not None
+        at = pack.data_at.get(info.filename)
+        if at is None:
+            name = _member_name(info)
+            header = self._fds.pread(pack.key, info.header_offset, info.header_offset + 30 + len(name))
+            at = self._data_at(pack, info, header)
+        return self._fds.pread(pack.key, at + start, at + max(start, end))
+
+    def _data_at(self, pack: _Pack, info: zipfile.ZipInfo, header: bytes) -> int:
+        """Where the member ``info``'s bytes start, from its local ``header`` (checked against the directory
+        entry); remembered in ``pack``."""
+        name = _member_name(info)
+        if len(header) != 30 + len(name) or header[:4] != _LOCAL or header[30:] != name:
+            raise CorruptCheckpointError(
+                f"member {info.filename!r} of {self._where(pack.key)} has no matching local header; the pack "
+                "is damaged"
+            )
+        method, name_len, extra_len = struct.unpack("<H16xHH", header[8:30])
+        at = info.header_offset + 30 + name_len + extra_len
+        if method != zipfile.ZIP_STORED or name_len != len(name) or at + info.file_size > pack.directory_at:
+            raise CorruptCheckpointError(
+                f"member {info.filename!r} of {self._where(pack.key)} has an inconsistent local header; the "
+                "pack is damaged"
+            )
+        pack.data_at[info.filename] = at
+        return at
+
+
+def _member_name(info: zipfile.ZipInfo) -> bytes:
+    """The member's name as its local header stores it."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
+class _PackFiles:
+    """Open descriptors of a local checkpoint's packs: each pack is opened once (below the root, never through
+    a link, a regular file: :func:`_open_pack`) and read with ``pread`` from then on, so reading the chunks of
+    a pack costs one open, not one per chunk. At most :data:`MAX_OPEN_PACKS` stay open (least recently used
+    closed first, never one a read is using); thread-safe (reads run in worker threads)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._open: OrderedDict[str, list[int]] = OrderedDict()  # key -> [fd, reads in progress]
+        self.opens = 0  # packs opened so far (what the scale tests count)
+
+    def _acquire(self, key: str) -> list[int]:
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is not None:
+                self._open.move_to_end(key)
+                entry[1] += 1
+                return entry
+        fd = _open_pack(self.root, key)
+        with self._lock:
+            self.opens += 1
+            entry = self._open.get(key)
+            if entry is not None:  # another thread opened it meanwhile: keep theirs
+                os.close(fd)
+            else:
+                entry = self._open[key] = [fd, 0]
+            entry[1] += 1
+            idle = [k for k, (_fd, busy) in self._open.items() if not busy]  # least recently used first
+            for other in idle[: max(0, len(self._open) - MAX_OPEN_PACKS)]:
+                os.close(self._open.pop(other)[0])
+            return entry
+
+    def _release(self, entry: list[int]) -> None:
+        with self._lock:
+            entry[1] -= 1
+
+    def pread(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the pack ``key``."""
+        if end <= start:
+            return b""
+        entry = self._acquire(key)
+        try:
+            return _pread_fd(entry[0], f"{self.root}/{key}", start, end)
+        finally:
+            self._release(entry)
+
+    def size(self, key: str) -> int:
+        """The size of the pack ``key``."""
+        entry = self._acquire(key)
+        try:
+            return os.fstat(entry[0]).st_size
+        finally:
+            self._release(entry)
+
+    def close(self) -> None:
+        """Close every descriptor (the store's ``close``)."""
+        with self._lock:
+            for fd, _busy in self._open.values():
+                os.close(fd)
+            self._open.clear()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+#: Pack descriptors a local checkpoint store keeps open at most.
+MAX_OPEN_PACKS = 64
 
 
 # Helpers ----------------------------------------------------------------------------------------------------
@@ -774,19 +872,13 @@ def _size_below(root: str, key: str, missing_ok: bool = False) -> int | None:
         os.close(fd)
 
 
-def _pread_below(root: str, key: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of ``root/key``, opened below ``root`` without following a link."""
-    fd = _open_pack(root, key)
-    try:
-        parts = []
-        while start < end:
-            chunk = os.pread(fd, end - start, start)
-            if not chunk:
-                raise CorruptCheckpointError(
-                    f"{root}/{key} is shorter than its directory says; the pack is damaged"
-                )
-            parts.append(chunk)
-            start += len(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
+def _pread_fd(fd: int, where: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the open pack ``fd`` (named ``where`` in errors)."""
+    parts = []
+    while start < end:
+        chunk = os.pread(fd, end - start, start)
+        if not chunk:
+            raise CorruptCheckpointError(f"{where} is shorter than its directory says; the pack is damaged")
+        parts.append(chunk)
+        start += len(chunk)
+    return b"".join(parts)

@@ -91,6 +91,8 @@ def uncovered(tm: TensorMeta) -> list[Box]:
         return []
     if not tm.shape:
         return [] if tm.shards else [Box((), ())]
+    if len(tm.shards) == 1 and tm.shards[0].box.lengths == tm.shape and not any(tm.shards[0].box.offsets):
+        return []  # the one region is the whole tensor (every single-process save): nothing to sort
     boxes = sorted({s.box for s in tm.shards if s.box.volume})
     if sum(b.volume for b in boxes) == math.prod(tm.shape) and _disjoint(boxes):
         return []  # disjoint regions inside the shape whose volumes add up to it: fully covered
@@ -245,7 +247,10 @@ def verify(
         )
     ckpt = Checkpoint(storage, root, meta)
     packs = _PackIndex(storage, root, meta)
-    by_rank = _check_rank_packs(storage, root, meta, report)
+    # format 6: reading the data checks every pack read (the load's own check_rank_packs, once); the packs are
+    # checked here beforehand only without the data read, and after a failed read to name what is wrong
+    packed = {n for n, t in meta.tensors.items() if t.pack_rank is not None}
+    by_rank = packed if read_data else _check_rank_packs(storage, root, meta, report, packed)
     jobs: dict[str, list[tuple[TensorMeta, list[tuple[tuple[int, ...], Box]]]]] = {}
     for name, tm in sorted(meta.tensors.items()):
         report.tensors += 1
@@ -302,35 +307,92 @@ def verify(
             # the arrays of one pack are read together: each load of a pack reads its ZIP directory once
             group = f"/{name}" if tm.pack is None else ("/packs" if tm.pack_rank is not None else tm.pack)
             jobs.setdefault(group, []).append((tm, readable))
-    for group in jobs.values():
-        if read_data:
+    for key, group in jobs.items():
+        if read_data and key == "/packs":
+            _read_packed(ckpt, group, report)
+        elif read_data:
             _read_group(ckpt, group, report)
         if progress is not None:
             progress(sum(tm.nbytes for tm, _ in group))
     return report
 
 
+#: Checks of format-6 packs that narrowing a failure down may take (:func:`_check_rank_packs`).
+MAX_PACK_CHECKS = 64
+
+
 def _check_rank_packs(
-    storage: Storage, root: str, meta: CheckpointMetadata, report: VerifyReport
+    storage: Storage, root: str, meta: CheckpointMetadata, report: VerifyReport, names: set[str]
 ) -> set[str]:
-    """Format 6: check the packs of every packed array (:func:`arraycheckpoint.safety.check_rank_packs`) and
-    return the arrays whose packs passed; a failure is narrowed down to the arrays it concerns, each reported."""
-    names = sorted(n for n, t in meta.tensors.items() if t.pack_rank is not None)
-    if not names:
-        return set()
-    try:
-        safety.check_rank_packs(storage, root, meta, names)
-        return set(names)
-    except ArrayCheckpointError:
-        pass
-    ok = set()
-    for name in names:
+    """Format 6: check the packs of the packed arrays ``names`` (:func:`arraycheckpoint.safety.check_rank_packs`)
+    and return those whose packs passed; each array of a damaged pack is reported. A failure names every array
+    a damaged pack concerns (the error's ``tensors``): those are reported and the rest checked again, one check
+    per damaged pack, never one per array (each check reads the packs concerned); a failure naming none is
+    narrowed down by bisection. At most :data:`MAX_PACK_CHECKS` checks in all: past them, a part still failing
+    is reported with its error."""
+    ok: set[str] = set()
+    checks = 0  # checks made (each reads the packs concerned)
+
+    def check(part: list[str]) -> str | None:
+        nonlocal checks
+        checks += 1
         try:
-            safety.check_rank_packs(storage, root, meta, [name])
-            ok.add(name)
+            safety.check_rank_packs(storage, root, meta, part)
         except ArrayCheckpointError as e:
-            report.problems.append(Problem(name, None, f"stored in packs: {_short(e)}"))
+            return _short(e)
+        ok.update(part)
+        return None
+
+    def narrow(part: list[str], error: str) -> None:
+        if len(part) > 1 and checks < MAX_PACK_CHECKS:
+            halves = [part[: len(part) // 2], part[len(part) // 2 :]]
+            for half in halves:
+                e = check(half)
+                if e is not None:
+                    narrow(half, e)
+            return
+        report.problems.extend(Problem(n, None, f"stored in packs: {error}") for n in part)
+
+    left = sorted(names)
+    while left and checks < MAX_PACK_CHECKS:
+        try:
+            checks += 1
+            safety.check_rank_packs(storage, root, meta, left)
+            ok.update(left)
+            return ok
+        except ArrayCheckpointError as e:
+            named = getattr(e, "tensors", {})  # every array the damage concerns -> what is wrong for it
+            if not set(named) & set(left):
+                narrow(left, _short(e))
+                return ok
+            report.problems.extend(
+                Problem(n, None, f"stored in packs: {_short(Exception(named[n]))}")
+                for n in left
+                if n in named
+            )
+            left = [n for n in left if n not in named]
+    report.problems.extend(
+        Problem(n, None, "stored in packs: not checked (too many damaged packs)") for n in left
+    )
     return ok
+
+
+def _read_packed(
+    ckpt: Checkpoint, group: list[tuple[TensorMeta, list[tuple[tuple[int, ...], Box]]]], report: VerifyReport
+) -> None:
+    """Format 6: read every chunk of the packed arrays of ``group`` in one load (which checks their packs, each
+    read once); when it fails, check the packs to report the arrays whose packs are damaged, then narrow the
+    read of the others down (:func:`_read_group`)."""
+    targets = [LoadTensor(tm.name, [LoadShard(box, _discard) for _i, box in chunks]) for tm, chunks in group]
+    try:
+        engine().load(ckpt.storage, ckpt.root, ckpt.meta, targets)
+        return
+    except Exception:  # noqa: BLE001 - narrowed down below
+        pass
+    sound = _check_rank_packs(ckpt.storage, ckpt.root, ckpt.meta, report, {tm.name for tm, _ in group})
+    rest = [job for job in group if job[0].name in sound]
+    if rest:
+        _read_group(ckpt, rest, report)
 
 
 class _PackIndex:
