@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ._validate import check_name_tree
 from .chunking import split_chunk, tensor_chunk_shape
 from .errors import PlanError
 from .owners import WorstFit, fragment_source, replica_caps
@@ -265,6 +266,7 @@ def build_compact_plan(
     Raises:
         PlanError: ranks disagree on a tensor's shape/dtype; regions out of bounds, overlapping partially, or
             not covering a tensor.
+        UnsafeNameError: one rank's array would lie inside another rank's array (``x`` and ``x/y``).
     """
     options = options or PlanOptions()
     groups = tuple((d, tuple(sorted(r))) for d, r in groups)
@@ -279,6 +281,8 @@ def build_compact_plan(
                     f"has shape {f.shape} dtype {f.dtype}; every rank must describe the same global tensor"
                 )
             contribs[t.name].append((decl, ranks, t))
+    # names that differ between ranks (per-rank tensors) can nest across ranks: refused before any write
+    check_name_tree(first)
 
     keys: dict[str, Any] = {}
     regions_by_key: dict[Any, dict[Box, list[int]]] = {}

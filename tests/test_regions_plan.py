@@ -152,3 +152,19 @@ def _product(cuts):
     import itertools
 
     return itertools.product(*cuts)
+
+
+def test_names_nested_across_ranks_are_refused_when_the_save_plans() -> None:
+    """Rank 0 holds ``model/x``, rank 1 ``model/x/y`` (per-rank tensors): each rank's own names are fine, the
+    union is an array inside an array, which no load accepts; the plan (before any write) refuses it."""
+    import pytest
+
+    from arraycheckpoint.errors import UnsafeNameError
+    from arraycheckpoint.plan import TensorDecl, build_global_plan
+
+    whole = (Box((0,), (4,)),)
+    outer = TensorDecl("model/x", (4,), "float32", 4, whole)
+    inner = TensorDecl("model/x/y", (4,), "float32", 4, whole)
+    with pytest.raises(UnsafeNameError, match="model/x/y"):
+        build_global_plan([[outer], [inner]])
+    assert build_global_plan([[outer], [outer]]).tensors["model/x"].layout.shape == (4,)
