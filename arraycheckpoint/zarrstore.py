@@ -34,13 +34,14 @@ This module imports zarr, numpy and arraycheckpoint's light modules; never torch
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import stat
 import struct
 import threading
 import zipfile
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,9 +278,16 @@ class CheckpointStore(Store):
                 return buf
             if self._served_by_pack(key):
                 return None
+        shard = self._shard_check(key)
         if self._local is not None:  # never through a link, never a FIFO, bounded before it is read
-            data = await asyncio.to_thread(_read_file_below, self._local, key, self._limit(key), byte_range)
+            data = await asyncio.to_thread(
+                _read_file_below, self._local, key, self._limit(key), byte_range, shard
+            )
         else:
+            if shard is not None and await self._base.exists(key):
+                size = await self._base.getsize(key)
+                tail = await self._base.get(key, prototype, SuffixByteRequest(min(shard[0], size)))
+                shard[1](size, b"" if tail is None else tail.to_bytes())
             buf = await self._base.get(key, prototype, byte_range)
             data = None if buf is None else buf.to_bytes()
         if data is None:
@@ -302,6 +310,53 @@ class CheckpointStore(Store):
                 return _max_file_bytes(t.chunk_shape, t.inner_chunk_shape, numpy_dtype(t.dtype).itemsize)
             at = key.rfind("/", 0, at)
         return MAX_METADATA_BYTES
+
+    def _shard_check(self, key: str) -> tuple[int, Callable[[int, bytes], None]] | None:
+        """For a chunk file of an array stored in its own directory: the length of its shard index and the
+        check of the file's ``(size, last bytes)`` before zarr sees any of it (a file of the array's layout's
+        size, uncompressed, or within its largest encoding; an index whose crc32c matches and whose entries
+        lie inside the file), as the native load checks it (:mod:`arraycheckpoint.engine.chunkread`); else
+        None."""
+        from .codecs import numpy_dtype
+
+        at = key.rfind("/")
+        while at > 0:
+            t = self._meta.tensors.get(key[:at])
+            if t is not None:
+                break
+            at = key.rfind("/", 0, at)
+        else:
+            return None
+        shape, chunk = tuple(t.shape), tuple(t.chunk_shape)
+        if t.pack is not None or _chunk_flat(key[at + 1 :], shape, chunk, self._sep) is None:
+            return None
+        n_inner = math.prod(c // i for c, i in zip(chunk, t.inner_chunk_shape))
+        index_bytes = 16 * n_inner + 4
+        itemsize = numpy_dtype(t.dtype).itemsize
+        if t.compression is None:
+            limit = chunk_file_bytes(t, itemsize)
+        else:
+            limit = self._limit(key)
+        path = self._where(key)
+
+        def check(size: int, tail: bytes) -> None:
+            from .engine.shardfile import crc32c
+
+            why = None
+            if not index_bytes <= size <= limit:
+                why = f"is {size} bytes, outside what its chunk's encoding allows ({index_bytes} to {limit})"
+            elif crc32c(tail[:-4]) != int.from_bytes(tail[-4:], "little"):
+                why = "has a shard index whose crc32c does not match (truncated or overwritten)"
+            else:
+                entries = struct.unpack(f"<{2 * n_inner}Q", tail[:-4])
+                for offset, length in zip(entries[::2], entries[1::2]):
+                    if not offset == length == 2**64 - 1 and offset + length > size - index_bytes:
+                        why = "has a shard index entry outside the file"
+                        break
+            if why is not None:
+                raise CorruptCheckpointError(f"tensor {t.name!r}: {path} {why}; the checkpoint is damaged")
+
+        return index_bytes, check
 
     def _check_doc(self, key: str, data: bytes, byte_range: ByteRequest | None) -> None:
         """An array's ``zarr.json`` served must agree with the checkpoint metadata (as the load checks it)."""
@@ -749,9 +804,16 @@ def _span(byte_range: ByteRequest | None, size: int) -> tuple[int, int]:
     raise TypeError(f"unexpected byte range {byte_range!r}")
 
 
-def _read_file_below(root: str, key: str, limit: int, byte_range: ByteRequest | None) -> bytes | None:
+def _read_file_below(
+    root: str,
+    key: str,
+    limit: int,
+    byte_range: ByteRequest | None,
+    shard: tuple[int, Callable[[int, bytes], None]] | None = None,
+) -> bytes | None:
     """``byte_range`` of the file ``root/key`` (None when absent), opened below ``root`` without following a
-    link and without blocking on a FIFO, refused unless it is a regular file of at most ``limit`` bytes."""
+    link and without blocking on a FIFO, refused unless it is a regular file of at most ``limit`` bytes;
+    ``shard`` (:meth:`CheckpointStore._shard_check`) checks a chunk file's size and last bytes first."""
     from .storage.local import _open_below
 
     fd = _open_below(root, key)
@@ -766,6 +828,9 @@ def _read_file_below(root: str, key: str, limit: int, byte_range: ByteRequest | 
                 f"{root}/{key} is {st.st_size} bytes, more than a valid checkpoint's file there can be ({limit}); "
                 "the checkpoint is damaged or hostile"
             )
+        if shard is not None:
+            n = min(shard[0], st.st_size)
+            shard[1](st.st_size, os.pread(fd, n, st.st_size - n))
         start, end = _span(byte_range, st.st_size)
         data = os.pread(fd, max(0, end - start), start)
         if len(data) != max(0, end - start):

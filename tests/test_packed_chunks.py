@@ -267,6 +267,27 @@ def test_checkpoint_store_refuses_a_linked_or_fifo_chunk_file(tmp_path) -> None:
         zarr.open_group(checkpoint_store(path), mode="r")["model/w"][...]
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_checkpoint_store_refuses_a_cut_chunk_file(tmp_path, compression) -> None:
+    """Arrays in their own directories: a chunk file cut short is refused naming the tensor and the file
+    (its shard index checked before zarr sees it), never zarr's raw checksum ValueError."""
+    import zarr
+
+    from arraycheckpoint.zarr import checkpoint_store
+
+    w = torch.arange(4096.0).reshape(64, 64)
+    opts = PlanOptions(pack_array_bytes=0)
+    acp.save(tmp_path, {"model": {"w": w}}, plan_options=opts, compression=compression)
+    read = zarr.open_group(checkpoint_store(tmp_path), mode="r")["model/w"][...]
+    assert np.array_equal(read, w.numpy())
+    chunk = tmp_path / "model" / "w" / "c.0.0"
+    raw = chunk.read_bytes()
+    for cut in (raw[: len(raw) // 2], raw[:3]):
+        chunk.write_bytes(cut)
+        with pytest.raises(CorruptCheckpointError, match=r"'model/w'.*c\.0\.0"):
+            zarr.open_group(checkpoint_store(tmp_path), mode="r")["model/w"][...]
+
+
 def test_a_padded_edge_chunk_is_what_zarr_reads_and_what_the_reader_decodes() -> None:
     """An edge chunk is padded to the full chunk shape with the fill value, as zarr writes it: zarr-python reads
     the array from the files the engine encodes, and the pack reader decodes the same bytes into a region."""

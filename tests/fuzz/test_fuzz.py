@@ -19,14 +19,7 @@ from fuzz.corpus import ITEMS
 from fuzz.entry import ENTRIES
 
 #: (item, entry point) -> the branch that fixes it (xfail until merged; then delete the entries)
-KNOWN: dict[tuple[str, str], str] = {
-    # still open after dp2packs: checkpoint_store hands a chunk file cut in half to zarr-python unchecked, and
-    # zarr's crc32c codec raises a raw ValueError (checksum mismatch) instead of a CorruptCheckpointError
-    (
-        "chunk_cut_half",
-        "store",
-    ): "none yet (checkpoint_store: a truncated chunk file reaches zarr's crc32c codec)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 CASES = [
     pytest.param(
