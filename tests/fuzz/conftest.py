@@ -56,8 +56,7 @@ class Sandbox:
 
     def frozen(self) -> dict[str, tuple]:
         """Everything no case may change: the sandbox without the cases' own work directories."""
-        snap = snapshot(self.root)
-        return {k: v for k, v in snap.items() if not (k == "work" or k.startswith("work/"))}
+        return snapshot(self.root, skip=("work",))
 
 
 def _forkserver() -> Any:

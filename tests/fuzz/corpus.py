@@ -529,13 +529,18 @@ def make_outside(outside: Path) -> None:
         os.mkfifo(outside / "fifo")
 
 
-def snapshot(root: Path) -> dict[str, tuple]:
+def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
     """Every entry below ``root`` (relative name -> kind, size, mtime, and a digest of a regular file): taken
-    with ``lstat`` and never opening a FIFO."""
+    with ``lstat`` and never opening a FIFO. ``skip``: names directly below ``root`` not walked at all (the
+    cases' own work directories, which cases running at the same time change under the walk)."""
     import stat
 
     out: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    top = os.fspath(root)
+    for dirpath, dirnames, filenames in os.walk(top):
+        if dirpath == top:
+            dirnames[:] = [d for d in dirnames if d not in skip]
+            filenames = [f for f in filenames if f not in skip]
         for name in dirnames + filenames:
             p = os.path.join(dirpath, name)
             st = os.lstat(p)
