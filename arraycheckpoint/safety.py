@@ -255,8 +255,11 @@ def scan_local(path: str) -> dict[str, int]:
     return out
 
 
-def _check_path_below(root: str, sub: str) -> None:
-    """No component of ``root/sub`` below ``root`` is a symlink or a non-directory (``root`` may be a link)."""
+def _check_path_below(
+    root: str, sub: str, why: str = "nothing in a checkpoint is read through a link (re-save the checkpoint)"
+) -> None:
+    """No component of ``root/sub`` below ``root`` is a symlink or a non-directory (``root`` may be a link);
+    ``why`` ends the error."""
     current = root.rstrip("/")
     for part in sub.strip("/").split("/"):
         current = f"{current}/{part}"
@@ -266,9 +269,21 @@ def _check_path_below(root: str, sub: str) -> None:
             return
         if not stat.S_ISDIR(st.st_mode):
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-            raise CorruptCheckpointError(
-                f"{current} is {kind}; nothing in a checkpoint is read through a link (re-save the checkpoint)"
-            )
+            raise CorruptCheckpointError(f"{current} is {kind}; {why}")
+
+
+def _check_member(e: Any, name: str, where: str, limit: int) -> None:
+    """A pack member ``e`` of tensor ``name`` is stored uncompressed and at most ``limit`` bytes."""
+    if e.compress_type != 0 or e.compress_size != e.file_size:
+        raise CorruptCheckpointError(
+            f"tensor {name!r}: member {e.filename!r} of {where} is compressed (method "
+            f"{e.compress_type}); packs store members uncompressed, nothing is inflated"
+        )
+    if e.file_size > limit:
+        raise CorruptCheckpointError(
+            f"tensor {name!r}: member {e.filename!r} of {where} is {e.file_size} bytes, more "
+            f"than its encoding can be ({limit}); the checkpoint is damaged"
+        )
 
 
 def inventory(storage: Any, root: str) -> dict[str, int | None]:
@@ -895,17 +910,7 @@ def _check_rank_pack_members(
                     "damaged or hostile"
                 )
             limit = limits[owner]
-        name = e.filename.rpartition("/")[0]
-        if e.compress_type != 0 or e.compress_size != e.file_size:
-            raise CorruptCheckpointError(
-                f"tensor {name!r}: member {e.filename!r} of {where} is compressed (method "
-                f"{e.compress_type}); packs store members uncompressed, nothing is inflated"
-            )
-        if e.file_size > limit:
-            raise CorruptCheckpointError(
-                f"tensor {name!r}: member {e.filename!r} of {where} is {e.file_size} bytes, more "
-                f"than its encoding can be ({limit}); the checkpoint is damaged"
-            )
+        _check_member(e, e.filename.rpartition("/")[0], where, limit)
         if e.filename in reading:
             checked.append(e)
     return checked
@@ -978,16 +983,7 @@ def _check_pack_members(
                 f"its pack {where} holds {len(found)}; the metadata does not describe this checkpoint"
             )
         for e, limit in [(doc, MAX_PACKED_JSON_BYTES)] + [(c, limits[name]) for c in found]:
-            if e.compress_type != 0 or e.compress_size != e.file_size:
-                raise CorruptCheckpointError(
-                    f"tensor {name!r}: member {e.filename!r} of {where} is compressed (method "
-                    f"{e.compress_type}); packs store members uncompressed, nothing is inflated"
-                )
-            if e.file_size > limit:
-                raise CorruptCheckpointError(
-                    f"tensor {name!r}: member {e.filename!r} of {where} is {e.file_size} bytes, more "
-                    f"than its encoding can be ({limit}); the checkpoint is damaged"
-                )
+            _check_member(e, name, where, limit)
             checked.append(e)
     return checked
 

@@ -24,13 +24,12 @@ import dataclasses
 import json
 import os
 import shutil
-import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .. import safety
-from ..errors import ArrayCheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MetadataError
+from ..errors import ArrayCheckpointError, CheckpointNotFoundError, MetadataError
 from ..metadata import CheckpointMetadata, ObjectMeta, check_name
 from ..packing import PACK_KEY
 from ..storage import LocalStorage, storage_for
@@ -355,18 +354,9 @@ def check_journal(root: str, doc: Any) -> None:
 
 def _check_no_link(root: str, rel: str) -> None:
     """``root/rel`` and every directory on the way below ``root`` are directories or absent (never a link)."""
-    current = root
-    for part in rel.split("/"):
-        current = os.path.join(current, part)
-        try:
-            st = os.lstat(current)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISDIR(st.st_mode):
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-            raise CorruptCheckpointError(
-                f"{current} is {kind}; a rename moves nothing through a link and nothing outside the checkpoint"
-            )
+    safety._check_path_below(
+        root, rel, "a rename moves nothing through a link and nothing outside the checkpoint"
+    )
 
 
 def _execute(root: str, doc: dict[str, Any]) -> None:
