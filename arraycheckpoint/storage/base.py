@@ -38,13 +38,19 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CheckpointExistsError
-from ..metadata import COMMIT_MARKER, CONTROL, CONTROL_LAYOUTS, ControlFiles
+from ..metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
 from .retry import DEFAULT_POLICY, RetryPolicy, retry_call
 
 #: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
 LOCK_KEY = ".acp-lock"
 #: tensorstore's storage generation meaning "no value": a conditional write with it creates only if absent.
 _NO_VALUE = b"\x02"
+#: How many keys of a save's target a refusal names (the target check lists one more, in one bounded listing).
+SHOWN_KEYS = 10
+#: Keys only a checkpoint of ours holds (committed, or left by a crashed save): control files and the lock.
+_OUR_KEYS = frozenset(
+    {LOCK_KEY, *(f.metadata for f in CONTROL_LAYOUTS), *(f.committed for f in CONTROL_LAYOUTS)}
+)
 
 
 class Storage(ABC):
@@ -158,9 +164,45 @@ class Storage(ABC):
         """Where ranks write before commit. Marker strategy writes in place."""
         return final
 
+    def sample(self, root: str, limit: int) -> list[str]:
+        """Up to ``limit`` keys below ``root`` (relative, sorted; a backend listing one level may name a
+        directory as ``name/``): one bounded listing where the backend has one. This default lists through
+        tensorstore, which has no limit (cheap for ``memory://``; object-store backends override it)."""
+        return self.list(root)[:limit]
+
+    def target_state(self, final: str) -> str:
+        """What a save to ``final`` (marker strategy: written in place) finds there: ``"committed"`` (a
+        committed checkpoint), ``"leftover"`` (our own crashed save: its lock or control files), or
+        ``"empty"``. A few exact-key lookups and at most one bounded listing (:meth:`sample`).
+
+        Raises:
+            CheckpointExistsError: ``final`` holds objects that are none of these (the user's); the message
+                names the path and the first keys found.
+        """
+        if self.is_committed(final):
+            return "committed"
+        if any(self.exists(final, key) for key in (LOCK_KEY, *(f.metadata for f in CONTROL_LAYOUTS))):
+            return "leftover"
+        keys = self.sample(final, SHOWN_KEYS + 1)
+        if not keys:
+            return "empty"
+        if any(k in _OUR_KEYS or k.startswith(CONTROL_DIR + "/") for k in keys):
+            return "leftover"
+        shown = ", ".join(keys[:SHOWN_KEYS]) + (" and more" if len(keys) > SHOWN_KEYS else "")
+        raise CheckpointExistsError(
+            f"cannot save to {final}: objects that are not a checkpoint are stored there ({shown}); a save "
+            "replaces only a committed checkpoint (with overwrite=True) and never deletes other objects: choose "
+            "a new path (e.g. a sub-prefix) or move those objects away"
+        )
+
     def check_target(self, final: str, overwrite: bool) -> None:
-        """Refuse to save over a committed checkpoint unless ``overwrite``."""
-        if not overwrite and self.is_committed(final):
+        """Refuse to save over a committed checkpoint unless ``overwrite``, and (marker strategy) over objects
+        that are not a checkpoint of ours (see :meth:`target_state`)."""
+        if self.commit_strategy == "marker":
+            committed = self.target_state(final) == "committed"
+        else:
+            committed = self.is_committed(final)
+        if committed and not overwrite:
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {final}; pass overwrite=True to replace it "
                 "or save to a new path (CheckpointManager uses one directory per step)"
@@ -171,11 +213,13 @@ class Storage(ABC):
 
         Default (object stores, memory): a lock object ``<final>/.acp-lock`` created with a conditional
         write that succeeds only if the key is absent, then read back to confirm the token. Marker strategy
-        writes in place, so whatever is already under ``final`` (a checkpoint being overwritten, a crashed
-        save's objects) is removed next, its commit marker first: the old checkpoint never appears committed
-        with mixed contents.
+        writes in place, so what is already under ``final`` is removed next, its commit marker first (the old
+        checkpoint never appears committed with mixed contents), but only a checkpoint of ours (committed and
+        being overwritten, or left by a crashed save: :meth:`target_state`, checked before the lock is
+        taken); objects of anyone else are refused, never deleted.
         """
         body = json.dumps({"token": token, "time": time.time()}).encode()
+        state = self.target_state(final) if self.commit_strategy == "marker" else "empty"
 
         self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
         # Decide by what is stored, not by the create call: a retried create whose first attempt landed
@@ -187,7 +231,7 @@ class Storage(ABC):
                 "for it, or, if no save is running, a crashed run left the lock: remove it or let "
                 "CheckpointManager clean up on start"
             )
-        if self.commit_strategy == "marker":
+        if state != "empty":
             # Writing in place: start from an empty prefix, so nothing of an older checkpoint (committed and
             # being overwritten, or left by a crashed save) mixes with this one. The markers go first.
             self._delete_markers(final)

@@ -208,6 +208,23 @@ class FsspecStorage(Storage):
         if staged is not None:
             _drop_memory(self._memory_spec(f"stage-{staged[1]}", "")["path"])
         super().abort(final, final)
+        self._prune_empty_dirs(final)
+
+    def _prune_empty_dirs(self, root: str) -> None:
+        """Remove the directories an aborted save left empty (file systems with real directories), deepest
+        first, so the next save's target check does not take them for the user's (best effort)."""
+        try:
+            found = self.fs.find(self._rpath(root), withdirs=True, detail=True)
+            dirs = [
+                p for p, info in found.items() if isinstance(info, dict) and info.get("type") == "directory"
+            ]
+            for path in sorted(dirs, key=len, reverse=True):
+                try:
+                    self.fs.rmdir(path)
+                except Exception:  # noqa: BLE001 - not empty (the lock's directory) or no directories at all
+                    pass
+        except Exception:  # noqa: BLE001 - cleanup must not mask the save's own error
+            pass
 
     # Small objects straight through fsspec (staging roots: the memory buffer) ---------------------------
     def read(self, root: str, key: str) -> bytes | None:
@@ -243,6 +260,23 @@ class FsspecStorage(Storage):
                 return []
             prefix = base.rstrip("/") + "/"
             return sorted(self._strip(p)[len(prefix) :] for p in self.fs.find(base))
+
+        return self._retry("list", base, op)
+
+    def sample(self, root: str, limit: int) -> list[str]:
+        """Up to ``limit`` entries of ``root``'s top level (directories as ``name/``): one ``ls``, a single
+        delimited listing on object stores, never a walk of the whole tree."""
+        base = self._rpath(root)
+
+        def op() -> list[str]:
+            if not self.fs.isdir(base):
+                return ["(a file at this path, not a directory)"] if self.fs.isfile(base) else []
+            entries = self.fs.ls(base, detail=True)
+            names = [
+                self._strip(e["name"]).rsplit("/", 1)[-1] + ("/" if e.get("type") == "directory" else "")
+                for e in entries
+            ]
+            return sorted(names)[:limit]
 
         return self._retry("list", base, op)
 

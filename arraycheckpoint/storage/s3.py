@@ -57,6 +57,11 @@ class S3Storage(Storage):
             or ("us-east-1" if self.endpoint else None)
         )
         self.requester_pays = requester_pays
+        self.profile = profile
+        self._keys = (
+            (access_key_id, secret_access_key, session_token) if access_key_id and secret_access_key else None
+        )
+        self._client: Any = None
         self.context: dict[str, Any] = {
             "s3_request_retries": {
                 "max_retries": max_retries,
@@ -107,6 +112,30 @@ class S3Storage(Storage):
         if self.requester_pays:
             spec["requester_pays"] = True
         return spec
+
+    def sample(self, root: str, limit: int) -> list[str]:
+        """Up to ``limit`` keys below ``root``: one ``ListObjectsV2`` request with ``MaxKeys`` through botocore
+        (tensorstore's listing has no limit and would walk a huge prefix to the end); without botocore
+        installed, tensorstore's full listing."""
+        try:
+            import botocore.session
+        except ImportError:
+            return super().sample(root, limit)
+        bucket, _, prefix = root[len("s3://") :].partition("/")
+        prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": limit}
+        if self.requester_pays:
+            args["RequestPayer"] = "requester"
+        if self._client is None:
+            session = botocore.session.Session(profile=self.profile)
+            keys = dict(
+                zip(("aws_access_key_id", "aws_secret_access_key", "aws_session_token"), self._keys or ())
+            )
+            self._client = session.create_client(
+                "s3", endpoint_url=self.endpoint, region_name=self.region, **keys
+            )
+        listed = self._retry("list", root, lambda: self._client.list_objects_v2(**args))
+        return sorted(o["Key"][len(prefix) :] for o in listed.get("Contents", []))[:limit]
 
     def parent(self, root: str) -> tuple[str, str]:
         head, _, name = root.rstrip("/").rpartition("/")

@@ -265,6 +265,32 @@ class StorageTests:
         assert "model/stale/c/0" not in backend.list(root)
         assert acp.read_metadata(url).objects["extra_state"].value is not None
 
+    def test_save_keeps_what_is_not_a_checkpoint(
+        self, base_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A target holding objects that are not a checkpoint (not committed, no control files or lock of a
+        crashed save) is refused with or without overwrite, naming what is there, and nothing is deleted;
+        where the backend has a bounded listing, the refusal never walks the whole prefix."""
+        import arraycheckpoint as acp
+
+        url = f"{base_url}/mine"
+        backend, root = storage_for(url)
+        mine = {"notes.txt": b"keep me", **{f"tb_logs/{i:02d}": b"event %d" % i for i in range(15)}}
+        for key, data in mine.items():
+            backend.write(root, key, data)
+        if type(backend).sample is not Storage.sample:
+
+            def no_walk(*args: Any) -> list[str]:
+                raise AssertionError("the target check walked the whole prefix")
+
+            monkeypatch.setattr(type(backend), "list", no_walk)
+        for overwrite in (False, True):
+            with pytest.raises(CheckpointExistsError, match=r"(?s)not a checkpoint.*(notes\.txt|tb_logs)"):
+                acp.save(url, self._state(6), overwrite=overwrite)
+        monkeypatch.undo()
+        assert {key: backend.read(root, key) for key in mine} == mine
+        assert backend.list(root) == sorted(mine) and not backend.is_committed(root)
+
     def test_zarr_python_reads_array(self, base_url: str, zarr_store: Callable[[str], Any] | None) -> None:
         if zarr_store is None:
             pytest.skip("this backend's bytes are not reachable by zarr-python")
