@@ -79,6 +79,12 @@ class DcpSource(LoadSource):
         raw = storage.read(root, DCP_METADATA)
         if raw is None or len(raw) > MAX_METADATA_BYTES:
             raise MetadataError(f"{root}/{DCP_METADATA} is missing or larger than {MAX_METADATA_BYTES} bytes")
+        if raw.lstrip()[:1] == b"{":
+            raise MetadataError(
+                f"{root}/{DCP_METADATA} is JSON, not DCP's pickle: it is the resume-discovery file of an "
+                "arraycheckpoint checkpoint (arraycheckpoint.dcp.Writer), whose control files are missing; a "
+                "complete one loads as an arraycheckpoint checkpoint"
+            )
         md = pickle.loads(raw)  # noqa: S301 - the caller passed allow_pickle=True
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -67,6 +67,7 @@ class _LazySource:
 def detect_kind(src: str) -> str:
     """``safetensors``, ``hf`` (a directory of safetensors), ``dcp`` or ``torch``."""
     if os.path.isdir(src):
+        _refuse_own_format(src)
         if os.path.exists(os.path.join(src, ".metadata")):
             return "dcp"
         if os.path.exists(os.path.join(src, "model.safetensors.index.json")) or glob.glob(
@@ -84,6 +85,25 @@ def detect_kind(src: str) -> str:
 
 
 _INDEX = "model.safetensors.index.json"
+
+
+def _refuse_own_format(src: str) -> None:
+    """Raise if ``src`` is already an arraycheckpoint checkpoint (``acp.save``'s, or ``arraycheckpoint.dcp.Writer``'s,
+    whose JSON ``.metadata`` only serves DCP-style resume discovery): there is nothing to import."""
+    from ..metadata import CONTROL_LAYOUTS
+
+    if any(os.path.exists(os.path.join(src, f.committed)) for f in CONTROL_LAYOUTS):
+        raise ArrayCheckpointError(
+            f"{src} is already an arraycheckpoint checkpoint (written by acp.save or arraycheckpoint.dcp.Writer): "
+            "there is nothing to import. Load it as is: acp.load(path, state), or torch.distributed.checkpoint."
+            "load(state, storage_reader=arraycheckpoint.dcp.Reader(path)); to have it at another path, copy "
+            "the directory"
+        )
+    if any(os.path.exists(os.path.join(src, f.metadata)) for f in CONTROL_LAYOUTS):
+        raise ArrayCheckpointError(
+            f"{src} is an arraycheckpoint checkpoint that was never committed (a save that did not finish): "
+            "there is nothing to import; save it again"
+        )
 
 
 def _safetensors_files(src: str, kind: str) -> list[str]:

@@ -196,6 +196,32 @@ def test_import_dcp_then_load(tmp_path):
     _assert_same_model(src, dst)
 
 
+def test_import_of_an_arraycheckpoint_dcp_writer_checkpoint_says_load_it_as_is(tmp_path):
+    """A checkpoint of ``arraycheckpoint.dcp.Writer`` (its ``.metadata`` is JSON, for resume discovery) is
+    already ours: import is exit 2 saying so (with and without --allow-pickle; never an unpickling crash),
+    writes nothing, and the directory loads bit-exactly as it is."""
+    import torch.distributed.checkpoint as dcp
+
+    from arraycheckpoint.dcp import Writer
+
+    src = _model(7)
+    written = str(tmp_path / "w")
+    dcp.save({"model": src.state_dict()}, storage_writer=Writer(written), no_dist=True)
+    for extra in ((), ("--allow-pickle",)):
+        err = cli("import", written, tmp_path / "out", *extra, check=2).stderr
+        assert "already an arraycheckpoint checkpoint" in err and "acp.load" in err and written in err, err
+    assert not (tmp_path / "out").exists()
+    dst = _model(8)
+    acp.load(written, {"model": dst})
+    _assert_same_model(src, dst)
+    # without its control files the JSON .metadata is never unpickled: a clear error, not an UnpicklingError
+    from arraycheckpoint.errors import MetadataError
+
+    shutil.rmtree(os.path.join(written, ".acp"))
+    with pytest.raises(MetadataError, match="is JSON, not DCP's pickle"):
+        acp.load(written, {"model": _model(9)}, allow_pickle=True)
+
+
 def test_import_bad_source(tmp_path):
     (tmp_path / "empty").mkdir()
     assert cli("import", str(tmp_path / "empty"), str(tmp_path / "c"), check=2).stderr
