@@ -78,30 +78,55 @@ def _track(future: CheckpointFuture) -> None:
     try:
         if register is None:
             raise RuntimeError("no threading._register_atexit")
-        register(finish_pending)
+        register(_finish_at_exit)
     except RuntimeError:
         import atexit
 
-        atexit.register(finish_pending)
+        atexit.register(_finish_at_exit)
 
 
-def finish_pending() -> None:
+def finish_pending() -> list[str]:
     """Wait for every save still in flight (called at interpreter exit): a script whose last call is
     ``save_async`` (or ``CheckpointManager.save``) gets its checkpoint; a save that fails is reported on
-    stderr, naming its path."""
+    stderr, naming its path. Returns the paths of the saves that failed."""
+    failed: list[str] = []
     while True:
         with _pending_lock:
             futures = sorted(_pending, key=lambda f: f.path)
         if not futures:
-            return
+            return failed
         for fut in futures:
             error = fut.exception()
             with _pending_lock:
                 _pending.discard(fut)
             if error is not None:
+                failed.append(fut.path)
                 print(
                     f"arraycheckpoint: the save to {fut.path} still in flight at exit FAILED and was not "
                     f"committed: {type(error).__name__}: {error}",
                     file=sys.stderr,
                     flush=True,
                 )
+
+
+def _finish_at_exit() -> None:
+    """The exit hook: :func:`finish_pending`, and when a save failed, the process exits with status 1.
+
+    An exit hook cannot change the exit status by raising (Python ignores ``SystemExit`` there), so after a
+    failure the remaining ``atexit`` handlers run now, stdio is flushed, and the process ends with
+    ``os._exit(1)``: a script (or a scheduler watching it) never reads a lost checkpoint as success.
+    """
+    if not finish_pending():
+        return
+    import atexit
+    import os
+
+    try:
+        atexit._run_exitfuncs()  # what the interpreter would still run (logging's flush, user hooks)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing more to say on it
+                pass
+        os._exit(1)

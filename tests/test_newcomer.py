@@ -81,6 +81,7 @@ _SAVE_AT_EXIT = """
                 raise OSError(28, "No space left on device")
             LocalStorage.commit = broken
         fut = acp.save_async(sys.argv[2], state)
+    print("script done")  # block-buffered (a pipe): shows only if stdio is flushed at exit
 """
 
 
@@ -102,6 +103,8 @@ def test_manager_save_as_last_call_is_committed(tmp_path: Path) -> None:
 
 def test_save_failing_at_exit_says_so(tmp_path: Path) -> None:
     proc = _run(_SAVE_AT_EXIT, str(tmp_path), "fail", "doomed")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)  # a lost checkpoint is never a success
+    assert proc.stdout.endswith("script done\n"), proc.stdout  # stdio flushed before the exit
     assert "FAILED" in proc.stderr and str(tmp_path / "doomed") in proc.stderr, proc.stderr
     assert "No space left on device" in proc.stderr
     assert not (tmp_path / "doomed").exists()
