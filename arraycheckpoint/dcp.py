@@ -306,6 +306,8 @@ class Writer(StorageWriter):
         try:
             storage.check_target(final, self.overwrite)
         except CheckpointExistsError as e:
+            if self.overwrite or not storage.is_committed(final):  # the user's files there: said as it is
+                raise
             raise CheckpointExistsError(f"Checkpoint already exists and overwrite is False: {e}") from None
         staging = storage.staging_root(final, uuid.uuid4().hex[:12])
         paths: dict[str, Any] = {}

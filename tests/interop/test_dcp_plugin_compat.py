@@ -172,6 +172,24 @@ def test_async_save_in_one_process(tmp_path: Path) -> None:
     assert torch.equal(back["w"], torch.arange(6.0)) and app.n == 3
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_writer_refuses_a_target_holding_the_users_files_and_keeps_them(tmp_path: Path, where: str) -> None:
+    """The Writer's default ``overwrite=True`` (DCP's) replaces only a committed checkpoint: a directory or
+    prefix holding other files is refused, naming them (not "Checkpoint already exists"), and kept."""
+    from arraycheckpoint.storage import storage_for
+
+    url = str(tmp_path / "run") if where == "local" else f"memory://{tmp_path.name}/run"
+    backend, root = storage_for(url)
+    if where == "local":
+        (tmp_path / "run").mkdir()
+    backend.write(root, "notes.txt", b"mine")
+    with pytest.raises(BaseException, match="CheckpointExistsError") as info:  # DCP wraps it
+        dcp.save({"w": torch.ones(3)}, storage_writer=acp.dcp.Writer(url), no_dist=True)
+    assert "not a checkpoint" in str(info.value) and "notes.txt" in str(info.value), info.value
+    assert "overwrite is False" not in str(info.value)
+    assert backend.read(root, "notes.txt") == b"mine" and not backend.is_committed(root)
+
+
 # ------------------------------------------------------------------------------------------ 2 gloo ranks
 def _full(t: torch.Tensor) -> np.ndarray:
     from torch.distributed.tensor import DTensor
