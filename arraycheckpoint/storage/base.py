@@ -60,6 +60,8 @@ class Storage(ABC):
     commit_strategy: str = "marker"
     #: Bounded retries of the small-object operations.
     retry_policy: RetryPolicy = DEFAULT_POLICY
+    #: ``(final, state)`` found by the last :meth:`check_target` (marker strategy), for :meth:`acquire`.
+    _checked_target: tuple[str, str] | None = None
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -199,7 +201,9 @@ class Storage(ABC):
         """Refuse to save over a committed checkpoint unless ``overwrite``, and (marker strategy) over objects
         that are not a checkpoint of ours (see :meth:`target_state`)."""
         if self.commit_strategy == "marker":
-            committed = self.target_state(final) == "committed"
+            state = self.target_state(final)
+            self._checked_target = (final, state)  # acquire, next, need not look again
+            committed = state == "committed"
         else:
             committed = self.is_committed(final)
         if committed and not overwrite:
@@ -219,7 +223,11 @@ class Storage(ABC):
         taken); objects of anyone else are refused, never deleted.
         """
         body = json.dumps({"token": token, "time": time.time()}).encode()
-        state = self.target_state(final) if self.commit_strategy == "marker" else "empty"
+        checked, self._checked_target = getattr(self, "_checked_target", None), None
+        if self.commit_strategy != "marker":
+            state = "empty"
+        else:
+            state = checked[1] if checked is not None and checked[0] == final else self.target_state(final)
 
         self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
         # Decide by what is stored, not by the create call: a retried create whose first attempt landed

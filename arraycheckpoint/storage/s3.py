@@ -127,13 +127,19 @@ class S3Storage(Storage):
         if self.requester_pays:
             args["RequestPayer"] = "requester"
         if self._client is None:
-            session = botocore.session.Session(profile=self.profile)
-            keys = dict(
-                zip(("aws_access_key_id", "aws_secret_access_key", "aws_session_token"), self._keys or ())
-            )
-            self._client = session.create_client(
-                "s3", endpoint_url=self.endpoint, region_name=self.region, **keys
-            )
+            names = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+            keys = dict(zip(names, self._keys or ()))
+            try:
+                session = botocore.session.Session(profile=self.profile)
+                if not keys and session.get_credentials() is None:
+                    raise LookupError("botocore finds no credentials")
+                self._client = session.create_client(
+                    "s3", endpoint_url=self.endpoint, region_name=self.region, **keys
+                )
+            except Exception:  # noqa: BLE001 - no usable botocore setup (anonymous access, a profile only
+                self._client = False  # tensorstore knows): tensorstore's own listing, unbounded but right
+        if self._client is False:
+            return super().sample(root, limit)
         listed = self._retry("list", root, lambda: self._client.list_objects_v2(**args))
         return sorted(o["Key"][len(prefix) :] for o in listed.get("Contents", []))[:limit]
 
