@@ -186,6 +186,11 @@ def cmd_import(args: argparse.Namespace) -> int:
                 on_total=total,
             )
         except CheckpointExistsError:
+            from ..storage import storage_for
+
+            backend, root = storage_for(args.path)
+            if args.overwrite or not backend.is_committed(root):
+                raise  # the user's files are there, or a save is in progress: said as it is
             raise UsageError(
                 f"a committed checkpoint already exists at {args.path}; pass --overwrite to replace it"
             ) from None

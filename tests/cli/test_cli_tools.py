@@ -196,6 +196,19 @@ def test_import_dcp_then_load(tmp_path):
     _assert_same_model(src, dst)
 
 
+def test_import_into_a_users_directory_names_its_files(tmp_path):
+    st = str(tmp_path / "w.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, st)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    for extra in ((), ("--overwrite",)):
+        err = cli("import", st, tmp_path / "run", *extra, check=2).stderr
+        assert "not a checkpoint" in err and "notes.txt" in err and "--overwrite to replace" not in err, err
+    assert os.listdir(tmp_path / "run") == ["notes.txt"]
+
+
 def test_import_of_an_arraycheckpoint_dcp_writer_checkpoint_says_load_it_as_is(tmp_path):
     """A checkpoint of ``arraycheckpoint.dcp.Writer`` (its ``.metadata`` is JSON, for resume discovery) is
     already ours: import is exit 2 saying so (with and without --allow-pickle; never an unpickling crash),
