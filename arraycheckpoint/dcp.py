@@ -183,6 +183,8 @@ def native_objects(
                 out[names[k]] = ObjectMeta(names[k], "global", doc)
             else:
                 hyper.setdefault(ns, {}).setdefault(fqn, {})[key] = extras.decode(doc, {})
+        elif path and all(not p.isdigit() for p in path):  # any other value (``step``, ``m.n``): its own object
+            out[names[k]] = ObjectMeta(names[k], "global", doc)
     for ns, by_index in indexed.items():
         name = _join([ns, "~param_groups"])
         groups_list = [by_index[i] for i in sorted(by_index)]

@@ -113,6 +113,35 @@ def test_param_groups_and_non_tensor_values_both_ways(tmp_path: Path) -> None:
         _assert_same(model, opt, m3, o3)
 
 
+def test_writer_top_level_tensors_dicts_and_values_load_strictly_through_acp(tmp_path: Path) -> None:
+    """dcp.save of bare top-level tensors, nested dicts and plain values through the Writer: a strict
+    acp.load fills every tensor in place and returns the values (before: the tensors stayed as they were,
+    with an empty report), and a namespace with nothing stored is still refused."""
+    path = str(tmp_path / "c")
+    t = torch.arange(12.0).reshape(3, 4)
+    saved = {"rows": t, "step": 11, "m": {"w": t + 1, "n": 3, "sub": {"b": t + 2, "name": "x"}}}
+    dcp.save(saved, storage_writer=acp.dcp.Writer(path))
+
+    def zeros() -> dict[str, Any]:
+        z = torch.zeros_like(t)
+        return {
+            "rows": z.clone(),
+            "step": 0,
+            "m": {"w": z.clone(), "n": 0, "sub": {"b": z.clone(), "name": ""}},
+        }
+
+    target = zeros()
+    out = acp.load(path, target, strict=True)
+    assert torch.equal(target["rows"], t) and torch.equal(target["m"]["w"], t + 1)
+    assert torch.equal(target["m"]["sub"]["b"], t + 2)
+    assert out["step"] == 11 and target["m"]["n"] == 3 and target["m"]["sub"]["name"] == "x"
+    back = zeros()
+    dcp.load(back, storage_reader=acp.dcp.Reader(path))
+    assert back["step"] == 11 and back["m"]["sub"]["name"] == "x" and torch.equal(back["m"]["w"], t + 1)
+    with pytest.raises(acp.StateMismatchError, match="nothing"):
+        acp.load(path, {"other": torch.zeros(2)}, strict=True)
+
+
 def test_flattened_optimizer_with_top_level_model_fqns_loads_through_acp(tmp_path: Path) -> None:
     """torchtitan's layout: model FQNs at the top level, ``optimizer`` flattened (``state.<fqn>.exp_avg``,
     ``param_groups.<fqn>.lr``); acp.load maps the model namespace automatically (the one module namespace

@@ -32,6 +32,7 @@ from .tensors import as_torch, is_dtensor, layout, load_shard
 
 ARRAY_TYPES = "~arrays"  # <ns>/~arrays: {array name: "numpy"} for arrays that were not torch tensors
 MODULES = "~modules"  # <ns>/~modules: [name of each module nested in the namespace]
+DCP_MAP = "~dcp"  # acp.dcp.Writer's key map (arraycheckpoint.dcp.DCP_OBJECT; not imported: dcp sits above)
 
 
 def is_array(v: Any) -> bool:
@@ -81,6 +82,50 @@ def nested_modules(meta: CheckpointMetadata, ns: str, value: Any) -> dict[str, t
         for name, v in _targets(obj.value, value, "__module__").items()
         if name in listed and is_module(v)
     }
+
+
+def stored_document(meta: CheckpointMetadata, ns: str, used: list[str] | None = None) -> Any:
+    """The stored document of namespace ``ns``, or None when nothing is stored under it; the objects a
+    rebuilt document takes its non-tensor values from are appended to ``used``.
+
+    :func:`arraycheckpoint.save` stores one (``{"__array__": name}`` for a bare tensor). ``dcp.save``
+    through :class:`arraycheckpoint.dcp.Writer` stores none: the tensors DCP's flattened keys put under
+    ``ns`` (``rows``; ``m.w`` with path ``["m", "w"]``) are the document, rebuilt from the Writer's key map
+    (``~dcp``: key -> stored name and path). A path through a list (integer steps) is not rebuilt: the
+    namespace then counts as missing, which a strict load reports.
+    """
+    obj = meta.objects.get(ns)
+    if obj is not None:
+        return obj.value
+    dcp = meta.objects.get(DCP_MAP)
+    keys = dcp.value.get("keys") if dcp is not None and isinstance(dcp.value, dict) else None
+    paths = dcp.value.get("paths") if keys is not None else None
+    if not isinstance(keys, dict) or not isinstance(paths, dict):
+        return None
+    tree: dict[str, Any] = {}
+    for key, path in paths.items():
+        stored = keys.get(key)
+        if not isinstance(path, list) or not path or path[0] != ns:
+            continue
+        if stored in meta.tensors:
+            leaf: Any = {"__array__": stored}
+        elif isinstance(stored, str) and stored in meta.objects:
+            leaf = meta.objects[stored].value  # a non-tensor value (the Writer stores each as an object)
+            if used is not None:
+                used.append(stored)
+        else:
+            continue
+        if not all(isinstance(p, str) for p in path):
+            return None
+        if len(path) == 1:
+            return leaf
+        node = tree
+        for step in path[1:-1]:
+            node = node.setdefault(step, {})
+            if not isinstance(node, dict) or "__array__" in node:
+                return None  # a tensor and a dict at one place: not a tree
+        node[path[-1]] = leaf
+    return tree or None
 
 
 def _listed(meta: CheckpointMetadata, ns: str) -> set[str]:
@@ -144,17 +189,20 @@ def load_extra(
     ``modules`` are the target modules of nested namespaces (planned by the caller, loaded in place); a
     nested module with no module at its place in the target comes back as a state dict ``{fqn: tensor}``.
     """
-    obj = meta.objects.get(ns)
-    expected[ns] = Expected()
-    if obj is None:
+    used: list[str] = []
+    document = stored_document(meta, ns, used)
+    rebuilt = ns not in meta.objects and ns not in meta.tensors and document is not None
+    expected[ns] = Expected(stored=DCP_MAP) if rebuilt else Expected()  # a Writer's tree: found
+    expected.update((name, Expected()) for name in used if name != ns)
+    if document is None:
         return lambda: None
     types = meta.objects.get(f"{ns}/{ARRAY_TYPES}")
     numpy = set(types.value) if types is not None and isinstance(types.value, dict) else set()
     in_place = {
-        k: v for k, v in _targets(obj.value, value, "__array__").items() if isinstance(v, torch.Tensor)
+        k: v for k, v in _targets(document, value, "__array__").items() if isinstance(v, torch.Tensor)
     }
     loaded: dict[str, Any] = {}
-    for ref in extras.array_refs(obj.value):
+    for ref in extras.array_refs(document):
         tm = meta.tensors[ref]
         t = in_place.get(ref)
         if t is not None and getattr(t, "_local_tensor", t).is_meta:
@@ -190,7 +238,7 @@ def load_extra(
         }
         subs: dict[str, Any] = dict(given)
         subs.update({n: {k: as_torch(v).clone() for k, v in d.items()} for n, d in as_dicts.items()})
-        decoded = extras.decode(obj.value, arrays, options.allow_pickle, where=ns, modules=subs)
+        decoded = extras.decode(document, arrays, options.allow_pickle, where=ns, modules=subs)
         if isinstance(value, dict) and isinstance(decoded, dict):
             value.clear()
             value.update(decoded)
