@@ -358,7 +358,7 @@ def check_chunk_files(
         CorruptCheckpointError: a symlink or non-regular file, or an oversized chunk file.
     """
     from .codecs import numpy_dtype
-    from .metadata import chunk_key_separator
+    from .format.metadata import chunk_key_separator
 
     chunk_key = _CHUNK_KEYS[chunk_key_separator(meta.format_version)]
     selected = list(meta.tensors) if names is None else [n for n in dict.fromkeys(names) if n in meta.tensors]
@@ -443,7 +443,7 @@ def check_arrays(
         CorruptCheckpointError: a zstd frame that does not decode to its declared chunk.
     """
     from .codecs import CODEC_PRESET
-    from .metadata import chunk_key_separator
+    from .format.metadata import chunk_key_separator
 
     sep = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
@@ -553,7 +553,7 @@ def check_packs(
     names: Collection[str],
     directories: dict[str, list[Any]] | None = None,
 ) -> dict[str, int | None]:
-    """The packs holding the arrays ``names`` (format 5, :mod:`arraycheckpoint.packing`) are sound.
+    """The packs holding the arrays ``names`` (format 5, :mod:`arraycheckpoint.planning.packing`) are sound.
 
     A pack must be a regular file (no link on the way, never a FIFO, on local file systems) no larger than its
     declared arrays can be, laid out as a save writes it (:func:`_pack_directory`: the end record at the very
@@ -577,8 +577,8 @@ def check_packs(
         CorruptCheckpointError: a link, a FIFO, an oversized pack, a pack that is not a ZIP archive as a save
             writes it, a member no array of the pack has, or a compressed, duplicated or oversized member.
     """
-    from .metadata import chunk_key_separator
-    from .packing import by_pack, group_keys
+    from .format.metadata import chunk_key_separator
+    from .planning.packing import by_pack, group_keys
 
     if not names:
         return {}
@@ -669,7 +669,7 @@ def check_rank_packs(
     directories: dict[str, list[Any]] | None = None,
 ) -> dict[str, int | None]:
     """The packs holding what is read of the format-6 packed arrays ``names`` are sound
-    (:mod:`arraycheckpoint.packing`: chunk ``i`` of an array is in a pack of ``writers[i]``, its
+    (:mod:`arraycheckpoint.planning.packing`: chunk ``i`` of an array is in a pack of ``writers[i]``, its
     ``zarr.json`` in a pack of its creator).
 
     For every rank whose packs hold a member read (the chunks meeting ``regions[name]``, every chunk when
@@ -689,8 +689,8 @@ def check_rank_packs(
         InconsistentCheckpointError: a member read is in no pack of its rank.
         CorruptCheckpointError: what :func:`check_packs` refuses, for the packs of a format-6 checkpoint.
     """
-    from .metadata import chunk_key_separator
-    from .packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key
+    from .format.metadata import chunk_key_separator
+    from .planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key
 
     if not names:
         return {}
@@ -806,9 +806,9 @@ def _predicted_packs(
     meta: Any, rank: int, reading: Mapping[str, tuple[str, int]], writers_of: Mapping[str, np.ndarray]
 ) -> dict[str, int]:
     """Format 6: the index of the pack of ``rank`` holding each member of ``reading`` (``member -> (array,
-    chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.packing.PackFill`);
+    chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.planning.packing.PackFill`);
     empty when the metadata records no fill target."""
-    from .packing import DOC_BYTES, PackFill, packs_target
+    from .planning.packing import DOC_BYTES, PackFill, packs_target
 
     names = sorted(writers_of)
     targets = {packs_target(meta.tensors[n].pack) for n in names}
@@ -844,7 +844,7 @@ def _predicted_packs(
 
 def _after_first(fill: Any, first: int, j: int, size: int) -> int:
     """The pack of the ``j``-th member of a run of ``size`` bytes that follows one member of ``first``."""
-    from .packing import PackFill
+    from .planning.packing import PackFill
 
     probe = PackFill(fill.target)
     probe.index, probe.held = fill.index, fill.held
@@ -1032,7 +1032,7 @@ def _pack_bound(meta: Any, every: Collection[str], limits: Mapping[str, int]) ->
     """Upper bound of the size of the pack holding exactly the arrays ``every`` (``limits``: each one's
     largest chunk file): every member's bytes (a ``zarr.json`` within :data:`MAX_PACKED_JSON_BYTES`), its
     local and central records and its name twice, and the end records."""
-    from .packing import MEMBER_OVERHEAD, TRAILER_BYTES, group_keys
+    from .planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES, group_keys
 
     total = TRAILER_BYTES
     for g in group_keys(every):
@@ -1090,11 +1090,11 @@ def _pack_directory(
         CorruptCheckpointError: a link, a non-regular or oversized pack, a pack that is no ZIP archive as a
             save writes it, or what ``check_members`` and the local headers refuse.
     """
-    from .packing import PACK_DIR
+    from .planning.packing import PACK_DIR
 
     path = f"{base}/{key}"
     if getattr(storage, "commit_strategy", "") == "rename":
-        from .filecheck import open_regular
+        from .checks.files import open_regular
 
         opened = open_regular(base, key)  # no link on the way, never a FIFO (O_NONBLOCK), a regular file
         if opened is None:
@@ -1489,7 +1489,7 @@ def _check_local_headers(
 def _pack_kvstore(storage: Any, base: str, key: str) -> Any:
     import tensorstore as ts
 
-    from ._tscontext import context
+    from .runtime.tscontext import context
 
     spec = {"driver": "zip", "base": storage.object_kvstore_spec(base, key)}
     return ts.KvStore.open(spec, context=context()).result()
@@ -1498,7 +1498,7 @@ def _pack_kvstore(storage: Any, base: str, key: str) -> Any:
 def _kvstore(storage: Any, root: str) -> Any:
     import tensorstore as ts
 
-    from ._tscontext import context
+    from .runtime.tscontext import context
 
     return ts.KvStore.open(storage.kvstore_spec(root), context=context()).result()
 
@@ -1558,7 +1558,7 @@ def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None, se
     """Walk every zstd frame of every chunk file that ``boxes`` touch (all when None): one frame per inner
     chunk, decoding to its declared size."""
     from .codecs import numpy_dtype
-    from .regions import Box, intersect
+    from .planning.regions import Box, intersect
 
     itemsize = numpy_dtype(tm.dtype).itemsize
     expected = math.prod(tm.inner_chunk_shape) * itemsize

@@ -1,6 +1,6 @@
 """A read-only zarr-python store presenting a whole checkpoint as one hierarchy, packed arrays included.
 
-From format 5 on, small arrays live in packs (:mod:`arraycheckpoint.packing`): uncompressed ZIP files
+From format 5 on, small arrays live in packs (:mod:`arraycheckpoint.planning.packing`): uncompressed ZIP files
 ``.acp/packs/<rank>.<k>.zip`` whose members carry the keys the arrays would have in the checkpoint directory.
 A plain ``zarr.open_group(ckpt)`` walk therefore lists only the arrays stored in their own directories.
 :func:`checkpoint_store` returns a :class:`zarr.abc.store.Store` that serves every key of a packed array
@@ -15,7 +15,7 @@ dask see every tensor at its natural path::
     w = root["model/layers.0.attn.wq.weight"][...]
 
 Which arrays are packed, and in which pack, comes from the checkpoint's metadata (``.acp/metadata.json``),
-parsed and validated by :class:`arraycheckpoint.metadata.CheckpointMetadata` (a pack must be named
+parsed and validated by :class:`arraycheckpoint.format.metadata.CheckpointMetadata` (a pack must be named
 ``.acp/packs/<rank>.<index>.zip`` of a rank of the checkpoint's world). A pack is read with ranged reads: its
 ZIP central directory once (the archive's tail), then each member's bytes, so an object store never serves a
 whole pack for one small array. Only the members of the arrays the metadata puts in a pack (and the group
@@ -51,8 +51,16 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import FsspecStore, LocalStore
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError
-from .metadata import CONTROL_LAYOUTS, CheckpointMetadata, chunk_key_separator
-from .packing import PACK_DIR, PACK_KEY, chunk_count, chunk_file_bytes, group_keys, pack_key, stored_bytes
+from .format.metadata import CONTROL_LAYOUTS, CheckpointMetadata, chunk_key_separator
+from .planning.packing import (
+    PACK_DIR,
+    PACK_KEY,
+    chunk_count,
+    chunk_file_bytes,
+    group_keys,
+    pack_key,
+    stored_bytes,
+)
 from .safety import MAX_PACKED_JSON_BYTES, check_layouts
 from .storage.ranged import TailFile, check_member_names
 

@@ -13,7 +13,8 @@ import torch
 from dist import run_distributed
 
 import arraycheckpoint as acp
-from arraycheckpoint import rankdoc, rng
+from arraycheckpoint import rng
+from arraycheckpoint.format import rankdoc
 from arraycheckpoint.stateful import PerRank
 
 

@@ -10,7 +10,7 @@ import torch
 from dist import run_distributed
 
 import arraycheckpoint as acp
-from arraycheckpoint.metadata import METADATA_FILE
+from arraycheckpoint.format.metadata import METADATA_FILE
 from arraycheckpoint.stateful import PerRank, list_roles
 
 SHAPES = {"actor": (9, 5), "critic": (7, 6)}

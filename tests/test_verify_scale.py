@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import arraycheckpoint as acp  # noqa: E402
 from arraycheckpoint import safety  # noqa: E402
 from arraycheckpoint.errors import CorruptCheckpointError  # noqa: E402
-from arraycheckpoint.plan import PlanOptions  # noqa: E402
+from arraycheckpoint.planning.plan import PlanOptions  # noqa: E402
 from arraycheckpoint.tools.verify import VerifyReport, _check_rank_packs, verify  # noqa: E402
 
 TENSORS = 5000

@@ -111,7 +111,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _verify_total(path: str) -> int:
     from ..codecs import numpy_dtype
-    from ..metadata import CheckpointMetadata
+    from ..format.metadata import CheckpointMetadata
     from ..storage import storage_for
 
     try:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from arraycheckpoint.cli import main
+from . import main
 
 raise SystemExit(main())

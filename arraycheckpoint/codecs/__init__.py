@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arraycheckpoint.codecs.presets import (
+from .presets import (
     CODEC_PRESET,
     ML_DTYPE_NAMES,
     SUPPORTED_DTYPES,
@@ -50,7 +50,7 @@ _LAZY_FROM_DTYPES = frozenset(
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_FROM_DTYPES:
-        from arraycheckpoint.codecs import dtypes
+        from . import dtypes
 
         return getattr(dtypes, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

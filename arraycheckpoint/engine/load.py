@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 
 from .. import safety
-from .._tscontext import context
 from ..codecs import numpy_dtype
-from ..collectives import Communicator
 from ..errors import CheckpointNotFoundError, MetadataError, StorageError
-from ..items import LoadShard, LoadTensor
-from ..metadata import CheckpointMetadata, check_name
-from ..monitoring import PhaseRecorder
-from ..regions import Box
+from ..format.metadata import CheckpointMetadata, check_name
+from ..planning.items import LoadShard, LoadTensor
+from ..planning.regions import Box
+from ..runtime.collectives import Communicator
+from ..runtime.monitoring import PhaseRecorder
+from ..runtime.tscontext import context
 from ..storage import Storage, storage_for
 from ..storage.base import reading
 from ..storage.local import LocalStorage
@@ -132,7 +132,7 @@ class LoadPipeline:
         recorder: PhaseRecorder,
     ) -> tuple[list[LoadTensor], int]:
         """Read regions wanted by several ranks once, ship them; return the targets left to read locally."""
-        from ..plan import assign_shared_reads
+        from ..planning.plan import assign_shared_reads
 
         mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
         wanted = comm.all_gather_json([[n, list(b.offsets), list(b.lengths)] for n, b in mine])
@@ -222,7 +222,10 @@ class LoadPipeline:
             # format-6 packed arrays: decoded by packread (whose zarr.json it checks), never by tensorstore
             by_rank = {t.name for t in targets if t.shards and meta.tensors[t.name].pack_rank is not None}
             docs = safety.check_arrays(
-                storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards and t.name not in by_rank}
+                storage,
+                root,
+                meta,
+                {t.name: wanted[t.name] for t in targets if t.shards and t.name not in by_rank},
             )
             # packed chunks are decoded here (one pread or ranged read per member, crc32c, straight into the
             # destinations), format 5's on a local file system with hardware crc32c only; the rest (and any

@@ -1,7 +1,7 @@
 """Read packed chunks (formats 5 and 6) straight into their destinations, verifying both checksums with CRC32C.
 
 The mirror of :func:`arraycheckpoint.engine.shardfile.encode` for the chunk files a save puts in packs
-(:mod:`arraycheckpoint.packing`: uncompressed, edge chunks padded): a member's bytes are a ``sharding_indexed``
+(:mod:`arraycheckpoint.planning.packing`: uncompressed, edge chunks padded): a member's bytes are a ``sharding_indexed``
 shard, every inner chunk's little-endian bytes followed by their ``crc32c``, then the index (``(offset,
 nbytes)`` as little-endian uint64 per inner chunk) and the index's ``crc32c``. Each member a load needs is
 read once, with one ``pread`` on a local file (into one staging buffer reused for every member) or one ranged
@@ -29,7 +29,7 @@ import numpy as np
 
 from ..codecs import numpy_dtype
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
-from ..regions import Box, intersect
+from ..planning.regions import Box, intersect
 from . import shardfile
 
 #: A ZIP local file header: signature, versions, flags, method, time, date, crc, sizes, name and extra lengths.
@@ -171,7 +171,7 @@ class PackedReader:
     destinations."""
 
     def __init__(self, root: str, meta: Any, storage: Any, directories: dict[str, list[Any]]) -> None:
-        from ..metadata import chunk_key_separator
+        from ..format.metadata import chunk_key_separator
         from ..storage.local import LocalStorage
 
         self._root, self._meta, self._storage = root, meta, storage
@@ -197,7 +197,7 @@ class PackedReader:
             kv = None
             if not self._local:
                 if self._kv is None:
-                    from ..packing import PACK_DIR
+                    from ..planning.packing import PACK_DIR
                     from ..safety import _kvstore
 
                     self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")

@@ -29,7 +29,7 @@ import weakref
 from typing import Any
 
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
-from ..metadata import COMMIT_MARKER
+from ..format.metadata import COMMIT_MARKER
 from ..safety import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from .base import LOCK_KEY, Storage
 from .retry import is_transient
@@ -306,7 +306,7 @@ def _check_object_size(path: str, size: int | None) -> None:
 def _memory_kv(spec: dict[str, Any]) -> Any:
     import tensorstore as ts
 
-    from .._tscontext import context
+    from ..runtime.tscontext import context
 
     return ts.KvStore.open(spec, context=context()).result()
 

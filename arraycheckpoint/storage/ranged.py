@@ -1,6 +1,6 @@
 """A file-like view of an archive of which only the tail is at hand (a pack's central directory).
 
-A pack (:mod:`arraycheckpoint.packing`) is read with ranged reads, never downloaded whole for one small array:
+A pack (:mod:`arraycheckpoint.planning.packing`) is read with ranged reads, never downloaded whole for one small array:
 its last bytes hold the ZIP central directory, which :mod:`zipfile` lists through :class:`TailFile`.
 """
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError
-from ..metadata import COMMIT_MARKER, CONTROL_LAYOUTS, LEGACY_CONTROL, METADATA_FILE
+from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS, LEGACY_CONTROL, METADATA_FILE
 from ..storage import Storage, storage_for
 
 
@@ -94,7 +94,7 @@ class StorageTests:
         staging = backend.staging_root(final, token)
         import tensorstore as ts
 
-        from .._tscontext import context
+        from ..runtime.tscontext import context
 
         kv = ts.KvStore.open(backend.kvstore_spec(backend.join(staging, "arr")), context=context()).result()
         kv.write("c/0", payload).result()
@@ -276,7 +276,7 @@ class StorageTests:
         saved = self._state(3)
         acp.save(url, saved)
         _, root = storage_for(url)
-        from arraycheckpoint.zarr import checkpoint_store
+        from ..zarr import checkpoint_store
 
         # small tensors are packed (format 5): the checkpoint store shows them at their paths
         group = zarr.open_group(checkpoint_store(zarr_store(root)), mode="r")

@@ -1,6 +1,6 @@
 """``arraycheckpoint metrics``: per-rank, per-phase timings the engine recorded during the save.
 
-The engine stores each rank's :class:`~arraycheckpoint.monitoring.PhaseRecorder` record in the metadata under
+The engine stores each rank's :class:`~arraycheckpoint.runtime.monitoring.PhaseRecorder` record in the metadata under
 ``metrics["save"][str(rank)] = {"wall_start": ..., "phases": [{"phase", "start", "seconds", "bytes"}]}``.
 This module turns it into a rank-by-phase table and draws a heat-map (seconds per rank and phase, annotated)
 plus a per-rank timeline on one wall clock (matplotlib, Agg backend; install the ``plot`` extra).
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, MetadataError
-from ..metadata import CheckpointMetadata
+from ..format.metadata import CheckpointMetadata
 from ..safety import MAX_METADATA_BYTES, load_json_bounded
 from ..storage import Storage
 from .common import human_bytes

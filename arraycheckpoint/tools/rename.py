@@ -1,7 +1,7 @@
 """``arraycheckpoint rename``: rename keys of a committed checkpoint in place, without rewriting data.
 
 A tensor is a Zarr array either in the directory named after it or (format 5) as members of a pack file
-(:mod:`arraycheckpoint.packing`), so renaming a tensor is a directory rename, or a rewrite of its pack under
+(:mod:`arraycheckpoint.planning.packing`), so renaming a tensor is a directory rename, or a rewrite of its pack under
 a fresh key (:mod:`.repack`: a ZIP member cannot be renamed in place), plus a metadata rewrite; JSON objects
 live in the metadata only. Each renamed array's ``dimension_names`` follow its new name. A mapping key
 without ``/`` is a parameter FQN and renames it in every namespace (``model/<fqn>``, ``optimizer/<fqn>/...``),
@@ -30,8 +30,8 @@ from typing import Any
 
 from .. import safety
 from ..errors import ArrayCheckpointError, CheckpointNotFoundError, MetadataError
-from ..metadata import CheckpointMetadata, ObjectMeta, check_name
-from ..packing import PACK_KEY
+from ..format.metadata import CheckpointMetadata, ObjectMeta, check_name
+from ..planning.packing import PACK_KEY
 from ..storage import LocalStorage, storage_for
 from ..storage.local import fsync_path
 from . import repack
@@ -103,7 +103,7 @@ _REF_TAGS = ("__array__", "__module__")
 def _rewrite_refs(value: Any, rules: list[tuple[str, str]]) -> Any:
     """``value`` (an object's stored document) with its references to renamed tensors renamed too.
 
-    Documents name the arrays they hold (:func:`arraycheckpoint.extras.encode`): ``{"__array__": name}`` and
+    Documents name the arrays they hold (:func:`arraycheckpoint.format.extras.encode`): ``{"__array__": name}`` and
     ``{"__module__": name}`` anywhere (a user dict with such a key is stored tagged, so these are always
     references), and the ``"arrays"`` map (name -> kind) at the top of a state or per-rank document. The
     document's own keys keep their names: the entry loads from the moved array. Without this a renamed
@@ -169,7 +169,7 @@ def plan_rename(
             om.scope,
             _rewrite_refs(_rewrite_value(name, om.value, fqn_map), rules),
             {r: _rewrite_refs(_rewrite_value(name, v, fqn_map), rules) for r, v in om.per_rank.items()},
-            # a per-rank template (arraycheckpoint.rankdoc): its rows are tensors, renamed with them
+            # a per-rank template (arraycheckpoint.format.rankdoc): its rows are tensors, renamed with them
             _rewrite_refs(_rewrite_value(name, om.template, fqn_map), rules),
             None if om.rows is None else {k: _apply(rules, n) for k, n in om.rows.items()},
         )

@@ -1,6 +1,6 @@
 """The stored files a ``rename`` rewrites besides moving directories: packs and arrays' ``zarr.json``.
 
-A packed array (format 5, :mod:`arraycheckpoint.packing`) has no directory to move: it is a set of members
+A packed array (format 5, :mod:`arraycheckpoint.planning.packing`) has no directory to move: it is a set of members
 ``<name>/zarr.json``, ``<name>/c.0.0`` of a ZIP file ``.acp/packs/<rank>.<k>.zip``, which must stay a zarr v3
 store that zarr-python (``zarr.storage.ZipStore``) and tensorstore (the ``zip`` driver) read under the
 entries' *new* names. A ZIP file cannot rename a member in place, so every pack holding a renamed array is
@@ -28,8 +28,8 @@ from .. import safety
 from ..codecs.presets import dimension_names_for
 from ..engine.packfile import Member, members_with_groups, write_zip
 from ..errors import ArrayCheckpointError, CorruptCheckpointError
-from ..metadata import CheckpointMetadata
-from ..packing import PACK_DIR, PACK_KEY, group_keys, pack_key
+from ..format.metadata import CheckpointMetadata
+from ..planning.packing import PACK_DIR, PACK_KEY, group_keys, pack_key
 from ..storage import LocalStorage
 from ..storage.local import fsync_path
 

@@ -25,9 +25,9 @@ from typing import Any
 from .. import safety
 from ..engine import engine
 from ..errors import ArrayCheckpointError, CorruptCheckpointError, MetadataError
-from ..items import LoadShard, LoadTensor
-from ..metadata import CONTROL_DIR, CheckpointMetadata, TensorMeta, chunk_key_separator
-from ..regions import Box, chunk_boxes, intersect
+from ..format.metadata import CONTROL_DIR, CheckpointMetadata, TensorMeta, chunk_key_separator
+from ..planning.items import LoadShard, LoadTensor
+from ..planning.regions import Box, chunk_boxes, intersect
 from ..storage import Storage, storage_for
 from .common import Checkpoint
 

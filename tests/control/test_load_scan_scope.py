@@ -28,7 +28,7 @@ from faults.packtools import (
 import arraycheckpoint as acp
 from arraycheckpoint import safety
 from arraycheckpoint.errors import CorruptCheckpointError, InconsistentCheckpointError
-from arraycheckpoint.plan import PlanOptions
+from arraycheckpoint.planning.plan import PlanOptions
 from arraycheckpoint.testing import chunk_files
 
 #: Packs of about 4 KiB: the 8 x 4 float32 arrays below (156 stored bytes each) fill many packs.

@@ -17,7 +17,7 @@ from hostile import load_in_subprocess, save_small
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import CorruptCheckpointError, MetadataError
-from arraycheckpoint.metadata import CONTROL, CONTROL_DIR, LEGACY_CONTROL
+from arraycheckpoint.format.metadata import CONTROL, CONTROL_DIR, LEGACY_CONTROL
 from arraycheckpoint.safety import MAX_METADATA_BYTES
 from arraycheckpoint.tools.verify import verify
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
-from arraycheckpoint import errors, liveness, safety
+from arraycheckpoint import errors, safety
+from arraycheckpoint.runtime import liveness
 
 
 def test_fault_errors_are_exported_from_the_package_and_errors_module() -> None:

@@ -20,7 +20,7 @@ import arraycheckpoint as acp
 from arraycheckpoint import safety
 from arraycheckpoint.codecs import array_metadata
 from arraycheckpoint.errors import CorruptCheckpointError, MetadataError, StorageError
-from arraycheckpoint.metadata import METADATA_FILE
+from arraycheckpoint.format.metadata import METADATA_FILE
 
 
 def _target() -> dict[str, torch.nn.Module]:
@@ -88,7 +88,9 @@ def test_chunk_bytes_are_bounded() -> None:
 
 def test_zero_length_tensors_still_load(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
-    acp.save(ck, {"extra_state": {"empty": np.zeros((0, 3), np.float32), "scalar": np.float64(2.5)}})  # packed
+    acp.save(
+        ck, {"extra_state": {"empty": np.zeros((0, 3), np.float32), "scalar": np.float64(2.5)}}
+    )  # packed
     out = acp.load(ck, {"extra_state": {}})
     assert out["extra_state"]["empty"].shape == (0, 3)
 

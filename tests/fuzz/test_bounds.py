@@ -15,7 +15,7 @@ import pytest
 
 from arraycheckpoint import safety
 from arraycheckpoint.errors import MetadataError, PlanError
-from arraycheckpoint.metadata import CheckpointMetadata
+from arraycheckpoint.format.metadata import CheckpointMetadata
 
 
 def _metadata_of(n: int) -> bytes:
@@ -105,8 +105,8 @@ def test_chunk_counts_no_storage_holds_are_refused() -> None:
 
 def test_the_save_plan_refuses_a_layout_the_load_would_refuse() -> None:
     """A chunk grid the load would refuse is refused when the save plans it, before anything is written."""
-    from arraycheckpoint.plan import PlanOptions, TensorDecl, build_global_plan
-    from arraycheckpoint.regions import Box
+    from arraycheckpoint.planning.plan import PlanOptions, TensorDecl, build_global_plan
+    from arraycheckpoint.planning.regions import Box
 
     whole = (Box((0,), (1 << 36,)),)
     decl = TensorDecl("model/x", (1 << 36,), "uint8", 1, whole)

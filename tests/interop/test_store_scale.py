@@ -17,7 +17,7 @@ zarr = pytest.importorskip("zarr")
 
 import arraycheckpoint as acp  # noqa: E402
 from arraycheckpoint import zarrstore  # noqa: E402
-from arraycheckpoint.plan import PlanOptions  # noqa: E402
+from arraycheckpoint.planning.plan import PlanOptions  # noqa: E402
 from arraycheckpoint.zarr import checkpoint_store  # noqa: E402
 
 ROWS = 6000  # one chunk per row: 6000 packed chunks of 16 bytes

@@ -25,7 +25,7 @@ import errno
 import os
 import stat
 
-from .errors import CorruptCheckpointError, StorageError
+from ..errors import CorruptCheckpointError, StorageError
 
 __all__ = ["open_below", "open_regular", "pread_exact", "read_below"]
 
