@@ -36,12 +36,13 @@ from .errors import (
     UnsupportedDTypeError,
 )
 from .format.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from .format.perrank import PerRank
 from .format.version import __version__
 from .manager import CheckpointManager
 from .planning.plan import PlanOptions
 from .prepare import prepare
 from .runtime.future import CheckpointFuture
-from .stateful import PerRank, list_roles
+from .stateful import list_roles
 
 
 def __getattr__(name: str) -> Any:  # lazy submodules that need torch: ``acp.dcp.Writer``

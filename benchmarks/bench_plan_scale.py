@@ -311,7 +311,8 @@ def rank_items(
     from arraycheckpoint.adapters.base import AdapterOptions
     from arraycheckpoint.data.checkpoint import save_items as loader_items
     from arraycheckpoint.format import rankdoc
-    from arraycheckpoint.stateful import PerRank, save_items
+    from arraycheckpoint.format.perrank import PerRank
+    from arraycheckpoint.stateful import save_items
 
     tensors: list = []
     objects: list = []

@@ -15,7 +15,7 @@ from dist import run_distributed
 import arraycheckpoint as acp
 from arraycheckpoint import rng
 from arraycheckpoint.format import rankdoc
-from arraycheckpoint.stateful import PerRank
+from arraycheckpoint.format.perrank import PerRank
 
 
 def _draws() -> tuple[torch.Tensor, np.ndarray, list[float], list[float]]:

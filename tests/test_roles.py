@@ -11,7 +11,8 @@ from dist import run_distributed
 
 import arraycheckpoint as acp
 from arraycheckpoint.format.metadata import METADATA_FILE
-from arraycheckpoint.stateful import PerRank, list_roles
+from arraycheckpoint.format.perrank import PerRank
+from arraycheckpoint.stateful import list_roles
 
 SHAPES = {"actor": (9, 5), "critic": (7, 6)}
 

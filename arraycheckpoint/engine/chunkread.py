@@ -12,7 +12,7 @@ Only the layout a save writes is read here (every inner chunk the region needs p
 inside the file; tensorstore leaves out an edge chunk's inner chunks beyond the array); anything else returns
 False and the caller reads that region through
 tensorstore, which reads every valid zarr shard. The files were checked first
-(:func:`arraycheckpoint.safety.check_chunk_files`: regular files, no link on the path, sizes bounded); a file
+(:func:`arraycheckpoint.audit.scan.check_chunk_files`: regular files, no link on the path, sizes bounded); a file
 is opened without following a link all the same. A checksum that does not match raises
 :class:`CorruptCheckpointError` naming the tensor and the file.
 """

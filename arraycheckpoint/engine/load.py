@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import safety
+from ..audit import arrays as audit_arrays
+from ..audit import scan
+from ..checks import limits
 from ..codecs import numpy_dtype
 from ..errors import CheckpointNotFoundError, MetadataError, StorageError
 from ..format.metadata import CheckpointMetadata, check_name
@@ -63,7 +65,7 @@ class LoadPipeline:
             if raw is None:
                 raise MetadataError(f"checkpoint {root} is committed but has no {files.metadata}")
             meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
-            safety.check_layouts(meta)  # untrusted input: before anything is sized from it
+            limits.check_layouts(meta)  # untrusted input: before anything is sized from it
         except Exception as e:
             gone = _gone(storage, root, e, "opened")
             if gone is None:
@@ -216,16 +218,13 @@ class LoadPipeline:
             # refused by check_chunk_files above)
             # the stored files of what this rank reads, and only those (see check_chunk_files)
             directories: dict[str, list[Any]] = {}  # the packs' ZIP directories, parsed once by the checks
-            safety.check_chunk_files(
+            scan.check_chunk_files(
                 storage, root, meta, [t.name for t in targets if t.shards], directories, wanted
             )
             # format-6 packed arrays: decoded by packread (whose zarr.json it checks), never by tensorstore
             by_rank = {t.name for t in targets if t.shards and meta.tensors[t.name].pack_rank is not None}
-            docs = safety.check_arrays(
-                storage,
-                root,
-                meta,
-                {t.name: wanted[t.name] for t in targets if t.shards and t.name not in by_rank},
+            docs = audit_arrays.check_arrays(
+                storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards and t.name not in by_rank}
             )
             # packed chunks are decoded here (one pread or ranged read per member, crc32c, straight into the
             # destinations), format 5's on a local file system with hardware crc32c only; the rest (and any

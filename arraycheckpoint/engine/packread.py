@@ -11,8 +11,8 @@ the destination of each region (the tensor itself, or the staging buffer a sink 
 byte after the read.
 
 Format 6 chunks are found by key in the central directories the load's checks parsed
-(:func:`arraycheckpoint.safety.check_rank_packs`: the packs of each chunk's writer), and the array's
-``zarr.json`` (in its creator's packs) is checked against the metadata (:func:`arraycheckpoint.safety
+(:func:`arraycheckpoint.audit.rankpacks.check_rank_packs`: the packs of each chunk's writer), and the array's
+``zarr.json`` (in its creator's packs) is checked against the metadata (:func:`arraycheckpoint.checks
 .check_packed_doc`). Only the exact layout a save writes is decoded (every inner chunk present, in C order,
 of its exact size): a format-5 member in another layout goes back to tensorstore; a format-6 one is damage.
 A checksum that does not match raises :class:`CorruptCheckpointError` naming the tensor and the pack.
@@ -191,14 +191,14 @@ class PackedReader:
         if pack is None:
             entries = self._directories.get(key)
             if entries is None:  # not checked by this load (cannot happen through LoadPipeline)
-                from ..safety import read_pack_directory
+                from ..audit.packdir import read_pack_directory
 
                 entries, _size = read_pack_directory(self._storage, self._root, self._meta, key)
             kv = None
             if not self._local:
                 if self._kv is None:
+                    from ..audit.packdir import _kvstore
                     from ..planning.packing import PACK_DIR
-                    from ..safety import _kvstore
 
                     self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
                 kv = self._kv
@@ -225,7 +225,8 @@ class PackedReader:
         Raises:
             CorruptCheckpointError: a checksum that does not match; a format-6 member not as a save writes it.
         """
-        from ..safety import check_packed_doc, chunks_wanted
+        from ..audit.arrays import check_packed_doc
+        from ..audit.packs import chunks_wanted
 
         tm = self._meta.tensors[t.name]
         v6 = tm.pack_rank is not None

@@ -209,7 +209,7 @@ class CheckpointMetadata:
     def from_json(text: str | bytes, what: str = METADATA_FILE) -> CheckpointMetadata:
         """Parse and validate the metadata document; raises :class:`MetadataError` on anything malformed
         (naming ``what``: the file it was read from)."""
-        from ..safety import MAX_METADATA_BYTES, load_json_bounded
+        from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 
         doc = load_json_bounded(text, max_bytes=MAX_METADATA_BYTES, what=what)
         return _parse(doc)

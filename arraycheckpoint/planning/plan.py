@@ -216,9 +216,9 @@ def check_loadable(
     name: str, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...], inner: tuple[int, ...]
 ) -> None:
     """Refuse, before anything is written, a layout the load would refuse (a chunk above the decoded-chunk
-    limit, more chunks than any storage holds: :func:`arraycheckpoint.safety.check_tensor_layout`)."""
+    limit, more chunks than any storage holds: :func:`arraycheckpoint.checks.limits.check_tensor_layout`)."""
+    from ..checks.limits import check_tensor_layout
     from ..errors import MetadataError
-    from ..safety import check_tensor_layout
 
     try:
         check_tensor_layout(name, shape, dtype, chunk, inner)

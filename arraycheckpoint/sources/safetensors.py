@@ -20,6 +20,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+from ..checks.bounds import load_json_bounded
 from ..checks.files import open_regular, pread_exact, read_below
 from ..codecs import numpy_dtype
 from ..errors import InconsistentCheckpointError, MetadataError
@@ -34,7 +35,6 @@ from ..format.metadata import (
 )
 from ..planning.items import LoadTensor
 from ..runtime.monitoring import PhaseRecorder
-from ..safety import load_json_bounded
 from . import LoadSource, _has, local_dir
 from .ranges import RangeReader, StoredTensor
 
@@ -83,7 +83,7 @@ def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
 
 def _json(raw: bytes, limit: int, what: str) -> Any:
     """A JSON document of the directory (its index, a file's header), parsed with the bounds of the native
-    metadata (:func:`arraycheckpoint.safety.load_json_bounded`: size, nesting, containers); a document that
+    metadata (:func:`arraycheckpoint.checks.bounds.load_json_bounded`: size, nesting, containers); a document that
     fails them is damage: :class:`InconsistentCheckpointError` (a ``MetadataError`` and a
     ``CorruptCheckpointError``)."""
     try:

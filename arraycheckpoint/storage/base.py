@@ -204,7 +204,7 @@ class Storage(ABC):
         raw = self.read(final, LOCK_KEY)
         if raw is None:
             return None
-        from ..safety import load_json_bounded
+        from ..checks.bounds import load_json_bounded
 
         try:
             return str(load_json_bounded(raw, max_bytes=1 << 16, what=f"{final}/{LOCK_KEY}")["token"])

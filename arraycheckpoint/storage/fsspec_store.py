@@ -28,9 +28,9 @@ import uuid
 import weakref
 from typing import Any
 
+from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER
-from ..safety import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from .base import LOCK_KEY, Storage
 from .retry import is_transient
 

@@ -144,7 +144,7 @@ class LocalStorage(Storage):
     def read(self, root: str, key: str) -> bytes | None:
         """The regular file ``root/key`` (never through a symlink at or below ``root``, never a FIFO), or None
         when absent."""
-        from ..safety import MAX_METADATA_BYTES
+        from ..checks.bounds import MAX_METADATA_BYTES
 
         path = os.path.join(root, key)
         fd = _open_below(root, key)

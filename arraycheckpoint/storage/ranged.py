@@ -12,7 +12,7 @@ import zipfile
 from collections.abc import Iterable
 from typing import Any
 
-from ..safety import UNICODE_PATH_TAG
+from ..checks.zipdir import UNICODE_PATH_TAG
 
 
 def check_member_names(infos: Iterable[zipfile.ZipInfo], where: str) -> None:

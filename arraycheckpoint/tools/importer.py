@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..engine import SaveOptions, engine
 from ..errors import ArrayCheckpointError, MetadataError, PickleNotAllowedError
 from ..format.metadata import check_name
 from ..planning.items import SaveRequest, SaveShard, SaveTensor
 from ..planning.regions import Box
 from ..runtime.collectives import SingleProcessCommunicator
-from ..safety import MAX_METADATA_BYTES, load_json_bounded
 
 
 @dataclass

@@ -28,7 +28,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import safety
+from ..audit import scan
+from ..checks import bounds, limits
 from ..errors import ArrayCheckpointError, CheckpointNotFoundError, MetadataError
 from ..format.metadata import CheckpointMetadata, ObjectMeta, check_name
 from ..planning.packing import PACK_KEY
@@ -257,10 +258,10 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
 def _read_metadata(raw: bytes, what: str) -> CheckpointMetadata:
     """The checkpoint's metadata read from the file ``what``, refused (naming the file) where no checkpoint
     could hold it: bounded JSON, and every tensor's layout as a load checks it
-    (:func:`arraycheckpoint.safety.check_layouts`), so a rename never commits metadata no load accepts."""
+    (:func:`arraycheckpoint.checks.limits.check_layouts`), so a rename never commits metadata no load accepts."""
     try:
         meta = CheckpointMetadata.from_json(raw, what=what)
-        safety.check_layouts(meta)
+        limits.check_layouts(meta)
     except MetadataError as e:
         raise MetadataError(str(e) if what in str(e) else f"{what}: {e}") from None
     return meta
@@ -296,7 +297,7 @@ def read_journal(root: str) -> dict[str, Any]:
         raw = LocalStorage().read(root, JOURNAL)
         if raw is None:
             raise MetadataError("it vanished while being read")
-        doc = safety.load_json_bounded(raw, max_bytes=safety.MAX_METADATA_BYTES, what=path)
+        doc = bounds.load_json_bounded(raw, max_bytes=bounds.MAX_METADATA_BYTES, what=path)
         check_journal(root, doc)
     except ArrayCheckpointError as e:
         raise MetadataError(
@@ -337,7 +338,7 @@ def check_journal(root: str, doc: Any) -> None:
         if not PACK_KEY.match(key):
             raise MetadataError(f"{key!r} is not a pack key")
     new_meta = CheckpointMetadata.from_json(doc["metadata"])
-    safety.check_layouts(new_meta)
+    limits.check_layouts(new_meta)
     missing = sorted(set(maps["tensors"].values()) - set(new_meta.tensors))
     if missing:
         raise MetadataError(f"its metadata has no tensor {missing[0]!r}, a target of its moves")
@@ -349,12 +350,12 @@ def check_journal(root: str, doc: Any) -> None:
     for d in sorted(dirs):
         _check_no_link(root, d)
     if os.path.isdir(os.path.join(root, TMP_DIR)):
-        safety.scan_local(os.path.join(root, TMP_DIR))  # what an interrupted run staged: no link, no FIFO
+        scan.scan_local(os.path.join(root, TMP_DIR))  # what an interrupted run staged: no link, no FIFO
 
 
 def _check_no_link(root: str, rel: str) -> None:
     """``root/rel`` and every directory on the way below ``root`` are directories or absent (never a link)."""
-    safety._check_path_below(
+    scan._check_path_below(
         root, rel, "a rename moves nothing through a link and nothing outside the checkpoint"
     )
 

@@ -24,7 +24,9 @@ import zipfile
 from collections.abc import Callable, Collection, Mapping
 from typing import BinaryIO
 
-from .. import safety
+from ..audit import packs as audit_packs
+from ..audit import rankpacks
+from ..checks import bounds, zipdir
 from ..codecs.presets import dimension_names_for
 from ..engine.packfile import Member, members_with_groups, write_zip
 from ..errors import ArrayCheckpointError, CorruptCheckpointError
@@ -73,7 +75,7 @@ def renamed_array_doc(raw: bytes, old: str, new: str, what: str) -> bytes:
     save wrote (``json.dumps``) comes out byte for byte as a save of ``new`` writes it. A document that does
     not parse is kept as it is: loads and ``verify`` report it; a rename half done would only add damage."""
     try:
-        doc = safety.load_json_bounded(raw, max_bytes=safety.MAX_ARRAY_JSON_BYTES, what=what)
+        doc = bounds.load_json_bounded(raw, max_bytes=bounds.MAX_ARRAY_JSON_BYTES, what=what)
     except ArrayCheckpointError:
         return raw
     names = doc.get("dimension_names") if isinstance(doc, dict) else None
@@ -88,7 +90,7 @@ def renamed_array_doc(raw: bytes, old: str, new: str, what: str) -> bytes:
 def rename_array_doc(root: str, old: str, new: str) -> None:
     """Rewrite ``<root>/<new>/zarr.json`` (a moved array directory) for its new name; idempotent."""
     path = os.path.join(root, *new.split("/"), "zarr.json")
-    raw = _read_file(path, safety.MAX_ARRAY_JSON_BYTES)
+    raw = _read_file(path, bounds.MAX_ARRAY_JSON_BYTES)
     if raw is None:
         return  # the array's directory has no document: verify and load report that, a rename cannot fix it
     out = renamed_array_doc(raw, old, new, path)
@@ -103,9 +105,11 @@ def check_old_packs(root: str, meta: CheckpointMetadata, packs: Collection[str])
     hold (format 6: :func:`safety.check_rank_packs` for every packed array): checked before the journal is
     written, so a damaged pack refuses the rename with nothing touched."""
     for key in sorted(k for k in packs if k.endswith(".zip") and PACK_KEY.match(k) and _holds(meta, k)):
-        safety.check_packs(LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack == key])
+        audit_packs.check_packs(
+            LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack == key]
+        )
     if any(t.pack_rank is not None for t in meta.tensors.values()) and packs:
-        safety.check_rank_packs(
+        rankpacks.check_rank_packs(
             LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack_rank is not None]
         )
 
@@ -120,8 +124,8 @@ def rank_packs_holding(root: str, meta: CheckpointMetadata, arrays: Collection[s
     names = [n for n in arrays if meta.tensors[n].pack_rank is not None]
     if not names or not root:
         return []
-    directories: dict[str, list[safety.PackMember]] = {}
-    safety.check_rank_packs(LocalStorage(), root, meta, names, None, directories)
+    directories: dict[str, list[zipdir.PackMember]] = {}
+    rankpacks.check_rank_packs(LocalStorage(), root, meta, names, None, directories)
     wanted = set(names)
     return sorted(
         k
@@ -190,7 +194,7 @@ def build_pack(
             f"cannot finish the rename of {root}: the pack {source} is missing and its renamed copy {final} "
             "was never built; the arrays it held are lost"
         )
-    safety.check_packs(LocalStorage(), root, view, list(old_to_new))
+    audit_packs.check_packs(LocalStorage(), root, view, list(old_to_new))
     members = _renamed_members(source, old_to_new)
     tmp = os.path.join(tmp_dir, f"{new_key.rsplit('/', 1)[-1]}.part")
     _write_new(tmp, lambda f: write_zip(f, members_with_groups(sorted(old_to_new.values()), members)))

@@ -21,7 +21,7 @@ from arraycheckpoint import rng
 from arraycheckpoint.engine import engine
 from arraycheckpoint.errors import MetadataError
 from arraycheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
-from arraycheckpoint.stateful import PerRank
+from arraycheckpoint.format.perrank import PerRank
 from arraycheckpoint.testing import chunk_files
 
 

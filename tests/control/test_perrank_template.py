@@ -27,7 +27,7 @@ from arraycheckpoint.engine import engine
 from arraycheckpoint.errors import MetadataError
 from arraycheckpoint.format import rankdoc
 from arraycheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
-from arraycheckpoint.stateful import PerRank
+from arraycheckpoint.format.perrank import PerRank
 
 CASES = ("agree", "odd_key", "big_differs", "arrays_differ")
 PR = "extra_state/~per_rank"

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiprocess
 def _change_on_one_rank(rank, world, root):
     import time
 
-    from arraycheckpoint.stateful import PerRank
+    from arraycheckpoint.format.perrank import PerRank
 
     w = torch.arange(12.0).reshape(6, 2) + rank
     times = []
