@@ -8,6 +8,12 @@ Public API::
     acp.load(path, state)
 
 Importing this package imports neither torch nor jax; adapters load lazily.
+
+The top-level modules are the public API layer (``api``, ``manager``, ``stateful``, ``rng``, ``prepare``,
+``roles``, ``_validate``, and the user-facing ``dcp`` and ``zarr``) and its errors (``errors``, the lowest
+layer); everything below is a subpackage per layer: ``checks``, ``planning``, ``format``, ``runtime``,
+``adapters``, ``storage``, ``audit``, ``sources``, ``engine``, ``interop`` (docs/architecture.md;
+tests/test_layers.py keeps imports going down).
 """
 
 from __future__ import annotations

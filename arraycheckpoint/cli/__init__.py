@@ -9,6 +9,8 @@ Exit codes scripts can rely on:
 * ``3``: an unexpected internal error (a bug: the traceback is printed).
 
 The work itself lives in :mod:`arraycheckpoint.tools`; this module parses arguments and prints.
+
+Layer ``cli``: may import everything but ``testing``.
 """
 
 from __future__ import annotations

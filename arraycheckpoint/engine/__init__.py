@@ -3,6 +3,10 @@
 A thin facade over the two pipelines: :mod:`.save` (snapshot, then exchange/write/flush in the background,
 coordinated by :mod:`.coordinate`) and :mod:`.load` (metadata, then concurrent region reads). The engine knows
 no framework: adapters translate (see :mod:`arraycheckpoint.planning.items`).
+
+Layer ``engine``: may import every layer below it (``errors``, ``codecs``, ``checks``, ``planning``,
+``format``, ``runtime``, ``adapters``, ``storage``, ``audit``, ``sources``); never the API, the tools or the
+interop surfaces.
 """
 
 from __future__ import annotations

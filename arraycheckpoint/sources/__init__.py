@@ -14,6 +14,10 @@ Sources, detected from the files at the path when it holds no committed arrayche
 
 Sources only read: they never write and never communicate. The safetensors source imports no framework; the
 DCP source needs torch to unpickle DCP's metadata classes.
+
+Layer ``sources``: above ``audit``, below ``engine`` (the engine hands a foreign checkpoint's reads to its
+source). May import every layer below it; one lazy exception (the DCP helpers still in
+:mod:`arraycheckpoint.dcp`) is listed in tests/test_layers.py.
 """
 
 from __future__ import annotations
