@@ -175,7 +175,7 @@ class PackedReader:
         from ..storage.local import LocalStorage
 
         self._root, self._meta, self._storage = root, meta, storage
-        self._directories = directories  # what the load's checks parsed (safety.check_packs and friends)
+        self._directories = directories  # what the load's checks parsed (audit.packs.check_packs and friends)
         self._sep = chunk_key_separator(meta.format_version)
         self._packs: dict[str, PackFile] = {}
         self._where: dict[str, str] = {}  # member -> pack key (format 6, from the directories)

@@ -101,8 +101,8 @@ def rename_array_doc(root: str, old: str, new: str) -> None:
 
 
 def check_old_packs(root: str, meta: CheckpointMetadata, packs: Collection[str]) -> None:
-    """The packs ``packs`` of ``meta`` (before the rename) pass :func:`safety.check_packs` for every array they
-    hold (format 6: :func:`safety.check_rank_packs` for every packed array): checked before the journal is
+    """The packs ``packs`` of ``meta`` (before the rename) pass :func:`~arraycheckpoint.audit.packs.check_packs` for every array they
+    hold (format 6: :func:`~arraycheckpoint.audit.rankpacks.check_rank_packs` for every packed array): checked before the journal is
     written, so a damaged pack refuses the rename with nothing touched."""
     for key in sorted(k for k in packs if k.endswith(".zip") and PACK_KEY.match(k) and _holds(meta, k)):
         audit_packs.check_packs(
@@ -174,7 +174,7 @@ def build_pack(
         tmp_dir: a private directory in which the new pack is written before it is renamed into place.
 
     Raises:
-        ArrayCheckpointError: neither pack exists; or the old pack fails :func:`safety.check_packs`.
+        ArrayCheckpointError: neither pack exists; or the old pack fails :func:`~arraycheckpoint.audit.packs.check_packs`.
     """
     final = os.path.join(root, *new_key.split("/"))
     if os.path.lexists(final):
