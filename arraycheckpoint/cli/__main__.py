@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from . import main
+from arraycheckpoint.cli import main
 
 raise SystemExit(main())

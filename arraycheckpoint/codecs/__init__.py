@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .presets import (
+from arraycheckpoint.codecs.presets import (
     CODEC_PRESET,
     ML_DTYPE_NAMES,
     SUPPORTED_DTYPES,
@@ -52,7 +52,7 @@ _LAZY_FROM_DTYPES = frozenset(
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_FROM_DTYPES:
-        from . import dtypes
+        from arraycheckpoint.codecs import dtypes
 
         return getattr(dtypes, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedDTypeError as _ProjectUnsupportedDTypeError
+from arraycheckpoint.errors import UnsupportedDTypeError as _ProjectUnsupportedDTypeError
 
 __all__ = [
     "ML_DTYPE_NAMES",

@@ -276,7 +276,7 @@ class StorageTests:
         saved = self._state(3)
         acp.save(url, saved)
         _, root = storage_for(url)
-        from ..zarr import checkpoint_store
+        from arraycheckpoint.zarr import checkpoint_store
 
         # small tensors are packed (format 5): the checkpoint store shows them at their paths
         group = zarr.open_group(checkpoint_store(zarr_store(root)), mode="r")
