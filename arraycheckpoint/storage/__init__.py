@@ -13,7 +13,7 @@ Backend options (S3 endpoint, region, credentials, fsspec storage options) are s
 :func:`configure`; environment variables are the default. :func:`register_scheme` plugs in a backend.
 
 Layer ``storage``: where bytes go. May import ``errors``, ``codecs``, ``checks``, ``planning``, ``format``,
-``runtime`` and ``adapters`` (it does not); never the engine.
+``runtime`` and ``adapters`` (it uses no adapter); never the engine.
 """
 
 from __future__ import annotations
