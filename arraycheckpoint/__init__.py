@@ -8,16 +8,20 @@ Public API::
     acp.load(path, state)
 
 Importing this package imports neither torch nor jax; adapters load lazily.
+
+The top-level modules are the public API layer (``api``, ``manager``, ``stateful``, ``rng``, ``prepare``,
+``roles``, ``_validate``, and the user-facing ``dcp`` and ``zarr``) and its errors (``errors``, the lowest
+layer); everything below is a subpackage per layer: ``checks``, ``planning``, ``format``, ``runtime``,
+``adapters``, ``storage``, ``audit``, ``sources``, ``engine``, ``interop`` (docs/architecture.md;
+tests/test_layers.py keeps imports going down).
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import Any
 
-from typing import Any  # noqa: E402
-
-from .api import load, load_jax, read_metadata, save, save_async  # noqa: E402
-from .errors import (  # noqa: E402
+from .api import load, load_jax, read_metadata, save, save_async
+from .errors import (
     ArrayCheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -37,12 +41,14 @@ from .errors import (  # noqa: E402
     UnsafeNameError,
     UnsupportedDTypeError,
 )
-from .future import CheckpointFuture  # noqa: E402
-from .manager import CheckpointManager  # noqa: E402
-from .metadata import CheckpointMetadata, ShardMeta, TensorMeta  # noqa: E402
-from .plan import PlanOptions  # noqa: E402
-from .prepare import prepare  # noqa: E402
-from .stateful import PerRank, list_roles  # noqa: E402
+from .format.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from .format.perrank import PerRank
+from .format.version import __version__
+from .manager import CheckpointManager
+from .planning.plan import PlanOptions
+from .prepare import prepare
+from .runtime.future import CheckpointFuture
+from .stateful import list_roles
 
 
 def __getattr__(name: str) -> Any:  # lazy submodules that need torch: ``acp.dcp.Writer``

@@ -10,10 +10,21 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import CheckpointNotFoundError, InvalidArgumentError, InvalidStateError
+
+#: The ``framework=`` values and the adapter family each selects.
+_FRAMEWORKS = {
+    "torch": "torch",
+    "ddp": "torch",
+    "fsdp": "torch",
+    "fsdp1": "torch",
+    "fsdp2": "torch",
+    "megatron": "megatron",
+    "jax": "jax",
+}
 
 
 def check_state(state: Any, framework: str | None = None) -> None:
@@ -38,8 +49,6 @@ def check_state(state: Any, framework: str | None = None) -> None:
             )
     if framework is None:
         return
-    from .api import _FRAMEWORKS
-
     kind = _FRAMEWORKS.get(framework)
     if kind is None:
         raise InvalidArgumentError(f"unknown framework {framework!r}; use one of {sorted(_FRAMEWORKS)}")
@@ -210,7 +219,7 @@ def check_namespaces_stored(meta: Any, job: Any, state: Mapping[str, Any], job_k
 
 def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNotFoundError:
     """A not-found error that tells a missing path from a directory holding no committed checkpoint."""
-    from .metadata import marker_owner
+    from .format.metadata import marker_owner
     from .storage import LocalStorage, storage_for
 
     try:
@@ -230,75 +239,3 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
         f"{path} exists but holds no committed checkpoint ({error}): a save there did not finish, or it is "
         "not a checkpoint directory"
     )
-
-
-# Entry names ------------------------------------------------------------------------------------------------
-#: Characters no component of an entry name may hold (besides control characters, see :func:`check_name`).
-_FORBIDDEN_NAME_CHARS = ("\\", ":")
-
-
-def check_name(name: Any) -> str:
-    """Validate a checkpoint entry name (``model/layers.0.w``) and return it: the one validator of names.
-
-    The metadata parser (every load, every tool), every save (before anything is written), the rename
-    journal, the sources and the importer all call this, so a save never commits a name a load refuses.
-    Components are separated by ``/``; each must be non-empty, must not be ``.``/``..`` or start with ``.``
-    (reserved for the format's own files) or ``__`` (reserved by Zarr v3), must not be ``zarr.json``, and must
-    not contain ``\\``, ``:``, NUL or any other control character (a newline broke every listing of the
-    array's files), nor a lone surrogate (not UTF-8: no file or ZIP member can carry it). Absolute names are
-    refused.
-
-    Raises:
-        UnsafeNameError: naming the offending name and component.
-    """
-    from .errors import UnsafeNameError
-
-    if not isinstance(name, str) or not name:
-        raise UnsafeNameError(f"invalid entry name {name!r}: names must be non-empty strings")
-    if name.startswith("/"):
-        raise UnsafeNameError(f"entry name {name!r} is absolute; names are relative to the checkpoint root")
-    for part in name.split("/"):
-        if (
-            not part
-            or part.startswith(".")
-            or part.startswith("__")
-            or any(c in part for c in _FORBIDDEN_NAME_CHARS)
-            or not _printable_utf8(part)
-        ):
-            raise UnsafeNameError(
-                f"entry name {name!r} has an unsafe component {part!r}: components must be non-empty, must not "
-                "start with '.' or '__' and must not contain '\\', ':', NUL, another control character or a "
-                "lone surrogate (rename the key before saving)"
-            )
-        if part == "zarr.json":
-            raise UnsafeNameError(f"entry name {name!r} clashes with Zarr's metadata file name")
-    return name
-
-
-def _printable_utf8(part: str) -> bool:
-    """No control character (C0, DEL, C1) and no lone surrogate in ``part``."""
-    if part.isascii():
-        return part.isprintable()
-    import unicodedata
-
-    return not any(unicodedata.category(c) in ("Cc", "Cs") for c in part)
-
-
-def check_name_tree(names: Iterable[str], what: str = "tensor") -> None:
-    """Refuse a set of array names in which one is a path prefix of another (``model/a`` and ``model/a/b``):
-    an array cannot live inside another array's directory (or pack key), so such a checkpoint never loads.
-
-    One set lookup per name component (plus a sort, for a deterministic error). Raises :class:`UnsafeNameError` naming both.
-    """
-    from .errors import UnsafeNameError
-
-    every = set(names)
-    for name in sorted(every):
-        parts = name.split("/")
-        for i in range(1, len(parts)):
-            outer = "/".join(parts[:i])
-            if outer in every:
-                raise UnsafeNameError(
-                    f"{what} {name!r} would be stored inside {what} {outer!r} (an array cannot hold another "
-                    "array); rename one of them before saving"
-                )

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._validate import (
+    _FRAMEWORKS,
     check_key_map_used,
     check_kwargs,
     check_namespaces_stored,
@@ -23,24 +24,14 @@ from ._validate import (
     key_map_function,
 )
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
-from .collectives import Communicator, default_communicator
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
 from .errors import CheckpointNotFoundError, InvalidArgumentError, StateMismatchError
-from .future import CheckpointFuture
-from .metadata import CheckpointMetadata
-from .plan import PlanOptions
+from .format.metadata import CheckpointMetadata
+from .planning.plan import PlanOptions
+from .runtime.collectives import Communicator, default_communicator
+from .runtime.future import CheckpointFuture
 from .storage import storage_for
 from .storage.base import reading
-
-_FRAMEWORKS = {
-    "torch": "torch",
-    "ddp": "torch",
-    "fsdp": "torch",
-    "fsdp1": "torch",
-    "fsdp2": "torch",
-    "megatron": "megatron",
-    "jax": "jax",
-}
 
 
 def _adapter(framework: str) -> Adapter:

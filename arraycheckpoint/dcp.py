@@ -50,15 +50,15 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
-from ._tscontext import context
 from .codecs import CODEC_PRESET, array_metadata, numpy_dtype, zarr_dtype_name
 from .errors import ArrayCheckpointError, CheckpointExistsError, PlanError, UnsafeNameError
-from .hierarchy import hierarchy_documents
-from .metadata import CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
-from .plan import PlanOptions, split_chunk
-from .regions import Box, chunk_boxes
-from .rules import encode_ranks
+from .format.hierarchy import hierarchy_documents
+from .format.metadata import CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
+from .format.version import __version__
+from .planning.plan import PlanOptions, split_chunk
+from .planning.regions import Box, chunk_boxes
+from .planning.rules import encode_ranks
+from .runtime.tscontext import context
 from .storage import storage_for
 
 try:  # the plug-in needs torch; importing arraycheckpoint does not
@@ -159,10 +159,10 @@ def native_objects(
     names: Mapping[str, str], paths: Mapping[str, Sequence[Any] | None], values: Mapping[str, Any]
 ) -> dict[str, ObjectMeta]:
     """The JSON objects :func:`arraycheckpoint.load` reads, from DCP's non-tensor values (``values``: key ->
-    JSON document, as :func:`arraycheckpoint.extras.encode` makes it): an optimizer's ``param_groups``
+    JSON document, as :func:`arraycheckpoint.format.extras.encode` makes it): an optimizer's ``param_groups``
     (DCP's list, or a flattened optimizer's ``param_groups.<fqn>.<hyper>`` gathered into groups of equal
     hyper-parameters) as ``<ns>/~param_groups``, and non-tensor per-parameter state as ``<ns>/<fqn>/<key>``."""
-    from . import extras
+    from .format import extras
 
     flat = _flat_optimizers(paths)
     out: dict[str, ObjectMeta] = {}
@@ -200,10 +200,10 @@ def native_objects(
 
 
 def json_value(value: Any) -> Any:
-    """``value`` (a non-tensor DCP value) as a JSON document of :mod:`arraycheckpoint.extras`, or None
+    """``value`` (a non-tensor DCP value) as a JSON document of :mod:`arraycheckpoint.format.extras`, or None
     when JSON cannot hold it (it then stays DCP's bytes only)."""
-    from . import extras
     from .adapters.torch.optimizer import _plain
+    from .format import extras
 
     try:
         doc, arrays = extras.encode(_plain(value), "~dcp", lambda _: False)
@@ -618,7 +618,7 @@ class Reader(StorageReader):
 
         from .adapters.torch.tensors import load_shard
         from .engine import engine
-        from .items import LoadTensor
+        from .planning.items import LoadTensor
 
         storage, root, meta = self._open()
         targets: dict[str, LoadTensor] = {}

@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .errors import CheckpointNotFoundError
-from .future import CheckpointFuture
+from .runtime.future import CheckpointFuture
 from .storage import storage_for
 from .storage.base import being_read
 

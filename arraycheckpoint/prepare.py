@@ -41,11 +41,11 @@ def prepare(
         >>> fut = acp.save_async("ckpt/step_100", {"model": model, "optimizer": opt}, step=100)
     """
     from . import stateful
-    from ._tscontext import context
     from .adapters.base import AdapterOptions
     from .api import _adapter, detect_framework
     from .engine import engine
-    from .hostpool import shared_pool
+    from .runtime.hostpool import shared_pool
+    from .runtime.tscontext import context
 
     start = time.perf_counter()
     pool = shared_pool()

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from .format.perrank import PerRank
+
 KIND = "arraycheckpoint.rng/1"
 
 __all__ = ["KIND", "capture", "derive", "is_rng_state", "restore"]
@@ -77,8 +79,6 @@ def restore(state: Mapping[str, Any]) -> dict[str, Any]:
 
     Accepts the loaded form too (arrays may come back as torch tensors when saved through the torch adapter).
     """
-    from .stateful import PerRank
-
     if isinstance(state, PerRank):  # as loaded into a target that had no PerRank placeholder
         state = state.value
     if not is_rng_state(state):

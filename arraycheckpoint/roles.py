@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from .errors import UnsafeNameError
-from .metadata import check_name, marker_owner
+from .format.metadata import check_name, marker_owner
 
 __all__ = ["list_roles", "role_path"]
 

@@ -7,9 +7,9 @@
   ``state_dict()`` / ``load_state_dict()`` (LR schedulers, ...), is stored as one global JSON document (rank 0's,
   ``<ns>``) in which each ``PerRank`` is a placeholder, plus one per-rank object ``<ns>/~per_rank`` holding every
   rank's own values: one template and rows of numeric leaves when the ranks' documents share one structure,
-  else every rank's document (:mod:`arraycheckpoint.rankdoc`); arrays become tensors (``<ns>/...`` global; per
+  else every rank's document (:mod:`arraycheckpoint.format.rankdoc`); arrays become tensors (``<ns>/...`` global; per
   rank, one stacked array ``<ns>/~rows/<i>/...`` with a leading rank dimension when every rank's array of slot
-  ``i`` has the same shape and dtype, else ``<ns>/~r<rank>/<i>/...`` per rank: :mod:`arraycheckpoint.perrank`);
+  ``i`` has the same shape and dtype, else ``<ns>/~r<rank>/<i>/...`` per rank: :mod:`arraycheckpoint.format.perrank`);
 * a dataloader implementing :class:`~arraycheckpoint.data.ReshardableLoader` (see :mod:`arraycheckpoint.data`).
 
 **Per-rank rule on load.** Global values load on every rank. Rank ``r`` of the loading world takes the value
@@ -33,33 +33,21 @@ from typing import Any
 
 import numpy as np
 
-from . import extras, perrank, rankdoc
 from .adapters.base import AdapterOptions, Expected, LoadJob
-from .collectives import Communicator
 from .errors import ArrayCheckpointError
-from .items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveRequest, SaveShard, SaveTensor
-from .metadata import CheckpointMetadata
-from .regions import Box
+from .format import extras, perrank, rankdoc
+from .format.metadata import CheckpointMetadata
+from .format.perrank import PerRank
+from .planning.items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveRequest, SaveShard, SaveTensor
+from .planning.regions import Box
 from .roles import list_roles, role_path  # noqa: F401 - re-exported (public names of this module)
+from .runtime.collectives import Communicator
 
 __all__ = ["PerRank", "default_derive", "list_roles", "role_path", "source_rank", "split"]
 
 MARKER = "extra"
 _PR = "__acp_per_rank__"
 PER_RANK_SUFFIX = "~per_rank"
-
-
-@dataclass
-class PerRank:
-    """A value that differs per rank (an RNG stream, a per-rank counter) inside saved state.
-
-    ``{"extra_state": {"step": 10, "rng": acp.PerRank(rng.capture())}}``: every rank's value is saved; on load
-    each rank's ``PerRank.value`` is replaced following the per-rank rule (module docstring). ``derive``
-    (``(value, rank, source_rank) -> value``) overrides how a rank with no saved counterpart derives its value.
-    """
-
-    value: Any = None
-    derive: Callable[[Any, int, int], Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------- recognise
@@ -201,13 +189,13 @@ def save_items(
             docs.append(d)
             kinds.update({n: _kind(a) for n, a in arrs.items()})
             stacked.update({n: perrank.stacked_name(ns, comm.rank, n) or n for n in arrs})
-            # one stacked array per slot when the ranks agree (the engine decides; see arraycheckpoint.perrank)
+            # one stacked array per slot when the ranks agree (the engine decides; see arraycheckpoint.format.perrank)
             tensors.extend(
                 perrank.stack_per_rank(_tensor(name, a), ns, comm.rank, comm.world_size)
                 for name, a in arrs.items()
             )
         plain = SaveObject(f"{ns}/{PER_RANK_SUFFIX}", {"values": docs, "arrays": kinds}, scope="rank")
-        # one template and rows of numeric leaves when the ranks' documents agree (arraycheckpoint.rankdoc)
+        # one template and rows of numeric leaves when the ranks' documents agree (arraycheckpoint.format.rankdoc)
         template, *rows = rankdoc.templated(plain, stacked, comm.rank, comm.world_size)
         objects.append(template)
         tensors.extend(rows)
@@ -344,7 +332,9 @@ def load_job(
     src = -1
     rank = 0
     bufs: dict[str, np.ndarray] = {}
-    leaves: dict[str, np.ndarray] = {}  # this rank's numeric leaves of a template (arraycheckpoint.rankdoc)
+    leaves: dict[
+        str, np.ndarray
+    ] = {}  # this rank's numeric leaves of a template (arraycheckpoint.format.rankdoc)
     targets: list[LoadTensor] = []
     pr = meta.objects.get(f"{ns}/{PER_RANK_SUFFIX}")
     if pr is not None:
@@ -361,7 +351,7 @@ def load_job(
         targets.extend(reads)
         expected.update({n: Expected(tm.shape, tm.dtype) for n, tm in stored.items()})
     for ref in extras.array_refs(doc) + extras.array_refs(docs):
-        # a per-rank array may be a row of a stacked array, or stored per rank (arraycheckpoint.perrank)
+        # a per-rank array may be a row of a stacked array, or stored per rank (arraycheckpoint.format.perrank)
         found = perrank.resolve(meta, ns, src, ref)
         if found is None:
             raise ArrayCheckpointError(f"{ns}: array {ref!r} is referenced but not stored (rank {rank})")

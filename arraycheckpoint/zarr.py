@@ -14,7 +14,7 @@ group holding one bfloat16 array fails. Importing this module registers the type
 
 From format 5 on, small arrays live in packs (ZIP files under ``.acp/packs/``), which a plain walk of the
 checkpoint directory does not see. :func:`checkpoint_store` returns a read-only zarr store presenting the whole
-checkpoint as one hierarchy, every packed array at its natural path (:mod:`arraycheckpoint.zarrstore`)::
+checkpoint as one hierarchy, every packed array at its natural path (:mod:`arraycheckpoint.interop.zarrstore`)::
 
     from arraycheckpoint.zarr import checkpoint_store
 
@@ -28,7 +28,7 @@ tensorstore. Nothing else happens at import: no array is opened and no global za
 from __future__ import annotations
 
 from .codecs.dtypes import ML_DTYPE_CLASSES, register_zarr_dtypes
-from .zarrstore import CheckpointStore, checkpoint_store
+from .interop.zarrstore import CheckpointStore, checkpoint_store
 
 __all__ = ["ML_DTYPE_CLASSES", "CheckpointStore", "checkpoint_store", "register_zarr_dtypes"]
 

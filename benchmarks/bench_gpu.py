@@ -64,7 +64,7 @@ def ours_blocking(model: torch.nn.Module, root: str, repeats: int) -> dict:
     import gc
 
     import arraycheckpoint as acp
-    from arraycheckpoint.hostpool import shared_pool
+    from arraycheckpoint.runtime.hostpool import shared_pool
 
     state = {"model": model}
     # a process's first save without acp.prepare: buffers allocated and pinned on the blocking path

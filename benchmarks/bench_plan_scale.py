@@ -27,7 +27,7 @@ sample of other ranks is checked to produce the same digest.
 imported: three arrays and a few scalars) on every rank, built by the real ``stateful.save_items``: stacked
 into one ``[N, *shape]`` array per slot (the form saved when every rank's rows agree), its JSON document split
 into one template (stored once, from the coordinator's request) and rows of numeric leaves (format 4,
-:mod:`arraycheckpoint.rankdoc`); ``--perrank per-rank`` declares the fallback instead (one array per rank per
+:mod:`arraycheckpoint.format.rankdoc`); ``--perrank per-rank`` declares the fallback instead (one array per rank per
 slot, as format 2 stored it before stacking, and every rank's JSON document in its commit status and in the
 metadata). Each rank's RNG state differs in its numbers (numpy's ``pos`` and cached gaussian), as real ones do.
 """
@@ -57,14 +57,14 @@ from arraycheckpoint.engine.coordinate import (
     pack_groups,
     unpack_groups,
 )
-from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
-from arraycheckpoint.items import SaveObject, SaveRequest, SaveShard, SaveTensor
-from arraycheckpoint.metadata import CheckpointMetadata
-from arraycheckpoint.monitoring import PhaseRecorder
-from arraycheckpoint.owners import fragment_source
-from arraycheckpoint.plan import PlanOptions
-from arraycheckpoint.regions import Box
-from arraycheckpoint.rules import Mesh, chunk_bounds, digest, rule_boxes
+from arraycheckpoint.format.metadata import CheckpointMetadata
+from arraycheckpoint.planning.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
+from arraycheckpoint.planning.items import SaveObject, SaveRequest, SaveShard, SaveTensor
+from arraycheckpoint.planning.owners import fragment_source
+from arraycheckpoint.planning.plan import PlanOptions
+from arraycheckpoint.planning.regions import Box
+from arraycheckpoint.planning.rules import Mesh, chunk_bounds, digest, rule_boxes
+from arraycheckpoint.runtime.monitoring import PhaseRecorder
 
 
 class HostMap:
@@ -308,10 +308,11 @@ def rank_items(
     real save path: ``stateful.save_items``, ``data.checkpoint.save_items`` and ``rankdoc.fall_back``."""
     from types import SimpleNamespace
 
-    from arraycheckpoint import rankdoc
     from arraycheckpoint.adapters.base import AdapterOptions
     from arraycheckpoint.data.checkpoint import save_items as loader_items
-    from arraycheckpoint.stateful import PerRank, save_items
+    from arraycheckpoint.format import rankdoc
+    from arraycheckpoint.format.perrank import PerRank
+    from arraycheckpoint.stateful import save_items
 
     tensors: list = []
     objects: list = []
@@ -339,8 +340,8 @@ def with_perrank(
     per-rank objects (its commit status payload). Built by the real save path (:func:`rank_items` and
     ``declare``).
     """
-    from arraycheckpoint import perrank
     from arraycheckpoint.engine.coordinate import declare
+    from arraycheckpoint.format import perrank
 
     rng_state = None
     if form != "none":

@@ -13,9 +13,9 @@ import torch
 import arraycheckpoint as acp
 from arraycheckpoint.engine import engine
 from arraycheckpoint.errors import CorruptCheckpointError
-from arraycheckpoint.items import LoadShard, LoadTensor
-from arraycheckpoint.plan import PlanOptions
-from arraycheckpoint.regions import Box
+from arraycheckpoint.planning.items import LoadShard, LoadTensor
+from arraycheckpoint.planning.plan import PlanOptions
+from arraycheckpoint.planning.regions import Box
 
 # ~2 KiB chunks: [100, 40] float32 in chunks of ~12 rows (an edge chunk) and inner chunks of a few rows; the
 # planner picks the exact shapes, which the tests read from the array's zarr.json

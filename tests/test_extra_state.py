@@ -13,8 +13,9 @@ import torch
 from dist import run_distributed
 
 import arraycheckpoint as acp
-from arraycheckpoint import rankdoc, rng
-from arraycheckpoint.stateful import PerRank
+from arraycheckpoint import rng
+from arraycheckpoint.format import rankdoc
+from arraycheckpoint.format.perrank import PerRank
 
 
 def _draws() -> tuple[torch.Tensor, np.ndarray, list[float], list[float]]:

@@ -42,8 +42,8 @@ from arraycheckpoint.errors import (
     SaveFailedError,
     UnsafeNameError,
 )
+from arraycheckpoint.format.metadata import METADATA_FILE
 from arraycheckpoint.manager import CheckpointManager
-from arraycheckpoint.metadata import METADATA_FILE
 from arraycheckpoint.storage import LocalStorage, register_scheme
 from arraycheckpoint.testing import chunk_files
 

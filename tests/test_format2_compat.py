@@ -175,7 +175,7 @@ def test_manager_lists_restores_and_retires_format2_steps(tmp_path) -> None:
 
 def test_roles_of_both_formats_are_found(tmp_path) -> None:
     """A roles root with a format-2 role and a format-3 role: both listed, and named by the not-found error."""
-    from arraycheckpoint.metadata import marker_owner
+    from arraycheckpoint.format.metadata import marker_owner
     from arraycheckpoint.stateful import list_roles
 
     assert marker_owner(".acp/committed") == "" and marker_owner(".committed") == ""

@@ -25,7 +25,7 @@ def _load(rank: int, world: int, root: str) -> dict[str, object]:
     from fixtures.make_format2_perrank import draws, loader
 
     from arraycheckpoint import rng
-    from arraycheckpoint.stateful import PerRank
+    from arraycheckpoint.format.perrank import PerRank
 
     dl = loader(rank, world)
     state = {"extra_state": {"step": 0, "rng": PerRank(), "counter": PerRank()}, "dataloader": dl}

@@ -28,7 +28,7 @@ def _load(rank: int, world: int, root: str, with_loader: bool) -> dict[str, obje
     from fixtures.make_format2_perrank import draws, loader
 
     from arraycheckpoint import rng
-    from arraycheckpoint.stateful import PerRank
+    from arraycheckpoint.format.perrank import PerRank
 
     extra = {"step": 0, "rng": PerRank(), "counter": PerRank(), "scalars": PerRank()}
     dl = loader(rank, world) if with_loader else None

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 import arraycheckpoint as acp
 from arraycheckpoint.cli import main as cli
-from arraycheckpoint.metadata import FORMAT_VERSION
+from arraycheckpoint.format.metadata import FORMAT_VERSION
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "format5")
 NAMES = ("single", "fsdp2")

@@ -103,7 +103,7 @@ def test_format1_tied_checkpoint_loads_untied_on_the_meta_device(tmp_path) -> No
 
 def test_format1_metadata_rewritten_by_tools_stays_format1(tmp_path) -> None:
     """Tools that rewrite metadata (rename) keep an old checkpoint in its own format."""
-    from arraycheckpoint.metadata import CheckpointMetadata
+    from arraycheckpoint.format.metadata import CheckpointMetadata
 
     meta = acp.read_metadata(os.path.join(FIXTURES, "fsdp2"))
     again = CheckpointMetadata.from_json(meta.to_json())

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import arraycheckpoint as acp
-from arraycheckpoint.collectives import SingleProcessCommunicator
 from arraycheckpoint.engine import Engine
-from arraycheckpoint.hostpool import ALIGN, SMALL_BYTES, HostBufferPool
-from arraycheckpoint.items import SaveRequest, SaveShard, SaveTensor
-from arraycheckpoint.regions import Box
+from arraycheckpoint.planning.items import SaveRequest, SaveShard, SaveTensor
+from arraycheckpoint.planning.regions import Box
+from arraycheckpoint.runtime.collectives import SingleProcessCommunicator
+from arraycheckpoint.runtime.hostpool import ALIGN, SMALL_BYTES, HostBufferPool
 
 
 class FakePinner:
@@ -137,7 +137,7 @@ def test_take_idle_hands_out_only_reserved_sizes_and_never_allocates():
 
 def test_prepare_fills_the_pool_for_the_first_save(tmp_path):
     torch = pytest.importorskip("torch")
-    from arraycheckpoint.hostpool import shared_pool
+    from arraycheckpoint.runtime.hostpool import shared_pool
 
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
     opt = torch.optim.Adam(model.parameters())

@@ -14,8 +14,8 @@ from dist import run_distributed
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import CheckpointNotFoundError, SaveFailedError
+from arraycheckpoint.format.metadata import CONTROL_DIR, METADATA_FILE
 from arraycheckpoint.manager import CheckpointManager
-from arraycheckpoint.metadata import CONTROL_DIR, METADATA_FILE
 from arraycheckpoint.storage import LocalStorage, register_scheme
 
 

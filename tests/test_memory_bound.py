@@ -73,7 +73,7 @@ def _ddp_snapshot_body(rank: int, world: int, tmp: str) -> dict:
 
     import arraycheckpoint as acp
     from arraycheckpoint.engine import engine
-    from arraycheckpoint.plan import PlanOptions
+    from arraycheckpoint.planning.plan import PlanOptions
 
     def build(seed: int):
         torch.manual_seed(seed)

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 import arraycheckpoint as acp
 from arraycheckpoint.cli import main as cli
 from arraycheckpoint.errors import CorruptCheckpointError
-from arraycheckpoint.plan import PlanOptions
+from arraycheckpoint.planning.plan import PlanOptions
 
 #: chunks of at most 1 KiB, packs of about 64 KiB: every chunk file goes into its writer's packs
 OPTIONS = PlanOptions(min_chunk_bytes=64 << 10, max_chunk_bytes=1 << 10, inner_chunk_bytes=512)
@@ -295,7 +295,7 @@ def test_a_padded_edge_chunk_is_what_zarr_reads_and_what_the_reader_decodes() ->
 
     from arraycheckpoint.codecs import array_metadata
     from arraycheckpoint.engine import packread, shardfile
-    from arraycheckpoint.regions import Box
+    from arraycheckpoint.planning.regions import Box
 
     rng = np.random.default_rng(3)
     value = rng.standard_normal((10, 7)).astype(np.float32)

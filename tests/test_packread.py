@@ -64,8 +64,8 @@ def test_packed_arrays_are_decoded_by_the_engine_bit_exactly(tmp_path, monkeypat
 def test_partial_regions_of_packed_chunks_are_read_bit_exactly(tmp_path) -> None:
     """A region that cuts through chunks and inner chunks gets exactly its bytes (checked against numpy)."""
     from arraycheckpoint.engine import engine
-    from arraycheckpoint.items import LoadShard, LoadTensor
-    from arraycheckpoint.regions import Box
+    from arraycheckpoint.planning.items import LoadShard, LoadTensor
+    from arraycheckpoint.planning.regions import Box
     from arraycheckpoint.storage import storage_for
 
     ck = _save(tmp_path)
@@ -108,7 +108,7 @@ def test_a_format6_member_in_another_layout_is_damage(tmp_path, monkeypatch) -> 
 
 def test_short_member_is_not_decoded() -> None:
     """A member whose size is not the exact uncompressed encoding is not decoded (False)."""
-    from arraycheckpoint.regions import Box
+    from arraycheckpoint.planning.regions import Box
 
     class T:
         dtype, chunk_shape, inner_chunk_shape = "int64", (5, 3), (5, 3)

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from arraycheckpoint.errors import PlanError
-from arraycheckpoint.plan import (
+from arraycheckpoint.planning.plan import (
     PlanOptions,
     TensorDecl,
     build_global_plan,
     rank_plan_from_json,
     rank_plan_to_json,
 )
-from arraycheckpoint.regions import Box, chunk_boxes, flat_range_to_boxes, intersect
+from arraycheckpoint.planning.regions import Box, chunk_boxes, flat_range_to_boxes, intersect
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -129,7 +129,7 @@ def test_chunk_grids_nest_in_the_regions_and_stay_under_the_maximum(seed: int) -
     """Random regular-ish layouts (each dimension cut like torch.chunk over a few ranks, uneven and empty
     shards included) and random maxima: every interior region boundary lies on the grid, and no chunk holds
     more than the maximum (or one element)."""
-    from arraycheckpoint.chunking import nests, tensor_chunk_shape
+    from arraycheckpoint.planning.chunking import nests, tensor_chunk_shape
 
     rng = np.random.default_rng(seed)
     for _ in range(300):
@@ -160,7 +160,7 @@ def test_names_nested_across_ranks_are_refused_when_the_save_plans() -> None:
     import pytest
 
     from arraycheckpoint.errors import UnsafeNameError
-    from arraycheckpoint.plan import TensorDecl, build_global_plan
+    from arraycheckpoint.planning.plan import TensorDecl, build_global_plan
 
     whole = (Box((0,), (4,)),)
     outer = TensorDecl("model/x", (4,), "float32", 4, whole)

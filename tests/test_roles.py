@@ -10,8 +10,9 @@ import torch
 from dist import run_distributed
 
 import arraycheckpoint as acp
-from arraycheckpoint.metadata import METADATA_FILE
-from arraycheckpoint.stateful import PerRank, list_roles
+from arraycheckpoint.format.metadata import METADATA_FILE
+from arraycheckpoint.format.perrank import PerRank
+from arraycheckpoint.stateful import list_roles
 
 SHAPES = {"actor": (9, 5), "critic": (7, 6)}
 

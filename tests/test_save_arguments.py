@@ -11,7 +11,7 @@ import torch
 from dist import run_distributed
 
 import arraycheckpoint as acp
-from arraycheckpoint.plan import PlanOptions
+from arraycheckpoint.planning.plan import PlanOptions
 
 
 def _state(rank: int) -> dict:

@@ -14,7 +14,7 @@ import torch
 from faults.packtools import LAYOUTS, flip_member_byte, pack_of, save_options
 
 import arraycheckpoint as acp
-from arraycheckpoint.metadata import COMMIT_MARKER, METADATA_FILE
+from arraycheckpoint.format.metadata import COMMIT_MARKER, METADATA_FILE
 from arraycheckpoint.testing import chunk_files
 
 DTYPES = [

@@ -15,9 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import arraycheckpoint as acp  # noqa: E402
-from arraycheckpoint import safety  # noqa: E402
+from arraycheckpoint.audit import packdir, rankpacks  # noqa: E402
 from arraycheckpoint.errors import CorruptCheckpointError  # noqa: E402
-from arraycheckpoint.plan import PlanOptions  # noqa: E402
+from arraycheckpoint.planning.plan import PlanOptions  # noqa: E402
 from arraycheckpoint.tools.verify import VerifyReport, _check_rank_packs, verify  # noqa: E402
 
 TENSORS = 5000
@@ -53,8 +53,8 @@ class _Count:
 def test_verify_reads_each_pack_directory_once(many: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     packs = len(_packs(many))
     assert packs >= 20  # the case the issue measured: many packs, thousands of packed chunks
-    directories = _Count(monkeypatch, safety, "_pack_directory")
-    checks = _Count(monkeypatch, safety, "check_rank_packs")
+    directories = _Count(monkeypatch, packdir, "_pack_directory")
+    checks = _Count(monkeypatch, rankpacks, "check_rank_packs")
     report = verify(many)
     assert report.ok, report.problems[:3]
     assert (report.tensors, report.chunks) == (TENSORS, TENSORS)
@@ -63,7 +63,7 @@ def test_verify_reads_each_pack_directory_once(many: Path, monkeypatch: pytest.M
 
 
 def test_verify_no_data_checks_packs_once(many: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    directories = _Count(monkeypatch, safety, "_pack_directory")
+    directories = _Count(monkeypatch, packdir, "_pack_directory")
     report = verify(many, read_data=False)
     assert report.ok, report.problems[:3]
     assert directories.calls <= len(_packs(many)) + 1
@@ -76,7 +76,7 @@ def test_damaged_pack_is_narrowed_down_by_bisection(
     shutil.copytree(many, ck)
     victim = _packs(ck)[3]
     victim.write_bytes(victim.read_bytes()[:-200])  # its central directory cut: the pack is unreadable
-    checks = _Count(monkeypatch, safety, "check_rank_packs")
+    checks = _Count(monkeypatch, rankpacks, "check_rank_packs")
     report = verify(ck)
     assert not report.ok
     bad = {p.tensor for p in report.problems}
@@ -98,7 +98,7 @@ def test_bisection_pins_one_damaged_array(monkeypatch: pytest.MonkeyPatch) -> No
             raise CorruptCheckpointError("model/t1234/c.0 is in none of rank 0's packs")
         return {}
 
-    monkeypatch.setattr(safety, "check_rank_packs", check)
+    monkeypatch.setattr(rankpacks, "check_rank_packs", check)
     report = VerifyReport("ck")
     assert _check_rank_packs(None, "ck", None, report, names) == names - {"model/t1234"}  # type: ignore[arg-type]
     assert [(p.tensor, p.message) for p in report.problems] == [

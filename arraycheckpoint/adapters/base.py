@@ -1,6 +1,6 @@
 """What every adapter provides, and the strictness checks all adapters share.
 
-An adapter only translates: framework objects to :class:`~arraycheckpoint.items.SaveRequest` on save, and to
+An adapter only translates: framework objects to :class:`~arraycheckpoint.planning.items.SaveRequest` on save, and to
 a :class:`LoadJob` (regions to read, sinks to fill, a ``finish`` step) on load. It performs no I/O and runs
 no collective; the engine does both.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import StateMismatchError
-from ..items import LoadTensor, SaveRequest
-from ..metadata import CheckpointMetadata
+from ..format.metadata import CheckpointMetadata
+from ..planning.items import LoadTensor, SaveRequest
 
 
 @dataclass(frozen=True)

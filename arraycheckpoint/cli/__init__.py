@@ -9,6 +9,8 @@ Exit codes scripts can rely on:
 * ``3``: an unexpected internal error (a bug: the traceback is printed).
 
 The work itself lives in :mod:`arraycheckpoint.tools`; this module parses arguments and prints.
+
+Layer ``cli``: may import everything but ``testing``.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 def _load_map(path: str) -> dict[str, str]:
     """The rename map of ``--map``/``--rename``: bounded like any JSON the tools read (at most 256 MiB, nested
     at most 100 levels, UTF-8); a pipe (``--map <(...)``) is fine, it is the user's own input."""
+    from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
     from ..errors import MetadataError
-    from ..safety import MAX_METADATA_BYTES, load_json_bounded
 
     try:
         with open(path, "rb") as f:
@@ -111,7 +113,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _verify_total(path: str) -> int:
     from ..codecs import numpy_dtype
-    from ..metadata import CheckpointMetadata
+    from ..format.metadata import CheckpointMetadata
     from ..storage import storage_for
 
     try:
@@ -297,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect, verify, convert and compare arraycheckpoint checkpoints.",
         epilog="exit codes: 0 ok, 1 check failed / differences found, 2 usage or input error, 3 internal error",
     )
-    from .. import __version__
+    from ..format.version import __version__
 
     parser.add_argument("--version", action="version", version=f"arraycheckpoint {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

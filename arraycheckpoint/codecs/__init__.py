@@ -3,6 +3,8 @@
 Importing this package is cheap (numpy only). The zarr-python data-type classes live in
 :mod:`arraycheckpoint.codecs.dtypes`, which imports zarr; they are reachable here lazily
 (``arraycheckpoint.codecs.BFloat16``, ``arraycheckpoint.codecs.register_zarr_dtypes()``).
+
+Layer ``codecs``: just above ``arraycheckpoint.errors``, the only module it may import.
 """
 
 from __future__ import annotations

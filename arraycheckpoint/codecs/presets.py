@@ -201,7 +201,7 @@ def array_metadata(
         name: the entry name of the array (``model/layers.0.w``); when given without ``dimension_names``,
             the names are :func:`dimension_names_for` it (what every array of a new checkpoint carries).
         separator: the chunk key separator (``"."``: ``c.0.1``, what format 3 writes; ``"/"``: ``c/0/1``,
-            formats 1 and 2; see :func:`arraycheckpoint.metadata.chunk_key_separator`).
+            formats 1 and 2; see :func:`arraycheckpoint.format.metadata.chunk_key_separator`).
 
     Raises:
         UnsupportedDTypeError: for an unsupported dtype.

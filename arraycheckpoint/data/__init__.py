@@ -3,6 +3,9 @@
 See ``docs/dataloader.md``. Put a loader implementing :class:`ReshardableLoader` in the saved state
 (``{"dataloader": loader}``); on load, the same call restores it, merging or splitting its shards when the
 DP size changed.
+
+Layer ``adapters`` (beside :mod:`arraycheckpoint.adapters`, whose load jobs it uses): may import ``errors``,
+``codecs``, ``checks``, ``planning``, ``format``, ``runtime`` and ``adapters``.
 """
 
 from __future__ import annotations

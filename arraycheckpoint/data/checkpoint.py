@@ -6,7 +6,7 @@ Entries under namespace ``ns`` (usually ``dataloader``):
   "num_workers": W, "step": S}``;
 * ``<ns>/~shards`` (per-rank object): the index of every sharded part, in one of two forms.
 
-  - **Template** (format 4, :mod:`arraycheckpoint.rankdoc`): each rank's index in a rank-independent shape,
+  - **Template** (format 4, :mod:`arraycheckpoint.format.rankdoc`): each rank's index in a rank-independent shape,
     ``{"dp_rank": d, "workers": {"<w>": {"meta": ..., "arrays": [name, ...], "rows": {name: stacked}}}}``
     (the per-DP-shard array names ``<ns>/shard_<d>_<w>/<name>`` derived, not listed), split into one template
     and rows of its numbers (``dp_rank``, the numbers in the loader's ``meta``: positions, epochs, seeds) as
@@ -19,7 +19,7 @@ Entries under namespace ``ns`` (usually ``dataloader``):
     per rank, in the global metadata;
 * the sharded parts' arrays (token buffers, positions): when every rank's arrays of worker ``w`` agree in shape
   and dtype, ONE stacked array ``<ns>/~rows/<w>/<array>`` of shape ``[world, *shape]`` whose row ``r`` is
-  rank ``r``'s (:mod:`arraycheckpoint.perrank`; ranks sharing a DP rank each store their identical row);
+  rank ``r``'s (:mod:`arraycheckpoint.format.perrank`; ranks sharing a DP rank each store their identical row);
   otherwise ``<ns>/shard_<d>_<w>/<array>`` per DP shard (ranks sharing a DP rank declare identical arrays,
   which the planner writes once). The index names both; the loader reads whichever is stored.
 """
@@ -32,12 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import perrank, rankdoc
 from ..adapters.base import Expected, LoadJob
 from ..errors import ArrayCheckpointError
-from ..items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
-from ..metadata import CheckpointMetadata, check_name
-from ..regions import Box
+from ..format import perrank, rankdoc
+from ..format.metadata import CheckpointMetadata, check_name
+from ..planning.items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
+from ..planning.regions import Box
 from .protocol import LoaderState, ReshardableLoader, SavedLoaderState, ShardKey, ShardState
 
 MARKER = "dataloader"
@@ -60,7 +60,7 @@ def save_items(
     """This rank's entries for ``loader`` (collects its state: a queue poll when it was prepared).
 
     With ``rank`` given, each shard array is offered as row ``rank`` of a stacked array
-    ``<ns>/~rows/<worker>/<array>`` of shape ``[world, *shape]`` (:mod:`arraycheckpoint.perrank`): saved so
+    ``<ns>/~rows/<worker>/<array>`` of shape ``[world, *shape]`` (:mod:`arraycheckpoint.format.perrank`): saved so
     when every rank's arrays agree in shape and dtype, else as ``<ns>/shard_<d>_<w>/<array>``. The index
     names both; a loader reads whichever the checkpoint holds.
     """
@@ -100,7 +100,7 @@ def save_items(
     # per rank without a world to stack rows in, or for meta that split would misread (rankdoc.ambiguous)
     if rank is None or rankdoc.ambiguous(compact):
         return tensors, [SaveObject(ns, head), plain]
-    # one template and rows of numbers when every rank's index agrees, else ``plain`` (arraycheckpoint.rankdoc)
+    # one template and rows of numbers when every rank's index agrees, else ``plain`` (arraycheckpoint.format.rankdoc)
     template, *leaf_rows = rankdoc.templated(
         SaveObject(plain.name, compact, scope="rank"), {}, rank, world, fallback=plain
     )
@@ -138,7 +138,7 @@ class _Stored:
 
 def _where(meta: CheckpointMetadata, name: str, entry: dict[str, Any], rank: int) -> _Stored:
     """Where shard array ``name`` (indexed by saved rank ``rank``) is stored: its own array, or that rank's
-    row of the stacked array the index names (:mod:`arraycheckpoint.perrank`)."""
+    row of the stacked array the index names (:mod:`arraycheckpoint.format.perrank`)."""
     full = entry["arrays"][name]
     tm = meta.tensors.get(full)
     if tm is not None:

@@ -2,17 +2,21 @@
 
 A thin facade over the two pipelines: :mod:`.save` (snapshot, then exchange/write/flush in the background,
 coordinated by :mod:`.coordinate`) and :mod:`.load` (metadata, then concurrent region reads). The engine knows
-no framework: adapters translate (see :mod:`arraycheckpoint.items`).
+no framework: adapters translate (see :mod:`arraycheckpoint.planning.items`).
+
+Layer ``engine``: may import every layer below it (``errors``, ``codecs``, ``checks``, ``planning``,
+``format``, ``runtime``, ``adapters``, ``storage``, ``audit``, ``sources``); never the API, the tools or the
+interop surfaces.
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..collectives import Communicator
-from ..future import CheckpointFuture
-from ..hostpool import shared_pool
-from ..items import SaveRequest
+from ..planning.items import SaveRequest
+from ..runtime.collectives import Communicator
+from ..runtime.future import CheckpointFuture
+from ..runtime.hostpool import shared_pool
 from .common import DEFAULT_INFLIGHT_BYTES
 from .job import SaveOptions
 from .load import LoadPipeline, record_load_metrics

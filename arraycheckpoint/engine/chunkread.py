@@ -12,7 +12,7 @@ Only the layout a save writes is read here (every inner chunk the region needs p
 inside the file; tensorstore leaves out an edge chunk's inner chunks beyond the array); anything else returns
 False and the caller reads that region through
 tensorstore, which reads every valid zarr shard. The files were checked first
-(:func:`arraycheckpoint.safety.check_chunk_files`: regular files, no link on the path, sizes bounded); a file
+(:func:`arraycheckpoint.audit.scan.check_chunk_files`: regular files, no link on the path, sizes bounded); a file
 is opened without following a link all the same. A checksum that does not match raises
 :class:`CorruptCheckpointError` naming the tensor and the file.
 """
@@ -31,7 +31,7 @@ import numpy as np
 
 from ..codecs import CODEC_PRESET, numpy_dtype
 from ..errors import CorruptCheckpointError
-from ..regions import Box, intersect
+from ..planning.regions import Box, intersect
 from . import shardfile
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -46,7 +46,7 @@ class ChunkReader:
     """Reads regions of a local checkpoint's unpacked, uncompressed arrays on a small thread pool."""
 
     def __init__(self, root: str, meta: Any, threads: int) -> None:
-        from ..metadata import chunk_key_separator
+        from ..format.metadata import chunk_key_separator
 
         self._root = root.rstrip("/")
         self._meta = meta

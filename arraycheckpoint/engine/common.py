@@ -14,8 +14,8 @@ import numpy as np
 
 from ..codecs import array_metadata, numpy_dtype
 from ..errors import CorruptCheckpointError, StorageError
-from ..plan import PlanOptions
-from ..regions import Box
+from ..planning.plan import PlanOptions
+from ..planning.regions import Box
 from ..storage import Storage
 
 log = logging.getLogger("arraycheckpoint")
@@ -54,7 +54,7 @@ def array_spec(storage: Storage, root: str, layout: Any, separator: str = ".") -
 
 
 def array_kvstore_spec(storage: Storage, root: str, tensor: Any) -> dict[str, Any]:
-    """The kvstore spec of a stored array (a :class:`~arraycheckpoint.metadata.TensorMeta`): its directory
+    """The kvstore spec of a stored array (a :class:`~arraycheckpoint.format.metadata.TensorMeta`): its directory
     ``<root>/<name>/``, or, for a packed array (format 5), its keys inside the pack's ZIP file."""
     pack = getattr(tensor, "pack", None)
     if pack is None:

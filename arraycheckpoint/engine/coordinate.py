@@ -5,14 +5,14 @@ Per save, in the background thread of every rank, in this order:
 0. *agree* (before the snapshot, in the caller's thread): one fixed-size all-reduce decides, identically on
    every rank, whether the cached plan is reused, whether every rank declared the same thing, and whether
    any rank failed to declare (:meth:`Coordinator.agree`);
-1. *plan*: a rank declares each tensor by its layout rule (:mod:`arraycheckpoint.rules`). When every rank's
+1. *plan*: a rank declares each tensor by its layout rule (:mod:`arraycheckpoint.planning.rules`). When every rank's
    declaration is the same (FSDP2, DDP), each rank plans by itself with no collective. Otherwise the
    coordinator (rank 0) gathers 16-byte digests, then one declaration per distinct digest, and broadcasts
-   the distinct declarations once; every rank then plans (:mod:`arraycheckpoint.groupplan`: deterministic,
+   the distinct declarations once; every rank then plans (:mod:`arraycheckpoint.planning.groupplan`: deterministic,
    the same plan everywhere) and derives its own work. No rank receives O(world size x payload) bytes;
 2. (the save pipeline writes the chunks this rank holds; only flat ranges (FSDP1) exchange fragments first)
 3. *commit*: the coordinator gathers every rank's status, writes the metadata, the control node and the
-   group ``zarr.json`` files (:mod:`arraycheckpoint.hierarchy`), commits through the storage's strategy and
+   group ``zarr.json`` files (:mod:`arraycheckpoint.format.hierarchy`), commits through the storage's strategy and
    broadcasts the outcome, so an error on any rank surfaces on every rank.
 
 No bytes of tensor data pass through here. The plan id every rank executed is compared at commit.
@@ -31,16 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
-from .._tscontext import context
 from ..codecs import CODEC_PRESET, zarr_dtype_name
-from ..collectives import Communicator
 from ..errors import ArrayCheckpointError, SaveFailedError
-from ..groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
-from ..groupplan import rank_plan as rank_plan_of
-from ..hierarchy import hierarchy_documents
-from ..items import SaveRequest, SaveTensor
-from ..metadata import (
+from ..format.hierarchy import hierarchy_documents
+from ..format.metadata import (
     METRICS_FILE,
     CheckpointMetadata,
     LazyShards,
@@ -49,8 +43,14 @@ from ..metadata import (
     check_name,
     check_name_tree,
 )
-from ..regions import Box
-from ..rules import Mesh, digest, encode_ranks, rule_boxes
+from ..format.version import __version__
+from ..planning.groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
+from ..planning.groupplan import rank_plan as rank_plan_of
+from ..planning.items import SaveRequest, SaveTensor
+from ..planning.regions import Box
+from ..planning.rules import Mesh, digest, encode_ranks, rule_boxes
+from ..runtime.collectives import Communicator
+from ..runtime.tscontext import context
 from . import saveargs
 from .common import describe, local_ranks_per_host, plan_options, write_sidecar
 from .job import CachedPlan, SaveJob, SaveOptions
@@ -77,7 +77,7 @@ class Coordinator:
         gathered; a cached plan agreed on with ``s`` differing was planned for those per-rank arrays, since a
         rank's cache key covers its stacked shapes), ``t`` the digest of the per-rank templates (when it
         differs, ``job.untemplate``: every rank saves per-rank documents and no leaf rows, see
-        :mod:`arraycheckpoint.rankdoc`; the plan is then gathered, never cached nor taken from the cache, since
+        :mod:`arraycheckpoint.format.rankdoc`; the plan is then gathered, never cached nor taken from the cache, since
         a cache key does not cover the templates) and ``h`` this rank's ranks-per-host
         (:func:`local_ranks_per_host`, 0 when unknown): the plan uses it as the host map only when every rank
         reports the same value, else no host map on every rank (logged; chunks are written by ranks holding
@@ -105,9 +105,9 @@ class Coordinator:
                 hmin,
                 -hmax_neg,
             )
-        # stacked per-rank arrays (arraycheckpoint.perrank) need every rank's rows alike; else all fall back
+        # stacked per-rank arrays (arraycheckpoint.format.perrank) need every rank's rows alike; else all fall back
         job.unstack = bool(ok) and smin != -smax_neg
-        # per-rank documents as one template (arraycheckpoint.rankdoc) need every rank's template alike
+        # per-rank documents as one template (arraycheckpoint.format.rankdoc) need every rank's template alike
         job.untemplate = bool(ok) and tmin != -tmax_neg
         if not ok:
             job.mode = "skip"  # a rank could not declare: it reports why at commit, nobody plans or writes
@@ -220,7 +220,7 @@ def status_payload(
 ) -> bytes:
     """This rank's commit status for the coordinator: text only from ranks with something to say (an error,
     per-rank objects, or a metrics sample), else nothing. Per-rank objects in template form are agreed and
-    stored from the coordinator's own request (:mod:`arraycheckpoint.rankdoc`): they never travel."""
+    stored from the coordinator's own request (:mod:`arraycheckpoint.format.rankdoc`): they never travel."""
     rank_objects = {o.name: o.value for o in request.objects if o.scope == "rank" and o.rows is None}
     sampled = rank % max(1, world // METRICS_SAMPLE) == 0
     status = {"error": error, "objects": rank_objects, "metrics": metrics}
@@ -256,7 +256,7 @@ def build_metadata(
     for o in request.objects:
         if o.scope == "global":
             objects[o.name] = ObjectMeta(o.name, "global", value=o.value)
-        elif o.rows is not None:  # agreed by every rank (arraycheckpoint.rankdoc): stored once
+        elif o.rows is not None:  # agreed by every rank (arraycheckpoint.format.rankdoc): stored once
             objects[o.name] = ObjectMeta(o.name, "rank", template=o.value, rows=dict(o.rows))
     for rank, s in enumerate(statuses):
         for name, value in s.get("objects", {}).items():

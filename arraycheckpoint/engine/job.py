@@ -7,13 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from ..collectives import Communicator
-from ..future import CheckpointFuture
-from ..groupplan import CompactPlan, Decl
-from ..items import SaveRequest
-from ..monitoring import PhaseRecorder
-from ..plan import PlanOptions, RankPlan
-from ..regions import Box
+from ..planning.groupplan import CompactPlan, Decl
+from ..planning.items import SaveRequest
+from ..planning.plan import PlanOptions, RankPlan
+from ..planning.regions import Box
+from ..runtime.collectives import Communicator
+from ..runtime.future import CheckpointFuture
+from ..runtime.monitoring import PhaseRecorder
 from ..storage import Storage
 from .common import DEFAULT_INFLIGHT_BYTES
 
@@ -57,10 +57,10 @@ class SaveJob:
     recorder: PhaseRecorder
     error: str | None = None
     mode: str = ""  # agreed by all ranks: "cached", "local", "gather" or "skip" (see Coordinator.agree)
-    stack_digest: bytes = b""  # of this rank's stacked per-rank slots (arraycheckpoint.perrank)
+    stack_digest: bytes = b""  # of this rank's stacked per-rank slots (arraycheckpoint.format.perrank)
     unstack: bool = False  # agreed: the ranks' stacked slots differ, every rank saves per-rank arrays
     ranks_per_host: int = 0  # agreed: LOCAL_WORLD_SIZE when every rank reports the same, else 0 (no host map)
-    template_digest: bytes = b""  # of this rank's per-rank templates (arraycheckpoint.rankdoc)
+    template_digest: bytes = b""  # of this rank's per-rank templates (arraycheckpoint.format.rankdoc)
     untemplate: bool = False  # agreed: the ranks' templates differ, every rank saves per-rank objects
     buffers: list[np.ndarray] = field(default_factory=list)
     fences: list[Any] = field(default_factory=list)  # asynchronous device copies of the snapshot

@@ -14,15 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from .. import safety
-from .._tscontext import context
+from ..audit import arrays as audit_arrays
+from ..audit import scan
+from ..checks import limits
 from ..codecs import numpy_dtype
-from ..collectives import Communicator
 from ..errors import CheckpointNotFoundError, MetadataError, StorageError
-from ..items import LoadShard, LoadTensor
-from ..metadata import CheckpointMetadata, check_name
-from ..monitoring import PhaseRecorder
-from ..regions import Box
+from ..format.metadata import CheckpointMetadata, check_name
+from ..planning.items import LoadShard, LoadTensor
+from ..planning.regions import Box
+from ..runtime.collectives import Communicator
+from ..runtime.monitoring import PhaseRecorder
+from ..runtime.tscontext import context
 from ..storage import Storage, storage_for
 from ..storage.base import reading
 from ..storage.local import LocalStorage
@@ -63,7 +65,7 @@ class LoadPipeline:
             if raw is None:
                 raise MetadataError(f"checkpoint {root} is committed but has no {files.metadata}")
             meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
-            safety.check_layouts(meta)  # untrusted input: before anything is sized from it
+            limits.check_layouts(meta)  # untrusted input: before anything is sized from it
         except Exception as e:
             gone = _gone(storage, root, e, "opened")
             if gone is None:
@@ -132,7 +134,7 @@ class LoadPipeline:
         recorder: PhaseRecorder,
     ) -> tuple[list[LoadTensor], int]:
         """Read regions wanted by several ranks once, ship them; return the targets left to read locally."""
-        from ..plan import assign_shared_reads
+        from ..planning.plan import assign_shared_reads
 
         mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
         wanted = comm.all_gather_json([[n, list(b.offsets), list(b.lengths)] for n, b in mine])
@@ -216,12 +218,12 @@ class LoadPipeline:
             # refused by check_chunk_files above)
             # the stored files of what this rank reads, and only those (see check_chunk_files)
             directories: dict[str, list[Any]] = {}  # the packs' ZIP directories, parsed once by the checks
-            safety.check_chunk_files(
+            scan.check_chunk_files(
                 storage, root, meta, [t.name for t in targets if t.shards], directories, wanted
             )
             # format-6 packed arrays: decoded by packread (whose zarr.json it checks), never by tensorstore
             by_rank = {t.name for t in targets if t.shards and meta.tensors[t.name].pack_rank is not None}
-            docs = safety.check_arrays(
+            docs = audit_arrays.check_arrays(
                 storage, root, meta, {t.name: wanted[t.name] for t in targets if t.shards and t.name not in by_rank}
             )
             # packed chunks are decoded here (one pread or ranged read per member, crc32c, straight into the

@@ -1,4 +1,4 @@
-"""Write packs: uncompressed ZIP files of small zarr v3 arrays (the layout is :mod:`arraycheckpoint.packing`).
+"""Write packs: uncompressed ZIP files of small zarr v3 arrays (the layout is :mod:`arraycheckpoint.planning.packing`).
 
 A pack's members are the exact keys the arrays would have in the checkpoint directory (``<name>/zarr.json``
 and the chunk files :mod:`.shardfile` encodes), plus a group ``zarr.json`` for the pack's root and every
@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..packing import group_keys
+from ..planning.packing import group_keys
 
 Buffer = bytes | np.ndarray
 

@@ -1,7 +1,7 @@
 """Read packed chunks (formats 5 and 6) straight into their destinations, verifying both checksums with CRC32C.
 
 The mirror of :func:`arraycheckpoint.engine.shardfile.encode` for the chunk files a save puts in packs
-(:mod:`arraycheckpoint.packing`: uncompressed, edge chunks padded): a member's bytes are a ``sharding_indexed``
+(:mod:`arraycheckpoint.planning.packing`: uncompressed, edge chunks padded): a member's bytes are a ``sharding_indexed``
 shard, every inner chunk's little-endian bytes followed by their ``crc32c``, then the index (``(offset,
 nbytes)`` as little-endian uint64 per inner chunk) and the index's ``crc32c``. Each member a load needs is
 read once, with one ``pread`` on a local file (into one staging buffer reused for every member) or one ranged
@@ -11,8 +11,8 @@ the destination of each region (the tensor itself, or the staging buffer a sink 
 byte after the read.
 
 Format 6 chunks are found by key in the central directories the load's checks parsed
-(:func:`arraycheckpoint.safety.check_rank_packs`: the packs of each chunk's writer), and the array's
-``zarr.json`` (in its creator's packs) is checked against the metadata (:func:`arraycheckpoint.safety
+(:func:`arraycheckpoint.audit.rankpacks.check_rank_packs`: the packs of each chunk's writer), and the array's
+``zarr.json`` (in its creator's packs) is checked against the metadata (:func:`arraycheckpoint.checks
 .check_packed_doc`). Only the exact layout a save writes is decoded (every inner chunk present, in C order,
 of its exact size): a format-5 member in another layout goes back to tensorstore; a format-6 one is damage.
 A checksum that does not match raises :class:`CorruptCheckpointError` naming the tensor and the pack.
@@ -29,7 +29,7 @@ import numpy as np
 
 from ..codecs import numpy_dtype
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
-from ..regions import Box, intersect
+from ..planning.regions import Box, intersect
 from . import shardfile
 
 #: A ZIP local file header: signature, versions, flags, method, time, date, crc, sizes, name and extra lengths.
@@ -171,11 +171,11 @@ class PackedReader:
     destinations."""
 
     def __init__(self, root: str, meta: Any, storage: Any, directories: dict[str, list[Any]]) -> None:
-        from ..metadata import chunk_key_separator
+        from ..format.metadata import chunk_key_separator
         from ..storage.local import LocalStorage
 
         self._root, self._meta, self._storage = root, meta, storage
-        self._directories = directories  # what the load's checks parsed (safety.check_packs and friends)
+        self._directories = directories  # what the load's checks parsed (audit.packs.check_packs and friends)
         self._sep = chunk_key_separator(meta.format_version)
         self._packs: dict[str, PackFile] = {}
         self._where: dict[str, str] = {}  # member -> pack key (format 6, from the directories)
@@ -191,14 +191,14 @@ class PackedReader:
         if pack is None:
             entries = self._directories.get(key)
             if entries is None:  # not checked by this load (cannot happen through LoadPipeline)
-                from ..safety import read_pack_directory
+                from ..audit.packdir import read_pack_directory
 
                 entries, _size = read_pack_directory(self._storage, self._root, self._meta, key)
             kv = None
             if not self._local:
                 if self._kv is None:
-                    from ..packing import PACK_DIR
-                    from ..safety import _kvstore
+                    from ..audit.packdir import _kvstore
+                    from ..planning.packing import PACK_DIR
 
                     self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
                 kv = self._kv
@@ -225,7 +225,8 @@ class PackedReader:
         Raises:
             CorruptCheckpointError: a checksum that does not match; a format-6 member not as a save writes it.
         """
-        from ..safety import check_packed_doc, chunks_wanted
+        from ..audit.arrays import check_packed_doc
+        from ..audit.packs import chunks_wanted
 
         tm = self._meta.tensors[t.name]
         v6 = tm.pack_rank is not None

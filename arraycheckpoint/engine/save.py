@@ -20,20 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from .. import rankdoc
-from .._tscontext import context
 from ..codecs import numpy_dtype
 from ..codecs.presets import array_metadata, dimension_names_for
-from ..collectives import Communicator
 from ..errors import ArrayCheckpointError, SaveFailedError
-from ..future import CheckpointFuture
-from ..hostpool import HostBufferPool
-from ..items import HostSource, SaveRequest, SaveShard
-from ..monitoring import PhaseRecorder
-from ..packing import DOC_BYTES, chunk_file_bytes, fill_packs, packs_rank
-from ..perrank import fall_back, stack_digest
-from ..plan import ArrayLayout, RankPlan
-from ..regions import Box, intersect
+from ..format import rankdoc
+from ..format.perrank import fall_back, stack_digest
+from ..planning.items import HostSource, SaveRequest, SaveShard
+from ..planning.packing import DOC_BYTES, chunk_file_bytes, fill_packs, packs_rank
+from ..planning.plan import ArrayLayout, RankPlan
+from ..planning.regions import Box, intersect
+from ..runtime.collectives import Communicator
+from ..runtime.future import CheckpointFuture
+from ..runtime.hostpool import HostBufferPool
+from ..runtime.monitoring import PhaseRecorder
+from ..runtime.tscontext import context
 from ..storage import storage_for
 from ..storage.local import LocalStorage
 from . import shardfile
@@ -417,9 +417,9 @@ class FullPack:
 
 
 class _Packs:
-    """This rank's packs (:mod:`arraycheckpoint.packing`): the ``zarr.json`` of the packed arrays it creates
+    """This rank's packs (:mod:`arraycheckpoint.planning.packing`): the ``zarr.json`` of the packed arrays it creates
     and the chunk files of packed arrays it writes, filled in plan order into packs of about the target file
-    size (:func:`~arraycheckpoint.packing.fill_packs`); each pack is handed out once all its members are
+    size (:func:`~arraycheckpoint.planning.packing.fill_packs`); each pack is handed out once all its members are
     encoded."""
 
     def __init__(self, job: SaveJob, plan: RankPlan, layouts: dict[str, ArrayLayout]) -> None:

@@ -12,7 +12,7 @@ chunk, C order) and the index's ``crc32c``. That is simple enough to produce her
   a write buffer first (tensorstore copies it and checksums in software).
 
 Compressed arrays and partial edge chunks still go through tensorstore, except the edge chunks of packed
-arrays (:mod:`arraycheckpoint.packing`), padded here to the full chunk shape (:func:`padded`). Nothing is read here: loads go through
+arrays (:mod:`arraycheckpoint.planning.packing`), padded here to the full chunk shape (:func:`padded`). Nothing is read here: loads go through
 tensorstore (or zarr-python), which verify both checksums, so a file this module got wrong fails its first read.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..regions import Box
+from ..planning.regions import Box
 
 
 def _crc32c() -> Any:
@@ -53,7 +53,7 @@ _CRC = _crc32c()
 
 
 def _any_crc32c() -> Any:
-    """google_crc32c whatever its implementation (packed arrays, :mod:`arraycheckpoint.packing`, are always
+    """google_crc32c whatever its implementation (packed arrays, :mod:`arraycheckpoint.planning.packing`, are always
     encoded here: the plan decides packing identically on every rank, whatever each interpreter has)."""
     import google_crc32c
 

@@ -1,6 +1,6 @@
 """Load sources: checkpoints in other formats that :func:`arraycheckpoint.load` reads like its own.
 
-A :class:`LoadSource` describes a foreign checkpoint as :class:`~arraycheckpoint.metadata.CheckpointMetadata`
+A :class:`LoadSource` describes a foreign checkpoint as :class:`~arraycheckpoint.format.metadata.CheckpointMetadata`
 (every tensor with its global shape and dtype, under our entry names) and reads the regions a load wants,
 as byte ranges of the stored files. Adapters, strict checks, ``key_map``, ``allow_cast`` and the report then
 work unchanged: the engine hands the read to the source instead of opening Zarr arrays.
@@ -14,6 +14,10 @@ Sources, detected from the files at the path when it holds no committed arrayche
 
 Sources only read: they never write and never communicate. The safetensors source imports no framework; the
 DCP source needs torch to unpickle DCP's metadata classes.
+
+Layer ``sources``: above ``audit``, below ``engine`` (the engine hands a foreign checkpoint's reads to its
+source). May import every layer below it; one lazy exception (the DCP helpers still in
+:mod:`arraycheckpoint.dcp`) is listed in tests/test_layers.py.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..items import LoadTensor
-    from ..metadata import CheckpointMetadata
-    from ..monitoring import PhaseRecorder
+    from ..format.metadata import CheckpointMetadata
+    from ..planning.items import LoadTensor
+    from ..runtime.monitoring import PhaseRecorder
     from ..storage import Storage
 
 __all__ = ["LoadSource", "local_dir", "open_source"]
@@ -60,7 +64,7 @@ class LoadSource(ABC):
 
 def local_dir(storage: Storage, root: str) -> str | None:
     """The directory of ``root`` when ``storage`` is a local file system (its files are then opened with
-    the checks of :mod:`arraycheckpoint.filecheck`: no link, no FIFO, sizes known), else None."""
+    the checks of :mod:`arraycheckpoint.checks.files`: no link, no FIFO, sizes known), else None."""
     spec = storage.kvstore_spec(root)
     return str(spec["path"]) if spec.get("driver") == "file" else None
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from ..checks.files import open_regular
 from ..errors import CorruptCheckpointError, MetadataError, PickleNotAllowedError
-from ..filecheck import open_regular
-from ..items import LoadShard, LoadTensor
-from ..metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from ..monitoring import PhaseRecorder
-from ..regions import Box, intersect
+from ..format.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from ..planning.items import LoadShard, LoadTensor
+from ..planning.regions import Box, intersect
+from ..runtime.monitoring import PhaseRecorder
 from . import LoadSource
 from .ranges import RangeReader, StoredTensor
 
@@ -144,8 +144,8 @@ class DcpSource(LoadSource):
     def read(self, targets: list[LoadTensor], max_inflight_bytes: int, recorder: PhaseRecorder) -> None:
         import tensorstore as ts
 
-        from .._tscontext import context
         from ..codecs import numpy_dtype
+        from ..runtime.tscontext import context
 
         with recorder.phase("read") as rec:
             kv = ts.KvStore.open(self.storage.kvstore_spec(self.root), context=context()).result()
@@ -227,9 +227,9 @@ def _byte_objects(
     import tensorstore as ts
     import torch
 
-    from .._tscontext import context
     from ..dcp import DCP_OBJECT, json_value, native_objects
-    from ..metadata import ObjectMeta
+    from ..format.metadata import ObjectMeta
+    from ..runtime.tscontext import context
 
     kv = ts.KvStore.open(storage.kvstore_spec(root), context=context()).result() if values else None
     raw: dict[str, str] = {}
@@ -336,7 +336,7 @@ def _zip64_sizes(extra: bytes, csize: int, usize: int, local: int) -> tuple[int,
 def _check_files(storage: Any, root: str, spans: list[tuple[str, int, str]]) -> None:
     """On a local file system, every ``.distcp`` file the metadata names (``spans``: file, the end of a
     tensor chunk or value stored in it, what is stored there) is a regular file (no link, never a FIFO:
-    :func:`arraycheckpoint.filecheck.open_regular`) holding every item recorded in it: a file cut short is
+    :func:`arraycheckpoint.checks.files.open_regular`) holding every item recorded in it: a file cut short is
     refused here, naming a tensor or value stored past its end and the file, before anything is read."""
     from . import local_dir
 

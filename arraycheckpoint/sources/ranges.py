@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from .._tscontext import context
+from ..checks.files import open_regular
 from ..errors import CorruptCheckpointError, StorageError
-from ..filecheck import open_regular
-from ..items import LoadShard
-from ..regions import Box
+from ..planning.items import LoadShard
+from ..planning.regions import Box
+from ..runtime.tscontext import context
 
 #: merged reads fetch at most this fraction more than the region's own bytes
 MAX_OVERREAD = 0.1

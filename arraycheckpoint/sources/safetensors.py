@@ -20,11 +20,11 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+from ..checks.bounds import load_json_bounded
+from ..checks.files import open_regular, pread_exact, read_below
 from ..codecs import numpy_dtype
 from ..errors import InconsistentCheckpointError, MetadataError
-from ..filecheck import open_regular, pread_exact, read_below
-from ..items import LoadTensor
-from ..metadata import (
+from ..format.metadata import (
     MAX_ELEMENTS,
     MAX_NDIM,
     CheckpointMetadata,
@@ -33,8 +33,8 @@ from ..metadata import (
     TensorMeta,
     check_name,
 )
-from ..monitoring import PhaseRecorder
-from ..safety import load_json_bounded
+from ..planning.items import LoadTensor
+from ..runtime.monitoring import PhaseRecorder
 from . import LoadSource, _has, local_dir
 from .ranges import RangeReader, StoredTensor
 
@@ -83,7 +83,7 @@ def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
 
 def _json(raw: bytes, limit: int, what: str) -> Any:
     """A JSON document of the directory (its index, a file's header), parsed with the bounds of the native
-    metadata (:func:`arraycheckpoint.safety.load_json_bounded`: size, nesting, containers); a document that
+    metadata (:func:`arraycheckpoint.checks.bounds.load_json_bounded`: size, nesting, containers); a document that
     fails them is damage: :class:`InconsistentCheckpointError` (a ``MetadataError`` and a
     ``CorruptCheckpointError``)."""
     try:
@@ -95,7 +95,7 @@ def _json(raw: bytes, limit: int, what: str) -> Any:
 def _header(kv: Any, root: str, key: str, local: str | None) -> tuple[int, dict[str, Any], int | None]:
     """(data start, header dict, file size where known) of one safetensors file.
 
-    A local file is opened once (:func:`arraycheckpoint.filecheck.open_regular`: no link, no FIFO) and read
+    A local file is opened once (:func:`arraycheckpoint.checks.files.open_regular`: no link, no FIFO) and read
     with ``pread``; other storage with two byte-range reads. The header length is checked against the
     file's size before the header is read.
     """
@@ -239,7 +239,7 @@ class SafetensorsSource(LoadSource):
         """Read the index (if any) and every file's header; raises :class:`MetadataError` on bad input."""
         import tensorstore as ts
 
-        from .._tscontext import context
+        from ..runtime.tscontext import context
 
         if _has(storage, root, INDEX_FILE):
             raw = _read_bounded(storage, root, INDEX_FILE, MAX_INDEX_BYTES)

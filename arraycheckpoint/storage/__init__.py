@@ -11,6 +11,9 @@ any other fsspec URL   :class:`FsspecStorage` (fsspec upload)       marker ``.ac
 
 Backend options (S3 endpoint, region, credentials, fsspec storage options) are set per scheme with
 :func:`configure`; environment variables are the default. :func:`register_scheme` plugs in a backend.
+
+Layer ``storage``: where bytes go. May import ``errors``, ``codecs``, ``checks``, ``planning``, ``format``,
+``runtime`` and ``adapters`` (it uses no adapter); never the engine.
 """
 
 from __future__ import annotations

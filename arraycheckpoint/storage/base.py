@@ -10,8 +10,8 @@ backend shares one code path, with bounded retries, see :mod:`.retry`), and impl
 * ``marker`` (object stores, memory, fsspec): ranks write in place; the commit marker ``.acp/committed`` is
   written last. Readers treat a root without the marker as absent.
 
-Control files (metadata, marker, metrics) live where :data:`~arraycheckpoint.metadata.CONTROL` says; a
-checkpoint of format 1 or 2 keeps them in its root (:data:`~arraycheckpoint.metadata.LEGACY_CONTROL`), and
+Control files (metadata, marker, metrics) live where :data:`~arraycheckpoint.format.metadata.CONTROL` says; a
+checkpoint of format 1 or 2 keeps them in its root (:data:`~arraycheckpoint.format.metadata.LEGACY_CONTROL`), and
 :meth:`Storage.control_files` tells which layout a checkpoint uses.
 
 Call order (the engine's): ``check_target`` and ``acquire`` on the coordinator at snapshot time, then every rank
@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CheckpointExistsError
-from ..metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
+from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
 from .retry import DEFAULT_POLICY, RetryPolicy, retry_call
 
 #: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
@@ -92,7 +92,7 @@ class Storage(ABC):
     def _kv(self, root: str) -> Any:
         import tensorstore as ts
 
-        from .._tscontext import context
+        from ..runtime.tscontext import context
 
         return ts.KvStore.open(self.kvstore_spec(root), context=context()).result()
 
@@ -256,7 +256,7 @@ class Storage(ABC):
         raw = self.read(final, LOCK_KEY)
         if raw is None:
             return None
-        from ..safety import load_json_bounded
+        from ..checks.bounds import load_json_bounded
 
         try:
             return str(load_json_bounded(raw, max_bytes=1 << 16, what=f"{final}/{LOCK_KEY}")["token"])

@@ -28,9 +28,9 @@ import uuid
 import weakref
 from typing import Any
 
+from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
-from ..metadata import COMMIT_MARKER
-from ..safety import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
+from ..format.metadata import COMMIT_MARKER
 from .base import LOCK_KEY, Storage
 from .retry import is_transient
 
@@ -340,7 +340,7 @@ def _check_object_size(path: str, size: int | None) -> None:
 def _memory_kv(spec: dict[str, Any]) -> Any:
     import tensorstore as ts
 
-    from .._tscontext import context
+    from ..runtime.tscontext import context
 
     return ts.KvStore.open(spec, context=context()).result()
 

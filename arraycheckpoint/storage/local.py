@@ -25,12 +25,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
-from ..filecheck import open_below
-from ..metadata import COMMIT_MARKER, CONTROL_LAYOUTS
+from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
 from .base import Storage
 
-_open_below = open_below  # the shared check of every reader (arraycheckpoint.filecheck)
+_open_below = open_below  # the shared check of every reader (arraycheckpoint.checks.files)
 #: Root entries that only a checkpoint (committed or left by a crashed save) holds: its control files.
 _CONTROL_NAMES = frozenset(files.metadata.split("/")[0] for files in CONTROL_LAYOUTS)
 
@@ -144,7 +144,7 @@ class LocalStorage(Storage):
     def read(self, root: str, key: str) -> bytes | None:
         """The regular file ``root/key`` (never through a symlink at or below ``root``, never a FIFO), or None
         when absent."""
-        from ..safety import MAX_METADATA_BYTES
+        from ..checks.bounds import MAX_METADATA_BYTES
 
         path = os.path.join(root, key)
         fd = _open_below(root, key)

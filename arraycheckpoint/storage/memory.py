@@ -1,7 +1,7 @@
 """``memory://`` checkpoints: tensorstore's in-process memory kvstore (tests, fast scratch checkpoints).
 
 All ``memory://`` roots of a process live in the one memory kvstore of the shared tensorstore context
-(:mod:`arraycheckpoint._tscontext`); they vanish with the process. Commit is the marker strategy; the save
+(:mod:`arraycheckpoint.runtime.tscontext`); they vanish with the process. Commit is the marker strategy; the save
 lock is the default conditional-create lock object of :class:`~arraycheckpoint.storage.base.Storage`.
 """
 

@@ -1,6 +1,6 @@
 """A file-like view of an archive of which only the tail is at hand (a pack's central directory).
 
-A pack (:mod:`arraycheckpoint.packing`) is read with ranged reads, never downloaded whole for one small array:
+A pack (:mod:`arraycheckpoint.planning.packing`) is read with ranged reads, never downloaded whole for one small array:
 its last bytes hold the ZIP central directory, which :mod:`zipfile` lists through :class:`TailFile`.
 """
 
@@ -12,7 +12,7 @@ import zipfile
 from collections.abc import Iterable
 from typing import Any
 
-from ..safety import UNICODE_PATH_TAG
+from ..checks.zipdir import UNICODE_PATH_TAG
 
 
 def check_member_names(infos: Iterable[zipfile.ZipInfo], where: str) -> None:

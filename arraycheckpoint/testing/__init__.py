@@ -3,6 +3,8 @@
 :mod:`arraycheckpoint.testing.storage` holds the storage conformance suite: subclass
 :class:`~arraycheckpoint.testing.storage.StorageTests` and supply a ``base_url`` fixture. Importing these
 modules needs pytest; the package itself never imports them.
+
+Layer ``testing``: the top; may import anything, and nothing imports it.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError
-from ..metadata import COMMIT_MARKER, CONTROL_LAYOUTS, LEGACY_CONTROL, METADATA_FILE
+from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS, LEGACY_CONTROL, METADATA_FILE
 from ..storage import Storage, storage_for
 
 
@@ -94,7 +94,7 @@ class StorageTests:
         staging = backend.staging_root(final, token)
         import tensorstore as ts
 
-        from .._tscontext import context
+        from ..runtime.tscontext import context
 
         kv = ts.KvStore.open(backend.kvstore_spec(backend.join(staging, "arr")), context=context()).result()
         kv.write("c/0", payload).result()

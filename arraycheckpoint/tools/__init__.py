@@ -16,6 +16,8 @@ Each module does one job and returns plain data (dataclasses, dicts) that the CL
 Every byte of tensor data is read through :func:`arraycheckpoint.engine.engine`; nothing here opens arrays by
 another path (verify only lists keys, and reads packs' ZIP directories, to find stored chunks that are missing;
 rename copies pack members' bytes into the renamed pack without decoding them).
+
+Layer ``tools``: above the public API; may import every layer but ``cli`` and ``testing``.
 """
 
 from __future__ import annotations

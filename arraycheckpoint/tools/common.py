@@ -16,9 +16,9 @@ import numpy as np
 
 from ..codecs import numpy_dtype
 from ..engine import engine
-from ..items import LoadShard, LoadTensor
-from ..metadata import CheckpointMetadata, TensorMeta
-from ..regions import Box
+from ..format.metadata import CheckpointMetadata, TensorMeta
+from ..planning.items import LoadShard, LoadTensor
+from ..planning.regions import Box
 from ..storage import Storage
 
 #: Rows of a tensor read at once by block-wise tools (diff), in bytes.

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import rankdoc
-from ..regions import Box
+from ..format import rankdoc
+from ..planning.regions import Box
 from .common import BLOCK_BYTES, Checkpoint, read_boxes, row_blocks
 
 

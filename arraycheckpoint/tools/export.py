@@ -44,7 +44,7 @@ import numpy as np
 
 from ..codecs import ML_DTYPE_NAMES, SUPPORTED_DTYPES, numpy_dtype
 from ..errors import ArrayCheckpointError
-from ..regions import Box
+from ..planning.regions import Box
 from .common import Checkpoint, read_boxes, read_tensors
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from ..collectives import SingleProcessCommunicator
+from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..engine import SaveOptions, engine
 from ..errors import ArrayCheckpointError, MetadataError, PickleNotAllowedError
-from ..items import SaveRequest, SaveShard, SaveTensor
-from ..metadata import check_name
-from ..regions import Box
-from ..safety import MAX_METADATA_BYTES, load_json_bounded
+from ..format.metadata import check_name
+from ..planning.items import SaveRequest, SaveShard, SaveTensor
+from ..planning.regions import Box
+from ..runtime.collectives import SingleProcessCommunicator
 
 
 @dataclass
@@ -90,7 +90,7 @@ _INDEX = "model.safetensors.index.json"
 def _refuse_own_format(src: str) -> None:
     """Raise if ``src`` is already an arraycheckpoint checkpoint (``acp.save``'s, or ``arraycheckpoint.dcp.Writer``'s,
     whose JSON ``.metadata`` only serves DCP-style resume discovery): there is nothing to import."""
-    from ..metadata import CONTROL_LAYOUTS
+    from ..format.metadata import CONTROL_LAYOUTS
 
     if any(os.path.exists(os.path.join(src, f.committed)) for f in CONTROL_LAYOUTS):
         raise ArrayCheckpointError(
@@ -231,7 +231,7 @@ def _tensors_dcp(
 ) -> dict[str, tuple[Any, _DcpTensor]]:
     """DCP key -> (meta tensor: shape and dtype, lazy reader) of the DCP directory ``src``, read through the
     DCP load source (:class:`~arraycheckpoint.sources.dcp.DcpSource`) as :func:`arraycheckpoint.load` reads
-    it: its ``.metadata`` and every ``.distcp`` file pass the checks of :mod:`arraycheckpoint.filecheck`
+    it: its ``.metadata`` and every ``.distcp`` file pass the checks of :mod:`arraycheckpoint.checks.files`
     (no link, never a FIFO, no file shorter than what is stored in it) before anything is read, and damage
     is a :class:`~arraycheckpoint.errors.CorruptCheckpointError` naming the tensor and the file. Non-tensor
     values are skipped and reported."""
@@ -268,8 +268,8 @@ class _DcpTensor:
 
     def copy_into(self, out: np.ndarray) -> None:
         from ..engine.common import DEFAULT_INFLIGHT_BYTES
-        from ..items import LoadShard, LoadTensor
-        from ..monitoring import PhaseRecorder
+        from ..planning.items import LoadShard, LoadTensor
+        from ..runtime.monitoring import PhaseRecorder
 
         shard = LoadShard(Box.full(out.shape), lambda a: np.copyto(out, a), target=out)
         self.source.read([LoadTensor(self.name, [shard])], DEFAULT_INFLIGHT_BYTES, PhaseRecorder())

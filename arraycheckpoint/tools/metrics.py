@@ -1,6 +1,6 @@
 """``arraycheckpoint metrics``: per-rank, per-phase timings the engine recorded during the save.
 
-The engine stores each rank's :class:`~arraycheckpoint.monitoring.PhaseRecorder` record in the metadata under
+The engine stores each rank's :class:`~arraycheckpoint.runtime.monitoring.PhaseRecorder` record in the metadata under
 ``metrics["save"][str(rank)] = {"wall_start": ..., "phases": [{"phase", "start", "seconds", "bytes"}]}``.
 This module turns it into a rank-by-phase table and draws a heat-map (seconds per rank and phase, annotated)
 plus a per-rank timeline on one wall clock (matplotlib, Agg backend; install the ``plot`` extra).
@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..errors import CorruptCheckpointError, MetadataError
-from ..metadata import CheckpointMetadata
-from ..safety import MAX_METADATA_BYTES, load_json_bounded
+from ..format.metadata import CheckpointMetadata
 from ..storage import Storage
 from .common import human_bytes
 
@@ -51,8 +51,8 @@ def recorded_metrics(storage: Storage, root: str, meta: CheckpointMetadata) -> d
     (``.acp/metrics-load.json``; both in the root for a checkpoint of format 1 or 2).
 
     The sidecars are checkpoint input like the rest (DESIGN invariant 10): read as regular files only (no
-    link, no FIFO), at most :data:`~arraycheckpoint.safety.MAX_METADATA_BYTES`, nested at most
-    :data:`~arraycheckpoint.safety.MAX_JSON_DEPTH` deep.
+    link, no FIFO), at most :data:`~arraycheckpoint.checks.bounds.MAX_METADATA_BYTES`, nested at most
+    :data:`~arraycheckpoint.checks.bounds.MAX_JSON_DEPTH` deep.
 
     Raises:
         MetadataError: a sidecar that is a link or not a regular file, too large, too deep, not JSON or not

@@ -1,7 +1,7 @@
 """``arraycheckpoint rename``: rename keys of a committed checkpoint in place, without rewriting data.
 
 A tensor is a Zarr array either in the directory named after it or (format 5) as members of a pack file
-(:mod:`arraycheckpoint.packing`), so renaming a tensor is a directory rename, or a rewrite of its pack under
+(:mod:`arraycheckpoint.planning.packing`), so renaming a tensor is a directory rename, or a rewrite of its pack under
 a fresh key (:mod:`.repack`: a ZIP member cannot be renamed in place), plus a metadata rewrite; JSON objects
 live in the metadata only. Each renamed array's ``dimension_names`` follow its new name. A mapping key
 without ``/`` is a parameter FQN and renames it in every namespace (``model/<fqn>``, ``optimizer/<fqn>/...``),
@@ -28,10 +28,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import safety
+from ..audit import scan
+from ..checks import bounds, limits
 from ..errors import ArrayCheckpointError, CheckpointNotFoundError, MetadataError
-from ..metadata import CheckpointMetadata, ObjectMeta, check_name
-from ..packing import PACK_KEY
+from ..format.metadata import CheckpointMetadata, ObjectMeta, check_name
+from ..planning.packing import PACK_KEY
 from ..storage import LocalStorage, storage_for
 from ..storage.local import fsync_path
 from . import repack
@@ -103,7 +104,7 @@ _REF_TAGS = ("__array__", "__module__")
 def _rewrite_refs(value: Any, rules: list[tuple[str, str]]) -> Any:
     """``value`` (an object's stored document) with its references to renamed tensors renamed too.
 
-    Documents name the arrays they hold (:func:`arraycheckpoint.extras.encode`): ``{"__array__": name}`` and
+    Documents name the arrays they hold (:func:`arraycheckpoint.format.extras.encode`): ``{"__array__": name}`` and
     ``{"__module__": name}`` anywhere (a user dict with such a key is stored tagged, so these are always
     references), and the ``"arrays"`` map (name -> kind) at the top of a state or per-rank document. The
     document's own keys keep their names: the entry loads from the moved array. Without this a renamed
@@ -169,7 +170,7 @@ def plan_rename(
             om.scope,
             _rewrite_refs(_rewrite_value(name, om.value, fqn_map), rules),
             {r: _rewrite_refs(_rewrite_value(name, v, fqn_map), rules) for r, v in om.per_rank.items()},
-            # a per-rank template (arraycheckpoint.rankdoc): its rows are tensors, renamed with them
+            # a per-rank template (arraycheckpoint.format.rankdoc): its rows are tensors, renamed with them
             _rewrite_refs(_rewrite_value(name, om.template, fqn_map), rules),
             None if om.rows is None else {k: _apply(rules, n) for k, n in om.rows.items()},
         )
@@ -257,10 +258,10 @@ def rename_checkpoint(path: str | os.PathLike[str], mapping: Mapping[str, str] |
 def _read_metadata(raw: bytes, what: str) -> CheckpointMetadata:
     """The checkpoint's metadata read from the file ``what``, refused (naming the file) where no checkpoint
     could hold it: bounded JSON, and every tensor's layout as a load checks it
-    (:func:`arraycheckpoint.safety.check_layouts`), so a rename never commits metadata no load accepts."""
+    (:func:`arraycheckpoint.checks.limits.check_layouts`), so a rename never commits metadata no load accepts."""
     try:
         meta = CheckpointMetadata.from_json(raw, what=what)
-        safety.check_layouts(meta)
+        limits.check_layouts(meta)
     except MetadataError as e:
         raise MetadataError(str(e) if what in str(e) else f"{what}: {e}") from None
     return meta
@@ -296,7 +297,7 @@ def read_journal(root: str) -> dict[str, Any]:
         raw = LocalStorage().read(root, JOURNAL)
         if raw is None:
             raise MetadataError("it vanished while being read")
-        doc = safety.load_json_bounded(raw, max_bytes=safety.MAX_METADATA_BYTES, what=path)
+        doc = bounds.load_json_bounded(raw, max_bytes=bounds.MAX_METADATA_BYTES, what=path)
         check_journal(root, doc)
     except ArrayCheckpointError as e:
         raise MetadataError(
@@ -337,7 +338,7 @@ def check_journal(root: str, doc: Any) -> None:
         if not PACK_KEY.match(key):
             raise MetadataError(f"{key!r} is not a pack key")
     new_meta = CheckpointMetadata.from_json(doc["metadata"])
-    safety.check_layouts(new_meta)
+    limits.check_layouts(new_meta)
     missing = sorted(set(maps["tensors"].values()) - set(new_meta.tensors))
     if missing:
         raise MetadataError(f"its metadata has no tensor {missing[0]!r}, a target of its moves")
@@ -349,12 +350,12 @@ def check_journal(root: str, doc: Any) -> None:
     for d in sorted(dirs):
         _check_no_link(root, d)
     if os.path.isdir(os.path.join(root, TMP_DIR)):
-        safety.scan_local(os.path.join(root, TMP_DIR))  # what an interrupted run staged: no link, no FIFO
+        scan.scan_local(os.path.join(root, TMP_DIR))  # what an interrupted run staged: no link, no FIFO
 
 
 def _check_no_link(root: str, rel: str) -> None:
     """``root/rel`` and every directory on the way below ``root`` are directories or absent (never a link)."""
-    safety._check_path_below(
+    scan._check_path_below(
         root, rel, "a rename moves nothing through a link and nothing outside the checkpoint"
     )
 

@@ -1,6 +1,6 @@
 """The stored files a ``rename`` rewrites besides moving directories: packs and arrays' ``zarr.json``.
 
-A packed array (format 5, :mod:`arraycheckpoint.packing`) has no directory to move: it is a set of members
+A packed array (format 5, :mod:`arraycheckpoint.planning.packing`) has no directory to move: it is a set of members
 ``<name>/zarr.json``, ``<name>/c.0.0`` of a ZIP file ``.acp/packs/<rank>.<k>.zip``, which must stay a zarr v3
 store that zarr-python (``zarr.storage.ZipStore``) and tensorstore (the ``zip`` driver) read under the
 entries' *new* names. A ZIP file cannot rename a member in place, so every pack holding a renamed array is
@@ -24,12 +24,14 @@ import zipfile
 from collections.abc import Callable, Collection, Mapping
 from typing import BinaryIO
 
-from .. import safety
+from ..audit import packs as audit_packs
+from ..audit import rankpacks
+from ..checks import bounds, zipdir
 from ..codecs.presets import dimension_names_for
 from ..engine.packfile import Member, members_with_groups, write_zip
 from ..errors import ArrayCheckpointError, CorruptCheckpointError
-from ..metadata import CheckpointMetadata
-from ..packing import PACK_DIR, PACK_KEY, group_keys, pack_key
+from ..format.metadata import CheckpointMetadata
+from ..planning.packing import PACK_DIR, PACK_KEY, group_keys, pack_key
 from ..storage import LocalStorage
 from ..storage.local import fsync_path
 
@@ -73,7 +75,7 @@ def renamed_array_doc(raw: bytes, old: str, new: str, what: str) -> bytes:
     save wrote (``json.dumps``) comes out byte for byte as a save of ``new`` writes it. A document that does
     not parse is kept as it is: loads and ``verify`` report it; a rename half done would only add damage."""
     try:
-        doc = safety.load_json_bounded(raw, max_bytes=safety.MAX_ARRAY_JSON_BYTES, what=what)
+        doc = bounds.load_json_bounded(raw, max_bytes=bounds.MAX_ARRAY_JSON_BYTES, what=what)
     except ArrayCheckpointError:
         return raw
     names = doc.get("dimension_names") if isinstance(doc, dict) else None
@@ -88,7 +90,7 @@ def renamed_array_doc(raw: bytes, old: str, new: str, what: str) -> bytes:
 def rename_array_doc(root: str, old: str, new: str) -> None:
     """Rewrite ``<root>/<new>/zarr.json`` (a moved array directory) for its new name; idempotent."""
     path = os.path.join(root, *new.split("/"), "zarr.json")
-    raw = _read_file(path, safety.MAX_ARRAY_JSON_BYTES)
+    raw = _read_file(path, bounds.MAX_ARRAY_JSON_BYTES)
     if raw is None:
         return  # the array's directory has no document: verify and load report that, a rename cannot fix it
     out = renamed_array_doc(raw, old, new, path)
@@ -99,13 +101,15 @@ def rename_array_doc(root: str, old: str, new: str) -> None:
 
 
 def check_old_packs(root: str, meta: CheckpointMetadata, packs: Collection[str]) -> None:
-    """The packs ``packs`` of ``meta`` (before the rename) pass :func:`safety.check_packs` for every array they
-    hold (format 6: :func:`safety.check_rank_packs` for every packed array): checked before the journal is
+    """The packs ``packs`` of ``meta`` (before the rename) pass :func:`~arraycheckpoint.audit.packs.check_packs` for every array they
+    hold (format 6: :func:`~arraycheckpoint.audit.rankpacks.check_rank_packs` for every packed array): checked before the journal is
     written, so a damaged pack refuses the rename with nothing touched."""
     for key in sorted(k for k in packs if k.endswith(".zip") and PACK_KEY.match(k) and _holds(meta, k)):
-        safety.check_packs(LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack == key])
+        audit_packs.check_packs(
+            LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack == key]
+        )
     if any(t.pack_rank is not None for t in meta.tensors.values()) and packs:
-        safety.check_rank_packs(
+        rankpacks.check_rank_packs(
             LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack_rank is not None]
         )
 
@@ -120,8 +124,8 @@ def rank_packs_holding(root: str, meta: CheckpointMetadata, arrays: Collection[s
     names = [n for n in arrays if meta.tensors[n].pack_rank is not None]
     if not names or not root:
         return []
-    directories: dict[str, list[safety.PackMember]] = {}
-    safety.check_rank_packs(LocalStorage(), root, meta, names, None, directories)
+    directories: dict[str, list[zipdir.PackMember]] = {}
+    rankpacks.check_rank_packs(LocalStorage(), root, meta, names, None, directories)
     wanted = set(names)
     return sorted(
         k
@@ -170,7 +174,7 @@ def build_pack(
         tmp_dir: a private directory in which the new pack is written before it is renamed into place.
 
     Raises:
-        ArrayCheckpointError: neither pack exists; or the old pack fails :func:`safety.check_packs`.
+        ArrayCheckpointError: neither pack exists; or the old pack fails :func:`~arraycheckpoint.audit.packs.check_packs`.
     """
     final = os.path.join(root, *new_key.split("/"))
     if os.path.lexists(final):
@@ -190,7 +194,7 @@ def build_pack(
             f"cannot finish the rename of {root}: the pack {source} is missing and its renamed copy {final} "
             "was never built; the arrays it held are lost"
         )
-    safety.check_packs(LocalStorage(), root, view, list(old_to_new))
+    audit_packs.check_packs(LocalStorage(), root, view, list(old_to_new))
     members = _renamed_members(source, old_to_new)
     tmp = os.path.join(tmp_dir, f"{new_key.rsplit('/', 1)[-1]}.part")
     _write_new(tmp, lambda f: write_zip(f, members_with_groups(sorted(old_to_new.values()), members)))

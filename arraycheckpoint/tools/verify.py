@@ -4,12 +4,12 @@ Checks, in order: the commit marker and metadata (and, format 3, the control nod
 every tensor, that its saved regions (ShardMeta) cover the whole global shape; that every stored chunk of its
 chunk grid exists (a missing file would read back as zeros): a file of the array's directory, or, for a
 packed array (format 5), a member of its pack, whose ZIP directory is read once per pack with the checks of
-:func:`arraycheckpoint.safety.read_pack_directory`; and that every chunk decodes with its checksums (each
+:func:`arraycheckpoint.audit.packdir.read_pack_directory`; and that every chunk decodes with its checksums (each
 read goes through the engine, tensorstore's ``zip`` driver for a packed array, so a crc32c mismatch in a
 shard index or an inner chunk raises; the arrays of one pack are read in one load). Every problem is
 reported with the tensor and chunk named, and the pack file for a packed array. Format 6 (an array's chunks
 in the packs of the ranks that wrote them): every pack of those ranks is read once with the checks of the
-load (:func:`arraycheckpoint.safety.check_rank_packs`), then the arrays are read through the engine.
+load (:func:`arraycheckpoint.audit.rankpacks.check_rank_packs`), then the arrays are read through the engine.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import safety
+from ..audit import packdir, rankpacks
+from ..checks import limits
 from ..engine import engine
 from ..errors import ArrayCheckpointError, CorruptCheckpointError, MetadataError
-from ..items import LoadShard, LoadTensor
-from ..metadata import CONTROL_DIR, CheckpointMetadata, TensorMeta, chunk_key_separator
-from ..regions import Box, chunk_boxes, intersect
+from ..format.metadata import CONTROL_DIR, CheckpointMetadata, TensorMeta, chunk_key_separator
+from ..planning.items import LoadShard, LoadTensor
+from ..planning.regions import Box, chunk_boxes, intersect
 from ..storage import Storage, storage_for
 from .common import Checkpoint
 
@@ -232,7 +233,7 @@ def verify(
     try:
         meta = CheckpointMetadata.from_json(raw, what=f"{root}/{files.metadata}")
         # the bounds (chunks per array, chunk bytes) before anything is sized from the declared layouts
-        safety.check_layouts(meta)
+        limits.check_layouts(meta)
     except ArrayCheckpointError as e:
         report.problems.append(Problem("", None, str(e)))
         return report
@@ -324,7 +325,7 @@ MAX_PACK_CHECKS = 64
 def _check_rank_packs(
     storage: Storage, root: str, meta: CheckpointMetadata, report: VerifyReport, names: set[str]
 ) -> set[str]:
-    """Format 6: check the packs of the packed arrays ``names`` (:func:`arraycheckpoint.safety.check_rank_packs`)
+    """Format 6: check the packs of the packed arrays ``names`` (:func:`arraycheckpoint.audit.rankpacks.check_rank_packs`)
     and return those whose packs passed; each array of a damaged pack is reported. A failure names every array
     a damaged pack concerns (the error's ``tensors``): those are reported and the rest checked again, one check
     per damaged pack, never one per array (each check reads the packs concerned); a failure naming none is
@@ -337,7 +338,7 @@ def _check_rank_packs(
         nonlocal checks
         checks += 1
         try:
-            safety.check_rank_packs(storage, root, meta, part)
+            rankpacks.check_rank_packs(storage, root, meta, part)
         except ArrayCheckpointError as e:
             return _short(e)
         ok.update(part)
@@ -357,7 +358,7 @@ def _check_rank_packs(
     while left and checks < MAX_PACK_CHECKS:
         try:
             checks += 1
-            safety.check_rank_packs(storage, root, meta, left)
+            rankpacks.check_rank_packs(storage, root, meta, left)
             ok.update(left)
             return ok
         except ArrayCheckpointError as e:
@@ -413,7 +414,7 @@ class _PackIndex:
         got = self._members.get(tm.pack)
         if got is None:
             try:
-                infos, _size = safety.read_pack_directory(self.storage, self.root, self.meta, tm.pack)
+                infos, _size = packdir.read_pack_directory(self.storage, self.root, self.meta, tm.pack)
                 counts = Counter(i.filename for i in infos)
                 got = set(counts)
                 twice = sorted(n for n, c in counts.items() if c > 1)

@@ -88,7 +88,7 @@ def chunk_span(ckpt: str, name: str, key: str) -> tuple[str, int, int]:
     import struct
     import zipfile
 
-    from arraycheckpoint.metadata import CheckpointMetadata
+    from arraycheckpoint.format.metadata import CheckpointMetadata
     from arraycheckpoint.storage import LocalStorage
 
     meta = CheckpointMetadata.from_json(

@@ -10,7 +10,7 @@ from cli_helpers import cli, cli_json
 from dist import run_distributed
 
 import arraycheckpoint as acp
-from arraycheckpoint.metadata import LOAD_METRICS_FILE
+from arraycheckpoint.format.metadata import LOAD_METRICS_FILE
 
 
 def _model(world: int) -> torch.nn.Module:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import CheckpointNotFoundError
-from arraycheckpoint.plan import PlanOptions
+from arraycheckpoint.planning.plan import PlanOptions
 from arraycheckpoint.storage import storage_for
 from arraycheckpoint.tools import rename as rename_mod
 from arraycheckpoint.tools.rename import JOURNAL, TMP_DIR, rename_checkpoint

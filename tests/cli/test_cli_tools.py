@@ -15,8 +15,8 @@ import zarr
 from cli_helpers import REPO, chunk_span, cli, cli_json, flip_chunk_byte, remove_chunk
 
 import arraycheckpoint as acp
-from arraycheckpoint.metadata import COMMIT_MARKER, FORMAT_VERSION, METADATA_FILE
-from arraycheckpoint.plan import PlanOptions
+from arraycheckpoint.format.metadata import COMMIT_MARKER, FORMAT_VERSION, METADATA_FILE
+from arraycheckpoint.planning.plan import PlanOptions
 
 SMALL_CHUNKS = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=1024, inner_chunk_bytes=256)
 #: the arrays' two stored layouts: chunk files in packs (format 6: below the 64 KiB target size), or each
@@ -337,7 +337,7 @@ def test_rename_refusals(saved, tmp_path):
 def test_rename_resumes_an_interrupted_journal(saved_in, tmp_path):
     """Simulate a crash after the journal was written and the first array started moving: its directory
     moved aside (directory layout), or its new pack half written (packed layout)."""
-    from arraycheckpoint.metadata import CheckpointMetadata
+    from arraycheckpoint.format.metadata import CheckpointMetadata
     from arraycheckpoint.tools.rename import JOURNAL, TMP_DIR, journal_doc, plan_rename
 
     path, model, _, layout = saved_in

@@ -17,7 +17,7 @@ import torch
 import arraycheckpoint as acp
 from arraycheckpoint.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from arraycheckpoint.errors import UnsafeNameError
-from arraycheckpoint.metadata import ShardMeta, TensorMeta
+from arraycheckpoint.format.metadata import ShardMeta, TensorMeta
 from arraycheckpoint.tools.verify import uncovered
 
 JOURNAL = ".acp-rename.json"
@@ -86,7 +86,7 @@ def test_planted_journal_moving_through_a_link_moves_nothing(ckpt, tmp_path, cap
 def test_rename_of_an_array_directory_that_is_a_link_touches_nothing(tmp_path, capsys):
     import shutil
 
-    from arraycheckpoint.plan import PlanOptions
+    from arraycheckpoint.planning.plan import PlanOptions
 
     path = tmp_path / "ck"
     acp.save(path, {"model": torch.nn.Linear(3, 2)}, plan_options=PlanOptions(pack_array_bytes=0))
@@ -360,7 +360,7 @@ def test_the_loader_refuses_the_same_names_from_metadata(tmp_path, capsys, names
 
 
 def test_name_validator_accepts_ordinary_unicode_and_refuses_every_control_character():
-    from arraycheckpoint.metadata import check_name
+    from arraycheckpoint.format.metadata import check_name
 
     for name in ("model/é ü", "model/层.0.w", "model/a b", "model/x\u200by"):
         assert check_name(name) == name

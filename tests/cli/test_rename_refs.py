@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
-from arraycheckpoint.plan import PlanOptions
+from arraycheckpoint.planning.plan import PlanOptions
 from arraycheckpoint.tools.rename import rename_checkpoint
 
 

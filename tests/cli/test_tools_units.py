@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arraycheckpoint.metadata import ShardMeta, TensorMeta
+from arraycheckpoint.format.metadata import ShardMeta, TensorMeta
 from arraycheckpoint.tools.common import parse_size
 from arraycheckpoint.tools.export import ExportEntry, plan_files
 from arraycheckpoint.tools.verify import uncovered
@@ -47,7 +47,7 @@ def test_uncovered_finds_holes_and_accepts_full_or_overlapping_cover():
 
 
 def _flat(shape, world):
-    from arraycheckpoint.regions import flat_range_to_boxes
+    from arraycheckpoint.planning.regions import flat_range_to_boxes
 
     total = shape[0] * shape[1]
     cuts = [total * r // world for r in range(world + 1)]

@@ -408,7 +408,7 @@ def test_zarr_json_template_matches_whole_encoding(name: str, shape: tuple[int, 
 
     from arraycheckpoint.codecs.presets import array_metadata
     from arraycheckpoint.engine.save import _create_arrays, zarr_json_template
-    from arraycheckpoint.plan import ArrayLayout
+    from arraycheckpoint.planning.plan import ArrayLayout
 
     chunk = tuple(max(1, s // 2) for s in shape)
     layout = ArrayLayout(name, shape, "float32", chunk, chunk, compression)

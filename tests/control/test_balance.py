@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from test_groupplan import _expand, check_plan, count_files
 
-from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
-from arraycheckpoint.owners import replica_caps
-from arraycheckpoint.plan import PlanOptions, build_global_plan
-from arraycheckpoint.regions import Box
-from arraycheckpoint.rules import Mesh, chunk_bounds
+from arraycheckpoint.planning.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
+from arraycheckpoint.planning.owners import replica_caps
+from arraycheckpoint.planning.plan import PlanOptions, build_global_plan
+from arraycheckpoint.planning.regions import Box
+from arraycheckpoint.planning.rules import Mesh, chunk_bounds
 
 H, FFN = 1024, 3584
 STATES = (("bfloat16", 2), ("float32", 4), ("float32", 4))  # a parameter and its two Adam states

@@ -41,10 +41,10 @@ def _fsdp1(model: torch.nn.Module) -> torch.nn.Module:
 def _save_body(rank, world, root):
     from arraycheckpoint.adapters.base import AdapterOptions
     from arraycheckpoint.adapters.torch import TorchAdapter
-    from arraycheckpoint.collectives import default_communicator
     from arraycheckpoint.engine import engine
     from arraycheckpoint.engine.coordinate import declaration_digest, declare
     from arraycheckpoint.engine.job import SaveOptions
+    from arraycheckpoint.runtime.collectives import default_communicator
 
     model = _fsdp1(_model())
     opt = torch.optim.Adam(model.parameters(), lr=0.05)

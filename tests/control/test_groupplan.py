@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from arraycheckpoint.errors import PlanError
-from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
-from arraycheckpoint.plan import PlanOptions, TensorDecl, build_global_plan
-from arraycheckpoint.regions import Box, flat_range_to_boxes
-from arraycheckpoint.rules import Mesh, rule_boxes
+from arraycheckpoint.planning.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
+from arraycheckpoint.planning.plan import PlanOptions, TensorDecl, build_global_plan
+from arraycheckpoint.planning.regions import Box, flat_range_to_boxes
+from arraycheckpoint.planning.rules import Mesh, rule_boxes
 
 SMALL = PlanOptions(min_chunk_bytes=256, max_chunk_bytes=4096, inner_chunk_bytes=128)
 TIGHT = PlanOptions(
@@ -313,7 +313,7 @@ def _simulated_control_plane(groups, world, options):
     import zlib
 
     from arraycheckpoint.engine.coordinate import group_digests, pack_groups, unpack_groups
-    from arraycheckpoint.rules import digest
+    from arraycheckpoint.planning.rules import digest
 
     decl_of = {}
     for decl, ranks in groups:

@@ -12,10 +12,10 @@ from dist import run_distributed
 from test_groupplan import check_plan, count_files
 
 import arraycheckpoint as acp
-from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan
-from arraycheckpoint.plan import PlanOptions, TensorDecl, build_global_plan
-from arraycheckpoint.regions import Box
-from arraycheckpoint.rules import Mesh
+from arraycheckpoint.planning.groupplan import Decl, TensorRule, build_compact_plan
+from arraycheckpoint.planning.plan import PlanOptions, TensorDecl, build_global_plan
+from arraycheckpoint.planning.regions import Box
+from arraycheckpoint.planning.rules import Mesh
 
 BIG = dict(min_chunk_bytes=1 << 20, max_chunk_bytes=1 << 20, inner_chunk_bytes=64)
 
@@ -105,9 +105,9 @@ def _save_with_hosts(rank, world, root, sizes):
 
     os.environ["LOCAL_WORLD_SIZE"] = str(sizes[rank])
     os.environ["LOCAL_RANK"] = str(rank % sizes[rank])
-    from arraycheckpoint.collectives import default_communicator
     from arraycheckpoint.engine import SaveOptions
-    from arraycheckpoint.items import ArraySource, SaveRequest, SaveShard, SaveTensor
+    from arraycheckpoint.planning.items import ArraySource, SaveRequest, SaveShard, SaveTensor
+    from arraycheckpoint.runtime.collectives import default_communicator
 
     full = (np.arange(24 * 6, dtype=np.float32).reshape(24, 6) * 1.5).copy()
     lo, n = [(0, 3), (3, 3), (6, 9), (15, 9)][rank]  # uneven: files straddle ranks and hosts

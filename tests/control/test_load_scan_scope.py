@@ -26,9 +26,9 @@ from faults.packtools import (
 )
 
 import arraycheckpoint as acp
-from arraycheckpoint import safety
+from arraycheckpoint.audit import scan as audit_scan
 from arraycheckpoint.errors import CorruptCheckpointError, InconsistentCheckpointError
-from arraycheckpoint.plan import PlanOptions
+from arraycheckpoint.planning.plan import PlanOptions
 from arraycheckpoint.testing import chunk_files
 
 #: Packs of about 4 KiB: the 8 x 4 float32 arrays below (156 stored bytes each) fill many packs.
@@ -48,7 +48,7 @@ def _count_scandirs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         seen.append(os.fspath(path))
         return real(path)
 
-    monkeypatch.setattr(safety.os, "scandir", counting)
+    monkeypatch.setattr(audit_scan.os, "scandir", counting)
     return seen
 
 
@@ -84,7 +84,7 @@ def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         seen.append(os.path.realpath(where))
         return real(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(safety.os, "open", counting)
+    monkeypatch.setattr(audit_scan.os, "open", counting)
     return seen
 
 

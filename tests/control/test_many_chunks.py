@@ -11,7 +11,7 @@ import torch
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import MetadataError
-from arraycheckpoint.metadata import FORMAT_VERSION, METADATA_FILE, CheckpointMetadata
+from arraycheckpoint.format.metadata import FORMAT_VERSION, METADATA_FILE, CheckpointMetadata
 
 
 def test_thousands_of_chunks_save_and_load_bit_exactly(tmp_path):

@@ -20,8 +20,8 @@ import arraycheckpoint as acp
 from arraycheckpoint import rng
 from arraycheckpoint.engine import engine
 from arraycheckpoint.errors import MetadataError
-from arraycheckpoint.metadata import METADATA_FILE, CheckpointMetadata
-from arraycheckpoint.stateful import PerRank
+from arraycheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
+from arraycheckpoint.format.perrank import PerRank
 from arraycheckpoint.testing import chunk_files
 
 
@@ -107,7 +107,7 @@ def test_three_ranks_store_one_stacked_array_per_slot_and_load_at_2_and_4(tmp_pa
     assert all(s["modes"] == ["local"] for s in saved)  # identical declarations: each rank planned alone
     arrays = _arrays(root)  # zarr-python's view of every array under extra_state/
     assert sorted(arrays) == [
-        "~per_rank/~float",  # the documents' numeric leaves (arraycheckpoint.rankdoc)
+        "~per_rank/~float",  # the documents' numeric leaves (arraycheckpoint.format.rankdoc)
         "~per_rank/~int",
         "~rows/0/numpy/key",
         "~rows/0/python/state",
@@ -202,11 +202,11 @@ def test_simulated_10000_ranks_declare_one_rule_and_write_bounded_files() -> Non
 
     from test_groupplan import count_files
 
-    from arraycheckpoint import perrank
     from arraycheckpoint.adapters.base import AdapterOptions
     from arraycheckpoint.engine.coordinate import declare
-    from arraycheckpoint.groupplan import build_compact_plan, rank_plan
-    from arraycheckpoint.plan import PlanOptions
+    from arraycheckpoint.format import perrank
+    from arraycheckpoint.planning.groupplan import build_compact_plan, rank_plan
+    from arraycheckpoint.planning.plan import PlanOptions
     from arraycheckpoint.stateful import save_items
 
     world, state = 10_000, rng.capture()
@@ -240,7 +240,9 @@ def test_simulated_10000_ranks_declare_one_rule_and_write_bounded_files() -> Non
     # files under per-rank packs: bounded by bytes plus ranks (one pack per rank), not ranks x arrays
     assert count_files(plan, options.min_chunk_bytes) <= total // options.min_chunk_bytes + world
     # every rank's row is written once: the writers' chunks cover each array, each from the rows' pieces
+    writers = {r for d in plan.tensors.values() for r in d.writers}
+    by_rank = {r: rank_plan(plan, r).writes for r in writers}  # each rank's plan once, not once per array
     for name, d in plan.tensors.items():
-        writes = [w for r in set(d.writers) for w in rank_plan(plan, r).writes if w.name == name]
+        writes = [w for r in set(d.writers) for w in by_rank[r] if w.name == name]
         assert sum(w.chunk.volume for w in writes) == math.prod(d.layout.shape)
         assert all(sum(p.box.volume for p in w.pieces) == w.chunk.volume for w in writes)

@@ -22,11 +22,12 @@ import torch
 from dist import run_distributed
 
 import arraycheckpoint as acp
-from arraycheckpoint import rankdoc, rng
+from arraycheckpoint import rng
 from arraycheckpoint.engine import engine
 from arraycheckpoint.errors import MetadataError
-from arraycheckpoint.metadata import METADATA_FILE, CheckpointMetadata
-from arraycheckpoint.stateful import PerRank
+from arraycheckpoint.format import rankdoc
+from arraycheckpoint.format.metadata import METADATA_FILE, CheckpointMetadata
+from arraycheckpoint.format.perrank import PerRank
 
 CASES = ("agree", "odd_key", "big_differs", "arrays_differ")
 PR = "extra_state/~per_rank"
@@ -154,7 +155,7 @@ def test_template_form_saves_once_and_loads_bit_exactly_at_2_1_and_3_ranks(tmp_p
 
 
 def test_split_and_join_are_exact_inverses() -> None:
-    from arraycheckpoint import extras
+    from arraycheckpoint.format import extras
 
     value = {**scalars(1), "user": {"__leaf__": "i0"}, "f": 2.5, "b": b"\x00\x01"}
     doc, arrays = extras.encode(value, "ns", lambda v: False)
@@ -187,9 +188,9 @@ def _rank_save(rank: int, world: int, base: dict, odd: int = -1) -> tuple[list, 
 def _simulate(world: int) -> dict[str, Any]:
     """Every rank's save items, commit status and template digest, and the coordinator's metadata."""
     from arraycheckpoint.engine.coordinate import build_metadata, declare, status_payload
-    from arraycheckpoint.groupplan import build_compact_plan
-    from arraycheckpoint.items import SaveRequest
-    from arraycheckpoint.plan import PlanOptions
+    from arraycheckpoint.planning.groupplan import build_compact_plan
+    from arraycheckpoint.planning.items import SaveRequest
+    from arraycheckpoint.planning.plan import PlanOptions
 
     base = rng.capture()
     recv, digests, rows = 0, set(), {}

@@ -16,12 +16,12 @@ import torch
 
 from arraycheckpoint.engine.coordinate import build_metadata, declare
 from arraycheckpoint.errors import MetadataError, PlanError
-from arraycheckpoint.groupplan import Decl, TensorRule, build_compact_plan
-from arraycheckpoint.items import ArraySource, SaveRequest, SaveShard, SaveTensor
-from arraycheckpoint.metadata import CheckpointMetadata
-from arraycheckpoint.plan import PlanOptions
-from arraycheckpoint.regions import Box, flat_range_to_boxes
-from arraycheckpoint.rules import MAX_FLAT_ELEMENTS, Mesh, mesh_regions, range_regions, rule_boxes
+from arraycheckpoint.format.metadata import CheckpointMetadata
+from arraycheckpoint.planning.groupplan import Decl, TensorRule, build_compact_plan
+from arraycheckpoint.planning.items import ArraySource, SaveRequest, SaveShard, SaveTensor
+from arraycheckpoint.planning.plan import PlanOptions
+from arraycheckpoint.planning.regions import Box, flat_range_to_boxes
+from arraycheckpoint.planning.rules import MAX_FLAT_ELEMENTS, Mesh, mesh_regions, range_regions, rule_boxes
 
 
 def _fsdp1_chunks(total: int, world: int) -> list[np.ndarray]:
@@ -85,7 +85,7 @@ def test_declare_keeps_a_range_rule_only_where_it_matches_the_local_range():
 
 
 def test_identical_range_declarations_have_identical_digests():
-    from arraycheckpoint.rules import digest
+    from arraycheckpoint.planning.rules import digest
 
     world, total = 6, 100
     mesh = Mesh((world,), tuple(range(world)))

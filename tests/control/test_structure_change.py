@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiprocess
 def _change_on_one_rank(rank, world, root):
     import time
 
-    from arraycheckpoint.stateful import PerRank
+    from arraycheckpoint.format.perrank import PerRank
 
     w = torch.arange(12.0).reshape(6, 2) + rank
     times = []
@@ -63,9 +63,9 @@ def _fsdp2_declarations_identical(rank, world, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from arraycheckpoint.collectives import default_communicator
     from arraycheckpoint.engine.coordinate import declaration_digest, declare
     from arraycheckpoint.engine.job import SaveOptions
+    from arraycheckpoint.runtime.collectives import default_communicator
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
@@ -108,11 +108,11 @@ def _flat_ranges_straddle(rank, world, root):
     the pieces ranks 0 and 2 send it; replicas ``big0``/``big1`` on ranks 0 and 1 are written by a holder."""
     import numpy as np
 
-    from arraycheckpoint.collectives import default_communicator
     from arraycheckpoint.engine import SaveOptions, engine
-    from arraycheckpoint.items import ArraySource, SaveRequest, SaveShard, SaveTensor
-    from arraycheckpoint.plan import PlanOptions
-    from arraycheckpoint.regions import Box, flat_range_to_boxes
+    from arraycheckpoint.planning.items import ArraySource, SaveRequest, SaveShard, SaveTensor
+    from arraycheckpoint.planning.plan import PlanOptions
+    from arraycheckpoint.planning.regions import Box, flat_range_to_boxes
+    from arraycheckpoint.runtime.collectives import default_communicator
 
     full = np.arange(40, dtype=np.float32).reshape(10, 4)
     big = np.ones((64, 4), dtype=np.float64)

@@ -11,7 +11,7 @@ import torch
 
 import arraycheckpoint as acp
 from arraycheckpoint.adapters.torch.device import finish_loads
-from arraycheckpoint.hostpool import shared_pool
+from arraycheckpoint.runtime.hostpool import shared_pool
 
 DEV = torch.device("cuda", 0)
 

@@ -96,7 +96,7 @@ def test_loader_arrays_stack_into_one_array_per_worker_and_reshard(tmp_path) -> 
     run_distributed(_save, 3, (root, False))
     arrays = _zarr_arrays(root)
     assert sorted(arrays) == [f"~rows/{w}/{a}" for w in range(WORKERS) for a in ("pos", "seen")] + INDEX
-    # the shard index is one template; row r holds rank r's DP rank and cursors (arraycheckpoint.rankdoc)
+    # the shard index is one template; row r holds rank r's DP rank and cursors (arraycheckpoint.format.rankdoc)
     assert arrays["~shards/~int"].tolist() == [[d, d * 100, d * 100 + 1] for d in range(3)]
     ref = PositionLoader(0, 3)
     for w in range(WORKERS):

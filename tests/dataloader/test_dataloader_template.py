@@ -18,11 +18,11 @@ import numpy as np
 from dist import run_distributed
 
 import arraycheckpoint as acp
-from arraycheckpoint import rankdoc
 from arraycheckpoint.data import LoaderState, SavedLoaderState, ShardState
 from arraycheckpoint.data.checkpoint import save_items, saved_state
 from arraycheckpoint.engine import engine
-from arraycheckpoint.metadata import CheckpointMetadata
+from arraycheckpoint.format import rankdoc
+from arraycheckpoint.format.metadata import CheckpointMetadata
 
 WORKERS = 2
 INDEX = "dataloader/~shards"
@@ -178,9 +178,9 @@ def test_meta_that_looks_like_a_leaf_stays_per_rank(tmp_path) -> None:
 def _simulate(world: int, odd: int = -1) -> dict[str, Any]:
     """Every rank's items, commit status and template digest, and the coordinator's metadata."""
     from arraycheckpoint.engine.coordinate import build_metadata, declare, status_payload
-    from arraycheckpoint.groupplan import build_compact_plan
-    from arraycheckpoint.items import SaveRequest
-    from arraycheckpoint.plan import PlanOptions
+    from arraycheckpoint.planning.groupplan import build_compact_plan
+    from arraycheckpoint.planning.items import SaveRequest
+    from arraycheckpoint.planning.plan import PlanOptions
 
     recv, digests, statuses = 0, set(), []
     rank0: tuple[list, list] = ([], [])

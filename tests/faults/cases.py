@@ -17,7 +17,7 @@ import torch
 
 import arraycheckpoint as acp
 from arraycheckpoint.codecs import array_metadata
-from arraycheckpoint.metadata import METADATA_FILE
+from arraycheckpoint.format.metadata import METADATA_FILE
 from arraycheckpoint.storage import storage_for
 
 #: The directory layout: these cases damage an array's own files; packed arrays (format 5) have their own

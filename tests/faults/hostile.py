@@ -37,7 +37,7 @@ def save_small(path: str, *, compression: str | None = None, extra: Any = None) 
 
 def edit_metadata(root: str, fn: Any) -> None:
     """Rewrite the metadata of ``root`` through ``fn(doc)`` (in place, as an attacker would)."""
-    from arraycheckpoint.metadata import METADATA_FILE
+    from arraycheckpoint.format.metadata import METADATA_FILE
 
     p = Path(root) / METADATA_FILE
     doc = json.loads(p.read_text())

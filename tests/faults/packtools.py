@@ -1,4 +1,4 @@
-"""Damage and forge the packs of a checkpoint (format 5, :mod:`arraycheckpoint.packing`) as a bad disk or a
+"""Damage and forge the packs of a checkpoint (format 5, :mod:`arraycheckpoint.planning.packing`) as a bad disk or a
 hostile author would: plain :mod:`zipfile` and byte edits, none of arraycheckpoint's own code.
 
 Importable from every test directory as ``faults.packtools`` (``tests/`` is on ``sys.path``).
@@ -23,7 +23,7 @@ LAYOUTS = ("packed", "directory")
 
 def save_options(layout: str) -> dict:
     """Keyword arguments of ``acp.save`` for ``layout`` ("packed": the default; "directory": no packs)."""
-    from arraycheckpoint.plan import PlanOptions
+    from arraycheckpoint.planning.plan import PlanOptions
 
     assert layout in LAYOUTS, layout
     return {} if layout == "packed" else {"plan_options": PlanOptions(pack_array_bytes=0)}

@@ -16,9 +16,9 @@ import torch
 from hostile import load_in_subprocess, save_small
 
 import arraycheckpoint as acp
+from arraycheckpoint.checks.bounds import MAX_METADATA_BYTES
 from arraycheckpoint.errors import CorruptCheckpointError, MetadataError
-from arraycheckpoint.metadata import CONTROL, CONTROL_DIR, LEGACY_CONTROL
-from arraycheckpoint.safety import MAX_METADATA_BYTES
+from arraycheckpoint.format.metadata import CONTROL, CONTROL_DIR, LEGACY_CONTROL
 from arraycheckpoint.tools.verify import verify
 
 FORMAT2 = os.path.join(os.path.dirname(__file__), "..", "fixtures", "format2", "fsdp2")

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
-from arraycheckpoint import errors, liveness, safety
+from arraycheckpoint import errors
+from arraycheckpoint.checks import bounds
+from arraycheckpoint.runtime import liveness
 
 
 def test_fault_errors_are_exported_from_the_package_and_errors_module() -> None:
@@ -23,7 +25,7 @@ def test_fault_errors_are_exported_from_the_package_and_errors_module() -> None:
     assert issubclass(acp.InconsistentCheckpointError, acp.CorruptCheckpointError)
     # the old import locations are aliases of the same classes (``except`` clauses keep matching)
     assert liveness.StalledRankError is acp.StalledRankError
-    assert safety.InconsistentCheckpointError is acp.InconsistentCheckpointError
+    assert bounds.InconsistentCheckpointError is acp.InconsistentCheckpointError
 
 
 @pytest.mark.parametrize("bad", [0, -1, -0.5, math.nan, math.inf, "3", True, [3]])

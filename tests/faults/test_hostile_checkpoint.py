@@ -17,10 +17,11 @@ import torch
 from hostile import UNPACKED, chunk_files, edit_metadata, edit_zarr_json, load_in_subprocess, save_small
 
 import arraycheckpoint as acp
-from arraycheckpoint import safety
+from arraycheckpoint.checks import bounds, limits
+from arraycheckpoint.checks import zstd as checks_zstd
 from arraycheckpoint.codecs import array_metadata
 from arraycheckpoint.errors import CorruptCheckpointError, MetadataError, StorageError
-from arraycheckpoint.metadata import METADATA_FILE
+from arraycheckpoint.format.metadata import METADATA_FILE
 
 
 def _target() -> dict[str, torch.nn.Module]:
@@ -71,19 +72,19 @@ def test_extra_state_array_of_shape_1e13_is_refused_naming_the_entry(tmp_path: P
     # a MetadataError naming the entry: the format-2 parser refuses the writer list (one writer for 3e11
     # chunks), or, where that passes, the on-disk check (InconsistentCheckpointError, also a MetadataError)
     assert out.startswith(("RAISED MetadataError", "RAISED InconsistentCheckpointError")) and name in out, out
-    assert issubclass(safety.InconsistentCheckpointError, MetadataError)
+    assert issubclass(bounds.InconsistentCheckpointError, MetadataError)
 
 
 def test_chunk_bytes_are_bounded() -> None:
     with pytest.raises(MetadataError, match="above the limit"):
-        safety.check_tensor_layout("t", (2**40,), "float32", (2**31,), (2**20,))
+        limits.check_tensor_layout("t", (2**40,), "float32", (2**31,), (2**20,))
     with pytest.raises(MetadataError, match="exceeds the array dimension"):
-        safety.check_tensor_layout("t", (32,), "float32", (64,), (64,))
+        limits.check_tensor_layout("t", (32,), "float32", (64,), (64,))
     with pytest.raises(MetadataError, match="inner chunks"):
-        safety.check_tensor_layout("t", (2**30,), "bool", (2**30,), (1,))
+        limits.check_tensor_layout("t", (2**30,), "bool", (2**30,), (1,))
     # a zero-length dimension keeps its chunk of 1 (zarr requires chunk dimensions >= 1)
-    safety.check_tensor_layout("t", (0, 5), "float32", (1, 5), (1, 5))
-    safety.check_tensor_layout("t", (), "float32", (), ())
+    limits.check_tensor_layout("t", (0, 5), "float32", (1, 5), (1, 5))
+    limits.check_tensor_layout("t", (), "float32", (), ())
 
 
 def test_zero_length_tensors_still_load(tmp_path: Path) -> None:
@@ -234,16 +235,16 @@ def test_zstd_frame_checks() -> None:
     def rle(size: int, last: bool) -> bytes:
         return ((size << 3) | (1 << 1) | int(last)).to_bytes(3, "little") + b"\x00"
 
-    safety.check_zstd_frame(frame(1000, [rle(1000, True)]), 1000, "t")
+    checks_zstd.check_zstd_frame(frame(1000, [rle(1000, True)]), 1000, "t")
     with pytest.raises(CorruptCheckpointError, match="declares 2000"):
-        safety.check_zstd_frame(frame(2000, [rle(2000, True)]), 1000, "t")
+        checks_zstd.check_zstd_frame(frame(2000, [rle(2000, True)]), 1000, "t")
     with pytest.raises(CorruptCheckpointError, match="more or larger blocks"):  # content size lies
-        safety.check_zstd_frame(frame(1000, [rle(1000, False)] * 40 + [rle(1000, True)]), 1000, "t")
+        checks_zstd.check_zstd_frame(frame(1000, [rle(1000, False)] * 40 + [rle(1000, True)]), 1000, "t")
     with pytest.raises(CorruptCheckpointError, match="followed by other data"):
-        safety.check_zstd_frame(frame(1000, [rle(1000, True)]) + b"\x28\xb5\x2f\xfd", 1000, "t")
+        checks_zstd.check_zstd_frame(frame(1000, [rle(1000, True)]) + b"\x28\xb5\x2f\xfd", 1000, "t")
     no_size = b"\x28\xb5\x2f\xfd\x00\x58" + rle(1000, True)  # window descriptor, no content size
     with pytest.raises(CorruptCheckpointError, match="does not declare its content size"):
-        safety.check_zstd_frame(no_size, 1000, "t")
+        checks_zstd.check_zstd_frame(no_size, 1000, "t")
 
 
 # JSON --------------------------------------------------------------------------------------------------
@@ -260,16 +261,16 @@ def test_deeply_nested_extra_state_is_a_metadata_error(tmp_path: Path) -> None:
 
 
 def test_load_json_bounded() -> None:
-    assert safety.load_json_bounded(b'{"a": ["[[[", {"b": 1}]}', max_bytes=100, what="x") == {
+    assert bounds.load_json_bounded(b'{"a": ["[[[", {"b": 1}]}', max_bytes=100, what="x") == {
         "a": ["[[[", {"b": 1}]
     }
-    assert safety.json_depth(b'"\\"[[[["') == 0
+    assert bounds.json_depth(b'"\\"[[[["') == 0
     with pytest.raises(MetadataError, match="above the limit of 10"):
-        safety.load_json_bounded(b"[" * 11 + b"]" * 11, max_bytes=100, max_depth=10, what="x")
+        bounds.load_json_bounded(b"[" * 11 + b"]" * 11, max_bytes=100, max_depth=10, what="x")
     with pytest.raises(MetadataError, match="bytes, above the limit"):
-        safety.load_json_bounded(b"[1, 2, 3]", max_bytes=4, what="x")
+        bounds.load_json_bounded(b"[1, 2, 3]", max_bytes=4, what="x")
     with pytest.raises(MetadataError, match="not valid JSON"):
-        safety.load_json_bounded(b"\xff[", max_bytes=100, what="x")
+        bounds.load_json_bounded(b"\xff[", max_bytes=100, what="x")
 
 
 # Paths ------------------------------------------------------------------------------------------------

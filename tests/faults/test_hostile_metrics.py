@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
-from arraycheckpoint.metadata import LOAD_METRICS_FILE, METRICS_FILE
-from arraycheckpoint.safety import MAX_METADATA_BYTES
+from arraycheckpoint.checks.bounds import MAX_METADATA_BYTES
+from arraycheckpoint.format.metadata import LOAD_METRICS_FILE, METRICS_FILE
 from arraycheckpoint.tools.common import open_checkpoint
 from arraycheckpoint.tools.metrics import phase_table, recorded_metrics
 

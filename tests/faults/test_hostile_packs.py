@@ -38,7 +38,7 @@ from faults.packtools import (
 from hostile import edit_metadata, run_isolated
 
 import arraycheckpoint as acp
-from arraycheckpoint import safety
+from arraycheckpoint.checks import bounds
 from arraycheckpoint.errors import CorruptCheckpointError, InconsistentCheckpointError, MetadataError
 
 W = "model/w"
@@ -319,7 +319,7 @@ def test_zarr_json_member_above_its_limit_is_refused(ck: Path) -> None:
     """A valid zarr.json padded with whitespace beyond 64 KiB: it would parse and pass the cross-check."""
     doc = f"{W}/zarr.json"
     raw = dict(members(pack_of(ck, W)))[doc]
-    padded = raw + b" " * (safety.MAX_PACKED_JSON_BYTES + 1 - len(raw))
+    padded = raw + b" " * (bounds.MAX_PACKED_JSON_BYTES + 1 - len(raw))
     assert json.loads(padded) == json.loads(raw)
     replace_member(pack_of(ck, W), doc, padded)
     _refused(ck, CorruptCheckpointError, "'model/w'", "model/w/zarr.json", "more than its encoding")

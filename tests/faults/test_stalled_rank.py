@@ -20,7 +20,7 @@ def _stall_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import arraycheckpoint as acp
-    from arraycheckpoint.collectives import TorchCommunicator
+    from arraycheckpoint.runtime.collectives import TorchCommunicator
 
     store = dist.distributed_c10d._get_default_store()
     store.set(f"pid/{rank}", str(os.getpid()))

@@ -1,7 +1,7 @@
 """Bounds on what a document can make a reader allocate, and that a valid large checkpoint stays under them.
 
 The metadata file limit (256 MiB) bounds a file, not what it parses into: 255 MiB of empty JSON objects
-parsed into 3 GB. :func:`arraycheckpoint.safety.load_json_bounded` counts the arrays and objects first (a
+parsed into 3 GB. :func:`arraycheckpoint.checks.bounds.load_json_bounded` counts the arrays and objects first (a
 block scan, no recursion, bounded memory) and refuses a document holding more than a valid one of its size
 can; the layout checks refuse chunk counts no storage holds, at load and already when a save plans them.
 """
@@ -13,9 +13,10 @@ import tracemalloc
 
 import pytest
 
-from arraycheckpoint import safety
+from arraycheckpoint.checks import bounds as checks_bounds
+from arraycheckpoint.checks import limits
 from arraycheckpoint.errors import MetadataError, PlanError
-from arraycheckpoint.metadata import CheckpointMetadata
+from arraycheckpoint.format.metadata import CheckpointMetadata
 
 
 def _metadata_of(n: int) -> bytes:
@@ -50,13 +51,13 @@ def _metadata_of(n: int) -> bytes:
 
 def test_a_valid_checkpoint_of_100000_tensors_stays_under_the_json_bounds() -> None:
     raw = _metadata_of(100_000)
-    depth, containers = safety.json_shape(raw)
-    assert depth <= safety.MAX_JSON_DEPTH
+    depth, containers = checks_bounds.json_shape(raw)
+    assert depth <= checks_bounds.MAX_JSON_DEPTH
     # the margin: a valid document holds well under half the containers its size allows
-    assert containers * 2 < safety.max_json_containers(len(raw)), (containers, len(raw))
+    assert containers * 2 < checks_bounds.max_json_containers(len(raw)), (containers, len(raw))
     meta = CheckpointMetadata.from_json(raw)
     assert len(meta.tensors) == 100_000
-    safety.check_layouts(meta)
+    limits.check_layouts(meta)
 
 
 def test_empty_objects_are_refused_before_parsing_in_bounded_memory() -> None:
@@ -79,17 +80,17 @@ def test_empty_objects_are_refused_before_parsing_in_bounded_memory() -> None:
 def test_json_shape_across_scan_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Depth and container counts carry over block boundaries (blocks of 7 bytes here), and brackets
     inside strings are not counted."""
-    monkeypatch.setattr(safety, "_SCAN_BLOCK", 7)
+    monkeypatch.setattr(checks_bounds, "_SCAN_BLOCK", 7)
     doc = [{"a": [[1], {"b": "[[[{"}]}, [[[[]]]], {}]
     raw = json.dumps(doc).encode()
-    assert safety.json_shape(raw) == (5, 10)
-    assert safety.json_depth(b'"\\"[[[["') == 0
+    assert checks_bounds.json_shape(raw) == (5, 10)
+    assert checks_bounds.json_depth(b'"\\"[[[["') == 0
 
 
 def test_chunk_counts_no_storage_holds_are_refused() -> None:
     with pytest.raises(MetadataError, match="more than any storage holds"):
-        safety.check_tensor_layout("model/x", (1 << 25, 1 << 25), "uint8", (1, 1), (1, 1))
-    safety.check_tensor_layout("model/x", (1 << 16, 1 << 16), "uint8", (1, 1), (1, 1))  # 2^32: the limit
+        limits.check_tensor_layout("model/x", (1 << 25, 1 << 25), "uint8", (1, 1), (1, 1))
+    limits.check_tensor_layout("model/x", (1 << 16, 1 << 16), "uint8", (1, 1), (1, 1))  # 2^32: the limit
     doc = json.loads(_metadata_of(1))
     t = doc["tensors"]["model/layers.0.w"]
     t["shape"], t["chunk_shape"], t["inner_chunk_shape"], t["writers"] = (
@@ -100,13 +101,13 @@ def test_chunk_counts_no_storage_holds_are_refused() -> None:
     )
     meta = CheckpointMetadata.from_json(json.dumps(doc))
     with pytest.raises(MetadataError, match="more than any pack holds"):
-        safety.check_layouts(meta)  # 2^28 packed chunks: no pack of at most 4 x 4.25 GiB has room
+        limits.check_layouts(meta)  # 2^28 packed chunks: no pack of at most 4 x 4.25 GiB has room
 
 
 def test_the_save_plan_refuses_a_layout_the_load_would_refuse() -> None:
     """A chunk grid the load would refuse is refused when the save plans it, before anything is written."""
-    from arraycheckpoint.plan import PlanOptions, TensorDecl, build_global_plan
-    from arraycheckpoint.regions import Box
+    from arraycheckpoint.planning.plan import PlanOptions, TensorDecl, build_global_plan
+    from arraycheckpoint.planning.regions import Box
 
     whole = (Box((0,), (1 << 36,)),)
     decl = TensorDecl("model/x", (1 << 36,), "uint8", 1, whole)

@@ -16,7 +16,7 @@ from dist import run_distributed
 import arraycheckpoint as acp
 from arraycheckpoint.dcp import Writer, entry_name, fit_chunk_grid
 from arraycheckpoint.errors import PlanError
-from arraycheckpoint.regions import Box
+from arraycheckpoint.planning.regions import Box
 
 pytestmark = pytest.mark.multiprocess
 

@@ -308,8 +308,8 @@ def test_hf_into_jax_2x4_mesh(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ range reads
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_range_reader_boxes_bit_exact_and_bounded(tmp_path: Path, where: str) -> None:
-    from arraycheckpoint.items import LoadShard
-    from arraycheckpoint.regions import Box
+    from arraycheckpoint.planning.items import LoadShard
+    from arraycheckpoint.planning.regions import Box
     from arraycheckpoint.sources.ranges import RangeReader, StoredTensor
     from arraycheckpoint.storage import storage_for
 

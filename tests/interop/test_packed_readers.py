@@ -322,7 +322,7 @@ def test_a_large_central_directory(tmp_path: Path) -> None:
     """A pack whose directory is larger than the first (tail) read is listed with one more ranged read."""
     import zarr
 
-    from arraycheckpoint.zarrstore import TAIL_BYTES
+    from arraycheckpoint.interop.zarrpacks import TAIL_BYTES
 
     state = {
         f"block_{i:04d}.with.a.rather.long.parameter.name.weight": torch.full((2,), float(i))

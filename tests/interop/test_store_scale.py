@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 zarr = pytest.importorskip("zarr")
 
 import arraycheckpoint as acp  # noqa: E402
-from arraycheckpoint import zarrstore  # noqa: E402
-from arraycheckpoint.plan import PlanOptions  # noqa: E402
+from arraycheckpoint.interop import zarrfiles, zarrpacks, zarrstore  # noqa: E402
+from arraycheckpoint.planning.plan import PlanOptions  # noqa: E402
 from arraycheckpoint.zarr import checkpoint_store  # noqa: E402
 
 ROWS = 6000  # one chunk per row: 6000 packed chunks of 16 bytes
@@ -40,7 +40,7 @@ def test_reading_many_packed_chunks_opens_each_pack_once(
     packs = len(list((path / ".acp" / "packs").glob("*.zip")))
     assert packs >= 10
     opens: list[str] = []
-    real_open = zarrstore._open_pack
+    real_open = zarrfiles._open_pack
 
     def counted_open(root: str, key: str) -> int:
         opens.append(key)
@@ -53,7 +53,7 @@ def test_reading_many_packed_chunks_opens_each_pack_once(
         directories.append(key)
         return await real_directory(self, key, *args)
 
-    monkeypatch.setattr(zarrstore, "_open_pack", counted_open)
+    monkeypatch.setattr(zarrfiles, "_open_pack", counted_open)
     monkeypatch.setattr(zarrstore.CheckpointStore, "_read_directory", counted_directory)
     store = checkpoint_store(path)
     try:
@@ -62,14 +62,14 @@ def test_reading_many_packed_chunks_opens_each_pack_once(
         store.close()
     assert np.array_equal(got, expected)  # bit-exact, every chunk from its pack
     assert len(directories) == len(set(directories)) == packs  # each directory parsed once
-    assert len(opens) <= packs + zarrstore.MAX_OPEN_PACKS // 8  # one open per pack (racing first uses aside)
+    assert len(opens) <= packs + zarrpacks.MAX_OPEN_PACKS // 8  # one open per pack (racing first uses aside)
     assert len(set(opens)) == packs
 
 
 def test_open_packs_are_bounded(chunky: tuple[Path, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
     """With fewer descriptors allowed than packs, reads still succeed and at most that many stay open."""
     path, expected = chunky
-    monkeypatch.setattr(zarrstore, "MAX_OPEN_PACKS", 4)
+    monkeypatch.setattr(zarrpacks, "MAX_OPEN_PACKS", 4)
     store = checkpoint_store(path)
     try:
         got = zarr.open_group(store, mode="r")["model/w"][...]

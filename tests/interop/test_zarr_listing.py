@@ -25,7 +25,7 @@ import torch
 from fixtures.make_format2 import full_state
 
 import arraycheckpoint as acp
-from arraycheckpoint.metadata import CONTROL, CONTROL_DIR, LEGACY_CONTROL
+from arraycheckpoint.format.metadata import CONTROL, CONTROL_DIR, LEGACY_CONTROL
 
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

@@ -146,7 +146,7 @@ def body_load_reads_only_own_regions(tmp):
     import arraycheckpoint as acp
     from arraycheckpoint.adapters.base import AdapterOptions
     from arraycheckpoint.adapters.jax import JaxAdapter
-    from arraycheckpoint.regions import Box
+    from arraycheckpoint.planning.regions import Box
 
     x = np.arange(16 * 24, dtype=np.float32).reshape(16, 24)
     acp.save(f"{tmp}/ck", {"model": {"w": jax.device_put(x, NS(mesh1, P("x")))}})

@@ -37,7 +37,7 @@ def body_save(tmp):
     from arraycheckpoint.adapters.jax.arrays import save_tensor
     from arraycheckpoint.engine import engine
     from arraycheckpoint.engine.coordinate import declare
-    from arraycheckpoint.rules import digest
+    from arraycheckpoint.planning.rules import digest
 
     assert jax.process_count() == 2 and jax.local_device_count() == 4
     mesh = jax.make_mesh((2, 4), ("a", "b"))  # "a" spans the processes

@@ -59,7 +59,7 @@ def test_dispatch_and_buffers_are_freed(tmp_path: Path) -> None:
     import torch
 
     import arraycheckpoint as acp
-    from arraycheckpoint._tscontext import context
+    from arraycheckpoint.runtime.tscontext import context
 
     backend, root = storage_for(f"local://{tmp_path}/x")
     assert isinstance(backend, FsspecStorage) and backend.commit_strategy == "marker"

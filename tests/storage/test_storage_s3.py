@@ -12,7 +12,7 @@ from dist import run_distributed
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import StorageError
-from arraycheckpoint.metadata import COMMIT_MARKER
+from arraycheckpoint.format.metadata import COMMIT_MARKER
 from arraycheckpoint.storage import configure, storage_for
 from arraycheckpoint.storage.s3 import S3Storage
 from arraycheckpoint.testing.storage import StorageTests

@@ -28,12 +28,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from ... import extras
 from ...codecs import numpy_dtype, zarr_dtype_name
 from ...errors import ArrayCheckpointError
-from ...items import LoadShard, LoadTensor, SaveObject, SaveRequest, SaveTensor
-from ...metadata import CheckpointMetadata
-from ...regions import Box
+from ...format import extras
+from ...format.metadata import CheckpointMetadata
+from ...planning.items import LoadShard, LoadTensor, SaveObject, SaveRequest, SaveTensor
+from ...planning.regions import Box
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
 from .arrays import (
     INDIVISIBLE_MODES,

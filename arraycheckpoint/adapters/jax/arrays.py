@@ -1,6 +1,6 @@
 """jax.Array leaves as regions: pytree names, shard boxes, target shardings and array assembly.
 
-Pure translation between JAX objects and :mod:`arraycheckpoint.items`; no I/O, no collectives.
+Pure translation between JAX objects and :mod:`arraycheckpoint.planning.items`; no I/O, no collectives.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from ...errors import ArrayCheckpointError
-from ...items import ArraySource, SaveShard, SaveTensor
-from ...regions import Box
+from ...planning.items import ArraySource, SaveShard, SaveTensor
+from ...planning.regions import Box
 from .sharding_rule import sharding_rule
 
 INDIVISIBLE_MODES = ("error", "replicate")

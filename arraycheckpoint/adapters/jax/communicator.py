@@ -8,7 +8,7 @@ background thread), and it works on CPU, GPU and TPU alike.
 
 Liveness: every blocking read of a key is a loop of short waits; between them the heartbeats of the rank that
 owes the key (and, on rank 0, of every rank) are checked through the same store, as for the torch
-communicator (:mod:`arraycheckpoint.liveness`). A process that stalls (stopped, frozen) makes every process
+communicator (:mod:`arraycheckpoint.runtime.liveness`). A process that stalls (stopped, frozen) makes every process
 fail within the liveness bound (``timeout=`` of save/load, ``ACP_LIVENESS_TIMEOUT``, else 300 s) with a
 :class:`~arraycheckpoint.errors.StalledRankError` naming it; a live but slow process is waited for. After a
 stall the communicator starts a fresh key space for the next collective, once every process is back. The
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ...collectives import Communicator, SingleProcessCommunicator
 from ...errors import ArrayCheckpointError, StalledRankError
-from ...liveness import Liveness, default_timeout
+from ...runtime.collectives import Communicator, SingleProcessCommunicator
+from ...runtime.liveness import Liveness, default_timeout
 
 PART_BYTES = 8 << 20
 #: Bound of the one wait that precedes liveness (the session key, at construction).
@@ -251,7 +251,7 @@ class JaxCommunicator(Communicator):
 
 
 class _KvStore:
-    """The coordination service's key-value store in the shape :class:`~arraycheckpoint.liveness.Liveness`
+    """The coordination service's key-value store in the shape :class:`~arraycheckpoint.runtime.liveness.Liveness`
     uses (the subset of ``torch.distributed.Store`` it needs)."""
 
     def __init__(self, client: Any) -> None:

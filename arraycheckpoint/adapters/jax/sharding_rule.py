@@ -1,4 +1,4 @@
-"""A ``jax.Array``'s ``NamedSharding`` as a mesh rule over processes (see :mod:`arraycheckpoint.rules`).
+"""A ``jax.Array``'s ``NamedSharding`` as a mesh rule over processes (see :mod:`arraycheckpoint.planning.rules`).
 
 The rule's mesh is the sharding's device mesh with every device replaced by the index of the process that
 owns it (a process at several coordinates holds the box of each), its axes reordered so that a dimension
@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...rules import Mesh
+from ...planning.rules import Mesh
 
 
 def sharding_rule(value: Any) -> tuple[Any, ...] | None:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ...errors import MetaDeviceError, StateMismatchError
-from ...items import LoadTensor, SaveObject, SaveRequest, SaveTensor
-from ...metadata import CheckpointMetadata
+from ...format.metadata import CheckpointMetadata
+from ...planning.items import LoadTensor, SaveObject, SaveRequest, SaveTensor
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
 from .common import dtype_name, tensor_item
 from .extra_state import load_extra, nested_modules, save_extra

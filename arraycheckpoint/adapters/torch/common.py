@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...items import SaveShard, SaveTensor
+from ...planning.items import SaveShard, SaveTensor
 from .dtensor_rule import dtensor_rule
 from .tensors import TorchSource, as_torch, layout, numpy_dtype
 

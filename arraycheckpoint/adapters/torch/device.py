@@ -2,7 +2,7 @@
 
 Snapshot (device -> host): each CUDA region is copied with ``non_blocking=True`` on a dedicated copy stream
 that first waits for the work already queued on the caller's current stream, into a page-locked buffer of the
-process-wide :mod:`~arraycheckpoint.hostpool`. The copy returns a :class:`CopyFence` (a CUDA event and a
+process-wide :mod:`~arraycheckpoint.runtime.hostpool`. The copy returns a :class:`CopyFence` (a CUDA event and a
 reference to the source tensor, so its memory cannot be freed and reused while the copy reads it); the engine
 completes ``future.staged`` and starts writing only once every fence has fired. The caller's thread is not
 blocked by the copies: training may run its next forward and backward pass while they proceed.
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...hostpool import HostBufferPool, shared_pool
+from ...runtime.hostpool import HostBufferPool, shared_pool
 
 MAX_PENDING_H2D_BYTES = 1 << 30
 

@@ -1,4 +1,4 @@
-"""A DTensor's layout as a rule every rank of its mesh shares (see :mod:`arraycheckpoint.rules`).
+"""A DTensor's layout as a rule every rank of its mesh shares (see :mod:`arraycheckpoint.planning.rules`).
 
 Only plain ``Shard(d)`` and ``Replicate()`` placements become a rule; anything else (strided shards from
 nested FSDP+TP, ``Partial``) returns None and the tensor is declared by its boxes. The engine also checks
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...rules import Mesh
+from ...planning.rules import Mesh
 from .tensors import is_dtensor
 
 

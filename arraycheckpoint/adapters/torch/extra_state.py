@@ -1,6 +1,6 @@
 """Extra state of the torch adapter: any namespace that is not a module, an optimizer or a state dict.
 
-Nested values are stored as JSON plus arrays (see :mod:`arraycheckpoint.extras`). Tensors and DTensors in
+Nested values are stored as JSON plus arrays (see :mod:`arraycheckpoint.format.extras`). Tensors and DTensors in
 them are saved in their own layout and loaded in place, so an EMA dict of DTensors reshards like the
 parameters. Modules nested at any depth (``{"ema": {"m": module}}``) are namespaces of their own: the
 document holds ``{"__module__": name}`` and the adapter stores the module's tensors under ``name`` exactly
@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ... import extras
 from ...errors import MetaDeviceError
-from ...items import LoadShard, LoadTensor, SaveObject
-from ...metadata import CheckpointMetadata
-from ...regions import Box
+from ...format import extras
+from ...format.metadata import CheckpointMetadata
+from ...planning.items import LoadShard, LoadTensor, SaveObject
+from ...planning.regions import Box
 from ..base import AdapterOptions, Expected
 from .common import dtype_name, fill, np_dtype, tensor_item
 from .tensors import as_torch, is_dtensor, layout, load_shard

@@ -8,7 +8,7 @@ whose leaves are
   (``decoder.layers.*``) carry ``prepend_axis_num`` leading axes the local data lacks; a
   ``flattened_range`` (older versions, distributed optimizers) is decomposed into regular boxes;
 * ``ShardedObject``: an opaque value per ``(key, global_offset)``; stored once per unique key and offset as
-  JSON (see :mod:`arraycheckpoint.extras`);
+  JSON (see :mod:`arraycheckpoint.format.extras`);
 * ``ShardedTensorFactory``: built (``build_fn``) into sharded tensors on save; on load the built tensors are
   filled and ``merge_fn`` folds them back into the factory's tensor, in place;
 * ``LocalNonpersistentObject``: never stored; restored from the local value.
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from ...items import SaveRequest
-from ...metadata import CheckpointMetadata
+from ...format.metadata import CheckpointMetadata
+from ...planning.items import SaveRequest
 from ..base import Adapter, AdapterOptions, LoadJob
 from .megatron_optim import load_optimizer, save_optimizer
 from .megatron_shards import (  # noqa: F401 - re-exported: the public names of this adapter

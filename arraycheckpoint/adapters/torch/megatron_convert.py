@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import StateMismatchError
-from ...items import LoadTensor
-from ...metadata import CheckpointMetadata
-from ...regions import Box
+from ...format.metadata import CheckpointMetadata
+from ...planning.items import LoadTensor
+from ...planning.regions import Box
 from .megatron import STACKED
 from .tensors import load_shard
 

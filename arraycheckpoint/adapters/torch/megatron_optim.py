@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ...errors import ArrayCheckpointError
-from ...regions import Box
+from ...planning.regions import Box
 from ..base import Expected
 from .megatron_shards import LoadBuilder, SaveBuilder, global_rank, is_main_replica, megatron_mapping, walk
 from .tensors import torch_dtype

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ... import extras
 from ...errors import ArrayCheckpointError
-from ...items import LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
-from ...metadata import CheckpointMetadata
-from ...regions import Box, flat_range_to_boxes, intersect
+from ...format import extras
+from ...format.metadata import CheckpointMetadata
+from ...planning.items import LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
+from ...planning.regions import Box, flat_range_to_boxes, intersect
 from ..base import AdapterOptions, Expected
 from .tensors import TorchSource, as_torch, load_shard, numpy_dtype
 

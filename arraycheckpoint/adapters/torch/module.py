@@ -70,7 +70,7 @@ def flat_range_rules(handle: Any) -> list[tuple[Any, ...]] | None:
     """
     import torch.distributed as dist
 
-    from ...rules import Mesh
+    from ...planning.rules import Mesh
 
     flat = handle.flat_param
     numels = getattr(flat, "_numels_with_padding", None)

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from ... import extras
 from ...errors import InvalidStateError
-from ...items import LoadTensor, SaveObject, SaveTensor
-from ...metadata import CheckpointMetadata
+from ...format import extras
+from ...format.metadata import CheckpointMetadata
+from ...planning.items import LoadTensor, SaveObject, SaveTensor
 from ..base import AdapterOptions, Expected
 from .common import dtype_name, np_dtype, tensor_item
 from .module import ModuleView, StoredNames

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ...errors import UnsupportedDTypeError
-from ...regions import Box, flat_range_to_boxes
+from ...planning.regions import Box, flat_range_to_boxes
 
 _TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
     torch.float32: np.dtype(np.float32),
@@ -140,7 +140,7 @@ def load_shard(box: Box, view: torch.Tensor) -> Any:
     CPU views are read into directly, without a copy; CUDA views are read into a pinned pool buffer and
     copied to the device asynchronously (the caller's stream waits for the copy on the device).
     """
-    from ...items import LoadShard
+    from ...planning.items import LoadShard
 
     if view.is_cuda:
         from .device import staging_buffer, use_cuda
@@ -175,7 +175,7 @@ class FlatFragment:
     """This rank's slice of a flattened parameter (FSDP1): elements ``[start, stop)`` of ``shape``.
 
     ``rule`` is the layout rule every rank of the FSDP group shares (``("range", Mesh, offset, total)``, see
-    :mod:`arraycheckpoint.rules`), or None when it is not known.
+    :mod:`arraycheckpoint.planning.rules`), or None when it is not known.
     """
 
     shape: tuple[int, ...]

@@ -69,7 +69,7 @@ class SaveTensor:
     # ``("mesh", rules.Mesh, placements)`` or an FSDP1 flat range's ``("range", rules.Mesh, offset, total)``;
     # the engine checks it against ``shards`` and falls back to boxes
     rule: tuple[Any, ...] | None = None
-    # set on one row of a stacked per-rank array (:mod:`arraycheckpoint.perrank`): the per-rank tensor every
+    # set on one row of a stacked per-rank array (:mod:`arraycheckpoint.format.perrank`): the per-rank tensor every
     # rank saves instead when the ranks' rows disagree in shape or dtype
     fallback: SaveTensor | None = None
 
@@ -81,7 +81,7 @@ class SaveObject:
     name: str
     value: Any
     scope: str = "global"
-    # a per-rank object in template form (:mod:`arraycheckpoint.rankdoc`): ``value`` is the rank-independent
+    # a per-rank object in template form (:mod:`arraycheckpoint.format.rankdoc`): ``value`` is the rank-independent
     # template (stored once, from the coordinator), ``rows`` names the stacked arrays of this rank's numeric
     # leaves by kind, ``fallback`` is the plain per-rank object every rank saves instead when templates differ
     rows: dict[str, str] | None = None

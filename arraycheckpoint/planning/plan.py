@@ -8,16 +8,16 @@ Steps, per tensor:
 
 1. check that every rank agrees on global shape and dtype;
 2. deduplicate identical regions (replicas) and validate the rest: in bounds, no partial overlap, full coverage;
-3. pick a regular chunk grid that nests in the saved regions (:mod:`arraycheckpoint.chunking`): no chunk
+3. pick a regular chunk grid that nests in the saved regions (:mod:`arraycheckpoint.planning.chunking`): no chunk
    straddles two regions, none is above ``max_chunk_bytes``; one chunk is one stored file (the small ones
    go into their writer's packs);
 4. assign one writer per chunk among the ranks holding it, replicas by worst fit on bytes (largest chunk
-   first, :mod:`arraycheckpoint.owners`): no tensor byte travels;
+   first, :mod:`arraycheckpoint.planning.owners`): no tensor byte travels;
 5. only a row grid over flat ranges (FSDP1) straddles regions: the writer of such a chunk receives the
    other sides of the rank boundaries in it (one batched exchange).
 
 There is one planner: :func:`build_global_plan` states each rank's regions as box rules and runs the compact
-planner (:func:`arraycheckpoint.groupplan.build_compact_plan`), then lists every rank's work.
+planner (:func:`arraycheckpoint.planning.groupplan.build_compact_plan`), then lists every rank's work.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import PlanError
 from .chunking import split_chunk
-from .errors import PlanError
 from .regions import Box, intersect
 
-__all__ = ["split_chunk"]  # re-exported (its home is arraycheckpoint.chunking)
+__all__ = ["split_chunk"]  # re-exported (its home is arraycheckpoint.planning.chunking)
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,10 @@ class PlanOptions:
     ranks_per_host: int = 0
     host_of: tuple[int, ...] = ()
     # replicated chunks are cut small enough that worst fit over their holders keeps every rank's written
-    # bytes within this factor of the mean (arraycheckpoint.owners.replica_caps)
+    # bytes within this factor of the mean (arraycheckpoint.planning.owners.replica_caps)
     write_balance: float = 1.05
     # arrays one rank writes whole, uncompressed and of at most this many stored bytes go into that rank's
-    # packs (arraycheckpoint.packing: ZIP files every zarr reader opens), about ``min_chunk_bytes`` each,
+    # packs (arraycheckpoint.planning.packing: ZIP files every zarr reader opens), about ``min_chunk_bytes`` each,
     # instead of a directory and two files apiece; 0 keeps every array in its own directory
     pack_array_bytes: int = 2 << 20
 
@@ -145,7 +145,9 @@ class TensorPlan:
     regions: tuple[tuple[Box, int], ...]  # unique saved regions and the rank credited with them
     writers: tuple[int, ...]  # per chunk, row-major
     creator: int
-    pack: str | None = None  # the pack holding the array (arraycheckpoint.packing), None: its own directory
+    pack: str | None = (
+        None  # the pack holding the array (arraycheckpoint.planning.packing), None: its own directory
+    )
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def build_global_plan(
     """Combine every rank's local declarations into a validated global plan (every rank's work listed).
 
     Each rank's regions become box rules of one declaration per rank, planned by
-    :func:`arraycheckpoint.groupplan.build_compact_plan` (the one planner); this lists every rank's
+    :func:`arraycheckpoint.planning.groupplan.build_compact_plan` (the one planner); this lists every rank's
     :class:`RankPlan`, for tests and tools at small worlds.
 
     Args:
@@ -214,9 +216,9 @@ def check_loadable(
     name: str, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...], inner: tuple[int, ...]
 ) -> None:
     """Refuse, before anything is written, a layout the load would refuse (a chunk above the decoded-chunk
-    limit, more chunks than any storage holds: :func:`arraycheckpoint.safety.check_tensor_layout`)."""
-    from .errors import MetadataError
-    from .safety import check_tensor_layout
+    limit, more chunks than any storage holds: :func:`arraycheckpoint.checks.limits.check_tensor_layout`)."""
+    from ..checks.limits import check_tensor_layout
+    from ..errors import MetadataError
 
     try:
         check_tensor_layout(name, shape, dtype, chunk, inner)

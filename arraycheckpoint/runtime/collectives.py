@@ -159,7 +159,7 @@ class TorchCommunicator(Communicator):
         """Args:
         group: the gloo group to use (default: a new one over the whole world).
         timeout: seconds without a heartbeat after which a rank counts as stalled (default
-            :data:`arraycheckpoint.liveness.DEFAULT_TIMEOUT` or ``ACP_LIVENESS_TIMEOUT``); every rank then
+            :data:`arraycheckpoint.runtime.liveness.DEFAULT_TIMEOUT` or ``ACP_LIVENESS_TIMEOUT``); every rank then
             fails within about this bound with an error naming the stalled rank. Only a whole-world group
             (the default) gets liveness checks and is rebuilt after a stall.
         """
@@ -194,13 +194,13 @@ class TorchCommunicator(Communicator):
 
     def _call(self, start: Any, what: str) -> None:
         """Run one collective (``start()`` issues it with ``async_op=True``) and wait for it while checking
-        liveness: a stalled peer raises :class:`~arraycheckpoint.liveness.StalledRankError` within the
+        liveness: a stalled peer raises :class:`~arraycheckpoint.runtime.liveness.StalledRankError` within the
         liveness timeout instead of blocking. After a stall the group is rebuilt at the next collective.
         """
         if self._liveness is None:
             start().wait()
             return
-        from .errors import StalledRankError
+        from ..errors import StalledRankError
 
         if self._broken is not None:
             self._rebuild()

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from .errors import StalledRankError  # also importable from here (its old home)
+from ..errors import StalledRankError  # also importable from here (its old home)
 
 __all__ = ["DEFAULT_TIMEOUT", "Liveness", "StalledRankError", "default_timeout"]
 

@@ -14,7 +14,7 @@ import pickle  # only behind allow_pickle=True
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import PickleNotAllowedError, UnpicklingError, UnsafeNameError
+from ..errors import PickleNotAllowedError, UnpicklingError, UnsafeNameError
 from .metadata import check_name
 
 # "__leaf__" is no tag of this module's: it marks the numeric leaves of per-rank templates (rankdoc.py), so a

@@ -6,7 +6,7 @@ for plain-path readers, when arrays are packed) and in every directory
 between the root and an entry, and the control node ``.acp/zarr.json``. The control node is an empty
 zarr v3 *array* (shape ``[0]``, ``uint8``): readers that list a group (zarr-python's ``members()``/``tree()``,
 xarray's ``open_datatree``) see one harmless empty array and never list inside it, so the control files
-beside it (:data:`~arraycheckpoint.metadata.CONTROL`) raise no "not a zarr node" warning.
+beside it (:data:`~arraycheckpoint.format.metadata.CONTROL`) raise no "not a zarr node" warning.
 """
 
 from __future__ import annotations

@@ -16,19 +16,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ._validate import check_name as check_name  # the one validator of entry names (saves use it too)
-from ._validate import check_name_tree
-from .errors import ArrayCheckpointError, MetadataError
-from .packing import PACK_KEY, RANK_PACKS
-from .regions import Box
+from ..checks.names import check_name as check_name  # the one validator of entry names (saves use it too)
+from ..checks.names import check_name_tree
+from ..errors import ArrayCheckpointError, MetadataError
+from ..planning.packing import PACK_KEY, RANK_PACKS
+from ..planning.regions import Box
 
 #: 6: every chunk file below the target size is in its writer's packs; a packed array's ``pack`` is
 #: ``.acp/packs/<creator>`` (the rank whose packs hold its ``zarr.json``), chunk ``i`` lies in the packs of
 #: ``writers[i]`` (found by key in their central directories: nothing per chunk in the metadata).
 #: 5: small arrays one rank writes whole are stored in packs, uncompressed ZIP files holding complete zarr v3
-#: arrays (:mod:`arraycheckpoint.packing`); a tensor's ``pack`` names its file.
+#: arrays (:mod:`arraycheckpoint.planning.packing`); a tensor's ``pack`` names its file.
 #: 4: per-rank objects whose ranks share one structure are stored as one template plus numeric rows
-#: (:mod:`arraycheckpoint.rankdoc`); 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys
+#: (:mod:`arraycheckpoint.format.rankdoc`); 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys
 #: ``c.i.j``; 2: regions stored as layout rules (format 1 listed every rank's region). Versions 1 and 2 keep
 #: their control files in the root (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
 FORMAT_VERSION = 6
@@ -128,13 +128,13 @@ class TensorMeta:
     @property
     def pack_rank(self) -> int | None:
         """Format 6: the rank whose packs hold this packed array's ``zarr.json`` (None: not in that form)."""
-        from .packing import packs_rank
+        from ..planning.packing import packs_rank
 
         return packs_rank(self.pack)
 
     @property
     def nbytes(self) -> int:
-        from .codecs import numpy_dtype
+        from ..codecs import numpy_dtype
 
         return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
 
@@ -142,7 +142,7 @@ class TensorMeta:
 @dataclass(frozen=True)
 class ObjectMeta:
     """A JSON object entry. ``scope="global"`` holds one value; ``scope="rank"`` one value per saving rank:
-    either ``per_rank`` (rank -> value) or, in template form (format 4, :mod:`arraycheckpoint.rankdoc`), one
+    either ``per_rank`` (rank -> value) or, in template form (format 4, :mod:`arraycheckpoint.format.rankdoc`), one
     ``template`` for every rank of the world whose numeric leaves are rows of the arrays ``rows`` names."""
 
     name: str
@@ -209,7 +209,7 @@ class CheckpointMetadata:
     def from_json(text: str | bytes, what: str = METADATA_FILE) -> CheckpointMetadata:
         """Parse and validate the metadata document; raises :class:`MetadataError` on anything malformed
         (naming ``what``: the file it was read from)."""
-        from .safety import MAX_METADATA_BYTES, load_json_bounded
+        from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 
         doc = load_json_bounded(text, max_bytes=MAX_METADATA_BYTES, what=what)
         return _parse(doc)
@@ -249,7 +249,7 @@ def _int_list(value: Any, where: str, minimum: int = 0, limit: int = MAX_NDIM) -
 
 
 def _parse(doc: Any) -> CheckpointMetadata:
-    from .codecs import SUPPORTED_DTYPES
+    from ..codecs import SUPPORTED_DTYPES
 
     if not isinstance(doc, dict):
         raise MetadataError("metadata: top level must be a JSON object")
@@ -376,7 +376,7 @@ def _parse_object(
     name: str, o: Any, version: int, tensors: Mapping[str, TensorMeta], world_size: int
 ) -> ObjectMeta:
     """One object entry: global, per-rank (``per_rank``: at most one value per rank of the world) or, from
-    format 4, a template whose rows are stacked arrays (checked by :func:`arraycheckpoint.rankdoc.check`)."""
+    format 4, a template whose rows are stacked arrays (checked by :func:`arraycheckpoint.format.rankdoc.check`)."""
     from . import rankdoc
 
     check_name(name)
@@ -416,8 +416,8 @@ def _parse_shards(t: Any, where: str, shape: tuple[int, ...], world_size: int) -
 
 def _parse_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
     """Format 2 layout groups: each a declaration's meshes and the ranks that made it."""
-    from .groupplan import Decl
-    from .rules import MAX_MESH_RANKS, Mesh, decode_ranks
+    from ..planning.groupplan import Decl
+    from ..planning.rules import MAX_MESH_RANKS, Mesh, decode_ranks
 
     if not isinstance(raw, list):
         raise MetadataError("metadata: layout_groups must be a list")
@@ -447,7 +447,7 @@ def _parse_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
 
 
 def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[Any, ...]) -> tuple:
-    from .rules import check_rule
+    from ..planning.rules import check_rule
 
     out = []
     for entry in raw:
@@ -477,7 +477,7 @@ class LazyShards(Sequence):
 
     @cached_property
     def _items(self) -> tuple[ShardMeta, ...]:
-        from .groupplan import TensorRule, _regions_of, _rule_tuple
+        from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
 
         name, shape, regions, groups = self._args
         contribs = [

@@ -10,10 +10,10 @@ and passes the per-rank one as the ``fallback`` of :func:`templated`) into
 
 * a **template**: the document with every numeric leaf replaced by a placeholder ``{"__leaf__": "<k><i>"}``
   (``k``: ``i`` int, ``b`` bool, ``f`` float; ``i``: the leaf's index in its row) and every per-rank array
-  reference naming the rank-independent stacked array (``<ns>/~rows/...``, :mod:`arraycheckpoint.perrank`)
+  reference naming the rank-independent stacked array (``<ns>/~rows/...``, :mod:`arraycheckpoint.format.perrank`)
   instead of ``<ns>/~r<rank>/...``. A reader takes row ``s`` of that array for saved rank ``s``; when it is
   not stored (the ranks' rows disagreed, or the array could not be stacked: a DTensor shard, an empty array)
-  it reads rank ``s`` 's own array ``<ns>/~r<s>/...`` instead (:func:`arraycheckpoint.perrank.resolve`).
+  it reads rank ``s`` 's own array ``<ns>/~r<s>/...`` instead (:func:`arraycheckpoint.format.perrank.resolve`).
   Strings, ``None``, ints beyond int64 and everything else stay in the template;
 * two **rows**: the ints and bools as int64, the floats as float64 (their exact bits: NaN, -0.0, inf and
   subnormals come back bit for bit). They are saved as rows of the stacked arrays ``<object>/~int`` ``[N,
@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from .items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
+from ..planning.items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
+from ..planning.regions import Box
+from ..planning.rules import digest
 from .perrank import fill, row, stack
-from .regions import Box
-from .rules import digest
 
 LEAF = "__leaf__"
 #: row kind -> (numpy dtype, the placeholder letters stored in it)
@@ -62,7 +62,7 @@ def row_names(name: str) -> dict[str, str]:
 
 
 def split(doc: Any) -> tuple[Any, list[int], list[float]]:
-    """``(template, ints, floats)`` of a JSON document (as :func:`arraycheckpoint.extras.encode` makes it).
+    """``(template, ints, floats)`` of a JSON document (as :func:`arraycheckpoint.format.extras.encode` makes it).
 
     Bools and ints within int64 go to ``ints``, floats (also the ``{"__float__": "nan"}`` tags of non-finite
     ones) to ``floats``; the template holds a placeholder for each. :func:`join` is the exact inverse.
@@ -168,7 +168,7 @@ def templated(
 
 
 def ambiguous(doc: Any) -> bool:
-    """Whether raw JSON ``doc`` (not encoded by :mod:`arraycheckpoint.extras`, which escapes them) holds a
+    """Whether raw JSON ``doc`` (not encoded by :mod:`arraycheckpoint.format.extras`, which escapes them) holds a
     one-key dict that :func:`split` would read as a leaf (``__leaf__``, ``__float__``): such a document must
     stay in per-rank form to come back unchanged."""
     todo: list[Any] = [doc]

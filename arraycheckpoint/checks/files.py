@@ -12,7 +12,7 @@ on, and its size is known before anything is sized from it:
 * :func:`read_below`: a whole regular file of at most ``limit`` bytes;
 * :func:`pread_exact`: exactly ``n`` bytes at an offset of an open file, or a clear error naming it.
 
-The native load (:mod:`arraycheckpoint.storage.local`, :mod:`arraycheckpoint.safety`), the sources
+The native load (:mod:`arraycheckpoint.storage.local`, :mod:`arraycheckpoint.checks`), the sources
 (:mod:`arraycheckpoint.sources`) and the tools use these, so a link or a FIFO gets the same answer at every
 entry point: :class:`~arraycheckpoint.errors.CorruptCheckpointError` naming the path. What this module does
 not do: stop a writer that swaps a file for a link between this check and a later open by tensorstore
@@ -25,7 +25,7 @@ import errno
 import os
 import stat
 
-from .errors import CorruptCheckpointError, StorageError
+from ..errors import CorruptCheckpointError, StorageError
 
 __all__ = ["open_below", "open_regular", "pread_exact", "read_below"]
 

@@ -7,14 +7,14 @@ array of a slot has the same shape and dtype (the common case) it is stored inst
 
 * on save each rank declares the stacked array with the mesh rule ``("mesh", Mesh((N,), 0..N-1), (0,))``:
   identical on every rank, so it adds O(1) declarations and the planner packs rows into bounded chunk files
-  through the fragment exchange (:mod:`arraycheckpoint.groupplan`);
+  through the fragment exchange (:mod:`arraycheckpoint.planning.groupplan`);
 * whether the ranks agree is decided by one digest of every stacked slot's (name, shape, dtype) folded into
   the save's fixed-size agreement (:meth:`arraycheckpoint.engine.coordinate.Coordinator.agree`); when any rank
   differs, every rank falls back to the per-rank arrays (:func:`fall_back`), so nothing hangs;
 * ``.metadata.json`` marks the stacked array (``"rank_rows": true``: the leading dimension is the saving rank,
   of extent ``world_size``). Per-rank documents stored per rank (format 3, and the fallback of format 4) keep
   naming ``<ns>/~r<rank>/...``, and a loader resolves a name absent from the checkpoint to its row of the
-  stacked array; a format-4 template (:mod:`arraycheckpoint.rankdoc`) names ``<ns>/~rows/...``, resolved to
+  stacked array; a format-4 template (:mod:`arraycheckpoint.format.rankdoc`) names ``<ns>/~rows/...``, resolved to
   the saved rank's row, or to its own array ``<ns>/~r<rank>/...`` when the arrays fell back (:func:`resolve`).
   A reader that does not know the stacked form finds the per-rank name missing and refuses to load: it cannot
   silently misread it.
@@ -31,9 +31,23 @@ from typing import Any
 
 import numpy as np
 
-from .items import SaveShard, SaveTensor
-from .regions import Box
-from .rules import Mesh, digest
+from ..planning.items import SaveShard, SaveTensor
+from ..planning.regions import Box
+from ..planning.rules import Mesh, digest
+
+
+@dataclass
+class PerRank:
+    """A value that differs per rank (an RNG stream, a per-rank counter) inside saved state.
+
+    ``{"extra_state": {"step": 10, "rng": acp.PerRank(rng.capture())}}``: every rank's value is saved; on load
+    each rank's ``PerRank.value`` is replaced following the per-rank rule (module docstring). ``derive``
+    (``(value, rank, source_rank) -> value``) overrides how a rank with no saved counterpart derives its value.
+    """
+
+    value: Any = None
+    derive: Callable[[Any, int, int], Any] | None = None
+
 
 ROWS = "~rows"
 

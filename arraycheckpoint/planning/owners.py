@@ -1,6 +1,6 @@
 """Who writes each chunk (pure): one of the ranks that already hold it, by worst fit on bytes.
 
-Chunk grids nest in the saved regions (:mod:`arraycheckpoint.chunking`), so every chunk lies inside one
+Chunk grids nest in the saved regions (:mod:`arraycheckpoint.planning.chunking`), so every chunk lies inside one
 region and the candidates to write it are that region's holders: one rank for a sharded region (FSDP2,
 Megatron TP, JAX; no choice), every replica for a replicated one (DDP, data-parallel replicas, replicated
 JAX or DTensor placements). Replicated chunks are placed largest first on the least-loaded holder (the

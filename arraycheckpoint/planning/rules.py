@@ -12,7 +12,7 @@ A rank declares each tensor it saves with one rule instead of a list of boxes wh
   elements are elements ``[offset, offset + numel)`` of a flat space of ``total`` elements that is split over
   the ranks of mesh ``m`` (in row-major mesh order) by ``torch.chunk``, which is how FSDP1 shards a flat
   parameter (its padding is part of ``total``). The rank at mesh position ``i`` holds the part of the tensor
-  inside chunk ``i``, as up to ``2 * ndim - 1`` boxes (:func:`arraycheckpoint.regions.flat_range_to_boxes`);
+  inside chunk ``i``, as up to ``2 * ndim - 1`` boxes (:func:`arraycheckpoint.planning.regions.flat_range_to_boxes`);
 * ``["boxes", [[offsets, lengths], ...]]``: explicit regions (irregular shards, megatron fragments).
 
 A mesh may name one rank at several coordinates (a JAX mesh of devices, mapped to the process owning each
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PlanError
+from ..errors import PlanError
 from .regions import Box, flat_range_to_boxes
 
 REPLICA = ("replica",)

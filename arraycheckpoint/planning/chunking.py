@@ -6,7 +6,7 @@ coarsest such grid has one chunk per region (per dimension, the gcd of the inter
 by divisors down to ``max_chunk_bytes`` (never above it) and, for replicated regions, down to the size that
 lets the worst fit over their holders keep every rank within ``write_balance`` of the mean (a ``cap`` from
 the planner). It is never coarsened across a boundary: chunk files smaller than the target file size
-(``min_chunk_bytes``) go into their writer's packs (:mod:`arraycheckpoint.packing`), which bound the number
+(``min_chunk_bytes``) go into their writer's packs (:mod:`arraycheckpoint.planning.packing`), which bound the number
 of files without moving bytes.
 
 The one layout no regular grid nests in is a flat range cut anywhere inside a row (FSDP1's flat parameters,

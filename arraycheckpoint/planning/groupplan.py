@@ -1,18 +1,18 @@
 """Planning that grows with distinct layouts, not with ranks x tensors.
 
 Input: the distinct declarations of a save (:class:`Decl`: a mesh table and one rule per tensor, see
-:mod:`arraycheckpoint.rules`) and the ranks that made each. Ranks with the same declaration form one group,
+:mod:`arraycheckpoint.planning.rules`) and the ranks that made each. Ranks with the same declaration form one group,
 so a 10,000-rank FSDP2 or DDP job has one group and a TP x PP megatron job one group per (TP, PP) position.
 
 Output: a :class:`CompactPlan`: per tensor its chunk grid, the writer of every chunk and the creator of its
 ``zarr.json``. Every rank derives its own work (:func:`rank_plan`) from the compact plan and the
 declarations; nothing is listed per rank.
 
-This is the one planner: :func:`arraycheckpoint.plan.build_global_plan` states every rank's regions as box
+This is the one planner: :func:`arraycheckpoint.planning.plan.build_global_plan` states every rank's regions as box
 rules and runs it too (tests compare plans from rules with plans from the expanded regions). Tensors whose
 regions are the same (same shape, item size and holder structure) are analysed once. Chunk grids nest in the
-saved regions (:mod:`arraycheckpoint.chunking`); a chunk held by one rank is written there, replicated chunks
-go to their holders by worst fit (:mod:`arraycheckpoint.owners`), so only the row grids of flat ranges
+saved regions (:mod:`arraycheckpoint.planning.chunking`); a chunk held by one rank is written there, replicated chunks
+go to their holders by worst fit (:mod:`arraycheckpoint.planning.owners`), so only the row grids of flat ranges
 (FSDP1) move bytes. Pure: no I/O.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ._validate import check_name_tree
+from ..checks.names import check_name_tree
+from ..errors import PlanError
 from .chunking import split_chunk, tensor_chunk_shape
-from .errors import PlanError
 from .owners import WorstFit, fragment_source, replica_caps
 from .packing import assign_packs, by_pack
 from .plan import (
@@ -113,7 +113,9 @@ class TensorDecision:
     layout: ArrayLayout
     writers: tuple[int, ...]  # per chunk, row-major over the chunk grid
     creator: int
-    pack: str | None = None  # the pack holding the array (arraycheckpoint.packing), None: its own directory
+    pack: str | None = (
+        None  # the pack holding the array (arraycheckpoint.planning.packing), None: its own directory
+    )
 
 
 @dataclass
@@ -323,7 +325,7 @@ def build_compact_plan(
         classes[name] = c
 
     # forced chunks (one holder) first, then the replicated ones by worst fit: largest first, ties by
-    # (name, index) (arraycheckpoint.owners)
+    # (name, index) (arraycheckpoint.planning.owners)
     names = sorted(classes)
     load = np.zeros(world, dtype=np.int64)
     class_load: dict[int, np.ndarray] = {}

@@ -1,0 +1,251 @@
+"""Reading a pack's ZIP directory through the storage, bounded by what the metadata lets the pack hold.
+
+:func:`read_pack_directory` reads a pack's tail once and parses its central directory
+(:mod:`arraycheckpoint.checks.zipdir`); the pack's size is bounded by the members the metadata puts in it,
+and a local pack is opened without following links (:mod:`arraycheckpoint.checks.files`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from ..checks.bounds import MAX_OBJECT_BYTES, MAX_PACKED_JSON_BYTES
+from ..checks.zipdir import PackMember, _check_local_headers, _parse_zip_directory
+from ..errors import (
+    CorruptCheckpointError,
+    InconsistentCheckpointError,
+)
+
+
+def _chunk_grid(t: Any) -> tuple[int, ...]:
+    """Chunks per dimension of the array ``t`` (``()`` for a 0-d array: one chunk)."""
+    return tuple(-(-s // c) for s, c in zip(t.shape, t.chunk_shape))
+
+
+def _longest_chunk_key(grid: tuple[int, ...]) -> int:
+    """Length of the longest chunk key of ``grid`` (``c`` and one separator and index per dimension)."""
+    return 1 + sum(1 + len(str(max(g - 1, 0))) for g in grid)
+
+
+def _packed_chunk_bytes(t: Any) -> int:
+    """Size of one chunk member of the packed array ``t``: packs hold uncompressed arrays of whole chunks
+    (the metadata parser refuses anything else), so a chunk file is its data, a crc32c per inner chunk and
+    the shard index (16 bytes per inner chunk and its crc32c), and never more."""
+    from ..codecs import numpy_dtype
+
+    inner = math.prod(c // i for c, i in zip(t.chunk_shape, t.inner_chunk_shape))
+    return math.prod(t.chunk_shape) * numpy_dtype(t.dtype).itemsize + inner * 20 + 4
+
+
+def _pack_bound(meta: Any, every: Collection[str], limits: Mapping[str, int]) -> int:
+    """Upper bound of the size of the pack holding exactly the arrays ``every`` (``limits``: each one's
+    largest chunk file): every member's bytes (a ``zarr.json`` within :data:`MAX_PACKED_JSON_BYTES`), its
+    local and central records and its name twice, and the end records."""
+    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES, group_keys
+
+    total = TRAILER_BYTES
+    for g in group_keys(every):
+        total += MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * len(g.encode())
+    for n in every:
+        grid = _chunk_grid(meta.tensors[n])
+        prefix = len(n.encode()) + 1
+        total += MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (prefix + len("zarr.json"))
+        total += math.prod(grid) * (limits[n] + MEMBER_OVERHEAD + 2 * (prefix + _longest_chunk_key(grid)))
+    return min(total, MAX_OBJECT_BYTES * 4)
+
+
+def read_pack_directory(storage: Any, root: str, meta: Any, key: str) -> tuple[list[PackMember], int | None]:
+    """The ZIP central directory (:class:`PackMember` entries, in stored order, duplicates kept) and the
+    size of the pack ``key`` of ``meta``, read with the checks of :func:`check_packs` on the pack itself (a
+    regular file, no link, no larger than its declared arrays can be, a ZIP archive) but none on its members:
+    for tools that report each defect of a member themselves (``arraycheckpoint verify``).
+
+    Raises:
+        InconsistentCheckpointError: the pack is missing.
+        CorruptCheckpointError: a link, a non-regular or oversized pack, or no ZIP archive.
+    """
+    every = sorted(n for n, t in meta.tensors.items() if t.pack == key)
+    limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in every}
+    return _pack_directory(storage, root.rstrip("/"), key, _pack_bound(meta, every, limits))
+
+
+def _pack_directory(
+    storage: Any,
+    base: str,
+    key: str,
+    bound: int,
+    *,
+    max_directory_bytes: int | None = None,
+    check_members: Callable[[list[PackMember]], list[PackMember]] | None = None,
+    missing_ok: bool = False,
+) -> tuple[list[PackMember], int | None]:
+    """The ZIP central directory of the pack ``key`` (its entries, in stored order, duplicates kept) and the
+    pack's size, read and checked without ever inflating or allocating more than the directory.
+
+    The pack must be a regular object of at most ``bound`` bytes (on local file systems: opened with
+    ``O_NOFOLLOW | O_NONBLOCK`` below a link-free path, so neither a link nor a FIFO is followed or waited
+    on), and a ZIP archive laid out as a save writes it (:func:`_parse_zip_directory`): this leaves no room
+    for tensorstore's ``zip`` driver and this check to read different directories. ``max_directory_bytes``
+    (what the directory of the pack's arrays can take) is checked from the end record, before the directory
+    is read; it then holds at most one entry per 46 bytes. ``check_members(entries)`` (see
+    :func:`check_packs`) checks the entries and returns those tensorstore will read, whose local headers are
+    then checked (:func:`_check_local_headers`).
+    Local files are read with ``pread``; object stores with ranged reads (the last
+    :data:`_PACK_TAIL_BYTES` first, which usually hold the directory, then one small read per local header),
+    so a pack is never downloaded whole to be checked.
+
+    Raises:
+        InconsistentCheckpointError: the pack is missing (with ``missing_ok``: ``([], None)`` is returned).
+        CorruptCheckpointError: a link, a non-regular or oversized pack, a pack that is no ZIP archive as a
+            save writes it, or what ``check_members`` and the local headers refuse.
+    """
+    from ..planning.packing import PACK_DIR
+
+    path = f"{base}/{key}"
+    if getattr(storage, "commit_strategy", "") == "rename":
+        from ..checks.files import open_regular
+
+        opened = open_regular(base, key)  # no link on the way, never a FIFO (O_NONBLOCK), a regular file
+        if opened is None:
+            if missing_ok:
+                return [], None
+            raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
+        fd, size = opened
+        try:
+            _check_pack_size(path, size, bound)
+            reader = _PackReader(path, lambda ranges: [os.pread(fd, n, o) for o, n in ranges], size)
+            last = min(size, _PACK_TAIL_BYTES)
+            (tail,) = reader.read_many([(size - last, last)])
+            return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members)
+        finally:
+            os.close(fd)
+    kv = _kvstore(storage, f"{base}/{PACK_DIR}")
+    leaf = key[len(PACK_DIR) + 1 :]
+    want = min(bound + 1, _PACK_TAIL_BYTES)
+    size: int | None = None
+    try:
+        result = kv.read(leaf, byte_range=slice(-want, None)).result()
+    except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the suffix asked for: read it whole
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        result = kv.read(leaf).result()
+        if result.state == "value":
+            size = len(result.value)
+    if result.state != "value":
+        if missing_ok:
+            return [], None
+        raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
+    tail = bytes(result.value)
+    if size is not None:
+        _check_pack_size(path, size, bound)
+    elif want == bound + 1:  # the object holds at least bound + 1 bytes
+        _check_pack_size(path, bound + 1, bound)
+
+    def read_remote(ranges: list[tuple[int, int]]) -> list[bytes]:
+        futures = [kv.read(leaf, byte_range=slice(o, o + n) if n is not None else None) for o, n in ranges]
+        out = []
+        for f in futures:
+            try:
+                r = f.result()
+            except ValueError as e:  # OUT_OF_RANGE: shorter than its end records say
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+                raise CorruptCheckpointError(f"{path} is shorter than its end records say") from None
+            if r.state != "value":
+                raise InconsistentCheckpointError(f"the pack {path} vanished while it was checked")
+            out.append(bytes(r.value))
+        return out
+
+    reader = _PackReader(path, read_remote, size, tail, whole_when_cheaper=True)
+    return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members)
+
+
+class _PackReader:
+    """Reads of byte ranges of one pack (``read(ranges)``: ``pread`` on a local file, concurrent ranged reads
+    on an object store), serving what the first read of its end (``tail``) holds from memory. With
+    ``whole_when_cheaper``, a batch of more ranges than the pack's size in first reads (``n x``
+    :data:`_PACK_TAIL_BYTES` >= size: many members read from a small pack) fetches the pack once instead."""
+
+    def __init__(
+        self,
+        path: str,
+        read: Callable[[list[tuple[int, int | None]]], list[bytes]],
+        size: int | None,
+        tail: bytes = b"",
+        whole_when_cheaper: bool = False,
+    ) -> None:
+        self.path, self._read, self.size, self._tail = path, read, size, tail
+        self._whole: bytes | None = None
+        self._cheaper = whole_when_cheaper
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        if self.size is None:
+            return self._read(list(ranges))
+        cheaper = self._cheaper and len(ranges) * _PACK_TAIL_BYTES >= self.size > len(self._tail)
+        if cheaper and self._whole is None:
+            (self._whole,) = self._read([(0, None)])
+            if len(self._whole) != self.size:
+                raise CorruptCheckpointError(f"{self.path} is not the size its end records say (or changed)")
+        held = self._whole if self._whole is not None else self._tail
+        start = self.size - len(held)
+        out: list[bytes | None] = [None] * len(ranges)
+        missing = []
+        for i, (offset, length) in enumerate(ranges):
+            if start <= offset and offset + length <= start + len(held):
+                out[i] = held[offset - start : offset - start + length]
+            else:
+                missing.append(i)
+        for i, data in zip(missing, self._read([ranges[i] for i in missing]) if missing else []):
+            out[i] = data
+        return [b"" if d is None else d for d in out]
+
+
+def _read_pack(
+    path: str,
+    tail: bytes,
+    size: int | None,
+    bound: int,
+    reader: _PackReader,
+    max_directory_bytes: int | None,
+    check_members: Callable[[list[PackMember]], list[PackMember]] | None,
+) -> tuple[list[PackMember], int]:
+    """:func:`_pack_directory` once the pack's last bytes ``tail`` (and its ``size`` where known) are read."""
+    entries, size, cd_offset = _parse_zip_directory(
+        path, tail, size, bound, reader.read_many, max_directory_bytes
+    )
+    reader.size = size
+    if check_members is not None:
+        _check_local_headers(path, check_members(entries), entries, cd_offset, reader.read_many)
+    return entries, size
+
+
+def _check_pack_size(path: str, size: int, bound: int) -> None:
+    if size > bound:
+        raise CorruptCheckpointError(
+            f"{path} is larger than its arrays can be stored in ({bound} bytes at most); the checkpoint is "
+            "damaged or hostile"
+        )
+
+
+#: Bytes of a pack's end read first: the end records and the directory of a pack of a few thousand members.
+_PACK_TAIL_BYTES = 256 << 10
+
+
+def _pack_kvstore(storage: Any, base: str, key: str) -> Any:
+    import tensorstore as ts
+
+    from ..runtime.tscontext import context
+
+    spec = {"driver": "zip", "base": storage.object_kvstore_spec(base, key)}
+    return ts.KvStore.open(spec, context=context()).result()
+
+
+def _kvstore(storage: Any, root: str) -> Any:
+    import tensorstore as ts
+
+    from ..runtime.tscontext import context
+
+    return ts.KvStore.open(storage.kvstore_spec(root), context=context()).result()

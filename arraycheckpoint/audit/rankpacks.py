@@ -1,0 +1,296 @@
+"""Format 6 packs: every chunk of a packed array lies in its writer's packs, found by key.
+
+:func:`check_rank_packs` reads each rank's pack directories once (not once per array), checks every member
+of the arrays read against the metadata, and names the arrays concerned when one is wrong; the number and
+sizes of a rank's packs must be those its save could have produced.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..checks.bounds import MAX_OBJECT_BYTES, MAX_PACKED_JSON_BYTES
+from ..checks.zipdir import _CD_ENTRY_BYTES, PackMember, _check_member
+from ..errors import (
+    CorruptCheckpointError,
+    InconsistentCheckpointError,
+)
+from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
+from .packdir import _chunk_grid, _longest_chunk_key, _packed_chunk_bytes
+from .packs import _chunk_flat, _chunk_owner, chunks_wanted
+
+
+def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
+    """Format 6: what each rank's packs hold: ``rank -> (arrays whose zarr.json it holds, array -> number of
+    its chunks)`` over every packed array of ``meta``."""
+    out: dict[int, tuple[list[str], dict[str, int]]] = {}
+    for name, t in meta.tensors.items():
+        creator = t.pack_rank
+        if creator is None:
+            continue
+        out.setdefault(creator, ([], {}))[0].append(name)
+        if t.writers:
+            ranks, counts = np.unique(np.asarray(t.writers, dtype=np.int64), return_counts=True)
+            for r, n in zip(ranks.tolist(), counts.tolist()):
+                out.setdefault(r, ([], {}))[1][name] = n
+    return out
+
+
+def check_rank_packs(
+    storage: Any,
+    root: str,
+    meta: Any,
+    names: Collection[str],
+    regions: Mapping[str, list[Any] | None] | None = None,
+    directories: dict[str, list[Any]] | None = None,
+) -> dict[str, int | None]:
+    """The packs holding what is read of the format-6 packed arrays ``names`` are sound
+    (:mod:`arraycheckpoint.planning.packing`: chunk ``i`` of an array is in a pack of ``writers[i]``, its
+    ``zarr.json`` in a pack of its creator).
+
+    For every rank whose packs hold a member read (the chunks meeting ``regions[name]``, every chunk when
+    absent, and the ``zarr.json``), its packs ``<rank>.0.zip``, ``<rank>.1.zip``, ... are read until the first
+    that does not exist, each with the checks of :func:`check_packs`: a regular file (no link, no FIFO), no
+    larger than what that rank's packed members can take, a ZIP archive as a save writes it, every entry a
+    member that rank holds (an array's ``zarr.json`` it created, a chunk key inside the grid of an array whose
+    chunk it wrote; none twice across its packs), stored uncompressed, bounded, and, for each member read,
+    a local header that agrees with the central directory. Every member read must be present.
+
+    ``directories``, when given, receives each checked pack's directory.
+
+    Returns:
+        ``pack key -> size`` of the packs checked.
+
+    Raises:
+        InconsistentCheckpointError: a member read is in no pack of its rank.
+        CorruptCheckpointError: what :func:`check_packs` refuses, for the packs of a format-6 checkpoint.
+    """
+    from ..format.metadata import chunk_key_separator
+    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key
+
+    if not names:
+        return {}
+    separator = chunk_key_separator(meta.format_version)
+    base = root.rstrip("/")
+    needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
+    writers_of = {
+        n: np.asarray(t.writers, dtype=np.int64) for n, t in meta.tensors.items() if t.pack_rank is not None
+    }
+    for name in names:
+        t = meta.tensors[name]
+        needed.setdefault(t.pack_rank, {})[f"{name}/zarr.json"] = (name, -1)
+        grid = _chunk_grid(t)
+        writers = writers_of[name]
+        for flat in chunks_wanted(t, None if regions is None else regions.get(name)).tolist():
+            idx = np.unravel_index(flat, grid) if grid else ()
+            key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
+            needed.setdefault(int(writers[flat]), {})[key] = (name, flat)
+    holds = _rank_members(meta)
+    out: dict[str, int | None] = {}
+    for rank in sorted(needed):
+        docs, chunks = holds.get(rank, ([], {}))
+        limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in set(docs) | set(chunks)}
+        grids = {n: _chunk_grid(meta.tensors[n]) for n in limits}
+        entries_bound = sum(_CD_ENTRY_BYTES + len(n.encode()) + 10 for n in docs) + sum(
+            k * (_CD_ENTRY_BYTES + len(n.encode()) + 1 + max(9, _longest_chunk_key(grids[n])))
+            for n, k in chunks.items()
+        )
+        members = len(docs) + sum(chunks.values())
+        bound = min(
+            TRAILER_BYTES * (members + 1)
+            + sum(MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 10) for n in docs)
+            + sum(
+                k * (limits[n] + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 1 + _longest_chunk_key(grids[n])))
+                for n, k in chunks.items()
+            ),
+            MAX_OBJECT_BYTES * 4,
+        )
+        seen: set[str] = set()
+        reading = set(needed[rank])
+        check = functools.partial(
+            _check_rank_pack_members,
+            meta,
+            rank=rank,
+            docs=set(docs),
+            grids=grids,
+            limits=limits,
+            reading=reading,
+            seen=seen,
+            separator=separator,
+        )
+        # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
+        # order up to the first absent one, only when a member read is not there
+        where_of = _predicted_packs(meta, rank, needed[rank], writers_of)
+        probe = [(k, False) for k in sorted(set(where_of.values()))] + [(k, True) for k in range(members + 1)]
+        opened: set[int] = set()
+        for k, probing in probe:
+            if k in opened:
+                continue
+            if probing and not reading - seen:
+                break
+            opened.add(k)
+            key = pack_key(rank, k)
+            try:
+                entries, size = packdir._pack_directory(
+                    storage,
+                    base,
+                    key,
+                    bound,
+                    max_directory_bytes=entries_bound,
+                    check_members=functools.partial(check, where=f"{base}/{key}"),
+                    missing_ok=True,
+                )
+            except CorruptCheckpointError as e:  # name the tensors the pack was read for
+                if str(e).startswith("tensor '"):
+                    raise
+                # the members this pack was opened for (all not found yet when probing past the predicted ones)
+                concerned = reading - seen if probing else {m for m, at in where_of.items() if at == k}
+                raise _naming(type(e), concerned or reading, str(e)) from None
+            if size is None and not entries:
+                if probing:
+                    break
+                continue  # reported below as missing members
+            if k == members:
+                raise CorruptCheckpointError(
+                    f"{base}/{key} exists, but rank {rank}'s {members} packed member(s) fill at most "
+                    f"{members} pack(s); the checkpoint is damaged or hostile"
+                )
+            out[key] = size
+            if directories is not None:
+                directories[key] = entries
+        missing = sorted(reading - seen)
+        if missing:
+            at = where_of.get(missing[0])
+            expected = f", expected in {base}/{pack_key(rank, at)}" if at is not None else ""
+            more = f" (and {len(missing) - 1} more members)" if len(missing) > 1 else ""
+            err = _naming(
+                InconsistentCheckpointError,
+                missing,
+                f"{missing[0]} is missing: in none of rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip"
+                f"{expected}){more}; the checkpoint is damaged (a pack lost or cut short)",
+            )
+            for member in reversed(missing):  # each array's own first missing member
+                err.tensors[member.rpartition("/")[0]] = (  # type: ignore[attr-defined]
+                    f"{member} is missing: in none of rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip); "
+                    "the checkpoint is damaged (a pack lost or cut short)"
+                )
+            raise err
+    return out
+
+
+def _predicted_packs(
+    meta: Any, rank: int, reading: Mapping[str, tuple[str, int]], writers_of: Mapping[str, np.ndarray]
+) -> dict[str, int]:
+    """Format 6: the index of the pack of ``rank`` holding each member of ``reading`` (``member -> (array,
+    chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.planning.packing.PackFill`);
+    empty when the metadata records no fill target."""
+    from ..planning.packing import DOC_BYTES, PackFill, packs_target
+
+    names = sorted(writers_of)
+    targets = {packs_target(meta.tensors[n].pack) for n in names}
+    if len(targets) != 1 or 0 in targets:
+        return {}
+    fill = PackFill(targets.pop())
+    by_array: dict[str, list[tuple[str, int]]] = {}
+    for member, (name, flat) in reading.items():
+        by_array.setdefault(name, []).append((member, flat))
+    out: dict[str, int] = {}
+    for name in names:  # by array name: its document (where this rank created it), then its chunks
+        mine = writers_of[name] == rank
+        count = int(np.count_nonzero(mine))
+        size = _packed_chunk_bytes(meta.tensors[name])
+        created = meta.tensors[name].pack_rank == rank
+        if created and not count:  # the document alone
+            for member, _flat in by_array.get(name, []):
+                out[member] = fill.where(0, DOC_BYTES)
+            fill.add(1, DOC_BYTES)
+            continue
+        if not count:
+            continue
+        first = (
+            size + DOC_BYTES if created else size
+        )  # the document counted with (and kept by) the first chunk
+        for member, flat in by_array.get(name, []):
+            j = 0 if flat < 0 else int(np.count_nonzero(mine[:flat]))
+            out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)
+        fill.add(1, first)
+        fill.add(count - 1, size)
+    return out
+
+
+def _after_first(fill: Any, first: int, j: int, size: int) -> int:
+    """The pack of the ``j``-th member of a run of ``size`` bytes that follows one member of ``first``."""
+    from ..planning.packing import PackFill
+
+    probe = PackFill(fill.target)
+    probe.index, probe.held = fill.index, fill.held
+    probe.add(1, first)
+    return probe.where(j, size)
+
+
+#: an error type :func:`_naming` builds
+E = TypeVar("E", bound=Exception)
+
+
+def _naming(kind: type[E], members: Collection[str], detail: str) -> E:
+    """An error of ``kind`` about the arrays of the pack members ``members``: its message names them
+    (:func:`_tensors_named`); its ``tensors`` attribute maps every one of them to what is wrong (``detail``),
+    so a tool reports each array without checking them one by one (``arraycheckpoint verify``)."""
+    err = kind(f"{_tensors_named(members)}: {detail}")
+    err.tensors = dict.fromkeys(sorted({m.rpartition("/")[0] for m in members}), detail)  # type: ignore[attr-defined]
+    return err
+
+
+def _tensors_named(members: Collection[str]) -> str:
+    """``tensor 'a'`` / ``tensors 'a', 'b', 'c' (and 4 more)``: the arrays of the pack members ``members``."""
+    names = sorted({m.rpartition("/")[0] for m in members})
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    return f"tensor{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names[:3])}{more}"
+
+
+def _check_rank_pack_members(
+    meta: Any,
+    entries: list[PackMember],
+    rank: int,
+    docs: Collection[str],
+    grids: Mapping[str, tuple[int, ...]],
+    limits: Mapping[str, int],
+    reading: Collection[str],
+    seen: set[str],
+    separator: str,
+    where: str,
+) -> list[PackMember]:
+    """Check the directory ``entries`` of one of ``rank``'s packs (``where``) against the metadata (see
+    :func:`check_rank_packs`); ``seen`` collects the member names over all of that rank's packs. Returns the
+    entries read, whose local headers the caller checks next."""
+    checked: list[PackMember] = []
+    for e in entries:
+        if e.filename in seen:
+            raise CorruptCheckpointError(
+                f"{where} holds the member {e.filename!r} a second time (in this or another of rank {rank}'s "
+                "packs); the pack is damaged or hostile"
+            )
+        seen.add(e.filename)
+        array, _, leaf = e.filename.rpartition("/")
+        if leaf == "zarr.json" and array in docs:
+            limit = MAX_PACKED_JSON_BYTES
+        else:
+            owner = _chunk_owner(e.filename, grids, grids, separator)
+            flat = _chunk_flat(e.filename, owner, grids, separator) if owner is not None else None
+            if owner is None or flat is None or meta.tensors[owner].writers[flat] != rank:
+                near = next((n for n in grids if e.filename.startswith(n + "/")), None)
+                about = f"tensor {near!r}: " if near is not None else ""
+                raise CorruptCheckpointError(
+                    f"{about}{where} holds the member {e.filename!r}, which none of its arrays has (rank {rank} "
+                    "wrote no such chunk: outside the grid, of another writer, or a foreign file); the pack is "
+                    "damaged or hostile"
+                )
+            limit = limits[owner]
+        _check_member(e, e.filename.rpartition("/")[0], where, limit)
+        if e.filename in reading:
+            checked.append(e)
+    return checked

@@ -1,0 +1,152 @@
+"""Small helpers of :mod:`arraycheckpoint.interop.zarrstore`: byte ranges, chunk keys, and local files read
+below the checkpoint root (no link followed, sizes known before reading)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from collections.abc import Callable, Iterable
+
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.core.buffer import default_buffer_prototype
+
+from ..errors import CorruptCheckpointError, MetadataError
+
+
+# Helpers ----------------------------------------------------------------------------------------------------
+def _span(byte_range: ByteRequest | None, size: int) -> tuple[int, int]:
+    """``[start, end)`` of ``byte_range`` in a value of ``size`` bytes."""
+    if byte_range is None:
+        return 0, size
+    if isinstance(byte_range, RangeByteRequest):
+        return min(byte_range.start, size), min(byte_range.end, size)
+    if isinstance(byte_range, OffsetByteRequest):
+        return min(byte_range.offset, size), size
+    if isinstance(byte_range, SuffixByteRequest):
+        return max(0, size - byte_range.suffix), size
+    raise TypeError(f"unexpected byte range {byte_range!r}")
+
+
+def _read_file_below(
+    root: str,
+    key: str,
+    limit: int,
+    byte_range: ByteRequest | None,
+    shard: tuple[int, Callable[[int, bytes], None]] | None = None,
+) -> bytes | None:
+    """``byte_range`` of the file ``root/key`` (None when absent), opened below ``root`` without following a
+    link and without blocking on a FIFO, refused unless it is a regular file of at most ``limit`` bytes;
+    ``shard`` (:meth:`CheckpointStore._shard_check`) checks a chunk file's size and last bytes first."""
+    from ..storage.local import _open_below
+
+    fd = _open_below(root, key)
+    if fd is None:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{root}/{key} is not a regular file; the checkpoint is damaged")
+        if st.st_size > limit:
+            raise CorruptCheckpointError(
+                f"{root}/{key} is {st.st_size} bytes, more than a valid checkpoint's file there can be ({limit}); "
+                "the checkpoint is damaged or hostile"
+            )
+        if shard is not None:
+            n = min(shard[0], st.st_size)
+            shard[1](st.st_size, os.pread(fd, n, st.st_size - n))
+        start, end = _span(byte_range, st.st_size)
+        data = os.pread(fd, max(0, end - start), start)
+        if len(data) != max(0, end - start):
+            raise CorruptCheckpointError(f"{root}/{key} changed while it was read")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
+    """Every chunk index of the grid (one, ``()``, for a 0-d array)."""
+    import itertools
+
+    return itertools.product(*(range(-(-s // max(c, 1))) for s, c in zip(shape, chunk_shape)))
+
+
+def _chunk_flat(
+    leaf: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], separator: str
+) -> int | None:
+    """The flat (row-major) index of the chunk key ``leaf`` (``c.1.0``) in the grid, None when ``leaf`` is
+    no canonical chunk key inside it."""
+    grid = [-(-s // max(c, 1)) for s, c in zip(shape, chunk_shape)]
+    parts = leaf.split(separator)
+    if parts[0] != "c" or len(parts) != len(grid) + 1:
+        return None
+    flat = 0
+    for p, g in zip(parts[1:], grid):
+        if not p.isascii() or not p.isdigit() or p != str(int(p)) or int(p) >= g:
+            return None
+        flat = flat * g + int(p)
+    return flat
+
+
+async def _control_read(base: Store, local: str | None, key: str, limit: int | None) -> bytes | None:
+    """A control file of the checkpoint, bounded (never through a link on a local path), or None if absent."""
+    from ..checks.bounds import MAX_METADATA_BYTES
+
+    bound = MAX_METADATA_BYTES if limit is None else limit
+    if local is not None:
+        from ..storage.local import LocalStorage
+
+        return await asyncio.to_thread(LocalStorage().read, local, key)
+    if not await base.exists(key):
+        return None
+    if await base.getsize(key) > bound:
+        raise MetadataError(
+            f"{base}/{key} is larger than {bound} bytes; the checkpoint is damaged or hostile"
+        )
+    buf = await base.get(key, default_buffer_prototype())
+    return None if buf is None else buf.to_bytes()
+
+
+def _exists_below(root: str, key: str) -> bool:
+    """Whether ``root/key`` exists (opened below ``root`` without following a link: a link raises)."""
+    from ..storage.local import _open_below
+
+    fd = _open_below(root, key)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+def _size_below(root: str, key: str, missing_ok: bool = False) -> int | None:
+    if missing_ok and not _exists_below(root, key):
+        return None
+    fd = _open_pack(root, key)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _pread_fd(fd: int, where: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the open pack ``fd`` (named ``where`` in errors)."""
+    parts = []
+    while start < end:
+        chunk = os.pread(fd, end - start, start)
+        if not chunk:
+            raise CorruptCheckpointError(f"{where} is shorter than its directory says; the pack is damaged")
+        parts.append(chunk)
+        start += len(chunk)
+    return b"".join(parts)
+
+
+def _open_pack(root: str, key: str) -> int:
+    from ..storage.local import _open_below
+
+    fd = _open_below(root, key)
+    if fd is None:
+        raise CorruptCheckpointError(f"the pack {root}/{key} is missing; the checkpoint is damaged")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{root}/{key} is not a regular file; the checkpoint is damaged")
+    return fd

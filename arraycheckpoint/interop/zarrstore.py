@@ -1,0 +1,475 @@
+"""A read-only zarr-python store presenting a whole checkpoint as one hierarchy, packed arrays included.
+
+From format 5 on, small arrays live in packs (:mod:`arraycheckpoint.planning.packing`): uncompressed ZIP files
+``.acp/packs/<rank>.<k>.zip`` whose members carry the keys the arrays would have in the checkpoint directory.
+A plain ``zarr.open_group(ckpt)`` walk therefore lists only the arrays stored in their own directories.
+:func:`checkpoint_store` returns a :class:`zarr.abc.store.Store` that serves every key of a packed array
+(``model/w/zarr.json``, ``model/w/c.0.0``) from its pack, and every other key from the checkpoint itself, so
+``zarr.open_group(store)``, ``.members()``, ``.tree()``, ``xarray.open_datatree(store, engine="zarr")`` and
+dask see every tensor at its natural path::
+
+    import zarr
+    from arraycheckpoint.zarr import checkpoint_store
+
+    root = zarr.open_group(checkpoint_store("ckpt/step_100"), mode="r")
+    w = root["model/layers.0.attn.wq.weight"][...]
+
+Which arrays are packed, and in which pack, comes from the checkpoint's metadata (``.acp/metadata.json``),
+parsed and validated by :class:`arraycheckpoint.format.metadata.CheckpointMetadata` (a pack must be named
+``.acp/packs/<rank>.<index>.zip`` of a rank of the checkpoint's world). A pack is read with ranged reads: its
+ZIP central directory once (the archive's tail), then each member's bytes, so an object store never serves a
+whole pack for one small array. Only the members of the arrays the metadata puts in a pack (and the group
+documents above them) are exposed, and each must be stored uncompressed (nothing is inflated), lie inside
+the archive before its directory, and be no larger than its encoding can be; anything else raises
+:class:`~arraycheckpoint.errors.CorruptCheckpointError` naming the pack. On a local path neither the control
+files nor a pack is read through a symbolic link (:func:`arraycheckpoint.storage.local._open_below`).
+
+The store lists the checkpoint's own keys too (the pack files under ``.acp/`` included: ``.acp`` is an empty
+array node, which zarr never walks into). ``list_prefix`` takes its prefix as a directory (``model/w`` lists
+``model/w/...``, not ``model/w2/...``), like zarr's ``LocalStore`` and ``FsspecStore``.
+
+This module imports zarr, numpy and arraycheckpoint's light modules; never torch, jax or tensorstore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import struct
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from zarr.abc.store import ByteRequest, Store, SuffixByteRequest
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.storage import FsspecStore, LocalStore
+
+from ..checks.limits import check_layouts
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError
+from ..format.metadata import CONTROL_LAYOUTS, CheckpointMetadata, chunk_key_separator
+from ..planning.packing import (
+    PACK_DIR,
+    PACK_KEY,
+    chunk_file_bytes,
+)
+from .zarrfiles import _chunk_flat, _control_read, _exists_below, _grid, _read_file_below, _size_below
+from .zarrpacks import PackReading, _Member, _Pack, _PackFiles
+
+__all__ = ["CheckpointStore", "checkpoint_store"]
+
+
+def checkpoint_store(
+    path: str | os.PathLike[str] | Store, *, storage_options: dict[str, Any] | None = None
+) -> CheckpointStore:
+    """A read-only zarr-python store of the committed checkpoint at ``path``: every tensor, packed or not.
+
+    Args:
+        path: a local path (``file://`` URLs too), any fsspec URL (``s3://bucket/ckpt``, read through zarr's
+            ``FsspecStore``), or a zarr store whose root is the checkpoint.
+        storage_options: passed to fsspec for a URL.
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint at ``path``.
+        MetadataError: its metadata is malformed or hostile (a pack name outside ``.acp/packs/``, ...).
+    """
+    from zarr.core.sync import sync
+
+    local: str | None = None
+    if isinstance(path, Store):
+        base = path
+        if isinstance(base, LocalStore):
+            local = os.fspath(base.root)
+    else:
+        text = os.fspath(path)
+        if text.startswith("file://"):
+            text = text[len("file://") :]
+        if "://" in text:
+            base = FsspecStore.from_url(text, storage_options=storage_options, read_only=True)
+        else:
+            local = os.path.abspath(text)
+            base = LocalStore(local, read_only=True)
+    return sync(CheckpointStore.open_checkpoint(base, local))
+
+
+class CheckpointStore(PackReading, Store):
+    """The read-only store :func:`checkpoint_store` returns (see the module docstring)."""
+
+    supports_writes = False
+    supports_deletes = False
+    supports_listing = True
+
+    def __init__(self, base: Store, meta: CheckpointMetadata, local_root: str | None = None) -> None:
+        super().__init__(read_only=True)
+        self._base = base
+        self._meta = meta
+        self._local = local_root
+        self._packed: dict[str, str] = {}  # array name -> pack key
+        self._in_pack: dict[str, list[str]] = {}  # pack key -> its arrays
+        check_layouts(meta)  # every declared layout possible (bounded chunks) before anything is sized by it
+        for name, t in sorted(meta.tensors.items()):
+            if t.pack is None:
+                continue
+            if not (PACK_KEY.match(t.pack) or t.pack_rank is not None):  # checked by the metadata parser too
+                raise MetadataError(
+                    f"tensor {name!r} names the pack {t.pack!r}, which is no pack of a checkpoint"
+                )
+            self._packed[name] = t.pack
+            if t.pack_rank is None:
+                self._in_pack.setdefault(t.pack, []).append(name)
+        # directories above packed arrays: their children from the packs, and which pack holds their zarr.json
+        # (format 5; a format-6 save writes every group document as a file)
+        self._children: dict[str, set[str]] = {}
+        self._group_pack: dict[str, str] = {}
+        for name, pack in self._packed.items():
+            parts = name.split("/")
+            for i in range(len(parts)):
+                parent = "/".join(parts[:i])
+                self._children.setdefault(parent, set()).add(parts[i])
+                if self._meta.tensors[name].pack_rank is None:
+                    self._group_pack.setdefault(parent, pack)
+        self._packs: dict[str, _Pack] = {}
+        # format 6: rank -> member -> (pack, member), every pack of that rank read once
+        self._ranks: dict[int, dict[str, tuple[_Pack, _Member]]] = {}
+        self._sep = chunk_key_separator(meta.format_version)
+        # local packs: one descriptor per pack, opened (below the root, no link, a regular file) on first use
+        self._fds = _PackFiles(local_root) if local_root is not None else None
+
+    @classmethod
+    async def open_checkpoint(cls, base: Store, local_root: str | None = None) -> CheckpointStore:
+        """Open ``base`` (a zarr store rooted at a checkpoint), read and validate the checkpoint's metadata."""
+        if not base._is_open:
+            await base._open()
+        where = local_root or str(base)
+        for files in CONTROL_LAYOUTS:
+            if await _control_read(base, local_root, files.committed, 1 << 20) is not None:
+                raw = await _control_read(base, local_root, files.metadata, None)
+                if raw is None:
+                    raise MetadataError(f"checkpoint {where} is committed but has no {files.metadata}")
+                meta = CheckpointMetadata.from_json(raw, what=f"{where}/{files.metadata}")
+                store = cls(base, meta, local_root)
+                store._is_open = True
+                return store
+        raise CheckpointNotFoundError(f"no committed checkpoint at {where}")
+
+    # Identity ---------------------------------------------------------------------------------------------
+    @property
+    def metadata(self) -> CheckpointMetadata:
+        """The checkpoint's validated metadata."""
+        return self._meta
+
+    @property
+    def packed(self) -> dict[str, str]:
+        """``array name -> pack key`` of every packed array."""
+        return dict(self._packed)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CheckpointStore) and self._base == other._base
+
+    def __hash__(self) -> int:
+        return hash(str(self._base))
+
+    def __str__(self) -> str:
+        return f"arraycheckpoint+{self._base}"
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self._base!r}, {len(self._packed)} packed arrays)"
+
+    def with_read_only(self, read_only: bool = False) -> CheckpointStore:
+        if not read_only:
+            raise ValueError("a checkpoint store is read-only")
+        return self
+
+    async def _open(self) -> None:
+        if not self._base._is_open:
+            await self._base._open()
+        self._is_open = True
+
+    def close(self) -> None:
+        if self._fds is not None:
+            self._fds.close()
+        self._base.close()
+        super().close()
+
+    # Routing ----------------------------------------------------------------------------------------------
+    def _array_of(self, key: str) -> str | None:
+        """The packed array whose key ``key`` is (``model/w/c.0`` -> ``model/w``), else None."""
+        at = key.find("/")
+        while at >= 0:
+            if key[:at] in self._packed:
+                return key[:at]
+            at = key.find("/", at + 1)
+        return None
+
+    def _group_of(self, key: str) -> str | None:
+        """The directory above packed arrays whose group document ``key`` is, else None."""
+        if key == "zarr.json":
+            return ""
+        if key.endswith("/zarr.json") and key[: -len("/zarr.json")] in self._group_pack:
+            return key[: -len("/zarr.json")]
+        return None
+
+    async def _member(self, key: str) -> tuple[_Pack, _Member] | None:
+        """The pack member serving ``key`` (a packed array's key, or a group document only a pack holds)."""
+        name = self._array_of(key)
+        if name is not None and self._meta.tensors[name].pack_rank is not None:
+            rank = self._rank_of(name, key)
+            if rank is None:
+                return None
+            found = (await self._rank(rank)).get(key)
+            if found is None:  # every chunk has its member (all-zero ones too): a missing one is damage
+                raise CorruptCheckpointError(
+                    f"tensor {name!r}: {key} is in none of rank {rank}'s packs ({self._where(PACK_DIR)}/"
+                    f"{rank}.<k>.zip); the checkpoint is damaged"
+                )
+            return found
+        if name is not None:
+            pack = await self._pack(self._packed[name])
+            member = pack.members.get(key)
+            return None if member is None else (pack, member)
+        group = self._group_of(key)
+        if group is not None and group in self._group_pack and not await self._base.exists(key):
+            pack = await self._pack(self._group_pack[group])
+            member = pack.members.get(key)
+            return None if member is None else (pack, member)
+        return None
+
+    def _served_by_pack(self, key: str) -> bool:
+        return self._array_of(key) is not None
+
+    # Reads ------------------------------------------------------------------------------------------------
+    async def get(
+        self, key: str, prototype: BufferPrototype | None = None, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        prototype = prototype or default_buffer_prototype()
+        if self._served_by_pack(key) or self._group_of(key) in self._group_pack:
+            found = await self._member(key)
+            if found is not None:
+                buf = await self._read_member(*found, prototype, byte_range)
+                self._check_doc(key, buf.to_bytes(), byte_range)
+                return buf
+            if self._served_by_pack(key):
+                return None
+        shard = self._shard_check(key)
+        if self._local is not None:  # never through a link, never a FIFO, bounded before it is read
+            data = await asyncio.to_thread(
+                _read_file_below, self._local, key, self._limit(key), byte_range, shard
+            )
+        else:
+            if shard is not None and await self._base.exists(key):
+                size = await self._base.getsize(key)
+                tail = await self._base.get(key, prototype, SuffixByteRequest(min(shard[0], size)))
+                shard[1](size, b"" if tail is None else tail.to_bytes())
+            buf = await self._base.get(key, prototype, byte_range)
+            data = None if buf is None else buf.to_bytes()
+        if data is None:
+            return None
+        self._check_doc(key, data, byte_range)
+        return prototype.buffer.from_bytes(data)
+
+    def _limit(self, key: str) -> int:
+        """The largest a valid checkpoint's file ``key`` can be: a chunk file of its array's encoding, an
+        array or group document, or a control file."""
+        from ..checks.bounds import MAX_ARRAY_JSON_BYTES, MAX_METADATA_BYTES
+        from ..checks.zstd import _max_file_bytes
+        from ..codecs import numpy_dtype
+
+        if key.endswith("zarr.json"):
+            return MAX_ARRAY_JSON_BYTES
+        at = key.rfind("/")
+        while at > 0:
+            t = self._meta.tensors.get(key[:at])
+            if t is not None:
+                return _max_file_bytes(t.chunk_shape, t.inner_chunk_shape, numpy_dtype(t.dtype).itemsize)
+            at = key.rfind("/", 0, at)
+        return MAX_METADATA_BYTES
+
+    def _shard_check(self, key: str) -> tuple[int, Callable[[int, bytes], None]] | None:
+        """For a chunk file of an array stored in its own directory: the length of its shard index and the
+        check of the file's ``(size, last bytes)`` before zarr sees any of it (a file of the array's layout's
+        size, uncompressed, or within its largest encoding; an index whose crc32c matches and whose entries
+        lie inside the file), as the native load checks it (:mod:`arraycheckpoint.engine.chunkread`); else
+        None."""
+        from ..codecs import numpy_dtype
+
+        at = key.rfind("/")
+        while at > 0:
+            t = self._meta.tensors.get(key[:at])
+            if t is not None:
+                break
+            at = key.rfind("/", 0, at)
+        else:
+            return None
+        shape, chunk = tuple(t.shape), tuple(t.chunk_shape)
+        if t.pack is not None or _chunk_flat(key[at + 1 :], shape, chunk, self._sep) is None:
+            return None
+        n_inner = math.prod(c // i for c, i in zip(chunk, t.inner_chunk_shape))
+        index_bytes = 16 * n_inner + 4
+        itemsize = numpy_dtype(t.dtype).itemsize
+        if t.compression is None:
+            limit = chunk_file_bytes(t, itemsize)
+        else:
+            limit = self._limit(key)
+        path = self._where(key)
+
+        def check(size: int, tail: bytes) -> None:
+            from ..engine.shardfile import crc32c
+
+            why = None
+            if not index_bytes <= size <= limit:
+                why = f"is {size} bytes, outside what its chunk's encoding allows ({index_bytes} to {limit})"
+            elif crc32c(tail[:-4]) != int.from_bytes(tail[-4:], "little"):
+                why = "has a shard index whose crc32c does not match (truncated or overwritten)"
+            else:
+                entries = struct.unpack(f"<{2 * n_inner}Q", tail[:-4])
+                for offset, length in zip(entries[::2], entries[1::2]):
+                    if not offset == length == 2**64 - 1 and offset + length > size - index_bytes:
+                        why = "has a shard index entry outside the file"
+                        break
+            if why is not None:
+                raise CorruptCheckpointError(f"tensor {t.name!r}: {path} {why}; the checkpoint is damaged")
+
+        return index_bytes, check
+
+    def _check_doc(self, key: str, data: bytes, byte_range: ByteRequest | None) -> None:
+        """An array's ``zarr.json`` served must agree with the checkpoint metadata (as the load checks it)."""
+        from ..audit.arrays import check_packed_doc
+
+        if byte_range is None and key.endswith("/zarr.json"):
+            t = self._meta.tensors.get(key[: -len("/zarr.json")])
+            if t is not None:
+                check_packed_doc(t, data, self._where(t.name), self._sep)
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+
+    async def exists(self, key: str) -> bool:
+        if self._served_by_pack(key) or self._group_of(key) in self._group_pack:
+            if await self._member(key) is not None:
+                return True
+            if self._served_by_pack(key):
+                return False
+        if self._local is not None:
+            return await asyncio.to_thread(_exists_below, self._local, key)
+        return await self._base.exists(key)
+
+    async def getsize(self, key: str) -> int:
+        if self._served_by_pack(key) or self._group_of(key) in self._group_pack:
+            found = await self._member(key)
+            if found is not None:
+                return int(found[1].info.file_size)
+            if self._served_by_pack(key):
+                raise FileNotFoundError(key)
+        if self._local is not None:
+            size = await asyncio.to_thread(_size_below, self._local, key, True)
+            if size is None:
+                raise FileNotFoundError(key)
+            return size
+        return await self._base.getsize(key)
+
+    # Listing ----------------------------------------------------------------------------------------------
+    async def list(self) -> AsyncIterator[str]:
+        async for key in self._base.list():
+            if not self._served_by_pack(key):
+                yield key
+        async for key in self._virtual_keys(""):
+            yield key
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        path = prefix.strip("/")
+        if not path:
+            async for key in self.list():
+                yield key
+            return
+        below = path + "/"
+        if self._array_of(below) is not None:  # a packed array or a key inside one
+            for key in await self._array_keys(self._array_of(below)):  # type: ignore[arg-type]
+                if key.startswith(below):
+                    yield key
+            return
+        async for key in self._base.list_prefix(below):
+            if key.startswith(below) and not self._served_by_pack(key):
+                yield key
+        async for key in self._virtual_keys(path):
+            yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        path = prefix.strip("/")
+        below = path + "/" if path else ""
+        name = self._array_of(below) if path else None
+        seen: set[str] = set()
+        if name is not None:  # inside a packed array: its pack's members
+            for key in await self._array_keys(name):
+                if key.startswith(below):
+                    child = key[len(below) :].split("/", 1)[0]
+                    if child not in seen:
+                        seen.add(child)
+                        yield child
+            return
+        async for child in self._base.list_dir(prefix):
+            if child not in seen:
+                seen.add(child)
+                yield child
+        for child in sorted(self._children.get(path, ())):
+            if child not in seen:
+                seen.add(child)
+                yield child
+        if path in self._group_pack and "zarr.json" not in seen and await self.exists(below + "zarr.json"):
+            yield "zarr.json"
+
+    async def _virtual_keys(self, path: str) -> AsyncIterator[str]:
+        """Keys served from packs at or below the directory ``path`` ("" for all): packed arrays' members,
+        and the group documents the checkpoint itself lacks."""
+        below = path + "/" if path else ""
+        for group in sorted(self._group_pack):
+            if group == path or group.startswith(below):
+                key = f"{group}/zarr.json" if group else "zarr.json"
+                if not await self._base.exists(key) and await self._member(key) is not None:
+                    yield key
+        for name in sorted(self._packed):
+            if self._meta.tensors[name].pack_rank is not None and name.startswith(below):
+                for key in await self._array_keys(name):
+                    yield key
+        for pkey, names in sorted(self._in_pack.items()):
+            wanted = [n for n in names if n.startswith(below)]
+            if not wanted:
+                continue
+            pack = await self._pack(pkey)
+            for key in pack.members:
+                name = self._array_of(key)
+                if name is not None and name.startswith(below) and self._packed[name] == pkey:
+                    yield key
+
+    async def _array_keys(self, name: str) -> list[str]:
+        """The keys of the packed array ``name``: format 6, its ``zarr.json`` and every chunk of its grid (each
+        has its member, checked when read); format 5, its pack's members."""
+        t = self._meta.tensors[name]
+        if t.pack_rank is None:
+            pack = await self._pack(self._packed[name])
+            return [k for k in pack.members if k.startswith(name + "/")]
+        return [f"{name}/zarr.json"] + [
+            f"{name}/{self._sep.join(['c', *map(str, index)])}" for index in _grid(t.shape, t.chunk_shape)
+        ]
+
+    def _rank_of(self, name: str, key: str) -> int | None:
+        """Format 6: the rank whose packs hold ``key`` of the packed array ``name`` (its creator for its
+        ``zarr.json``, a chunk's writer for the chunk), None for a key the array does not have."""
+        t = self._meta.tensors[name]
+        leaf = key[len(name) + 1 :]
+        if leaf == "zarr.json":
+            return t.pack_rank
+        flat = _chunk_flat(leaf, t.shape, t.chunk_shape, self._sep)
+        return None if flat is None else t.writers[flat]
+
+    async def _exists_object(self, key: str) -> bool:
+        if self._local is not None:
+            return await asyncio.to_thread(_exists_below, self._local, key)
+        return bool(await self._base.exists(key))
+
+    # Writes -----------------------------------------------------------------------------------------------
+    async def set(self, key: str, value: Buffer) -> None:
+        self._check_writable()
+
+    async def delete(self, key: str) -> None:
+        self._check_writable()
