@@ -18,6 +18,7 @@ from typing import IO, Any
 import numpy as np
 
 from ..packing import group_keys
+from .shardfile import start_writeback
 
 Buffer = bytes | np.ndarray
 
@@ -59,6 +60,8 @@ def write_zip_file(path: str, members: list[Member]) -> None:
     fd = os.open(path, flags, 0o644)
     with os.fdopen(fd, "wb", buffering=1 << 20) as f:
         write_zip(f, members)
+        f.flush()
+        start_writeback(fd)
 
 
 def _nbytes(p: Any) -> int:

@@ -254,6 +254,35 @@ class FileWriter:
 
 _IOV_MAX = 1024
 
+#: ``sync_file_range(2)`` flag: start writing the range's dirty pages back, do not wait for it.
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None
+#: start each file's write-back as soon as it is written (see :func:`start_writeback`)
+WRITEBACK = True
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages to the device now, without waiting (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing).
+
+    Durability still comes from the storage's one flush (``syncfs``) before the commit; this only moves the
+    device writes of each file under the writes of the next ones, so that flush finds little left to do
+    instead of a rank's whole checkpoint (measured: the flush was half of an FSDP2 save until durable).
+    """
+    global _sync_file_range
+    if not WRITEBACK:
+        return
+    if _sync_file_range is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure changes nothing
+
 
 def _write_file(path: str, parts: list[Buffer]) -> None:
     # byte views: a memoryview's len() counts items, and the accounting below counts bytes
@@ -269,5 +298,6 @@ def _write_file(path: str, parts: list[Buffer]) -> None:
                 views.pop(0)
             if n:
                 views[0] = views[0][n:]
+        start_writeback(fd)
     finally:
         os.close(fd)
