@@ -366,14 +366,18 @@ def _target_claimed(job: SaveJob) -> bool:
 
 def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:
     """Where this save's files go: plain files on a local file system, the storage's key-value store else."""
+    return file_writer(job.storage, job.staging)
+
+
+def file_writer(storage: Any, root: str) -> shardfile.KvWriter | shardfile.FileWriter:
+    """A writer of files under ``root`` (a fresh staging location) of ``storage``: ``writev`` on a thread
+    pool for a local file system, the storage's tensorstore key-value store else."""
     import tensorstore as ts
 
-    if isinstance(job.storage, LocalStorage):
+    if isinstance(storage, LocalStorage):
         cpus = os.cpu_count() or 2
-        return shardfile.FileWriter(job.staging, threads=max(2, min(8, cpus)))
-    return shardfile.KvWriter(
-        ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
-    )
+        return shardfile.FileWriter(root, threads=max(2, min(8, cpus)))
+    return shardfile.KvWriter(ts.KvStore.open(storage.kvstore_spec(root), context=context()).result())
 
 
 def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> list[tuple[str, Any]]:
