@@ -385,7 +385,7 @@ class Writer(StorageWriter):
         from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
 
-        from .engine.save import file_writer
+        from .engine.shardfile import file_writer
 
         storage, _ = storage_for(self._require_path())
         staging = plan.storage_data["staging"]
@@ -438,7 +438,7 @@ class Writer(StorageWriter):
             raise
 
     def _commit(self, results: list[list[Any]], storage: Any, final: str, staging: str) -> None:
-        import tensorstore as ts
+        from .engine.shardfile import write_documents
 
         g = self._global
         names = g["names"]
@@ -488,7 +488,6 @@ class Writer(StorageWriter):
             codec_preset=CODEC_PRESET,
             layout_groups=tuple({"meshes": [], "ranks": encode_ranks([r])} for r in holders),
         )
-        kv = ts.KvStore.open(storage.kvstore_spec(staging), context=context()).result()
         docs = hierarchy_documents(meta)
         for entry, tm in tensors.items():
             docs[f"{entry}/zarr.json"] = json.dumps(
@@ -503,9 +502,7 @@ class Writer(StorageWriter):
                 "read it with arraycheckpoint.dcp.Reader or arraycheckpoint.load, not FileSystemReader",
             }
         ).encode()
-        writes = [kv.write(key, doc) for key, doc in sorted(docs.items())]
-        for w in writes:
-            w.result()
+        write_documents(storage, staging, dict(sorted(docs.items())))
         storage.flush(staging)
         storage.commit(staging, final, self.overwrite)
 

@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,7 +34,6 @@ from ..perrank import fall_back, stack_digest
 from ..plan import ArrayLayout, RankPlan
 from ..regions import Box, intersect
 from ..storage import storage_for
-from ..storage.local import LocalStorage
 from . import shardfile
 from .common import array_spec, describe, wait_write
 from .coordinate import Coordinator, declaration_digest, declare, structure_key
@@ -366,18 +364,7 @@ def _target_claimed(job: SaveJob) -> bool:
 
 def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:
     """Where this save's files go: plain files on a local file system, the storage's key-value store else."""
-    return file_writer(job.storage, job.staging)
-
-
-def file_writer(storage: Any, root: str) -> shardfile.KvWriter | shardfile.FileWriter:
-    """A writer of files under ``root`` (a fresh staging location) of ``storage``: ``writev`` on a thread
-    pool for a local file system, the storage's tensorstore key-value store else."""
-    import tensorstore as ts
-
-    if isinstance(storage, LocalStorage):
-        cpus = os.cpu_count() or 2
-        return shardfile.FileWriter(root, threads=max(2, min(8, cpus)))
-    return shardfile.KvWriter(ts.KvStore.open(storage.kvstore_spec(root), context=context()).result())
+    return shardfile.file_writer(job.storage, job.staging)
 
 
 def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> list[tuple[str, Any]]:

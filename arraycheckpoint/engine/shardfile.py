@@ -136,6 +136,37 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+def file_writer(storage: Any, root: str) -> KvWriter | FileWriter:
+    """A writer of files under ``root`` (a fresh staging location) of ``storage``: ``writev`` on a thread
+    pool for a local file system, the storage's tensorstore key-value store else."""
+    import tensorstore as ts
+
+    from .._tscontext import context
+    from ..storage.local import LocalStorage
+
+    if isinstance(storage, LocalStorage):
+        cpus = os.cpu_count() or 2
+        return FileWriter(root, threads=max(2, min(8, cpus)))
+    return KvWriter(ts.KvStore.open(storage.kvstore_spec(root), context=context()).result())
+
+
+def write_documents(storage: Any, root: str, docs: dict[str, bytes]) -> None:
+    """Write small documents (``key -> bytes``) under a fresh staging ``root`` and wait for them: plain
+    exclusive file creations on a local file system (tensorstore's ``file`` store writes each key through a
+    temporary file and a rename), the key-value store else. Durability is the caller's flush."""
+    writer = file_writer(storage, root)
+    try:
+        futures = [(key, writer.write(key, [doc])) for key, doc in docs.items()]
+        writer.flush()
+        for key, fut in futures:
+            try:
+                fut.result()
+            except Exception as e:
+                raise OSError(f"writing {key} under {root} failed: {e}") from e
+    finally:
+        writer.close()
+
+
 class KvWriter:
     """Writes files through a tensorstore key-value store (any storage backend): one joined copy per file."""
 
