@@ -20,7 +20,6 @@ from typing import IO, Any
 import numpy as np
 
 from ..packing import group_keys
-from .shardfile import start_writeback
 
 Buffer = bytes | np.ndarray
 
@@ -56,14 +55,15 @@ def zip_bytes(members: list[Member]) -> bytes:
     return buf.getvalue()
 
 
-def write_zip_file(path: str, members: list[Member]) -> None:
+def write_zip_file(path: str, members: list[Member], release: Any = None) -> None:
     """Create ``path`` (exclusively, never through a symbolic link) holding the archive of ``members``.
 
     The same bytes as :func:`write_zip` (``tests/test_packfile.py`` compares them), written without
     :mod:`zipfile`'s per-member work: each member's CRC-32 and sizes are known before its local header is
     written, so there is no seek back to rewrite the header, and headers and member bytes go to ``writev(2)``
     in batches straight from the members' buffers. For a pack of a thousand small chunk files that is a few
-    system calls instead of several per member.
+    system calls instead of several per member. ``release(fd, nbytes)`` takes over closing the written file
+    (:class:`.shardfile.FileWriter` starts its device write-back first); else it is closed here.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags, 0o644)
@@ -89,9 +89,13 @@ def write_zip_file(path: str, members: list[Member]) -> None:
             infos.append(info)
         out.add(_central_directory(infos, out.offset))
         out.flush()
-        start_writeback(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    if release is None:
+        os.close(fd)
+    else:
+        release(fd, out.offset)
 
 
 def _member_info(key: str) -> zipfile.ZipInfo:
