@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ def _members() -> list[packfile.Member]:
     return [
         ("model/a/zarr.json", [b'{"zarr_format": 3}']),
         ("model/a/c.0.0", shardfile.encode(chunk, (8, 8))),  # arrays and bytes interleaved
+        ("model/big/c.0.0", shardfile.encode(rng.standard_normal((64, 96)).astype(np.float32), (32, 96))),
         ("model/empty/c.0", [b""]),  # a zero-byte member
         ("model/ünï/c.0", [np.arange(7, dtype=np.uint8), b"tail"]),  # a UTF-8 name (flag bit 11)
         *(
@@ -33,7 +35,7 @@ def _reference(members: list[packfile.Member]) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("count", [0, 1, 704])
+@pytest.mark.parametrize("count", [0, 1, 705])
 def test_write_zip_file_writes_zipfiles_bytes(tmp_path: Path, count: int) -> None:
     members = _members()[:count]
     path = tmp_path / "0.0.zip"
@@ -64,3 +66,12 @@ def test_write_zip_file_refuses_an_existing_path(tmp_path: Path) -> None:
     path.write_bytes(b"x")
     with pytest.raises(FileExistsError):
         packfile.write_zip_file(str(path), [("a", [b"1"])])
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 100_003])
+def test_crc32_is_zlibs(nbytes: int) -> None:
+    """Members' CRC-32 (libdeflate's loop where the system has it) is zlib's, continued from any value."""
+    data = np.frombuffer(np.random.default_rng(nbytes).bytes(nbytes), dtype=np.uint8)
+    for start in (0, 0x12345678):
+        assert packfile._crc32(data, start) == zlib.crc32(data.tobytes(), start)
+        assert packfile._crc32(data.tobytes(), start) == zlib.crc32(data.tobytes(), start)

@@ -9,6 +9,8 @@ and nothing to inflate); fixed timestamps make a pack's bytes a function of its 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import io
 import json
 import os
@@ -71,12 +73,12 @@ def write_zip_file(path: str, members: list[Member], release: Any = None) -> Non
         out = _VectorWriter(fd)
         infos = []
         for key, parts in members:
-            views = [memoryview(_flat(p)) if isinstance(p, np.ndarray) else memoryview(p) for p in parts]
+            flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
             crc = 0
-            nbytes = 0
-            for v in views:
-                crc = zlib.crc32(v, crc)
-                nbytes += v.nbytes
+            for p in flat:
+                crc = _crc32(p, crc)
+            views = [memoryview(p) for p in flat]
+            nbytes = sum(v.nbytes for v in views)
             info = _member_info(key)
             # what zipfile's ZipFile.open(info, "w", force_zip64=...) decides before the member's bytes
             zip64 = nbytes >= zipfile.ZIP64_LIMIT
@@ -96,6 +98,39 @@ def write_zip_file(path: str, members: list[Member], release: Any = None) -> Non
         os.close(fd)
     else:
         release(fd, out.offset)
+
+
+def _libdeflate_crc32() -> Any:
+    """libdeflate's ``libdeflate_crc32`` when the system has the library (a carry-less-multiply CRC-32,
+    3-6x zlib's 1.2 speed measured here), else None."""
+    for name in ("libdeflate.so.0", ctypes.util.find_library("deflate")):
+        if not name:
+            continue
+        try:
+            fn = ctypes.CDLL(name).libdeflate_crc32
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+        if fn(0, b"123456789", 9) == zlib.crc32(b"123456789"):  # the library computes ZIP's CRC-32
+            return fn
+    return None
+
+
+_DEFLATE_CRC32: Any = False  # looked up on first use (None: not on this system)
+#: below this, zlib's own call costs less than the foreign call
+_FAST_CRC_BYTES = 1 << 12
+
+
+def _crc32(buf: bytes | np.ndarray, crc: int) -> int:
+    """ZIP's CRC-32 of ``buf`` continuing ``crc`` (zlib's value; libdeflate's faster loop where present)."""
+    global _DEFLATE_CRC32
+    if isinstance(buf, np.ndarray) and buf.nbytes >= _FAST_CRC_BYTES:
+        if _DEFLATE_CRC32 is False:
+            _DEFLATE_CRC32 = _libdeflate_crc32()
+        if _DEFLATE_CRC32 is not None:
+            return int(_DEFLATE_CRC32(crc, buf.ctypes.data, buf.nbytes))
+    return zlib.crc32(buf, crc)
 
 
 def _member_info(key: str) -> zipfile.ZipInfo:
