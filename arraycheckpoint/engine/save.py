@@ -149,7 +149,10 @@ class SavePipeline:
                 for shard in t.shards:
                     if shard.box.volume == 0:
                         continue
-                    parts = [b for w in wanted if (b := intersect(shard.box, w)) is not None]
+                    if len(wanted) == 1 and wanted[0] == shard.box:  # this rank writes all of it
+                        parts = wanted
+                    else:
+                        parts = [b for w in wanted if (b := intersect(shard.box, w)) is not None]
                     if not parts:
                         continue
                     view = _zero_copy_view(shard.source, job.options.blocking)
@@ -385,11 +388,12 @@ class ZarrJsonDocs:
     (``dimension_names`` come from that component: the ``exp_avg`` of every parameter) share one template."""
 
     def __init__(self) -> None:
-        self._templates: dict[ArrayLayout, tuple[bytes, ...]] = {}
+        self._templates: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
 
     def encode(self, layout: ArrayLayout) -> bytes:
         """The ``zarr.json`` bytes of ``layout``'s array."""
-        key = dataclasses.replace(layout, name="")
+        # every field but the name (a dataclasses.replace per array cost more than the join below)
+        key = (layout.shape, layout.dtype, layout.chunk_shape, layout.inner_chunk_shape, layout.compression)
         parts = self._templates.get(key)
         if parts is None:
             parts = self._templates[key] = zarr_json_template(layout)
@@ -422,13 +426,16 @@ class _Packs:
         # the order packing.PackFill computes from the metadata: by array name, its document (if this rank
         # created it) before its chunks (in row-major order)
         members = [(n, -1, f"{n}/zarr.json", DOC_BYTES) for n in created]
+        sizes_of: dict[str, int] = {}
         for w in plan.writes:
             if w.name in self.packed:
                 layout = layouts[w.name]
-                grid = [-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape)]
-                index = [o // c for o, c in zip(w.chunk.offsets, layout.chunk_shape)]
-                flat = int(np.ravel_multi_index(index, grid)) if grid else 0
-                size = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
+                flat = 0  # row-major index of the chunk in its grid
+                for o, c, n in zip(w.chunk.offsets, layout.chunk_shape, layout.shape):
+                    flat = flat * -(-n // c) + o // c
+                size = sizes_of.get(w.name)
+                if size is None:
+                    size = sizes_of[w.name] = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
                 members.append((w.name, flat, self._key(w), size))
         members.sort()
         # an array's document stays with its first chunk here: counted with it (packing.PackFill)
