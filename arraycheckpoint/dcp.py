@@ -270,7 +270,8 @@ class Writer(StorageWriter):
 
     Call order (DCP's): every rank ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``; the
     coordinator ``prepare_global_plan`` (chunk grids, one writer per file, the staging location); every rank
-    ``write_data`` (its items, one tensorstore write per chunk); the coordinator ``finish`` (array and group
+    ``write_data`` (its items: whole chunks encoded from the tensor's memory by the engine's shard-file
+    writer, edge chunks through tensorstore); the coordinator ``finish`` (array and group
     metadata, ``.acp/metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
 
     Args:

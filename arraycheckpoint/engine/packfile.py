@@ -2,9 +2,10 @@
 
 A pack's members are the exact keys the arrays would have in the checkpoint directory (``<name>/zarr.json``
 and the chunk files :mod:`.shardfile` encodes), plus a group ``zarr.json`` for the pack's root and every
-directory above a member. Python's :mod:`zipfile` writes the container (``ZIP_STORED``: a member's bytes are
-its file's bytes, so tensorstore's ``zip`` driver and zarr-python's ``ZipStore`` read them with ranged reads
-and nothing to inflate); fixed timestamps make a pack's bytes a function of its arrays alone.
+directory above a member. The container is :mod:`zipfile`'s (``ZIP_STORED``: a member's bytes are its
+file's bytes, so tensorstore's ``zip`` driver and zarr-python's ``ZipStore`` read them with ranged reads and
+nothing to inflate); :func:`write_zip_file` writes zipfile's exact bytes with batched ``writev`` instead of
+zipfile itself. Fixed timestamps make a pack's bytes a function of its arrays alone.
 """
 
 from __future__ import annotations
