@@ -56,7 +56,7 @@ from .format.hierarchy import hierarchy_documents
 from .format.metadata import CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta, check_name
 from .format.version import __version__
 from .planning.plan import PlanOptions, split_chunk
-from .planning.regions import Box, chunk_boxes
+from .planning.regions import Box, chunk_boxes, chunks_overlapping
 from .planning.rules import encode_ranks
 from .runtime.tscontext import context
 from .storage import storage_for
@@ -272,7 +272,8 @@ class Writer(StorageWriter):
 
     Call order (DCP's): every rank ``reset`` / ``set_up_storage_writer`` / ``prepare_local_plan``; the
     coordinator ``prepare_global_plan`` (chunk grids, one writer per file, the staging location); every rank
-    ``write_data`` (its items, one tensorstore write per chunk); the coordinator ``finish`` (array and group
+    ``write_data`` (its items: whole chunks encoded from the tensor's memory by the engine's shard-file
+    writer, edge chunks through tensorstore); the coordinator ``finish`` (array and group
     metadata, ``.acp/metadata.json``, atomic commit). The plug-in never communicates: DCP carries the plans.
 
     Args:
@@ -386,54 +387,41 @@ class Writer(StorageWriter):
         return fut
 
     def _write(self, plan: Any, planner: Any, writes: list[tuple[str, Any]]) -> list[Any]:
-        import tensorstore as ts
         from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
 
-        from .adapters.torch.tensors import TorchSource
+        from .engine.shardfile import file_writer
 
         storage, _ = storage_for(self._require_path())
         staging = plan.storage_data["staging"]
-        stores = {
-            fqn: ts.open(
-                {
-                    "driver": "zarr3",
-                    "kvstore": storage.kvstore_spec(f"{staging.rstrip('/')}/{entry}"),
-                    "metadata": array_metadata(shape, numpy_dtype(dtype), chunk, inner, name=entry),
-                    "store_data_equal_to_fill_value": True,
-                },
-                assume_metadata=True,  # the coordinator writes zarr.json once, in finish()
-                context=context(),
-            )
-            for fqn, (entry, shape, dtype, chunk, inner) in plan.storage_data["arrays"].items()
-        }
+        writer = file_writer(storage, staging)
+        chunks = _ChunkWriter(storage, staging, plan.storage_data["arrays"], writer, writes)
         results = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                if len(raw) > MAX_BYTE_IO:
-                    raise ArrayCheckpointError(
-                        f"DCP value {item.index.fqn!r} pickles to {len(raw)} bytes (limit {MAX_BYTE_IO}); "
-                        "store large data as tensors"
-                    )
-                value = json_value(getattr(planner, "state_dict", {}).get(item.index.fqn))
-                stored = {"b64": base64.b64encode(raw).decode(), "json": value}
-                results.append(WriteResult(item.index, len(raw), stored))
-                continue
-            chunk = item.tensor_data.chunk
-            box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
-            dtype = plan.storage_data["arrays"][item.index.fqn][2]
-            host = np.empty(box.lengths, numpy_dtype(dtype))
-            TorchSource(data.detach()).copy_into(host)
-            arr = stores[item.index.fqn].result()
-            writes.append((item.index.fqn, arr[box.slices()].write(host)))
-            results.append(WriteResult(item.index, host.nbytes, None))
-        for fqn, w in writes:
-            try:
-                w.result()
-            except Exception as e:  # noqa: BLE001
-                raise ArrayCheckpointError(f"rank {self.rank}: tensor {fqn!r}: write failed: {e}") from e
+        try:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    if len(raw) > MAX_BYTE_IO:
+                        raise ArrayCheckpointError(
+                            f"DCP value {item.index.fqn!r} pickles to {len(raw)} bytes (limit {MAX_BYTE_IO}); "
+                            "store large data as tensors"
+                        )
+                    value = json_value(getattr(planner, "state_dict", {}).get(item.index.fqn))
+                    stored = {"b64": base64.b64encode(raw).decode(), "json": value}
+                    results.append(WriteResult(item.index, len(raw), stored))
+                    continue
+                chunk = item.tensor_data.chunk
+                box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+                results.append(WriteResult(item.index, chunks.write(item.index.fqn, box, data), None))
+            writer.flush()
+            for fqn, w in writes:
+                try:
+                    w.result()
+                except Exception as e:  # noqa: BLE001
+                    raise ArrayCheckpointError(f"rank {self.rank}: tensor {fqn!r}: write failed: {e}") from e
+        finally:
+            writer.close()  # every write landed (or failed) before the tensors' memory is given back
         storage.flush(staging)
         return results
 
@@ -455,7 +443,7 @@ class Writer(StorageWriter):
             raise
 
     def _commit(self, results: list[list[Any]], storage: Any, final: str, staging: str) -> None:
-        import tensorstore as ts
+        from .engine.shardfile import write_documents
 
         g = self._global
         names = g["names"]
@@ -505,7 +493,6 @@ class Writer(StorageWriter):
             codec_preset=CODEC_PRESET,
             layout_groups=tuple({"meshes": [], "ranks": encode_ranks([r])} for r in holders),
         )
-        kv = ts.KvStore.open(storage.kvstore_spec(staging), context=context()).result()
         docs = hierarchy_documents(meta)
         for entry, tm in tensors.items():
             docs[f"{entry}/zarr.json"] = json.dumps(
@@ -520,9 +507,7 @@ class Writer(StorageWriter):
                 "read it with arraycheckpoint.dcp.Reader or arraycheckpoint.load, not FileSystemReader",
             }
         ).encode()
-        writes = [kv.write(key, doc) for key, doc in sorted(docs.items())]
-        for w in writes:
-            w.result()
+        write_documents(storage, staging, dict(sorted(docs.items())))
         storage.flush(staging)
         storage.commit(staging, final, self.overwrite)
 
@@ -534,6 +519,75 @@ class Writer(StorageWriter):
         if self.path is None:
             raise ArrayCheckpointError("acp.dcp.Writer needs a path (Writer(path) or checkpoint_id=...)")
         return self.path
+
+
+class _ChunkWriter:
+    """Writes a rank's DCP items as the chunk files of their arrays.
+
+    DCP waits in ``write_data`` until the writes are done, so a CPU tensor's own memory is written from
+    without a copy. Whole chunks of the default preset are encoded by :mod:`.engine.shardfile` (hardware
+    CRC32C, ``writev`` from the tensor, device write-back started per file); edge chunks cut by the array's
+    end and anything else go through a tensorstore array opened with the metadata assumed.
+    """
+
+    def __init__(
+        self, storage: Any, staging: str, arrays: dict[str, Any], writer: Any, writes: list[tuple[str, Any]]
+    ) -> None:
+        self._storage = storage
+        self._staging = staging
+        self._arrays = arrays
+        self._writer = writer
+        self._writes = writes
+        self._stores: dict[str, Any] = {}
+
+    def _store(self, fqn: str) -> Any:
+        import tensorstore as ts
+
+        if fqn not in self._stores:
+            entry, shape, dtype, chunk, inner = self._arrays[fqn]
+            self._stores[fqn] = ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": self._storage.kvstore_spec(f"{self._staging.rstrip('/')}/{entry}"),
+                    "metadata": array_metadata(shape, numpy_dtype(dtype), chunk, inner, name=entry),
+                    "store_data_equal_to_fill_value": True,
+                },
+                assume_metadata=True,  # the coordinator writes zarr.json once, in finish()
+                context=context(),
+            ).result()
+        return self._stores[fqn]
+
+    def write(self, fqn: str, box: Box, data: Any) -> int:
+        """Start writing item ``box`` of ``fqn`` from the tensor ``data``; returns its bytes."""
+        from .adapters.torch.tensors import TorchSource
+        from .engine import shardfile
+
+        entry, shape, dtype, chunk, inner = self._arrays[fqn]
+        np_dtype = numpy_dtype(dtype)
+        source = TorchSource(data.detach())
+        host = source.borrowed_view()
+        if host is None or tuple(host.shape) != box.lengths or host.dtype != np_dtype:
+            host = np.empty(box.lengths, np_dtype)
+            fence = source.copy_into(host)
+            if fence is not None:
+                fence.wait()
+        layout = _ChunkLayout(tuple(chunk), None)
+        for c in chunks_overlapping(box, shape, chunk) if box.volume else ():
+            part = host[c.slices(box)]
+            if shardfile.can_encode(layout, c, np_dtype):
+                key = f"{entry}/{shardfile.chunk_key(layout, c)}"
+                self._writes.append((fqn, self._writer.write(key, shardfile.encode(part, tuple(inner)))))
+            else:
+                self._writes.append((fqn, self._store(fqn)[c.slices()].write(part)))
+        return int(host.nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkLayout:
+    """What :mod:`.engine.shardfile` reads of an array's layout."""
+
+    chunk_shape: tuple[int, ...]
+    compression: str | None
 
 
 class Reader(StorageReader):

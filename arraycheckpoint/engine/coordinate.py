@@ -50,8 +50,7 @@ from ..planning.items import SaveRequest, SaveTensor
 from ..planning.regions import Box
 from ..planning.rules import Mesh, digest, encode_ranks, rule_boxes
 from ..runtime.collectives import Communicator
-from ..runtime.tscontext import context
-from . import saveargs
+from . import saveargs, shardfile
 from .common import describe, local_ranks_per_host, plan_options, write_sidecar
 from .job import CachedPlan, SaveJob, SaveOptions
 
@@ -191,15 +190,10 @@ class Coordinator:
         return meta
 
     def _write_metadata(self, job: SaveJob, statuses: list[dict[str, Any]]) -> CheckpointMetadata:
-        import tensorstore as ts
-
         plan = job.cached.compact if job.cached else None
         assert plan is not None, "coordinator lost its plan"
         meta = build_metadata(plan, job.request, statuses)
-        kv = ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
-        writes = [kv.write(key, doc) for key, doc in hierarchy_documents(meta).items()]
-        for w in writes:
-            w.result()
+        shardfile.write_documents(job.storage, job.staging, hierarchy_documents(meta))
         job.storage.flush(job.staging)
         return meta
 

@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,7 +34,6 @@ from ..runtime.hostpool import HostBufferPool
 from ..runtime.monitoring import PhaseRecorder
 from ..runtime.tscontext import context
 from ..storage import storage_for
-from ..storage.local import LocalStorage
 from . import shardfile
 from .common import array_spec, describe, wait_write
 from .coordinate import Coordinator, declaration_digest, declare, structure_key
@@ -151,7 +149,10 @@ class SavePipeline:
                 for shard in t.shards:
                     if shard.box.volume == 0:
                         continue
-                    parts = [b for w in wanted if (b := intersect(shard.box, w)) is not None]
+                    if len(wanted) == 1 and wanted[0] == shard.box:  # this rank writes all of it
+                        parts = wanted
+                    else:
+                        parts = [b for w in wanted if (b := intersect(shard.box, w)) is not None]
                     if not parts:
                         continue
                     view = _zero_copy_view(shard.source, job.options.blocking)
@@ -366,14 +367,7 @@ def _target_claimed(job: SaveJob) -> bool:
 
 def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:
     """Where this save's files go: plain files on a local file system, the storage's key-value store else."""
-    import tensorstore as ts
-
-    if isinstance(job.storage, LocalStorage):
-        cpus = os.cpu_count() or 2
-        return shardfile.FileWriter(job.staging, threads=max(2, min(8, cpus)))
-    return shardfile.KvWriter(
-        ts.KvStore.open(job.storage.kvstore_spec(job.staging), context=context()).result()
-    )
+    return shardfile.file_writer(job.storage, job.staging)
 
 
 def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> list[tuple[str, Any]]:
@@ -394,11 +388,12 @@ class ZarrJsonDocs:
     (``dimension_names`` come from that component: the ``exp_avg`` of every parameter) share one template."""
 
     def __init__(self) -> None:
-        self._templates: dict[ArrayLayout, tuple[bytes, ...]] = {}
+        self._templates: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
 
     def encode(self, layout: ArrayLayout) -> bytes:
         """The ``zarr.json`` bytes of ``layout``'s array."""
-        key = dataclasses.replace(layout, name="")
+        # every field but the name (a dataclasses.replace per array cost more than the join below)
+        key = (layout.shape, layout.dtype, layout.chunk_shape, layout.inner_chunk_shape, layout.compression)
         parts = self._templates.get(key)
         if parts is None:
             parts = self._templates[key] = zarr_json_template(layout)
@@ -431,13 +426,16 @@ class _Packs:
         # the order packing.PackFill computes from the metadata: by array name, its document (if this rank
         # created it) before its chunks (in row-major order)
         members = [(n, -1, f"{n}/zarr.json", DOC_BYTES) for n in created]
+        sizes_of: dict[str, int] = {}
         for w in plan.writes:
             if w.name in self.packed:
                 layout = layouts[w.name]
-                grid = [-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape)]
-                index = [o // c for o, c in zip(w.chunk.offsets, layout.chunk_shape)]
-                flat = int(np.ravel_multi_index(index, grid)) if grid else 0
-                size = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
+                flat = 0  # row-major index of the chunk in its grid
+                for o, c, n in zip(w.chunk.offsets, layout.chunk_shape, layout.shape):
+                    flat = flat * -(-n // c) + o // c
+                size = sizes_of.get(w.name)
+                if size is None:
+                    size = sizes_of[w.name] = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
                 members.append((w.name, flat, self._key(w), size))
         members.sort()
         # an array's document stays with its first chunk here: counted with it (packing.PackFill)

@@ -136,6 +136,37 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+def file_writer(storage: Any, root: str) -> KvWriter | FileWriter:
+    """A writer of files under ``root`` (a fresh staging location) of ``storage``: ``writev`` on a thread
+    pool for a local file system, the storage's tensorstore key-value store else."""
+    import tensorstore as ts
+
+    from ..runtime.tscontext import context
+    from ..storage.local import LocalStorage
+
+    if isinstance(storage, LocalStorage):
+        cpus = os.cpu_count() or 2
+        return FileWriter(root, threads=max(2, min(8, cpus)))
+    return KvWriter(ts.KvStore.open(storage.kvstore_spec(root), context=context()).result())
+
+
+def write_documents(storage: Any, root: str, docs: dict[str, bytes]) -> None:
+    """Write small documents (``key -> bytes``) under a fresh staging ``root`` and wait for them: plain
+    exclusive file creations on a local file system (tensorstore's ``file`` store writes each key through a
+    temporary file and a rename), the key-value store else. Durability is the caller's flush."""
+    writer = file_writer(storage, root)
+    try:
+        futures = [(key, writer.write(key, [doc])) for key, doc in docs.items()]
+        writer.flush()
+        for key, fut in futures:
+            try:
+                fut.result()
+            except Exception as e:
+                raise OSError(f"writing {key} under {root} failed: {e}") from e
+    finally:
+        writer.close()
+
+
 class KvWriter:
     """Writes files through a tensorstore key-value store (any storage backend): one joined copy per file."""
 
@@ -186,6 +217,9 @@ class FileWriter:
         # CPU time for no gain in wall time; on 16 cores, 4 threads created 2,000 arrays' files 2.3x faster
         small = max(1, min(SMALL_FILE_THREADS, (os.cpu_count() or 1) // 4))
         self._small = ThreadPoolExecutor(max_workers=small, thread_name_prefix="acp-write-small")
+        # one thread starts the device write-back of written files and closes them (start_writeback can
+        # block on a full device queue: the writing threads go on copying meanwhile)
+        self._writeback = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-writeback")
         self._batch: list[tuple[str, list[Buffer]]] = []
         self._batch_bytes = 0
         self._batch_future: Future[None] = Future()
@@ -207,7 +241,7 @@ class FileWriter:
 
         def run() -> None:
             self._make_parents(key)
-            write_zip_file(f"{self._root}/{key}", members)
+            write_zip_file(f"{self._root}/{key}", members, self._release)
 
         return self._pool.submit(run)
 
@@ -232,11 +266,27 @@ class FileWriter:
         self.flush()
         self._small.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._writeback.shutdown(wait=True)  # every file closed before the caller's flush
 
     def _write_files(self, files: list[tuple[str, list[Buffer]]]) -> None:
         for key, parts in files:
             self._make_parents(key)
-            _write_file(f"{self._root}/{key}", parts)
+            _write_file(f"{self._root}/{key}", parts, self._release)
+
+    def _release(self, fd: int, nbytes: int) -> None:
+        """Close written file ``fd``; files of at least :data:`WRITEBACK_BYTES` start their device
+        write-back first, on the write-back thread."""
+        if not WRITEBACK or nbytes < WRITEBACK_BYTES:
+            os.close(fd)
+            return
+
+        def run() -> None:
+            try:
+                start_writeback(fd)
+            finally:
+                os.close(fd)
+
+        self._writeback.submit(run)
 
     def _make_parents(self, key: str) -> None:
         # one mkdir per new directory, top down (os.makedirs probes bottom up: failed mkdirs and stats);
@@ -254,11 +304,45 @@ class FileWriter:
 
 _IOV_MAX = 1024
 
+#: ``sync_file_range(2)`` flag: start writing the range's dirty pages back, do not wait for it.
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None
+#: start each file's write-back as soon as it is written (see :func:`start_writeback`)
+WRITEBACK = True
+#: files below this size are only closed (their write-back is left to the flush)
+WRITEBACK_BYTES = 1 << 20
 
-def _write_file(path: str, parts: list[Buffer]) -> None:
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages to the device now, without waiting (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing).
+
+    Durability still comes from the storage's one flush (``syncfs``) before the commit; this only moves the
+    device writes of each file under the writes of the next ones, so that flush finds little left to do
+    instead of a rank's whole checkpoint (measured: the flush was half of an FSDP2 save until durable).
+    """
+    global _sync_file_range
+    if not WRITEBACK:
+        return
+    if _sync_file_range is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure changes nothing
+
+
+def _write_file(path: str, parts: list[Buffer], release: Any = None) -> None:
+    """Create ``path`` holding ``parts``; ``release(fd, nbytes)`` takes over closing the written file (else
+    it is closed here)."""
     # byte views: a memoryview's len() counts items, and the accounting below counts bytes
     views = [memoryview(_flat_bytes(p) if isinstance(p, np.ndarray) else p) for p in parts]
     views = [v for v in views if v.nbytes]
+    nbytes = sum(v.nbytes for v in views)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags, 0o644)
     try:
@@ -269,5 +353,10 @@ def _write_file(path: str, parts: list[Buffer]) -> None:
                 views.pop(0)
             if n:
                 views[0] = views[0][n:]
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    if release is None:
+        os.close(fd)
+    else:
+        release(fd, nbytes)

@@ -17,6 +17,7 @@ import arraycheckpoint as acp
 from arraycheckpoint.dcp import Writer, entry_name, fit_chunk_grid
 from arraycheckpoint.errors import PlanError
 from arraycheckpoint.planning.regions import Box
+from arraycheckpoint.tools.verify import verify
 
 pytestmark = pytest.mark.multiprocess
 
@@ -219,6 +220,38 @@ def test_writer_global_plan_refuses_uneven_items_and_splits_big_ones(tmp_path: P
     entry, shape, dtype, chunk, inner = plans[1].storage_data["arrays"]["model.big"]
     assert entry == "model/big" and shape == [4 * rows, 1024] and dtype == "float32"
     assert chunk[0] <= rows and (2 * rows) % chunk[0] == 0 and chunk[0] % inner[0] == 0
+
+
+def test_writer_encodes_split_items_from_strided_tensors_bit_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Writer's own chunk files (an item cut into several files and inner chunks, a transposed source, a
+    bfloat16 one) load back bit-exactly, in one process (edge chunks: the 4-rank test above)."""
+    import torch.distributed.checkpoint as dcp
+
+    import arraycheckpoint.dcp as acp_dcp
+    from arraycheckpoint.planning.plan import PlanOptions
+
+    monkeypatch.setattr(
+        acp_dcp,
+        "PlanOptions",
+        lambda: PlanOptions(max_chunk_bytes=1024, inner_chunk_bytes=256, min_chunk_bytes=512),
+    )
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "w": torch.randn(40, 50, generator=g),  # 200-byte rows: 8 files of 5 rows, inner chunks of 1 row
+        "t": torch.randn(50, 37, generator=g).t(),  # not contiguous
+        "h": torch.randn(9, 40, generator=g).to(torch.bfloat16),
+        "b": torch.randn(3, generator=g),
+    }
+    path = tmp_path / "ckpt"
+    dcp.save(sd, storage_writer=acp_dcp.Writer(path))
+    assert len(list((path / "w").glob("c.*"))) == 8
+    out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in sd.items()}
+    dcp.load(out, storage_reader=acp_dcp.Reader(path))
+    for k, v in sd.items():
+        assert torch.equal(out[k], v), k
+    assert verify(str(path)).ok  # every chunk file and its checksums, by the tools
 
 
 # ------------------------------------------------------------------------------- a rank's write fails
