@@ -34,6 +34,7 @@ from ..planning.items import LoadShard, LoadTensor
 from ..planning.regions import Box, intersect
 from ..runtime.monitoring import PhaseRecorder
 from . import LoadSource
+from .dcpkeys import DCP_OBJECT, MAX_BYTE_IO, entry_names, json_value, native_objects
 from .ranges import RangeReader, StoredTensor
 
 DCP_METADATA = ".metadata"
@@ -74,7 +75,6 @@ class DcpSource(LoadSource):
         import pickle
 
         from ..codecs import zarr_dtype_name
-        from ..dcp import entry_names
 
         raw = storage.read(root, DCP_METADATA)
         if raw is None or len(raw) > MAX_METADATA_BYTES:
@@ -199,7 +199,6 @@ def _value_records(root: str, md: Any, where: dict[Any, Any]) -> dict[str, _Valu
     tensors' records: a plain file name inside ``root``, a length of at most ``MAX_BYTE_IO``."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from ..dcp import MAX_BYTE_IO
 
     out: dict[str, _Value] = {}
     for fqn, sm in md.state_dict_metadata.items():
@@ -227,7 +226,6 @@ def _byte_objects(
     import tensorstore as ts
     import torch
 
-    from ..dcp import DCP_OBJECT, json_value, native_objects
     from ..format.metadata import ObjectMeta
     from ..runtime.tscontext import context
 

@@ -239,8 +239,8 @@ def _tensors_dcp(
 
     from ..adapters.torch.tensors import torch_dtype
     from ..codecs import numpy_dtype
-    from ..dcp import DCP_OBJECT
     from ..sources.dcp import DcpSource
+    from ..sources.dcpkeys import DCP_OBJECT
     from ..storage import storage_for
 
     storage, root = storage_for(src)

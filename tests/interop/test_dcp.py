@@ -230,10 +230,11 @@ def test_writer_encodes_split_items_from_strided_tensors_bit_exactly(
     import torch.distributed.checkpoint as dcp
 
     import arraycheckpoint.dcp as acp_dcp
+    import arraycheckpoint.interop.dcpwriter as dcp_writer
     from arraycheckpoint.planning.plan import PlanOptions
 
     monkeypatch.setattr(
-        acp_dcp,
+        dcp_writer,  # the options the Writer plans its chunk grids with
         "PlanOptions",
         lambda: PlanOptions(max_chunk_bytes=1024, inner_chunk_bytes=256, min_chunk_bytes=512),
     )
