@@ -144,7 +144,6 @@ def read_shard(
             wanted.append((k, block, hits))
     if not wanted:
         return 0, 0
-    step = lay.inner_bytes + 4
     if size == lay.nbytes and len(wanted) == lay.n_inner and 2 * lay.n_inner + 2 <= _MAX_IOV:
         # the whole file in one read (lead, inner chunks and their crc32c, index), checked once it is in
         head = bytearray(lead[0] if lead is not None else 0)
@@ -158,26 +157,40 @@ def read_shard(
                 return None
             if shift:  # the file starts further on (a local header with an extra field): read it from there
                 return read_shard(src, at + shift, size, lay, origin, dests, staging, damaged)
-        if table != lay.exact_table():
-            if shardfile.crc32c(bytes(table[:-4])) != int.from_bytes(table[-4:], "little"):
-                raise damaged("the shard index's crc32c does not match")
-            return None  # a sound index of another layout
-        return reads.finish(damaged)
-    # a part of the file, or a file in another layout: its index first, then each run of inner chunks
+        if table == lay.exact_table():
+            return reads.finish(damaged)
+        # a sound index of another order (or a damaged one): read by the index, as a part is
+        return _read_by_index(src, at, size, lay, wanted, staging, damaged, bytes(table))
     if lead is not None:
         shift = lead[1](bytes(_pread(src, lead[0], at - lead[0])))
         if shift is None:
             return None
         at += shift
+    return _read_by_index(src, at, size, lay, wanted, staging, damaged)
+
+
+def _read_by_index(
+    src: Source,
+    at: int,
+    size: int,
+    lay: ShardLayout,
+    wanted: list[_Item],
+    staging: Staging,
+    damaged: Callable[[str], Exception],
+    table: bytes | None = None,
+) -> tuple[int, int] | None:
+    """:func:`read_shard` of a part of a file, or of a file in another layout: its index first (``table``,
+    when already read), then each run of consecutive inner chunks wanted with one read."""
     if not lay.table_len <= size <= lay.nbytes:
         return None
     table_at = size - lay.table_len
-    raw = bytes(_pread(src, lay.table_len, at + table_at))
+    raw = table if table is not None else bytes(_pread(src, lay.table_len, at + table_at))
     if len(raw) != lay.table_len:
         return None
     if raw != lay.exact_table() and shardfile.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
         raise damaged("the shard index's crc32c does not match")
     entries = struct.unpack(f"<{2 * lay.n_inner}Q", raw[:-4])
+    step = lay.inner_bytes + 4
     runs: list[tuple[int, list[_Item]]] = []
     end = -1
     for item in wanted:

@@ -118,15 +118,22 @@ class PackFile:
         info = self._members.get(name)
         if info is None:
             return None
+        if self._fd < 0:  # one ranged read of the member (and its local header): the only staging
+            raw = self.member_view(name)
+            if raw is None:
+                return None
+            return chunkread.read_shard(raw, 0, len(raw), lay, origin, dests, staging, damaged)
         head = _LOCAL.size + len(name.encode())
-        if self._fd >= 0:
-            src: chunkread.Source = self._fd
-            at = info.header_offset + head
-        else:
-            src = self._read(info.header_offset, head + info.file_size, None)
-            at = head
         return chunkread.read_shard(
-            src, at, info.file_size, lay, origin, dests, staging, damaged, (head, _header_check(name))
+            self._fd,
+            info.header_offset + head,
+            info.file_size,
+            lay,
+            origin,
+            dests,
+            staging,
+            damaged,
+            (head, _header_check(name)),
         )
 
 
@@ -330,8 +337,6 @@ class _DocCheck:
 
     def check(self, tm: Any, raw: bytes, where: str) -> None:
         """Raises :class:`MetadataError` (``check_packed_doc``) unless ``raw`` is a sound document of ``tm``."""
-        from ..safety import check_packed_doc
-
         leaf = tm.name.rsplit("/", 1)[-1]  # dimension names come from the last component
         key = (tuple(tm.shape), tm.dtype, tuple(tm.chunk_shape), tuple(tm.inner_chunk_shape), tm.compression)
         name = json.dumps(leaf)[1:-1].encode()
@@ -345,6 +350,8 @@ class _DocCheck:
         template = self._templates[key]
         if template is not None and raw == template.replace(self._mark, name):
             return
+        from ..safety import check_packed_doc
+
         check_packed_doc(tm, raw, f"{where}:{tm.name}", self._sep)
 
 
