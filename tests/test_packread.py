@@ -224,6 +224,23 @@ def test_read_shard_whole_partial_and_strided(source) -> None:
     assert np.array_equal(strided[:, ::2], value) and (strided[:, 1::2] == -1).all()
 
 
+def test_read_shard_bounds_its_staging_buffer(source, monkeypatch) -> None:
+    """Inner chunks no destination takes whole are staged at most ``_MAX_STAGING`` bytes per read (the reads
+    are split), so a reader thread's staging buffer stays bounded whatever the chunk."""
+    make, value = source
+    raw = _chunk_file(value)
+    src, at = make(raw)
+    monkeypatch.setattr(chunkread, "_MAX_STAGING", 2 * 48)  # two inner chunks of [2, 6] float32
+    staging = chunkread.Staging()
+    out = np.full((8, 12), -1, np.float32)
+    lay = chunkread.ShardLayout(_T)
+    dests = [(Box((8, 0), (8, 6)), out[:, 3:9])]  # strided: every inner chunk staged
+    got = chunkread.read_shard(src, at, len(raw), lay, (8, 0), dests, staging, CorruptCheckpointError)
+    assert got == (0, value.nbytes) and np.array_equal(out[:, 3:9], value)
+    assert (out[:, :3] == -1).all() and (out[:, 9:] == -1).all()
+    assert isinstance(src, np.ndarray) or staging._buf.nbytes <= 2 * 48
+
+
 def test_read_shard_finds_every_flipped_byte(source) -> None:
     make, value = source
     raw = _chunk_file(value)

@@ -44,6 +44,8 @@ from . import shardfile
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 #: buffers of one ``preadv`` (Linux's IOV_MAX)
 _MAX_IOV = 1024
+#: staged bytes of one read (each reader thread's staging buffer holds at most this, or one inner chunk)
+_MAX_STAGING = 8 << 20
 
 #: where a chunk file's bytes are: an open file descriptor, or the bytes themselves (uint8) in memory
 Source = int | np.ndarray
@@ -133,6 +135,7 @@ def read_shard(
     checksum that does not match (the destinations may then hold some of the file's bytes).
     """
     wanted: list[_Item] = []
+    staged = 0
     for k, start in enumerate(lay.starts()):
         block = Box(tuple(o + s for o, s in zip(origin, start)), lay.inner)
         hits = []
@@ -141,10 +144,17 @@ def read_shard(
             if part is not None:
                 hits.append((part, box, out))
         if hits:
-            wanted.append((k, block, hits))
+            landing = _landing(block, hits)
+            staged += landing is None
+            wanted.append((k, block, hits, landing))
     if not wanted:
         return 0, 0
-    if size == lay.nbytes and len(wanted) == lay.n_inner and 2 * lay.n_inner + 2 <= _MAX_IOV:
+    if (
+        size == lay.nbytes
+        and len(wanted) == lay.n_inner
+        and 2 * lay.n_inner + 2 <= _MAX_IOV
+        and (staged * lay.inner_bytes <= _MAX_STAGING or not isinstance(src, int))
+    ):
         # the whole file in one read (lead, inner chunks and their crc32c, index), checked once it is in
         head = bytearray(lead[0] if lead is not None else 0)
         table = bytearray(lay.table_len)
@@ -193,14 +203,18 @@ def _read_by_index(
     step = lay.inner_bytes + 4
     runs: list[tuple[int, list[_Item]]] = []
     end = -1
+    room = 0  # staged bytes the current run may still take
     for item in wanted:
         offset, nbytes = entries[2 * item[0]], entries[2 * item[0] + 1]
         if nbytes != step or offset + nbytes > table_at:
             return None
-        if offset == end and len(runs[-1][1]) < _MAX_IOV // 2:
+        need = lay.inner_bytes if item[3] is None and isinstance(src, int) else 0
+        if offset == end and len(runs[-1][1]) < _MAX_IOV // 2 and need <= room:
             runs[-1][1].append(item)
+            room -= need
         else:
             runs.append((offset, [item]))
+            room = _MAX_STAGING - need
         end = offset + nbytes
     direct = staged = 0
     for offset, items in runs:
@@ -212,31 +226,32 @@ def _read_by_index(
     return direct, staged
 
 
-#: an inner chunk to read: its index in the chunk file, its box, and ``(part, region, destination)`` of every
-#: destination region it meets
-_Item = tuple[int, Box, list[tuple[Box, Box, np.ndarray]]]
+#: an inner chunk to read: its index in the chunk file, its box, ``(part, region, destination)`` of every
+#: destination region it meets, and where it is read straight into (None: the staging buffer)
+_Item = tuple[int, Box, list[tuple[Box, Box, np.ndarray]], "np.ndarray | None"]
+
+
+def _landing(block: Box, hits: list[tuple[Box, Box, np.ndarray]]) -> np.ndarray | None:
+    """The bytes (uint8) of a destination that holds the inner chunk ``block`` whole and contiguously, moved
+    first among ``hits``; None when none does."""
+    for h, (part, box, out) in enumerate(hits):
+        if part == block:
+            dest = out[(*part.slices(box), ...)]  # a view, also of a 0-d array
+            if dest.flags.c_contiguous:
+                hits.insert(0, hits.pop(h))
+                return dest.reshape(-1).view(np.uint8)
+    return None
 
 
 class _Reads:
-    """Consecutive inner chunks of a chunk file, read in one go from ``at``: each one's data lands in a
-    destination that takes it whole and contiguously (read there directly; that destination is put first
-    among its hits), else in the staging buffer (or, for bytes in memory, stays where it is), then is copied
-    to every other destination it meets."""
+    """Consecutive inner chunks of a chunk file, read in one go from ``at``: each one's data lands where
+    :func:`_landing` found a destination taking it whole and contiguously, else in the staging buffer (or,
+    for bytes in memory, stays where it is), then is copied to every other destination it meets."""
 
     def __init__(self, src: Source, at: int, items: list[_Item], lay: ShardLayout, staging: Staging) -> None:
         self.src, self.at, self.items, self.lay = src, at, items, lay
         ib = lay.inner_bytes
-        self.direct: list[np.ndarray | None] = []
-        for _k, block, hits in items:
-            landing = None
-            for h, (part, box, out) in enumerate(hits):
-                if part == block:
-                    dest = out[(*part.slices(box), ...)]  # a view, also of a 0-d array
-                    if dest.flags.c_contiguous:
-                        landing = dest.reshape(-1).view(np.uint8)
-                        hits.insert(0, hits.pop(h))
-                        break
-            self.direct.append(landing)
+        self.direct: list[np.ndarray | None] = [item[3] for item in items]
         step = ib + 4
         if isinstance(src, int):
             n = sum(d is None for d in self.direct)
@@ -287,7 +302,7 @@ class _Reads:
         lay = self.lay
         crc = bytes(self.crc)
         direct = staged = 0
-        for j, (k, block, hits) in enumerate(self.items):
+        for j, (k, block, hits, _landing) in enumerate(self.items):
             data = self.data[j]
             if shardfile.crc32c(data) != int.from_bytes(crc[4 * j : 4 * j + 4], "little"):
                 pos = [int(p) for p in np.unravel_index(k, lay.grid)] if lay.grid else []
