@@ -248,9 +248,10 @@ class LoadPipeline:
                 meta,
                 {t.name: wanted[t.name] for t in targets if t.shards and t.name not in by_rank},
             )
-            # packed chunks are decoded here (one pread or ranged read per member, crc32c, straight into the
-            # destinations), format 5's on a local file system with hardware crc32c only; the rest (and any
-            # format-5 member not in the layout a save writes) through tensorstore
+            # packed chunks are decoded here (chunkread.read_shard: one preadv or ranged read per member,
+            # crc32c, inner chunks straight into the destinations), format 5's on a local file system with
+            # hardware crc32c only; the rest (and any format-5 member not in the layout a save writes) through
+            # tensorstore
             packed = (
                 packread.PackedReader(root, meta, storage, directories)
                 if by_rank or (isinstance(storage, LocalStorage) and packread.fast_path_available())
