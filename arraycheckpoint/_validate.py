@@ -198,10 +198,11 @@ def check_namespaces_stored(meta: Any, job: Any, state: Mapping[str, Any], job_k
 
     if job_key_map is not None:
         return  # names are renamed (a namespace too, possibly): the per-name checks and the key_map's decide
-    stored = list(meta.tensors) + list(meta.objects)
-    heads = {n.split("/", 1)[0] for n in stored if "~" not in n.split("/", 1)[0]}
+    heads = {n.split("/", 1)[0] for n in (*meta.tensors, *meta.objects) if "~" not in n.split("/", 1)[0]}
     mapped = {
-        n.split("/", 1)[0] for n, e in job.expected.items() if e.problem is None and (e.stored or n) in stored
+        n.split("/", 1)[0]
+        for n, e in job.expected.items()
+        if e.problem is None and ((e.stored or n) in meta.tensors or (e.stored or n) in meta.objects)
     }
     empty = sorted(
         ns

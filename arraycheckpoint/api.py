@@ -25,6 +25,7 @@ from ._validate import (
 )
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
+from .engine.load import gc_paused
 from .errors import CheckpointNotFoundError, InvalidArgumentError, StateMismatchError
 from .format.metadata import CheckpointMetadata
 from .planning.plan import PlanOptions
@@ -233,8 +234,9 @@ def load(
     liveness_timeout = check_timeout(timeout)
     key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)
-    # registered as being read from the first look at it: a manager's retention in this process skips it
-    with reading(*storage_for(os.fspath(path))):
+    # registered as being read from the first look at it: a manager's retention in this process skips it;
+    # no garbage collection passes over the objects the load keeps alive until it returns
+    with reading(*storage_for(os.fspath(path))), gc_paused():
         eng = engine()
         try:
             storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)

@@ -117,3 +117,29 @@ def test_a_shard_not_in_the_saved_layout_goes_through_tensorstore(saved, tmp_pat
     assert (copy / "model" / "w" / "c.1.0").stat().st_size < (copy / "model" / "w" / "c.0.0").stat().st_size
     with pytest.raises(CorruptCheckpointError, match="model/w.*missing"):
         acp.load(copy, {"model": {"w": torch.zeros(100, 40)}}, strict=False)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_load_runs_without_garbage_collection_and_restores_it(saved, enabled, monkeypatch):
+    """acp.load pauses the cyclic garbage collector (its passes over the objects a load keeps alive found
+    nothing to free) and leaves it as it found it, also when the load fails."""
+    import gc
+
+    from arraycheckpoint.engine import chunkread
+
+    path, state = saved
+    seen = []
+    real = chunkread.read_shard
+    monkeypatch.setattr(chunkread, "read_shard", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        acp.load(path, {"model": dest})
+        assert seen and not any(seen)
+        assert gc.isenabled() == enabled
+        with pytest.raises(acp.CheckpointNotFoundError):
+            acp.load(str(path) + "-missing", {"model": dest})
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()

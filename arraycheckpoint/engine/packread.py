@@ -4,11 +4,13 @@ The mirror of :func:`arraycheckpoint.engine.shardfile.encode` for the chunk file
 (:mod:`arraycheckpoint.planning.packing`: uncompressed, edge chunks padded): a member's bytes are a ``sharding_indexed``
 shard, every inner chunk's little-endian bytes followed by their ``crc32c``, then the index (``(offset,
 nbytes)`` as little-endian uint64 per inner chunk) and the index's ``crc32c``. Each member a load needs is
-read once, with one ``pread`` on a local file (into one staging buffer reused for every member) or one ranged
-read on an object store (tensorstore's key-value store of the pack object), its index and every inner chunk
-that meets a region read checked with ``google_crc32c``, and the inner chunks' bytes copied from there into
-the destination of each region (the tensor itself, or the staging buffer a sink asked for): one copy of each
-byte after the read.
+read by :func:`arraycheckpoint.engine.chunkread.read_shard` at its offset in the pack, like a chunk file of
+its own: on a local file, one ``preadv`` of the member read whole (its local header, each inner chunk into the
+destination that holds it whole and contiguously, else into one staging buffer reused for every member, the
+checksums and the index), the index first for a part of a member; on an object store, one ranged read of the
+member (tensorstore's key-value store of the pack object) whose bytes are the only staging. The index and
+every inner chunk that meets a region are checked with ``google_crc32c``; staged bytes are copied once into
+the destination of each region (the tensor itself, or the staging buffer a sink asked for).
 
 Format 6 chunks are found by key in the central directories the load's checks parsed
 (:func:`arraycheckpoint.audit.rankpacks.check_rank_packs`: the packs of each chunk's writer), and the array's
@@ -20,9 +22,11 @@ A checksum that does not match raises :class:`CorruptCheckpointError` naming the
 
 from __future__ import annotations
 
-import math
+import itertools
+import json
 import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,7 +34,7 @@ import numpy as np
 from ..codecs import numpy_dtype
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
 from ..planning.regions import Box, intersect
-from . import shardfile
+from . import chunkread
 
 #: A ZIP local file header: signature, versions, flags, method, time, date, crc, sizes, name and extra lengths.
 _LOCAL = struct.Struct("<4s5H3L2H")
@@ -38,7 +42,7 @@ _LOCAL = struct.Struct("<4s5H3L2H")
 
 def fast_path_available() -> bool:
     """Whether this interpreter has the hardware CRC32C (else tensorstore reads format-5 packed arrays)."""
-    return shardfile._CRC is not None and np.little_endian
+    return chunkread.available()
 
 
 class PackFile:
@@ -80,23 +84,15 @@ class PackFile:
         info = self._members.get(name)
         if info is None:
             return None
-        raw = name.encode()
-        head = _LOCAL.size + len(raw)
+        head = _LOCAL.size + len(name.encode())
         got = self._read(info.header_offset, head + info.file_size, staging)
         if len(got) < head:
             return None
-        sig, _v, _f, method, _t, _d, _crc, _cs, _s, nlen, xlen = _LOCAL.unpack_from(
-            got[: _LOCAL.size].tobytes()
-        )
-        if (
-            sig != b"PK\x03\x04"
-            or method != 0
-            or nlen != len(raw)
-            or got[_LOCAL.size : head].tobytes() != raw
-        ):
+        shift = _header_check(name)(got[:head].tobytes())
+        if shift is None:
             return None
-        if xlen:  # a zip64 extra field: the data starts after it
-            got = self._read(info.header_offset + head + xlen, info.file_size, staging)
+        if shift:  # a zip64 extra field: the data starts after it
+            got = self._read(info.header_offset + head + shift, info.file_size, staging)
             return got if len(got) == info.file_size else None
         data = got[head:]
         return data if len(data) == info.file_size else None
@@ -106,64 +102,77 @@ class PackFile:
         view = self.member_view(name)
         return None if view is None else view.tobytes()
 
+    def read_chunk(
+        self,
+        name: str,
+        lay: chunkread.ShardLayout,
+        origin: tuple[int, ...],
+        dests: list[chunkread.Dest],
+        staging: chunkread.Staging,
+        damaged: Callable[[str], Exception],
+    ) -> tuple[int, int] | None:
+        """Read the chunk file stored as member ``name`` (the chunk at ``origin``) into ``dests``
+        (:func:`.chunkread.read_shard`): on a local file with its local header in the same ``preadv``; from an
+        object store with one ranged read (header and member) whose bytes are the only staging. None: not
+        in the layout a save writes (local header included)."""
+        info = self._members.get(name)
+        if info is None:
+            return None
+        if self._fd < 0:  # one ranged read of the member (and its local header): the only staging
+            raw = self.member_view(name)
+            if raw is None:
+                return None
+            return chunkread.read_shard(raw, 0, len(raw), lay, origin, dests, staging, damaged)
+        head = _LOCAL.size + len(name.encode())
+        return chunkread.read_shard(
+            self._fd,
+            info.header_offset + head,
+            info.file_size,
+            lay,
+            origin,
+            dests,
+            staging,
+            damaged,
+            (head, _header_check(name)),
+        )
 
-class _Layout:
-    """The decoding constants of one packed array."""
 
-    def __init__(self, tm: Any) -> None:
-        self.dtype = numpy_dtype(tm.dtype)  # native order, little-endian
-        self.chunk = tuple(tm.chunk_shape)
-        self.inner = tuple(tm.inner_chunk_shape)
-        self.grid = tuple(c // i for c, i in zip(self.chunk, self.inner))
-        self.n_inner = math.prod(self.grid)
-        self.inner_bytes = math.prod(self.inner) * self.dtype.itemsize
-        self.member_bytes = self.n_inner * (self.inner_bytes + 4 + 16) + 4
+def _header_check(name: str) -> Callable[[bytes], int | None]:
+    """The check of member ``name``'s local header (its bytes before the name's end): how far past the name
+    its data starts (the extra field's length), or None when it is not a stored member of that name."""
+    raw = name.encode()
+
+    def check(head: bytes) -> int | None:
+        if len(head) != _LOCAL.size + len(raw):
+            return None
+        sig, _v, _f, method, _t, _d, _crc, _cs, _s, nlen, xlen = _LOCAL.unpack_from(head)
+        if sig != b"PK\x03\x04" or method != 0 or nlen != len(raw) or head[_LOCAL.size :] != raw:
+            return None
+        return xlen
+
+    return check
+
+
+#: the decoding constants of one packed array (kept under this name for the readers of format 5 and 6)
+_Layout = chunkread.ShardLayout
 
 
 def decode_into(
     raw: np.ndarray,
-    lay: _Layout,
+    lay: chunkread.ShardLayout,
     origin: tuple[int, ...],
     dests: list[tuple[Box, np.ndarray]],
     damaged: Any,
 ) -> bool:
-    """Check the chunk file ``raw`` (uint8) of the chunk at ``origin`` and copy its inner chunks into every
-    destination ``(region, array of that region)`` they meet (inner chunks that meet none are not checked).
-    Returns False when ``raw`` is not in the layout a save writes; ``damaged(why)`` is the error to raise on
-    a checksum mismatch."""
-    if len(raw) != lay.member_bytes:
+    """Check the chunk file ``raw`` (uint8, in memory) of the chunk at ``origin`` and copy its inner chunks
+    into every destination ``(region, array of that region)`` they meet (inner chunks that meet none are not
+    checked). Returns False when ``raw`` is not in the layout a save writes; ``damaged(why)`` is the error to
+    raise on a checksum mismatch."""
+    if len(raw) != lay.nbytes:
         return False
-    table_at = len(raw) - (16 * lay.n_inner + 4)
-    table = raw[table_at:-4]
-    if shardfile.crc32c(table) != int.from_bytes(raw[-4:].tobytes(), "little"):
-        raise damaged("the shard index's crc32c does not match")
-    entries = table.view("<u8")
-    for k, pos in enumerate(np.ndindex(*lay.grid)):
-        at = tuple(o + p * i for o, p, i in zip(origin, pos, lay.inner))
-        box = Box(at, lay.inner)
-        hits = [(h, region, arr) for region, arr in dests if (h := intersect(box, region)) is not None]
-        if not hits:
-            continue
-        offset, nbytes = int(entries[2 * k]), int(entries[2 * k + 1])
-        if nbytes != lay.inner_bytes + 4 or offset + nbytes > table_at:
-            return False
-        data = raw[offset : offset + lay.inner_bytes]
-        if shardfile.crc32c(data) != int.from_bytes(
-            raw[offset + lay.inner_bytes : offset + nbytes].tobytes(), "little"
-        ):
-            raise damaged(f"inner chunk {list(pos)}'s crc32c does not match")
-        block = data.view(lay.dtype).reshape(lay.inner)
-        for h, region, arr in hits:
-            arr[h.slices(region)] = block[h.slices(box)]
-    return True
-
-
-def chunk_members(tm: Any, separator: str) -> list[tuple[tuple[int, ...], str]]:
-    """``(chunk grid index, member name)`` of every chunk of the packed array ``tm``."""
-    grid = [-(-s // c) for s, c in zip(tm.shape, tm.chunk_shape)]
-    return [
-        (idx, separator.join(["c", *map(str, idx)]).join([f"{tm.name}/", ""])) for idx in np.ndindex(*grid)
-    ]
+    return (
+        chunkread.read_shard(raw, 0, len(raw), lay, origin, dests, chunkread.Staging(), damaged) is not None
+    )
 
 
 class PackedReader:
@@ -184,7 +193,12 @@ class PackedReader:
                 self._where.setdefault(e.filename, key)
         self._local = isinstance(storage, LocalStorage)
         self._kv: Any = None
-        self._staging = np.empty(0, np.uint8)
+        self._staging = chunkread.Staging()
+        self._docs = _DocCheck(self._sep)
+        self._layouts: dict[tuple[Any, ...], chunkread.ShardLayout] = {}
+        #: bytes read straight into destinations, and through the staging buffer (then copied once more)
+        self.direct_bytes = 0
+        self.scratch_bytes = 0
 
     def _pack(self, key: str) -> PackFile:
         pack = self._packs.get(key)
@@ -205,17 +219,14 @@ class PackedReader:
             pack = self._packs[key] = PackFile(self._root, key, {e.filename: e for e in entries}, kv)
         return pack
 
-    def _read_member(self, tm: Any, member: str, nbytes: int) -> tuple[PackFile, np.ndarray | None]:
-        key = tm.pack if tm.pack_rank is None else self._where.get(member)
+    def _pack_of(self, tm: Any, v6: bool, member: str) -> PackFile:
+        key = self._where.get(member) if v6 else tm.pack
         if key is None:
             raise InconsistentCheckpointError(
                 f"tensor {tm.name!r}: {member} is in none of its writer's packs in {self._root}; the "
                 "checkpoint is damaged"
             )
-        pack = self._pack(key)
-        if self._local and self._staging.nbytes < nbytes:
-            self._staging = np.empty(max(nbytes, 2 * self._staging.nbytes), np.uint8)
-        return pack, pack.member_view(member, self._staging if self._local else None)
+        return self._pack(key)
 
     def deliver(self, t: Any) -> int | None:
         """Read the regions of the load tensor ``t`` (its shards) of a packed array into their destinations
@@ -225,41 +236,45 @@ class PackedReader:
         Raises:
             CorruptCheckpointError: a checksum that does not match; a format-6 member not as a save writes it.
         """
-        from ..audit.arrays import check_packed_doc
-        from ..audit.packs import chunks_wanted
 
         tm = self._meta.tensors[t.name]
         v6 = tm.pack_rank is not None
-        lay = _Layout(tm)
+        lay = chunkread.layout_of(tm, self._layouts)
         if v6:
             doc = f"{tm.name}/zarr.json"
-            pack, raw = self._read_member(tm, doc, 1 << 16)
+            pack = self._pack_of(tm, v6, doc)
+            raw = pack.member_view(doc, self._staging.get(_LOCAL.size + len(doc.encode()) + _MAX_DOC_READ))
             if raw is None:
                 raise _corrupt(tm, pack, doc, "its local header is not as a save writes it")
-            check_packed_doc(tm, raw.tobytes(), f"{pack.path}:{tm.name}", self._sep)
-        dests: list[tuple[Box, np.ndarray]] = []
+            self._docs.check(tm, raw.tobytes(), pack.path)
+        dests: list[chunkread.Dest] = []
         for shard in t.shards:
             if shard.target is not None and shard.target.dtype == lay.dtype:
-                dests.append((shard.box, shard.target))
+                arr = shard.target
             elif shard.staging is not None:  # e.g. a pinned buffer on its way to a device
-                dests.append((shard.box, shard.staging(shard.box.lengths, lay.dtype)))
+                arr = shard.staging(shard.box.lengths, lay.dtype)
             else:
-                dests.append((shard.box, np.empty(shard.box.lengths, dtype=lay.dtype)))
-        grid = tuple(-(-s // c) for s, c in zip(tm.shape, tm.chunk_shape))
-        for flat in chunks_wanted(tm, [b for b, _ in dests]).tolist():
-            idx = tuple(int(i) for i in np.unravel_index(flat, grid)) if grid else ()
+                arr = np.empty(shard.box.lengths, dtype=lay.dtype)
+            dests.append((shard.box, arr))
+        for idx in _chunks_met(dests, tm.chunk_shape):
             member = f"{tm.name}/" + self._sep.join(["c", *map(str, idx)])
-            origin = tuple(i * c for i, c in zip(idx, lay.chunk))
-            near = [(b, a) for b, a in dests if intersect(Box(origin, lay.chunk), b) is not None]
-            pack, raw = self._read_member(tm, member, _LOCAL.size + len(member.encode()) + lay.member_bytes)
+            origin = tuple(i * c for i, c in zip(idx, tm.chunk_shape))
+            near = dests
+            if len(dests) > 1:
+                chunk = Box(origin, tuple(tm.chunk_shape))
+                near = [(b, a) for b, a in dests if intersect(chunk, b) is not None]
+            pack = self._pack_of(tm, v6, member)
 
             def damaged(why: str, pack: PackFile = pack, member: str = member) -> CorruptCheckpointError:
                 return _corrupt(tm, pack, member, why)
 
-            if raw is None or not decode_into(raw, lay, origin, near, damaged):
+            got = pack.read_chunk(member, lay, origin, near, self._staging, damaged)
+            if got is None:
                 if v6:
                     raise damaged("it is not the chunk file a save writes (size or layout)")
                 return None
+            self.direct_bytes += got[0]
+            self.scratch_bytes += got[1]
         total = 0
         for shard, (_box, arr) in zip(t.shards, dests):
             if arr is not shard.target:
@@ -271,6 +286,74 @@ class PackedReader:
         for pack in self._packs.values():
             pack.close()
         self._packs.clear()
+
+
+#: bytes of a packed ``zarr.json`` read with its local header in one go (one a save writes is about 1 KiB;
+#: a larger member is read whole all the same, its size bounded by the load's checks)
+_MAX_DOC_READ = 4 << 10
+
+
+def _chunks_met(dests: list[chunkread.Dest], chunk_shape: Any) -> list[tuple[int, ...]]:
+    """Grid indices of the chunks the (non-empty) regions of ``dests`` meet, in C order, each once."""
+    found: list[tuple[int, ...]] = []
+    for box, _arr in dests:
+        if box.volume == 0:
+            continue
+        ranges = [
+            range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(box.offsets, box.lengths, chunk_shape)
+        ]
+        found.extend(itertools.product(*ranges))
+    return sorted(set(found)) if len(dests) > 1 else found
+
+
+class _DocCheck:
+    """The check of a packed array's ``zarr.json`` against the metadata (:func:`arraycheckpoint.checks
+    .check_packed_doc`), with its common case made cheap: a document byte for byte what a save writes for the
+    array is accepted without generating it whole. What a save writes differs between arrays of one layout
+    (shape, dtype, chunks, compression) only in the dimension names, which come from the array's last name
+    component; so each layout's document is generated once with a placeholder for that component (and checked
+    against the whole generation for the array at hand), and each array's is the placeholder replaced. Any
+    other document goes to ``check_packed_doc`` (parsed and cross-checked)."""
+
+    _MARK = "\x01acp-leaf\x01"  # never in a name (control characters are refused)
+
+    def __init__(self, separator: str) -> None:
+        self._sep = separator
+        self._templates: dict[tuple[Any, ...], bytes | None] = {}
+        self._mark = json.dumps(self._MARK)[1:-1].encode()
+
+    def _exact(self, tm: Any, leaf: str) -> bytes:
+        from ..codecs import array_metadata
+
+        doc = array_metadata(
+            tuple(tm.shape),
+            numpy_dtype(tm.dtype),
+            tuple(tm.chunk_shape),
+            tuple(tm.inner_chunk_shape),
+            tm.compression,
+            name=leaf,
+            separator=self._sep,
+        )
+        return json.dumps(doc).encode()
+
+    def check(self, tm: Any, raw: bytes, where: str) -> None:
+        """Raises :class:`MetadataError` (``check_packed_doc``) unless ``raw`` is a sound document of ``tm``."""
+        leaf = tm.name.rsplit("/", 1)[-1]  # dimension names come from the last component
+        key = (tuple(tm.shape), tm.dtype, tuple(tm.chunk_shape), tuple(tm.inner_chunk_shape), tm.compression)
+        name = json.dumps(leaf)[1:-1].encode()
+        if key not in self._templates:
+            try:
+                template = self._exact(tm, self._MARK)
+            except ValueError:  # an unsupported layout: check_packed_doc says what is wrong
+                template = None
+            ok = template is not None and template.replace(self._mark, name) == self._exact(tm, leaf)
+            self._templates[key] = template if ok else None
+        template = self._templates[key]
+        if template is not None and raw == template.replace(self._mark, name):
+            return
+        from ..audit.arrays import check_packed_doc
+
+        check_packed_doc(tm, raw, f"{where}:{tm.name}", self._sep)
 
 
 def _corrupt(tm: Any, pack: PackFile, key: str, why: str) -> CorruptCheckpointError:

@@ -19,7 +19,7 @@ from typing import Any
 from ..checks.names import check_name as check_name  # the one validator of entry names (saves use it too)
 from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
-from ..planning.packing import PACK_KEY, RANK_PACKS
+from ..planning.packing import PACK_KEY, RANK_PACKS, packs_rank
 from ..planning.regions import Box
 
 #: 6: every chunk file below the target size is in its writer's packs; a packed array's ``pack`` is
@@ -125,11 +125,10 @@ class TensorMeta:
     # None: ``<ckpt>/<name>/``
     pack: str | None = None
 
-    @property
+    @cached_property
     def pack_rank(self) -> int | None:
-        """Format 6: the rank whose packs hold this packed array's ``zarr.json`` (None: not in that form)."""
-        from ..planning.packing import packs_rank
-
+        """Format 6: the rank whose packs hold this packed array's ``zarr.json`` (None: not in that form);
+        computed once per tensor (a load asks for it several times per tensor)."""
         return packs_rank(self.pack)
 
     @property

@@ -34,9 +34,16 @@ def tensor_item(
 
 def dtype_name(t: torch.Tensor) -> str:
     """The zarr v3 data type name of a torch tensor's dtype."""
-    from ...codecs import zarr_dtype_name
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        from ...codecs import zarr_dtype_name
 
-    return zarr_dtype_name(numpy_dtype(t.dtype))
+        name = _DTYPE_NAMES[t.dtype] = zarr_dtype_name(numpy_dtype(t.dtype))
+    return name
+
+
+#: torch dtype -> zarr v3 data type name (asked once per tensor of a load or save)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def np_dtype(name: str) -> np.dtype:

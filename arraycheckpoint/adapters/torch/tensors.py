@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ...errors import UnsupportedDTypeError
+from ...planning.items import LoadShard
 from ...planning.regions import Box, flat_range_to_boxes
 
 _TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
@@ -140,7 +141,6 @@ def load_shard(box: Box, view: torch.Tensor) -> Any:
     CPU views are read into directly, without a copy; CUDA views are read into a pinned pool buffer and
     copied to the device asynchronously (the caller's stream waits for the copy on the device).
     """
-    from ...planning.items import LoadShard
 
     if view.is_cuda:
         from .device import staging_buffer, use_cuda
