@@ -2,31 +2,29 @@
 
 ``save_async`` plans (unless the plan is cached: the first save of a structure, or after it changed), copies
 the local regions this rank writes or sends into reusable host buffers and returns; one background thread per
-process then runs, in order, the fragment exchange (only the chunks of flat ranges, FSDP1, straddle ranks),
-the writes (bounded bytes in flight), one flush, and the coordinator's commit.
+process then runs the writes (bounded bytes in flight; chunks this rank holds whole first, beside the fragment
+exchange on a thread of its own, :mod:`.exchange`: only the chunks of flat ranges, FSDP1, straddle ranks), one
+flush, and the coordinator's commit. Packs and ``zarr.json`` documents are encoded by :mod:`.packwrite`.
 Saves run strictly one after another (buffers and the checkpoint group are reused).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..codecs import numpy_dtype
-from ..codecs.presets import array_metadata, dimension_names_for
 from ..errors import ArrayCheckpointError, SaveFailedError
 from ..format import rankdoc
 from ..format.perrank import fall_back, stack_digest
 from ..planning.items import HostSource, SaveRequest, SaveShard
-from ..planning.packing import DOC_BYTES, chunk_file_bytes, fill_packs, packs_rank
-from ..planning.plan import ArrayLayout, RankPlan
+from ..planning.plan import RankPlan
 from ..planning.regions import Box, intersect
 from ..runtime.collectives import Communicator
 from ..runtime.future import CheckpointFuture
@@ -37,7 +35,9 @@ from ..storage import storage_for
 from . import shardfile
 from .common import array_spec, describe, wait_write
 from .coordinate import Coordinator, declaration_digest, declare, structure_key
+from .exchange import FragmentExchange, local_view
 from .job import SaveJob, SaveOptions
+from .packwrite import Packs, create_arrays
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -196,12 +196,17 @@ class SavePipeline:
             plan = job.cached if job.mode != "skip" else None  # planned before the snapshot
             claimed = _target_claimed(job) if plan is not None else False
             # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
-            # the exchange while it waits in the commit gather (e.g. rank 0's CheckpointExistsError)
-            received = self._exchange(job, plan.rank_plan) if plan is not None else {}
-            if job.error is None and plan is not None and claimed:
-                self._write(job, plan.rank_plan, received)
-                with job.recorder.phase("flush"):
-                    job.storage.flush(job.staging)
+            # the exchange while it waits in the commit gather (e.g. rank 0's CheckpointExistsError); it runs
+            # beside the writes of the chunks this rank holds whole
+            exchange = FragmentExchange(job, plan.rank_plan) if plan is not None else None
+            try:
+                if job.error is None and plan is not None and claimed:
+                    self._write(job, plan.rank_plan, exchange.received)
+                    with job.recorder.phase("flush"):
+                        job.storage.flush(job.staging)
+            finally:
+                if exchange is not None:
+                    exchange.join()  # the collective is over on this rank before the commit's start
         except Exception as e:  # noqa: BLE001
             job.error = job.error or describe(e, comm.rank)
             log.debug("save failed on rank %d", comm.rank, exc_info=True)
@@ -224,56 +229,20 @@ class SavePipeline:
         else:
             job.future._set_committed(meta)
 
-    def _exchange(self, job: SaveJob, plan: RankPlan) -> dict[tuple[str, Box], np.ndarray]:
-        """Ship fragments of straddling chunks to their writers: one batched all-to-all per save."""
-        comm = job.comm
-        if comm.world_size == 1 or not plan.exchange:
-            return {}
-        with job.recorder.phase("exchange") as rec:
-            # one send buffer per peer, each fragment copied into it once (no concatenate of copies)
-            sizes = [0] * comm.world_size
-            for t in plan.sends:
-                sizes[t.dst] += t.box.volume * job.dtypes[t.name].itemsize
-            flat = [np.zeros(n, np.uint8) for n in sizes]  # zeros: what a failed rank sends
-            cursor = [0] * comm.world_size
-            for t in plan.sends:
-                dtype = job.dtypes[t.name]
-                n = t.box.volume * dtype.itemsize
-                if job.error is None:  # a failed rank still enters the collective, with zeros
-                    try:
-                        dest = (
-                            flat[t.dst][cursor[t.dst] : cursor[t.dst] + n].view(dtype).reshape(t.box.lengths)
-                        )
-                        dest[...] = local_view(job, t.name, t.box)
-                    except Exception as e:  # noqa: BLE001 - reported at commit; the collective must still run
-                        job.error = describe(e, comm.rank)
-                cursor[t.dst] += n
-            recv_dtypes = {layout.name: numpy_dtype(layout.dtype) for layout in plan.layouts}
-            recv_sizes = [0] * comm.world_size
-            for t in plan.recvs:
-                recv_sizes[t.src] += t.box.volume * recv_dtypes[t.name].itemsize
-            got = comm.all_to_all_bytes(flat, recv_sizes)
-            out: dict[tuple[str, Box], np.ndarray] = {}
-            cursor = [0] * comm.world_size
-            for t in plan.recvs:
-                dtype = recv_dtypes[t.name]
-                n = t.box.volume * dtype.itemsize
-                raw = got[t.src][cursor[t.src] : cursor[t.src] + n]
-                cursor[t.src] += n
-                out[(t.name, t.box)] = raw.view(dtype).reshape(t.box.lengths)
-            rec["bytes"] = sum(recv_sizes)
-        return out
-
-    def _write(self, job: SaveJob, plan: RankPlan, received: dict[tuple[str, Box], np.ndarray]) -> None:
+    def _write(
+        self, job: SaveJob, plan: RankPlan, received: Callable[[], dict[tuple[str, Box], np.ndarray]]
+    ) -> None:
+        """Write this rank's chunks: those it holds whole first, then those assembled from fragments other
+        ranks send (``received`` waits for the exchange), with at most ``max_inflight_bytes`` in flight."""
         import tensorstore as ts
 
         with job.recorder.phase("write") as rec:
             layouts = {layout.name: layout for layout in plan.layouts}
-            packs = _Packs(job, plan, layouts)
+            packs = Packs(job, plan, layouts)
             packed = packs.packed
             writer = _writer(job)
             try:
-                created = _create_arrays(job, writer, [layouts[name] for name in plan.create])
+                created = create_arrays(job, writer, [layouts[name] for name in plan.create])
                 # whole uncompressed chunks are encoded here and written as files; the rest go through a
                 # tensorstore array opened with the metadata assumed (on storage already, or written by another
                 # rank), so nothing is read or validated per array
@@ -314,8 +283,14 @@ class SavePipeline:
                 for full in packs.ready():  # packs of zarr.json documents only
                     make_room(full.nbytes)
                     start(writer.write_pack(full.key, full.members), full.nbytes, full.label)
-                for w, encode in zip(plan.writes, direct):
-                    data = self._chunk_data(job, w, received)
+                me = job.comm.rank
+                remote = [any(p.src != me for p in w.pieces) for w in plan.writes]
+                order = sorted(
+                    range(len(plan.writes)), key=remote.__getitem__
+                )  # stable: plan order otherwise
+                for i in order:
+                    w, encode = plan.writes[i], direct[i]
+                    data = self._chunk_data(job, w, received() if remote[i] else {})
                     if w.name in packed:  # held until its pack is complete, then written with it
                         for full in packs.add(w, data):
                             make_room(full.nbytes)
@@ -368,154 +343,6 @@ def _target_claimed(job: SaveJob) -> bool:
 def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:
     """Where this save's files go: plain files on a local file system, the storage's key-value store else."""
     return shardfile.file_writer(job.storage, job.staging)
-
-
-def _create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> list[tuple[str, Any]]:
-    """Start writing the ``zarr.json`` of every array in ``layouts``; returns ``(name, future)`` pairs.
-
-    One key-value write per array instead of one validating ``ts.open(create=True)`` each (which reads, checks
-    and writes the metadata one array at a time): with thousands of small tensors that open dominated the save.
-    The staging directory is fresh, so there is no existing metadata to conflict with.
-    """
-    docs = ZarrJsonDocs()
-    return [
-        (layout.name, writer.write(f"{layout.name}/zarr.json", [docs.encode(layout)])) for layout in layouts
-    ]
-
-
-class ZarrJsonDocs:
-    """Encodes ``zarr.json`` documents; arrays that differ only in the path before their last component
-    (``dimension_names`` come from that component: the ``exp_avg`` of every parameter) share one template."""
-
-    def __init__(self) -> None:
-        self._templates: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
-
-    def encode(self, layout: ArrayLayout) -> bytes:
-        """The ``zarr.json`` bytes of ``layout``'s array."""
-        # every field but the name (a dataclasses.replace per array cost more than the join below)
-        key = (layout.shape, layout.dtype, layout.chunk_shape, layout.inner_chunk_shape, layout.compression)
-        parts = self._templates.get(key)
-        if parts is None:
-            parts = self._templates[key] = zarr_json_template(layout)
-        names = dimension_names_for(layout.name, len(layout.shape))
-        return parts[0] + b"".join(json.dumps(n).encode() + p for n, p in zip(names, parts[1:]))
-
-
-@dataclasses.dataclass
-class FullPack:
-    """A pack whose every member is encoded: ready to write."""
-
-    key: str
-    members: list[tuple[str, list[shardfile.Buffer]]]
-    nbytes: int
-    label: str  # what a failed write names: the pack and its first array
-
-
-class _Packs:
-    """This rank's packs (:mod:`arraycheckpoint.planning.packing`): the ``zarr.json`` of the packed arrays it creates
-    and the chunk files of packed arrays it writes, filled in plan order into packs of about the target file
-    size (:func:`~arraycheckpoint.planning.packing.fill_packs`); each pack is handed out once all its members are
-    encoded."""
-
-    def __init__(self, job: SaveJob, plan: RankPlan, layouts: dict[str, ArrayLayout]) -> None:
-        docs = ZarrJsonDocs()
-        self._layouts = layouts
-        self.packed = {name for _k, names in plan.packs for name in names}
-        created = sorted(name for k, names in plan.packs if packs_rank(k) == plan.rank for name in names)
-        encoded = {f"{n}/zarr.json": [docs.encode(layouts[n])] for n in created}
-        # the order packing.PackFill computes from the metadata: by array name, its document (if this rank
-        # created it) before its chunks (in row-major order)
-        members = [(n, -1, f"{n}/zarr.json", DOC_BYTES) for n in created]
-        sizes_of: dict[str, int] = {}
-        for w in plan.writes:
-            if w.name in self.packed:
-                layout = layouts[w.name]
-                flat = 0  # row-major index of the chunk in its grid
-                for o, c, n in zip(w.chunk.offsets, layout.chunk_shape, layout.shape):
-                    flat = flat * -(-n // c) + o // c
-                size = sizes_of.get(w.name)
-                if size is None:
-                    size = sizes_of[w.name] = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
-                members.append((w.name, flat, self._key(w), size))
-        members.sort()
-        # an array's document stays with its first chunk here: counted with it (packing.PackFill)
-        for i, (name, flat, key, _size) in enumerate(members):
-            if flat < 0 and i + 1 < len(members) and members[i + 1][0] == name:
-                members[i] = (name, flat, key, 0)
-                n, f, k, sz = members[i + 1]
-                members[i + 1] = (n, f, k, sz + DOC_BYTES)
-        sizes = [(key, size) for _n, _f, key, size in members]
-        self._pack_of: dict[str, str] = {}
-        self._left: dict[str, int] = {}
-        self._members: dict[str, list[tuple[str, list[shardfile.Buffer]]]] = {}
-        self._bytes: dict[str, int] = {}
-        self._first: dict[str, str] = {}
-        for key, members in fill_packs(sizes, plan.rank, job.options.plan.min_chunk_bytes):
-            self._left[key] = len(members)
-            self._members[key] = []
-            self._bytes[key] = 0
-            self._first[key] = members[0].rpartition("/")[0]
-            self._pack_of.update(dict.fromkeys(members, key))
-        self._ready = [p for key, parts in encoded.items() for p in self._put(key, parts, len(parts[0]))]
-
-    def _key(self, w: Any) -> str:
-        return f"{w.name}/{shardfile.chunk_key(self._layouts[w.name], w.chunk)}"
-
-    def _put(self, member: str, parts: list[shardfile.Buffer], nbytes: int) -> list[FullPack]:
-        key = self._pack_of[member]
-        self._members[key].append((member, parts))
-        self._bytes[key] += nbytes
-        self._left[key] -= 1
-        return [self._take(key)] if self._left[key] == 0 else []
-
-    def ready(self) -> list[FullPack]:
-        """Packs complete without any chunk (``zarr.json`` documents only)."""
-        out, self._ready = self._ready, []
-        return out
-
-    def add(self, w: Any, data: np.ndarray) -> list[FullPack]:
-        """Encode chunk ``w`` of a packed array from ``data`` (an edge chunk padded to the full chunk shape
-        with the fill value, as zarr does); returns its pack if that completed it."""
-        layout = self._layouts[w.name]
-        little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
-        parts = shardfile.encode(shardfile.padded(little, layout.chunk_shape), layout.inner_chunk_shape)
-        return self._put(self._key(w), parts, data.nbytes)
-
-    def check_done(self) -> None:
-        """Every pack was handed out (a plan whose writes miss a member would leave one behind)."""
-        if self._left:
-            raise SaveFailedError(f"packs {sorted(self._left)} were left incomplete by the save plan")
-
-    def _take(self, key: str) -> FullPack:
-        del self._left[key]
-        return FullPack(key, self._members.pop(key), self._bytes[key], f"{self._first[key]} (pack {key})")
-
-
-#: Stands for one dimension name in a ``zarr.json`` template; never part of an encoded layout otherwise.
-_PLACEHOLDER = "\0acp-dim\0"
-_DIM = json.dumps(_PLACEHOLDER)
-
-
-def zarr_json_template(layout: ArrayLayout) -> tuple[bytes, ...]:
-    """``json.dumps`` of ``layout``'s array metadata split around its ``ndim`` dimension names.
-
-    Arrays that differ only in their name (thousands of small tensors of one shape) share everything but
-    their ``dimension_names``, so their documents are the template's pieces joined by the JSON-encoded names:
-    the same bytes as encoding each document whole (the load's exact-bytes check relies on that), at a string
-    join's cost instead of one metadata build and encode per array.
-    """
-    ndim = len(layout.shape)
-    meta = array_metadata(
-        layout.shape,
-        numpy_dtype(layout.dtype),
-        layout.chunk_shape,
-        layout.inner_chunk_shape,
-        layout.compression,
-        dimension_names=[_PLACEHOLDER] * ndim,
-    )
-    pieces = json.dumps(meta).split(_DIM)
-    assert len(pieces) == ndim + 1, "a dimension-name placeholder appeared outside dimension_names"
-    return tuple(p.encode() for p in pieces)
 
 
 def _unstack(job: SaveJob) -> None:
@@ -593,10 +420,3 @@ def _await_fences(job: SaveJob) -> str | None:
             error = error or describe(e, job.comm.rank)
     job.fences.clear()
     return error
-
-
-def local_view(job: SaveJob, name: str, box: Box) -> np.ndarray:
-    for held, buf in job.local.get(name, ()):
-        if held.contains(box):
-            return buf[box.slices(held)]
-    raise SaveFailedError(f"rank {job.comm.rank}: tensor {name!r} region {box} was not in the snapshot")

@@ -407,7 +407,7 @@ def test_zarr_json_template_matches_whole_encoding(name: str, shape: tuple[int, 
     import json
 
     from arraycheckpoint.codecs.presets import array_metadata
-    from arraycheckpoint.engine.save import _create_arrays, zarr_json_template
+    from arraycheckpoint.engine.packwrite import create_arrays, zarr_json_template
     from arraycheckpoint.planning.plan import ArrayLayout
 
     chunk = tuple(max(1, s // 2) for s in shape)
@@ -429,7 +429,7 @@ def test_zarr_json_template_matches_whole_encoding(name: str, shape: tuple[int, 
 
     w = Writer()
     other = dataclasses.replace(layout, name=name + "2")
-    _create_arrays(Job(), w, [layout, other])  # type: ignore[arg-type]
+    create_arrays(Job(), w, [layout, other])  # type: ignore[arg-type]
     assert w.docs[f"{name}/zarr.json"] == whole
     assert w.docs[f"{name}2/zarr.json"] == json.dumps(
         array_metadata(shape, np.float32, chunk, chunk, compression, name=name + "2")

@@ -1,0 +1,167 @@
+"""The save side of packs and array documents: ``zarr.json`` bytes from per-layout templates, and a rank's
+packs (:mod:`arraycheckpoint.planning.packing`) filled with its encoded chunk files in the order the metadata
+implies. Encodes in memory; the writes are the pipeline's (:mod:`.save`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+
+from ..codecs import numpy_dtype
+from ..codecs.presets import array_metadata, dimension_names_for
+from ..errors import SaveFailedError
+from ..planning.packing import DOC_BYTES, chunk_file_bytes, fill_packs, packs_rank
+from ..planning.plan import ArrayLayout, RankPlan
+from . import shardfile
+from .job import SaveJob
+
+
+def create_arrays(job: SaveJob, writer: Any, layouts: list[ArrayLayout]) -> list[tuple[str, Any]]:
+    """Start writing the ``zarr.json`` of every array in ``layouts``; returns ``(name, future)`` pairs.
+
+    One key-value write per array instead of one validating ``ts.open(create=True)`` each (which reads, checks
+    and writes the metadata one array at a time): with thousands of small tensors that open dominated the save.
+    The staging directory is fresh, so there is no existing metadata to conflict with.
+    """
+    docs = ZarrJsonDocs()
+    return [
+        (layout.name, writer.write(f"{layout.name}/zarr.json", [docs.encode(layout)])) for layout in layouts
+    ]
+
+
+class ZarrJsonDocs:
+    """Encodes ``zarr.json`` documents; arrays that differ only in the path before their last component
+    (``dimension_names`` come from that component: the ``exp_avg`` of every parameter) share one template."""
+
+    def __init__(self) -> None:
+        self._templates: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
+
+    def encode(self, layout: ArrayLayout) -> bytes:
+        """The ``zarr.json`` bytes of ``layout``'s array."""
+        # every field but the name (a dataclasses.replace per array cost more than the join below)
+        key = (layout.shape, layout.dtype, layout.chunk_shape, layout.inner_chunk_shape, layout.compression)
+        parts = self._templates.get(key)
+        if parts is None:
+            parts = self._templates[key] = zarr_json_template(layout)
+        names = dimension_names_for(layout.name, len(layout.shape))
+        return parts[0] + b"".join(json.dumps(n).encode() + p for n, p in zip(names, parts[1:]))
+
+
+@dataclasses.dataclass
+class FullPack:
+    """A pack whose every member is encoded: ready to write."""
+
+    key: str
+    members: list[tuple[str, list[shardfile.Buffer]]]
+    nbytes: int
+    label: str  # what a failed write names: the pack and its first array
+
+
+class Packs:
+    """This rank's packs (:mod:`arraycheckpoint.planning.packing`): the ``zarr.json`` of the packed arrays it creates
+    and the chunk files of packed arrays it writes, filled in plan order into packs of about the target file
+    size (:func:`~arraycheckpoint.planning.packing.fill_packs`); each pack is handed out once all its members are
+    encoded."""
+
+    def __init__(self, job: SaveJob, plan: RankPlan, layouts: dict[str, ArrayLayout]) -> None:
+        docs = ZarrJsonDocs()
+        self._layouts = layouts
+        self.packed = {name for _k, names in plan.packs for name in names}
+        created = sorted(name for k, names in plan.packs if packs_rank(k) == plan.rank for name in names)
+        encoded = {f"{n}/zarr.json": [docs.encode(layouts[n])] for n in created}
+        # the order packing.PackFill computes from the metadata: by array name, its document (if this rank
+        # created it) before its chunks (in row-major order)
+        members = [(n, -1, f"{n}/zarr.json", DOC_BYTES) for n in created]
+        sizes_of: dict[str, int] = {}
+        for w in plan.writes:
+            if w.name in self.packed:
+                layout = layouts[w.name]
+                flat = 0  # row-major index of the chunk in its grid
+                for o, c, n in zip(w.chunk.offsets, layout.chunk_shape, layout.shape):
+                    flat = flat * -(-n // c) + o // c
+                size = sizes_of.get(w.name)
+                if size is None:
+                    size = sizes_of[w.name] = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
+                members.append((w.name, flat, self._key(w), size))
+        members.sort()
+        # an array's document stays with its first chunk here: counted with it (packing.PackFill)
+        for i, (name, flat, key, _size) in enumerate(members):
+            if flat < 0 and i + 1 < len(members) and members[i + 1][0] == name:
+                members[i] = (name, flat, key, 0)
+                n, f, k, sz = members[i + 1]
+                members[i + 1] = (n, f, k, sz + DOC_BYTES)
+        sizes = [(key, size) for _n, _f, key, size in members]
+        self._pack_of: dict[str, str] = {}
+        self._left: dict[str, int] = {}
+        self._members: dict[str, list[tuple[str, list[shardfile.Buffer]]]] = {}
+        self._bytes: dict[str, int] = {}
+        self._first: dict[str, str] = {}
+        for key, members in fill_packs(sizes, plan.rank, job.options.plan.min_chunk_bytes):
+            self._left[key] = len(members)
+            self._members[key] = []
+            self._bytes[key] = 0
+            self._first[key] = members[0].rpartition("/")[0]
+            self._pack_of.update(dict.fromkeys(members, key))
+        self._ready = [p for key, parts in encoded.items() for p in self._put(key, parts, len(parts[0]))]
+
+    def _key(self, w: Any) -> str:
+        return f"{w.name}/{shardfile.chunk_key(self._layouts[w.name], w.chunk)}"
+
+    def _put(self, member: str, parts: list[shardfile.Buffer], nbytes: int) -> list[FullPack]:
+        key = self._pack_of[member]
+        self._members[key].append((member, parts))
+        self._bytes[key] += nbytes
+        self._left[key] -= 1
+        return [self._take(key)] if self._left[key] == 0 else []
+
+    def ready(self) -> list[FullPack]:
+        """Packs complete without any chunk (``zarr.json`` documents only)."""
+        out, self._ready = self._ready, []
+        return out
+
+    def add(self, w: Any, data: np.ndarray) -> list[FullPack]:
+        """Encode chunk ``w`` of a packed array from ``data`` (an edge chunk padded to the full chunk shape
+        with the fill value, as zarr does); returns its pack if that completed it."""
+        layout = self._layouts[w.name]
+        little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
+        parts = shardfile.encode(shardfile.padded(little, layout.chunk_shape), layout.inner_chunk_shape)
+        return self._put(self._key(w), parts, data.nbytes)
+
+    def check_done(self) -> None:
+        """Every pack was handed out (a plan whose writes miss a member would leave one behind)."""
+        if self._left:
+            raise SaveFailedError(f"packs {sorted(self._left)} were left incomplete by the save plan")
+
+    def _take(self, key: str) -> FullPack:
+        del self._left[key]
+        return FullPack(key, self._members.pop(key), self._bytes[key], f"{self._first[key]} (pack {key})")
+
+
+#: Stands for one dimension name in a ``zarr.json`` template; never part of an encoded layout otherwise.
+_PLACEHOLDER = "\0acp-dim\0"
+_DIM = json.dumps(_PLACEHOLDER)
+
+
+def zarr_json_template(layout: ArrayLayout) -> tuple[bytes, ...]:
+    """``json.dumps`` of ``layout``'s array metadata split around its ``ndim`` dimension names.
+
+    Arrays that differ only in their name (thousands of small tensors of one shape) share everything but
+    their ``dimension_names``, so their documents are the template's pieces joined by the JSON-encoded names:
+    the same bytes as encoding each document whole (the load's exact-bytes check relies on that), at a string
+    join's cost instead of one metadata build and encode per array.
+    """
+    ndim = len(layout.shape)
+    meta = array_metadata(
+        layout.shape,
+        numpy_dtype(layout.dtype),
+        layout.chunk_shape,
+        layout.inner_chunk_shape,
+        layout.compression,
+        dimension_names=[_PLACEHOLDER] * ndim,
+    )
+    pieces = json.dumps(meta).split(_DIM)
+    assert len(pieces) == ndim + 1, "a dimension-name placeholder appeared outside dimension_names"
+    return tuple(p.encode() for p in pieces)
