@@ -46,9 +46,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 #: Deliberate upward imports (all lazy: inside a function), each with its reason.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("arraycheckpoint.adapters.torch.megatron", "arraycheckpoint.sources.safetensors"): (
-        "loading a Hugging Face directory into megatron names the safetensors source's framework tag"
-    ),
     ("arraycheckpoint.adapters.torch.megatron_convert", "arraycheckpoint.engine"): (
         "converting a megatron checkpoint's stacked layers reads through the engine (a tool's helper that "
         "lives beside the megatron adapter it inverts)"

@@ -58,6 +58,8 @@ class ControlFiles:
 
 #: The directory of format 3's control files: an empty zarr v3 array node, so zarr-python never lists inside
 #: it (a group listing warns about every key that is not a zarr node). Entry names cannot start with ".".
+#: the ``framework`` of a Hugging Face safetensors directory read as a load source (:mod:`arraycheckpoint.sources`)
+SAFETENSORS_FRAMEWORK = "safetensors"
 CONTROL_DIR = ".acp"
 #: Format 3 (what every save writes).
 CONTROL = ControlFiles(

@@ -27,6 +27,7 @@ from ..errors import InconsistentCheckpointError, MetadataError
 from ..format.metadata import (
     MAX_ELEMENTS,
     MAX_NDIM,
+    SAFETENSORS_FRAMEWORK,
     CheckpointMetadata,
     ObjectMeta,
     ShardMeta,
@@ -41,7 +42,7 @@ from .ranges import RangeReader, StoredTensor
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 NAMESPACE = "model"
-FRAMEWORK = "safetensors"  # the ``framework`` of a safetensors directory's metadata
+FRAMEWORK = SAFETENSORS_FRAMEWORK  # the ``framework`` of a safetensors directory's metadata
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 MAX_INDEX_BYTES = 256 << 20
 CONFIG_FILE = "config.json"

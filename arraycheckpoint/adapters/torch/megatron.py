@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ...format.metadata import CheckpointMetadata
+from ...format.metadata import SAFETENSORS_FRAMEWORK, CheckpointMetadata
 from ...planning.items import SaveRequest
 from ..base import Adapter, AdapterOptions, LoadJob
 from .megatron_optim import load_optimizer, save_optimizer
@@ -136,9 +136,7 @@ def _not_in_hf(meta: CheckpointMetadata, expected: Mapping[str, Any]) -> set[str
     TransformerEngine keeps FP8 scaling state in ``<module>._extra_state`` objects; an HF directory has
     tensors only, so a strict load from one must not ask for them (they keep their current value).
     """
-    from ...sources.safetensors import FRAMEWORK
-
-    if meta.framework != FRAMEWORK:
+    if meta.framework != SAFETENSORS_FRAMEWORK:
         return set()
     return {
         name
