@@ -49,10 +49,15 @@ class PackFile:
     """One pack opened for reading: members by name, read with ``pread`` (local file, never through a link)
     or ranged reads (``kvstore``: an object store's key-value store of the pack directory)."""
 
-    def __init__(self, root: str, key: str, members: dict[str, Any], kvstore: Any = None) -> None:
+    def __init__(
+        self, root: str, key: str, members: dict[str, Any], kvstore: Any = None, unchecked: Any = None
+    ) -> None:
         self.path = f"{root.rstrip('/')}/{key}"
         self.key = key
         self._members = members
+        #: member -> where the next member's header starts: members whose local header the load's checks left
+        #: to this reader (checked on the bytes read with the member, before they are used)
+        self._unchecked: dict[str, int] = unchecked or {}
         self._kv = kvstore
         self._leaf = key.rpartition("/")[2]
         self._fd = -1
@@ -78,6 +83,21 @@ class PackFile:
         got = os.preadv(self._fd, [buf], offset)
         return buf[:got]
 
+    def _read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        return [self._read(o, n, None).tobytes() for o, n in ranges]
+
+    def _lead_check(self, name: str, info: Any) -> Callable[[bytes], int | None]:
+        """The check of member ``name``'s local header bytes (up to its name's end): how far past the name its
+        data starts, or None when it is not a stored member of that name. A member the load's checks left to
+        this reader gets every check of :func:`arraycheckpoint.checks.zipdir.check_local_header` (which raises)."""
+        following = self._unchecked.get(name)
+        if following is None:
+            return _header_check(name)
+        from ..checks.zipdir import check_local_header
+
+        head = _LOCAL.size + len(info.raw_name)
+        return lambda raw: check_local_header(self.path, info, raw, following, self._read_many) - head
+
     def member_view(self, name: str, staging: np.ndarray | None = None) -> np.ndarray | None:
         """The stored bytes of member ``name`` (a view of ``staging`` when it is large enough), or None when
         its local header is not what a save writes."""
@@ -88,7 +108,7 @@ class PackFile:
         got = self._read(info.header_offset, head + info.file_size, staging)
         if len(got) < head:
             return None
-        shift = _header_check(name)(got[:head].tobytes())
+        shift = self._lead_check(name, info)(got[:head].tobytes())
         if shift is None:
             return None
         if shift:  # a zip64 extra field: the data starts after it
@@ -133,7 +153,7 @@ class PackFile:
             dests,
             staging,
             damaged,
-            (head, _header_check(name)),
+            (head, self._lead_check(name, info)),
         )
 
 
@@ -179,12 +199,21 @@ class PackedReader:
     """Packed arrays of one load, read chunk by chunk from their packs (each opened once) into the regions'
     destinations."""
 
-    def __init__(self, root: str, meta: Any, storage: Any, directories: dict[str, list[Any]]) -> None:
+    def __init__(
+        self,
+        root: str,
+        meta: Any,
+        storage: Any,
+        directories: dict[str, list[Any]],
+        unchecked: dict[str, dict[str, int]] | None = None,
+    ) -> None:
         from ..format.metadata import chunk_key_separator
         from ..storage.local import LocalStorage
 
         self._root, self._meta, self._storage = root, meta, storage
         self._directories = directories  # what the load's checks parsed (audit.packs.check_packs and friends)
+        # pack -> member -> next header offset: local headers the checks left to this reader (read once)
+        self._unchecked = unchecked or {}
         self._sep = chunk_key_separator(meta.format_version)
         self._packs: dict[str, PackFile] = {}
         self._where: dict[str, str] = {}  # member -> pack key (format 6, from the directories)
@@ -216,7 +245,9 @@ class PackedReader:
 
                     self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
                 kv = self._kv
-            pack = self._packs[key] = PackFile(self._root, key, {e.filename: e for e in entries}, kv)
+            pack = self._packs[key] = PackFile(
+                self._root, key, {e.filename: e for e in entries}, kv, self._unchecked.get(key)
+            )
         return pack
 
     def _pack_of(self, tm: Any, v6: bool, member: str) -> PackFile:
