@@ -134,7 +134,9 @@ def _chunk_flat(
     grid = grids[array]
     rest = filename[len(array) + 2 :]
     flat = 0
-    for p, g in zip(rest.split(separator)[1:] if rest else (), grid):  # row-major, indices checked in the grid
+    for p, g in zip(
+        rest.split(separator)[1:] if rest else (), grid
+    ):  # row-major, indices checked in the grid
         flat = flat * g + int(p)
     return flat
 

@@ -231,7 +231,9 @@ def _predicted_packs(
             fill.add(1, DOC_BYTES)
             continue
         size = _packed_chunk_bytes(meta.tensors[name])
-        first = size + DOC_BYTES if created else size  # the document counted with (and kept by) the first chunk
+        first = (
+            size + DOC_BYTES if created else size
+        )  # the document counted with (and kept by) the first chunk
         reads = by_array.get(name)
         if reads:
             writers = meta.tensors[name].writers

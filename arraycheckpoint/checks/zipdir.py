@@ -286,7 +286,9 @@ def check_local_header(
 
     if len(head) < _LOCAL.size:
         raise bad(f"{what} is cut short")
-    sig, _need, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len = _LOCAL.unpack_from(head)
+    sig, _need, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len = _LOCAL.unpack_from(
+        head
+    )
     if sig != _LOCAL_SIG:
         raise bad(f"{what} is missing (no local header signature at offset {e.header_offset})")
     if flags & ~_ALLOWED_FLAGS:
@@ -307,7 +309,9 @@ def check_local_header(
         extra = bytes(head[_LOCAL.size + name_len : end])
         usize, csize, _ = _zip64_fields(extra, usize, csize, None, lambda w: bad(f"{what}: {w}"))
     if csize != e.file_size or usize != e.file_size:
-        raise bad(f"{what} declares {csize} stored and {usize} decoded bytes, the central directory {e.file_size}")
+        raise bad(
+            f"{what} declares {csize} stored and {usize} decoded bytes, the central directory {e.file_size}"
+        )
     if e.header_offset + end + e.file_size > following:
         raise bad(f"the data of member {e.filename!r} runs into the next member")
     return end
