@@ -235,6 +235,16 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
+def _ints(value: Any, minimum: int, limit: int) -> tuple[int, ...] | None:
+    """:func:`_int_list` of a valid value (the common case, without building its error text), else None."""
+    if type(value) is list and len(value) <= limit:
+        for v in value:
+            if type(v) is not int or v < minimum or v > MAX_ELEMENTS:
+                return None
+        return tuple(value)
+    return None
+
+
 def _int_list(value: Any, where: str, minimum: int = 0, limit: int = MAX_NDIM) -> tuple[int, ...]:
     """A list of at most ``limit`` integers (dimensions by default; chunk counts for writer lists)."""
     if type(value) is list and len(value) <= limit:  # the common case, checked without a call per item
@@ -314,18 +324,27 @@ def _parse_tensor(
 ) -> TensorMeta:
     """One entry of ``tensors``, validated field by field (what was checked for an equal value is not checked
     again: ``memo``)."""
-    from ..codecs import SUPPORTED_DTYPES
-
     check_name(name)
     where = f"tensors[{name!r}]"
-    shape = _int_list(_req(t, "shape", list, where), f"{where}.shape")
-    dtype = _req(t, "dtype", str, where)
-    chunk = _int_list(_req(t, "chunk_shape", list, where), f"{where}.chunk_shape", minimum=1)
-    inner = _int_list(_req(t, "inner_chunk_shape", list, where), f"{where}.inner_chunk_shape", minimum=1)
+    get = t.get if type(t) is dict else None
+    shape = _ints(get("shape") if get else None, 0, MAX_NDIM)
+    if shape is None:
+        shape = _int_list(_req(t, "shape", list, where), f"{where}.shape")
+    dtype = get("dtype") if get else None
+    if type(dtype) is not str:
+        dtype = _req(t, "dtype", str, where)
+    chunk = _ints(get("chunk_shape") if get else None, 1, MAX_NDIM)
+    if chunk is None:
+        chunk = _int_list(_req(t, "chunk_shape", list, where), f"{where}.chunk_shape", minimum=1)
+    inner = _ints(get("inner_chunk_shape") if get else None, 1, MAX_NDIM)
+    if inner is None:
+        inner = _int_list(_req(t, "inner_chunk_shape", list, where), f"{where}.inner_chunk_shape", minimum=1)
     compression = t.get("compression")
     layout = (shape, dtype, chunk, inner, repr(compression))  # repr: None is not 'None'
     nchunks = memo.layouts.get(layout)
     if nchunks is None:
+        from ..codecs import SUPPORTED_DTYPES
+
         if math.prod(shape) > MAX_ELEMENTS:
             raise MetadataError(f"metadata: {where} has an absurd shape {shape}")
         if dtype not in SUPPORTED_DTYPES:
@@ -337,7 +356,10 @@ def _parse_tensor(
         if compression not in (None, "zstd"):
             raise MetadataError(f"metadata: {where} has unknown compression {compression!r}")
         nchunks = memo.layouts[layout] = math.prod(-(-n // c) for n, c in zip(shape, chunk)) if shape else 1
-    writers = _int_list(t.get("writers", []), f"{where}.writers", limit=nchunks)
+    raw = t.get("writers", [])
+    writers = _ints(raw, 0, nchunks)
+    if writers is None:
+        writers = _int_list(raw, f"{where}.writers", limit=nchunks)
     if writers and (len(writers) != nchunks or max(writers) >= world_size):
         raise MetadataError(
             f"metadata: {where}.writers lists {len(writers)} writers for {nchunks} chunks, or a rank "
