@@ -78,9 +78,8 @@ def test_tools_still_check_local_headers_before_reading(
 
 @pytest.mark.parametrize("member", ["chunk", "doc"])
 def test_local_header_damage_found_by_the_reader_names_the_tensor(tmp_path: Path, member: str) -> None:
-    """A local header with a data descriptor flag (sizes after the data): refused by the reader's check, for
-    a chunk and for an array's zarr.json, naming the tensor; the target keeps what it held... or the error
-    says the load failed (a failed load may leave targets partly written, docs/security.md)."""
+    """A local header with a data descriptor flag (sizes after the data), which only the local header check
+    sees: refused by the reader's check, for a chunk and for an array's zarr.json, naming the tensor."""
     ck = tmp_path / "ck"
     acp.save(str(ck), {"model": _state(2)})
     name = "model/w1"
