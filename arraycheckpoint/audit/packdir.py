@@ -7,13 +7,14 @@ and a local pack is opened without following links (:mod:`arraycheckpoint.checks
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..checks.bounds import MAX_OBJECT_BYTES, MAX_PACKED_JSON_BYTES
-from ..checks.zipdir import PackMember, _check_local_headers, _parse_zip_directory
+from ..checks.zipdir import PackMember, _check_local_headers, _parse_zip_directory, next_offsets
 from ..errors import (
     CorruptCheckpointError,
     InconsistentCheckpointError,
@@ -25,6 +26,7 @@ def _chunk_grid(t: Any) -> tuple[int, ...]:
     return tuple(-(-s // c) for s, c in zip(t.shape, t.chunk_shape))
 
 
+@functools.lru_cache(maxsize=4096)
 def _longest_chunk_key(grid: tuple[int, ...]) -> int:
     """Length of the longest chunk key of ``grid`` (``c`` and one separator and index per dimension)."""
     return 1 + sum(1 + len(str(max(g - 1, 0))) for g in grid)
@@ -33,11 +35,16 @@ def _longest_chunk_key(grid: tuple[int, ...]) -> int:
 def _packed_chunk_bytes(t: Any) -> int:
     """Size of one chunk member of the packed array ``t``: packs hold uncompressed arrays of whole chunks
     (the metadata parser refuses anything else), so a chunk file is its data, a crc32c per inner chunk and
-    the shard index (16 bytes per inner chunk and its crc32c), and never more."""
+    the shard index (16 bytes per inner chunk and its crc32c), and never more (computed once per layout)."""
+    return _chunk_file_bytes(t.dtype, tuple(t.chunk_shape), tuple(t.inner_chunk_shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_file_bytes(dtype: str, chunk_shape: tuple[int, ...], inner_chunk_shape: tuple[int, ...]) -> int:
     from ..codecs import numpy_dtype
 
-    inner = math.prod(c // i for c, i in zip(t.chunk_shape, t.inner_chunk_shape))
-    return math.prod(t.chunk_shape) * numpy_dtype(t.dtype).itemsize + inner * 20 + 4
+    inner = math.prod(c // i for c, i in zip(chunk_shape, inner_chunk_shape))
+    return math.prod(chunk_shape) * numpy_dtype(dtype).itemsize + inner * 20 + 4
 
 
 def _pack_bound(meta: Any, every: Collection[str], limits: Mapping[str, int]) -> int:
@@ -81,6 +88,7 @@ def _pack_directory(
     max_directory_bytes: int | None = None,
     check_members: Callable[[list[PackMember]], list[PackMember]] | None = None,
     missing_ok: bool = False,
+    deferred: dict[str, int] | None = None,
 ) -> tuple[list[PackMember], int | None]:
     """The ZIP central directory of the pack ``key`` (its entries, in stored order, duplicates kept) and the
     pack's size, read and checked without ever inflating or allocating more than the directory.
@@ -92,7 +100,10 @@ def _pack_directory(
     (what the directory of the pack's arrays can take) is checked from the end record, before the directory
     is read; it then holds at most one entry per 46 bytes. ``check_members(entries)`` (see
     :func:`check_packs`) checks the entries and returns those tensorstore will read, whose local headers are
-    then checked (:func:`_check_local_headers`).
+    then checked (:func:`_check_local_headers`), or, with ``deferred``, left to the reader: it receives, for
+    each of those members, where the next member's header (or the directory) starts, and the reader checks
+    the local header with :func:`arraycheckpoint.checks.zipdir.check_local_header` on the bytes it reads
+    along with the member's data (one read of each member, not two).
     Local files are read with ``pread``; object stores with ranged reads (the last
     :data:`_PACK_TAIL_BYTES` first, which usually hold the directory, then one small read per local header),
     so a pack is never downloaded whole to be checked.
@@ -117,9 +128,11 @@ def _pack_directory(
         try:
             _check_pack_size(path, size, bound)
             reader = _PackReader(path, lambda ranges: [os.pread(fd, n, o) for o, n in ranges], size)
-            last = min(size, _PACK_TAIL_BYTES)
+            # the end records and a directory within what the pack's arrays take: one read (a larger
+            # directory is refused by its size before it is read)
+            last = min(size, _PACK_TAIL_BYTES, (max_directory_bytes or _PACK_TAIL_BYTES) + _TRAILER_MAX)
             (tail,) = reader.read_many([(size - last, last)])
-            return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members)
+            return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members, deferred)
         finally:
             os.close(fd)
     kv = _kvstore(storage, f"{base}/{PACK_DIR}")
@@ -160,7 +173,7 @@ def _pack_directory(
         return out
 
     reader = _PackReader(path, read_remote, size, tail, whole_when_cheaper=True)
-    return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members)
+    return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members, deferred)
 
 
 class _PackReader:
@@ -211,6 +224,7 @@ def _read_pack(
     reader: _PackReader,
     max_directory_bytes: int | None,
     check_members: Callable[[list[PackMember]], list[PackMember]] | None,
+    deferred: dict[str, int] | None = None,
 ) -> tuple[list[PackMember], int]:
     """:func:`_pack_directory` once the pack's last bytes ``tail`` (and its ``size`` where known) are read."""
     entries, size, cd_offset = _parse_zip_directory(
@@ -218,7 +232,12 @@ def _read_pack(
     )
     reader.size = size
     if check_members is not None:
-        _check_local_headers(path, check_members(entries), entries, cd_offset, reader.read_many)
+        members = check_members(entries)
+        if deferred is None:
+            _check_local_headers(path, members, entries, cd_offset, reader.read_many)
+        elif members:
+            following = next_offsets(entries, cd_offset)
+            deferred.update((e.filename, following[e.header_offset]) for e in members)
     return entries, size
 
 
@@ -230,6 +249,8 @@ def _check_pack_size(path: str, size: int, bound: int) -> None:
         )
 
 
+#: The end records of a ZIP64 archive: the end record, the zip64 locator and the zip64 end record.
+_TRAILER_MAX = 22 + 20 + 56
 #: Bytes of a pack's end read first: the end records and the directory of a pack of a few thousand members.
 _PACK_TAIL_BYTES = 256 << 10
 

@@ -133,8 +133,12 @@ def _chunk_flat(
     """The flat (row-major) index of the chunk key ``filename`` of ``array`` (checked by :func:`_chunk_owner`)."""
     grid = grids[array]
     rest = filename[len(array) + 2 :]
-    parts = [int(p) for p in rest.split(separator)[1:]] if rest else []
-    return int(np.ravel_multi_index(parts, grid)) if grid else 0
+    flat = 0
+    for p, g in zip(
+        rest.split(separator)[1:] if rest else (), grid
+    ):  # row-major, indices checked in the grid
+        flat = flat * g + int(p)
+    return flat
 
 
 def _check_pack_members(

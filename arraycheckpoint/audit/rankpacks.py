@@ -8,6 +8,8 @@ sizes of a rank's packs must be those its save could have produced.
 from __future__ import annotations
 
 import functools
+import math
+from collections import Counter
 from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
 
@@ -33,10 +35,15 @@ def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
         if creator is None:
             continue
         out.setdefault(creator, ([], {}))[0].append(name)
-        if t.writers:
-            ranks, counts = np.unique(np.asarray(t.writers, dtype=np.int64), return_counts=True)
-            for r, n in zip(ranks.tolist(), counts.tolist()):
-                out.setdefault(r, ([], {}))[1][name] = n
+        writers = t.writers
+        if not writers:
+            continue
+        first = writers[0]
+        if writers.count(first) == len(writers):  # one writer (every small array): no counting per rank
+            out.setdefault(first, ([], {}))[1][name] = len(writers)
+            continue
+        for r, n in Counter(writers).items():
+            out.setdefault(r, ([], {}))[1][name] = n
     return out
 
 
@@ -47,6 +54,7 @@ def check_rank_packs(
     names: Collection[str],
     regions: Mapping[str, list[Any] | None] | None = None,
     directories: dict[str, list[Any]] | None = None,
+    deferred: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, int | None]:
     """The packs holding what is read of the format-6 packed arrays ``names`` are sound
     (:mod:`arraycheckpoint.planning.packing`: chunk ``i`` of an array is in a pack of ``writers[i]``, its
@@ -60,7 +68,11 @@ def check_rank_packs(
     chunk it wrote; none twice across its packs), stored uncompressed, bounded, and, for each member read,
     a local header that agrees with the central directory. Every member read must be present.
 
-    ``directories``, when given, receives each checked pack's directory.
+    ``directories``, when given, receives each checked pack's directory. With ``deferred``, the local headers
+    of the members read are not read here: ``deferred[pack key]`` receives ``member -> where the next member
+    (or the directory) starts`` for each of them, and the reader checks each local header on the bytes it
+    reads with the member (:func:`arraycheckpoint.checks.zipdir.check_local_header`, before it uses them):
+    every member is read once.
 
     Returns:
         ``pack key -> size`` of the packs checked.
@@ -70,26 +82,31 @@ def check_rank_packs(
         CorruptCheckpointError: what :func:`check_packs` refuses, for the packs of a format-6 checkpoint.
     """
     from ..format.metadata import chunk_key_separator
-    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key
+    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key, packs_target
 
     if not names:
         return {}
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
-    writers_of = {
-        n: np.asarray(t.writers, dtype=np.int64) for n, t in meta.tensors.items() if t.pack_rank is not None
-    }
     for name in names:
         t = meta.tensors[name]
         needed.setdefault(t.pack_rank, {})[f"{name}/zarr.json"] = (name, -1)
         grid = _chunk_grid(t)
-        writers = writers_of[name]
-        for flat in chunks_wanted(t, None if regions is None else regions.get(name)).tolist():
+        writers = t.writers
+        boxes = None if regions is None else regions.get(name)
+        if len(writers) == 1:  # one chunk (every small array): read unless every region read is empty
+            if boxes is None or any(math.prod(b.lengths) for b in boxes):
+                key = f"{name}/" + separator.join(["c", *("0" * len(grid))])
+                needed.setdefault(writers[0], {})[key] = (name, 0)
+            continue
+        for flat in chunks_wanted(t, boxes).tolist():
             idx = np.unravel_index(flat, grid) if grid else ()
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
-            needed.setdefault(int(writers[flat]), {})[key] = (name, flat)
+            needed.setdefault(writers[flat], {})[key] = (name, flat)
     holds = _rank_members(meta)
+    targets = {packs_target(t.pack) for t in meta.tensors.values() if t.pack_rank is not None}
+    target = targets.pop() if len(targets) == 1 else 0
     out: dict[str, int | None] = {}
     for rank in sorted(needed):
         docs, chunks = holds.get(rank, ([], {}))
@@ -124,7 +141,7 @@ def check_rank_packs(
         )
         # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
         # order up to the first absent one, only when a member read is not there
-        where_of = _predicted_packs(meta, rank, needed[rank], writers_of)
+        where_of = _predicted_packs(meta, rank, needed[rank], docs, chunks, target)
         probe = [(k, False) for k in sorted(set(where_of.values()))] + [(k, True) for k in range(members + 1)]
         opened: set[int] = set()
         for k, probing in probe:
@@ -143,6 +160,7 @@ def check_rank_packs(
                     max_directory_bytes=entries_bound,
                     check_members=functools.partial(check, where=f"{base}/{key}"),
                     missing_ok=True,
+                    deferred=None if deferred is None else deferred.setdefault(key, {}),
                 )
             except CorruptCheckpointError as e:  # name the tensors the pack was read for
                 if str(e).startswith("tensor '"):
@@ -183,40 +201,45 @@ def check_rank_packs(
 
 
 def _predicted_packs(
-    meta: Any, rank: int, reading: Mapping[str, tuple[str, int]], writers_of: Mapping[str, np.ndarray]
+    meta: Any,
+    rank: int,
+    reading: Mapping[str, tuple[str, int]],
+    docs: Collection[str],
+    chunks: Mapping[str, int],
+    target: int,
 ) -> dict[str, int]:
     """Format 6: the index of the pack of ``rank`` holding each member of ``reading`` (``member -> (array,
-    chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.planning.packing.PackFill`);
-    empty when the metadata records no fill target."""
-    from ..planning.packing import DOC_BYTES, PackFill, packs_target
+    chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.planning.packing.PackFill`)
+    from the arrays whose ``zarr.json`` the rank holds (``docs``) and its chunks of each (``chunks``); empty
+    when the metadata records no fill target (``target`` 0: none, or not one for every array)."""
+    from ..planning.packing import DOC_BYTES, PackFill
 
-    names = sorted(writers_of)
-    targets = {packs_target(meta.tensors[n].pack) for n in names}
-    if len(targets) != 1 or 0 in targets:
+    if not target:
         return {}
-    fill = PackFill(targets.pop())
+    fill = PackFill(target)
     by_array: dict[str, list[tuple[str, int]]] = {}
     for member, (name, flat) in reading.items():
         by_array.setdefault(name, []).append((member, flat))
+    created_here = set(docs)
     out: dict[str, int] = {}
-    for name in names:  # by array name: its document (where this rank created it), then its chunks
-        mine = writers_of[name] == rank
-        count = int(np.count_nonzero(mine))
-        size = _packed_chunk_bytes(meta.tensors[name])
-        created = meta.tensors[name].pack_rank == rank
+    for name in sorted(created_here | set(chunks)):  # by name: its document (where created), then its chunks
+        count = chunks.get(name, 0)
+        created = name in created_here
         if created and not count:  # the document alone
-            for member, _flat in by_array.get(name, []):
+            for member, _flat in by_array.get(name, ()):
                 out[member] = fill.where(0, DOC_BYTES)
             fill.add(1, DOC_BYTES)
             continue
-        if not count:
-            continue
+        size = _packed_chunk_bytes(meta.tensors[name])
         first = (
             size + DOC_BYTES if created else size
         )  # the document counted with (and kept by) the first chunk
-        for member, flat in by_array.get(name, []):
-            j = 0 if flat < 0 else int(np.count_nonzero(mine[:flat]))
-            out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)
+        reads = by_array.get(name)
+        if reads:
+            writers = meta.tensors[name].writers
+            for member, flat in reads:
+                j = 0 if flat <= 0 else writers[:flat].count(rank)
+                out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)
         fill.add(1, first)
         fill.add(count - 1, size)
     return out

@@ -111,6 +111,7 @@ def check_chunk_files(
     names: Collection[str] | None,
     directories: dict[str, list[Any]] | None = None,
     regions: Mapping[str, list[Any] | None] | None = None,
+    deferred: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, int | None]:
     """The stored files of the arrays ``names`` (every array if None) match their metadata.
 
@@ -124,7 +125,8 @@ def check_chunk_files(
 
     ``directories`` receives the ZIP directories of the packs checked (:func:`check_packs`,
     :func:`check_rank_packs`); ``regions`` (name -> regions read) limits the format-6 packs checked to those
-    holding chunks that meet them.
+    holding chunks that meet them; ``deferred`` leaves the local headers of the format-6 members read to the
+    reader (:func:`check_rank_packs`).
 
     Returns:
         The inventory (key -> size) of the arrays checked.
@@ -144,7 +146,7 @@ def check_chunk_files(
     selected = [n for n in selected if meta.tensors[n].pack is None]
     items = _array_inventory(storage, root, meta, selected if names is not None else None)
     items.update(check_packs(storage, root, meta, packed, directories))
-    items.update(rankpacks.check_rank_packs(storage, root, meta, by_rank, regions, directories))
+    items.update(rankpacks.check_rank_packs(storage, root, meta, by_rank, regions, directories, deferred))
     chunks: dict[str, list[int | None]] = {}
     for key, size in items.items():
         m = chunk_key.match(key)

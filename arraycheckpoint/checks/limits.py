@@ -72,14 +72,26 @@ def chunk_count(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> int:
 
 
 def check_layouts(meta: Any) -> None:
-    """Every tensor's declared layout passes :func:`check_tensor_layout` (pure: no I/O).
+    """Every tensor's declared layout passes :func:`check_tensor_layout` (pure: no I/O), each distinct layout
+    checked once (the first tensor of a layout that fails is named).
 
     Raises:
         MetadataError: a layout no valid checkpoint has.
     """
+    checked: set[tuple[Any, ...]] = set()  # each distinct layout once (many tensors share one)
     for name, t in meta.tensors.items():
+        layout = (
+            tuple(t.shape),
+            t.dtype,
+            tuple(t.chunk_shape),
+            tuple(t.inner_chunk_shape),
+            t.pack is not None,
+        )
+        if layout in checked:
+            continue
         check_tensor_layout(name, t.shape, t.dtype, t.chunk_shape, t.inner_chunk_shape)
         chunks = chunk_count(t.shape, t.chunk_shape)
+        checked.add(layout)
         if t.pack is not None and chunks > MAX_PACKED_CHUNKS:
             raise MetadataError(
                 f"tensor {name!r}: packed in {t.pack} as {chunks} chunks of {list(t.chunk_shape)} (shape "

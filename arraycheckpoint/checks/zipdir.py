@@ -248,51 +248,70 @@ def _check_local_headers(
 
     if not members:
         return
-    offsets = sorted({e.header_offset for e in entries} | {cd_offset})
-    following = {o: offsets[i + 1] for i, o in enumerate(offsets[:-1])}
+    following = next_offsets(entries, cd_offset)
     ranges = []
     for e in members:
         room = following[e.header_offset] - e.header_offset - _LOCAL.size - len(e.raw_name) - e.compress_size
         ranges.append((e.header_offset, _LOCAL.size + len(e.raw_name) + min(room, 64)))
     heads = read_many(ranges)
     for e, head in zip(members, heads):
-        what = f"the local header of member {e.filename!r}"
-        array = e.filename.rpartition("/")[0]  # the members checked are an array's zarr.json and chunks
+        check_local_header(path, e, head, following[e.header_offset], read_many)
 
-        def bad(why: str, array: str = array) -> CorruptCheckpointError:
-            return CorruptCheckpointError(
-                f"tensor {array!r}: {path}: {why}; the pack is damaged or hostile (nothing was inflated)"
-            )
 
-        if len(head) < _LOCAL.size:
-            raise bad(f"{what} is cut short")
-        sig, _need, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len = _LOCAL.unpack_from(
-            head
+def next_offsets(entries: list[PackMember], cd_offset: int) -> dict[int, int]:
+    """``header offset -> where the next member's header (or the central directory) starts`` of a pack's
+    ``entries`` (what :func:`check_local_header` bounds a member's data by)."""
+    offsets = sorted({e.header_offset for e in entries} | {cd_offset})
+    return {o: offsets[i + 1] for i, o in enumerate(offsets[:-1])}
+
+
+def check_local_header(
+    path: str,
+    e: PackMember,
+    head: bytes,
+    following: int,
+    read_many: Callable[[list[tuple[int, int]]], list[bytes]],
+) -> int:
+    """The local header ``head`` (its first bytes at least: signature to name) of the member ``e`` of the
+    pack ``path`` says what the central directory says (see :func:`_check_local_headers`; ``following``: where
+    the next member's header or the directory starts); ``read_many`` fetches the header whole when its extra
+    field lies beyond ``head``. Returns the header's length (where the member's data starts)."""
+    what = f"the local header of member {e.filename!r}"
+    array = e.filename.rpartition("/")[0]  # the members checked are an array's zarr.json and chunks
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"tensor {array!r}: {path}: {why}; the pack is damaged or hostile (nothing was inflated)"
         )
-        if sig != _LOCAL_SIG:
-            raise bad(f"{what} is missing (no local header signature at offset {e.header_offset})")
-        if flags & ~_ALLOWED_FLAGS:
-            raise bad(f"{what} declares encryption or a data descriptor (flags {flags:#x})")
-        if method != 0:
-            raise bad(
-                f"{what} declares compression method {method} where the central directory says stored (0)"
-            )
-        end = _LOCAL.size + name_len + extra_len
-        if end > len(head):
-            room = following[e.header_offset] - e.header_offset - e.compress_size
-            if end > room:
-                raise bad(f"{what} runs into the next member")
-            (head,) = read_many([(e.header_offset, end)])
-            if len(head) < end:
-                raise bad(f"{what} is cut short")
-        if bytes(head[_LOCAL.size : _LOCAL.size + name_len]) != e.raw_name:
-            raise bad(f"{what} names another member")
+
+    if len(head) < _LOCAL.size:
+        raise bad(f"{what} is cut short")
+    sig, _need, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len = _LOCAL.unpack_from(
+        head
+    )
+    if sig != _LOCAL_SIG:
+        raise bad(f"{what} is missing (no local header signature at offset {e.header_offset})")
+    if flags & ~_ALLOWED_FLAGS:
+        raise bad(f"{what} declares encryption or a data descriptor (flags {flags:#x})")
+    if method != 0:
+        raise bad(f"{what} declares compression method {method} where the central directory says stored (0)")
+    end = _LOCAL.size + name_len + extra_len
+    if end > len(head):
+        room = following - e.header_offset - e.compress_size
+        if end > room:
+            raise bad(f"{what} runs into the next member")
+        (head,) = read_many([(e.header_offset, end)])
+        if len(head) < end:
+            raise bad(f"{what} is cut short")
+    if bytes(head[_LOCAL.size : _LOCAL.size + name_len]) != e.raw_name:
+        raise bad(f"{what} names another member")
+    if extra_len or _U32 in (csize, usize):
         extra = bytes(head[_LOCAL.size + name_len : end])
-        usize, csize, _ = _zip64_fields(extra, usize, csize, None, lambda w, what=what: bad(f"{what}: {w}"))
-        if csize != e.file_size or usize != e.file_size:
-            raise bad(
-                f"{what} declares {csize} stored and {usize} decoded bytes, the central directory "
-                f"{e.file_size}"
-            )
-        if e.header_offset + end + e.file_size > following[e.header_offset]:
-            raise bad(f"the data of member {e.filename!r} runs into the next member")
+        usize, csize, _ = _zip64_fields(extra, usize, csize, None, lambda w: bad(f"{what}: {w}"))
+    if csize != e.file_size or usize != e.file_size:
+        raise bad(
+            f"{what} declares {csize} stored and {usize} decoded bytes, the central directory {e.file_size}"
+        )
+    if e.header_offset + end + e.file_size > following:
+        raise bad(f"the data of member {e.filename!r} runs into the next member")
+    return end

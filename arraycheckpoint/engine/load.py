@@ -239,8 +239,10 @@ class LoadPipeline:
             # refused by check_chunk_files above)
             # the stored files of what this rank reads, and only those (see check_chunk_files)
             directories: dict[str, list[Any]] = {}  # the packs' ZIP directories, parsed once by the checks
+            # format-6 members: their local headers are checked by packread on the bytes it reads with them
+            deferred: dict[str, dict[str, int]] = {}
             scan.check_chunk_files(
-                storage, root, meta, [t.name for t in targets if t.shards], directories, wanted
+                storage, root, meta, [t.name for t in targets if t.shards], directories, wanted, deferred
             )
             # format-6 packed arrays: decoded by packread (whose zarr.json it checks), never by tensorstore
             by_rank = {t.name for t in targets if t.shards and meta.tensors[t.name].pack_rank is not None}
@@ -255,7 +257,7 @@ class LoadPipeline:
             # hardware crc32c only; the rest (and any format-5 member not in the layout a save writes) through
             # tensorstore
             packed = (
-                packread.PackedReader(root, meta, storage, directories)
+                packread.PackedReader(root, meta, storage, directories, deferred)
                 if by_rank or (isinstance(storage, LocalStorage) and packread.fast_path_available())
                 else None
             )

@@ -49,10 +49,16 @@ class PackFile:
     """One pack opened for reading: members by name, read with ``pread`` (local file, never through a link)
     or ranged reads (``kvstore``: an object store's key-value store of the pack directory)."""
 
-    def __init__(self, root: str, key: str, members: dict[str, Any], kvstore: Any = None) -> None:
+    def __init__(
+        self, root: str, key: str, members: dict[str, Any], kvstore: Any = None, unchecked: Any = None
+    ) -> None:
         self.path = f"{root.rstrip('/')}/{key}"
         self.key = key
         self._members = members
+        #: member -> where the next member's header starts: members whose local header the load's checks left
+        #: to this reader (checked on the bytes read with the member, before they are used)
+        self._unchecked: dict[str, int] = unchecked or {}
+        self._docs: tuple[int, bytes] | None = None  # the docs this load reads, one read: (offset, bytes)
         self._kv = kvstore
         self._leaf = key.rpartition("/")[2]
         self._fd = -1
@@ -78,6 +84,51 @@ class PackFile:
         got = os.preadv(self._fd, [buf], offset)
         return buf[:got]
 
+    def _read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        return [self._read(o, n, None).tobytes() for o, n in ranges]
+
+    def _lead_check(self, name: str, info: Any) -> Callable[[bytes], int | None]:
+        """The check of member ``name``'s local header bytes (up to its name's end): how far past the name its
+        data starts, or None when it is not a stored member of that name. A member the load's checks left to
+        this reader gets every check of :func:`arraycheckpoint.checks.zipdir.check_local_header` (which raises)."""
+        following = self._unchecked.get(name)
+        if following is None:
+            return _header_check(name)
+        from ..checks.zipdir import check_local_header
+
+        head = _LOCAL.size + len(info.raw_name)
+        return lambda raw: check_local_header(self.path, info, raw, following, self._read_many) - head
+
+    def doc(self, name: str) -> bytes | None:
+        """The stored bytes of the ``zarr.json`` member ``name`` (:meth:`member`). The documents a load reads
+        lie together at the start of a pack (a save writes them first): the first call reads all those this
+        load's checks left to this reader with one read when they span at most :data:`_MAX_DOCS_SPAN` bytes
+        (one ``pread`` or ranged read per pack, not one per array), each then checked as it is asked for."""
+        info = self._members.get(name)
+        if info is None:
+            return None
+        if self._docs is None:
+            self._docs = (0, b"")
+            ends = [
+                (self._members[m].header_offset, end)
+                for m, end in self._unchecked.items()
+                if m.endswith(_DOC)
+            ]
+            if len(ends) > 1:
+                lo, hi = min(o for o, _ in ends), max(e for _, e in ends)
+                if hi - lo <= _MAX_DOCS_SPAN:
+                    self._docs = (lo, self._read(lo, hi - lo, None).tobytes())
+        lo, held = self._docs
+        head = _LOCAL.size + len(info.raw_name)
+        at = info.header_offset - lo
+        if name not in self._unchecked or not held or at < 0 or at + head > len(held):
+            return self.member(name)
+        shift = self._lead_check(name, info)(held[at : at + head])
+        if shift is None:
+            return None
+        data = held[at + head + shift : at + head + shift + info.file_size]
+        return data if len(data) == info.file_size else self.member(name)
+
     def member_view(self, name: str, staging: np.ndarray | None = None) -> np.ndarray | None:
         """The stored bytes of member ``name`` (a view of ``staging`` when it is large enough), or None when
         its local header is not what a save writes."""
@@ -88,7 +139,7 @@ class PackFile:
         got = self._read(info.header_offset, head + info.file_size, staging)
         if len(got) < head:
             return None
-        shift = _header_check(name)(got[:head].tobytes())
+        shift = self._lead_check(name, info)(got[:head].tobytes())
         if shift is None:
             return None
         if shift:  # a zip64 extra field: the data starts after it
@@ -133,7 +184,7 @@ class PackFile:
             dests,
             staging,
             damaged,
-            (head, _header_check(name)),
+            (head, self._lead_check(name, info)),
         )
 
 
@@ -179,12 +230,21 @@ class PackedReader:
     """Packed arrays of one load, read chunk by chunk from their packs (each opened once) into the regions'
     destinations."""
 
-    def __init__(self, root: str, meta: Any, storage: Any, directories: dict[str, list[Any]]) -> None:
+    def __init__(
+        self,
+        root: str,
+        meta: Any,
+        storage: Any,
+        directories: dict[str, list[Any]],
+        unchecked: dict[str, dict[str, int]] | None = None,
+    ) -> None:
         from ..format.metadata import chunk_key_separator
         from ..storage.local import LocalStorage
 
         self._root, self._meta, self._storage = root, meta, storage
         self._directories = directories  # what the load's checks parsed (audit.packs.check_packs and friends)
+        # pack -> member -> next header offset: local headers the checks left to this reader (read once)
+        self._unchecked = unchecked or {}
         self._sep = chunk_key_separator(meta.format_version)
         self._packs: dict[str, PackFile] = {}
         self._where: dict[str, str] = {}  # member -> pack key (format 6, from the directories)
@@ -216,7 +276,9 @@ class PackedReader:
 
                     self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
                 kv = self._kv
-            pack = self._packs[key] = PackFile(self._root, key, {e.filename: e for e in entries}, kv)
+            pack = self._packs[key] = PackFile(
+                self._root, key, {e.filename: e for e in entries}, kv, self._unchecked.get(key)
+            )
         return pack
 
     def _pack_of(self, tm: Any, v6: bool, member: str) -> PackFile:
@@ -243,10 +305,10 @@ class PackedReader:
         if v6:
             doc = f"{tm.name}/zarr.json"
             pack = self._pack_of(tm, v6, doc)
-            raw = pack.member_view(doc, self._staging.get(_LOCAL.size + len(doc.encode()) + _MAX_DOC_READ))
+            raw = pack.doc(doc)
             if raw is None:
                 raise _corrupt(tm, pack, doc, "its local header is not as a save writes it")
-            self._docs.check(tm, raw.tobytes(), pack.path)
+            self._docs.check(tm, raw, pack.path)
         dests: list[chunkread.Dest] = []
         for shard in t.shards:
             if shard.target is not None and shard.target.dtype == lay.dtype:
@@ -288,9 +350,10 @@ class PackedReader:
         self._packs.clear()
 
 
-#: bytes of a packed ``zarr.json`` read with its local header in one go (one a save writes is about 1 KiB;
-#: a larger member is read whole all the same, its size bounded by the load's checks)
-_MAX_DOC_READ = 4 << 10
+#: the most bytes of a pack read at once for the ``zarr.json`` documents a load reads from it (a save writes
+#: them together, about 700 bytes each: 4 MiB hold about 6,000)
+_MAX_DOCS_SPAN = 4 << 20
+_DOC = "/zarr.json"
 
 
 def _chunks_met(dests: list[chunkread.Dest], chunk_shape: Any) -> list[tuple[int, ...]]:

@@ -237,8 +237,24 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
+def _ints(value: Any, minimum: int, limit: int) -> tuple[int, ...] | None:
+    """:func:`_int_list` of a valid value (the common case, without building its error text), else None."""
+    if type(value) is list and len(value) <= limit:
+        for v in value:
+            if type(v) is not int or v < minimum or v > MAX_ELEMENTS:
+                return None
+        return tuple(value)
+    return None
+
+
 def _int_list(value: Any, where: str, minimum: int = 0, limit: int = MAX_NDIM) -> tuple[int, ...]:
     """A list of at most ``limit`` integers (dimensions by default; chunk counts for writer lists)."""
+    if type(value) is list and len(value) <= limit:  # the common case, checked without a call per item
+        for v in value:
+            if type(v) is not int or v < minimum or v > MAX_ELEMENTS:
+                break
+        else:
+            return tuple(value)
     if not isinstance(value, list) or len(value) > limit:
         raise MetadataError(f"metadata: {where} must be a list of at most {limit} integers")
     out = []
@@ -250,7 +266,6 @@ def _int_list(value: Any, where: str, minimum: int = 0, limit: int = MAX_NDIM) -
 
 
 def _parse(doc: Any) -> CheckpointMetadata:
-    from ..codecs import SUPPORTED_DTYPES
 
     if not isinstance(doc, dict):
         raise MetadataError("metadata: top level must be a JSON object")
@@ -265,47 +280,9 @@ def _parse(doc: Any) -> CheckpointMetadata:
         raise MetadataError(f"metadata: world_size {world_size} must be >= 1")
     groups = _parse_groups(doc.get("layout_groups", []), world_size) if version >= 2 else ()
     tensors: dict[str, TensorMeta] = {}
+    memo = _TensorMemo()
     for name, t in _req(doc, "tensors", dict, "metadata").items():
-        check_name(name)
-        where = f"tensors[{name!r}]"
-        shape = _int_list(_req(t, "shape", list, where), f"{where}.shape")
-        if math.prod(shape) > MAX_ELEMENTS:
-            raise MetadataError(f"metadata: {where} has an absurd shape {shape}")
-        dtype = _req(t, "dtype", str, where)
-        if dtype not in SUPPORTED_DTYPES:
-            raise MetadataError(f"metadata: {where} has unsupported dtype {dtype!r}")
-        chunk = _int_list(_req(t, "chunk_shape", list, where), f"{where}.chunk_shape", minimum=1)
-        inner = _int_list(_req(t, "inner_chunk_shape", list, where), f"{where}.inner_chunk_shape", minimum=1)
-        if len(chunk) != len(shape) or len(inner) != len(shape) or any(c % i for c, i in zip(chunk, inner)):
-            raise MetadataError(
-                f"metadata: {where} has an inconsistent chunk grid {chunk} / {inner} for {shape}"
-            )
-        compression = t.get("compression")
-        if compression not in (None, "zstd"):
-            raise MetadataError(f"metadata: {where} has unknown compression {compression!r}")
-        nchunks = math.prod(-(-n // c) for n, c in zip(shape, chunk)) if shape else 1
-        writers = _int_list(t.get("writers", []), f"{where}.writers", limit=nchunks)
-        if writers and (len(writers) != nchunks or max(writers) >= world_size):
-            raise MetadataError(
-                f"metadata: {where}.writers lists {len(writers)} writers for {nchunks} chunks, or a rank "
-                f"outside the world of {world_size}"
-            )
-        if version == 1:
-            shards = _parse_shards(t, where, shape, world_size)
-            regions: tuple[tuple[int, Any], ...] = ()
-        else:
-            regions = _parse_regions(_req(t, "regions", list, where), where, shape, groups)
-            shards = LazyShards(name, shape, regions, groups)
-        rank_rows = t.get("rank_rows", False)
-        if rank_rows is not False and (rank_rows is not True or not shape or shape[0] != world_size):
-            raise MetadataError(
-                f"metadata: {where}.rank_rows must be true or absent, and a stacked per-rank array's leading "
-                f"dimension must be the world size {world_size} (shape {list(shape)})"
-            )
-        pack = _parse_pack(t.get("pack"), where, version, world_size, compression, shape, chunk, writers)
-        tensors[name] = TensorMeta(
-            name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows, pack
-        )
+        tensors[name] = _parse_tensor(name, t, version, world_size, groups, memo)
     check_name_tree(tensors)  # an array inside an array never loads (a save refuses it too)
     objects = {
         name: _parse_object(name, o, version, tensors, world_size)
@@ -330,6 +307,91 @@ def _parse(doc: Any) -> CheckpointMetadata:
         format_version=version,
         codec_preset=doc.get("codec_preset") if isinstance(doc.get("codec_preset"), int) else 0,
         layout_groups=tuple(doc.get("layout_groups", [])) if version >= 2 else (),
+    )
+
+
+class _TensorMemo:
+    """What :func:`_parse_tensor` checked once per distinct value, not once per tensor: layouts (shape, dtype,
+    chunks, compression: their chunk count), regions per shape and pack entries. Keys are validated tuples of
+    exact ints and strings, or the ``repr`` of raw JSON (which tells ``1`` from ``True`` and ``1.0``)."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[tuple[Any, ...], int] = {}
+        self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
+        self.packs: set[tuple[Any, ...]] = set()
+
+
+def _parse_tensor(
+    name: str, t: Any, version: int, world_size: int, groups: tuple[Any, ...], memo: _TensorMemo
+) -> TensorMeta:
+    """One entry of ``tensors``, validated field by field (what was checked for an equal value is not checked
+    again: ``memo``)."""
+    check_name(name)
+    where = f"tensors[{name!r}]"
+    get = t.get if type(t) is dict else None
+    shape = _ints(get("shape") if get else None, 0, MAX_NDIM)
+    if shape is None:
+        shape = _int_list(_req(t, "shape", list, where), f"{where}.shape")
+    dtype = get("dtype") if get else None
+    if type(dtype) is not str:
+        dtype = _req(t, "dtype", str, where)
+    chunk = _ints(get("chunk_shape") if get else None, 1, MAX_NDIM)
+    if chunk is None:
+        chunk = _int_list(_req(t, "chunk_shape", list, where), f"{where}.chunk_shape", minimum=1)
+    inner = _ints(get("inner_chunk_shape") if get else None, 1, MAX_NDIM)
+    if inner is None:
+        inner = _int_list(_req(t, "inner_chunk_shape", list, where), f"{where}.inner_chunk_shape", minimum=1)
+    compression = t.get("compression")
+    layout = (shape, dtype, chunk, inner, repr(compression))  # repr: None is not 'None'
+    nchunks = memo.layouts.get(layout)
+    if nchunks is None:
+        from ..codecs import SUPPORTED_DTYPES
+
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise MetadataError(f"metadata: {where} has an absurd shape {shape}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise MetadataError(f"metadata: {where} has unsupported dtype {dtype!r}")
+        if len(chunk) != len(shape) or len(inner) != len(shape) or any(c % i for c, i in zip(chunk, inner)):
+            raise MetadataError(
+                f"metadata: {where} has an inconsistent chunk grid {chunk} / {inner} for {shape}"
+            )
+        if compression not in (None, "zstd"):
+            raise MetadataError(f"metadata: {where} has unknown compression {compression!r}")
+        nchunks = memo.layouts[layout] = math.prod(-(-n // c) for n, c in zip(shape, chunk)) if shape else 1
+    raw = t.get("writers", [])
+    writers = _ints(raw, 0, nchunks)
+    if writers is None:
+        writers = _int_list(raw, f"{where}.writers", limit=nchunks)
+    if writers and (len(writers) != nchunks or max(writers) >= world_size):
+        raise MetadataError(
+            f"metadata: {where}.writers lists {len(writers)} writers for {nchunks} chunks, or a rank "
+            f"outside the world of {world_size}"
+        )
+    if version == 1:
+        shards = _parse_shards(t, where, shape, world_size)
+        regions: tuple[tuple[int, Any], ...] = ()
+    else:
+        raw = _req(t, "regions", list, where)
+        key = (shape, repr(raw))
+        cached = memo.regions.get(key)
+        regions = cached if cached is not None else _parse_regions(raw, where, shape, groups)
+        if cached is None:
+            memo.regions[key] = regions
+        shards = LazyShards(name, shape, regions, groups)
+    rank_rows = t.get("rank_rows", False)
+    if rank_rows is not False and (rank_rows is not True or not shape or shape[0] != world_size):
+        raise MetadataError(
+            f"metadata: {where}.rank_rows must be true or absent, and a stacked per-rank array's leading "
+            f"dimension must be the world size {world_size} (shape {list(shape)})"
+        )
+    pack = t.get("pack")
+    if pack is not None:
+        key = (pack if isinstance(pack, str) else repr(pack), layout, len(writers))
+        if key not in memo.packs:
+            _parse_pack(pack, where, version, world_size, compression, shape, chunk, writers)
+            memo.packs.add(key)
+    return TensorMeta(
+        name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows, pack
     )
 
 
