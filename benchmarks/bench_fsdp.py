@@ -3,8 +3,9 @@
 The model is a stack of ``Linear(hidden, hidden)`` layers (~50M float32 parameters by default: ~600 MiB with
 Adam's ``exp_avg`` and ``exp_avg_sq``), each layer and the root wrapped with ``fully_shard`` over a CPU
 DeviceMesh, on ``--world`` gloo ranks spawned with ``torch.multiprocessing``; one optimizer step runs first so
-Adam state exists. Every round runs every method once, in an order rotated each round (interleaved, so a burst
-of load on a shared machine lands on all of them), and each time is the slowest rank's after a barrier:
+Adam state exists. Every round runs every method once, in the order of one row of a Williams design
+(interleaved, so a burst of load on a shared machine lands on all of them, and over as many rounds as methods
+each method follows each other one once), and each time is the slowest rank's after a barrier:
 
 * save: ``acp.save(path, {"model": model, "optimizer": opt})``; ``get_state_dict`` + ``dcp.save`` (DCP's
   ``FileSystemWriter``); ``bytecheckpoint.save(path, {"model": model, "optimizer": opt}, framework="fsdp2")``;
@@ -332,9 +333,26 @@ RESHARDED = ("acp", "dcp", "bcp")
 
 
 def rotated(names: list[str], rnd: int) -> list[str]:
-    """``names`` rotated by ``rnd`` places: each round starts with a different method."""
-    k = rnd % len(names) if names else 0
-    return names[k:] + names[:k]
+    """The order of round ``rnd``: row ``rnd`` of a Williams design over ``names``.
+
+    Over ``len(names)`` consecutive rounds every method takes every position once and, for an even count,
+    directly follows every other method once (a plain rotation always put the same method after the same
+    other one: whatever one save leaves to the next, page cache to reclaim or device write-back in flight,
+    landed on one method only). For an odd count, the order is reversed every other ``len(names)`` rounds.
+    """
+    n = len(names)
+    if n < 2:
+        return list(names)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        if len(first) % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    order = [names[(j + rnd) % n] for j in first]
+    return order[::-1] if n % 2 and (rnd // n) % 2 else order
 
 
 # ---------------------------------------------------------------------------------------------- ByteCheckpoint probe
@@ -571,7 +589,7 @@ def report(
     disk = ", ".join(f"{METHODS[m][0]} {b / MiB:.0f} MiB in {n} files" for m, (b, n) in files.items())
     return (
         f"FSDP2 model + Adam state: {nbytes / MiB:.0f} MiB over {world} ranks; {repeats} interleaved rounds "
-        f"(every method once per round, order rotated) after a warm-up round; slowest rank; saves timed until "
+        f"(every method once per round, orders from a Williams design) after a warm-up round; slowest rank; saves timed until "
         f"os.sync() returns. On disk: {disk}.\n\n{table}\n\n"
         f"Paired medians (median over rounds of anchor time / our time in the same round; > 1: faster):\n\n"
         f"{ptable}\n\nTargets:\n" + "\n".join(checks)
