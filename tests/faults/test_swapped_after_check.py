@@ -128,3 +128,24 @@ def test_pack_swapped_after_the_checks(tmp_path, monkeypatch, kind) -> None:
     if kind in ("fifo", "symlink", "directory", "packs_link"):
         assert isinstance(err, CorruptCheckpointError), repr(err)
     assert ".acp/packs" in str(err) and "extra_state/w" in str(err), err
+
+
+def test_object_store_pack_cut_after_the_checks(monkeypatch) -> None:
+    """On an object store a member's ranged read past the pack's end was tensorstore's raw ``OUT_OF_RANGE``
+    ``ValueError``; it is damage naming the tensor, the member and the pack."""
+    from arraycheckpoint.storage import storage_for
+
+    url = "memory://swapped-after-check/ck"
+    acp.save(url, {"extra_state": _state()}, plan_options=PACKED)
+    storage, root = storage_for(url)
+    keys = [k for k in storage.list(root) if k.startswith(".acp/packs/")]
+
+    def cut() -> None:
+        for key in keys:
+            raw = storage.read(root, key)
+            storage.write(root, key, raw[: len(raw) // 2])
+
+    _swap_after_check(monkeypatch, cut)
+    with pytest.raises(CorruptCheckpointError) as info:
+        acp.load(url, {"extra_state": {"w": np.zeros((48, 40), np.float32)}})
+    assert "extra_state/w" in str(info.value) and ".acp/packs/" in str(info.value), info.value
