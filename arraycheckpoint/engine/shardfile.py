@@ -281,7 +281,12 @@ class FileWriter:
         self._writeback.shutdown(wait=True)  # every file closed before the caller's flush
         if self._failure is not None:
             path, e = self._failure
-            raise StorageError(f"writing {path} failed when the file was closed: {e}") from e
+            failing = sys.exc_info()[1]
+            why = f"writing {path} failed when the file was closed: {e}"
+            if failing is not None:  # called while the save's own error propagates: keep it, with a note
+                failing.add_note(why)
+                return
+            raise StorageError(why) from e
 
     def _write_files(self, files: list[tuple[str, list[Buffer]]]) -> None:
         for key, parts in files:

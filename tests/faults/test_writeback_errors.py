@@ -86,3 +86,17 @@ def test_dcp_writer_fails_on_a_failed_close(tmp_path, monkeypatch) -> None:
     text = str(info.value) + repr(getattr(info.value, "failures", ""))  # DCP wraps the rank's error
     assert "Input/output error" in text and "w/c.0" in text, text
     assert not (tmp_path / "ck").exists()  # nothing committed
+
+
+def test_a_failed_close_does_not_mask_the_saves_own_error(tmp_path, monkeypatch) -> None:
+    _failing_close(monkeypatch, fail_on=[1])
+    w = shardfile.FileWriter(str(tmp_path / "d"), threads=2)
+    fut = w.write("a/c.0", [np.zeros(2 << 20, np.uint8)])
+    w.flush()
+    fut.result()
+    with pytest.raises(KeyError) as info:
+        try:
+            raise KeyError("the save's own error")
+        finally:
+            w.close()
+    assert any("a/c.0" in n and "Input/output error" in n for n in info.value.__notes__)
