@@ -106,3 +106,13 @@ def test_a_failed_write_leaves_no_file_and_no_descriptor(tmp_path: Path, monkeyp
     assert len(os.listdir("/proc/self/fd")) == before
     packfile.write_zip_file(str(path), _members())  # the same path can be written again
     assert path.read_bytes() == _reference(_members())
+
+
+@pytest.mark.timeout(60)
+def test_a_writev_that_writes_nothing_is_an_error_not_a_loop(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: 0)
+    with pytest.raises(OSError, match="wrote nothing"):
+        packfile.write_zip_file(str(tmp_path / "0.0.zip"), _members())
+    with pytest.raises(OSError, match="wrote nothing"):
+        shardfile._write_file(str(tmp_path / "c.0"), [b"abc"])
+    assert not (tmp_path / "0.0.zip").exists()

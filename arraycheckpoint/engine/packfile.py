@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import io
 import json
 import os
@@ -252,7 +253,9 @@ class _VectorWriter:
         views, self._batch, self._bytes = self._batch, [], 0
         i = 0
         while i < len(views):
-            n = os.writev(self._fd, views[i:])
+            n = os.writev(self._fd, views[i : i + _IOV_BATCH])
+            if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
+                raise OSError(errno.EIO, "writev(2) wrote nothing")
             while i < len(views) and n >= views[i].nbytes:
                 n -= views[i].nbytes
                 i += 1

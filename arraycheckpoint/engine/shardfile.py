@@ -19,6 +19,7 @@ tensorstore (or zarr-python), which verify both checksums, so a file this module
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -380,6 +381,8 @@ def _write_file(path: str, parts: list[Buffer], release: Any = None) -> None:
     try:
         while views:
             n = os.writev(fd, views[:_IOV_MAX])
+            if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
+                raise OSError(errno.EIO, f"writev(2) wrote nothing to {path}")
             while views and n >= views[0].nbytes:
                 n -= views[0].nbytes
                 views.pop(0)
