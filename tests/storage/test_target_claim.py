@@ -109,3 +109,52 @@ def test_a_checkpoint_committed_between_check_and_claim_is_not_written_into(monk
 )
 def test_checkpoint_keys(key: str, ours: bool) -> None:
     assert is_checkpoint_key(key) is ours
+
+
+def test_fsspec_lock_is_exclusive_when_two_saves_look_at_once(tmp_path, monkeypatch) -> None:
+    """Both saves look before either writes: one lock, one holder (a look-then-write let both hold it)."""
+    import threading
+
+    from arraycheckpoint.storage.fsspec_store import FsspecStorage
+
+    url = f"local://{tmp_path}/ck"
+    barrier = threading.Barrier(2, timeout=10)
+    real_exists = FsspecStorage.exists
+
+    def exists(self, root, key):
+        got = real_exists(self, root, key)
+        if key == LOCK_KEY:
+            barrier.wait()
+        return got
+
+    a_done = threading.Event()
+    real_write = FsspecStorage.write
+
+    def write(self, root, key, data):  # the second save's lock write lands after the first holds the lock
+        if key == LOCK_KEY and b'"b"' in data:
+            a_done.wait(10)
+        return real_write(self, root, key, data)
+
+    monkeypatch.setattr(FsspecStorage, "exists", exists)
+    monkeypatch.setattr(FsspecStorage, "write", write)
+    results: dict[str, object] = {}
+
+    def claim(token: str) -> None:
+        storage, root = storage_for(url)
+        try:
+            storage.acquire(root, token)
+            results[token] = "held"
+            if token == "a":
+                a_done.set()
+        except CheckpointExistsError as e:
+            results[token] = e
+            a_done.set()
+        except threading.BrokenBarrierError:  # the other never looked: an exclusive create needs no look
+            results[token] = "held"
+
+    threads = [threading.Thread(target=claim, args=(t,)) for t in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(str(v) == "held" for v in results.values()) == [False, True], results
