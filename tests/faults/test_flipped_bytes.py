@@ -91,3 +91,58 @@ def test_load_every_flipped_byte_of_a_pack(tmp_path) -> None:
     print(f"{name}: {len(raw)} bytes, {found} flips found, {silent} changed nothing read")
     assert found > silent  # nearly every byte matters
     shutil.rmtree(ck)
+
+
+def _with_index(raw: bytes, edit) -> bytes:
+    """``raw`` with its shard index edited by ``edit(entries)`` and a matching crc32c (a forger's index)."""
+    import struct
+
+    n = 2
+    table = 16 * n + 4
+    entries = list(struct.unpack(f"<{2 * n}Q", raw[-table:-4]))
+    edit(entries)
+    index = struct.pack(f"<{2 * n}Q", *entries)
+    return raw[:-table] + index + shardfile.crc32c(index).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda e: e.__setitem__(2, e[0]),  # both inner chunks at the same bytes (overlapping)
+        lambda e: e.__setitem__(2, 2**64 - 8),  # far past the file (no wrap-around)
+        lambda e: e.__setitem__(3, 2**64 - 1),  # a huge size
+        lambda e: e.__setitem__(2, e[2] + 40),  # into the index itself
+        lambda e: e.__setitem__(1, 0),  # an empty inner chunk
+        lambda e: e.__setitem__(0, 2**63),  # "missing" is not what a save writes either
+    ],
+)
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_read_shard_forged_index(tmp_path, where, edit) -> None:
+    """A shard index with a valid crc32c but entries out of range, overlapping or huge: read as it says only
+    when every inner chunk read lies inside the file at its exact size and passes its own crc32c (the values
+    are then those bytes, as zarr reads them); else not decoded (None) or damage, never a read or write out
+    of bounds."""
+    raw = _with_index(b"".join(bytes(p) for p in shardfile.encode(VALUE, _T.inner_chunk_shape)), edit)
+    lay = chunkread.ShardLayout(_T)
+    blob = b"h" * 9 + raw + b"t" * 64
+    if where == "memory":
+        src: int | np.ndarray = np.frombuffer(blob, np.uint8)
+    else:
+        (tmp_path / "f").write_bytes(blob)
+        src = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        for regions in REGIONS:
+            dests = [(box, np.full(box.lengths, -7, np.float32)) for box, _ in regions]
+            try:
+                got = chunkread.read_shard(
+                    src, 9, len(raw), lay, (4, 0), dests, chunkread.Staging(), CorruptCheckpointError
+                )
+            except CorruptCheckpointError:
+                continue
+            if got is None:
+                continue
+            for box, out in dests:  # decoded: each value is one of the stored inner chunks' values
+                assert np.isin(out, VALUE).all(), box
+    finally:
+        if isinstance(src, int):
+            os.close(src)
