@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -36,12 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from ..checks.files import open_regular
 from ..codecs import CODEC_PRESET, numpy_dtype
 from ..errors import CorruptCheckpointError
 from ..planning.regions import Box, intersect
 from . import shardfile
 
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 #: buffers of one ``preadv`` (Linux's IOV_MAX)
 _MAX_IOV = 1024
 #: staged bytes of one read (each reader thread's staging buffer holds at most this, or one inner chunk)
@@ -376,20 +375,20 @@ class ChunkReader:
         lay = lay or ShardLayout(tm)
         key = self._sep.join(["c", *map(str, index)])
         path = f"{self._root}/{tm.name}/{key}"
+        # opened below the root one component at a time, never through a link, non-blocking, and refused
+        # unless a regular file: the file checks ran before, but the file may have been swapped since (a
+        # FIFO opened blocking hung the reader; a link handed to tensorstore was followed)
+        opened = open_regular(self._root, f"{tm.name}/{key}", what=f"tensor {tm.name!r}: ")
+        if opened is None:
+            return False  # tensorstore reports a missing file in its own words
+        fd, size = opened
         try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except OSError:
-            return False  # tensorstore reports a missing or unreadable file in its own words
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return False
             staging = getattr(self._local, "staging", None)
             if staging is None:
                 staging = self._local.staging = Staging()
             origin = tuple(i * c for i, c in zip(index, lay.chunk))
             got = read_shard(
-                fd, 0, st.st_size, lay, origin, [(box, out)], staging, lambda why: _corrupt(tm, path, why)
+                fd, 0, size, lay, origin, [(box, out)], staging, lambda why: _corrupt(tm, path, why)
             )
             if got is None:
                 return False

@@ -10,8 +10,10 @@ zipfile itself. Fixed timestamps make a pack's bytes a function of its arrays al
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import errno
 import io
 import json
 import os
@@ -94,6 +96,10 @@ def write_zip_file(path: str, members: list[Member], release: Any = None) -> Non
         out.flush()
     except BaseException:
         os.close(fd)
+        # no half-written pack is left behind (a retry of this path, or a reader of the staging, would
+        # find a ZIP file without its directory); it was created here, exclusively
+        with contextlib.suppress(OSError):
+            os.unlink(path)
         raise
     if release is None:
         os.close(fd)
@@ -126,7 +132,7 @@ _FAST_CRC_BYTES = 1 << 12
 def _crc32(buf: bytes | np.ndarray, crc: int) -> int:
     """ZIP's CRC-32 of ``buf`` continuing ``crc`` (zlib's value; libdeflate's faster loop where present)."""
     global _DEFLATE_CRC32
-    if isinstance(buf, np.ndarray) and buf.nbytes >= _FAST_CRC_BYTES:
+    if isinstance(buf, np.ndarray) and buf.nbytes >= _FAST_CRC_BYTES and buf.flags.c_contiguous:
         if _DEFLATE_CRC32 is False:
             _DEFLATE_CRC32 = _libdeflate_crc32()
         if _DEFLATE_CRC32 is not None:
@@ -247,7 +253,9 @@ class _VectorWriter:
         views, self._batch, self._bytes = self._batch, [], 0
         i = 0
         while i < len(views):
-            n = os.writev(self._fd, views[i:])
+            n = os.writev(self._fd, views[i : i + _IOV_BATCH])
+            if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
+                raise OSError(errno.EIO, "writev(2) wrote nothing")
             while i < len(views) and n >= views[i].nbytes:
                 n -= views[i].nbytes
                 i += 1

@@ -63,8 +63,14 @@ class PackFile:
         self._leaf = key.rpartition("/")[2]
         self._fd = -1
         if kvstore is None:
-            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-            self._fd = os.open(self.path, flags | getattr(os, "O_NONBLOCK", 0))
+            # below the root one component at a time, no link, non-blocking, a regular file: the pack may have
+            # been swapped since the load's checks (a FIFO, a directory, a link to ``.acp``)
+            from ..checks.files import open_regular
+
+            opened = open_regular(root.rstrip("/"), key, what=f"pack {key!r}: ")
+            if opened is None:
+                raise InconsistentCheckpointError(f"{self.path} is missing; the checkpoint is damaged")
+            self._fd = opened[0]
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -73,7 +79,12 @@ class PackFile:
 
     def _read(self, offset: int, nbytes: int, staging: np.ndarray | None) -> np.ndarray:
         if self._fd < 0:
-            result = self._kv.read(self._leaf, byte_range=slice(offset, offset + nbytes)).result()
+            try:
+                result = self._kv.read(self._leaf, byte_range=slice(offset, offset + nbytes)).result()
+            except ValueError as e:  # tensorstore's errors; a range past the end: the pack was cut since
+                if "OUT_OF_RANGE" not in str(e):  # the checks, a short read (damage, named by the caller)
+                    raise
+                return np.empty(0, np.uint8)
             raw = bytes(result.value) if result.state == "value" else b""
             return np.frombuffer(raw, dtype=np.uint8)
         buf = (
@@ -288,7 +299,10 @@ class PackedReader:
                 f"tensor {tm.name!r}: {member} is in none of its writer's packs in {self._root}; the "
                 "checkpoint is damaged"
             )
-        return self._pack(key)
+        try:
+            return self._pack(key)
+        except (CorruptCheckpointError, InconsistentCheckpointError) as e:  # swapped since the checks
+            raise type(e)(f"tensor {tm.name!r}: {e}") from None
 
     def deliver(self, t: Any) -> int | None:
         """Read the regions of the load tensor ``t`` (its shards) of a packed array into their destinations

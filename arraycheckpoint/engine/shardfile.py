@@ -19,6 +19,8 @@ tensorstore (or zarr-python), which verify both checksums, so a file this module
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import logging
 import os
 import struct
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import StorageError
 from ..planning.regions import Box
 
 
@@ -223,6 +226,8 @@ class FileWriter:
         self._batch: list[tuple[str, list[Buffer]]] = []
         self._batch_bytes = 0
         self._batch_future: Future[None] = Future()
+        #: the first file whose close failed on the write-back thread, and the error (raised by close())
+        self._failure: tuple[str, OSError] | None = None
 
     def write(self, key: str, parts: list[Buffer]) -> Future[None]:
         nbytes = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
@@ -241,7 +246,8 @@ class FileWriter:
 
         def run() -> None:
             self._make_parents(key)
-            write_zip_file(f"{self._root}/{key}", members, self._release)
+            path = f"{self._root}/{key}"
+            write_zip_file(path, members, functools.partial(self._release, path=path))
 
         return self._pool.submit(run)
 
@@ -263,30 +269,53 @@ class FileWriter:
         self._small.submit(run)
 
     def close(self) -> None:
+        """Wait for every write and every file's close.
+
+        Raises:
+            StorageError: a file's close (on the write-back thread) failed, naming the file: a file system
+                may report a failed write only there (NFS: ``EIO``, ``ENOSPC``, ``EDQUOT``), so the save
+                must fail and commit nothing.
+        """
         self.flush()
         self._small.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._writeback.shutdown(wait=True)  # every file closed before the caller's flush
+        if self._failure is not None:
+            path, e = self._failure
+            failing = sys.exc_info()[1]
+            why = f"writing {path} failed when the file was closed: {e}"
+            if failing is not None:  # called while the save's own error propagates: keep it, with a note
+                failing.add_note(why)
+                return
+            raise StorageError(why) from e
 
     def _write_files(self, files: list[tuple[str, list[Buffer]]]) -> None:
         for key, parts in files:
             self._make_parents(key)
-            _write_file(f"{self._root}/{key}", parts, self._release)
+            path = f"{self._root}/{key}"
+            _write_file(path, parts, functools.partial(self._release, path=path))
 
-    def _release(self, fd: int, nbytes: int) -> None:
-        """Close written file ``fd``; files of at least :data:`WRITEBACK_BYTES` start their device
-        write-back first, on the write-back thread."""
+    def _release(self, fd: int, nbytes: int, path: str) -> None:
+        """Close written file ``fd`` (``path``); files of at least :data:`WRITEBACK_BYTES` start their device
+        write-back first, on the write-back thread, where a failed close is recorded for :meth:`close`."""
         if not WRITEBACK or nbytes < WRITEBACK_BYTES:
-            os.close(fd)
+            _close(fd)  # a failure is raised to the writing thread, and so to the file's future
             return
 
         def run() -> None:
             try:
                 start_writeback(fd)
             finally:
-                os.close(fd)
+                try:
+                    _close(fd)
+                except OSError as e:
+                    if self._failure is None:
+                        self._failure = (path, e)
 
-        self._writeback.submit(run)
+        try:
+            self._writeback.submit(run)
+        except RuntimeError:  # shut down (a write after close): close it here rather than leak it
+            _close(fd)
 
     def _make_parents(self, key: str) -> None:
         # one mkdir per new directory, top down (os.makedirs probes bottom up: failed mkdirs and stats);
@@ -336,6 +365,10 @@ def start_writeback(fd: int) -> None:
         _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure changes nothing
 
 
+#: ``os.close`` (a name of its own so the fault tests can make a close fail as NFS's may)
+_close = os.close
+
+
 def _write_file(path: str, parts: list[Buffer], release: Any = None) -> None:
     """Create ``path`` holding ``parts``; ``release(fd, nbytes)`` takes over closing the written file (else
     it is closed here)."""
@@ -348,6 +381,8 @@ def _write_file(path: str, parts: list[Buffer], release: Any = None) -> None:
     try:
         while views:
             n = os.writev(fd, views[:_IOV_MAX])
+            if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
+                raise OSError(errno.EIO, f"writev(2) wrote nothing to {path}")
             while views and n >= views[0].nbytes:
                 n -= views[0].nbytes
                 views.pop(0)

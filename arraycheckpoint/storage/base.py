@@ -28,7 +28,9 @@ I/O (tensorstore does that per request where the transport needs it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -239,13 +241,32 @@ class Storage(ABC):
                 "for it, or, if no save is running, a crashed run left the lock: remove it or let "
                 "CheckpointManager clean up on start"
             )
+        if state == "empty" and self.is_committed(final):
+            # another save committed here between the check and this claim: never write into it in place
+            self.release(final, token)
+            raise CheckpointExistsError(
+                f"another save committed a checkpoint at {final} while this one was starting; save to a new "
+                "path, or again with overwrite=True"
+            )
         if state != "empty":
             # Writing in place: start from an empty prefix, so nothing of an older checkpoint (committed and
-            # being overwritten, or left by a crashed save) mixes with this one. The markers go first.
+            # being overwritten, or left by a crashed save) mixes with this one. The markers go first. A
+            # committed checkpoint is replaced whole, as a rename replaces a directory (overwrite=True); of
+            # leftovers, only keys a save of ours writes are removed: one control file (or a stale lock)
+            # beside the user's objects does not make them ours (every key is looked at before any goes).
+            keys = [key for key in self.list(final) if key != LOCK_KEY]
+            foreign = [] if state == "committed" else [key for key in keys if not is_checkpoint_key(key)]
+            if foreign:
+                self.release(final, token)
+                shown = ", ".join(foreign[:SHOWN_KEYS]) + (" and more" if len(foreign) > SHOWN_KEYS else "")
+                raise CheckpointExistsError(
+                    f"cannot save to {final}: besides a checkpoint's files, objects a save never writes are "
+                    f"stored there ({shown}); a save never deletes other objects: choose a new path (e.g. a "
+                    "sub-prefix) or move those objects away"
+                )
             self._delete_markers(final)
-            for key in self.list(final):
-                if key != LOCK_KEY:
-                    self.delete_key(final, key)
+            for key in keys:
+                self.delete_key(final, key)
 
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
@@ -309,6 +330,34 @@ class Storage(ABC):
                 self.delete_key(child, LOCK_KEY)
                 removed.append(f"{child}/{LOCK_KEY}")
         return removed
+
+
+#: a chunk file's name: ``c`` then a ``.``-separated index per dimension (format 3 on), ``c`` alone for 0-d
+_CHUNK_LEAF = re.compile(r"c(\.[0-9]+)*")
+#: every control file of every layout, and the lock
+_CONTROL_KEYS = frozenset(
+    {LOCK_KEY, *(k for f in CONTROL_LAYOUTS for k in dataclasses.astuple(f) if k is not None)}
+)
+
+
+def is_checkpoint_key(key: str) -> bool:
+    """Whether a save of ours can have written ``key`` (relative to a checkpoint root): a control file or
+    the lock, anything under ``.acp/`` (control node, packs), a ``zarr.json`` (array or group), or a chunk
+    file (``<name>/c.0.1``; formats 1 and 2: ``<name>/c/0/1``). Entry names never start with ``.``, so a
+    user's dot file is never one; a user's own zarr arrays cannot be told apart (never save into a prefix
+    holding them)."""
+    if key in _CONTROL_KEYS or key.startswith(CONTROL_DIR + "/"):
+        return True
+    parts = key.split("/")
+    if len(parts) < 2 or any(p == "" or p.startswith(".") for p in parts):
+        return key == "zarr.json"
+    leaf = parts[-1]
+    if leaf == "zarr.json" or _CHUNK_LEAF.fullmatch(leaf):
+        return True
+    for i in range(1, len(parts) - 1):  # formats 1 and 2: <name>/c/<i>/<j>
+        if parts[i] == "c" and all(p.isascii() and p.isdigit() for p in parts[i + 1 :]):
+            return True
+    return False
 
 
 # Checkpoints being read in this process -------------------------------------------------------------------

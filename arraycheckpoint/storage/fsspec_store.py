@@ -311,6 +311,20 @@ class FsspecStorage(Storage):
         self._retry("delete", path, op)
 
     def _create_lock(self, final: str, body: bytes) -> bool:
+        # an exclusive create where the file system has one (local, memory: mode "xb"): a look, then a write,
+        # let two saves that looked at once both write and both read their own lock back
+        path = self._rpath(final, LOCK_KEY)
+        for _attempt in range(2):
+            try:
+                with self.fs.open(path, "xb") as f:
+                    f.write(body)
+                return True
+            except FileExistsError:
+                return False
+            except FileNotFoundError:  # its directory is not there yet
+                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            except (ValueError, NotImplementedError, TypeError, OSError):  # no exclusive create here
+                break
         if self.exists(final, LOCK_KEY):
             return False
         self.write(final, LOCK_KEY, body)
