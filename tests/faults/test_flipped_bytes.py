@@ -30,6 +30,35 @@ REGIONS = [
 ]
 
 
+def _read_regions(tmp_path, where: str, blob: bytes, size: int):
+    """``(regions' destinations, decoded)`` for each of REGIONS, reading a chunk file of ``size`` bytes at
+    offset 9 of ``blob`` (from a file or from memory); regions refused as damage or not decoded are left out."""
+    if where == "memory":
+        src: int | np.ndarray = np.frombuffer(blob, np.uint8)
+    else:
+        (tmp_path / "f").write_bytes(blob)
+        src = os.open(tmp_path / "f", os.O_RDONLY)
+    lay = chunkread.ShardLayout(_T)
+    out = []
+    try:
+        for regions in REGIONS:
+            dests = [(box, np.full(box.lengths, -7, np.float32)) for box, _ in regions]
+            try:
+                got = chunkread.read_shard(
+                    src, 9, size, lay, (4, 0), dests, chunkread.Staging(), CorruptCheckpointError
+                )
+            except CorruptCheckpointError:
+                continue
+            if (
+                got is not None
+            ):  # None: not decoded (the caller reads it through tensorstore or calls it damage)
+                out.append(dests)
+    finally:
+        if isinstance(src, int):
+            os.close(src)
+    return out
+
+
 @pytest.mark.parametrize("where", ["file", "memory"])
 def test_read_shard_every_flipped_byte(tmp_path, where) -> None:
     raw = b"".join(bytes(p) for p in shardfile.encode(VALUE, _T.inner_chunk_shape))
@@ -38,28 +67,9 @@ def test_read_shard_every_flipped_byte(tmp_path, where) -> None:
     for i in range(len(raw)):
         bad = bytearray(raw)
         bad[i] ^= 0x01
-        if where == "memory":
-            src: int | np.ndarray = np.frombuffer(b"h" * 9 + bytes(bad), np.uint8)
-        else:
-            path = tmp_path / "f"
-            path.write_bytes(b"h" * 9 + bytes(bad))
-            src = os.open(path, os.O_RDONLY)
-        try:
-            for regions in REGIONS:
-                dests = [(box, np.full(box.lengths, -7, np.float32)) for box, _ in regions]
-                try:
-                    got = chunkread.read_shard(
-                        src, 9, len(raw), lay, (4, 0), dests, chunkread.Staging(), CorruptCheckpointError
-                    )
-                except CorruptCheckpointError:
-                    continue
-                if got is None:  # not decoded: the caller reads it through tensorstore (or calls it damage)
-                    continue
-                for box, out in dests:  # decoded: then exactly the stored values
-                    assert np.array_equal(out, VALUE[box.slices(Box((4, 0), (4, 6)))]), (i, box)
-        finally:
-            if isinstance(src, int):
-                os.close(src)
+        for dests in _read_regions(tmp_path, where, b"h" * 9 + bytes(bad), len(raw)):
+            for box, out in dests:  # decoded: then exactly the stored values
+                assert np.array_equal(out, VALUE[box.slices(Box((4, 0), (4, 6)))]), (i, box)
 
 
 def test_load_every_flipped_byte_of_a_pack(tmp_path) -> None:
@@ -123,26 +133,6 @@ def test_read_shard_forged_index(tmp_path, where, edit) -> None:
     are then those bytes, as zarr reads them); else not decoded (None) or damage, never a read or write out
     of bounds."""
     raw = _with_index(b"".join(bytes(p) for p in shardfile.encode(VALUE, _T.inner_chunk_shape)), edit)
-    lay = chunkread.ShardLayout(_T)
-    blob = b"h" * 9 + raw + b"t" * 64
-    if where == "memory":
-        src: int | np.ndarray = np.frombuffer(blob, np.uint8)
-    else:
-        (tmp_path / "f").write_bytes(blob)
-        src = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
-        for regions in REGIONS:
-            dests = [(box, np.full(box.lengths, -7, np.float32)) for box, _ in regions]
-            try:
-                got = chunkread.read_shard(
-                    src, 9, len(raw), lay, (4, 0), dests, chunkread.Staging(), CorruptCheckpointError
-                )
-            except CorruptCheckpointError:
-                continue
-            if got is None:
-                continue
-            for box, out in dests:  # decoded: each value is one of the stored inner chunks' values
-                assert np.isin(out, VALUE).all(), box
-    finally:
-        if isinstance(src, int):
-            os.close(src)
+    for dests in _read_regions(tmp_path, where, b"h" * 9 + raw + b"t" * 64, len(raw)):
+        for box, out in dests:  # decoded: each value is one of the stored inner chunks' values
+            assert np.isin(out, VALUE).all(), box
