@@ -12,66 +12,32 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from fixtures import compat
+from fixtures.compat import bits as _bits
+from fixtures.compat import check_single_extra as _check_single_extra
+from fixtures.compat import load_single as _load_single
+from fixtures.compat import same as _same
+from fixtures.compat import single_state as _single_state
 from fixtures.make_format2 import fsdp_model, full_state
 from safetensors.numpy import load_file
 
 import arraycheckpoint as acp
 from arraycheckpoint.cli import main as cli
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "format4")
+FIXTURES = compat.fixtures(4)
 NAMES = ("single", "fsdp2")
-UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _copy(tmp_path, name: str):
-    dst = tmp_path / name
-    shutil.copytree(os.path.join(FIXTURES, name), dst)
-    return dst
+    return compat.copy(tmp_path, FIXTURES, name)
 
 
 def _expected(name: str) -> dict[str, np.ndarray]:
-    return load_file(os.path.join(FIXTURES, f"{name}.expected.safetensors"))
-
-
-def _bits(a: object) -> np.ndarray:
-    """The raw bit pattern of an array (bfloat16 from zarr and int16 from safetensors compare equal)."""
-    a = np.ascontiguousarray(np.asarray(a))
-    return a.view(UINT[a.dtype.itemsize])
-
-
-def _same(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
-    assert sorted(got) == sorted(expected)
-    for k, v in expected.items():
-        assert got[k].shape == v.shape and np.array_equal(_bits(got[k]), _bits(v)), k
-
-
-def _single_state(seed: int = 123):
-    """The single fixture's structure with other values than the saved ones (Adam state present)."""
-    from fixtures.make_format1 import Tied
-
-    torch.manual_seed(seed)
-    model = Tied()
-    opt = torch.optim.Adam(model.parameters(), lr=0.5)
-    extra = {"step": 0, "cfg": {}, "a": {"b": torch.zeros(2, 3, dtype=torch.int64)}, "arr": None}
-    return model, opt, extra
-
-
-def _check_single_extra(es: dict) -> None:
-    assert es["step"] == 3 and es["cfg"] == {"lr": 0.01, "name": "tied", "betas": [0.9, 0.999]}
-    assert torch.equal(es["a"]["b"], torch.arange(6).reshape(2, 3))
-    arr = np.asarray(es["arr"])
-    assert arr.dtype == np.float32 and np.array_equal(arr, np.linspace(0, 1, 7, dtype=np.float32))
-
-
-def _load_single(path) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
-    model, opt, extra = _single_state()
-    out = acp.load(path, {"model": model, "optimizer": opt, "extra_state": extra})
-    return model, opt, out["extra_state"]
+    return compat.expected(FIXTURES, name)
 
 
 def test_format4_fixture_is_format4_without_packs() -> None:
