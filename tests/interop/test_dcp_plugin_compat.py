@@ -142,6 +142,27 @@ def test_writer_top_level_tensors_dicts_and_values_load_strictly_through_acp(tmp
         acp.load(path, {"other": torch.zeros(2)}, strict=True)
 
 
+def test_writer_key_map_from_a_hostile_checkpoint_is_not_trusted(tmp_path: Path) -> None:
+    """The Writer's key map (``~dcp``) is checkpoint input: names that are not strings, paths that are not
+    lists are skipped (no TypeError); a bare tensor still loads under its own name, and a nested namespace whose
+    map is gone is refused by a strict load, not left untouched silently."""
+    import json
+
+    path = tmp_path / "c"
+    t = torch.arange(12.0).reshape(3, 4)
+    dcp.save({"rows": t, "m": {"w": t + 1}}, storage_writer=acp.dcp.Writer(str(path)))
+    doc_path = path / ".acp" / "metadata.json"
+    doc = json.loads(doc_path.read_text())
+    doc["objects"]["~dcp"]["value"]["keys"] = {"rows": ["not", "a", "name"], "m.w": {"x": 1}}
+    doc["objects"]["~dcp"]["value"]["paths"]["m.w"] = "m/w"
+    doc_path.write_text(json.dumps(doc))
+    rows = torch.zeros_like(t)
+    acp.load(path, {"rows": rows}, strict=True)
+    assert torch.equal(rows, t)
+    with pytest.raises(acp.StateMismatchError, match="m"):
+        acp.load(path, {"m": {"w": torch.zeros_like(t)}}, strict=True)
+
+
 def test_flattened_optimizer_with_top_level_model_fqns_loads_through_acp(tmp_path: Path) -> None:
     """torchtitan's layout: model FQNs at the top level, ``optimizer`` flattened (``state.<fqn>.exp_avg``,
     ``param_groups.<fqn>.lr``); acp.load maps the model namespace automatically (the one module namespace

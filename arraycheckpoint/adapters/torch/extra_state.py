@@ -91,41 +91,82 @@ def stored_document(meta: CheckpointMetadata, ns: str, used: list[str] | None = 
     :func:`arraycheckpoint.save` stores one (``{"__array__": name}`` for a bare tensor). ``dcp.save``
     through :class:`arraycheckpoint.dcp.Writer` stores none: the tensors DCP's flattened keys put under
     ``ns`` (``rows``; ``m.w`` with path ``["m", "w"]``) are the document, rebuilt from the Writer's key map
-    (``~dcp``: key -> stored name and path). A path through a list (integer steps) is not rebuilt: the
-    namespace then counts as missing, which a strict load reports.
+    (``~dcp``: key -> stored name and path; every namespace's in one pass per checkpoint, see
+    :func:`_writer_documents`). A path through a list (integer steps) is not rebuilt: the namespace then
+    counts as missing, which a strict load reports.
     """
     obj = meta.objects.get(ns)
     if obj is not None:
         return obj.value
+    document, objects = _writer_documents(meta).get(ns, (None, ()))
+    if document is None and ns in meta.tensors:
+        return {"__array__": ns}  # a tensor stored under the namespace's own name
+    if used is not None:
+        used.extend(objects)
+    return document
+
+
+#: the last rebuilt documents, keyed by the identity of the key-map object they came from (one per parsed load)
+_WRITER_DOCS: list[tuple[object, dict[str, tuple[Any, tuple[str, ...]]]]] = []
+
+
+def _writer_documents(meta: CheckpointMetadata) -> dict[str, tuple[Any, tuple[str, ...]]]:
+    """``namespace -> (document, objects it takes values from)`` rebuilt from the Writer's key map; one pass
+    over the map per checkpoint (a load asks once per namespace, and torchtitan's top-level FQNs are each a
+    namespace), kept for the last key map asked about (not the whole metadata)."""
     dcp = meta.objects.get(DCP_MAP)
-    keys = dcp.value.get("keys") if dcp is not None and isinstance(dcp.value, dict) else None
+    if dcp is None:
+        return {}
+    if _WRITER_DOCS and _WRITER_DOCS[0][0] is dcp:
+        return _WRITER_DOCS[0][1]
+    keys = dcp.value.get("keys") if isinstance(dcp.value, dict) else None
     paths = dcp.value.get("paths") if keys is not None else None
+    trees: dict[str, Any] = {}
+    objects: dict[str, list[str]] = {}
+    broken: set[str] = set()
     if not isinstance(keys, dict) or not isinstance(paths, dict):
-        return None
-    tree: dict[str, Any] = {}
+        keys, paths = {}, {}
     for key, path in paths.items():
-        stored = keys.get(key)
-        if not isinstance(path, list) or not path or path[0] != ns:
+        stored = keys.get(key)  # untrusted JSON: anything
+        if (
+            not isinstance(stored, str)
+            or not isinstance(path, list)
+            or not path
+            or not isinstance(path[0], str)
+        ):
             continue
+        ns = path[0]
+        if ns in meta.objects:
+            continue  # stored by acp.save: its own document
         if stored in meta.tensors:
             leaf: Any = {"__array__": stored}
-        elif isinstance(stored, str) and stored in meta.objects:
+        elif stored in meta.objects:
             leaf = meta.objects[stored].value  # a non-tensor value (the Writer stores each as an object)
-            if used is not None:
-                used.append(stored)
+            objects.setdefault(ns, []).append(stored)
         else:
             continue
         if not all(isinstance(p, str) for p in path):
-            return None
+            broken.add(ns)  # a list on the path: not rebuilt
+            continue
         if len(path) == 1:
-            return leaf
-        node = tree
+            if ns in trees:
+                broken.add(ns)  # a value and a dict at one place: not a tree
+            trees[ns] = leaf
+            continue
+        node = trees.setdefault(ns, {})
+        if not isinstance(node, dict) or "__array__" in node:
+            broken.add(ns)
+            continue
         for step in path[1:-1]:
             node = node.setdefault(step, {})
             if not isinstance(node, dict) or "__array__" in node:
-                return None  # a tensor and a dict at one place: not a tree
-        node[path[-1]] = leaf
-    return tree or None
+                broken.add(ns)
+                break
+        else:
+            node[path[-1]] = leaf
+    docs = {ns: (doc, tuple(objects.get(ns, ()))) for ns, doc in trees.items() if ns not in broken and doc}
+    _WRITER_DOCS[:] = [(dcp, docs)]
+    return docs
 
 
 def _listed(meta: CheckpointMetadata, ns: str) -> set[str]:
