@@ -551,13 +551,15 @@ def exchange_totals(plan, hostmap: HostMap) -> dict[str, int]:
     for name, d in plan.tensors.items():
         c = plan._classes[name]
         isz = numpy_dtype(d.layout.dtype).itemsize
-        if id(c) not in per_class:  # flat arrays of pieces: chunk, region, bytes, single holder (-1: several)
-            chunk_of = np.asarray([ci for ci, ps in enumerate(c.pieces) for _ in ps], dtype=np.int64)
-            region = np.asarray([g for ps in c.pieces for _, g in ps], dtype=np.int64)
-            nbytes = np.asarray([b.volume * isz for ps in c.pieces for b, _ in ps], dtype=np.int64)
+        if id(c) not in per_class:  # flat arrays of the straddling pieces (only those can travel)
+            chunk_of = np.asarray([ci for ci, ps in c.straddle.items() for _ in ps], dtype=np.int64)
+            region = np.asarray([g for ps in c.straddle.values() for _, g in ps], dtype=np.int64)
+            nbytes = np.asarray([b.volume * isz for ps in c.straddle.values() for b, _ in ps], dtype=np.int64)
             single = np.asarray([h[0] if len(h) == 1 else -1 for h in c.holders], dtype=np.int64)[region]
             per_class[id(c)] = (chunk_of, region, nbytes, single)
         chunk_of, region, nbytes, single = per_class[id(c)]
+        if not len(chunk_of):
+            continue
         w = np.asarray(d.writers, dtype=np.int64)[chunk_of]
         src = single.copy()
         for i in np.nonzero(single < 0)[0].tolist():  # replicated regions: the writer, or a holder sends
