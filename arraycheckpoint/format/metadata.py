@@ -22,6 +22,10 @@ from ..errors import ArrayCheckpointError, MetadataError
 from ..planning.packing import PACK_KEY, RANK_PACKS, packs_rank
 from ..planning.regions import Box
 
+#: 7: a tensor whose every chunk is written by the one rank holding the region that holds most of it stores
+#: ``"writers": "held"`` instead of a list: readers derive the writers from its regions and chunk grid
+#: (:class:`Writers`, :func:`arraycheckpoint.planning.flatgrid.held_writers`), so the metadata grows with
+#: ranks and tensors, not with chunks. Only worst-fit (replicated) writers are listed.
 #: 6: every chunk file below the target size is in its writer's packs; a packed array's ``pack`` is
 #: ``.acp/packs/<creator>`` (the rank whose packs hold its ``zarr.json``), chunk ``i`` lies in the packs of
 #: ``writers[i]`` (found by key in their central directories: nothing per chunk in the metadata).
@@ -31,8 +35,10 @@ from ..planning.regions import Box
 #: (:mod:`arraycheckpoint.format.rankdoc`); 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys
 #: ``c.i.j``; 2: regions stored as layout rules (format 1 listed every rank's region). Versions 1 and 2 keep
 #: their control files in the root (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
-FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+FORMAT_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+#: The ``writers`` value of a tensor whose writers are derived from its layout (format 7).
+HELD = "held"
 
 
 def chunk_key_separator(format_version: int) -> str:
@@ -118,7 +124,8 @@ class TensorMeta:
     inner_chunk_shape: tuple[int, ...]
     compression: str | None
     shards: Sequence[ShardMeta]  # a tuple (format 1) or regions expanded on first use from rules (format 2)
-    writers: tuple[int, ...] = ()  # writer rank per stored chunk, row-major over the chunk grid
+    # writer rank per stored chunk, row-major over the chunk grid: listed, or derived (format 7, Writers)
+    writers: Sequence[int] = ()
     regions: tuple[tuple[int, Any], ...] = ()  # format 2: (layout group, rule) pairs the shards follow from
     # a stacked per-rank array: the leading dimension is the saving rank (extent world_size); see perrank.py
     rank_rows: bool = False
@@ -195,7 +202,7 @@ class CheckpointMetadata:
                         if self.format_version == 1  # tools rewriting an old checkpoint keep its format
                         else {"regions": [[g, r] for g, r in t.regions]}
                     ),
-                    "writers": list(t.writers),
+                    "writers": HELD if getattr(t.writers, "derived", False) else list(t.writers),
                     **({"rank_rows": True} if t.rank_rows else {}),
                     **({"pack": t.pack} if t.pack is not None else {}),
                 }
@@ -319,6 +326,7 @@ class _TensorMemo:
         self.layouts: dict[tuple[Any, ...], int] = {}
         self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
         self.packs: set[tuple[Any, ...]] = set()
+        self.writers: dict[tuple[Any, ...], Writers] = {}
 
 
 def _parse_tensor(
@@ -358,15 +366,6 @@ def _parse_tensor(
         if compression not in (None, "zstd"):
             raise MetadataError(f"metadata: {where} has unknown compression {compression!r}")
         nchunks = memo.layouts[layout] = math.prod(-(-n // c) for n, c in zip(shape, chunk)) if shape else 1
-    raw = t.get("writers", [])
-    writers = _ints(raw, 0, nchunks)
-    if writers is None:
-        writers = _int_list(raw, f"{where}.writers", limit=nchunks)
-    if writers and (len(writers) != nchunks or max(writers) >= world_size):
-        raise MetadataError(
-            f"metadata: {where}.writers lists {len(writers)} writers for {nchunks} chunks, or a rank "
-            f"outside the world of {world_size}"
-        )
     if version == 1:
         shards = _parse_shards(t, where, shape, world_size)
         regions: tuple[tuple[int, Any], ...] = ()
@@ -378,6 +377,28 @@ def _parse_tensor(
         if cached is None:
             memo.regions[key] = regions
         shards = LazyShards(name, shape, regions, groups)
+    raw = t.get("writers", [])
+    writers: Sequence[int]
+    if raw == HELD and version >= 7:
+        from ..checks.bounds import MAX_DERIVED_WRITERS
+
+        if nchunks > MAX_DERIVED_WRITERS:
+            raise MetadataError(
+                f"metadata: {where}.writers is derived for {nchunks} chunks, above the limit of "
+                f"{MAX_DERIVED_WRITERS} (a save lists the writers of such an array)"
+            )
+        wkey = (shape, chunk, repr(regions))
+        writers = memo.writers.get(wkey)
+        if writers is None:
+            writers = memo.writers[wkey] = Writers.derive(name, shape, chunk, regions, groups, nchunks)
+    else:
+        listed = _ints(raw, 0, nchunks)
+        writers = listed if listed is not None else _int_list(raw, f"{where}.writers", limit=nchunks)
+        if writers and (len(writers) != nchunks or max(writers) >= world_size):
+            raise MetadataError(
+                f"metadata: {where}.writers lists {len(writers)} writers for {nchunks} chunks, or a rank "
+                f"outside the world of {world_size}"
+            )
     rank_rows = t.get("rank_rows", False)
     if rank_rows is not False and (rank_rows is not True or not shape or shape[0] != world_size):
         raise MetadataError(
@@ -403,7 +424,7 @@ def _parse_pack(
     compression: str | None,
     shape: tuple[int, ...],
     chunk: tuple[int, ...],
-    writers: tuple[int, ...] = (),
+    writers: Sequence[int] = (),
 ) -> str | None:
     """A tensor's ``pack`` entry: absent; (format 5) a pack key of a rank of the world holding an
     uncompressed array of whole chunks; (format 6) the packs ``.acp/packs/<rank>`` of a rank of the world
@@ -561,3 +582,85 @@ class LazyShards(Sequence):
 
     def __iter__(self) -> Iterator[ShardMeta]:
         return iter(self._items)
+
+
+class Writers(Sequence):
+    """The writer rank of every chunk of a tensor, row-major, held as an int64 array: from the plan of a save,
+    or (format 7, ``"writers": "held"``) derived from the tensor's regions and chunk grid on first use
+    (:func:`arraycheckpoint.planning.flatgrid.held_writers`, the code the planner ran). ``derived`` says the
+    metadata stores no list for it."""
+
+    def __init__(
+        self, array: Any = None, derived: bool = False, length: int | None = None, derive: Any = None
+    ):
+        self._array, self.derived, self._derive = array, derived, derive
+        self._len = len(array) if array is not None else int(length or 0)
+
+    @staticmethod
+    def derive(
+        name: str, shape: tuple[int, ...], chunk: tuple[int, ...], regions: tuple, groups: tuple, nchunks: int
+    ) -> Writers:
+        """The derived writers of a format-7 tensor (computed on first use; :class:`MetadataError` naming the
+        tensor when its regions do not determine them)."""
+
+        def compute() -> Any:
+            import numpy as np
+
+            from ..planning.flatgrid import held_writers
+            from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
+            from ..planning.plan import _validate_cover
+
+            contribs = [
+                (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
+                for g, rule in regions
+            ]
+            try:
+                held = _regions_of(name, contribs)
+                unique = sorted(held)
+                _validate_cover(name, shape, unique)
+                out = held_writers(shape, chunk, unique, [sorted(held[b]) for b in unique])
+            except (ArrayCheckpointError, ValueError) as e:
+                raise MetadataError(
+                    f"metadata: tensor {name!r}: its writers are derived from its regions, but {e}"
+                ) from None
+            if len(out) != nchunks:
+                raise MetadataError(
+                    f"metadata: tensor {name!r}: {len(out)} derived writers for {nchunks} chunks"
+                )
+            out = np.ascontiguousarray(out, dtype=np.int64)
+            out.flags.writeable = False
+            return out
+
+        return Writers(None, True, nchunks, compute)
+
+    @property
+    def array(self) -> Any:
+        """Every writer as a read-only int64 numpy array."""
+        if self._array is None:
+            self._array = self._derive()
+        return self._array
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return tuple(self.array[i].tolist())
+        return int(self.array[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.array.tolist())
+
+    def count(self, value: Any) -> int:
+        return int((self.array == value).sum())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))  # equal to the tuple of the same writers, as __eq__ says
+
+    def __repr__(self) -> str:
+        return f"Writers({'derived, ' if self.derived else ''}{self._len} chunks)"

@@ -107,7 +107,10 @@ def moved_elements(cuts: np.ndarray, n: int, run: int) -> int:
 
 
 def region_choice(
-    shape: tuple[int, ...], chunk: tuple[int, ...], boxes: Sequence[Box], holders: Sequence[Sequence[int]],
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    boxes: Sequence[Box],
+    holders: Sequence[Sequence[int]],
     generic: bool = True,
 ) -> tuple[np.ndarray, dict[int, list[tuple[Box, int]]], str]:
     """Per chunk of the grid ``chunk`` (row-major), the index of the region (of ``boxes``: distinct, sorted,

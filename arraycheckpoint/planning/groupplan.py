@@ -274,8 +274,17 @@ def _analyse(
     derived = kind != GENERIC and not (forced < 0).any() and len(forced) <= MAX_DERIVED_WRITERS
     forced.flags.writeable = False  # shared by every tensor of the class
     return _Class(
-        shape, unique, holders, (chunk_shape, inner), choice, straddle, uses, nbytes, forced,
-        bool(straddle), bool(derived),
+        shape,
+        unique,
+        holders,
+        (chunk_shape, inner),
+        choice,
+        straddle,
+        uses,
+        nbytes,
+        forced,
+        bool(straddle),
+        bool(derived),
     )
 
 
@@ -302,7 +311,7 @@ def _grids(
     grids: dict[Any, tuple[int, ...]] = {}
     runs: list[tuple[Any, list[RunOption], int, int]] = []
     total = 0
-    for key, (name, t, unique, holders, cap) in keyed.items():
+    for key, (_name, t, unique, holders, cap) in keyed.items():
         total += math.prod(t.shape) * t.itemsize * uses[key]
         grid, nested = tensor_chunk_shape(t.shape, t.itemsize, unique, options, cap)
         grids[key] = grid
@@ -392,7 +401,9 @@ def build_compact_plan(
         c = cache.get(key)
         if c is None:
             _n, _t, unique, holders, _cap = keyed[key]
-            c = cache[key] = _analyse(t.shape, t.itemsize, name, unique, holders, grids[key], options, t.dtype)
+            c = cache[key] = _analyse(
+                t.shape, t.itemsize, name, unique, holders, grids[key], options, t.dtype
+            )
         classes[name] = c
 
     # forced chunks (one holder) first, then the replicated ones by worst fit: largest first, ties by
