@@ -479,8 +479,17 @@ def run(
     text = meta.to_json()
     meta_s = time.process_time() - t2
     t3 = time.perf_counter()
-    CheckpointMetadata.from_json(text)
+    parsed = CheckpointMetadata.from_json(text)
     parse_s = time.perf_counter() - t3
+    # format 7: writers a reader derives from the layout (every one, as a load of every array would), and
+    # they must be the plan's
+    t4 = time.process_time()
+    derived = [n for n, t in parsed.tensors.items() if getattr(t.writers, "derived", False)]
+    for n in derived:
+        got = parsed.tensors[n].writers.array
+        if n == derived[0] or n == derived[-1] or len(got) < 64:
+            assert np.array_equal(got, plan.tensors[n].writers), f"derived writers of {n} differ"
+    derive_s = time.process_time() - t4
     counted = count_files(plan, options.min_chunk_bytes)
     files = counted["files"]
     total = sum(int(np.prod(d.layout.shape)) * isz[n] for n, d in plan.tensors.items())
@@ -516,6 +525,8 @@ def run(
         "other_rank_recv_bytes_max": int(recv[1:].max()) if world > 1 else 0,
         "metadata_bytes": len(text),
         "metadata_parse_s": round(parse_s, 3),
+        "derived_writer_tensors": len(derived),
+        "writers_derive_s": round(derive_s, 3),
         "files": files,
         "chunk_files": counted["chunk_files"],
         "packs": counted["packs"],

@@ -26,8 +26,8 @@ from fixtures.make_format2 import fsdp_model, full_state
 from safetensors.numpy import load_file
 
 import arraycheckpoint as acp
-from arraycheckpoint.format.metadata import FORMAT_VERSION
 from arraycheckpoint.cli import main as cli
+from arraycheckpoint.format.metadata import FORMAT_VERSION
 
 FIXTURES = compat.fixtures(4)
 NAMES = ("single", "fsdp2")

@@ -20,9 +20,9 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import arraycheckpoint as acp
-from arraycheckpoint.format.metadata import FORMAT_VERSION
 from arraycheckpoint.cli import main as cli
 from arraycheckpoint.errors import CorruptCheckpointError
+from arraycheckpoint.format.metadata import FORMAT_VERSION
 from arraycheckpoint.planning.plan import PlanOptions
 
 #: chunks of at most 1 KiB, packs of about 64 KiB: every chunk file goes into its writer's packs
