@@ -4,7 +4,8 @@ Runs the real code of a save's control plane for N ranks: each layout's per-rank
 (``engine.coordinate.declare`` input built the way the adapters build it), the digest agreement, the
 declaration gather (``group_digests`` / ``pack_groups`` / ``unpack_groups``), the planner
 (``groupplan.build_compact_plan``), each rank's work list (``groupplan.rank_plan``) and the metadata
-(``build_metadata`` -> JSON -> ``CheckpointMetadata.from_json``). A ledger stands in for the communicator: it
+(``build_metadata`` -> JSON -> ``CheckpointMetadata.from_json``, then every writer a reader derives from the
+layout, format 7, checked against the plan: ``writers_derive_s``). A ledger stands in for the communicator: it
 counts the bytes each rank would send and receive in every collective of one save (agreement, declarations,
 plan, commit statuses and outcome), payload bytes only.
 
