@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from arraycheckpoint.errors import PlanError
+from arraycheckpoint.planning.flatgrid import held_writers
 from arraycheckpoint.planning.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
 from arraycheckpoint.planning.plan import PlanOptions, TensorDecl, build_global_plan
 from arraycheckpoint.planning.regions import Box, flat_range_to_boxes
@@ -37,6 +38,10 @@ def check_plan(plan, options, flat=False):
     moved = 0
     for name, d in plan.tensors.items():
         c = plan._classes[name]
+        if d.derived:  # format 7: a reader derives these writers from the layout alone, with the same result
+            assert np.array_equal(
+                held_writers(d.layout.shape, d.layout.chunk_shape, c.boxes, c.holders), d.writers
+            )
         itemsize = int(c.nbytes[0] // c.chunks[0].volume) if len(c.chunks) and c.chunks[0].volume else 0
         assert len(d.writers) == len(c.chunks)
         assert all(int(n) <= max(options.max_chunk_bytes, itemsize) for n in c.nbytes), name
