@@ -31,7 +31,7 @@ import numpy as np
 from .regions import Box
 
 NEST_FACTOR = 4  # a nested grid of more than this many chunks per region: the regions are flat ranges
-ROW_SPREAD = 32  # row grids: chunks of at most 1/ROW_SPREAD of a region's rows (the part that may travel)
+ROW_SPREAD = 32  # straddling grids start at chunks of 1/ROW_SPREAD of a region (the part that may travel)
 ROW_FLOOR_DIV = 4096  # ... and of at least min_chunk_bytes / ROW_FLOOR_DIV bytes (runs of flat ranges)
 RUN_START_DIV = 256  # flat runs start at no less than min_chunk_bytes / RUN_START_DIV bytes
 
@@ -50,7 +50,8 @@ def tensor_chunk_shape(
     split to at most ``min(max_chunk_bytes, cap)`` bytes. A dimension without interior boundaries may be
     split into any number of chunks (only the last one is partial); one with boundaries only by divisors of
     the gcd, so every boundary stays on the grid. Flat ranges (a nested grid of more than ``NEST_FACTOR``
-    chunks per region) get a grid of whole rows instead, which does not nest.
+    chunks per region) get a grid of whole rows instead, which does not nest (the planner replaces it by flat
+    runs where every region is a contiguous run of the flattened tensor: :func:`choose_runs`).
     """
     if not shape:
         return (), True
@@ -66,7 +67,8 @@ def tensor_chunk_shape(
 
 
 def _row_chunk_rows(shape: tuple[int, ...], itemsize: int, boxes: Sequence[Box], options: _Sizes) -> int:
-    """Rows per chunk of a tensor saved as flat ranges: at most ``1 / ROW_SPREAD`` of the rows between two
+    """Rows per chunk of a tensor whose regions straddle every nested grid but are not flat runs (the flat
+    ranges themselves get :func:`choose_runs`): at most ``1 / ROW_SPREAD`` of the rows between two
     region boundaries (so at most that share of a region travels at each boundary), but chunks of at least
     ``min_chunk_bytes / ROW_FLOOR_DIV`` (so the chunk count stays bounded where ranks hold a few rows each)."""
     extent = max(shape[0], 1)

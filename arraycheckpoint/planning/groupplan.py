@@ -12,7 +12,7 @@ This is the one planner: :func:`arraycheckpoint.planning.plan.build_global_plan`
 rules and runs it too (tests compare plans from rules with plans from the expanded regions). Tensors whose
 regions are the same (same shape, item size and holder structure) are analysed once. Chunk grids nest in the
 saved regions (:mod:`arraycheckpoint.planning.chunking`); a chunk held by one rank is written there, replicated chunks
-go to their holders by worst fit (:mod:`arraycheckpoint.planning.owners`), so only the row grids of flat ranges
+go to their holders by worst fit (:mod:`arraycheckpoint.planning.owners`), so only the flat-run grids of flat ranges
 (FSDP1) move bytes. Pure: no I/O.
 """
 
