@@ -143,3 +143,45 @@ def test_derived_writers_load_and_hostile_ones_are_refused(tmp_path):
         bad["tensors"]["model/w"]["writers"] = value
         with pytest.raises(MetadataError, match="model/w"):
             CheckpointMetadata.from_json(json.dumps(bad))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flat_run_choice_is_the_chunk_by_chunk_choice(seed):
+    """The vectorised path over flat runs decides exactly what the chunk-by-chunk path decides (each chunk's
+    region, every straddling chunk's pieces), and ``moved_elements`` is exactly what travels when each cut
+    changes the holder."""
+    import random
+
+    from arraycheckpoint.planning.flatgrid import (
+        _flat_choice,
+        _generic_choice,
+        flat_interval,
+        moved_elements,
+        run_shapes,
+    )
+    from arraycheckpoint.planning.regions import flat_range_to_boxes
+
+    rng = random.Random(seed)
+    shape = tuple(rng.choice([1, 2, 3, 6, 12]) for _ in range(rng.randint(1, 3))) + (rng.choice([8, 12, 30]),)
+    n = math.prod(shape)
+    cuts = sorted({rng.randint(1, n - 1) for _ in range(rng.randint(1, 6))})
+    bounds = [0, *cuts, n]
+    boxes, holders = [], []
+    for r in range(len(bounds) - 1):
+        for b in flat_range_to_boxes(shape, bounds[r], bounds[r + 1]):
+            boxes.append(b)
+            holders.append([r])
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i])
+    boxes, holders = [boxes[i] for i in order], [holders[i] for i in order]
+    for chunk in run_shapes(shape, 4, 1 << 30, 1):
+        iv = np.asarray([flat_interval(shape, b) for b in boxes], dtype=np.int64)
+        fast, fast_pieces = _flat_choice(shape, chunk, boxes, iv, holders)
+        slow, slow_pieces = _generic_choice(shape, chunk, boxes, holders)
+        assert fast.tolist() == slow.tolist(), chunk
+        assert {k: v for k, v in fast_pieces.items() if len(v) > 1} == slow_pieces, chunk
+        run = math.prod(chunk)
+        exact = 0
+        for ci, pieces in slow_pieces.items():
+            mine = int(fast[ci])
+            exact += sum(b.volume for b, g in pieces if holders[g] != holders[mine])
+        assert moved_elements(np.asarray(cuts, dtype=np.int64), n, run) == exact, chunk
