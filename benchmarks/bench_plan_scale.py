@@ -4,7 +4,8 @@ Runs the real code of a save's control plane for N ranks: each layout's per-rank
 (``engine.coordinate.declare`` input built the way the adapters build it), the digest agreement, the
 declaration gather (``group_digests`` / ``pack_groups`` / ``unpack_groups``), the planner
 (``groupplan.build_compact_plan``), each rank's work list (``groupplan.rank_plan``) and the metadata
-(``build_metadata`` -> JSON -> ``CheckpointMetadata.from_json``). A ledger stands in for the communicator: it
+(``build_metadata`` -> JSON -> ``CheckpointMetadata.from_json``, then every writer a reader derives from the
+layout, format 7, checked against the plan: ``writers_derive_s``). A ledger stands in for the communicator: it
 counts the bytes each rank would send and receive in every collective of one save (agreement, declarations,
 plan, commit statuses and outcome), payload bytes only.
 
@@ -479,8 +480,17 @@ def run(
     text = meta.to_json()
     meta_s = time.process_time() - t2
     t3 = time.perf_counter()
-    CheckpointMetadata.from_json(text)
+    parsed = CheckpointMetadata.from_json(text)
     parse_s = time.perf_counter() - t3
+    # format 7: writers a reader derives from the layout (every one, as a load of every array would), and
+    # they must be the plan's
+    t4 = time.process_time()
+    derived = [n for n, t in parsed.tensors.items() if getattr(t.writers, "derived", False)]
+    for n in derived:
+        got = parsed.tensors[n].writers.array
+        if n == derived[0] or n == derived[-1] or len(got) < 64:
+            assert np.array_equal(got, plan.tensors[n].writers), f"derived writers of {n} differ"
+    derive_s = time.process_time() - t4
     counted = count_files(plan, options.min_chunk_bytes)
     files = counted["files"]
     total = sum(int(np.prod(d.layout.shape)) * isz[n] for n, d in plan.tensors.items())
@@ -516,6 +526,8 @@ def run(
         "other_rank_recv_bytes_max": int(recv[1:].max()) if world > 1 else 0,
         "metadata_bytes": len(text),
         "metadata_parse_s": round(parse_s, 3),
+        "derived_writer_tensors": len(derived),
+        "writers_derive_s": round(derive_s, 3),
         "files": files,
         "chunk_files": counted["chunk_files"],
         "packs": counted["packs"],
@@ -551,13 +563,15 @@ def exchange_totals(plan, hostmap: HostMap) -> dict[str, int]:
     for name, d in plan.tensors.items():
         c = plan._classes[name]
         isz = numpy_dtype(d.layout.dtype).itemsize
-        if id(c) not in per_class:  # flat arrays of pieces: chunk, region, bytes, single holder (-1: several)
-            chunk_of = np.asarray([ci for ci, ps in enumerate(c.pieces) for _ in ps], dtype=np.int64)
-            region = np.asarray([g for ps in c.pieces for _, g in ps], dtype=np.int64)
-            nbytes = np.asarray([b.volume * isz for ps in c.pieces for b, _ in ps], dtype=np.int64)
+        if id(c) not in per_class:  # flat arrays of the straddling pieces (only those can travel)
+            chunk_of = np.asarray([ci for ci, ps in c.straddle.items() for _ in ps], dtype=np.int64)
+            region = np.asarray([g for ps in c.straddle.values() for _, g in ps], dtype=np.int64)
+            nbytes = np.asarray([b.volume * isz for ps in c.straddle.values() for b, _ in ps], dtype=np.int64)
             single = np.asarray([h[0] if len(h) == 1 else -1 for h in c.holders], dtype=np.int64)[region]
             per_class[id(c)] = (chunk_of, region, nbytes, single)
         chunk_of, region, nbytes, single = per_class[id(c)]
+        if not len(chunk_of):
+            continue
         w = np.asarray(d.writers, dtype=np.int64)[chunk_of]
         src = single.copy()
         for i in np.nonzero(single < 0)[0].tolist():  # replicated regions: the writer, or a holder sends

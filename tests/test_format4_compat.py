@@ -27,6 +27,7 @@ from safetensors.numpy import load_file
 
 import arraycheckpoint as acp
 from arraycheckpoint.cli import main as cli
+from arraycheckpoint.format.metadata import FORMAT_VERSION
 
 FIXTURES = compat.fixtures(4)
 NAMES = ("single", "fsdp2")
@@ -157,12 +158,13 @@ def test_format4_zarr_python_reads_every_tensor(tmp_path, name) -> None:
 
 
 def test_format4_state_saves_again_with_packs(tmp_path) -> None:
-    """A state loaded from the format-4 fixture saves as format 6 (chunk files packed) and loads back."""
+    """A state loaded from the format-4 fixture saves in the current format (chunk files packed) and loads
+    back."""
     model, opt, extra = _load_single(_copy(tmp_path, "single"))
     new = tmp_path / "resaved"
     acp.save(new, {"model": model, "optimizer": opt, "extra_state": extra}, step=4)
     meta = acp.read_metadata(new)
-    assert meta.format_version == 6 and meta.step == 4
+    assert meta.format_version == FORMAT_VERSION and meta.step == 4
     packed = {n: t.pack_rank for n, t in meta.tensors.items() if t.pack is not None}
     assert packed and set(packed.values()) == {0} and os.path.isfile(new / ".acp" / "packs" / "0.0.zip")
     assert sorted(meta.tensors) == sorted(acp.read_metadata(os.path.join(FIXTURES, "single")).tensors)

@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 import arraycheckpoint as acp
 from arraycheckpoint.cli import main as cli
 from arraycheckpoint.errors import CorruptCheckpointError
+from arraycheckpoint.format.metadata import FORMAT_VERSION
 from arraycheckpoint.planning.plan import PlanOptions
 
 #: chunks of at most 1 KiB, packs of about 64 KiB: every chunk file goes into its writer's packs
@@ -105,7 +106,11 @@ def test_every_chunk_file_is_in_its_writers_packs(saved) -> None:
     meta = acp.read_metadata(path)
     with open(os.path.join(path, ".acp", "metadata.json")) as f:
         doc = json.load(f)
-    assert doc["format_version"] == 6
+    assert doc["format_version"] == FORMAT_VERSION
+    # sharded arrays' writers are derived from their regions (format 7), replicated ones listed; the
+    # derived ones must name the rank whose packs hold each chunk (checked below for every chunk)
+    held = {n for n, t in doc["tensors"].items() if t["writers"] == "held"}
+    assert held and len(held) < len(doc["tensors"]), held
     members = _members(path)
     spread = 0
     for name, t in meta.tensors.items():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter
 from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
 
@@ -38,11 +37,11 @@ def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
         writers = t.writers
         if not writers:
             continue
-        first = writers[0]
-        if writers.count(first) == len(writers):  # one writer (every small array): no counting per rank
-            out.setdefault(first, ([], {}))[1][name] = len(writers)
+        if len(writers) == 1:  # one chunk (every small array): no counting per rank
+            out.setdefault(writers[0], ([], {}))[1][name] = 1
             continue
-        for r, n in Counter(writers).items():
+        ranks, counts = np.unique(np.asarray(getattr(writers, "array", writers)), return_counts=True)
+        for r, n in zip(ranks.tolist(), counts.tolist()):
             out.setdefault(r, ([], {}))[1][name] = n
     return out
 
@@ -237,8 +236,9 @@ def _predicted_packs(
         reads = by_array.get(name)
         if reads:
             writers = meta.tensors[name].writers
+            mine = np.flatnonzero(np.asarray(getattr(writers, "array", writers)) == rank)
             for member, flat in reads:
-                j = 0 if flat <= 0 else writers[:flat].count(rank)
+                j = int(np.searchsorted(mine, flat))  # this rank's chunks of the array before ``flat``
                 out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)
         fill.add(1, first)
         fill.add(count - 1, size)

@@ -45,6 +45,10 @@ MAX_INNER_CHUNKS = 1 << 22
 #: Most chunks (stored files, or pack members) of one array: a file system holds at most 2^32 files (inode
 #: numbers of ext4 and xfs), and listing that many objects takes millions of requests.
 MAX_CHUNKS_PER_ARRAY = 1 << 32
+#: Most chunks of one array whose writers a reader derives from the layout (``"writers": "held"``, one
+#: int64 each): a save lists the writers of a larger array instead (a listed writer costs metadata bytes,
+#: bounded by MAX_METADATA_BYTES, a derived one costs the reader 8 bytes).
+MAX_DERIVED_WRITERS = 1 << 26
 #: Most chunks of one packed array: every member of a pack takes at least 154 bytes (132 of ZIP records, its
 #: name twice, 24 bytes of encoding around one element), and a pack is at most 4 x MAX_OBJECT_BYTES.
 MAX_PACKED_CHUNKS = 4 * MAX_OBJECT_BYTES // 154

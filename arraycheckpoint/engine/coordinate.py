@@ -40,6 +40,7 @@ from ..format.metadata import (
     LazyShards,
     ObjectMeta,
     TensorMeta,
+    Writers,
     check_name,
     check_name_tree,
 )
@@ -241,7 +242,8 @@ def build_metadata(
             inner_chunk_shape=layout.inner_chunk_shape,
             compression=layout.compression,
             shards=LazyShards(name, layout.shape, regions, plan.groups),
-            writers=td.writers,
+            # derived writers are not stored (format 7): one shared array per class, never a list per chunk
+            writers=Writers(td.writers, derived=True) if td.derived else tuple(td.writers.tolist()),
             regions=regions,
             rank_rows=name in stacked,
             pack=td.pack,

@@ -21,7 +21,12 @@ from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
 from ..planning.packing import PACK_KEY, RANK_PACKS, packs_rank
 from ..planning.regions import Box
+from .writers import HELD, Writers
 
+#: 7: a tensor whose every chunk is written by the one rank holding the region that holds most of it stores
+#: ``"writers": "held"`` instead of a list: readers derive the writers from its regions and chunk grid
+#: (:class:`Writers`, :func:`arraycheckpoint.planning.flatgrid.held_writers`), so the metadata grows with
+#: ranks and tensors, not with chunks. Only worst-fit (replicated) writers are listed.
 #: 6: every chunk file below the target size is in its writer's packs; a packed array's ``pack`` is
 #: ``.acp/packs/<creator>`` (the rank whose packs hold its ``zarr.json``), chunk ``i`` lies in the packs of
 #: ``writers[i]`` (found by key in their central directories: nothing per chunk in the metadata).
@@ -31,8 +36,8 @@ from ..planning.regions import Box
 #: (:mod:`arraycheckpoint.format.rankdoc`); 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys
 #: ``c.i.j``; 2: regions stored as layout rules (format 1 listed every rank's region). Versions 1 and 2 keep
 #: their control files in the root (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
-FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+FORMAT_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 
 
 def chunk_key_separator(format_version: int) -> str:
@@ -118,7 +123,8 @@ class TensorMeta:
     inner_chunk_shape: tuple[int, ...]
     compression: str | None
     shards: Sequence[ShardMeta]  # a tuple (format 1) or regions expanded on first use from rules (format 2)
-    writers: tuple[int, ...] = ()  # writer rank per stored chunk, row-major over the chunk grid
+    # writer rank per stored chunk, row-major over the chunk grid: listed, or derived (format 7, Writers)
+    writers: Sequence[int] = ()
     regions: tuple[tuple[int, Any], ...] = ()  # format 2: (layout group, rule) pairs the shards follow from
     # a stacked per-rank array: the leading dimension is the saving rank (extent world_size); see perrank.py
     rank_rows: bool = False
@@ -195,7 +201,7 @@ class CheckpointMetadata:
                         if self.format_version == 1  # tools rewriting an old checkpoint keep its format
                         else {"regions": [[g, r] for g, r in t.regions]}
                     ),
-                    "writers": list(t.writers),
+                    "writers": HELD if getattr(t.writers, "derived", False) else list(t.writers),
                     **({"rank_rows": True} if t.rank_rows else {}),
                     **({"pack": t.pack} if t.pack is not None else {}),
                 }
@@ -319,6 +325,7 @@ class _TensorMemo:
         self.layouts: dict[tuple[Any, ...], int] = {}
         self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
         self.packs: set[tuple[Any, ...]] = set()
+        self.writers: dict[tuple[Any, ...], Writers] = {}
 
 
 def _parse_tensor(
@@ -358,15 +365,6 @@ def _parse_tensor(
         if compression not in (None, "zstd"):
             raise MetadataError(f"metadata: {where} has unknown compression {compression!r}")
         nchunks = memo.layouts[layout] = math.prod(-(-n // c) for n, c in zip(shape, chunk)) if shape else 1
-    raw = t.get("writers", [])
-    writers = _ints(raw, 0, nchunks)
-    if writers is None:
-        writers = _int_list(raw, f"{where}.writers", limit=nchunks)
-    if writers and (len(writers) != nchunks or max(writers) >= world_size):
-        raise MetadataError(
-            f"metadata: {where}.writers lists {len(writers)} writers for {nchunks} chunks, or a rank "
-            f"outside the world of {world_size}"
-        )
     if version == 1:
         shards = _parse_shards(t, where, shape, world_size)
         regions: tuple[tuple[int, Any], ...] = ()
@@ -378,6 +376,28 @@ def _parse_tensor(
         if cached is None:
             memo.regions[key] = regions
         shards = LazyShards(name, shape, regions, groups)
+    raw = t.get("writers", [])
+    writers: Sequence[int]
+    if raw == HELD and version >= 7:
+        from ..checks.bounds import MAX_DERIVED_WRITERS
+
+        if nchunks > MAX_DERIVED_WRITERS:
+            raise MetadataError(
+                f"metadata: {where}.writers is derived for {nchunks} chunks, above the limit of "
+                f"{MAX_DERIVED_WRITERS} (a save lists the writers of such an array)"
+            )
+        wkey = (shape, chunk, repr(regions))
+        writers = memo.writers.get(wkey)
+        if writers is None:
+            writers = memo.writers[wkey] = Writers.derive(name, shape, chunk, regions, groups, nchunks)
+    else:
+        listed = _ints(raw, 0, nchunks)
+        writers = listed if listed is not None else _int_list(raw, f"{where}.writers", limit=nchunks)
+        if writers and (len(writers) != nchunks or max(writers) >= world_size):
+            raise MetadataError(
+                f"metadata: {where}.writers lists {len(writers)} writers for {nchunks} chunks, or a rank "
+                f"outside the world of {world_size}"
+            )
     rank_rows = t.get("rank_rows", False)
     if rank_rows is not False and (rank_rows is not True or not shape or shape[0] != world_size):
         raise MetadataError(
@@ -403,7 +423,7 @@ def _parse_pack(
     compression: str | None,
     shape: tuple[int, ...],
     chunk: tuple[int, ...],
-    writers: tuple[int, ...] = (),
+    writers: Sequence[int] = (),
 ) -> str | None:
     """A tensor's ``pack`` entry: absent; (format 5) a pack key of a rank of the world holding an
     uncompressed array of whole chunks; (format 6) the packs ``.acp/packs/<rank>`` of a rank of the world

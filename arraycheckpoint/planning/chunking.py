@@ -10,22 +10,30 @@ the planner). It is never coarsened across a boundary: chunk files smaller than 
 of files without moving bytes.
 
 The one layout no regular grid nests in is a flat range cut anywhere inside a row (FSDP1's flat parameters,
-ZeRO): a nested grid would be one row or less. Such tensors get a grid of whole rows sized from the regions
-(:func:`_row_chunk_rows`); a chunk that straddles a rank boundary is written by the holder of most of it and
-only the rest of that chunk travels.
+ZeRO): a nested grid would be one row or less. Such tensors get a grid of flat runs
+(:func:`arraycheckpoint.planning.flatgrid.run_shapes`: whole rows, or sub-row runs that divide a row); the
+chunk that straddles a rank boundary is written by the holder of most of it and only the rest of that chunk
+travels. :func:`choose_runs` sizes the runs: at most ``1 / ROW_SPREAD`` of the elements between two
+boundaries (not below ``min_chunk_bytes / RUN_START_DIV``), then smaller where needed, down to
+``min_chunk_bytes / ROW_FLOOR_DIV``, until at most ``range_move_share`` of the save's bytes travels, the
+refinements that spare the most bytes per added chunk first.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+import numpy as np
 
 from .regions import Box
 
 NEST_FACTOR = 4  # a nested grid of more than this many chunks per region: the regions are flat ranges
-ROW_SPREAD = 32  # row grids: chunks of at most 1/ROW_SPREAD of a region's rows (the part that may travel)
-ROW_FLOOR_DIV = 4096  # ... and of at least min_chunk_bytes / ROW_FLOOR_DIV (whole rows of 1-D tensors)
+ROW_SPREAD = 32  # straddling grids start at chunks of 1/ROW_SPREAD of a region (the part that may travel)
+ROW_FLOOR_DIV = 4096  # ... and of at least min_chunk_bytes / ROW_FLOOR_DIV bytes (runs of flat ranges)
+RUN_START_DIV = 256  # flat runs start at no less than min_chunk_bytes / RUN_START_DIV bytes
 
 
 class _Sizes(Protocol):
@@ -42,7 +50,8 @@ def tensor_chunk_shape(
     split to at most ``min(max_chunk_bytes, cap)`` bytes. A dimension without interior boundaries may be
     split into any number of chunks (only the last one is partial); one with boundaries only by divisors of
     the gcd, so every boundary stays on the grid. Flat ranges (a nested grid of more than ``NEST_FACTOR``
-    chunks per region) get a grid of whole rows instead, which does not nest.
+    chunks per region) get a grid of whole rows instead, which does not nest (the planner replaces it by flat
+    runs where every region is a contiguous run of the flattened tensor: :func:`choose_runs`).
     """
     if not shape:
         return (), True
@@ -58,7 +67,8 @@ def tensor_chunk_shape(
 
 
 def _row_chunk_rows(shape: tuple[int, ...], itemsize: int, boxes: Sequence[Box], options: _Sizes) -> int:
-    """Rows per chunk of a tensor saved as flat ranges: at most ``1 / ROW_SPREAD`` of the rows between two
+    """Rows per chunk of a tensor whose regions straddle every nested grid but are not flat runs (the flat
+    ranges themselves get :func:`choose_runs`): at most ``1 / ROW_SPREAD`` of the rows between two
     region boundaries (so at most that share of a region travels at each boundary), but chunks of at least
     ``min_chunk_bytes / ROW_FLOOR_DIV`` (so the chunk count stays bounded where ranks hold a few rows each)."""
     extent = max(shape[0], 1)
@@ -134,3 +144,59 @@ def split_chunk(chunk: tuple[int, ...], itemsize: int, limit: int) -> tuple[int,
         need = math.ceil(size / limit)
         out[d] = out[d] // next((k for k in range(need, out[d] + 1) if out[d] % k == 0), out[d])
     return tuple(max(c, 1) for c in out)
+
+
+class RunOption(NamedTuple):
+    """One flat-run grid of a class of tensors: its chunk shape, chunks and elements moved per tensor."""
+
+    chunk: tuple[int, ...]
+    chunks: int
+    moved: int  # bytes moved per tensor (an upper bound: flatgrid.moved_elements x itemsize)
+
+
+def run_options(
+    shape: tuple[int, ...], itemsize: int, cuts: np.ndarray, limit: int, options: _Sizes
+) -> tuple[list[RunOption], int]:
+    """The flat-run grids a class of tensors may take (largest runs first) and the index to start from:
+    runs of at most ``1 / ROW_SPREAD`` of the elements between two holder changes ``cuts``, not below
+    ``min_chunk_bytes / RUN_START_DIV`` bytes; none below ``min_chunk_bytes / ROW_FLOOR_DIV`` bytes."""
+    from .flatgrid import moved_elements, run_shapes
+
+    n = math.prod(shape)
+    shapes = run_shapes(shape, itemsize, limit, options.min_chunk_bytes // ROW_FLOOR_DIV)
+    out = []
+    for chunk in shapes:
+        run = math.prod(chunk)
+        out.append(RunOption(chunk, -(-n // run), moved_elements(cuts, n, run) * itemsize))
+    band = n // (len(cuts) + 1) // ROW_SPREAD
+    start_floor = options.min_chunk_bytes // RUN_START_DIV
+    fine = next((j for j, o in enumerate(out) if math.prod(o.chunk) <= band), len(out) - 1)
+    big = max((j for j, o in enumerate(out) if math.prod(o.chunk) * itemsize >= start_floor), default=0)
+    return out, min(fine, big)
+
+
+def choose_runs(classes: Sequence[tuple[list[RunOption], int, int]], budget: int) -> list[int]:
+    """For each class ``(options, start index, tensors of the class)``, the option chosen: from the start,
+    refined (a later option, fewer bytes moved) while the bytes moved by every class together exceed
+    ``budget``, the refinement that spares the most bytes moved per added chunk first."""
+    pick = [start for _o, start, _k in classes]
+    moved = sum(o[j].moved * k for (o, _s, k), j in zip(classes, pick))
+
+    def step(c: int) -> tuple[float, int, int] | None:
+        opts, cur = classes[c][0], classes[c][0][pick[c]]
+        best = None
+        for j in range(pick[c] + 1, len(opts)):
+            spared, added = cur.moved - opts[j].moved, max(1, opts[j].chunks - cur.chunks)
+            if spared > 0 and (best is None or spared / added > -best[0]):
+                best = (-spared / added, c, j)
+        return best
+
+    heap = [s for c in range(len(classes)) if (s := step(c)) is not None]
+    heapq.heapify(heap)
+    while moved > budget and heap:
+        _r, c, j = heapq.heappop(heap)
+        moved -= (classes[c][0][pick[c]].moved - classes[c][0][j].moved) * classes[c][2]
+        pick[c] = j
+        if (s := step(c)) is not None:
+            heapq.heappush(heap, s)
+    return pick

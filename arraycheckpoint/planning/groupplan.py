@@ -12,7 +12,7 @@ This is the one planner: :func:`arraycheckpoint.planning.plan.build_global_plan`
 rules and runs it too (tests compare plans from rules with plans from the expanded regions). Tensors whose
 regions are the same (same shape, item size and holder structure) are analysed once. Chunk grids nest in the
 saved regions (:mod:`arraycheckpoint.planning.chunking`); a chunk held by one rank is written there, replicated chunks
-go to their holders by worst fit (:mod:`arraycheckpoint.planning.owners`), so only the row grids of flat ranges
+go to their holders by worst fit (:mod:`arraycheckpoint.planning.owners`), so only the flat-run grids of flat ranges
 (FSDP1) move bytes. Pure: no I/O.
 """
 
@@ -29,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from ..checks.bounds import MAX_DERIVED_WRITERS
 from ..checks.names import check_name_tree
 from ..errors import PlanError
-from .chunking import split_chunk, tensor_chunk_shape
+from .chunking import RunOption, choose_runs, run_options, split_chunk, tensor_chunk_shape
+from .flatgrid import GENERIC, chunk_box, flat_interval, holder_cuts, region_choice
 from .owners import WorstFit, fragment_source, replica_caps
 from .packing import assign_packs, by_pack
 from .plan import (
@@ -44,7 +46,7 @@ from .plan import (
     _validate_cover,
     check_loadable,
 )
-from .regions import Box, chunk_boxes, intersect
+from .regions import Box
 from .rules import Mesh, check_rule, mesh_regions, range_regions
 
 
@@ -111,11 +113,12 @@ class TensorDecision:
     """What the plan decided for one tensor."""
 
     layout: ArrayLayout
-    writers: tuple[int, ...]  # per chunk, row-major over the chunk grid
+    writers: np.ndarray  # per chunk, row-major over the chunk grid (read-only; tensors of a class share it)
     creator: int
     pack: str | None = (
         None  # the pack holding the array (arraycheckpoint.planning.packing), None: its own directory
     )
+    derived: bool = False  # the writers follow from the layout (flatgrid.held_writers): not stored
 
 
 @dataclass
@@ -150,19 +153,49 @@ class CompactPlan:
 
 @dataclass
 class _Class:
-    """What tensors with identical region structure share: regions, chunks, writers' candidates, pieces."""
+    """What tensors with identical region structure share: regions, the chunk grid, each chunk's region."""
 
+    shape: tuple[int, ...]
     boxes: list[Box]
     holders: list[list[int]]  # sorted ranks per region
     layout_shape: tuple[tuple[int, ...], tuple[int, ...]]  # chunk, inner
-    chunks: list[Box]
-    candidates: list[np.ndarray]  # per chunk: the ranks that may write it (the holders of most of it)
-    pieces: list[list[tuple[Box, int]]]  # per chunk: (piece box, region index)
-    uses: list[list[tuple[int, int]]]  # per region: (chunk index, piece index) of the pieces it supplies
+    choice: np.ndarray  # per chunk: the region whose holders may write it (the holders of most of it)
+    straddle: dict[int, list[tuple[Box, int]]]  # chunks in several regions: (piece box, region index)
+    uses: list[list[tuple[int, int]]]  # per region: (chunk index, piece index) of the straddling pieces
     nbytes: np.ndarray  # per chunk
     forced: np.ndarray  # per chunk: its writer when it has one candidate, else -1 (worst fit decides)
-    straddles: bool  # some chunk lies in several regions (a row grid over flat ranges): fragments travel
+    straddles: bool  # some chunk lies in several regions (flat runs over flat ranges): fragments travel
+    derived: bool  # every writer is the one holder of its chunk's region (flatgrid.held_writers)
     _held: dict[int, list[int]] | None = None  # rank -> regions it holds (built on first use)
+    _arrays: list[np.ndarray] | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        return [-(-max(s, 1) // c) for s, c in zip(self.shape, self.layout_shape[0])]
+
+    def chunk(self, ci: int) -> Box:
+        """Chunk ``ci`` (row-major) of the grid."""
+        return chunk_box(self.shape, self.layout_shape[0], self.counts, ci)
+
+    @property
+    def chunks(self) -> _Chunks:
+        """Every chunk as a sequence (built on access, one at a time)."""
+        return _Chunks(len(self.nbytes), self.chunk)
+
+    @property
+    def pieces(self) -> _Chunks:
+        """Per chunk: its (piece box, region index) pairs (one piece unless it straddles regions)."""
+        return _Chunks(len(self.nbytes), self.pieces_of)
+
+    def pieces_of(self, ci: int) -> list[tuple[Box, int]]:
+        got = self.straddle.get(ci)
+        return got if got is not None else [(self.chunk(ci), int(self.choice[ci]))]
+
+    def candidates(self, ci: int) -> np.ndarray:
+        """The ranks that may write chunk ``ci`` (sorted)."""
+        if self._arrays is None:
+            self._arrays = [np.asarray(h, dtype=np.int64) for h in self.holders]
+        return self._arrays[int(self.choice[ci])]
 
     def held_by(self, rank: int) -> list[int]:
         """Indices of the regions ``rank`` holds."""
@@ -172,6 +205,23 @@ class _Class:
                 for r in hs:
                     self._held[r].append(i)
         return self._held.get(rank, [])
+
+
+class _Chunks(Sequence):
+    """A per-chunk sequence of a class computed on access (a class may have millions of chunks)."""
+
+    def __init__(self, n: int, get: Any) -> None:
+        self._n, self._get = n, get
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self._get(k) for k in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return self._get(i % self._n)
 
 
 def _regions_of(name: str, contribs: list[tuple[Decl, tuple[int, ...], TensorRule]]) -> dict[Box, list[int]]:
@@ -205,59 +255,80 @@ def _analyse(
     shape: tuple[int, ...],
     itemsize: int,
     name: str,
-    regions: dict[Box, list[int]],
+    unique: list[Box],
+    holders: list[list[int]],
+    chunk_shape: tuple[int, ...],
     options: PlanOptions,
-    cap: int | None,
     dtype: str,
 ) -> _Class:
-    unique = sorted(regions)
-    _validate_cover(name, shape, unique)
-    holders = [sorted(regions[b]) for b in unique]
-    held = [np.asarray(h, dtype=np.int64) for h in holders]  # shared by every chunk a region holds
-    chunk_shape, nested = tensor_chunk_shape(shape, itemsize, unique, options, cap)
     inner = split_chunk(chunk_shape, itemsize, options.inner_chunk_bytes)
     check_loadable(name, shape, dtype, chunk_shape, inner)  # before the chunks are enumerated
-    starts = [b.offsets[0] for b in unique] if shape else []
-    longest = max((b.lengths[0] for b in unique), default=0) if shape else 0
-    chunks, candidates, pieces = [], [], []
+    choice, straddle, kind = region_choice(shape, chunk_shape, unique, holders)
     uses: list[list[tuple[int, int]]] = [[] for _ in unique]
-    straddles = False
-    for ci, chunk in enumerate(chunk_boxes(shape, chunk_shape)):
-        if shape:
-            lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.lengths[0]
-            # regions are sorted by offset: only those starting in (lo - longest, hi) can overlap
-            idx = range(bisect.bisect_right(starts, lo - longest), bisect.bisect_left(starts, hi))
-        else:
-            idx = range(len(unique))
-        if nested:  # the chunk lies inside exactly one region: the first one containing its origin
-            region = next(i for i in idx if unique[i].contains(chunk))
-            chunk_pieces = [(chunk, region)]
-        else:
-            parts = [(i, intersect(unique[i], chunk)) for i in idx]
-            chunk_pieces = [(p, i) for i, p in parts if p is not None]
-            region = _most_held(chunk_pieces, holders)
-            straddles = straddles or len(chunk_pieces) > 1
-        for pi, (_p, r) in enumerate(chunk_pieces):
+    for ci, pieces in straddle.items():
+        for pi, (_p, r) in enumerate(pieces):
             uses[r].append((ci, pi))
-        chunks.append(chunk)
-        candidates.append(held[region])
-        pieces.append(chunk_pieces)
-    nbytes = np.asarray([c.volume * itemsize for c in chunks], dtype=np.int64)
-    forced = np.asarray([int(c[0]) if len(c) == 1 else -1 for c in candidates], dtype=np.int64)
+    nbytes = _chunk_bytes(shape, chunk_shape, itemsize)
+    single = np.asarray([h[0] if len(h) == 1 else -1 for h in holders], dtype=np.int64)
+    forced = single[choice] if len(choice) else np.zeros(0, dtype=np.int64)
+    derived = kind != GENERIC and not (forced < 0).any() and len(forced) <= MAX_DERIVED_WRITERS
+    forced.flags.writeable = False  # shared by every tensor of the class
     return _Class(
-        unique, holders, (chunk_shape, inner), chunks, candidates, pieces, uses, nbytes, forced, straddles
+        shape,
+        unique,
+        holders,
+        (chunk_shape, inner),
+        choice,
+        straddle,
+        uses,
+        nbytes,
+        forced,
+        bool(straddle),
+        bool(derived),
     )
 
 
-def _most_held(pieces: list[tuple[Box, int]], holders: list[list[int]]) -> int:
-    """A region whose holders hold the most of a straddling chunk (its pieces summed per holder set; ties:
-    the set listed first, then the lowest region index)."""
-    held: dict[tuple[int, ...], tuple[int, int]] = {}
-    for box, region in pieces:
-        key = tuple(holders[region])
-        n, first = held.get(key, (0, region))
-        held[key] = (n + box.volume, min(first, region))
-    return min(held.values(), key=lambda x: (-x[0], x[1]))[1]
+def _chunk_bytes(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int) -> np.ndarray:
+    """Bytes of every chunk of the grid (edge chunks clipped), row-major."""
+    if not shape:
+        return np.asarray([itemsize], dtype=np.int64)
+    out = np.ones(1, dtype=np.int64) * itemsize
+    for s, c in zip(shape, chunk):
+        if s == 0:
+            return np.zeros(0, dtype=np.int64)
+        lengths = np.minimum(c, s - np.arange(0, s, c, dtype=np.int64))
+        out = np.multiply.outer(out, lengths).ravel()
+    return out
+
+
+def _grids(
+    keyed: dict[Any, tuple[str, TensorRule, list[Box], list[list[int]], int | None]],
+    uses: Mapping[Any, int],
+    options: PlanOptions,
+) -> dict[Any, tuple[int, ...]]:
+    """The chunk grid of every class: nested where one exists, else flat runs over flat ranges sized
+    together for the save (:func:`~arraycheckpoint.planning.chunking.choose_runs`), else whole rows."""
+    grids: dict[Any, tuple[int, ...]] = {}
+    runs: list[tuple[Any, list[RunOption], int, int]] = []
+    total = 0
+    for key, (_name, t, unique, holders, cap) in keyed.items():
+        total += math.prod(t.shape) * t.itemsize * uses[key]
+        grid, nested = tensor_chunk_shape(t.shape, t.itemsize, unique, options, cap)
+        grids[key] = grid
+        if nested:
+            continue
+        intervals = [flat_interval(t.shape, b) for b in unique]
+        if any(iv is None for iv in intervals):
+            continue
+        cuts = holder_cuts(np.asarray(intervals, dtype=np.int64), [tuple(h) for h in holders])
+        limit = max(t.itemsize, min(options.max_chunk_bytes, cap or options.max_chunk_bytes))
+        opts, start = run_options(t.shape, t.itemsize, cuts, limit, options)
+        runs.append((key, opts, start, uses[key]))
+    if runs:
+        picks = choose_runs([(o, s, k) for _key, o, s, k in runs], int(options.range_move_share * total))
+        for (key, opts, _s, _k), j in zip(runs, picks):
+            grids[key] = opts[j].chunk
+    return grids
 
 
 def build_compact_plan(
@@ -313,15 +384,26 @@ def build_compact_plan(
         options.write_balance,
         options.max_chunk_bytes,
     )
+    keyed: dict[Any, tuple[str, TensorRule, list[Box], list[list[int]], int | None]] = {}
+    for name in sorted(contribs):
+        key = keys[name]
+        if key not in keyed:
+            regions = regions_by_key[key]
+            unique = sorted(regions)
+            _validate_cover(name, first[name].shape, unique)
+            cap = min((caps[tuple(sorted(hs))] for hs in regions.values() if len(hs) > 1), default=None)
+            keyed[key] = (name, first[name], unique, [sorted(regions[b]) for b in unique], cap)
+    grids = _grids(keyed, uses, options)
     classes: dict[str, _Class] = {}
     cache: dict[Any, _Class] = {}
     for name in sorted(contribs):
         t, key = first[name], keys[name]
         c = cache.get(key)
         if c is None:
-            regions = regions_by_key[key]
-            cap = min((caps[tuple(sorted(hs))] for hs in regions.values() if len(hs) > 1), default=None)
-            c = cache[key] = _analyse(t.shape, t.itemsize, name, regions, options, cap, t.dtype)
+            _n, _t, unique, holders, _cap = keyed[key]
+            c = cache[key] = _analyse(
+                t.shape, t.itemsize, name, unique, holders, grids[key], options, t.dtype
+            )
         classes[name] = c
 
     # forced chunks (one holder) first, then the replicated ones by worst fit: largest first, ties by
@@ -339,24 +421,26 @@ def build_compact_plan(
                 np.int64
             )
         load += class_load[id(c)]
-        writers[name] = c.forced.copy()
-        order.extend((-int(c.nbytes[ci]), name, ci) for ci in np.nonzero(c.forced < 0)[0].tolist())
+        free = np.nonzero(c.forced < 0)[0]
+        writers[name] = c.forced.copy() if len(free) else c.forced  # all forced: the class's array, shared
+        order.extend((-int(c.nbytes[ci]), name, ci) for ci in free.tolist())
     order.sort()
     fit = WorstFit(load)
     for neg, name, ci in order:
-        writers[name][ci] = fit.pick(-neg, classes[name].candidates[ci])
+        writers[name][ci] = fit.pick(-neg, classes[name].candidates(ci))
 
     files = [0] * world
     tensors: dict[str, TensorDecision] = {}
     for name in names:
         t, c = first[name], classes[name]
         ws = writers[name]
+        ws.flags.writeable = False
         creator = int(ws[0]) if len(ws) else min(range(world), key=lambda r: (files[r], r))
         files[creator] += 1
         layout = ArrayLayout(
             name, t.shape, t.dtype, c.layout_shape[0], c.layout_shape[1], options.compression
         )
-        tensors[name] = TensorDecision(layout, tuple(ws.tolist()), creator)
+        tensors[name] = TensorDecision(layout, ws, creator, derived=c.derived)
     packs = assign_packs(
         {n: (d.layout, d.writers, d.creator) for n, d in tensors.items()},
         {n: first[n].itemsize for n in names},
@@ -366,17 +450,20 @@ def build_compact_plan(
     for name, key in packs.items():
         tensors[name] = dataclasses.replace(tensors[name], pack=key)
     h = hashlib.sha1()
-    class_digest: dict[int, bytes] = {}  # the regions of a class, hashed once for all its tensors
+    digests: dict[int, bytes] = {}  # a class's regions and an array's writers, hashed once for all sharers
     for name in names:
         d, c = tensors[name], classes[name]
-        if id(c) not in class_digest:
+        if id(c) not in digests:
             ch = hashlib.sha1()
             for b, hs in zip(c.boxes, c.holders):
                 ch.update(repr((b.offsets, b.lengths, hs)).encode())
-            class_digest[id(c)] = ch.digest()
-        h.update(repr((name, d.layout, d.creator, d.pack)).encode())
-        h.update(writers[name].tobytes())
-        h.update(class_digest[id(c)])
+            digests[id(c)] = ch.digest()
+        ws = writers[name]
+        if id(ws) not in digests:
+            digests[id(ws)] = hashlib.sha1(ws.tobytes()).digest()
+        h.update(repr((name, d.layout, d.creator, d.pack, d.derived)).encode())
+        h.update(digests[id(ws)])
+        h.update(digests[id(c)])
     exchange = any(classes[n].straddles for n in names)
     plan = CompactPlan(world, groups, tensors, h.hexdigest()[:16], exchange)
     plan._classes = classes
@@ -392,18 +479,18 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
     for name in sorted(plan.tensors):
         d = plan.tensors[name]
         c = plan._classes[name]
-        ws = np.asarray(d.writers, dtype=np.int64)
+        ws = d.writers
         if d.creator == rank:
             mine.add(name)
         for ci in np.nonzero(ws == rank)[0].tolist():
             resolved = []
-            for box, region in c.pieces[ci]:
+            for box, region in c.pieces_of(ci):
                 hs = c.holders[region]
                 src = rank if _holds(hs, rank) else fragment_source(hs, rank)
                 resolved.append(Piece(box, src))
                 if src != rank:
                     recvs.append(Transfer(name, box, src, rank))
-            writes.append(ChunkWrite(name, c.chunks[ci], tuple(resolved)))
+            writes.append(ChunkWrite(name, c.chunk(ci), tuple(resolved)))
             mine.add(name)
         outgoing = []
         for region in c.held_by(rank):
@@ -413,7 +500,7 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
                 if w != rank and not _holds(hs, w) and fragment_source(hs, w) == rank:
                     outgoing.append((ci, pi, w))
         for ci, pi, w in sorted(outgoing):  # chunk order, as the reference planner lists them
-            sends.append(Transfer(name, c.pieces[ci][pi][0], rank, w))
+            sends.append(Transfer(name, c.straddle[ci][pi][0], rank, w))
     layouts = tuple(plan.tensors[n].layout for n in sorted(mine))
     packs = {n: plan.tensors[n].pack for n in mine if plan.tensors[n].pack is not None}
     return RankPlan(

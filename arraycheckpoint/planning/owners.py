@@ -9,7 +9,7 @@ each rank writes stay within ``write_balance`` of the mean wherever the regions 
 replicated chunks for that: :func:`replica_caps`). No chunk is ever written by a rank that lacks its bytes,
 so no tensor byte travels.
 
-The one exception, a chunk of a row grid over flat ranges (FSDP1), is written by a holder of its largest
+The one exception, a chunk of a flat-run grid over flat ranges (FSDP1), is written by a holder of its largest
 piece; each piece it lacks comes from :func:`fragment_source`.
 """
 

@@ -13,8 +13,9 @@ Steps, per tensor:
    go into their writer's packs);
 4. assign one writer per chunk among the ranks holding it, replicas by worst fit on bytes (largest chunk
    first, :mod:`arraycheckpoint.planning.owners`): no tensor byte travels;
-5. only a row grid over flat ranges (FSDP1) straddles regions: the writer of such a chunk receives the
-   other sides of the rank boundaries in it (one batched exchange).
+5. only a grid of flat runs over flat ranges (FSDP1) straddles regions: the writer of such a chunk receives
+   the other sides of the rank boundaries in it (one batched exchange), at most ``range_move_share`` of the
+   save's bytes.
 
 There is one planner: :func:`build_global_plan` states each rank's regions as box rules and runs the compact
 planner (:func:`arraycheckpoint.planning.groupplan.build_compact_plan`), then lists every rank's work.
@@ -70,6 +71,9 @@ class PlanOptions:
     # packs (arraycheckpoint.planning.packing: ZIP files every zarr reader opens), about ``min_chunk_bytes`` each,
     # instead of a directory and two files apiece; 0 keeps every array in its own directory
     pack_array_bytes: int = 2 << 20
+    # flat ranges (FSDP1's flat parameters): chunks are flat runs small enough that the rank-boundary parts
+    # that travel are at most this share of the save's bytes (arraycheckpoint.planning.chunking.choose_runs)
+    range_move_share: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,7 @@ def build_global_plan(
     ]
     compact = build_compact_plan(groups, len(local), options)
     tensors = {
-        name: TensorPlan(d.layout, compact.regions(name), d.writers, d.creator, d.pack)
+        name: TensorPlan(d.layout, compact.regions(name), tuple(d.writers.tolist()), d.creator, d.pack)
         for name, d in sorted(compact.tensors.items())
     }
     return GlobalPlan(tensors, tuple(rank_plan(compact, r) for r in range(len(local))))

@@ -180,3 +180,72 @@ def test_fsdp1_fragment_exchange_runs_beside_the_writes(tmp_path):
     acp.load(tmp_path / "overlap", {"model": plain})
     for k, v in plain.state_dict().items():
         assert np.array_equal(v.numpy(), results[0][1][f"model/{k}"]), k
+
+
+RUNS = dict(min_chunk_bytes=1 << 12, max_chunk_bytes=1 << 14, range_move_share=0.002)
+
+
+def _runs_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 40))
+
+
+def _runs_save_body(rank, world, root):
+    """FSDP1 + Adam saved with a small ``range_move_share``: the rank boundaries cut rows of 64 and 96
+    elements, so the grid is sub-row runs; returns the fragment bytes this rank received and the state."""
+    from arraycheckpoint.engine import exchange
+
+    model = _fsdp1(_runs_model())
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    model(torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    opt.step()
+    fragments, got = exchange.exchange_fragments, []
+
+    def counted(job, plan):
+        out = fragments(job, plan)
+        got.append(sum(int(a.nbytes) for a in out.values()))
+        return out
+
+    exchange.exchange_fragments = counted
+    try:
+        acp.save(f"{root}/runs", {"model": model, "optimizer": opt}, plan_options=acp.PlanOptions(**RUNS))
+    finally:  # pool workers are reused by other tests
+        exchange.exchange_fragments = fragments
+    return sum(got), _full(model, opt)
+
+
+def _runs_load_body(rank, world, root):
+    model = _fsdp1(_runs_model())
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    acp.load(f"{root}/runs", {"model": model, "optimizer": opt})
+    return _full(model, opt)
+
+
+def test_fsdp1_sub_row_runs_move_at_most_the_share_and_reload_bit_exactly(tmp_path):
+    """Issue 22 (A): flat ranges get flat-run chunks, here shorter than a row, so that at most
+    ``range_move_share`` of the save's bytes travel; the writers are derived from the layout (format 7, not
+    listed) and name the rank whose packs hold each chunk; the state reloads bit-exactly into FSDP1 at
+    another world size and into a plain module, and zarr-python reads every array."""
+    results = run_distributed(_runs_save_body, world=3, args=(str(tmp_path),), timeout=300)
+    saved = results[0][1]
+    meta = acp.read_metadata(tmp_path / "runs")
+    flat = {n: t for n, t in meta.tensors.items() if t.regions and t.regions[0][1][0] == "range"}
+    assert flat and all(t.writers.derived for t in flat.values())
+    assert any(t.chunk_shape[0] == 1 and t.chunk_shape[-1] < t.shape[-1] for t in flat.values()), {
+        n: t.chunk_shape for n, t in flat.items()
+    }
+    total = sum(t.nbytes for t in meta.tensors.values())
+    moved = sum(m for m, _s in results)
+    assert 0 < moved <= RUNS["range_move_share"] * total, (moved, total)
+    for loaded in run_distributed(_runs_load_body, world=2, args=(str(tmp_path),), timeout=300):
+        for k in saved:
+            assert loaded[k].dtype == saved[k].dtype and np.array_equal(loaded[k], saved[k]), k
+    from arraycheckpoint.zarr import checkpoint_store
+
+    stored = zarr.open_group(checkpoint_store(str(tmp_path / "runs")), mode="r")
+    for k, v in saved.items():
+        assert np.array_equal(stored[k][...], v), k
+    plain = _runs_model()
+    acp.load(tmp_path / "runs", {"model": plain}, strict=False)
+    for k, v in plain.state_dict().items():
+        assert np.array_equal(v.numpy(), saved[f"model/{k}"]), k

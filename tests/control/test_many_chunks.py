@@ -37,6 +37,9 @@ def test_writer_list_must_match_the_chunk_count(tmp_path):
         plan_options=acp.PlanOptions(min_chunk_bytes=8, max_chunk_bytes=8, inner_chunk_bytes=8),
     )
     doc = json.loads((tmp_path / "ck" / METADATA_FILE).read_text())
+    assert doc["tensors"]["model/w"]["writers"] == "held"  # one rank holds it all: derived, not listed
+    doc["tensors"]["model/w"]["writers"] = [0] * 8
+    assert CheckpointMetadata.from_json(json.dumps(doc)).tensors["model/w"].writers == (0,) * 8
     doc["tensors"]["model/w"]["writers"].append(0)
     with pytest.raises(MetadataError, match="writers"):
         CheckpointMetadata.from_json(json.dumps(doc))

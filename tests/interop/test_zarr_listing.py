@@ -42,6 +42,8 @@ def packed_arrays(ckpt: Path) -> dict[str, str]:
     it; an array over several ranks' packs is read through the checkpoint store only), from plain JSON."""
     from readers import _pack_holding
 
+    import arraycheckpoint as acp
+
     doc = json.loads((ckpt / CONTROL.metadata).read_text())
     out = {}
     for name, t in doc["tensors"].items():
@@ -50,7 +52,11 @@ def packed_arrays(ckpt: Path) -> dict[str, str]:
             continue
         if not pack.endswith(".zip"):
             rank = int(pack.split("/")[-1].partition("@")[0])
-            if set(t["writers"]) - {rank}:
+            # format 7: "held" writers follow from the regions (derived by the library's reader)
+            writers = (
+                acp.read_metadata(ckpt).tensors[name].writers if t["writers"] == "held" else t["writers"]
+            )
+            if set(writers) - {rank}:
                 continue
             pack = _pack_holding(str(ckpt), f"{name}/zarr.json")
         out[name] = pack

@@ -1,0 +1,99 @@
+"""The writers of a tensor's chunks (format 7: derived from its layout where the layout determines them).
+
+A save plans one writer per chunk; where every chunk is written by the one rank holding the region that holds
+most of it (sharded layouts, flat ranges), the metadata stores ``"writers": "held"`` instead of a list and a
+reader derives them with the planner's own code (:func:`arraycheckpoint.planning.flatgrid.held_writers`), so
+the metadata grows with ranks and tensors, not with chunks. Replicated chunks' writers (worst fit) are listed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import ArrayCheckpointError, MetadataError
+
+#: The ``writers`` value of a tensor whose writers are derived from its layout (format 7).
+HELD = "held"
+
+
+class Writers(Sequence):
+    """The writer rank of every chunk of a tensor, row-major, held as an int64 array: from the plan of a save,
+    or (format 7, ``"writers": "held"``) derived from the tensor's regions and chunk grid on first use
+    (:func:`arraycheckpoint.planning.flatgrid.held_writers`, the code the planner ran). ``derived`` says the
+    metadata stores no list for it."""
+
+    def __init__(
+        self, array: Any = None, derived: bool = False, length: int | None = None, derive: Any = None
+    ):
+        self._array, self.derived, self._derive = array, derived, derive
+        self._len = len(array) if array is not None else int(length or 0)
+
+    @staticmethod
+    def derive(
+        name: str, shape: tuple[int, ...], chunk: tuple[int, ...], regions: tuple, groups: tuple, nchunks: int
+    ) -> Writers:
+        """The derived writers of a format-7 tensor (computed on first use; :class:`MetadataError` naming the
+        tensor when its regions do not determine them)."""
+
+        def compute() -> Any:
+            import numpy as np
+
+            from ..planning.flatgrid import held_writers
+            from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
+            from ..planning.plan import _validate_cover
+
+            contribs = [
+                (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
+                for g, rule in regions
+            ]
+            try:
+                held = _regions_of(name, contribs)
+                unique = sorted(held)
+                _validate_cover(name, shape, unique)
+                out = held_writers(shape, chunk, unique, [sorted(held[b]) for b in unique])
+            except (ArrayCheckpointError, ValueError) as e:
+                raise MetadataError(
+                    f"metadata: tensor {name!r}: its writers are derived from its regions, but {e}"
+                ) from None
+            if len(out) != nchunks:
+                raise MetadataError(
+                    f"metadata: tensor {name!r}: {len(out)} derived writers for {nchunks} chunks"
+                )
+            out = np.ascontiguousarray(out, dtype=np.int64)
+            out.flags.writeable = False
+            return out
+
+        return Writers(None, True, nchunks, compute)
+
+    @property
+    def array(self) -> Any:
+        """Every writer as a read-only int64 numpy array."""
+        if self._array is None:
+            self._array = self._derive()
+        return self._array
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return tuple(self.array[i].tolist())
+        return int(self.array[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.array.tolist())
+
+    def count(self, value: Any) -> int:
+        return int((self.array == value).sum())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))  # equal to the tuple of the same writers, as __eq__ says
+
+    def __repr__(self) -> str:
+        return f"Writers({'derived, ' if self.derived else ''}{self._len} chunks)"
