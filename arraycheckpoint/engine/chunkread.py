@@ -7,8 +7,10 @@ into its own buffers, checksums it in software and copies the bytes into the des
 (:func:`read_shard`) each inner chunk a destination holds whole and contiguously is read by ``preadv`` into the
 destination itself, the others into one staging buffer (then the part wanted is copied out), and both
 checksums are verified with the hardware CRC32C. A chunk file read whole, in exactly the layout a save writes,
-takes one ``preadv`` (its inner chunks, their checksums and the index scattered where they belong); a part of
-one reads the index first, then each run of consecutive inner chunks it needs with one ``preadv``.
+is read in order (its inner chunks, their checksums and the index scattered where they belong); a part of one
+reads the index first, then each run of consecutive inner chunks it needs. Either way the reads are ``preadv``
+calls of about :data:`_BLOCK` bytes, each block checksummed right after it lands, while it is still in the
+core's cache: the copy and the checksum are one pass over memory, not two.
 
 :func:`read_shard` reads a chunk file wherever it lies: a file of its own (:class:`ChunkReader`, arrays in
 their own directories), a member of a pack (:mod:`.packread`, at the member's offset in the pack), or bytes
