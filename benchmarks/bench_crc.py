@@ -7,6 +7,11 @@ Measures, on one ``--mib`` buffer, the best of ``--repeats`` (least disturbed by
   in-memory store, minus the same without the ``crc32c`` codec (its portable software CRC32C);
 * ``google_crc32c``: the hardware CRC32C arraycheckpoint's own chunk encoder uses, straight from the buffer.
 
+and the load side (a warm file of ``--mib`` bytes read into a destination and checksummed, median of
+``--repeats`` interleaved rounds): the whole file read with one ``preadv`` then checksummed (every byte read
+from memory twice), each block checksummed right after its ``preadv`` (``engine/chunkread.py``: the block
+still in the core's cache), and ``mmap`` with the checksum then the copy per block.
+
 Run::
 
     python benchmarks/bench_crc.py [--mib 256] [--repeats 5]
@@ -69,6 +74,63 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"  tensorstore's software crc32c (difference)   {sw / gib:.3f} s/GiB  ({n / max(sw, 1e-9) / 1e9:.2f} GB/s)"
     )
+    load_side(data.reshape(-1).view(np.uint8), args.repeats)
+
+
+def load_side(data: np.ndarray, repeats: int) -> None:
+    """Read + checksum of a warm file into a destination: whole then checksum, per block, mmap."""
+    import mmap
+    import os
+    import tempfile
+
+    from arraycheckpoint.codecs.crc import extend
+
+    n, mib = data.nbytes, 1 << 20
+    dest = np.ones(n, np.uint8)
+    with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR", "/tmp")) as f:
+        f.write(data.tobytes())
+        f.flush()
+        fd = f.fileno()
+
+        def whole() -> None:  # one read, then each 1 MiB inner chunk checksummed from memory
+            os.preadv(fd, [dest], 0)
+            for o in range(0, n, mib):
+                extend(0, dest[o : o + mib])
+
+        def blocks(size: int) -> Callable[[], None]:
+            def run() -> None:
+                crc = 0
+                for o in range(0, n, size):
+                    block = dest[o : o + size]
+                    os.preadv(fd, [block], o)
+                    crc = extend(crc, block)
+
+            return run
+
+        mm = mmap.mmap(fd, n, prot=mmap.PROT_READ)
+        src = np.frombuffer(mm, np.uint8)
+
+        def mapped() -> None:  # checksum then copy, per 256 KiB block
+            crc = 0
+            for o in range(0, n, 256 << 10):
+                crc = extend(crc, src[o : o + (256 << 10)])
+                dest[o : o + (256 << 10)] = src[o : o + (256 << 10)]
+
+        cases: dict[str, Callable[[], None]] = {"read whole, then checksum": whole}
+        for k in (64, 256, 1024, 4096):
+            cases[f"preadv + checksum per {k} KiB block"] = blocks(k << 10)
+        cases["mmap: checksum + copy per 256 KiB block"] = mapped
+        cases["preadv only (no checksum), whole"] = lambda: os.preadv(fd, [dest], 0)
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for _ in range(repeats):
+            for k, fn in cases.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+    print(f"load side: {n >> 20} MiB warm file into a destination, median of {repeats} interleaved rounds:")
+    for k, v in times.items():
+        t = sorted(v)[len(v) // 2]
+        print(f"  {k:45s} {t * 1e3:8.1f} ms  ({n / t / 1e9:.2f} GB/s)")
 
 
 if __name__ == "__main__":

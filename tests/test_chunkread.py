@@ -40,7 +40,13 @@ def _read_phase(report):
     return read
 
 
-def test_whole_load_reads_into_the_targets(saved):
+@pytest.mark.parametrize("block", [None, 100])
+def test_whole_load_reads_into_the_targets(saved, block, monkeypatch):
+    """Also in blocks of 100 bytes: each inner chunk (about 512 bytes) read and checksummed in several parts."""
+    from arraycheckpoint.engine import chunkread
+
+    if block is not None:
+        monkeypatch.setattr(chunkread, "_BLOCK", block)
     path, state = saved
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
     report: dict = {}
@@ -54,8 +60,13 @@ def test_whole_load_reads_into_the_targets(saved):
     assert read["direct"] + read["scratch"] >= total, read
 
 
-def test_strided_region_and_sink_reads(saved):
+@pytest.mark.parametrize("block", [None, 100])
+def test_strided_region_and_sink_reads(saved, block, monkeypatch):
     """A column block (a non-contiguous destination: scratch, then copied once) and a sink without a target."""
+    from arraycheckpoint.engine import chunkread
+
+    if block is not None:
+        monkeypatch.setattr(chunkread, "_BLOCK", block)
     path, state = saved
     storage, root, meta = engine().read_metadata(str(path))
     w = state["w"].numpy()

@@ -152,6 +152,27 @@ def test_fsdp2_reshard_matrix(fsdp2_checkpoints, m):
         _assert_same(fsdp2_checkpoints[n][1], results[0][i], f"{n}->{m}")
 
 
+def _load_in_small_blocks(rank, world, paths, kind):
+    """:func:`load_body` with chunk files read and checksummed 40 bytes at a time (a block is a part of an inner
+    chunk, several blocks per ``preadv`` run): the block-by-block read is exercised on real shards."""
+    from arraycheckpoint.engine import chunkread
+
+    block = chunkread._BLOCK
+    chunkread._BLOCK = 40
+    try:
+        return load_body(rank, world, paths, kind)
+    finally:
+        chunkread._BLOCK = block
+
+
+def test_fsdp2_reshard_in_small_blocks(fsdp2_checkpoints):
+    """Saved at 2 and at 4 ranks, loaded at 3 in 40-byte blocks: bit-exact."""
+    ns = [2, 4]
+    results = run_distributed(_load_in_small_blocks, 3, ([fsdp2_checkpoints[n][0] for n in ns], "fsdp2"))
+    for i, n in enumerate(ns):
+        _assert_same(fsdp2_checkpoints[n][1], results[0][i], f"{n}->3 in 40-byte blocks")
+
+
 def test_fsdp2_to_plain_module(fsdp2_checkpoints):
     for n, (path, saved) in fsdp2_checkpoints.items():
         (loaded,) = load_body(0, 1, [path], "plain")

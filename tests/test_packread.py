@@ -113,9 +113,13 @@ def test_whole_members_go_straight_into_the_tensors_with_one_preadv_each(tmp_pat
     assert read["direct"] >= total // 2 and read["direct"] + read["scratch"] >= total, read
 
 
-def test_partial_regions_of_packed_chunks_are_read_bit_exactly(tmp_path) -> None:
+@pytest.mark.parametrize("block", [None, 100])
+def test_partial_regions_of_packed_chunks_are_read_bit_exactly(tmp_path, block, monkeypatch) -> None:
     """Regions that cut through chunks and inner chunks (two of them overlapping, one strided, one with no
-    target) get exactly their bytes (checked against numpy)."""
+    target) get exactly their bytes (checked against numpy); also read in blocks of 100 bytes (each inner
+    chunk of 512 bytes in several ``preadv`` calls, checksummed block by block)."""
+    if block is not None:
+        monkeypatch.setattr(chunkread, "_BLOCK", block)
     from arraycheckpoint.engine import engine
     from arraycheckpoint.planning.items import LoadShard, LoadTensor
     from arraycheckpoint.planning.regions import Box
@@ -243,6 +247,49 @@ def test_read_shard_bounds_its_staging_buffer(source, monkeypatch) -> None:
     assert got == (0, value.nbytes) and np.array_equal(out[:, 3:9], value)
     assert (out[:, :3] == -1).all() and (out[:, 9:] == -1).all()
     assert isinstance(src, np.ndarray) or staging._buf.nbytes <= 2 * 48
+
+
+def test_read_shard_checksums_each_block_right_after_it_lands(source, monkeypatch) -> None:
+    """One pass over the bytes: each ``preadv`` reads at most a block of data (``_BLOCK``: a part of an inner
+    chunk, or several with their checksums) and its bytes are checksummed before the next read; from memory
+    each block is copied then checksummed. Whole, partial and strided (staged) reads stay bit-exact."""
+    make, value = source
+    raw = _chunk_file(value)
+    src, at = make(raw)
+    monkeypatch.setattr(chunkread, "_BLOCK", 20)  # inner chunks of [2, 6] float32: 48 bytes, 3 blocks each
+    events: list[tuple[str, int]] = []
+    real_preadv, real_extend = os.preadv, chunkread.crc_extend
+    monkeypatch.setattr(
+        os,
+        "preadv",
+        lambda fd, bufs, o: events.append(("read", sum(map(len, bufs)))) or real_preadv(fd, bufs, o),
+    )
+    monkeypatch.setattr(
+        chunkread, "crc_extend", lambda c, b: events.append(("crc", len(b))) or real_extend(c, b)
+    )
+    whole = np.full((8, 6), -1, np.float32)
+    strided = np.full((8, 12), -1, np.float32)
+    part = np.full((3, 6), -1, np.float32)
+    for box, out in (
+        (Box((8, 0), (8, 6)), whole),
+        (Box((8, 0), (8, 6)), strided[:, ::2]),
+        (Box((11, 0), (3, 6)), part),
+    ):
+        events.clear()
+        assert _read(src, at, raw, [(box, out)]) is not None
+        assert np.array_equal(out, value[box.slices(Box((8, 0), (8, 6)))])
+        crcs = [n for kind, n in events if kind == "crc"]
+        assert max(crcs) <= 20 and sum(crcs) == 48 * len(
+            {r // 2 for r in range(box.offsets[0] - 8, box.offsets[0] - 8 + box.lengths[0])}
+        )
+        if isinstance(src, int):  # reads and checksums alternate: never two data reads in a row
+            kinds = [kind for kind, _n in events]  # (the index of a part is read by ``pread``)
+            assert kinds[0] == "read" and all(a != b or a == "crc" for a, b in zip(kinds, kinds[1:])), kinds
+            # at most a block and the start of the next (with their checksums) per read; the last also
+            # reads the index of a whole file
+            reads = [n for kind, n in events if kind == "read"]
+            assert len(reads) > 1 and max(reads[:-1]) <= 2 * 20 + 8 and reads[-1] <= 2 * 20 + 8 + 68, reads
+    assert (strided[:, 1::2] == -1).all()
 
 
 def test_read_shard_finds_every_flipped_byte(source) -> None:

@@ -23,7 +23,15 @@ from ..errors import (
 
 def _chunk_grid(t: Any) -> tuple[int, ...]:
     """Chunks per dimension of the array ``t`` (``()`` for a 0-d array: one chunk)."""
-    return tuple(-(-s // c) for s, c in zip(t.shape, t.chunk_shape))
+    try:
+        return _grid_of(t.shape, t.chunk_shape)  # arrays of one layout share it (thousands of small ones)
+    except TypeError:  # unhashable shapes (lists)
+        return tuple(-(-s // c) for s, c in zip(t.shape, t.chunk_shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_of(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-s // c) for s, c in zip(shape, chunk_shape))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -127,20 +127,6 @@ def chunks_wanted(t: Any, boxes: list[Any] | None) -> np.ndarray:
     return np.asarray(sorted(hit), dtype=np.int64)
 
 
-def _chunk_flat(
-    filename: str, array: str, grids: Mapping[str, tuple[int, ...]], separator: str
-) -> int | None:
-    """The flat (row-major) index of the chunk key ``filename`` of ``array`` (checked by :func:`_chunk_owner`)."""
-    grid = grids[array]
-    rest = filename[len(array) + 2 :]
-    flat = 0
-    for p, g in zip(
-        rest.split(separator)[1:] if rest else (), grid
-    ):  # row-major, indices checked in the grid
-        flat = flat * g + int(p)
-    return flat
-
-
 def _check_pack_members(
     meta: Any,
     entries: list[PackMember],
@@ -208,6 +194,15 @@ def _chunk_owner(
 ) -> str | None:
     """The array of ``members`` whose grid has the chunk key ``filename`` (canonical decimal indices, one per
     dimension, each inside the grid), or None."""
+    place = chunk_place(filename, members, grids, separator)
+    return None if place is None else place[0]
+
+
+def chunk_place(
+    filename: str, members: Collection[str], grids: Mapping[str, tuple[int, ...]], separator: str
+) -> tuple[str, int] | None:
+    """``(array, flat row-major chunk index)`` of the chunk key ``filename`` of an array of ``members``
+    (canonical decimal indices, one per dimension, each inside the array's grid ``grids[array]``), or None."""
     m = _CHUNK_KEYS[separator].match(filename)
     if m is None or m.group(1) not in members:
         return None
@@ -217,7 +212,10 @@ def _chunk_owner(
     grid = grids[array]
     if len(parts) != len(grid):
         return None
+    flat = 0
     for p, g in zip(parts, grid):
-        if p != str(int(p)) or int(p) >= g:
+        i = int(p)
+        if p != str(i) or i >= g:
             return None
-    return array
+        flat = flat * g + i
+    return array, flat

@@ -22,7 +22,7 @@ from ..errors import (
 )
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
 from .packdir import _chunk_grid, _longest_chunk_key, _packed_chunk_bytes
-from .packs import _chunk_flat, _chunk_owner, chunks_wanted
+from .packs import chunk_place, chunks_wanted
 
 
 def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
@@ -291,29 +291,31 @@ def _check_rank_pack_members(
     :func:`check_rank_packs`); ``seen`` collects the member names over all of that rank's packs. Returns the
     entries read, whose local headers the caller checks next."""
     checked: list[PackMember] = []
+    tensors = meta.tensors
     for e in entries:
-        if e.filename in seen:
+        name = e.filename
+        if name in seen:
             raise CorruptCheckpointError(
-                f"{where} holds the member {e.filename!r} a second time (in this or another of rank {rank}'s "
+                f"{where} holds the member {name!r} a second time (in this or another of rank {rank}'s "
                 "packs); the pack is damaged or hostile"
             )
-        seen.add(e.filename)
-        array, _, leaf = e.filename.rpartition("/")
+        seen.add(name)
+        array, _, leaf = name.rpartition("/")
         if leaf == "zarr.json" and array in docs:
             limit = MAX_PACKED_JSON_BYTES
         else:
-            owner = _chunk_owner(e.filename, grids, grids, separator)
-            flat = _chunk_flat(e.filename, owner, grids, separator) if owner is not None else None
-            if owner is None or flat is None or meta.tensors[owner].writers[flat] != rank:
-                near = next((n for n in grids if e.filename.startswith(n + "/")), None)
+            place = chunk_place(name, grids, grids, separator)
+            if place is None or tensors[place[0]].writers[place[1]] != rank:
+                near = next((n for n in grids if name.startswith(n + "/")), None)
                 about = f"tensor {near!r}: " if near is not None else ""
                 raise CorruptCheckpointError(
-                    f"{about}{where} holds the member {e.filename!r}, which none of its arrays has (rank {rank} "
+                    f"{about}{where} holds the member {name!r}, which none of its arrays has (rank {rank} "
                     "wrote no such chunk: outside the grid, of another writer, or a foreign file); the pack is "
                     "damaged or hostile"
                 )
-            limit = limits[owner]
-        _check_member(e, e.filename.rpartition("/")[0], where, limit)
-        if e.filename in reading:
+            limit = limits[place[0]]
+        if e.compress_type or e.compress_size != e.file_size or e.file_size > limit:
+            _check_member(e, array, where, limit)  # raises, saying which
+        if name in reading:
             checked.append(e)
     return checked

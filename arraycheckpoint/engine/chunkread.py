@@ -7,8 +7,10 @@ into its own buffers, checksums it in software and copies the bytes into the des
 (:func:`read_shard`) each inner chunk a destination holds whole and contiguously is read by ``preadv`` into the
 destination itself, the others into one staging buffer (then the part wanted is copied out), and both
 checksums are verified with the hardware CRC32C. A chunk file read whole, in exactly the layout a save writes,
-takes one ``preadv`` (its inner chunks, their checksums and the index scattered where they belong); a part of
-one reads the index first, then each run of consecutive inner chunks it needs with one ``preadv``.
+is read in order (its inner chunks, their checksums and the index scattered where they belong); a part of one
+reads the index first, then each run of consecutive inner chunks it needs. Either way the reads are ``preadv``
+calls of about :data:`_BLOCK` bytes, each block checksummed right after it lands, while it is still in the
+core's cache: the copy and the checksum are one pass over memory, not two.
 
 :func:`read_shard` reads a chunk file wherever it lies: a file of its own (:class:`ChunkReader`, arrays in
 their own directories), a member of a pack (:mod:`.packread`, at the member's offset in the pack), or bytes
@@ -37,6 +39,7 @@ import numpy as np
 
 from ..checks.files import open_regular
 from ..codecs import CODEC_PRESET, numpy_dtype
+from ..codecs.crc import extend as crc_extend
 from ..errors import CorruptCheckpointError
 from ..planning.regions import Box, intersect
 from . import shardfile
@@ -45,6 +48,9 @@ from . import shardfile
 _MAX_IOV = 1024
 #: staged bytes of one read (each reader thread's staging buffer holds at most this, or one inner chunk)
 _MAX_STAGING = 8 << 20
+#: bytes read and checksummed at a time (:class:`_Reads`): small enough to stay in a core's cache between
+#: the copy into the destination and the checksum (the best of 64 KiB-4 MiB, ``benchmarks/bench_crc.py``)
+_BLOCK = 256 << 10
 
 #: where a chunk file's bytes are: an open file descriptor, or the bytes themselves (uint8) in memory
 Source = int | np.ndarray
@@ -245,12 +251,20 @@ def _landing(block: Box, hits: list[tuple[Box, Box, np.ndarray]]) -> np.ndarray 
 class _Reads:
     """Consecutive inner chunks of a chunk file, read in one go from ``at``: each one's data lands where
     :func:`_landing` found a destination taking it whole and contiguously, else in the staging buffer (or,
-    for bytes in memory, stays where it is), then is copied to every other destination it meets."""
+    for bytes in memory, stays where it is), then is copied to every other destination it meets.
+
+    Every byte is checksummed right after it lands, in blocks of at most :data:`_BLOCK` bytes read by one
+    ``preadv`` each (or copied from memory), while the block is still in the core's cache: reading a whole
+    file first and checksumming it afterwards read every byte from memory twice (measured 1.3x slower,
+    ``benchmarks/bench_crc.py``). The checksums are compared in :meth:`finish`, once the caller has checked
+    what was read along (a pack member's local header, the index)."""
 
     def __init__(self, src: Source, at: int, items: list[_Item], lay: ShardLayout, staging: Staging) -> None:
         self.src, self.at, self.items, self.lay = src, at, items, lay
         ib = lay.inner_bytes
         self.direct: list[np.ndarray | None] = [item[3] for item in items]
+        #: each inner chunk's computed crc32c (filled by :meth:`read`)
+        self.sums = [0] * len(items)
         step = ib + 4
         if isinstance(src, int):
             n = sum(d is None for d in self.direct)
@@ -270,19 +284,15 @@ class _Reads:
             ]
 
     def read(self, head: bytearray | None = None, tail: bytearray | None = None) -> bool:
-        """Read the inner chunks (and ``head`` just before them, ``tail`` just after); False: cut short."""
+        """Read the inner chunks (and ``head`` just before them, ``tail`` just after), checksum each block as
+        it lands and copy each inner chunk into the destinations not yet holding it; False: cut short."""
+        if isinstance(self.src, int):
+            return self._read_file(self.src, head or bytearray(), tail or bytearray())
         ib, step = self.lay.inner_bytes, self.lay.inner_bytes + 4
         before = len(head) if head is not None else 0
         after = len(tail) if tail is not None else 0
-        want = before + len(self.items) * step + after
-        if isinstance(self.src, int):
-            bufs: list[Any] = [head] if before else []
-            for j, d in enumerate(self.data):
-                bufs += (d, self.crc[4 * j : 4 * j + 4])
-            if after:
-                bufs.append(tail)
-            return os.preadv(self.src, bufs, self.at - before) == want
         mem = self.src
+        want = before + len(self.items) * step + after
         if self.at - before < 0 or self.at - before + want > len(mem) or self.crc is None:
             return False
         if before:
@@ -290,34 +300,76 @@ class _Reads:
         if after:
             end = self.at + len(self.items) * step
             tail[:] = mem[end : end + after].tobytes()  # type: ignore[index]
-        for j, d in enumerate(self.direct):
-            if d is not None:
-                d[...] = mem[self.at + j * step : self.at + j * step + ib]
+        for j, d in enumerate(self.data):
+            at, landed, crc = self.at + j * step, self.direct[j] is not None, 0
+            for s in range(0, ib, _BLOCK):
+                block = d[s : s + _BLOCK]
+                if landed:
+                    block[...] = mem[at + s : at + s + len(block)]
+                crc = crc_extend(crc, block)
+            self.sums[j] = crc
+            self._spread(j)
         return True
 
+    def _read_file(self, fd: int, head: bytearray, tail: bytearray) -> bool:
+        """:meth:`read` from a file: ``preadv`` calls of about :data:`_BLOCK` bytes each (a block of a large
+        inner chunk, or several small inner chunks with their checksums)."""
+        ib, last = self.lay.inner_bytes, len(self.items) - 1
+        at = self.at - len(head)
+        bufs: list[Any] = [head] if head else []
+        want = len(head)
+        blocks: list[tuple[int, np.ndarray]] = []  # (inner chunk, block) the pending call reads
+        ended: list[int] = []  # inner chunks whose last block (and checksum) it reads
+        for j, d in enumerate(self.data):
+            for s in range(0, ib, _BLOCK):
+                block = d[s : s + _BLOCK]
+                bufs.append(block)
+                blocks.append((j, block))
+                want += len(block)
+                if s + _BLOCK < ib:
+                    if want < _BLOCK and len(bufs) < _MAX_IOV - 3:
+                        continue
+                else:
+                    bufs.append(self.crc[4 * j : 4 * j + 4])
+                    want += 4
+                    ended.append(j)
+                    if j == last:
+                        if tail:
+                            bufs.append(tail)
+                            want += len(tail)
+                    elif want < _BLOCK and len(bufs) < _MAX_IOV - 3:
+                        continue
+                if os.preadv(fd, bufs, at) != want:
+                    return False
+                for k, b in blocks:
+                    self.sums[k] = crc_extend(self.sums[k], b)
+                for k in ended:
+                    self._spread(k)
+                at += want
+                bufs, blocks, ended, want = [], [], [], 0
+        return True
+
+    def _spread(self, j: int) -> None:
+        """Copy inner chunk ``j`` (just read) into every destination it meets that does not hold it yet."""
+        hits, landed = self.items[j][2], self.direct[j] is not None
+        if landed and len(hits) == 1:
+            return
+        block = self.items[j][1]
+        block_data = self.data[j].view(self.lay.dtype).reshape(self.lay.inner)
+        for part, box, out in hits[1:] if landed else hits:
+            out[(*part.slices(box), ...)] = block_data[part.slices(block)]
+
     def finish(self, damaged: Callable[[str], Exception]) -> tuple[int, int]:
-        """Check every inner chunk's crc32c, then copy each into the destinations not yet holding it; returns
-        ``(bytes read straight into a destination, bytes copied from the staging buffer)``."""
+        """Compare every inner chunk's crc32c with the one stored after it; returns ``(bytes read straight
+        into a destination, bytes copied from the staging buffer)``."""
         lay = self.lay
         crc = bytes(self.crc)
-        direct = staged = 0
-        for j, (k, block, hits, _landing) in enumerate(self.items):
-            data = self.data[j]
-            if shardfile.crc32c(data) != int.from_bytes(crc[4 * j : 4 * j + 4], "little"):
+        for j, (k, *_rest) in enumerate(self.items):
+            if self.sums[j] != int.from_bytes(crc[4 * j : 4 * j + 4], "little"):
                 pos = [int(p) for p in np.unravel_index(k, lay.grid)] if lay.grid else []
                 raise damaged(f"inner chunk {pos}'s crc32c does not match")
-            landed = self.direct[j] is not None
-            if landed and len(hits) == 1:
-                direct += lay.inner_bytes
-                continue
-            block_data = data.view(lay.dtype).reshape(lay.inner)
-            for part, box, out in hits[1:] if landed else hits:
-                out[(*part.slices(box), ...)] = block_data[part.slices(block)]
-            if landed:
-                direct += lay.inner_bytes
-            else:
-                staged += lay.inner_bytes
-        return direct, staged
+        staged = sum(d is None for d in self.direct) * lay.inner_bytes
+        return len(self.items) * lay.inner_bytes - staged, staged
 
 
 def _pread(src: Source, nbytes: int, offset: int) -> bytes | np.ndarray:

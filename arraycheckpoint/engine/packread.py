@@ -5,9 +5,10 @@ The mirror of :func:`arraycheckpoint.engine.shardfile.encode` for the chunk file
 shard, every inner chunk's little-endian bytes followed by their ``crc32c``, then the index (``(offset,
 nbytes)`` as little-endian uint64 per inner chunk) and the index's ``crc32c``. Each member a load needs is
 read by :func:`arraycheckpoint.engine.chunkread.read_shard` at its offset in the pack, like a chunk file of
-its own: on a local file, one ``preadv`` of the member read whole (its local header, each inner chunk into the
+its own: on a local file, the member read whole in order (its local header, each inner chunk into the
 destination that holds it whole and contiguously, else into one staging buffer reused for every member, the
-checksums and the index), the index first for a part of a member; on an object store, one ranged read of the
+checksums and the index; ``preadv`` calls of about 256 KiB, each block checksummed as it lands), the index
+first for a part of a member; on an object store, one ranged read of the
 member (tensorstore's key-value store of the pack object) whose bytes are the only staging. The index and
 every inner chunk that meets a region are checked with ``google_crc32c``; staged bytes are copied once into
 the destination of each region (the tensor itself, or the staging buffer a sink asked for).

@@ -60,10 +60,20 @@ def _read_regions(tmp_path, where: str, blob: bytes, size: int):
 
 
 @pytest.mark.parametrize("where", ["file", "memory"])
-def test_read_shard_every_flipped_byte(tmp_path, where) -> None:
+@pytest.mark.parametrize("block", [None, 20, 60])
+def test_read_shard_every_flipped_byte(tmp_path, where, block, monkeypatch) -> None:
+    """Also with blocks (read and checksummed together) of a part of an inner chunk (20 bytes of 48) and of
+    several inner chunks (60 bytes: two inner chunks and their checksums per ``preadv``)."""
+    if block is not None:
+        monkeypatch.setattr(chunkread, "_BLOCK", block)
     raw = b"".join(bytes(p) for p in shardfile.encode(VALUE, _T.inner_chunk_shape))
     lay = chunkread.ShardLayout(_T)
     assert len(raw) == lay.nbytes
+    sound = _read_regions(tmp_path, where, b"h" * 9 + raw, len(raw))
+    assert len(sound) == len(REGIONS)  # every region of the sound file decoded, bit-exact
+    for dests in sound:
+        for box, out in dests:
+            assert np.array_equal(out, VALUE[box.slices(Box((4, 0), (4, 6)))]), box
     for i in range(len(raw)):
         bad = bytearray(raw)
         bad[i] ^= 0x01
