@@ -1,0 +1,299 @@
+"""Packs written member by member, as each member is encoded (the local file system's pack writer).
+
+Every member's size is known before the first is encoded: a chunk file's size follows from its array's chunk
+shape and dtype (:func:`arraycheckpoint.planning.packing.chunk_file_bytes`, edge chunks padded), and the
+``zarr.json`` documents are encoded up front. So every member's local header and bytes have a fixed offset in
+the pack, and a member is written with ``pwritev(2)`` at its offset as soon as it is encoded, on the writer's
+threads, while the next ones are encoded: the pack's bytes reach the page cache (and, through
+:func:`.shardfile.start_writeback`, the device) during the save instead of after its last member. The central
+directory follows the last member written. The file's bytes are exactly :func:`.packfile.write_zip`'s for the
+same members in the same order (``tests/test_packstream.py``), so every reader of packs reads it unchanged.
+
+Small members are handed to the threads in batches (:data:`BATCH_BYTES`, :data:`BATCH_MEMBERS`), each batch's
+members that are neighbours in the file written with one ``pwritev``. A pack whose write failed, or that a
+failed save left incomplete, is closed and removed (:meth:`StreamedPack.abandon`): no file without its
+directory is left behind, and no descriptor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import zipfile
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from ..errors import SaveFailedError
+from .packfile import Buffer, Member, _central_directory, _crc32, _flat, _member_info
+
+#: A batch of small members is handed to the writer's threads once it holds this many bytes ...
+BATCH_BYTES = 4 << 20
+#: ... or this many members (or when the pack's last member arrives, or at :meth:`StreamedPack.flush`).
+BATCH_MEMBERS = 128
+#: Most buffers one ``pwritev(2)`` takes (Linux's ``IOV_MAX``).
+_IOV_MAX = 1024
+
+#: ``submit(task, nbytes)``: run ``task`` on one of the writer's threads (chosen by ``nbytes``).
+Submit = Callable[[Callable[[], None], int], Any]
+#: ``later(task)``: run ``task`` on the writer's write-back thread, after every task handed to it before.
+Later = Callable[[Callable[[], None]], None]
+
+
+class StreamedPack:
+    """One pack file, created now, whose members are written at fixed offsets as they arrive.
+
+    ``members``: ``(key, nbytes)`` of every member in pack order. :meth:`add` takes member ``index``'s buffers
+    (from one thread: the save's) and returns the future of the batch that writes it. The last write of a
+    member writes the central directory and hands the file to ``release(fd, nbytes)`` (the writer closes it
+    after starting its write-back). Ranges of at least ``writeback_bytes`` start their device write-back on
+    the write-back thread (``later``) as soon as they are written.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        members: list[tuple[str, int]],
+        submit: Submit,
+        later: Later,
+        release: Callable[[int, int], None],
+        writeback: Callable[[int, int, int], None],
+        writeback_bytes: int,
+    ) -> None:
+        self.path = path
+        self._submit, self._later, self._release = submit, later, release
+        self._writeback, self._writeback_bytes = writeback, writeback_bytes
+        self._infos: list[zipfile.ZipInfo] = []
+        self._offsets: list[int] = []  # of each member's local header
+        self._sizes: list[int] = []
+        self._header_bytes: list[int] = []
+        offset = 0
+        for key, nbytes in members:
+            info = _member_info(key)
+            info.file_size = info.compress_size = nbytes
+            info.CRC = 0
+            info.header_offset = offset
+            header = len(info.FileHeader(_zip64(nbytes)))  # its length does not depend on the CRC
+            self._infos.append(info)
+            self._offsets.append(offset)
+            self._sizes.append(nbytes)
+            self._header_bytes.append(header)
+            offset += header + nbytes
+        self.end = offset  # where the central directory starts
+        self._arrived = [False] * len(members)
+        self._left = len(members)  # members not yet written (or failed)
+        self._lock = threading.Lock()
+        self._failed = False
+        self._done = False
+        self._batch: list[tuple[int, list[Buffer]]] = []
+        self._batch_bytes = 0
+        self._batch_future: Future[None] = Future()
+        flags = (
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        )
+        self._fd: int | None = os.open(path, flags, 0o644)
+        if not members:  # an empty pack: just its end records
+            self._left = 1
+            self._finish(1)
+
+    @property
+    def complete(self) -> bool:
+        """Every member was handed to :meth:`add`."""
+        return all(self._arrived)
+
+    def add(self, index: int, parts: list[Buffer]) -> tuple[Future[None], int]:
+        """Queue member ``index``'s bytes (``parts``, in order); the future of the batch that writes it, and
+        the member's bytes.
+
+        Raises:
+            SaveFailedError: the member was added before, or its bytes are not the size the pack was laid
+                out with (a plan and an encoder that disagree: nothing is written at a wrong offset).
+        """
+        nbytes = _check_member(
+            self._infos[index].filename, self.path, self._arrived, index, parts, self._sizes
+        )
+        self._batch.append((index, parts))
+        self._batch_bytes += nbytes
+        fut = self._batch_future
+        if self._batch_bytes >= BATCH_BYTES or len(self._batch) >= BATCH_MEMBERS or self.complete:
+            self.flush()
+        return fut, nbytes
+
+    def flush(self) -> None:
+        """Hand the pending batch to the writer's threads."""
+        if not self._batch:
+            return
+        batch, fut, nbytes = self._batch, self._batch_future, self._batch_bytes
+        self._batch, self._batch_bytes, self._batch_future = [], 0, Future()
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                self._write(batch)
+            except BaseException as e:  # noqa: BLE001 - reported through the batch's future
+                self._failed, error = True, e
+            try:
+                self._finish(len(batch))
+            except BaseException as e:  # noqa: BLE001 - the central directory's write failed
+                error = error or e
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+
+        self._submit(run, nbytes)
+
+    def abandon(self) -> None:
+        """Close and remove a pack that will not be completed (a failed save): call after its last write."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._remove()
+
+    def _write(self, batch: list[tuple[int, list[Buffer]]]) -> None:
+        """Write the members of ``batch``: each run of neighbours in the file with one ``pwritev``."""
+        batch.sort(key=lambda m: m[0])
+        run: list[memoryview] = []
+        start = prev = -2
+        for index, parts in batch:
+            flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
+            crc = 0
+            for p in flat:
+                crc = _crc32(p, crc)
+            info = self._infos[index]
+            info.CRC = crc
+            header = info.FileHeader(_zip64(self._sizes[index]))
+            if len(header) != self._header_bytes[index]:  # never: its length does not depend on the CRC
+                raise SaveFailedError(
+                    f"the local header of {info.filename} in {self.path} changed its length"
+                )
+            if run and index != prev + 1:
+                self._pwrite(run, self._offsets[start])
+                run = []
+            if not run:
+                start = index
+            run.append(memoryview(header))
+            run.extend(v for v in map(memoryview, flat) if v.nbytes)
+            prev = index
+        if run:
+            self._pwrite(run, self._offsets[start])
+
+    def _pwrite(self, views: list[memoryview], offset: int) -> None:
+        fd = self._fd
+        assert fd is not None, "a pack written after it was closed"
+        first, total = offset, sum(v.nbytes for v in views)
+        while views:
+            n = os.pwritev(fd, views[:_IOV_MAX], offset)
+            if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
+                raise OSError(errno.EIO, f"pwritev(2) wrote nothing to {self.path}")
+            offset += n
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+        if total >= self._writeback_bytes:
+            self._later(lambda: self._writeback(fd, first, total))
+
+    def _finish(self, count: int) -> None:
+        """``count`` members written (or failed). After the last: the central directory, and the file handed
+        to ``release``; or, when any write failed, the file removed."""
+        with self._lock:
+            self._left -= count
+            if self._left or self._done:
+                return
+            self._done = True
+        if self._failed:
+            self._remove()
+            return
+        try:
+            directory = _central_directory(self._infos, self.end)
+            self._pwrite([memoryview(directory)], self.end)
+        except BaseException:
+            self._remove()
+            raise
+        fd, self._fd = self._fd, None
+        assert fd is not None
+        self._release(fd, self.end + len(directory))
+
+    def _remove(self) -> None:
+        """Close the file (after the write-back requests queued for it) and unlink it."""
+        fd, self._fd = self._fd, None
+        path = self.path
+
+        def run() -> None:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+        self._later(run)
+
+
+class WholePack:
+    """A pack written in one piece once every member arrived (a key-value store takes one value per object):
+    the same interface as :class:`StreamedPack`. ``write(members)`` writes the pack and returns its future."""
+
+    def __init__(
+        self, name: str, members: list[tuple[str, int]], write: Callable[[list[Member]], Any]
+    ) -> None:
+        self.path = name
+        self._keys = [key for key, _n in members]
+        self._sizes = [n for _key, n in members]
+        self._arrived = [False] * len(members)
+        self._parts: list[list[Buffer]] = [[] for _ in members]
+        self._write = write
+
+    @property
+    def complete(self) -> bool:
+        """Every member was handed to :meth:`add`."""
+        return all(self._arrived)
+
+    def add(self, index: int, parts: list[Buffer]) -> tuple[Any, int] | None:
+        """Hold member ``index``'s bytes; after the last member: the pack's write future and its bytes."""
+        _check_member(self._keys[index], self.path, self._arrived, index, parts, self._sizes)
+        self._parts[index] = parts
+        if not self.complete:
+            return None
+        members = list(zip(self._keys, self._parts))
+        self._parts = []
+        return self._write(members), sum(self._sizes)
+
+    def flush(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        self._parts = []
+
+
+def _check_member(
+    key: str, pack: str, arrived: list[bool], index: int, parts: list[Buffer], sizes: list[int]
+) -> int:
+    """The bytes of member ``index`` (marked arrived), checked against the pack's layout.
+
+    Raises:
+        SaveFailedError: the member was added before, or its bytes are not the size the pack was laid out
+            with (a plan and an encoder that disagree: nothing is written at a wrong offset).
+    """
+    nbytes = sum(_nbytes(p) for p in parts)
+    if arrived[index] or nbytes != sizes[index]:
+        what = "twice" if arrived[index] else f"with {nbytes} bytes, not the {sizes[index]} planned"
+        raise SaveFailedError(f"pack member {key} of {pack} was written {what}")
+    arrived[index] = True
+    return nbytes
+
+
+def _zip64(nbytes: int) -> bool:
+    """Whether a member's local header carries zip64 sizes (what zipfile's ``open(..., force_zip64=...)``
+    decides in :func:`.packfile.write_zip`)."""
+    return nbytes >= zipfile.ZIP64_LIMIT
+
+
+def _nbytes(p: Any) -> int:
+    return int(p.nbytes) if isinstance(p, np.ndarray) else len(p)
