@@ -22,6 +22,7 @@ import errno
 import os
 import threading
 import zipfile
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -92,6 +93,8 @@ class StreamedPack:
         self._batch: list[tuple[int, list[Buffer]]] = []
         self._batch_bytes = 0
         self._batch_future: Future[None] = Future()
+        self._queue: deque[tuple[list[tuple[int, list[Buffer]]], Future[None]]] = deque()
+        self._draining = False  # a thread is writing this pack's queued batches
         flags = (
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         )
@@ -124,13 +127,31 @@ class StreamedPack:
         return fut, nbytes
 
     def flush(self) -> None:
-        """Hand the pending batch to the writer's threads."""
+        """Hand the pending batch to the writer's threads.
+
+        One pack's batches are written one after the other, never by two threads at once: two threads writing
+        one file contend for its inode lock (measured at 2 FSDP2 ranks: 40% more CPU time, the waiting
+        writer spinning, and a slower save than writing the pack whole). Another pack's batches go on meanwhile
+        on the other threads."""
         if not self._batch:
             return
         batch, fut, nbytes = self._batch, self._batch_future, self._batch_bytes
         self._batch, self._batch_bytes, self._batch_future = [], 0, Future()
+        with self._lock:
+            self._queue.append((batch, fut))
+            if self._draining:
+                return  # the thread writing this pack takes it next
+            self._draining = True
+        self._submit(self._drain, nbytes)
 
-        def run() -> None:
+    def _drain(self) -> None:
+        """Write this pack's queued batches until none is left."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._draining = False
+                    return
+                batch, fut = self._queue.popleft()
             error: BaseException | None = None
             try:
                 self._write(batch)
@@ -144,8 +165,6 @@ class StreamedPack:
                 fut.set_result(None)
             else:
                 fut.set_exception(error)
-
-        self._submit(run, nbytes)
 
     def abandon(self) -> None:
         """Close and remove a pack that will not be completed (a failed save): call after its last write."""
@@ -297,3 +316,22 @@ def _zip64(nbytes: int) -> bool:
 
 def _nbytes(p: Any) -> int:
     return int(p.nbytes) if isinstance(p, np.ndarray) else len(p)
+
+
+def write_pack_file(path: str, members: list[Member]) -> None:
+    """Create ``path`` (exclusively, never through a symbolic link) holding the pack of ``members``, written
+    member by member in the calling thread (:class:`StreamedPack` without a writer's threads): the bytes of
+    :func:`.packfile.write_zip`. A failed write leaves no file and no descriptor behind."""
+    pack = StreamedPack(
+        path,
+        [(key, sum(_nbytes(p) for p in parts)) for key, parts in members],
+        lambda task, _nbytes: task(),
+        lambda task: task(),
+        lambda fd, _nbytes: os.close(fd),
+        lambda _fd, _offset, _nbytes: None,
+        1 << 62,
+    )
+    futures = [pack.add(i, parts)[0] for i, (_key, parts) in enumerate(members)]
+    pack.flush()
+    for fut in futures:
+        fut.result()
