@@ -27,7 +27,12 @@ def _members(count: int = 40) -> list[packfile.Member]:
     out: list[packfile.Member] = [("model/a/zarr.json", [b'{"zarr_format": 3}'])]
     for i in range(count):
         rows = int(rng.integers(1, 64))
-        out.append((f"model/t{i}/c.0.0", shardfile.encode(rng.standard_normal((rows, 32)).astype(np.float32), (rows, 32))))
+        out.append(
+            (
+                f"model/t{i}/c.0.0",
+                shardfile.encode(rng.standard_normal((rows, 32)).astype(np.float32), (rows, 32)),
+            )
+        )
     out.append(("model/empty/c.0", [b""]))
     return out
 
@@ -39,7 +44,9 @@ def _reference(members: list[packfile.Member]) -> bytes:
 
 
 def _sizes(members: list[packfile.Member]) -> list[tuple[str, int]]:
-    return [(key, sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)) for key, parts in members]
+    return [
+        (key, sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)) for key, parts in members
+    ]
 
 
 def _fds() -> int:
@@ -47,7 +54,9 @@ def _fds() -> int:
 
 
 @pytest.mark.parametrize("batch", [1, 1 << 12, 1 << 30])
-def test_members_in_any_order_on_the_writers_threads_give_zipfiles_bytes(tmp_path: Path, monkeypatch, batch) -> None:
+def test_members_in_any_order_on_the_writers_threads_give_zipfiles_bytes(
+    tmp_path: Path, monkeypatch, batch
+) -> None:
     monkeypatch.setattr(packstream, "BATCH_BYTES", batch)
     members = _members()
     writer = shardfile.FileWriter(str(tmp_path / "ck"), threads=3)
@@ -151,7 +160,9 @@ def test_pack_members_are_written_before_the_last_one_is_encoded(tmp_path: Path,
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
-def test_a_save_whose_pack_write_fails_commits_nothing_and_a_retry_succeeds(tmp_path: Path, monkeypatch) -> None:
+def test_a_save_whose_pack_write_fails_commits_nothing_and_a_retry_succeeds(
+    tmp_path: Path, monkeypatch
+) -> None:
     monkeypatch.setattr(packstream, "BATCH_BYTES", 1)
     state = _bias_model()
     real = os.pwritev
@@ -175,4 +186,16 @@ def test_a_save_whose_pack_write_fails_commits_nothing_and_a_retry_succeeds(tmp_
     acp.save(tmp_path / "ck", {"model": state})
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
     acp.load(tmp_path / "ck", {"model": dest})
+    assert all(torch.equal(dest[k], state[k]) for k in state)
+
+
+def test_packs_on_a_key_value_store_are_written_whole_and_load(tmp_path: Path) -> None:
+    """Object stores take one value per object: the same packs, each written once its last member arrived."""
+    import arraycheckpoint.storage.memory  # noqa: F401 - registers memory://
+
+    state = _bias_model()
+    url = f"memory://packstream/{os.getpid()}"
+    acp.save(url, {"model": state})
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    acp.load(url, {"model": dest})
     assert all(torch.equal(dest[k], state[k]) for k in state)

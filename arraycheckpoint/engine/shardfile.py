@@ -284,17 +284,6 @@ class FileWriter:
             self.flush()
         return fut
 
-    def write_pack(self, key: str, members: list[tuple[str, list[Buffer]]]) -> Future[None]:
-        """Create the pack file ``key`` holding ``members`` (:mod:`.packfile`) on the pool."""
-        from .packfile import write_zip_file
-
-        def run() -> None:
-            self._make_parents(key)
-            path = f"{self._root}/{key}"
-            write_zip_file(path, members, functools.partial(self._release, path=path))
-
-        return self._pool.submit(run)
-
     def open_pack(self, key: str, members: list[tuple[str, int]]) -> Any:
         """Create the pack file ``key`` of ``members`` (``(key, bytes)`` in pack order), written member by
         member as each is added (:class:`.packstream.StreamedPack`), on the pool."""
@@ -302,8 +291,6 @@ class FileWriter:
 
         self._make_parents(key)
         path = f"{self._root}/{key}"
-        if os.environ.get("ACP_PACK_STREAM", "1") == "0":  # A/B switch, removed before merging
-            return packstream.WholePack(path, members, lambda held: self.write_pack(key, held))
 
         def submit(task: Any, nbytes: int) -> None:
             (self._pool if nbytes >= BATCH_BYTES else self._small).submit(task)
