@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +200,28 @@ def test_packs_on_a_key_value_store_are_written_whole_and_load(tmp_path: Path) -
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
     acp.load(url, {"model": dest})
     assert all(torch.equal(dest[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize(
+    ("shape", "inner"),
+    [((512, 160), (128, 160)), ((7, 5), (7, 5)), ((64, 96), (32, 96)), ((300_001,), (300_001,))],
+)
+def test_the_fused_crc32_is_zlibs_over_the_encoded_file(shape, inner, monkeypatch) -> None:
+    """A pack member's CRC-32, summed slice by slice beside each inner chunk's CRC32C, is zlib's over the
+    chunk file's bytes, which are :func:`shardfile.encode`'s (slices smaller than an inner chunk, and the
+    CRC32C through google_crc32c itself, too)."""
+    data = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+
+    def joined(parts: list[shardfile.Buffer]) -> bytes:
+        return b"".join(
+            bytes(np.ascontiguousarray(p).reshape(-1).view(np.uint8)) if isinstance(p, np.ndarray) else p
+            for p in parts
+        )
+
+    want = joined(shardfile.encode(data, inner))
+    for fused, ctypes_crc in ((shardfile.FUSED_BYTES, shardfile._CTYPES_CRC), (4096, None)):
+        monkeypatch.setattr(shardfile, "FUSED_BYTES", fused)
+        monkeypatch.setattr(shardfile, "_CTYPES_CRC", ctypes_crc)
+        parts, crc = shardfile.encode_with_crc32(data, inner)
+        assert joined(parts) == want
+        assert crc == zlib.crc32(want)

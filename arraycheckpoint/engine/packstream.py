@@ -90,10 +90,10 @@ class StreamedPack:
         self._lock = threading.Lock()
         self._failed = False
         self._done = False
-        self._batch: list[tuple[int, list[Buffer]]] = []
+        self._batch: list[tuple[int, list[Buffer], int | None]] = []
         self._batch_bytes = 0
         self._batch_future: Future[None] = Future()
-        self._queue: deque[tuple[list[tuple[int, list[Buffer]]], Future[None]]] = deque()
+        self._queue: deque[tuple[list[tuple[int, list[Buffer], int | None]], Future[None]]] = deque()
         self._draining = False  # a thread is writing this pack's queued batches
         flags = (
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -108,8 +108,9 @@ class StreamedPack:
         """Every member was handed to :meth:`add`."""
         return all(self._arrived)
 
-    def add(self, index: int, parts: list[Buffer]) -> tuple[Future[None], int]:
-        """Queue member ``index``'s bytes (``parts``, in order); the future of the batch that writes it, and
+    def add(self, index: int, parts: list[Buffer], crc: int | None = None) -> tuple[Future[None], int]:
+        """Queue member ``index``'s bytes (``parts``, in order; ``crc``: their CRC-32 where the encoder summed
+        it already, else it is computed on the writing thread); the future of the batch that writes it, and
         the member's bytes.
 
         Raises:
@@ -119,7 +120,7 @@ class StreamedPack:
         nbytes = _check_member(
             self._infos[index].filename, self.path, self._arrived, index, parts, self._sizes
         )
-        self._batch.append((index, parts))
+        self._batch.append((index, parts, crc))
         self._batch_bytes += nbytes
         fut = self._batch_future
         if self._batch_bytes >= BATCH_BYTES or len(self._batch) >= BATCH_MEMBERS or self.complete:
@@ -174,15 +175,15 @@ class StreamedPack:
             self._done = True
         self._remove()
 
-    def _write(self, batch: list[tuple[int, list[Buffer]]]) -> None:
+    def _write(self, batch: list[tuple[int, list[Buffer], int | None]]) -> None:
         """Write the members of ``batch``: each run of neighbours in the file with one ``pwritev``."""
         batch.sort(key=lambda m: m[0])
         run: list[memoryview] = []
         start = prev = -2
-        for index, parts in batch:
+        for index, parts, known in batch:
             flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
-            crc = 0
-            for p in flat:
+            crc = 0 if known is None else known
+            for p in flat if known is None else ():
                 crc = _crc32(p, crc)
             info = self._infos[index]
             info.CRC = crc
@@ -274,8 +275,9 @@ class WholePack:
         """Every member was handed to :meth:`add`."""
         return all(self._arrived)
 
-    def add(self, index: int, parts: list[Buffer]) -> tuple[Any, int] | None:
-        """Hold member ``index``'s bytes; after the last member: the pack's write future and its bytes."""
+    def add(self, index: int, parts: list[Buffer], crc: int | None = None) -> tuple[Any, int] | None:
+        """Hold member ``index``'s bytes (``crc`` unused: zipfile sums them); after the last member: the pack's
+        write future and its bytes."""
         _check_member(self._keys[index], self.path, self._arrived, index, parts, self._sizes)
         self._parts[index] = parts
         if not self.complete:

@@ -110,15 +110,19 @@ class Packs:
         label)``: none while a pack written whole still waits for members)."""
         layout = self._layouts[w.name]
         little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
-        parts = shardfile.encode(shardfile.padded(little, layout.chunk_shape), layout.inner_chunk_shape)
-        return self._put(self._key(w), parts)
+        parts, crc = shardfile.encode_with_crc32(
+            shardfile.padded(little, layout.chunk_shape), layout.inner_chunk_shape
+        )
+        return self._put(self._key(w), parts, crc)
 
-    def _put(self, member: str, parts: list[shardfile.Buffer]) -> list[tuple[Any, int, str]]:
+    def _put(
+        self, member: str, parts: list[shardfile.Buffer], crc: int | None = None
+    ) -> list[tuple[Any, int, str]]:
         key, index = self._where[member]
         pack = self._open.get(key)
         if pack is None:
             pack = self._open[key] = self._writer.open_pack(key, self._layout[key])
-        started = pack.add(index, parts)
+        started = pack.add(index, parts, crc)
         if started is None:
             return []
         return [(started[0], started[1], f"{member.rpartition('/')[0]} (pack {key})")]

@@ -137,6 +137,25 @@ def crc32c(buf: Buffer) -> int:
 def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> list[Buffer]:
     """The shard file of ``data`` (one whole chunk) in inner chunks of ``inner_chunk_shape``, as the list of
     buffers to write one after the other (views of ``data`` where the inner chunks are contiguous in it)."""
+    return _encode(data, inner_chunk_shape, zip_crc=False)[0]
+
+
+def encode_with_crc32(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> tuple[list[Buffer], int]:
+    """:func:`encode`, and the ZIP CRC-32 of the whole file (a pack member's, :mod:`.packstream`), computed in
+    the same pass: each slice of :data:`FUSED_BYTES` is summed for CRC-32 first (a streaming loop that also
+    brings it into the cache), then for its inner chunk's CRC32C while it is there. Measured here on 144 MiB
+    of float32 chunks: both checksums in 24 ms, against 25 ms for the CRC32C alone and 48 ms for the two in
+    separate passes (the CRC32C loop runs 4x slower on data that is not in the cache)."""
+    return _encode(data, inner_chunk_shape, zip_crc=True)
+
+
+#: Slices summed by both checksums while in the cache (:func:`encode_with_crc32`).
+FUSED_BYTES = 256 << 10
+
+
+def _encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], zip_crc: bool) -> tuple[list[Buffer], int]:
+    from .packfile import _crc32
+
     grid = tuple(c // i for c, i in zip(data.shape, inner_chunk_shape))
     if all(g == 1 for g in grid):
         blocks = [_flat_bytes(data)]
@@ -148,15 +167,41 @@ def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> list[Buffer]
     parts: list[Buffer] = []
     index = []
     offset = 0
+    zcrc = 0
     for block in blocks:
-        parts.append(block)
-        parts.append(crc32c(block).to_bytes(4, "little"))
+        if zip_crc:
+            c = 0
+            for i in range(0, block.nbytes, FUSED_BYTES):
+                piece = block[i : i + FUSED_BYTES]
+                zcrc = _crc32(piece, zcrc)
+                c = _crc32c_extend(c, piece)
+            tail = c.to_bytes(4, "little")
+            zcrc = _crc32(tail, zcrc)
+        else:
+            tail = crc32c(block).to_bytes(4, "little")
+        parts += (block, tail)
         index += (offset, block.nbytes + 4)
         offset += block.nbytes + 4
     raw_index = struct.pack(f"<{len(index)}Q", *index)
-    parts.append(raw_index)
-    parts.append(crc32c(raw_index).to_bytes(4, "little"))
-    return parts
+    tail = crc32c(raw_index).to_bytes(4, "little")
+    parts += (raw_index, tail)
+    if zip_crc:
+        zcrc = _crc32(tail, _crc32(raw_index, zcrc))
+    return parts, zcrc
+
+
+def _crc32c_extend(crc: int, buf: np.ndarray) -> int:
+    """CRC32C of the contiguous array ``buf`` continuing ``crc``."""
+    global _CTYPES_CRC
+    if buf.nbytes == 0:
+        return crc
+    if _CRC is not None:
+        if _CTYPES_CRC is False:
+            _CTYPES_CRC = _ctypes_crc32c()
+        if _CTYPES_CRC is not None:
+            return int(_CTYPES_CRC(crc, buf.ctypes.data, buf.nbytes))
+    view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
+    return int(_ANY_CRC.extend(crc, view))
 
 
 def padded(data: np.ndarray, chunk_shape: tuple[int, ...]) -> np.ndarray:
