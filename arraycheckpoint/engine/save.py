@@ -239,9 +239,9 @@ class SavePipeline:
         with job.recorder.phase("write") as rec:
             layouts = {layout.name: layout for layout in plan.layouts}
             writer = _writer(job)
-            packs = Packs(job, plan, layouts, writer)
-            packed = packs.packed
             try:
+                packs = Packs(job, plan, layouts, writer)
+                packed = packs.packed
                 created = create_arrays(job, writer, [layouts[name] for name in plan.create])
                 # whole uncompressed chunks are encoded here and written as files; the rest go through a
                 # tensorstore array opened with the metadata assumed (on storage already, or written by another
@@ -291,8 +291,8 @@ class SavePipeline:
                 for i in order:
                     w, encode = plan.writes[i], direct[i]
                     data = self._chunk_data(job, w, received() if remote[i] else {})
-                    if w.name in packed:  # written into its pack now (held until the pack is whole on
-                        for fut, nbytes, label in packs.add(w, data):  # a key-value store)
+                    if w.name in packed:  # into its pack now (a key-value store's: once the pack is whole)
+                        for fut, nbytes, label in packs.add(w, data):
                             make_room(nbytes)
                             start(fut, nbytes, label)
                         continue

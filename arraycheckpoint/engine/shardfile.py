@@ -119,15 +119,11 @@ _CTYPES_CRC_BYTES = 1 << 16
 
 def crc32c(buf: Buffer) -> int:
     """CRC32C of ``buf`` (bytes or a C-contiguous array), without copying an array."""
-    global _CTYPES_CRC
     if isinstance(buf, np.ndarray):
         if buf.nbytes == 0:
             return _ANY_CRC.value(b"")
-        if buf.nbytes >= _CTYPES_CRC_BYTES and _CRC is not None:
-            if _CTYPES_CRC is False:
-                _CTYPES_CRC = _ctypes_crc32c()
-            if _CTYPES_CRC is not None:
-                return int(_CTYPES_CRC(0, buf.ctypes.data, buf.nbytes))
+        if buf.nbytes >= _CTYPES_CRC_BYTES:
+            return _crc32c_extend(0, buf)
         # google_crc32c takes only buffers without a release hook (bytes): a ctypes view of the same memory
         view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
         return _ANY_CRC.value(view)
