@@ -68,24 +68,19 @@ class StreamedPack:
         self.path = path
         self._submit, self._later, self._release = submit, later, release
         self._writeback, self._writeback_bytes = writeback, writeback_bytes
-        self._infos: list[zipfile.ZipInfo] = []
+        self._members = _Members(path, members)
+        #: each member's ZipInfo, made on the writing thread (its CRC known)
+        self._infos: list[zipfile.ZipInfo | None] = [None] * len(members)
         self._offsets: list[int] = []  # of each member's local header
-        self._sizes: list[int] = []
         self._header_bytes: list[int] = []
         offset = 0
         for key, nbytes in members:
-            info = _member_info(key)
-            info.file_size = info.compress_size = nbytes
-            info.CRC = 0
-            info.header_offset = offset
-            header = len(info.FileHeader(_zip64(nbytes)))  # its length does not depend on the CRC
-            self._infos.append(info)
+            # zipfile's local header: 30 bytes, the UTF-8 name, no extra field but zip64's sizes (20 bytes)
+            header = 30 + len(key.encode("utf-8")) + (20 if _zip64(nbytes) else 0)
             self._offsets.append(offset)
-            self._sizes.append(nbytes)
             self._header_bytes.append(header)
             offset += header + nbytes
         self.end = offset  # where the central directory starts
-        self._arrived = [False] * len(members)
         self._left = len(members)  # members not yet written (or failed)
         self._lock = threading.Lock()
         self._failed = False
@@ -106,7 +101,7 @@ class StreamedPack:
     @property
     def complete(self) -> bool:
         """Every member was handed to :meth:`add`."""
-        return all(self._arrived)
+        return self._members.complete
 
     def add(self, index: int, parts: list[Buffer], crc: int | None = None) -> tuple[Future[None], int]:
         """Queue member ``index``'s bytes (``parts``, in order; ``crc``: their CRC-32 where the encoder summed
@@ -117,9 +112,7 @@ class StreamedPack:
             SaveFailedError: the member was added before, or its bytes are not the size the pack was laid
                 out with (a plan and an encoder that disagree: nothing is written at a wrong offset).
         """
-        nbytes = _check_member(
-            self._infos[index].filename, self.path, self._arrived, index, parts, self._sizes
-        )
+        nbytes = self._members.arrive(index, parts)
         self._batch.append((index, parts, crc))
         self._batch_bytes += nbytes
         fut = self._batch_future
@@ -185,12 +178,16 @@ class StreamedPack:
             crc = 0 if known is None else known
             for p in flat if known is None else ():
                 crc = _crc32(p, crc)
-            info = self._infos[index]
+            nbytes = self._members.sizes[index]
+            info = self._infos[index] = _member_info(self._members.keys[index])
+            info.file_size = info.compress_size = nbytes
             info.CRC = crc
-            header = info.FileHeader(_zip64(self._sizes[index]))
-            if len(header) != self._header_bytes[index]:  # never: its length does not depend on the CRC
+            info.header_offset = self._offsets[index]
+            header = info.FileHeader(_zip64(nbytes))
+            if len(header) != self._header_bytes[index]:  # a name zipfile would alter (checked names never)
                 raise SaveFailedError(
-                    f"the local header of {info.filename} in {self.path} changed its length"
+                    f"the local header of {info.filename} in {self.path} is not the {self._header_bytes[index]} "
+                    "bytes its layout assumed"
                 )
             if run and index != prev + 1:
                 self._pwrite(run, self._offsets[start])
@@ -232,7 +229,7 @@ class StreamedPack:
             self._remove()
             return
         try:
-            directory = _central_directory(self._infos, self.end)
+            directory = _central_directory([i for i in self._infos if i is not None], self.end)
             self._pwrite([memoryview(directory)], self.end)
         except BaseException:
             self._remove()
@@ -264,27 +261,25 @@ class WholePack:
         self, name: str, members: list[tuple[str, int]], write: Callable[[list[Member]], Any]
     ) -> None:
         self.path = name
-        self._keys = [key for key, _n in members]
-        self._sizes = [n for _key, n in members]
-        self._arrived = [False] * len(members)
+        self._members = _Members(name, members)
         self._parts: list[list[Buffer]] = [[] for _ in members]
         self._write = write
 
     @property
     def complete(self) -> bool:
         """Every member was handed to :meth:`add`."""
-        return all(self._arrived)
+        return self._members.complete
 
     def add(self, index: int, parts: list[Buffer], crc: int | None = None) -> tuple[Any, int] | None:
         """Hold member ``index``'s bytes (``crc`` unused: zipfile sums them); after the last member: the pack's
         write future and its bytes."""
-        _check_member(self._keys[index], self.path, self._arrived, index, parts, self._sizes)
+        self._members.arrive(index, parts)
         self._parts[index] = parts
         if not self.complete:
             return None
-        members = list(zip(self._keys, self._parts))
+        members = list(zip(self._members.keys, self._parts))
         self._parts = []
-        return self._write(members), sum(self._sizes)
+        return self._write(members), sum(self._members.sizes)
 
     def flush(self) -> None:
         pass
@@ -293,21 +288,40 @@ class WholePack:
         self._parts = []
 
 
-def _check_member(
-    key: str, pack: str, arrived: list[bool], index: int, parts: list[Buffer], sizes: list[int]
-) -> int:
-    """The bytes of member ``index`` (marked arrived), checked against the pack's layout.
+class _Members:
+    """A pack's members as laid out (keys and sizes in pack order), and which of them arrived."""
 
-    Raises:
-        SaveFailedError: the member was added before, or its bytes are not the size the pack was laid out
-            with (a plan and an encoder that disagree: nothing is written at a wrong offset).
-    """
-    nbytes = sum(_nbytes(p) for p in parts)
-    if arrived[index] or nbytes != sizes[index]:
-        what = "twice" if arrived[index] else f"with {nbytes} bytes, not the {sizes[index]} planned"
-        raise SaveFailedError(f"pack member {key} of {pack} was written {what}")
-    arrived[index] = True
-    return nbytes
+    def __init__(self, pack: str, members: list[tuple[str, int]]) -> None:
+        self.pack = pack
+        self.keys = [key for key, _n in members]
+        self.sizes = [n for _key, n in members]
+        self._arrived = [False] * len(members)
+        self._count = 0
+
+    @property
+    def complete(self) -> bool:
+        return self._count == len(self.keys)
+
+    def arrive(self, index: int, parts: list[Buffer]) -> int:
+        """Mark member ``index`` arrived with ``parts``; its bytes.
+
+        Raises:
+            SaveFailedError: the member arrived before, or its bytes are not the size the pack was laid out
+                with (a plan and an encoder that disagree: nothing is written at a wrong offset).
+        """
+        nbytes = 0
+        for p in parts:  # (a loop: this runs once per member, 100,000 times for as many small tensors)
+            nbytes += p.nbytes if isinstance(p, np.ndarray) else len(p)
+        if self._arrived[index] or nbytes != self.sizes[index]:
+            what = (
+                "twice"
+                if self._arrived[index]
+                else f"with {nbytes} bytes, not the {self.sizes[index]} planned"
+            )
+            raise SaveFailedError(f"pack member {self.keys[index]} of {self.pack} was written {what}")
+        self._arrived[index] = True
+        self._count += 1
+        return nbytes
 
 
 def _zip64(nbytes: int) -> bool:

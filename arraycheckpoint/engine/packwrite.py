@@ -96,6 +96,7 @@ class Packs:
             self._layout[key] = [(m, real[m]) for m in keys]
             self._where.update((m, (key, i)) for i, m in enumerate(keys))
         self._open: dict[str, Any] = {}
+        self._last: dict[str, Any] = {}  # the last write future handed out per pack
 
     def _key(self, w: Any) -> str:
         return f"{w.name}/{shardfile.chunk_key(self._layouts[w.name], w.chunk)}"
@@ -110,10 +111,12 @@ class Packs:
         label)``: none while a pack written whole still waits for members)."""
         layout = self._layouts[w.name]
         little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
-        parts, crc = shardfile.encode_with_crc32(
-            shardfile.padded(little, layout.chunk_shape), layout.inner_chunk_shape
-        )
-        return self._put(self._key(w), parts, crc)
+        full = shardfile.padded(little, layout.chunk_shape)
+        if full.nbytes >= shardfile.FUSED_BYTES:  # both checksums while the slices are cached
+            parts, crc = shardfile.encode_with_crc32(full, layout.inner_chunk_shape)
+            return self._put(self._key(w), parts, crc)
+        # a small chunk is in the cache anyway: its CRC-32 is left to the writing thread
+        return self._put(self._key(w), shardfile.encode(full, layout.inner_chunk_shape))
 
     def _put(
         self, member: str, parts: list[shardfile.Buffer], crc: int | None = None
@@ -123,8 +126,11 @@ class Packs:
         if pack is None:
             pack = self._open[key] = self._writer.open_pack(key, self._layout[key])
         started = pack.add(index, parts, crc)
-        if started is None:
+        if started is None or started[0] is self._last.get(key):
+            # a small member joined the batch of the one before it, whose future was handed out: counted
+            # with it (the bytes in flight are undercounted by at most one batch per pack)
             return []
+        self._last[key] = started[0]
         return [(started[0], started[1], f"{member.rpartition('/')[0]} (pack {key})")]
 
     def check_done(self) -> None:
