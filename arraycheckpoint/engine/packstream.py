@@ -8,6 +8,8 @@ threads, while the next ones are encoded: the pack's bytes reach the page cache 
 :func:`.shardfile.start_writeback`, the device) during the save instead of after its last member. The central
 directory follows the last member written. The file's bytes are exactly :func:`.packfile.write_zip`'s for the
 same members in the same order (``tests/test_packstream.py``), so every reader of packs reads it unchanged.
+A member's CRC-32 (in its local header) is the encoder's where it summed it beside the shard's CRC32C
+(:func:`.shardfile.encode_with_crc32`, large chunks), else it is summed on the writing thread.
 
 Small members are handed to the threads in batches (:data:`BATCH_BYTES`, :data:`BATCH_MEMBERS`), each batch's
 members that are neighbours in the file written with one ``pwritev``. A pack whose write failed, or that a
