@@ -1,4 +1,4 @@
-"""The pack writer (``engine/packfile.py``): ``write_zip_file`` writes exactly the bytes of zipfile's
+"""The pack writer (``engine/packstream.py``): a pack streamed member by member has exactly the bytes of zipfile's
 ``write_zip`` (the reference every reader was tested against), and the result reads back with zipfile."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arraycheckpoint.engine import packfile, shardfile
+from arraycheckpoint.engine import packfile, packstream, shardfile
 
 
 def _members() -> list[packfile.Member]:
@@ -25,7 +25,7 @@ def _members() -> list[packfile.Member]:
         ("model/ünï/c.0", [np.arange(7, dtype=np.uint8), b"tail"]),  # a UTF-8 name (flag bit 11)
         *(
             (f"model/s{i}/c.0", [rng.bytes(int(rng.integers(0, 64)))]) for i in range(700)
-        ),  # > one writev batch
+        ),  # > one batch of members
     ]
 
 
@@ -39,7 +39,7 @@ def _reference(members: list[packfile.Member]) -> bytes:
 def test_write_zip_file_writes_zipfiles_bytes(tmp_path: Path, count: int) -> None:
     members = _members()[:count]
     path = tmp_path / "0.0.zip"
-    packfile.write_zip_file(str(path), members)
+    packstream.write_pack_file(str(path), members)
     assert path.read_bytes() == _reference(members)
     with zipfile.ZipFile(path) as zf:
         assert zf.testzip() is None  # every member's CRC-32 checks
@@ -57,7 +57,7 @@ def test_write_zip_file_zip64_records_match(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 3)
     members = [(f"m{i}", [bytes(range(60))]) for i in range(5)]
     path = tmp_path / "0.0.zip"
-    packfile.write_zip_file(str(path), members)
+    packstream.write_pack_file(str(path), members)
     assert path.read_bytes() == _reference(members)
 
 
@@ -65,7 +65,7 @@ def test_write_zip_file_refuses_an_existing_path(tmp_path: Path) -> None:
     path = tmp_path / "0.0.zip"
     path.write_bytes(b"x")
     with pytest.raises(FileExistsError):
-        packfile.write_zip_file(str(path), [("a", [b"1"])])
+        packstream.write_pack_file(str(path), [("a", [b"1"])])
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 100_003])

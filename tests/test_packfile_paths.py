@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arraycheckpoint.engine import packfile, shardfile
+from arraycheckpoint.engine import packfile, packstream, shardfile
 
 
 def _members() -> list[packfile.Member]:
@@ -53,7 +53,7 @@ def crc_path(request, monkeypatch) -> str:
 def test_both_crc_paths_write_zipfiles_bytes(tmp_path: Path, crc_path: str) -> None:
     members = _members()
     path = tmp_path / "0.0.zip"
-    packfile.write_zip_file(str(path), members)
+    packstream.write_pack_file(str(path), members)
     assert path.read_bytes() == _reference(members)
     with zipfile.ZipFile(path) as zf:
         assert zf.testzip() is None
@@ -77,7 +77,7 @@ def test_zip64_members_match_zipfile_and_read_back(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 100)
     members = [("small", [b"x" * 10]), ("big", [np.arange(150, dtype=np.uint8)]), ("after", [b"y" * 99])]
     path = tmp_path / "0.0.zip"
-    packfile.write_zip_file(str(path), members)
+    packstream.write_pack_file(str(path), members)
     assert path.read_bytes() == _reference(members)
     with zipfile.ZipFile(path) as zf:
         assert zf.read("big") == bytes(range(150)) and zf.read("after") == b"y" * 99
@@ -87,32 +87,33 @@ def test_zip64_members_match_zipfile_and_read_back(tmp_path: Path, monkeypatch: 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 def test_a_failed_write_leaves_no_file_and_no_descriptor(tmp_path: Path, monkeypatch) -> None:
     before = len(os.listdir("/proc/self/fd"))
-    real = os.writev
+    real = os.pwritev
     calls = []
 
-    def writev(fd, bufs):
+    def pwritev(fd, bufs, offset):
         calls.append(fd)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, bufs)
+        return real(fd, bufs, offset)
 
-    monkeypatch.setattr(packfile, "_BATCH_BYTES", 1 << 10)  # several batches
-    monkeypatch.setattr(os, "writev", writev)
+    monkeypatch.setattr(packstream, "BATCH_BYTES", 1 << 10)  # several batches
+    monkeypatch.setattr(os, "pwritev", pwritev)
     path = tmp_path / "0.0.zip"
     with pytest.raises(OSError, match="No space"):
-        packfile.write_zip_file(str(path), _members())
+        packstream.write_pack_file(str(path), _members())
     monkeypatch.undo()
     assert not path.exists()
     assert len(os.listdir("/proc/self/fd")) == before
-    packfile.write_zip_file(str(path), _members())  # the same path can be written again
+    packstream.write_pack_file(str(path), _members())  # the same path can be written again
     assert path.read_bytes() == _reference(_members())
 
 
 @pytest.mark.timeout(60)
 def test_a_writev_that_writes_nothing_is_an_error_not_a_loop(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(os, "writev", lambda fd, bufs: 0)
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, offset: 0)
     with pytest.raises(OSError, match="wrote nothing"):
-        packfile.write_zip_file(str(tmp_path / "0.0.zip"), _members())
+        packstream.write_pack_file(str(tmp_path / "0.0.zip"), _members())
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: 0)
     with pytest.raises(OSError, match="wrote nothing"):
         shardfile._write_file(str(tmp_path / "c.0"), [b"abc"])
     assert not (tmp_path / "0.0.zip").exists()

@@ -4,19 +4,17 @@ A pack's members are the exact keys the arrays would have in the checkpoint dire
 and the chunk files :mod:`.shardfile` encodes), plus a group ``zarr.json`` for the pack's root and every
 directory above a member. The container is :mod:`zipfile`'s (``ZIP_STORED``: a member's bytes are its
 file's bytes, so tensorstore's ``zip`` driver and zarr-python's ``ZipStore`` read them with ranged reads and
-nothing to inflate); :func:`write_zip_file` writes zipfile's exact bytes with batched ``writev`` instead of
-zipfile itself. Fixed timestamps make a pack's bytes a function of its arrays alone.
+nothing to inflate); on a local file system :mod:`.packstream` writes zipfile's exact bytes member by member,
+as each is encoded, from the header and directory records built here. Fixed timestamps make a pack's bytes a
+function of its arrays alone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
-import errno
 import io
 import json
-import os
 import struct
 import zipfile
 import zlib
@@ -58,53 +56,6 @@ def zip_bytes(members: list[Member]) -> bytes:
     buf = io.BytesIO()
     write_zip(buf, members)
     return buf.getvalue()
-
-
-def write_zip_file(path: str, members: list[Member], release: Any = None) -> None:
-    """Create ``path`` (exclusively, never through a symbolic link) holding the archive of ``members``.
-
-    The same bytes as :func:`write_zip` (``tests/test_packfile.py`` compares them), written without
-    :mod:`zipfile`'s per-member work: each member's CRC-32 and sizes are known before its local header is
-    written, so there is no seek back to rewrite the header, and headers and member bytes go to ``writev(2)``
-    in batches straight from the members' buffers. For a pack of a thousand small chunk files that is a few
-    system calls instead of several per member. ``release(fd, nbytes)`` takes over closing the written file
-    (:class:`.shardfile.FileWriter` starts its device write-back first); else it is closed here.
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags, 0o644)
-    try:
-        out = _VectorWriter(fd)
-        infos = []
-        for key, parts in members:
-            flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
-            crc = 0
-            for p in flat:
-                crc = _crc32(p, crc)
-            views = [memoryview(p) for p in flat]
-            nbytes = sum(v.nbytes for v in views)
-            info = _member_info(key)
-            # what zipfile's ZipFile.open(info, "w", force_zip64=...) decides before the member's bytes
-            zip64 = nbytes >= zipfile.ZIP64_LIMIT
-            info.file_size = info.compress_size = nbytes
-            info.CRC = crc
-            info.header_offset = out.offset
-            out.add(info.FileHeader(zip64))
-            for v in views:
-                out.add(v)
-            infos.append(info)
-        out.add(_central_directory(infos, out.offset))
-        out.flush()
-    except BaseException:
-        os.close(fd)
-        # no half-written pack is left behind (a retry of this path, or a reader of the staging, would
-        # find a ZIP file without its directory); it was created here, exclusively
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    if release is None:
-        os.close(fd)
-    else:
-        release(fd, out.offset)
 
 
 def _libdeflate_crc32() -> Any:
@@ -228,43 +179,6 @@ def _central_directory(infos: list[zipfile.ZipInfo], start_dir: int) -> bytes:
         struct.pack(zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0, count, count, size, offset, 0)
     )
     return b"".join(out)
-
-
-class _VectorWriter:
-    """Appends buffers to a file descriptor with ``writev(2)``, a batch at a time, without copying them."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._batch: list[memoryview] = []
-        self._bytes = 0
-        self.offset = 0  # bytes added so far
-
-    def add(self, buf: bytes | memoryview) -> None:
-        view = memoryview(buf)
-        if not view.nbytes:
-            return
-        self._batch.append(view)
-        self._bytes += view.nbytes
-        self.offset += view.nbytes
-        if len(self._batch) >= _IOV_BATCH or self._bytes >= _BATCH_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        views, self._batch, self._bytes = self._batch, [], 0
-        i = 0
-        while i < len(views):
-            n = os.writev(self._fd, views[i : i + _IOV_BATCH])
-            if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
-                raise OSError(errno.EIO, "writev(2) wrote nothing")
-            while i < len(views) and n >= views[i].nbytes:
-                n -= views[i].nbytes
-                i += 1
-            if n:
-                views[i] = views[i][n:]
-
-
-_IOV_BATCH = 512  # below IOV_MAX (1,024 on Linux)
-_BATCH_BYTES = 8 << 20
 
 
 def _nbytes(p: Any) -> int:

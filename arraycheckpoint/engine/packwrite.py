@@ -4,7 +4,6 @@ implies. Encodes in memory; the writes are the pipeline's (:mod:`.save`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -50,31 +49,25 @@ class ZarrJsonDocs:
         return parts[0] + b"".join(json.dumps(n).encode() + p for n, p in zip(names, parts[1:]))
 
 
-@dataclasses.dataclass
-class FullPack:
-    """A pack whose every member is encoded: ready to write."""
-
-    key: str
-    members: list[tuple[str, list[shardfile.Buffer]]]
-    nbytes: int
-    label: str  # what a failed write names: the pack and its first array
-
-
 class Packs:
     """This rank's packs (:mod:`arraycheckpoint.planning.packing`): the ``zarr.json`` of the packed arrays it creates
     and the chunk files of packed arrays it writes, filled in plan order into packs of about the target file
-    size (:func:`~arraycheckpoint.planning.packing.fill_packs`); each pack is handed out once all its members are
-    encoded."""
+    size (:func:`~arraycheckpoint.planning.packing.fill_packs`). Every member's size is known from the plan, so
+    each pack is laid out up front and opened through ``writer.open_pack`` at its first member; each member
+    goes to it as soon as it is encoded (on a local file system it is written then, at its offset:
+    :mod:`.packstream`)."""
 
-    def __init__(self, job: SaveJob, plan: RankPlan, layouts: dict[str, ArrayLayout]) -> None:
+    def __init__(self, job: SaveJob, plan: RankPlan, layouts: dict[str, ArrayLayout], writer: Any) -> None:
         docs = ZarrJsonDocs()
         self._layouts = layouts
+        self._writer = writer
         self.packed = {name for _k, names in plan.packs for name in names}
         created = sorted(name for k, names in plan.packs if packs_rank(k) == plan.rank for name in names)
-        encoded = {f"{n}/zarr.json": [docs.encode(layouts[n])] for n in created}
+        self._docs = {f"{n}/zarr.json": [docs.encode(layouts[n])] for n in created}
         # the order packing.PackFill computes from the metadata: by array name, its document (if this rank
         # created it) before its chunks (in row-major order)
         members = [(n, -1, f"{n}/zarr.json", DOC_BYTES) for n in created]
+        real = {key: len(parts[0]) for key, parts in self._docs.items()}  # bytes as written
         sizes_of: dict[str, int] = {}
         for w in plan.writes:
             if w.name in self.packed:
@@ -85,7 +78,9 @@ class Packs:
                 size = sizes_of.get(w.name)
                 if size is None:
                     size = sizes_of[w.name] = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
-                members.append((w.name, flat, self._key(w), size))
+                key = self._key(w)
+                members.append((w.name, flat, key, size))
+                real[key] = size
         members.sort()
         # an array's document stays with its first chunk here: counted with it (packing.PackFill)
         for i, (name, flat, key, _size) in enumerate(members):
@@ -94,50 +89,55 @@ class Packs:
                 n, f, k, sz = members[i + 1]
                 members[i + 1] = (n, f, k, sz + DOC_BYTES)
         sizes = [(key, size) for _n, _f, key, size in members]
-        self._pack_of: dict[str, str] = {}
-        self._left: dict[str, int] = {}
-        self._members: dict[str, list[tuple[str, list[shardfile.Buffer]]]] = {}
-        self._bytes: dict[str, int] = {}
-        self._first: dict[str, str] = {}
-        for key, members in fill_packs(sizes, plan.rank, job.options.plan.min_chunk_bytes):
-            self._left[key] = len(members)
-            self._members[key] = []
-            self._bytes[key] = 0
-            self._first[key] = members[0].rpartition("/")[0]
-            self._pack_of.update(dict.fromkeys(members, key))
-        self._ready = [p for key, parts in encoded.items() for p in self._put(key, parts, len(parts[0]))]
+        #: pack key -> its members' (key, bytes) in pack order; member key -> (pack key, index)
+        self._layout: dict[str, list[tuple[str, int]]] = {}
+        self._where: dict[str, tuple[str, int]] = {}
+        for key, keys in fill_packs(sizes, plan.rank, job.options.plan.min_chunk_bytes):
+            self._layout[key] = [(m, real[m]) for m in keys]
+            self._where.update((m, (key, i)) for i, m in enumerate(keys))
+        self._open: dict[str, Any] = {}
+        self._last: dict[str, Any] = {}  # the last write future handed out per pack
 
     def _key(self, w: Any) -> str:
         return f"{w.name}/{shardfile.chunk_key(self._layouts[w.name], w.chunk)}"
 
-    def _put(self, member: str, parts: list[shardfile.Buffer], nbytes: int) -> list[FullPack]:
-        key = self._pack_of[member]
-        self._members[key].append((member, parts))
-        self._bytes[key] += nbytes
-        self._left[key] -= 1
-        return [self._take(key)] if self._left[key] == 0 else []
+    def start(self) -> list[tuple[Any, int, str]]:
+        """Add the ``zarr.json`` documents; the writes started (``(future, bytes, label)``)."""
+        return [started for key, parts in self._docs.items() for started in self._put(key, parts)]
 
-    def ready(self) -> list[FullPack]:
-        """Packs complete without any chunk (``zarr.json`` documents only)."""
-        out, self._ready = self._ready, []
-        return out
-
-    def add(self, w: Any, data: np.ndarray) -> list[FullPack]:
+    def add(self, w: Any, data: np.ndarray) -> list[tuple[Any, int, str]]:
         """Encode chunk ``w`` of a packed array from ``data`` (an edge chunk padded to the full chunk shape
-        with the fill value, as zarr does); returns its pack if that completed it."""
+        with the fill value, as zarr does) and add it to its pack; the writes started (``(future, bytes,
+        label)``: none while a pack written whole still waits for members)."""
         layout = self._layouts[w.name]
         little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
-        parts = shardfile.encode(shardfile.padded(little, layout.chunk_shape), layout.inner_chunk_shape)
-        return self._put(self._key(w), parts, data.nbytes)
+        full = shardfile.padded(little, layout.chunk_shape)
+        if full.nbytes >= shardfile.FUSED_BYTES:  # both checksums while the slices are cached
+            parts, crc = shardfile.encode_with_crc32(full, layout.inner_chunk_shape)
+            return self._put(self._key(w), parts, crc)
+        # a small chunk is in the cache anyway: its CRC-32 is left to the writing thread
+        return self._put(self._key(w), shardfile.encode(full, layout.inner_chunk_shape))
+
+    def _put(
+        self, member: str, parts: list[shardfile.Buffer], crc: int | None = None
+    ) -> list[tuple[Any, int, str]]:
+        key, index = self._where[member]
+        pack = self._open.get(key)
+        if pack is None:
+            pack = self._open[key] = self._writer.open_pack(key, self._layout[key])
+        started = pack.add(index, parts, crc)
+        if started is None or started[0] is self._last.get(key):
+            # a small member joined the batch of the one before it, whose future was handed out: counted
+            # with it (the bytes in flight are undercounted by at most one batch per pack)
+            return []
+        self._last[key] = started[0]
+        return [(started[0], started[1], f"{member.rpartition('/')[0]} (pack {key})")]
 
     def check_done(self) -> None:
-        """Every pack was handed out (a plan whose writes miss a member would leave one behind)."""
-        if self._left:
-            raise SaveFailedError(f"packs {sorted(self._left)} were left incomplete by the save plan")
-
-    def _take(self, key: str) -> FullPack:
-        del self._left[key]
-        return FullPack(key, self._members.pop(key), self._bytes[key], f"{self._first[key]} (pack {key})")
+        """Every pack got all its members (a plan whose writes miss a member would leave one incomplete)."""
+        left = sorted(k for k in self._layout if k not in self._open or not self._open[k].complete)
+        if left:
+            raise SaveFailedError(f"packs {left} were left incomplete by the save plan")
 
 
 #: Stands for one dimension name in a ``zarr.json`` template; never part of an encoded layout otherwise.

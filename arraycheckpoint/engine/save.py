@@ -238,10 +238,10 @@ class SavePipeline:
 
         with job.recorder.phase("write") as rec:
             layouts = {layout.name: layout for layout in plan.layouts}
-            packs = Packs(job, plan, layouts)
-            packed = packs.packed
             writer = _writer(job)
             try:
+                packs = Packs(job, plan, layouts, writer)
+                packed = packs.packed
                 created = create_arrays(job, writer, [layouts[name] for name in plan.create])
                 # whole uncompressed chunks are encoded here and written as files; the rest go through a
                 # tensorstore array opened with the metadata assumed (on storage already, or written by another
@@ -280,9 +280,9 @@ class SavePipeline:
                         wait_write(fut, name)
                         pending -= n
 
-                for full in packs.ready():  # packs of zarr.json documents only
-                    make_room(full.nbytes)
-                    start(writer.write_pack(full.key, full.members), full.nbytes, full.label)
+                for fut, nbytes, label in packs.start():  # the zarr.json documents in packs
+                    make_room(nbytes)
+                    start(fut, nbytes, label)
                 me = job.comm.rank
                 remote = [any(p.src != me for p in w.pieces) for w in plan.writes]
                 order = sorted(
@@ -291,10 +291,10 @@ class SavePipeline:
                 for i in order:
                     w, encode = plan.writes[i], direct[i]
                     data = self._chunk_data(job, w, received() if remote[i] else {})
-                    if w.name in packed:  # held until its pack is complete, then written with it
-                        for full in packs.add(w, data):
-                            make_room(full.nbytes)
-                            start(writer.write_pack(full.key, full.members), full.nbytes, full.label)
+                    if w.name in packed:  # into its pack now (a key-value store's: once the pack is whole)
+                        for fut, nbytes, label in packs.add(w, data):
+                            make_room(nbytes)
+                            start(fut, nbytes, label)
                         continue
                     make_room(data.nbytes)
                     if encode:

@@ -87,11 +87,43 @@ def chunk_key(layout: Any, chunk: Box, separator: str = ".") -> str:
     return separator.join(["c", *map(str, index)])
 
 
+def _ctypes_crc32c() -> Any:
+    """``crc32c_extend`` of the library google_crc32c's extension is built on, called through ctypes: the
+    same hardware loop, without the GIL (the extension holds it for anything but ``bytes``, so the save
+    thread's checksums stalled the writer threads returning from their writes); None where not found."""
+    import ctypes.util
+    import glob
+
+    import google_crc32c
+
+    site = os.path.dirname(os.path.dirname(google_crc32c.__file__))
+    names = sorted(glob.glob(os.path.join(site, "google_crc32c.libs", "libcrc32c*.so*")))
+    for name in [*names, ctypes.util.find_library("crc32c")]:
+        if not name:
+            continue
+        try:
+            fn = ctypes.CDLL(name).crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+        if fn(0, b"123456789", 9) == 0xE3069283:  # CRC32C's check value
+            return fn
+    return None
+
+
+_CTYPES_CRC: Any = False  # looked up on first use (None: not found)
+#: below this, the extension's own call costs less than the foreign call
+_CTYPES_CRC_BYTES = 1 << 16
+
+
 def crc32c(buf: Buffer) -> int:
     """CRC32C of ``buf`` (bytes or a C-contiguous array), without copying an array."""
     if isinstance(buf, np.ndarray):
         if buf.nbytes == 0:
             return _ANY_CRC.value(b"")
+        if buf.nbytes >= _CTYPES_CRC_BYTES:
+            return _crc32c_extend(0, buf)
         # google_crc32c takes only buffers without a release hook (bytes): a ctypes view of the same memory
         view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
         return _ANY_CRC.value(view)
@@ -101,6 +133,25 @@ def crc32c(buf: Buffer) -> int:
 def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> list[Buffer]:
     """The shard file of ``data`` (one whole chunk) in inner chunks of ``inner_chunk_shape``, as the list of
     buffers to write one after the other (views of ``data`` where the inner chunks are contiguous in it)."""
+    return _encode(data, inner_chunk_shape, zip_crc=False)[0]
+
+
+def encode_with_crc32(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> tuple[list[Buffer], int]:
+    """:func:`encode`, and the ZIP CRC-32 of the whole file (a pack member's, :mod:`.packstream`), computed in
+    the same pass: each slice of :data:`FUSED_BYTES` is summed for CRC-32 first (a streaming loop that also
+    brings it into the cache), then for its inner chunk's CRC32C while it is there. Measured here on 144 MiB
+    of float32 chunks: both checksums in 24 ms, against 25 ms for the CRC32C alone and 48 ms for the two in
+    separate passes (the CRC32C loop runs 4x slower on data that is not in the cache)."""
+    return _encode(data, inner_chunk_shape, zip_crc=True)
+
+
+#: Slices summed by both checksums while in the cache (:func:`encode_with_crc32`).
+FUSED_BYTES = 256 << 10
+
+
+def _encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], zip_crc: bool) -> tuple[list[Buffer], int]:
+    from .packfile import _crc32
+
     grid = tuple(c // i for c, i in zip(data.shape, inner_chunk_shape))
     if all(g == 1 for g in grid):
         blocks = [_flat_bytes(data)]
@@ -112,15 +163,41 @@ def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> list[Buffer]
     parts: list[Buffer] = []
     index = []
     offset = 0
+    zcrc = 0
     for block in blocks:
-        parts.append(block)
-        parts.append(crc32c(block).to_bytes(4, "little"))
+        if zip_crc:
+            c = 0
+            for i in range(0, block.nbytes, FUSED_BYTES):
+                piece = block[i : i + FUSED_BYTES]
+                zcrc = _crc32(piece, zcrc)
+                c = _crc32c_extend(c, piece)
+            tail = c.to_bytes(4, "little")
+            zcrc = _crc32(tail, zcrc)
+        else:
+            tail = crc32c(block).to_bytes(4, "little")
+        parts += (block, tail)
         index += (offset, block.nbytes + 4)
         offset += block.nbytes + 4
     raw_index = struct.pack(f"<{len(index)}Q", *index)
-    parts.append(raw_index)
-    parts.append(crc32c(raw_index).to_bytes(4, "little"))
-    return parts
+    tail = crc32c(raw_index).to_bytes(4, "little")
+    parts += (raw_index, tail)
+    if zip_crc:
+        zcrc = _crc32(tail, _crc32(raw_index, zcrc))
+    return parts, zcrc
+
+
+def _crc32c_extend(crc: int, buf: np.ndarray) -> int:
+    """CRC32C of the contiguous array ``buf`` continuing ``crc``."""
+    global _CTYPES_CRC
+    if buf.nbytes < _CTYPES_CRC_BYTES:  # the extension, holding the GIL: a foreign call releases it, and
+        return int(_ANY_CRC.extend(crc, buf.tobytes()))  # waiting to take it back cost 17 us per small chunk
+    if _CRC is not None:
+        if _CTYPES_CRC is False:
+            _CTYPES_CRC = _ctypes_crc32c()
+        if _CTYPES_CRC is not None:
+            return int(_CTYPES_CRC(crc, buf.ctypes.data, buf.nbytes))
+    view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
+    return int(_ANY_CRC.extend(crc, view))
 
 
 def padded(data: np.ndarray, chunk_shape: tuple[int, ...]) -> np.ndarray:
@@ -186,6 +263,13 @@ class KvWriter:
 
         return self._kv.write(key, zip_bytes(members))
 
+    def open_pack(self, key: str, members: list[tuple[str, int]]) -> Any:
+        """The pack ``key`` of ``members`` (``(key, bytes)`` in order): written as one object once every member
+        arrived (:class:`.packstream.WholePack`)."""
+        from .packstream import WholePack
+
+        return WholePack(key, members, lambda held: self.write_pack(key, held))
+
     def flush(self) -> None:
         pass
 
@@ -226,6 +310,7 @@ class FileWriter:
         self._batch: list[tuple[str, list[Buffer]]] = []
         self._batch_bytes = 0
         self._batch_future: Future[None] = Future()
+        self._packs: list[Any] = []  # packs streamed member by member (open_pack)
         #: the first file whose close failed on the write-back thread, and the error (raised by close())
         self._failure: tuple[str, OSError] | None = None
 
@@ -240,19 +325,41 @@ class FileWriter:
             self.flush()
         return fut
 
-    def write_pack(self, key: str, members: list[tuple[str, list[Buffer]]]) -> Future[None]:
-        """Create the pack file ``key`` holding ``members`` (:mod:`.packfile`) on the pool."""
-        from .packfile import write_zip_file
+    def open_pack(self, key: str, members: list[tuple[str, int]]) -> Any:
+        """Create the pack file ``key`` of ``members`` (``(key, bytes)`` in pack order), written member by
+        member as each is added (:class:`.packstream.StreamedPack`), on the pool."""
+        from . import packstream
 
-        def run() -> None:
-            self._make_parents(key)
-            path = f"{self._root}/{key}"
-            write_zip_file(path, members, functools.partial(self._release, path=path))
+        self._make_parents(key)
+        path = f"{self._root}/{key}"
 
-        return self._pool.submit(run)
+        def submit(task: Any, nbytes: int) -> None:
+            (self._pool if nbytes >= BATCH_BYTES else self._small).submit(task)
+
+        pack = packstream.StreamedPack(
+            path,
+            members,
+            submit,
+            self._later,
+            functools.partial(self._release, path=path),
+            start_writeback,
+            WRITEBACK_BYTES,
+        )
+        self._packs.append(pack)
+        return pack
+
+    def _later(self, task: Any) -> None:
+        """Run ``task`` on the write-back thread, after what was handed to it before (inline once closed)."""
+        try:
+            self._writeback.submit(task)
+        except RuntimeError:
+            task()
 
     def flush(self) -> None:
-        """Hand the pending batch of small files to the pool (call before waiting on any returned future)."""
+        """Hand the pending batch of small files (and of every open pack's members) to the pool (call before
+        waiting on any returned future)."""
+        for pack in self._packs:
+            pack.flush()
         if not self._batch:
             return
         batch, fut = self._batch, self._batch_future
@@ -279,6 +386,8 @@ class FileWriter:
         self.flush()
         self._small.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        for pack in self._packs:  # packs a failed save left incomplete: closed and removed
+            pack.abandon()
         self._writeback.shutdown(wait=True)  # every file closed before the caller's flush
         if self._failure is not None:
             path, e = self._failure
@@ -342,9 +451,9 @@ WRITEBACK = True
 WRITEBACK_BYTES = 1 << 20
 
 
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing ``fd``'s dirty pages to the device now, without waiting (Linux
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing).
+def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages (``nbytes`` from ``offset``; 0: to the end) to the
+    device now, without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing).
 
     Durability still comes from the storage's one flush (``syncfs``) before the commit; this only moves the
     device writes of each file under the writes of the next ones, so that flush finds little left to do
@@ -362,7 +471,7 @@ def start_writeback(fd: int) -> None:
         except (OSError, AttributeError):
             _sync_file_range = False
     if _sync_file_range:
-        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure changes nothing
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: a failure changes nothing
 
 
 #: ``os.close`` (a name of its own so the fault tests can make a close fail as NFS's may)

@@ -139,7 +139,8 @@ def _overlap_body(rank, world, root):
     saved = {
         (cls, m): getattr(cls, m)
         for cls in (shardfile.FileWriter, shardfile.KvWriter)
-        for m in ("write", "write_pack")
+        for m in ("write", "write_pack", "open_pack")
+        if hasattr(cls, m)
     }
     fragments = exchange.exchange_fragments
 
