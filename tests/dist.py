@@ -208,3 +208,21 @@ def torch_full_state(model: Any, opt: Any) -> dict[str, Any]:
     for fqn, state in osd["state"].items():
         out.update({f"optimizer/{fqn}/{k}": v.detach().clone().numpy() for k, v in state.items()})
     return out
+
+
+def written_bytes(meta, world: int) -> list[int]:
+    """Bytes of the stored chunks each rank wrote, from the metadata's per-chunk writers."""
+    import itertools
+    import math
+
+    from arraycheckpoint.codecs import numpy_dtype
+
+    out = [0] * world
+    for tm in meta.tensors.values():
+        item = numpy_dtype(tm.dtype).itemsize
+        grid = itertools.product(*(range(0, s, c) for s, c in zip(tm.shape, tm.chunk_shape)))
+        for writer, origin in zip(tm.writers, grid):
+            out[writer] += item * math.prod(
+                min(c, s - o) for o, c, s in zip(origin, tm.chunk_shape, tm.shape)
+            )
+    return out

@@ -47,28 +47,10 @@ def test_save_and_load_stay_within_the_inflight_cap(tmp_path: Path) -> None:
     assert above["save_async"] < state + 128 * MiB, above
 
 
-def _written_bytes(meta, world: int) -> list[int]:
-    """Bytes of the stored chunks each rank wrote, from the metadata's per-chunk writers."""
-    import itertools
-    import math
-
-    from arraycheckpoint.codecs import numpy_dtype
-
-    out = [0] * world
-    for tm in meta.tensors.values():
-        item = numpy_dtype(tm.dtype).itemsize
-        grid = itertools.product(*(range(0, s, c) for s, c in zip(tm.shape, tm.chunk_shape)))
-        for writer, origin in zip(tm.writers, grid):
-            out[writer] += item * math.prod(
-                min(c, s - o) for o, c, s in zip(origin, tm.chunk_shape, tm.shape)
-            )
-    return out
-
-
 def _ddp_snapshot_body(rank: int, world: int, tmp: str) -> dict:
     import numpy as np
     import torch
-    from dist import torch_full_state
+    from dist import torch_full_state, written_bytes
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import arraycheckpoint as acp
@@ -107,7 +89,7 @@ def _ddp_snapshot_body(rank: int, world: int, tmp: str) -> dict:
                 (snap,) = [p for p in meta.metrics["save"][str(r)]["phases"] if p["phase"] == "snapshot"]
                 copied.append(snap["copied"])
             out["copied"].append(copied)
-            out["written"] = _written_bytes(meta, world)
+            out["written"] = written_bytes(meta, world)
             out["state_bytes"] = sum(a.nbytes for a in out["states"][0].values())
             out["split"] = sum(len(set(tm.writers)) > 1 for tm in meta.tensors.values())
     for i in range(2):

@@ -174,6 +174,9 @@ class Liveness:
         """
         key = f"{self.prefix}/rebuild/{generation}"
         if self._joined != generation:
+            # each rank gets a fresh timeout to join: a rank that was stalled and has just been resumed
+            # (SIGCONT, a VM unpaused) still shows its old heartbeat until its beating thread runs again
+            self._seen.clear()
             self.store.add(key, 1)
             self._joined = generation
         delay = 1e-3

@@ -5,12 +5,9 @@ destinations through the pinned staging path."""
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import numpy as np
 import torch
-from dist import run_distributed
+from dist import run_distributed, written_bytes
 
 
 def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -24,21 +21,6 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     model(torch.ones(4, 64, device="cuda")).sum().backward()
     opt.step()
     opt.zero_grad()
-
-
-def _written(meta, world: int) -> list[int]:
-    """Bytes of the stored chunks each rank wrote, from the metadata's per-chunk writers."""
-    from arraycheckpoint.codecs import numpy_dtype
-
-    out = [0] * world
-    for tm in meta.tensors.values():
-        item = numpy_dtype(tm.dtype).itemsize
-        grid = itertools.product(*(range(0, s, c) for s, c in zip(tm.shape, tm.chunk_shape)))
-        for writer, origin in zip(tm.writers, grid):
-            out[writer] += item * math.prod(
-                min(c, s - o) for o, c, s in zip(origin, tm.chunk_shape, tm.shape)
-            )
-    return out
 
 
 def _cpu_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, np.ndarray]:
@@ -75,7 +57,7 @@ def _body(rank: int, world: int, tmp: str) -> dict:
                 (snap,) = [p for p in meta.metrics["save"][str(r)]["phases"] if p["phase"] == "snapshot"]
                 copied.append(snap["copied"])
             out["copied"].append(copied)
-            out["written"] = _written(meta, world)
+            out["written"] = written_bytes(meta, world)
             out["split"] = sum(len(set(tm.writers)) > 1 for tm in meta.tensors.values())
     out["state_bytes"] = sum(a.nbytes for a in states[0].values())
     for i in range(2):

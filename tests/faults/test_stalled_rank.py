@@ -9,9 +9,12 @@ import signal
 import time
 from typing import Any
 
+import pytest
 import torch
 from dist import run_distributed
 from stalling import register_stalling_scheme
+
+import arraycheckpoint as acp
 
 TIMEOUT = 4.0
 
@@ -127,3 +130,37 @@ def _late_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def test_a_late_but_live_rank_is_not_blamed_for_a_shorter_timeout(tmp_path) -> None:
     results = run_distributed(_late_body, world=2, args=(str(tmp_path),), timeout=200)
     assert all(r["error"] is None and r["same"] for r in results), results
+
+
+def test_rebuild_gives_a_just_resumed_rank_a_fresh_timeout() -> None:
+    """Rank 1 was seen stalled (its heartbeat did not move for longer than the bound) and has just been
+    resumed: rank 0 enters the rebuild at once, before rank 1's heartbeat thread has run again. The rebuild
+    waits for it to join within a fresh timeout instead of raising on the heartbeat it saw before the stall
+    (the race that failed the test above on a busy machine). One process, a real c10d store."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from arraycheckpoint.runtime.liveness import Liveness
+
+    store = HashStore()
+    live = Liveness(store, "t", rank=0, world=2, timeout=0.5)
+    try:
+        store.set("t/hb/1", "7:0.05")  # rank 1's last beat before its stall
+        live.check_stale("the save")  # seen once
+        time.sleep(1.3)  # longer than the bound (max(0.5, 2 * 0.05 + 1) s): stale now
+        with pytest.raises(acp.StalledRankError):
+            live.check_stale("the save")
+
+        def resume() -> None:  # rank 1 wakes up a little later, beats and joins the rebuild
+            time.sleep(0.3)
+            store.set("t/hb/1", "8:0.05")
+            store.add("t/rebuild/1", 1)
+
+        thread = threading.Thread(target=resume)
+        thread.start()
+        live.rebuild_barrier(1)
+        thread.join()
+        assert live.generation == 1
+    finally:
+        live.close()
