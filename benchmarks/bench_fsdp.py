@@ -247,6 +247,14 @@ def _timed(fn: Callable[[], Any], pause: bool = True) -> tuple[float, Any]:
     return _max_over_ranks(time.perf_counter() - t0), out
 
 
+def _cpu_seconds(fn: Callable[[], Any]) -> float:
+    """CPU seconds of this process (every thread) while ``fn`` runs: blind to the disk's speed, so it compares
+    the methods' own work where the device's write throughput varies from one save to the next."""
+    c0 = time.process_time()
+    fn()
+    return time.process_time() - c0
+
+
 # ---------------------------------------------------------------------------------------------- verbs
 Model = torch.nn.Module
 Optim = torch.optim.Optimizer
@@ -425,7 +433,10 @@ def _round(
     rec: dict[str, float] = {}
     for m in rotated(methods, rnd):
         save = METHODS[m][1]
-        rec[f"{m}/save"], _ = _timed(lambda save=save, m=m: save(paths[m], model, opt))
+        rec[f"{m}/save"], cpu = _timed(
+            lambda save=save, m=m: _cpu_seconds(lambda: save(paths[m], model, opt))
+        )
+        rec[f"{m}/save_cpu"] = _sum_over_ranks(cpu)
 
     def acp_async() -> Any:
         fut = acp.save_async(paths["acp_async"], {"model": model, "optimizer": opt})
@@ -488,7 +499,7 @@ def bench_world(
         if rnd > 0:
             for k, v in rec.items():
                 res[k].append(v)
-    total = _sum_over_ranks(sum(t.numel() * t.element_size() for t in saved))
+    total = int(_sum_over_ranks(sum(t.numel() * t.element_size() for t in saved)))
     kept = {k: f"{root}/{k}-{repeats}" for k in methods if k in RESHARDED}
     return {"results": dict(res), "digests": reference, "bytes": total, "files": sizes, "kept": kept}
 
@@ -498,12 +509,12 @@ def _files(path: str) -> int:
     return sum(len(files) for _d, _s, files in os.walk(path))
 
 
-def _sum_over_ranks(x: int) -> int:
+def _sum_over_ranks(x: float) -> float:
     import torch.distributed as dist
 
-    t = torch.tensor([x], dtype=torch.int64)
+    t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t)
-    return int(t.item())
+    return float(t.item())
 
 
 def bench_reshard(
@@ -549,6 +560,7 @@ def report(
     """Per method the median seconds; per pair the paired median ratio; one line per target."""
     measures = (
         ("save", "save"),
+        ("save: CPU s, all ranks", "save_cpu"),
         ("async save: blocking", "async_block"),
         ("async save: until durable", "async_total"),
         (f"load at {world} ranks", "load"),
@@ -564,6 +576,8 @@ def report(
         ("save", "save", "acp", "dcp", 1.5),
         ("save", "save", "acp", "bcp", 1.5),
         ("save", "save", "dcp_acpw", "dcp", 1.0),
+        ("save: CPU s, all ranks", "save_cpu", "acp", "dcp", None),
+        ("save: CPU s, all ranks", "save_cpu", "acp", "bcp", None),
         ("async save: blocking", "async_block", "acp", "dcp", None),
         ("async save: until durable", "async_total", "acp", "dcp", None),
         (f"load at {world} ranks", "load", "acp", "dcp", 1.5),
@@ -604,7 +618,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default 3)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir under /tmp)")
     p.add_argument("--no-bcp", action="store_true", help="leave ByteCheckpoint out")
+    p.add_argument(
+        "--settle", type=float, default=None, help="seconds of pause before each timed region (default 0.5)"
+    )
     args = p.parse_args(argv)
+    if args.settle is not None:  # before the ranks are spawned: they read it at import
+        os.environ["ACP_BENCH_SETTLE"] = str(args.settle)
     warnings.filterwarnings("ignore")
 
     layers = max(1, round(args.params_m * 1e6 / (HIDDEN * HIDDEN + HIDDEN)))

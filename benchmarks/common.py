@@ -47,13 +47,16 @@ def drop_page_cache() -> None:
         f.write("3\n")
 
 
-SETTLE_SECONDS = 0.5
+#: pause before each timed region (``ACP_BENCH_SETTLE`` overrides: spawned ranks inherit it)
+SETTLE_SECONDS = float(os.environ.get("ACP_BENCH_SETTLE", "0.5"))
 
 
 def settle(seconds: float | None = None) -> None:
     """Pause before a timed region so the previous measurement's after-effects (device cache flushes,
     memory returned to the host of a VM) are not billed to the next method."""
     gc.collect()
+    if os.environ.get("ACP_BENCH_DROP_CACHE") == "1" and can_drop_page_cache():
+        drop_page_cache()  # diagnostic: every timed region starts with the page cache empty (loads cold too)
     time.sleep(SETTLE_SECONDS if seconds is None else seconds)
 
 
