@@ -156,7 +156,11 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], **kwargs: Any) 
     Returns the committed metadata on the coordinator (None on other ranks).
     """
     check_kwargs("save", kwargs, save_async)
-    return save_async(path, state, _blocking=True, **kwargs).result()
+    # the caller waits: as in a load, no cyclic collection passes over the objects the save keeps alive until
+    # it commits (a gen-2 pass in the commit's metadata was 65 of 230 ms of a 2,000-tensor save). save_async
+    # leaves the collector alone: the training thread runs beside it
+    with gc_paused():
+        return save_async(path, state, _blocking=True, **kwargs).result()
 
 
 def load(
