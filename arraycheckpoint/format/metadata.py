@@ -326,6 +326,7 @@ class _TensorMemo:
         self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
         self.packs: set[tuple[Any, ...]] = set()
         self.writers: dict[tuple[Any, ...], Writers] = {}
+        self.derived = 0  # chunks of the distinct derived writers above (bounded: MAX_DERIVED_WRITERS_TOTAL)
 
 
 def _parse_tensor(
@@ -379,7 +380,7 @@ def _parse_tensor(
     raw = t.get("writers", [])
     writers: Sequence[int]
     if raw == HELD and version >= 7:
-        from ..checks.bounds import MAX_DERIVED_WRITERS
+        from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
 
         if nchunks > MAX_DERIVED_WRITERS:
             raise MetadataError(
@@ -389,6 +390,12 @@ def _parse_tensor(
         wkey = (shape, chunk, repr(regions))
         writers = memo.writers.get(wkey)
         if writers is None:
+            memo.derived += nchunks
+            if memo.derived > MAX_DERIVED_WRITERS_TOTAL:
+                raise MetadataError(
+                    f"metadata: {where}.writers is derived, and the checkpoint's derived writers pass "
+                    f"{MAX_DERIVED_WRITERS_TOTAL} in all (a save lists the writers beyond that)"
+                )
             writers = memo.writers[wkey] = Writers.derive(name, shape, chunk, regions, groups, nchunks)
     else:
         listed = _ints(raw, 0, nchunks)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks.bounds import MAX_DERIVED_WRITERS
+from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
 from ..checks.names import check_name_tree
 from ..errors import PlanError
 from .chunking import RunOption, choose_runs, run_options, split_chunk, tensor_chunk_shape
@@ -431,8 +431,15 @@ def build_compact_plan(
 
     files = [0] * world
     tensors: dict[str, TensorDecision] = {}
+    derived_total, counted = 0, set()  # readers bound the derived writers of a checkpoint: list the rest
     for name in names:
         t, c = first[name], classes[name]
+        derived = c.derived
+        if derived and id(c) not in counted:
+            derived = derived_total + len(c.forced) <= MAX_DERIVED_WRITERS_TOTAL
+            if derived:
+                derived_total += len(c.forced)
+                counted.add(id(c))
         ws = writers[name]
         ws.flags.writeable = False
         creator = int(ws[0]) if len(ws) else min(range(world), key=lambda r: (files[r], r))
@@ -440,7 +447,7 @@ def build_compact_plan(
         layout = ArrayLayout(
             name, t.shape, t.dtype, c.layout_shape[0], c.layout_shape[1], options.compression
         )
-        tensors[name] = TensorDecision(layout, ws, creator, derived=c.derived)
+        tensors[name] = TensorDecision(layout, ws, creator, derived=derived)
     packs = assign_packs(
         {n: (d.layout, d.writers, d.creator) for n, d in tensors.items()},
         {n: first[n].itemsize for n in names},

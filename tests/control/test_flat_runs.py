@@ -133,6 +133,21 @@ def test_derived_writers_load_and_hostile_ones_are_refused(tmp_path):
     refused("model/w.*writers are derived.*cover", regions=[[0, ["boxes", [[[0, 0], [32, 4]]]]]])
     # a derived writer list of an absurd chunk count (bounded before anything is allocated)
     refused("model/w.*derived for", shape=[1 << 40, 4], chunk_shape=[1, 4], inner_chunk_shape=[1, 4])
+    # the same 40-byte entry repeated with new shapes: derived writers bounded over the whole checkpoint
+    # (512 MiB per array otherwise), refused while parsing, before any is derived
+    bad = json.loads(json.dumps(doc))
+    entry = {k: v for k, v in bad["tensors"].pop("model/w").items() if k != "pack"}
+    for k in range(5):  # 5 x 2^26 chunks > MAX_DERIVED_WRITERS_TOTAL = 2^28
+        bad["tensors"][f"model/w{k}"] = {
+            **entry,
+            "shape": [1 << 26, 4 + k],
+            "chunk_shape": [1, 4 + k],
+            "inner_chunk_shape": [1, 4 + k],
+        }
+    with pytest.raises(MetadataError, match="model/w4.*derived writers pass"):
+        CheckpointMetadata.from_json(json.dumps(bad))
+    del bad["tensors"]["model/w4"]
+    assert len(CheckpointMetadata.from_json(json.dumps(bad)).tensors["model/w3"].writers) == 1 << 26
     # "held" is format 7: in an older format it is a malformed writer list
     bad = json.loads(json.dumps(doc))
     bad["format_version"] = 6
@@ -185,3 +200,26 @@ def test_flat_run_choice_is_the_chunk_by_chunk_choice(seed):
             mine = int(fast[ci])
             exact += sum(b.volume for b, g in pieces if holders[g] != holders[mine])
         assert moved_elements(np.asarray(cuts, dtype=np.int64), n, run) == exact, chunk
+
+
+def test_a_save_lists_the_writers_beyond_the_checkpoint_wide_bound(monkeypatch):
+    """Derived writers are bounded per checkpoint (readers refuse more): a save whose derived writers would pass
+    the bound lists the rest, and a reader derives or reads every writer equal to the plan's."""
+    from arraycheckpoint.planning import groupplan
+
+    groups, world = _fsdp1(64)
+    options = PlanOptions(min_chunk_bytes=1 << 12, max_chunk_bytes=1 << 20)
+    full = build_compact_plan(groups, world, options)
+    counts = sorted(len(d.writers) for d in full.tensors.values())
+    monkeypatch.setattr(groupplan, "MAX_DERIVED_WRITERS_TOTAL", counts[0] + counts[1])
+    plan = build_compact_plan(groups, world, options)
+    derived = [n for n, d in plan.tensors.items() if d.derived]
+    assert 0 < len(derived) < len(plan.tensors)
+    assert sum(len(plan.tensors[n].writers) for n in derived) <= counts[0] + counts[1]
+    meta = build_metadata(plan, SaveRequest([], [], framework="fsdp"), [{} for _ in range(world)])
+    text = meta.to_json()
+    doc = json.loads(text)
+    assert {n for n, t in doc["tensors"].items() if t["writers"] == "held"} == set(derived)
+    parsed = CheckpointMetadata.from_json(text)
+    for name, d in plan.tensors.items():
+        assert np.array_equal(np.asarray(list(parsed.tensors[name].writers)), d.writers), name
