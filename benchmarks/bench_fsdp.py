@@ -58,6 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_small import git_revision  # noqa: E402
 from common import (  # noqa: E402
     MiB,
+    can_drop_page_cache,
+    drop_page_cache,
     fmt_ratio,
     fmt_seconds,
     machine_description,
@@ -461,6 +463,32 @@ def bcp_probe(root: Path) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- rounds
+#: ``--fresh-cache``: drop the page cache right before every save (see :func:`fresh_cache`)
+FRESH_CACHE = os.environ.get("ACP_BENCH_FRESH_CACHE") == "1"
+
+
+def fresh_cache(rank: int) -> None:
+    """With ``--fresh-cache``, drop the machine's page cache right before a save (rank 0; the timed region's
+    barrier follows), so every method writes into memory the kernel has just freed.
+
+    Why (diagnosed on the 2-core Firecracker VM these tables come from): its kernel reports free memory to
+    the host after about 3 s (``page_reporting``), and a save that writes into reported pages pays the
+    host's page faults in its own system time, 2-3x its wall time, in whichever method follows a save or a
+    pause long enough for the reporting. The order of the methods then decides the 2-rank ratios.
+    """
+    if FRESH_CACHE and rank == 0:
+        drop_page_cache()
+
+
+def warm(path: str) -> None:
+    """Read every file under ``path`` once (into the page cache) so a load of it reads warm."""
+    for d, _s, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(d, f), "rb", buffering=0) as fh:
+                while fh.read(16 << 20):
+                    pass
+
+
 def _round(
     rank: int,
     world: int,
@@ -488,6 +516,7 @@ def _round(
     rec: dict[str, float] = {}
     for m in rotated(methods, rnd):
         save = METHODS[m][1]
+        fresh_cache(rank)
         rec[f"{m}/save"], cpu = _timed(
             lambda save=save, m=m: _cpu_seconds(lambda: save(paths[m], model, opt))
         )
@@ -506,10 +535,14 @@ def _round(
 
     for kind in rotated(["acp", "dcp"], rnd):
         start = acp_async if kind == "acp" else dcp_async
+        fresh_cache(rank)
         rec[f"{kind}/async_block"], fut = _timed(start)
         rec[f"{kind}/async_total"], _ = _timed(lambda fut=fut: (fut.result(), sync()), pause=False)
         rec[f"{kind}/async_total"] += rec[f"{kind}/async_block"]
 
+    if FRESH_CACHE and rank == 0:  # the saves' pages were dropped by the next save: every load reads warm
+        for m in methods:
+            warm(paths[m])
     for m in rotated([m for m in methods if METHODS[m][2] is not None], rnd):
         load = METHODS[m][2]
         scramble(model, opt)
@@ -677,11 +710,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir under /tmp)")
     p.add_argument("--no-bcp", action="store_true", help="leave ByteCheckpoint out")
     p.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="drop the page cache before every save, read every checkpoint back before the loads (root only)",
+    )
+    p.add_argument(
         "--settle", type=float, default=None, help="seconds of pause before each timed region (default 0.5)"
     )
     args = p.parse_args(argv)
     if args.settle is not None:  # before the ranks are spawned: they read it at import
         os.environ["ACP_BENCH_SETTLE"] = str(args.settle)
+    if args.fresh_cache:
+        if not can_drop_page_cache():
+            p.error(
+                "--fresh-cache drops the page cache: it needs root and a writable /proc/sys/vm/drop_caches"
+            )
+        os.environ["ACP_BENCH_FRESH_CACHE"] = "1"
     warnings.filterwarnings("ignore")
 
     layers = max(1, round(args.params_m * 1e6 / (HIDDEN * HIDDEN + HIDDEN)))
@@ -692,6 +736,8 @@ def main(argv: list[str] | None = None) -> None:
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     print(f"date {stamp}, revision {git_revision()}", flush=True)
     print(f"model: {layers} x Linear({HIDDEN}, {HIDDEN}), Adam; checkpoints under {root}", flush=True)
+    if args.fresh_cache:
+        print("page cache dropped before every save; every checkpoint read back before the loads", flush=True)
     methods = ["acp", "dcp", "bcp", "dcp_acpw", "floor"]
     try:
         why = "--no-bcp" if args.no_bcp else bcp_probe(root)
