@@ -239,12 +239,15 @@ def _max_over_ranks(x: float) -> float:
     return float(t.item())
 
 
-def _timed(fn: Callable[[], Any], pause: bool = True) -> tuple[float, Any]:
-    """Slowest rank's seconds for ``fn`` (every rank starts after a barrier; ``pause``: settle first)."""
+def _timed(fn: Callable[[], Any], pause: bool = True, save: bool = False) -> tuple[float, Any]:
+    """Slowest rank's seconds for ``fn`` (every rank starts after a barrier; ``pause``: settle first;
+    ``save``: a save, which :func:`fresh_cache` may precede)."""
     import torch.distributed as dist
 
     if pause:
         settle()
+    if save:
+        fresh_cache(dist.get_rank())  # after the pause: the pages it frees are not yet given to the host
     dist.barrier()
     t0 = time.perf_counter()
     out = fn()
@@ -516,9 +519,8 @@ def _round(
     rec: dict[str, float] = {}
     for m in rotated(methods, rnd):
         save = METHODS[m][1]
-        fresh_cache(rank)
         rec[f"{m}/save"], cpu = _timed(
-            lambda save=save, m=m: _cpu_seconds(lambda: save(paths[m], model, opt))
+            lambda save=save, m=m: _cpu_seconds(lambda: save(paths[m], model, opt)), save=True
         )
         rec[f"{m}/save_cpu"] = _sum_over_ranks(cpu)
 
@@ -535,8 +537,7 @@ def _round(
 
     for kind in rotated(["acp", "dcp"], rnd):
         start = acp_async if kind == "acp" else dcp_async
-        fresh_cache(rank)
-        rec[f"{kind}/async_block"], fut = _timed(start)
+        rec[f"{kind}/async_block"], fut = _timed(start, save=True)
         rec[f"{kind}/async_total"], _ = _timed(lambda fut=fut: (fut.result(), sync()), pause=False)
         rec[f"{kind}/async_total"] += rec[f"{kind}/async_block"]
 
