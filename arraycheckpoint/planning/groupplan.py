@@ -19,7 +19,6 @@ go to their holders by worst fit (:mod:`arraycheckpoint.planning.owners`), so on
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import hashlib
 import math
 from collections import defaultdict
@@ -430,7 +429,7 @@ def build_compact_plan(
         writers[name][ci] = fit.pick(-neg, classes[name].candidates(ci))
 
     files = [0] * world
-    tensors: dict[str, TensorDecision] = {}
+    decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool]] = {}
     derived_total, counted = 0, set()  # readers bound the derived writers of a checkpoint: list the rest
     for name in names:
         t, c = first[name], classes[name]
@@ -447,15 +446,17 @@ def build_compact_plan(
         layout = ArrayLayout(
             name, t.shape, t.dtype, c.layout_shape[0], c.layout_shape[1], options.compression
         )
-        tensors[name] = TensorDecision(layout, ws, creator, derived=derived)
+        decided[name] = (layout, ws, creator, derived)
     packs = assign_packs(
-        {n: (d.layout, d.writers, d.creator) for n, d in tensors.items()},
+        {n: (d[0], d[1], d[2]) for n, d in decided.items()},
         {n: first[n].itemsize for n in names},
         options.pack_array_bytes,
         options.min_chunk_bytes,
     )
-    for name, key in packs.items():
-        tensors[name] = dataclasses.replace(tensors[name], pack=key)
+    tensors = {
+        n: TensorDecision(layout, ws, creator, packs.get(n), derived)
+        for n, (layout, ws, creator, derived) in decided.items()
+    }
     h = hashlib.sha1()
     digests: dict[int, bytes] = {}  # a class's regions and an array's writers, hashed once for all sharers
     for name in names:
@@ -483,22 +484,33 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     mine: set[str] = set()
+    # tensors of one class share its chunks, and those whose writers follow from the layout share one writer
+    # array: this rank's chunks of a writer array, and a chunk's box and sourced pieces, are worked out once
+    # (100,000 small tensors are a handful of classes)
+    chosen: dict[int, list[int]] = {}
+    sourced: dict[tuple[int, int], tuple[Box, tuple[Piece, ...]]] = {}
     for name in sorted(plan.tensors):
         d = plan.tensors[name]
         c = plan._classes[name]
         ws = d.writers
         if d.creator == rank:
             mine.add(name)
-        for ci in np.nonzero(ws == rank)[0].tolist():
-            resolved = []
-            for box, region in c.pieces_of(ci):
-                hs = c.holders[region]
-                src = rank if _holds(hs, rank) else fragment_source(hs, rank)
-                resolved.append(Piece(box, src))
-                if src != rank:
-                    recvs.append(Transfer(name, box, src, rank))
-            writes.append(ChunkWrite(name, c.chunk(ci), tuple(resolved)))
+        cis = chosen.get(id(ws))
+        if cis is None:
+            cis = chosen[id(ws)] = np.nonzero(ws == rank)[0].tolist()
+        for ci in cis:
+            got = sourced.get((id(c), ci))
+            if got is None:
+                resolved = []
+                for box, region in c.pieces_of(ci):
+                    hs = c.holders[region]
+                    resolved.append(Piece(box, rank if _holds(hs, rank) else fragment_source(hs, rank)))
+                got = sourced[(id(c), ci)] = (c.chunk(ci), tuple(resolved))
+            recvs.extend(Transfer(name, p.box, p.src, rank) for p in got[1] if p.src != rank)
+            writes.append(ChunkWrite(name, got[0], got[1]))
             mine.add(name)
+        if not c.straddles:
+            continue  # no chunk lies in several regions: no fragment leaves this rank
         outgoing = []
         for region in c.held_by(rank):
             hs = c.holders[region]
