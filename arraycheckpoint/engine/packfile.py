@@ -99,6 +99,100 @@ def _member_info(key: str) -> zipfile.ZipInfo:
     return info
 
 
+#: the fields zipfile gives every member of a pack (:func:`_member_info`): only the name, CRC, size and offset differ
+_PROTO = _member_info("m")
+_DOS_TIME = _EPOCH[3] << 11 | _EPOCH[4] << 5 | (_EPOCH[5] // 2)
+_DOS_DATE = (_EPOCH[0] - 1980) << 9 | _EPOCH[1] << 5 | _EPOCH[2]
+_LOCAL = struct.Struct(zipfile.structFileHeader)
+_CENTRAL = struct.Struct(zipfile.structCentralDir)
+
+#: one member as a pack records it: (key, CRC-32, bytes, offset of its local header)
+Record = tuple[str, int, int, int]
+
+
+def _name_flags(key: str) -> tuple[bytes, int]:
+    """The name bytes and flag bits zipfile writes for ``key`` (``ZipInfo._encodeFilenameFlags``)."""
+    if key.isascii():
+        return key.encode("ascii"), _PROTO.flag_bits
+    return key.encode("utf-8"), _PROTO.flag_bits | 0x800
+
+
+def _plain(key: str, nbytes: int) -> bool:
+    """Whether zipfile writes member ``key`` of ``nbytes`` bytes without zip64 records and under its own name
+    (no NUL: ``ZipInfo`` would cut the name there), so :func:`local_header` may build its header."""
+    return nbytes < zipfile.ZIP64_LIMIT and "\0" not in key
+
+
+def local_header(record: Record) -> bytes:
+    """The local file header zipfile writes for a stored member (``ZipInfo.FileHeader``): built directly for a
+    member without zip64 sizes (a ``ZipInfo`` per member cost more than writing the member's bytes, with
+    100,000 small tensors), through zipfile otherwise. The same bytes either way (``tests/test_packstream.py``)."""
+    key, crc, nbytes, offset = record
+    if not _plain(key, nbytes):
+        return _record_info(record).FileHeader(nbytes >= zipfile.ZIP64_LIMIT)
+    name, flags = _name_flags(key)
+    head = _LOCAL.pack(
+        zipfile.stringFileHeader,
+        _PROTO.extract_version,
+        _PROTO.reserved,
+        flags,
+        _PROTO.compress_type,
+        _DOS_TIME,
+        _DOS_DATE,
+        crc,
+        nbytes,
+        nbytes,
+        len(name),
+        0,
+    )
+    return head + name
+
+
+def _record_info(record: Record) -> zipfile.ZipInfo:
+    key, crc, nbytes, offset = record
+    info = _member_info(key)
+    info.file_size = info.compress_size = nbytes
+    info.CRC = crc
+    info.header_offset = offset
+    return info
+
+
+def central_directory(records: list[Record], start_dir: int) -> bytes:
+    """:func:`_central_directory` of the members ``records``: each entry built directly when no member needs
+    zip64 records, through ``ZipInfo`` objects otherwise (the same bytes)."""
+    limit = zipfile.ZIP64_LIMIT
+    if not all(_plain(key, n) and offset <= limit for key, _c, n, offset in records):
+        return _central_directory([_record_info(r) for r in records], start_dir)
+    out = []
+    for key, crc, nbytes, offset in records:
+        name, flags = _name_flags(key)
+        out.append(
+            _CENTRAL.pack(
+                zipfile.stringCentralDir,
+                _PROTO.create_version,
+                _PROTO.create_system,
+                _PROTO.extract_version,
+                _PROTO.reserved,
+                flags,
+                _PROTO.compress_type,
+                _DOS_TIME,
+                _DOS_DATE,
+                crc,
+                nbytes,
+                nbytes,
+                len(name),
+                0,
+                0,
+                0,
+                _PROTO.internal_attr,
+                _PROTO.external_attr,
+                offset,
+            )
+        )
+        out.append(name)
+    return _end_records(b"".join(out), len(records), start_dir)
+
+
 def _central_directory(infos: list[zipfile.ZipInfo], start_dir: int) -> bytes:
     """The central directory and end records zipfile's ``ZipFile.close`` writes for ``infos`` (stored
     members, no archive comment) when the directory starts at ``start_dir``."""
@@ -152,8 +246,14 @@ def _central_directory(infos: list[zipfile.ZipInfo], start_dir: int) -> bytes:
             )
         )
         out += [filename, extra_data, zinfo.comment]
-    size = sum(len(b) for b in out)
-    count, offset = len(infos), start_dir
+    return _end_records(b"".join(out), len(infos), start_dir)
+
+
+def _end_records(entries: bytes, count: int, start_dir: int) -> bytes:
+    """The central directory's ``entries`` followed by the end records zipfile writes after them."""
+    limit = zipfile.ZIP64_LIMIT
+    out = [entries]
+    size, offset = len(entries), start_dir
     if count > zipfile.ZIP_FILECOUNT_LIMIT or offset > limit or size > limit:
         end = start_dir + size
         out.append(

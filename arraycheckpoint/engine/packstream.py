@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveFailedError
-from .packfile import Buffer, Member, _central_directory, _crc32, _flat, _member_info
+from .packfile import Buffer, Member, Record, _crc32, _flat, central_directory, local_header
 
 #: A batch of small members is handed to the writer's threads once it holds this many bytes ...
 BATCH_BYTES = 4 << 20
@@ -71,8 +71,8 @@ class StreamedPack:
         self._submit, self._later, self._release = submit, later, release
         self._writeback, self._writeback_bytes = writeback, writeback_bytes
         self._members = _Members(path, members)
-        #: each member's ZipInfo, made on the writing thread (its CRC known)
-        self._infos: list[zipfile.ZipInfo | None] = [None] * len(members)
+        #: each member's record (key, CRC-32, bytes, header offset), made on the writing thread (its CRC known)
+        self._records: list[Record | None] = [None] * len(members)
         self._offsets: list[int] = []  # of each member's local header
         self._header_bytes: list[int] = []
         offset = 0
@@ -180,15 +180,12 @@ class StreamedPack:
             crc = 0 if known is None else known
             for p in flat if known is None else ():
                 crc = _crc32(p, crc)
-            nbytes = self._members.sizes[index]
-            info = self._infos[index] = _member_info(self._members.keys[index])
-            info.file_size = info.compress_size = nbytes
-            info.CRC = crc
-            info.header_offset = self._offsets[index]
-            header = info.FileHeader(_zip64(nbytes))
+            record = (self._members.keys[index], crc, self._members.sizes[index], self._offsets[index])
+            self._records[index] = record
+            header = local_header(record)
             if len(header) != self._header_bytes[index]:  # a name zipfile would alter (checked names never)
                 raise SaveFailedError(
-                    f"the local header of {info.filename} in {self.path} is not the {self._header_bytes[index]} "
+                    f"the local header of {record[0]} in {self.path} is not the {self._header_bytes[index]} "
                     "bytes its layout assumed"
                 )
             if run and index != prev + 1:
@@ -231,7 +228,7 @@ class StreamedPack:
             self._remove()
             return
         try:
-            directory = _central_directory([i for i in self._infos if i is not None], self.end)
+            directory = central_directory([r for r in self._records if r is not None], self.end)
             self._pwrite([memoryview(directory)], self.end)
         except BaseException:
             self._remove()

@@ -149,9 +149,25 @@ def encode_with_crc32(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> t
 FUSED_BYTES = 256 << 10
 
 
+#: below this many bytes, a block's CRC32C is summed over a copy in ``bytes`` (cheaper than a ctypes view)
+_SMALL_BLOCK = 1 << 12
+
+
+@functools.lru_cache(maxsize=256)
+def _one_block_index(nbytes: int) -> tuple[bytes, bytes]:
+    """The index of a shard file holding one inner chunk of ``nbytes`` bytes, and the index's CRC32C."""
+    raw = struct.pack("<2Q", 0, nbytes + 4)
+    return raw, crc32c(raw).to_bytes(4, "little")
+
+
 def _encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], zip_crc: bool) -> tuple[list[Buffer], int]:
     from .packfile import _crc32
 
+    if not zip_crc and data.nbytes < _SMALL_BLOCK and tuple(data.shape) == tuple(inner_chunk_shape):
+        # one small inner chunk (the chunk of every small tensor): its bytes, their CRC32C, a cached index
+        block = _flat_bytes(data)
+        raw_index, index_crc = _one_block_index(block.nbytes)
+        return [block, _ANY_CRC.value(block.tobytes()).to_bytes(4, "little"), raw_index, index_crc], 0
     grid = tuple(c // i for c, i in zip(data.shape, inner_chunk_shape))
     if all(g == 1 for g in grid):
         blocks = [_flat_bytes(data)]
