@@ -24,6 +24,7 @@ import errno
 import os
 import threading
 import zipfile
+import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -40,6 +41,8 @@ BATCH_BYTES = 4 << 20
 BATCH_MEMBERS = 128
 #: Most buffers one ``pwritev(2)`` takes (Linux's ``IOV_MAX``).
 _IOV_MAX = 1024
+#: A member of one buffer up to this size is written joined to its header (one buffer instead of two).
+_JOIN_BYTES = 1 << 12
 
 #: ``submit(task, nbytes)``: run ``task`` on one of the writer's threads (chosen by ``nbytes``).
 Submit = Callable[[Callable[[], None], int], Any]
@@ -173,14 +176,19 @@ class StreamedPack:
     def _write(self, batch: list[tuple[int, list[Buffer], int | None]]) -> None:
         """Write the members of ``batch``: each run of neighbours in the file with one ``pwritev``."""
         batch.sort(key=lambda m: m[0])
-        run: list[memoryview] = []
+        run: list[Buffer] = []
         start = prev = -2
+        keys, sizes, offsets = self._members.keys, self._members.sizes, self._offsets
         for index, parts, known in batch:
-            flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
-            crc = 0 if known is None else known
-            for p in flat if known is None else ():
-                crc = _crc32(p, crc)
-            record = (self._members.keys[index], crc, self._members.sizes[index], self._offsets[index])
+            if len(parts) == 1 and type(parts[0]) is bytes:  # a document, a small chunk file: one buffer
+                flat = parts
+                crc = zlib.crc32(parts[0]) if known is None else known
+            else:
+                flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
+                crc = 0 if known is None else known
+                for p in flat if known is None else ():
+                    crc = _crc32(p, crc)
+            record = (keys[index], crc, sizes[index], offsets[index])
             self._records[index] = record
             header = local_header(record)
             if len(header) != self._header_bytes[index]:  # a name zipfile would alter (checked names never)
@@ -189,30 +197,39 @@ class StreamedPack:
                     "bytes its layout assumed"
                 )
             if run and index != prev + 1:
-                self._pwrite(run, self._offsets[start])
+                self._pwrite(run, offsets[start])
                 run = []
             if not run:
                 start = index
-            run.append(memoryview(header))
-            run.extend(v for v in map(memoryview, flat) if v.nbytes)
+            if flat is parts and len(parts[0]) <= _JOIN_BYTES:
+                run.append(header + parts[0])  # one buffer for the header and its small member
+            else:
+                run.append(header)
+                run.extend(flat)
             prev = index
         if run:
-            self._pwrite(run, self._offsets[start])
+            self._pwrite(run, offsets[start])
 
-    def _pwrite(self, views: list[memoryview], offset: int) -> None:
+    def _pwrite(self, buffers: list[Buffer], offset: int) -> None:
         fd = self._fd
         assert fd is not None, "a pack written after it was closed"
+        views = [memoryview(b).cast("B") for b in buffers]
+        views = [v for v in views if v.nbytes]
         first, total = offset, sum(v.nbytes for v in views)
-        while views:
-            n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        i = 0
+        while i < len(views):
+            part = views[i : i + _IOV_MAX]
+            n = os.pwritev(fd, part, offset)
             if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
                 raise OSError(errno.EIO, f"pwritev(2) wrote nothing to {self.path}")
             offset += n
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
+            if len(part) == len(views) - i and offset == first + total:
+                break  # everything written (the usual case: one call)
+            while i < len(views) and n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
             if n:
-                views[0] = views[0][n:]
+                views[i] = views[i][n:]
         if total >= self._writeback_bytes:
             self._later(lambda: self._writeback(fd, first, total))
 

@@ -164,10 +164,11 @@ def _encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], zip_crc: bool)
     from .packfile import _crc32
 
     if not zip_crc and data.nbytes < _SMALL_BLOCK and tuple(data.shape) == tuple(inner_chunk_shape):
-        # one small inner chunk (the chunk of every small tensor): its bytes, their CRC32C, a cached index
-        block = _flat_bytes(data)
-        raw_index, index_crc = _one_block_index(block.nbytes)
-        return [block, _ANY_CRC.value(block.tobytes()).to_bytes(4, "little"), raw_index, index_crc], 0
+        # one small inner chunk (the chunk of every small tensor): the whole file in one buffer, its bytes
+        # (C order), their CRC32C and a cached index
+        block = data.tobytes()
+        raw_index, index_crc = _one_block_index(len(block))
+        return [b"".join((block, _ANY_CRC.value(block).to_bytes(4, "little"), raw_index, index_crc))], 0
     grid = tuple(c // i for c, i in zip(data.shape, inner_chunk_shape))
     if all(g == 1 for g in grid):
         blocks = [_flat_bytes(data)]

@@ -356,25 +356,25 @@ def build_compact_plan(
     # names that differ between ranks (per-rank tensors) can nest across ranks: refused before any write
     check_name_tree(first)
 
-    keys: dict[str, Any] = {}
-    regions_by_key: dict[Any, dict[Box, list[int]]] = {}
-    for name in sorted(contribs):
+    names = sorted(contribs)
+    # tensors with the same contributions (up to the name) share one analysis: a class, numbered here once
+    # per tensor (its key, which holds every contribution's rule, is hashed once, not at every lookup)
+    class_of: dict[Any, int] = {}
+    keys: dict[str, int] = {}
+    key_of: list[Any] = []
+    regions_by_key: dict[int, dict[Box, list[int]]] = {}
+    uses: dict[int, int] = defaultdict(int)  # tensors per class: a replicated region counts once per tensor
+    for name in names:
         t = first[name]
-        # tensors with the same contributions (up to the name) share one analysis
-        key = keys[name] = (
-            t.shape,
-            t.itemsize,
-            t.dtype,
-            tuple((id(d), r, x.rule) for d, r, x in contribs[name]),
-        )
-        if key not in regions_by_key:
-            regions_by_key[key] = _regions_of(name, contribs[name])
-    uses = defaultdict(int)  # tensors per class: a replicated region counts once per tensor
-    for key in keys.values():
-        uses[key] += 1
+        key = (t.shape, t.itemsize, t.dtype, tuple((id(d), id(r), x.rule) for d, r, x in contribs[name]))
+        k = keys[name] = class_of.setdefault(key, len(class_of))
+        if k == len(key_of):
+            key_of.append(key)
+            regions_by_key[k] = _regions_of(name, contribs[name])
+        uses[k] += 1
     caps = replica_caps(
         (
-            (b.volume * k[1] * uses[k], sorted(hs))
+            (b.volume * key_of[k][1] * uses[k], sorted(hs))
             for k, regions in regions_by_key.items()
             for b, hs in regions.items()
             if len(hs) > 1
@@ -384,7 +384,7 @@ def build_compact_plan(
         options.max_chunk_bytes,
     )
     keyed: dict[Any, tuple[str, TensorRule, list[Box], list[list[int]], int | None]] = {}
-    for name in sorted(contribs):
+    for name in names:
         key = keys[name]
         if key not in keyed:
             regions = regions_by_key[key]
@@ -395,7 +395,7 @@ def build_compact_plan(
     grids = _grids(keyed, uses, options)
     classes: dict[str, _Class] = {}
     cache: dict[Any, _Class] = {}
-    for name in sorted(contribs):
+    for name in names:
         t, key = first[name], keys[name]
         c = cache.get(key)
         if c is None:
@@ -407,22 +407,24 @@ def build_compact_plan(
 
     # forced chunks (one holder) first, then the replicated ones by worst fit: largest first, ties by
     # (name, index) (arraycheckpoint.planning.owners)
-    names = sorted(classes)
     load = np.zeros(world, dtype=np.int64)
-    class_load: dict[int, np.ndarray] = {}
+    class_load: dict[int, tuple[np.ndarray, list[int]]] = {}  # per class: bytes per rank, its free chunks
     writers: dict[str, np.ndarray] = {}
     order = []
     for name in names:
         c = classes[name]
-        if id(c) not in class_load:
+        got = class_load.get(id(c))
+        if got is None:
             own = c.forced >= 0
-            class_load[id(c)] = np.bincount(c.forced[own], weights=c.nbytes[own], minlength=world).astype(
-                np.int64
+            got = class_load[id(c)] = (
+                np.bincount(c.forced[own], weights=c.nbytes[own], minlength=world).astype(np.int64),
+                np.nonzero(~own)[0].tolist(),
             )
-        load += class_load[id(c)]
-        free = np.nonzero(c.forced < 0)[0]
-        writers[name] = c.forced.copy() if len(free) else c.forced  # all forced: the class's array, shared
-        order.extend((-int(c.nbytes[ci]), name, ci) for ci in free.tolist())
+        load += got[0]
+        free = got[1]
+        writers[name] = c.forced.copy() if free else c.forced  # all forced: the class's array, shared
+        if free:
+            order.extend((-int(c.nbytes[ci]), name, ci) for ci in free)
     order.sort()
     fit = WorstFit(load)
     for neg, name, ci in order:
@@ -458,7 +460,8 @@ def build_compact_plan(
         for n, (layout, ws, creator, derived) in decided.items()
     }
     h = hashlib.sha1()
-    digests: dict[int, bytes] = {}  # a class's regions and an array's writers, hashed once for all sharers
+    # a class's regions, an array's writers and a layout but its name, hashed once for all sharers
+    digests: dict[Any, bytes] = {}
     for name in names:
         d, c = tensors[name], classes[name]
         if id(c) not in digests:
@@ -469,7 +472,12 @@ def build_compact_plan(
         ws = writers[name]
         if id(ws) not in digests:
             digests[id(ws)] = hashlib.sha1(ws.tobytes()).digest()
-        h.update(repr((name, d.layout, d.creator, d.pack, d.derived)).encode())
+        lay = d.layout
+        fields = (lay.shape, lay.dtype, lay.chunk_shape, lay.inner_chunk_shape, lay.compression)
+        if fields not in digests:
+            digests[fields] = repr(fields).encode()
+        h.update(f"{name}\0{d.creator}\0{d.pack}\0{d.derived}\0".encode())
+        h.update(digests[fields])
         h.update(digests[id(ws)])
         h.update(digests[id(c)])
     exchange = any(classes[n].straddles for n in names)
