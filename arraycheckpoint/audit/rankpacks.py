@@ -236,6 +236,12 @@ def _predicted_packs(
         reads = by_array.get(name)
         if reads:
             writers = meta.tensors[name].writers
+            if len(writers) == 1:  # one chunk (every small tensor), written by this rank: the first
+                for member, _flat in reads:
+                    out[member] = fill.where(0, first)
+                fill.add(1, first)
+                fill.add(count - 1, size)
+                continue
             mine = np.flatnonzero(np.asarray(getattr(writers, "array", writers)) == rank)
             for member, flat in reads:
                 j = int(np.searchsorted(mine, flat))  # this rank's chunks of the array before ``flat``

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
 from ..checks.names import check_name as check_name  # the one validator of entry names (saves use it too)
 from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
@@ -380,14 +381,12 @@ def _parse_tensor(
     raw = t.get("writers", [])
     writers: Sequence[int]
     if raw == HELD and version >= 7:
-        from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
-
         if nchunks > MAX_DERIVED_WRITERS:
             raise MetadataError(
                 f"metadata: {where}.writers is derived for {nchunks} chunks, above the limit of "
                 f"{MAX_DERIVED_WRITERS} (a save lists the writers of such an array)"
             )
-        wkey = (shape, chunk, repr(regions))
+        wkey = (shape, chunk, id(regions))  # parsed regions are kept (memo.regions): one object per value
         writers = memo.writers.get(wkey)
         if writers is None:
             memo.derived += nchunks
