@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..codecs import numpy_dtype
+from ..checks.zipdir import check_local_header
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
 from ..planning.regions import Box, intersect
 from . import chunkread, shardfile
@@ -117,13 +118,15 @@ class PackFile:
         """The check of member ``name``'s local header bytes (up to its name's end): how far past the name its
         data starts, or None when it is not a stored member of that name. A member the load's checks left to
         this reader gets every check of :func:`arraycheckpoint.checks.zipdir.check_local_header` (which raises)."""
+        return lambda raw: self._lead(name, info, raw)
+
+    def _lead(self, name: str, info: Any, raw: bytes) -> int | None:
+        """:meth:`_lead_check`'s check applied to ``raw`` (without making the check first)."""
         following = self._unchecked.get(name)
         if following is None:
-            return _header_check(name)
-        from ..checks.zipdir import check_local_header
-
+            return _header_check(name)(raw)
         head = _LOCAL.size + len(info.raw_name)
-        return lambda raw: check_local_header(self.path, info, raw, following, self._read_many) - head
+        return check_local_header(self.path, info, raw, following, self._read_many) - head
 
     def doc(self, name: str) -> bytes | None:
         """The stored bytes of the ``zarr.json`` member ``name`` (:meth:`member`). The documents a load reads
@@ -149,7 +152,7 @@ class PackFile:
         at = info.header_offset - lo
         if name not in self._unchecked or not held or at < 0 or at + head > len(held):
             return self.member(name)
-        shift = self._lead_check(name, info)(held[at : at + head])
+        shift = self._lead(name, info, held[at : at + head])
         if shift is None:
             return None
         data = held[at + head + shift : at + head + shift + info.file_size]
@@ -167,7 +170,7 @@ class PackFile:
             got = self._read(info.header_offset, head + info.file_size, staging)
         if len(got) < head:
             return None
-        shift = self._lead_check(name, info)(got[:head].tobytes())
+        shift = self._lead(name, info, got[:head].tobytes())
         if shift is None:
             return None
         if shift:  # a zip64 extra field: the data starts after it
@@ -194,7 +197,7 @@ class PackFile:
         raw = self._near(info.header_offset, head + lay.nbytes)
         if raw is None or len(raw) != head + lay.nbytes:
             return False
-        if self._lead_check(name, info)(raw[:head].tobytes()) != 0:
+        if self._lead(name, info, raw[:head].tobytes()) != 0:
             return False
         ib = lay.inner_bytes
         if raw[head + ib + 4 :].tobytes() != lay.exact_table():
@@ -458,6 +461,7 @@ class _DocCheck:
     def __init__(self, separator: str) -> None:
         self._sep = separator
         self._templates: dict[tuple[Any, ...], bytes | None] = {}
+        self._leaves: dict[str, bytes] = {}  # last name component -> its JSON text (components repeat)
         self._mark = json.dumps(self._MARK)[1:-1].encode()
 
     def _exact(self, tm: Any, leaf: str) -> bytes:
@@ -478,7 +482,9 @@ class _DocCheck:
         """Raises :class:`MetadataError` (``check_packed_doc``) unless ``raw`` is a sound document of ``tm``."""
         leaf = tm.name.rsplit("/", 1)[-1]  # dimension names come from the last component
         key = (tuple(tm.shape), tm.dtype, tuple(tm.chunk_shape), tuple(tm.inner_chunk_shape), tm.compression)
-        name = json.dumps(leaf)[1:-1].encode()
+        name = self._leaves.get(leaf)
+        if name is None:
+            name = self._leaves[leaf] = json.dumps(leaf)[1:-1].encode()
         if key not in self._templates:
             try:
                 template = self._exact(tm, self._MARK)

@@ -124,6 +124,8 @@ def crc32c(buf: Buffer) -> int:
             return _ANY_CRC.value(b"")
         if buf.nbytes >= _CTYPES_CRC_BYTES:
             return _crc32c_extend(0, buf)
+        if buf.nbytes < _SMALL_BLOCK:  # a copy costs less than the ctypes view below
+            return _ANY_CRC.value(buf.tobytes())
         # google_crc32c takes only buffers without a release hook (bytes): a ctypes view of the same memory
         view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
         return _ANY_CRC.value(view)
