@@ -80,7 +80,15 @@ def check_name_tree(names: Iterable[str], what: str = "tensor") -> None:
     from ..errors import UnsafeNameError
 
     every = set(names)
-    for name in sorted(every):
+    for name in every:  # the common case, unsorted: nothing is nested (every prefix before a "/" looked up)
+        head, sep, _ = name.rpartition("/")
+        while sep and head not in every:
+            head, sep, _ = head.rpartition("/")
+        if sep:
+            break
+    else:
+        return
+    for name in sorted(every):  # something is: the first in sorted order is reported
         parts = name.split("/")
         for i in range(1, len(parts)):
             outer = "/".join(parts[:i])

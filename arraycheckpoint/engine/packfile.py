@@ -163,34 +163,57 @@ def central_directory(records: list[Record], start_dir: int) -> bytes:
     limit = zipfile.ZIP64_LIMIT
     if not all(_plain(key, n) and offset <= limit for key, _c, n, offset in records):
         return _central_directory([_record_info(r) for r in records], start_dir)
+    # the fixed part of every entry at once (one structured array), each followed by its name
+    names = [_name_flags(key) for key, _c, _n, _o in records]
+    fixed = np.zeros(len(records), dtype=_CENTRAL_DTYPE)
+    fixed["sig"] = int.from_bytes(zipfile.stringCentralDir, "little")
+    fixed["create_version"] = _PROTO.create_version
+    fixed["create_system"] = _PROTO.create_system
+    fixed["extract_version"] = _PROTO.extract_version
+    fixed["reserved"] = _PROTO.reserved
+    fixed["flags"] = [flags for _name, flags in names]
+    fixed["method"] = _PROTO.compress_type
+    fixed["time"] = _DOS_TIME
+    fixed["date"] = _DOS_DATE
+    fixed["crc"] = [crc for _k, crc, _n, _o in records]
+    fixed["csize"] = fixed["usize"] = [n for _k, _c, n, _o in records]
+    fixed["name_len"] = [len(name) for name, _flags in names]
+    fixed["internal_attr"] = _PROTO.internal_attr
+    fixed["external_attr"] = _PROTO.external_attr
+    fixed["offset"] = [o for _k, _c, _n, o in records]
+    raw = fixed.tobytes()
+    size = _CENTRAL.size
     out = []
-    for key, crc, nbytes, offset in records:
-        name, flags = _name_flags(key)
-        out.append(
-            _CENTRAL.pack(
-                zipfile.stringCentralDir,
-                _PROTO.create_version,
-                _PROTO.create_system,
-                _PROTO.extract_version,
-                _PROTO.reserved,
-                flags,
-                _PROTO.compress_type,
-                _DOS_TIME,
-                _DOS_DATE,
-                crc,
-                nbytes,
-                nbytes,
-                len(name),
-                0,
-                0,
-                0,
-                _PROTO.internal_attr,
-                _PROTO.external_attr,
-                offset,
-            )
-        )
-        out.append(name)
+    for i, (name, _flags) in enumerate(names):
+        out += (raw[i * size : (i + 1) * size], name)
     return _end_records(b"".join(out), len(records), start_dir)
+
+
+#: one central directory entry before its name (``zipfile.structCentralDir``), as a numpy record
+_CENTRAL_DTYPE = np.dtype(
+    [
+        ("sig", "<u4"),
+        ("create_version", "u1"),
+        ("create_system", "u1"),
+        ("extract_version", "u1"),
+        ("reserved", "u1"),
+        ("flags", "<u2"),
+        ("method", "<u2"),
+        ("time", "<u2"),
+        ("date", "<u2"),
+        ("crc", "<u4"),
+        ("csize", "<u4"),
+        ("usize", "<u4"),
+        ("name_len", "<u2"),
+        ("extra_len", "<u2"),
+        ("comment_len", "<u2"),
+        ("disk", "<u2"),
+        ("internal_attr", "<u2"),
+        ("external_attr", "<u4"),
+        ("offset", "<u4"),
+    ]
+)
+assert _CENTRAL_DTYPE.itemsize == _CENTRAL.size
 
 
 def _central_directory(infos: list[zipfile.ZipInfo], start_dir: int) -> bytes:

@@ -5,6 +5,7 @@ implies. Encodes in memory; the writes are the pipeline's (:mod:`.save`)."""
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii as _json_string
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,8 @@ class ZarrJsonDocs:
         if parts is None:
             parts = self._templates[key] = zarr_json_template(layout)
         names = dimension_names_for(layout.name, len(layout.shape))
-        return parts[0] + b"".join(json.dumps(n).encode() + p for n, p in zip(names, parts[1:]))
+        # json.dumps of a string, without its per-call dispatch
+        return parts[0] + b"".join(_json_string(n).encode() + p for n, p in zip(names, parts[1:]))
 
 
 class Packs:
