@@ -237,8 +237,9 @@ def _predicted_packs(
         if reads:
             writers = meta.tensors[name].writers
             if len(writers) == 1:  # one chunk (every small tensor), written by this rank: the first
+                at = fill.where(0, first)
                 for member, _flat in reads:
-                    out[member] = fill.where(0, first)
+                    out[member] = at
                 fill.add(1, first)
                 fill.add(count - 1, size)
                 continue
