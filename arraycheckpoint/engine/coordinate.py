@@ -230,9 +230,16 @@ def build_metadata(
     stacked = {t.name for t in request.tensors if t.fallback is not None}  # rows of stacked per-rank arrays
     stacked.update(n for o in request.objects if o.rows is not None for n in o.rows.values())
     tensors = {}
+    rules: dict[tuple[int, Any], tuple[int, list[Any]]] = {}  # (group, rule) -> its JSON form, made once
     for name, td in plan.tensors.items():
         layout = td.layout
-        regions = tuple((group_index[id(d)], rule_json(t.rule)) for d, t in plan.contributions(name))
+        found = []
+        for d, t in plan.contributions(name):
+            r = rules.get((id(d), t.rule))
+            if r is None:
+                r = rules[(id(d), t.rule)] = (group_index[id(d)], rule_json(t.rule))
+            found.append(r)
+        regions = tuple(found)
         tensors[name] = TensorMeta(
             name=name,
             shape=layout.shape,
