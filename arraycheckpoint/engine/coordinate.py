@@ -47,7 +47,6 @@ from ..format.version import __version__
 from ..planning.groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
 from ..planning.groupplan import rank_plan as rank_plan_of
 from ..planning.items import SaveRequest, SaveTensor
-from ..planning.regions import Box
 from ..planning.rules import Mesh, digest, encode_ranks, rule_boxes
 from ..runtime.collectives import Communicator
 from . import saveargs, shardfile

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..codecs import numpy_dtype
 from ..checks.zipdir import check_local_header
+from ..codecs import numpy_dtype
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
 from ..planning.regions import Box, intersect
 from . import chunkread, shardfile
@@ -107,7 +107,7 @@ class PackFile:
         if self._fd < 0 or nbytes > _WINDOW // 4:
             return None
         at, held = self._window
-        if offset < at or offset + nbytes > at + len(held):  # (a window cut short by the file's end: read again)
+        if offset < at or offset + nbytes > at + len(held):  # (one cut short by the file's end: read again)
             at, held = self._window = (offset, self._read(offset, _WINDOW, None))
         return held[offset - at : offset - at + nbytes]
 

@@ -14,9 +14,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
-
 from json.encoder import encode_basestring_ascii as _json_string
+from typing import Any
 
 from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
 from ..checks.names import check_name as check_name  # the one validator of entry names (saves use it too)
@@ -203,7 +202,15 @@ class CheckpointMetadata:
             derived = getattr(t.writers, "derived", False)
             key: Any = None
             if self.format_version != 1 and (derived or len(t.writers) <= 64):
-                key = (t.shape, t.dtype, t.chunk_shape, t.inner_chunk_shape, t.compression, t.rank_rows, t.pack)
+                key = (
+                    t.shape,
+                    t.dtype,
+                    t.chunk_shape,
+                    t.inner_chunk_shape,
+                    t.compression,
+                    t.rank_rows,
+                    t.pack,
+                )
                 key += (tuple(map(id, t.regions)), derived or tuple(t.writers))
             try:
                 text = entries.get(key) if key is not None else None
@@ -215,9 +222,9 @@ class CheckpointMetadata:
                     entries[key] = text
             parts.append(f"{_json_string(name)}:{text}")
         return (
-            f"{_dumps(head)[:-1]},\"tensors\":{{{','.join(parts)}}},"
-            f"\"objects\":{_dumps({name: _object_json(o) for name, o in sorted(self.objects.items())})},"
-            f"\"metrics\":{_dumps(dict(self.metrics))}}}"
+            f'{_dumps(head)[:-1]},"tensors":{{{",".join(parts)}}},'
+            f'"objects":{_dumps({name: _object_json(o) for name, o in sorted(self.objects.items())})},'
+            f'"metrics":{_dumps(dict(self.metrics))}}}'
         )
 
     def _tensor_json(self, t: TensorMeta) -> dict[str, Any]:
@@ -446,7 +453,9 @@ def _parse_tensor(
         if key not in memo.packs:
             _parse_pack(pack, where, version, world_size, compression, shape, chunk, writers)
             memo.packs.add(key)
-    meta = TensorMeta(name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows, pack)
+    meta = TensorMeta(
+        name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows, pack
+    )
     # pack_rank, asked several times per tensor by a load: set now, once per distinct pack entry (a cached
     # property computed on first use costs a lock and a regular expression per tensor)
     rank = memo.pack_ranks.get(pack, _UNSET) if type(pack) is str or pack is None else _UNSET
