@@ -9,12 +9,10 @@ nothing is executed (there is no pickle here; pickled user objects are opaque st
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from json.encoder import encode_basestring_ascii as _json_string
 from typing import Any
 
 from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
@@ -180,69 +178,10 @@ class CheckpointMetadata:
     layout_groups: tuple[Any, ...] = ()  # format 2: [{"meshes": [...], "ranks": <ranges>}], see rules.py
 
     def to_json(self) -> str:
-        """Serialise to the canonical JSON text of ``.metadata.json``.
+        """Serialise to the canonical JSON text of ``.metadata.json`` (:func:`.metatext.metadata_text`)."""
+        from .metatext import metadata_text
 
-        The text of ``json.dumps`` of the whole document (compact separators, keys in this order), written in
-        parts: tensors of one layout and rules share one entry text but for the name (a save of 100,000 small
-        tensors encodes a handful of distinct entries, not 100,000 dictionaries)."""
-        head = {
-            "format_version": self.format_version,
-            "library_version": self.library_version,
-            "codec_preset": self.codec_preset,
-            "framework": self.framework,
-            "world_size": self.world_size,
-            "step": self.step,
-            "topology": dict(self.topology),
-            "roles": list(self.roles),
-            **({"layout_groups": list(self.layout_groups)} if self.format_version >= 2 else {}),
-        }
-        entries: dict[Any, str] = {}
-        parts = []
-        for name, t in sorted(self.tensors.items()):
-            derived = getattr(t.writers, "derived", False)
-            key: Any = None
-            if self.format_version != 1 and (derived or len(t.writers) <= 64):
-                key = (
-                    t.shape,
-                    t.dtype,
-                    t.chunk_shape,
-                    t.inner_chunk_shape,
-                    t.compression,
-                    t.rank_rows,
-                    t.pack,
-                )
-                key += (tuple(map(id, t.regions)), derived or tuple(t.writers))
-            try:
-                text = entries.get(key) if key is not None else None
-            except TypeError:  # a field that cannot be hashed (a list): encoded on its own
-                key = text = None
-            if text is None:
-                text = _dumps(self._tensor_json(t))
-                if key is not None:
-                    entries[key] = text
-            parts.append(f"{_json_string(name)}:{text}")
-        return (
-            f'{_dumps(head)[:-1]},"tensors":{{{",".join(parts)}}},'
-            f'"objects":{_dumps({name: _object_json(o) for name, o in sorted(self.objects.items())})},'
-            f'"metrics":{_dumps(dict(self.metrics))}}}'
-        )
-
-    def _tensor_json(self, t: TensorMeta) -> dict[str, Any]:
-        return {
-            "shape": list(t.shape),
-            "dtype": t.dtype,
-            "chunk_shape": list(t.chunk_shape),
-            "inner_chunk_shape": list(t.inner_chunk_shape),
-            "compression": t.compression,
-            **(
-                {"shards": [[list(x.offsets), list(x.lengths), x.rank] for x in t.shards]}
-                if self.format_version == 1  # tools rewriting an old checkpoint keep its format
-                else {"regions": [[g, r] for g, r in t.regions]}
-            ),
-            "writers": HELD if getattr(t.writers, "derived", False) else list(t.writers),
-            **({"rank_rows": True} if t.rank_rows else {}),
-            **({"pack": t.pack} if t.pack is not None else {}),
-        }
+        return metadata_text(self)
 
     @staticmethod
     def from_json(text: str | bytes, what: str = METADATA_FILE) -> CheckpointMetadata:
@@ -252,19 +191,6 @@ class CheckpointMetadata:
 
         doc = load_json_bounded(text, max_bytes=MAX_METADATA_BYTES, what=what)
         return _parse(doc)
-
-
-def _dumps(value: Any) -> str:
-    """The canonical JSON text of ``value`` (compact, no NaN) that ``.metadata.json`` is made of."""
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
-
-
-def _object_json(o: ObjectMeta) -> dict[str, Any]:
-    if o.scope == "global":
-        return {"scope": "global", "value": o.value}
-    if o.rows is not None:
-        return {"scope": "rank", "template": o.template, "rows": dict(o.rows)}
-    return {"scope": "rank", "per_rank": {str(r): v for r, v in sorted(o.per_rank.items())}}
 
 
 def _req(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
