@@ -108,6 +108,11 @@ def test_the_metadata_text_is_json_dumps_of_the_document(tmp_path: Path) -> None
 def test_zip_records_are_zipfiles_bytes(record: tuple[str, int, int, int]) -> None:
     info = packfile._record_info(record)
     assert packfile.local_header(record) == info.FileHeader(record[2] >= zipfile.ZIP64_LIMIT)
+    (parts,) = packfile.header_parts([(record[0], record[2])])  # the streamed writer's header, around its CRC
+    if parts is not None:
+        assert parts[0] + record[1].to_bytes(4, "little") + parts[1] == packfile.local_header(record)
+    else:
+        assert record[2] >= zipfile.ZIP64_LIMIT
     plain = ("model/x/c.0", 5, 16, 0)
     for records in ([record], [plain, record], [plain] * 3):
         expected = packfile._central_directory([packfile._record_info(r) for r in records], 99)

@@ -148,6 +148,48 @@ def local_header(record: Record) -> bytes:
     return head + name
 
 
+def header_parts(members: list[tuple[str, int]]) -> list[tuple[bytes, bytes] | None]:
+    """Per member ``(key, bytes)`` of a pack: its :func:`local_header` before and after the CRC-32 (the only
+    field not known before the member is encoded), or None for a member :func:`local_header` builds through
+    zipfile. The sizes and name lengths of all members are packed at once (numpy)."""
+    plain = [_plain(key, n) for key, n in members]
+    names = [_name_flags(key) for key, _n in members]
+    fixed = np.zeros(len(members), dtype=_AFTER_CRC)
+    fixed["csize"] = fixed["usize"] = [n if p else 0 for (_key, n), p in zip(members, plain)]
+    fixed["name_len"] = [len(name) for name, _flags in names]
+    raw = fixed.tobytes()
+    step = _AFTER_CRC.itemsize
+    heads: dict[int, bytes] = {}  # flag bits -> the header's bytes before the CRC-32
+    out: list[tuple[bytes, bytes] | None] = []
+    for i, ((name, flags), p) in enumerate(zip(names, plain)):
+        if not p:
+            out.append(None)
+            continue
+        head = heads.get(flags)
+        if head is None:
+            head = heads[flags] = _LOCAL.pack(
+                zipfile.stringFileHeader,
+                _PROTO.extract_version,
+                _PROTO.reserved,
+                flags,
+                _PROTO.compress_type,
+                _DOS_TIME,
+                _DOS_DATE,
+                0,
+                0,
+                0,
+                0,
+                0,
+            )[:_CRC_AT]
+        out.append((head, raw[i * step : (i + 1) * step] + name))
+    return out
+
+
+#: where a local header's CRC-32 lies, and what follows it before the name (sizes, name and extra lengths)
+_CRC_AT = 14
+_AFTER_CRC = np.dtype([("csize", "<u4"), ("usize", "<u4"), ("name_len", "<u2"), ("extra_len", "<u2")])
+
+
 def _record_info(record: Record) -> zipfile.ZipInfo:
     key, crc, nbytes, offset = record
     info = _member_info(key)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveFailedError
-from .packfile import Buffer, Member, Record, _crc32, _flat, central_directory, local_header
+from .packfile import Buffer, Member, _crc32, _flat, central_directory, header_parts, local_header
 
 #: A batch of small members is handed to the writer's threads once it holds this many bytes ...
 BATCH_BYTES = 4 << 20
@@ -74,8 +74,9 @@ class StreamedPack:
         self._submit, self._later, self._release = submit, later, release
         self._writeback, self._writeback_bytes = writeback, writeback_bytes
         self._members = _Members(path, members)
-        #: each member's record (key, CRC-32, bytes, header offset), made on the writing thread (its CRC known)
-        self._records: list[Record | None] = [None] * len(members)
+        #: each member's CRC-32, known on the writing thread; its local header around it (None: zip64)
+        self._crcs: list[int | None] = [None] * len(members)
+        self._headers = header_parts(members)
         self._offsets: list[int] = []  # of each member's local header
         self._header_bytes: list[int] = []
         offset = 0
@@ -188,12 +189,15 @@ class StreamedPack:
                 crc = 0 if known is None else known
                 for p in flat if known is None else ():
                     crc = _crc32(p, crc)
-            record = (keys[index], crc, sizes[index], offsets[index])
-            self._records[index] = record
-            header = local_header(record)
+            self._crcs[index] = crc
+            parts_of = self._headers[index]
+            if parts_of is not None:
+                header = parts_of[0] + crc.to_bytes(4, "little") + parts_of[1]
+            else:
+                header = local_header((keys[index], crc, sizes[index], offsets[index]))
             if len(header) != self._header_bytes[index]:  # a name zipfile would alter (checked names never)
                 raise SaveFailedError(
-                    f"the local header of {record[0]} in {self.path} is not the {self._header_bytes[index]} "
+                    f"the local header of {keys[index]} in {self.path} is not the {self._header_bytes[index]} "
                     "bytes its layout assumed"
                 )
             if run and index != prev + 1:
@@ -245,7 +249,8 @@ class StreamedPack:
             self._remove()
             return
         try:
-            directory = central_directory([r for r in self._records if r is not None], self.end)
+            records = zip(self._members.keys, self._crcs, self._members.sizes, self._offsets)
+            directory = central_directory([r for r in records if r[1] is not None], self.end)
             self._pwrite([memoryview(directory)], self.end)
         except BaseException:
             self._remove()
