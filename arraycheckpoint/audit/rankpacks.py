@@ -311,6 +311,9 @@ def _check_rank_pack_members(
     entries read, whose local headers the caller checks next."""
     checked: list[PackMember] = []
     tensors = meta.tensors
+    # the chunk key of a one-chunk array (every small tensor), per grid: its only member besides zarr.json,
+    # recognised without parsing (what chunk_place would find: the array, chunk 0)
+    only_key: dict[tuple[int, ...], str | None] = {}
     for e in entries:
         name = e.filename
         if name in seen:
@@ -320,8 +323,18 @@ def _check_rank_pack_members(
             )
         seen.add(name)
         array, _, leaf = name.rpartition("/")
+        grid = grids.get(array) if separator != "/" else None
+        key = None
+        if grid is not None:
+            key = only_key.get(grid, "")
+            if key == "":
+                key = only_key[grid] = (
+                    separator.join(["c", *("0" * len(grid))]) if not any(g != 1 for g in grid) else None
+                )
         if leaf == "zarr.json" and array in docs:
             limit = MAX_PACKED_JSON_BYTES
+        elif grid is not None and leaf == key and tensors[array].writers[0] == rank:
+            limit = limits[array]
         else:
             place = chunk_place(name, grids, grids, separator)
             if place is None or tensors[place[0]].writers[place[1]] != rank:
