@@ -410,6 +410,7 @@ def build_compact_plan(
     load = np.zeros(world, dtype=np.int64)
     class_load: dict[int, tuple[np.ndarray, list[int]]] = {}  # per class: bytes per rank, its free chunks
     writers: dict[str, np.ndarray] = {}
+    uses_of: dict[int, int] = {}  # tensors per class
     order = []
     for name in names:
         c = classes[name]
@@ -420,11 +421,13 @@ def build_compact_plan(
                 np.bincount(c.forced[own], weights=c.nbytes[own], minlength=world).astype(np.int64),
                 np.nonzero(~own)[0].tolist(),
             )
-        load += got[0]
+        uses_of[id(c)] = uses_of.get(id(c), 0) + 1
         free = got[1]
         writers[name] = c.forced.copy() if free else c.forced  # all forced: the class's array, shared
         if free:
             order.extend((-int(c.nbytes[ci]), name, ci) for ci in free)
+    for cid, n in uses_of.items():  # each class's bytes per rank, once per tensor of the class
+        load += class_load[cid][0] * n
     order.sort()
     fit = WorstFit(load)
     for neg, name, ci in order:
@@ -432,6 +435,7 @@ def build_compact_plan(
 
     files = [0] * world
     decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool]] = {}
+    firsts: dict[int, int] = {}  # writer array -> its first chunk's writer
     derived_total, counted = 0, set()  # readers bound the derived writers of a checkpoint: list the rest
     for name in names:
         t, c = first[name], classes[name]
@@ -442,8 +446,15 @@ def build_compact_plan(
                 derived_total += len(c.forced)
                 counted.add(id(c))
         ws = writers[name]
-        ws.flags.writeable = False
-        creator = int(ws[0]) if len(ws) else min(range(world), key=lambda r: (files[r], r))
+        if len(ws):
+            first_writer = firsts.get(id(ws))
+            if first_writer is None:  # a writer array shared by the tensors of a class: once
+                ws.flags.writeable = False
+                first_writer = firsts[id(ws)] = int(ws[0])
+            creator = first_writer
+        else:
+            ws.flags.writeable = False
+            creator = min(range(world), key=lambda r: (files[r], r))
         files[creator] += 1
         layout = ArrayLayout(
             name, t.shape, t.dtype, c.layout_shape[0], c.layout_shape[1], options.compression
@@ -459,8 +470,9 @@ def build_compact_plan(
         n: TensorDecision(layout, ws, creator, packs.get(n), derived)
         for n, (layout, ws, creator, derived) in decided.items()
     }
-    h = hashlib.sha1()
-    # a class's regions, an array's writers and a layout but its name, hashed once for all sharers
+    # a class's regions, an array's writers and a layout but its name, hashed once for all sharers; the
+    # digest of every tensor's lines, hashed in one update (the same digest as one update per line)
+    lines: list[bytes] = []
     digests: dict[Any, bytes] = {}
     for name in names:
         d, c = tensors[name], classes[name]
@@ -476,10 +488,13 @@ def build_compact_plan(
         fields = (lay.shape, lay.dtype, lay.chunk_shape, lay.inner_chunk_shape, lay.compression)
         if fields not in digests:
             digests[fields] = repr(fields).encode()
-        h.update(f"{name}\0{d.creator}\0{d.pack}\0{d.derived}\0".encode())
-        h.update(digests[fields])
-        h.update(digests[id(ws)])
-        h.update(digests[id(c)])
+        lines += (
+            f"{name}\0{d.creator}\0{d.pack}\0{d.derived}\0".encode(),
+            digests[fields],
+            digests[id(ws)],
+            digests[id(c)],
+        )
+    h = hashlib.sha1(b"".join(lines))
     exchange = any(classes[n].straddles for n in names)
     plan = CompactPlan(world, groups, tensors, h.hexdigest()[:16], exchange)
     plan._classes = classes
