@@ -71,6 +71,10 @@ def is_stateful(v: Any) -> bool:
 
 
 def _contains_special(v: Any) -> bool:
+    if _is_array(
+        v
+    ):  # a leaf that is never special (checked first: a state of 100,000 tensors asks 100,000 times)
+        return False
     if _is_framework_object(v):
         return False
     if isinstance(v, PerRank) or is_stateful(v):

@@ -88,43 +88,55 @@ def check_rank_packs(
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
+    first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 under an array
     for name in names:
         t = meta.tensors[name]
         needed.setdefault(t.pack_rank, {})[f"{name}/zarr.json"] = (name, -1)
-        grid = _chunk_grid(t)
         writers = t.writers
         boxes = None if regions is None else regions.get(name)
         if len(writers) == 1:  # one chunk (every small array): read unless every region read is empty
             if boxes is None or any(math.prod(b.lengths) for b in boxes):
-                key = f"{name}/" + separator.join(["c", *("0" * len(grid))])
-                needed.setdefault(writers[0], {})[key] = (name, 0)
+                ndim = len(t.shape)
+                first = first_keys.get(ndim)
+                if first is None:
+                    first = first_keys[ndim] = separator.join(["c", *("0" * ndim)])
+                needed.setdefault(writers[0], {})[f"{name}/{first}"] = (name, 0)
             continue
+        grid = _chunk_grid(t)
         for flat in chunks_wanted(t, boxes).tolist():
             idx = np.unravel_index(flat, grid) if grid else ()
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
             needed.setdefault(writers[flat], {})[key] = (name, flat)
     holds = _rank_members(meta)
-    targets = {packs_target(t.pack) for t in meta.tensors.values() if t.pack_rank is not None}
+    packs = {t.pack for t in meta.tensors.values() if t.pack_rank is not None}  # a few distinct entries
+    targets = {packs_target(pack) for pack in packs}
     target = targets.pop() if len(targets) == 1 else 0
     out: dict[str, int | None] = {}
+    per_layout: dict[Any, tuple[int, tuple[int, ...], int]] = {}  # chunk file bytes, grid, longest chunk key
     for rank in sorted(needed):
         docs, chunks = holds.get(rank, ([], {}))
-        limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in set(docs) | set(chunks)}
-        grids = {n: _chunk_grid(meta.tensors[n]) for n in limits}
-        entries_bound = sum(_CD_ENTRY_BYTES + len(n.encode()) + 10 for n in docs) + sum(
-            k * (_CD_ENTRY_BYTES + len(n.encode()) + 1 + max(9, _longest_chunk_key(grids[n])))
-            for n, k in chunks.items()
-        )
+        limits: dict[str, int] = {}
+        grids: dict[str, tuple[int, ...]] = {}
+        entries_bound = bound = 0
+        for n in docs:
+            nb = len(n.encode())
+            entries_bound += _CD_ENTRY_BYTES + nb + 10
+            bound += MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (nb + 10)
+        for n in set(docs) | set(chunks):
+            t = meta.tensors[n]
+            lay = (t.dtype, t.shape, t.chunk_shape, t.inner_chunk_shape)
+            known = per_layout.get(lay)
+            if known is None:
+                grid = _chunk_grid(t)
+                known = per_layout[lay] = (_packed_chunk_bytes(t), grid, _longest_chunk_key(grid))
+            limits[n], grids[n] = known[0], known[1]
+            k = chunks.get(n, 0)
+            if k:
+                nb = len(n.encode())
+                entries_bound += k * (_CD_ENTRY_BYTES + nb + 1 + max(9, known[2]))
+                bound += k * (known[0] + MEMBER_OVERHEAD + 2 * (nb + 1 + known[2]))
         members = len(docs) + sum(chunks.values())
-        bound = min(
-            TRAILER_BYTES * (members + 1)
-            + sum(MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 10) for n in docs)
-            + sum(
-                k * (limits[n] + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 1 + _longest_chunk_key(grids[n])))
-                for n, k in chunks.items()
-            ),
-            MAX_OBJECT_BYTES * 4,
-        )
+        bound = min(TRAILER_BYTES * (members + 1) + bound, MAX_OBJECT_BYTES * 4)
         seen: set[str] = set()
         reading = set(needed[rank])
         check = functools.partial(
@@ -236,6 +248,13 @@ def _predicted_packs(
         reads = by_array.get(name)
         if reads:
             writers = meta.tensors[name].writers
+            if len(writers) == 1:  # one chunk (every small tensor), written by this rank: the first
+                at = fill.where(0, first)
+                for member, _flat in reads:
+                    out[member] = at
+                fill.add(1, first)
+                fill.add(count - 1, size)
+                continue
             mine = np.flatnonzero(np.asarray(getattr(writers, "array", writers)) == rank)
             for member, flat in reads:
                 j = int(np.searchsorted(mine, flat))  # this rank's chunks of the array before ``flat``
@@ -292,6 +311,9 @@ def _check_rank_pack_members(
     entries read, whose local headers the caller checks next."""
     checked: list[PackMember] = []
     tensors = meta.tensors
+    # the chunk key of a one-chunk array (every small tensor), per grid: its only member besides zarr.json,
+    # recognised without parsing (what chunk_place would find: the array, chunk 0)
+    only_key: dict[tuple[int, ...], str | None] = {}
     for e in entries:
         name = e.filename
         if name in seen:
@@ -301,8 +323,18 @@ def _check_rank_pack_members(
             )
         seen.add(name)
         array, _, leaf = name.rpartition("/")
+        grid = grids.get(array) if separator != "/" else None
+        key = None
+        if grid is not None:
+            key = only_key.get(grid, "")
+            if key == "":
+                key = only_key[grid] = (
+                    separator.join(["c", *("0" * len(grid))]) if not any(g != 1 for g in grid) else None
+                )
         if leaf == "zarr.json" and array in docs:
             limit = MAX_PACKED_JSON_BYTES
+        elif grid is not None and leaf == key and tensors[array].writers[0] == rank:
+            limit = limits[array]
         else:
             place = chunk_place(name, grids, grids, separator)
             if place is None or tensors[place[0]].writers[place[1]] != rank:

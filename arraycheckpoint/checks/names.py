@@ -6,11 +6,20 @@ path below the checkpoint root, a ZIP member name and a zarr node, so it is chec
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
 #: Characters no component of an entry name may hold (besides control characters, see :func:`check_name`).
 _FORBIDDEN_NAME_CHARS = ("\\", ":")
+
+#: A component every rule of :func:`check_name` accepts, by construction: ASCII letters, digits, ``_``, ``-``
+#: and ``.``, not starting with ``.`` or ``__``, not ``zarr.json``. Most names (torch FQNs) are made of these
+#: only, and one match of the whole name is several times cheaper than the component-by-component checks
+#: (saves and loads of 100,000 small tensors check as many names). A name it does not match takes the full
+#: checks, which decide.
+_COMPONENT = r"(?!\.|__|zarr\.json(?:/|\Z))[A-Za-z0-9_.\-]+"
+_PLAIN_NAME = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*\Z")
 
 
 def check_name(name: Any) -> str:
@@ -27,6 +36,8 @@ def check_name(name: Any) -> str:
     Raises:
         UnsafeNameError: naming the offending name and component.
     """
+    if isinstance(name, str) and _PLAIN_NAME.match(name) is not None:
+        return name
     from ..errors import UnsafeNameError
 
     if not isinstance(name, str) or not name:
@@ -69,7 +80,15 @@ def check_name_tree(names: Iterable[str], what: str = "tensor") -> None:
     from ..errors import UnsafeNameError
 
     every = set(names)
-    for name in sorted(every):
+    for name in every:  # the common case, unsorted: nothing is nested (every prefix before a "/" looked up)
+        head, sep, _ = name.rpartition("/")
+        while sep and head not in every:
+            head, sep, _ = head.rpartition("/")
+        if sep:
+            break
+    else:
+        return
+    for name in sorted(every):  # something is: the first in sorted order is reported
         parts = name.split("/")
         for i in range(1, len(parts)):
             outer = "/".join(parts[:i])

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import zlib
 from collections import defaultdict
@@ -48,7 +47,6 @@ from ..format.version import __version__
 from ..planning.groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
 from ..planning.groupplan import rank_plan as rank_plan_of
 from ..planning.items import SaveRequest, SaveTensor
-from ..planning.regions import Box
 from ..planning.rules import Mesh, digest, encode_ranks, rule_boxes
 from ..runtime.collectives import Communicator
 from . import saveargs, shardfile
@@ -231,9 +229,16 @@ def build_metadata(
     stacked = {t.name for t in request.tensors if t.fallback is not None}  # rows of stacked per-rank arrays
     stacked.update(n for o in request.objects if o.rows is not None for n in o.rows.values())
     tensors = {}
+    rules: dict[tuple[int, Any], tuple[int, list[Any]]] = {}  # (group, rule) -> its JSON form, made once
     for name, td in plan.tensors.items():
         layout = td.layout
-        regions = tuple((group_index[id(d)], rule_json(t.rule)) for d, t in plan.contributions(name))
+        found = []
+        for d, t in plan.contributions(name):
+            r = rules.get((id(d), t.rule))
+            if r is None:
+                r = rules[(id(d), t.rule)] = (group_index[id(d)], rule_json(t.rule))
+            found.append(r)
+        regions = tuple(found)
         tensors[name] = TensorMeta(
             name=name,
             shape=layout.shape,
@@ -286,13 +291,17 @@ def declare(tensors: list[SaveTensor], rank: int) -> Decl:
     meshes: list[Mesh] = []
     out = []
     seen = set()
+    dtypes: dict[Any, tuple[str, int]] = {}  # per distinct dtype: its zarr name and item size, checked once
     check_name_tree(t.name for t in tensors)  # model/a and model/a/b: an array inside an array never loads
     for t in tensors:
         check_name(t.name)
         if t.name in seen:
             raise ArrayCheckpointError(f"tensor {t.name!r} appears twice in one save request")
         seen.add(t.name)
-        dtype = np.dtype(t.dtype)
+        known = dtypes.get(t.dtype)
+        if known is None:
+            dtype = np.dtype(t.dtype)
+            known = dtypes[t.dtype] = (zarr_dtype_name(dtype), dtype.itemsize)
         shape = tuple(int(s) for s in t.shape)
         boxes = tuple(s.box for s in t.shards if s.box.volume)
         rule: tuple[Any, ...]
@@ -303,11 +312,11 @@ def declare(tensors: list[SaveTensor], rank: int) -> Decl:
             rule = (t.rule[0], meshes.index(mesh), *_rule_args(t.rule))
             if rank not in mesh.positions or set(rule_boxes(shape, rule, meshes, rank)) != set(boxes):
                 rule = ("boxes", boxes)  # the rule does not describe what this rank holds: say it plainly
-        elif math.prod(shape) and boxes == (Box.full(shape),):
-            rule = ("replica",)
+        elif len(boxes) == 1 and boxes[0].lengths == shape and not any(boxes[0].offsets):
+            rule = ("replica",)  # the whole (non-empty) tensor
         else:
             rule = ("boxes", boxes)
-        out.append(TensorRule(t.name, shape, zarr_dtype_name(dtype), dtype.itemsize, rule))
+        out.append(TensorRule(t.name, shape, known[0], known[1], rule))
     used = sorted({r[1] for r in (x.rule for x in out) if r[0] in ("mesh", "range")})
     if len(used) != len(meshes):  # drop meshes no rule kept
         remap = {old: new for new, old in enumerate(used)}

@@ -95,6 +95,8 @@ def exchange_fragments(job: SaveJob, plan: RankPlan) -> dict[tuple[str, Box], np
 
 def local_view(job: SaveJob, name: str, box: Box) -> np.ndarray:
     for held, buf in job.local.get(name, ()):
+        if held == box:  # the whole held region (every small tensor): no view to cut
+            return buf
         if held.contains(box):
             return buf[box.slices(held)]
     raise SaveFailedError(f"rank {job.comm.rank}: tensor {name!r} region {box} was not in the snapshot")

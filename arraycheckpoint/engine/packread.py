@@ -32,10 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from ..checks.zipdir import check_local_header
 from ..codecs import numpy_dtype
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
 from ..planning.regions import Box, intersect
-from . import chunkread
+from . import chunkread, shardfile
 
 #: A ZIP local file header: signature, versions, flags, method, time, date, crc, sizes, name and extra lengths.
 _LOCAL = struct.Struct("<4s5H3L2H")
@@ -63,6 +64,10 @@ class PackFile:
         self._kv = kvstore
         self._leaf = key.rpartition("/")[2]
         self._fd = -1
+        #: the last :data:`_WINDOW` bytes read ahead from a local pack (offset, bytes): small members a load
+        #: reads one after the other (the document and chunk of each small tensor, in pack order) come from
+        #: it, not from a ``pread`` each
+        self._window: tuple[int, np.ndarray] = (0, np.empty(0, np.uint8))
         if kvstore is None:
             # below the root one component at a time, no link, non-blocking, a regular file: the pack may have
             # been swapped since the load's checks (a FIFO, a directory, a link to ``.acp``)
@@ -96,6 +101,16 @@ class PackFile:
         got = os.preadv(self._fd, [buf], offset)
         return buf[:got]
 
+    def _near(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """Bytes ``[offset, offset + nbytes)`` of a local pack through the read-ahead window (cut short where the
+        file ends), or None for a member too large for it or a pack on an object store."""
+        if self._fd < 0 or nbytes > _WINDOW // 4:
+            return None
+        at, held = self._window
+        if offset < at or offset + nbytes > at + len(held):  # (one cut short by the file's end: read again)
+            at, held = self._window = (offset, self._read(offset, _WINDOW, None))
+        return held[offset - at : offset - at + nbytes]
+
     def _read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         return [self._read(o, n, None).tobytes() for o, n in ranges]
 
@@ -103,13 +118,15 @@ class PackFile:
         """The check of member ``name``'s local header bytes (up to its name's end): how far past the name its
         data starts, or None when it is not a stored member of that name. A member the load's checks left to
         this reader gets every check of :func:`arraycheckpoint.checks.zipdir.check_local_header` (which raises)."""
+        return lambda raw: self._lead(name, info, raw)
+
+    def _lead(self, name: str, info: Any, raw: bytes) -> int | None:
+        """:meth:`_lead_check`'s check applied to ``raw`` (without making the check first)."""
         following = self._unchecked.get(name)
         if following is None:
-            return _header_check(name)
-        from ..checks.zipdir import check_local_header
-
+            return _header_check(name)(raw)
         head = _LOCAL.size + len(info.raw_name)
-        return lambda raw: check_local_header(self.path, info, raw, following, self._read_many) - head
+        return check_local_header(self.path, info, raw, following, self._read_many) - head
 
     def doc(self, name: str) -> bytes | None:
         """The stored bytes of the ``zarr.json`` member ``name`` (:meth:`member`). The documents a load reads
@@ -135,7 +152,7 @@ class PackFile:
         at = info.header_offset - lo
         if name not in self._unchecked or not held or at < 0 or at + head > len(held):
             return self.member(name)
-        shift = self._lead_check(name, info)(held[at : at + head])
+        shift = self._lead(name, info, held[at : at + head])
         if shift is None:
             return None
         data = held[at + head + shift : at + head + shift + info.file_size]
@@ -148,10 +165,12 @@ class PackFile:
         if info is None:
             return None
         head = _LOCAL.size + len(name.encode())
-        got = self._read(info.header_offset, head + info.file_size, staging)
+        got = self._near(info.header_offset, head + info.file_size)
+        if got is None:
+            got = self._read(info.header_offset, head + info.file_size, staging)
         if len(got) < head:
             return None
-        shift = self._lead_check(name, info)(got[:head].tobytes())
+        shift = self._lead(name, info, got[:head].tobytes())
         if shift is None:
             return None
         if shift:  # a zip64 extra field: the data starts after it
@@ -164,6 +183,30 @@ class PackFile:
         """The stored bytes of member ``name``, or None when its local header is not what a save writes."""
         view = self.member_view(name)
         return None if view is None else view.tobytes()
+
+    def read_small_chunk(self, name: str, lay: chunkread.ShardLayout, target: np.ndarray) -> bool:
+        """Read the chunk file stored as member ``name`` into ``target`` (the whole chunk: a C-contiguous array
+        of its shape and the stored dtype) when it is one small inner chunk in exactly the layout a save writes,
+        from the read-ahead window: its local header checked as :meth:`read_chunk` checks it, the index equal to
+        the exact one, the data's crc32c equal to the stored one. False (``target`` untouched): anything else,
+        which the caller reads with :meth:`read_chunk` (every check and error of the general path)."""
+        info = self._members.get(name)
+        if info is None or lay.n_inner != 1 or info.file_size != lay.nbytes:
+            return False
+        head = _LOCAL.size + len(name.encode())  # as read_chunk reads it
+        raw = self._near(info.header_offset, head + lay.nbytes)
+        if raw is None or len(raw) != head + lay.nbytes:
+            return False
+        if self._lead(name, info, raw[:head].tobytes()) != 0:
+            return False
+        ib = lay.inner_bytes
+        if raw[head + ib + 4 :].tobytes() != lay.exact_table():
+            return False
+        data = raw[head : head + ib]
+        if shardfile.crc32c(data) != int.from_bytes(raw[head + ib : head + ib + 4].tobytes(), "little"):
+            return False
+        target.reshape(-1).view(np.uint8)[...] = data
+        return True
 
     def read_chunk(
         self,
@@ -324,6 +367,23 @@ class PackedReader:
             if raw is None:
                 raise _corrupt(tm, pack, doc, "its local header is not as a save writes it")
             self._docs.check(tm, raw, pack.path)
+        if len(t.shards) == 1 and lay.n_inner == 1 and self._local:
+            # a small array of one chunk read whole into its target (100,000 small tensors): one slice of the
+            # pack's read-ahead window, checked and copied; anything unusual takes the general path below
+            shard = t.shards[0]
+            arr = shard.target
+            if (
+                arr is not None
+                and arr.dtype == lay.dtype
+                and arr.flags.c_contiguous
+                and tuple(tm.shape) == lay.chunk
+                and shard.box.lengths == lay.chunk
+                and not any(shard.box.offsets)
+            ):
+                member = f"{tm.name}/" + self._sep.join(["c", *("0" * len(lay.chunk))])
+                if self._pack_of(tm, v6, member).read_small_chunk(member, lay, arr):
+                    self.direct_bytes += arr.nbytes
+                    return arr.nbytes
         dests: list[chunkread.Dest] = []
         for shard in t.shards:
             if shard.target is not None and shard.target.dtype == lay.dtype:
@@ -365,6 +425,9 @@ class PackedReader:
         self._packs.clear()
 
 
+#: bytes a local pack is read ahead by, for its small members (:meth:`PackFile._near`; members up to a
+#: quarter of it)
+_WINDOW = 1 << 20
 #: the most bytes of a pack read at once for the ``zarr.json`` documents a load reads from it (a save writes
 #: them together, about 700 bytes each: 4 MiB hold about 6,000)
 _MAX_DOCS_SPAN = 4 << 20
@@ -398,6 +461,7 @@ class _DocCheck:
     def __init__(self, separator: str) -> None:
         self._sep = separator
         self._templates: dict[tuple[Any, ...], bytes | None] = {}
+        self._leaves: dict[str, bytes] = {}  # last name component -> its JSON text (components repeat)
         self._mark = json.dumps(self._MARK)[1:-1].encode()
 
     def _exact(self, tm: Any, leaf: str) -> bytes:
@@ -418,7 +482,9 @@ class _DocCheck:
         """Raises :class:`MetadataError` (``check_packed_doc``) unless ``raw`` is a sound document of ``tm``."""
         leaf = tm.name.rsplit("/", 1)[-1]  # dimension names come from the last component
         key = (tuple(tm.shape), tm.dtype, tuple(tm.chunk_shape), tuple(tm.inner_chunk_shape), tm.compression)
-        name = json.dumps(leaf)[1:-1].encode()
+        name = self._leaves.get(leaf)
+        if name is None:
+            name = self._leaves[leaf] = json.dumps(leaf)[1:-1].encode()
         if key not in self._templates:
             try:
                 template = self._exact(tm, self._MARK)

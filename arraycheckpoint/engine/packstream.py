@@ -24,6 +24,7 @@ import errno
 import os
 import threading
 import zipfile
+import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveFailedError
-from .packfile import Buffer, Member, _central_directory, _crc32, _flat, _member_info
+from .packfile import Buffer, Member, _crc32, _flat, central_directory, header_parts, local_header
 
 #: A batch of small members is handed to the writer's threads once it holds this many bytes ...
 BATCH_BYTES = 4 << 20
@@ -40,6 +41,8 @@ BATCH_BYTES = 4 << 20
 BATCH_MEMBERS = 128
 #: Most buffers one ``pwritev(2)`` takes (Linux's ``IOV_MAX``).
 _IOV_MAX = 1024
+#: A member of one buffer up to this size is written joined to its header (one buffer instead of two).
+_JOIN_BYTES = 1 << 12
 
 #: ``submit(task, nbytes)``: run ``task`` on one of the writer's threads (chosen by ``nbytes``).
 Submit = Callable[[Callable[[], None], int], Any]
@@ -71,8 +74,9 @@ class StreamedPack:
         self._submit, self._later, self._release = submit, later, release
         self._writeback, self._writeback_bytes = writeback, writeback_bytes
         self._members = _Members(path, members)
-        #: each member's ZipInfo, made on the writing thread (its CRC known)
-        self._infos: list[zipfile.ZipInfo | None] = [None] * len(members)
+        #: each member's CRC-32, known on the writing thread; its local header around it (None: zip64)
+        self._crcs: list[int | None] = [None] * len(members)
+        self._headers = header_parts(members)
         self._offsets: list[int] = []  # of each member's local header
         self._header_bytes: list[int] = []
         offset = 0
@@ -173,49 +177,63 @@ class StreamedPack:
     def _write(self, batch: list[tuple[int, list[Buffer], int | None]]) -> None:
         """Write the members of ``batch``: each run of neighbours in the file with one ``pwritev``."""
         batch.sort(key=lambda m: m[0])
-        run: list[memoryview] = []
+        run: list[Buffer] = []
         start = prev = -2
+        keys, sizes, offsets = self._members.keys, self._members.sizes, self._offsets
         for index, parts, known in batch:
-            flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
-            crc = 0 if known is None else known
-            for p in flat if known is None else ():
-                crc = _crc32(p, crc)
-            nbytes = self._members.sizes[index]
-            info = self._infos[index] = _member_info(self._members.keys[index])
-            info.file_size = info.compress_size = nbytes
-            info.CRC = crc
-            info.header_offset = self._offsets[index]
-            header = info.FileHeader(_zip64(nbytes))
+            if len(parts) == 1 and type(parts[0]) is bytes:  # a document, a small chunk file: one buffer
+                flat = parts
+                crc = zlib.crc32(parts[0]) if known is None else known
+            else:
+                flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
+                crc = 0 if known is None else known
+                for p in flat if known is None else ():
+                    crc = _crc32(p, crc)
+            self._crcs[index] = crc
+            parts_of = self._headers[index]
+            if parts_of is not None:
+                header = parts_of[0] + crc.to_bytes(4, "little") + parts_of[1]
+            else:
+                header = local_header((keys[index], crc, sizes[index], offsets[index]))
             if len(header) != self._header_bytes[index]:  # a name zipfile would alter (checked names never)
                 raise SaveFailedError(
-                    f"the local header of {info.filename} in {self.path} is not the {self._header_bytes[index]} "
+                    f"the local header of {keys[index]} in {self.path} is not the {self._header_bytes[index]} "
                     "bytes its layout assumed"
                 )
             if run and index != prev + 1:
-                self._pwrite(run, self._offsets[start])
+                self._pwrite(run, offsets[start])
                 run = []
             if not run:
                 start = index
-            run.append(memoryview(header))
-            run.extend(v for v in map(memoryview, flat) if v.nbytes)
+            if flat is parts and len(parts[0]) <= _JOIN_BYTES:
+                run.append(header + parts[0])  # one buffer for the header and its small member
+            else:
+                run.append(header)
+                run.extend(flat)
             prev = index
         if run:
-            self._pwrite(run, self._offsets[start])
+            self._pwrite(run, offsets[start])
 
-    def _pwrite(self, views: list[memoryview], offset: int) -> None:
+    def _pwrite(self, buffers: list[Buffer], offset: int) -> None:
         fd = self._fd
         assert fd is not None, "a pack written after it was closed"
+        views = [memoryview(b).cast("B") for b in buffers]
+        views = [v for v in views if v.nbytes]
         first, total = offset, sum(v.nbytes for v in views)
-        while views:
-            n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        i = 0
+        while i < len(views):
+            part = views[i : i + _IOV_MAX]
+            n = os.pwritev(fd, part, offset)
             if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
                 raise OSError(errno.EIO, f"pwritev(2) wrote nothing to {self.path}")
             offset += n
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
+            if len(part) == len(views) - i and offset == first + total:
+                break  # everything written (the usual case: one call)
+            while i < len(views) and n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
             if n:
-                views[0] = views[0][n:]
+                views[i] = views[i][n:]
         if total >= self._writeback_bytes:
             self._later(lambda: self._writeback(fd, first, total))
 
@@ -231,7 +249,8 @@ class StreamedPack:
             self._remove()
             return
         try:
-            directory = _central_directory([i for i in self._infos if i is not None], self.end)
+            records = zip(self._members.keys, self._crcs, self._members.sizes, self._offsets)
+            directory = central_directory([r for r in records if r[1] is not None], self.end)
             self._pwrite([memoryview(directory)], self.end)
         except BaseException:
             self._remove()

@@ -5,6 +5,7 @@ implies. Encodes in memory; the writes are the pipeline's (:mod:`.save`)."""
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii as _json_string
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,8 @@ class ZarrJsonDocs:
         if parts is None:
             parts = self._templates[key] = zarr_json_template(layout)
         names = dimension_names_for(layout.name, len(layout.shape))
-        return parts[0] + b"".join(json.dumps(n).encode() + p for n, p in zip(names, parts[1:]))
+        # json.dumps of a string, without its per-call dispatch
+        return parts[0] + b"".join(_json_string(n).encode() + p for n, p in zip(names, parts[1:]))
 
 
 class Packs:
@@ -62,25 +64,27 @@ class Packs:
         self._layouts = layouts
         self._writer = writer
         self.packed = {name for _k, names in plan.packs for name in names}
+        self._writes = [w for w in plan.writes if w.name in self.packed]
         created = sorted(name for k, names in plan.packs if packs_rank(k) == plan.rank for name in names)
         self._docs = {f"{n}/zarr.json": [docs.encode(layouts[n])] for n in created}
         # the order packing.PackFill computes from the metadata: by array name, its document (if this rank
         # created it) before its chunks (in row-major order)
         members = [(n, -1, f"{n}/zarr.json", DOC_BYTES) for n in created]
         real = {key: len(parts[0]) for key, parts in self._docs.items()}  # bytes as written
-        sizes_of: dict[str, int] = {}
-        for w in plan.writes:
-            if w.name in self.packed:
-                layout = layouts[w.name]
-                flat = 0  # row-major index of the chunk in its grid
-                for o, c, n in zip(w.chunk.offsets, layout.chunk_shape, layout.shape):
-                    flat = flat * -(-n // c) + o // c
-                size = sizes_of.get(w.name)
-                if size is None:
-                    size = sizes_of[w.name] = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
-                key = self._key(w)
-                members.append((w.name, flat, key, size))
-                real[key] = size
+        sizes_of: dict[tuple[Any, ...], int] = {}  # chunk file bytes per (chunk, inner chunk, dtype)
+        self._keys: dict[int, str] = {}  # id of a write -> its member key
+        for w in self._writes:
+            layout = layouts[w.name]
+            flat = 0  # row-major index of the chunk in its grid
+            for o, c, n in zip(w.chunk.offsets, layout.chunk_shape, layout.shape):
+                flat = flat * -(-n // c) + o // c
+            grid = (layout.chunk_shape, layout.inner_chunk_shape, layout.dtype)
+            size = sizes_of.get(grid)
+            if size is None:
+                size = sizes_of[grid] = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
+            key = self._keys[id(w)] = f"{w.name}/{shardfile.chunk_key(layout, w.chunk)}"
+            members.append((w.name, flat, key, size))
+            real[key] = size
         members.sort()
         # an array's document stays with its first chunk here: counted with it (packing.PackFill)
         for i, (name, flat, key, _size) in enumerate(members):
@@ -99,24 +103,30 @@ class Packs:
         self._last: dict[str, Any] = {}  # the last write future handed out per pack
 
     def _key(self, w: Any) -> str:
-        return f"{w.name}/{shardfile.chunk_key(self._layouts[w.name], w.chunk)}"
+        return self._keys.get(id(w)) or f"{w.name}/{shardfile.chunk_key(self._layouts[w.name], w.chunk)}"
 
     def start(self) -> list[tuple[Any, int, str]]:
-        """Add the ``zarr.json`` documents; the writes started (``(future, bytes, label)``)."""
-        return [started for key, parts in self._docs.items() for started in self._put(key, parts)]
+        """Add the ``zarr.json`` documents of arrays none of whose chunks this rank writes; the writes started
+        (``(future, bytes, label)``). The others go with the array's first chunk (:meth:`add`): its neighbour in
+        the pack, so the two are written by one ``pwritev`` with the rest of their batch."""
+        chunked = {w.name for w in self._writes}
+        alone = [key for key in self._docs if key[: -len("/zarr.json")] not in chunked]
+        return [started for key in alone for started in self._put(key, self._docs.pop(key))]
 
     def add(self, w: Any, data: np.ndarray) -> list[tuple[Any, int, str]]:
         """Encode chunk ``w`` of a packed array from ``data`` (an edge chunk padded to the full chunk shape
         with the fill value, as zarr does) and add it to its pack; the writes started (``(future, bytes,
         label)``: none while a pack written whole still waits for members)."""
         layout = self._layouts[w.name]
+        doc = self._docs.pop(f"{w.name}/zarr.json", None)
+        started = self._put(f"{w.name}/zarr.json", doc) if doc is not None else []
         little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
         full = shardfile.padded(little, layout.chunk_shape)
         if full.nbytes >= shardfile.FUSED_BYTES:  # both checksums while the slices are cached
             parts, crc = shardfile.encode_with_crc32(full, layout.inner_chunk_shape)
-            return self._put(self._key(w), parts, crc)
+            return started + self._put(self._key(w), parts, crc)
         # a small chunk is in the cache anyway: its CRC-32 is left to the writing thread
-        return self._put(self._key(w), shardfile.encode(full, layout.inner_chunk_shape))
+        return started + self._put(self._key(w), shardfile.encode(full, layout.inner_chunk_shape))
 
     def _put(
         self, member: str, parts: list[shardfile.Buffer], crc: int | None = None

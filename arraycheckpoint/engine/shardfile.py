@@ -124,6 +124,8 @@ def crc32c(buf: Buffer) -> int:
             return _ANY_CRC.value(b"")
         if buf.nbytes >= _CTYPES_CRC_BYTES:
             return _crc32c_extend(0, buf)
+        if buf.nbytes < _SMALL_BLOCK:  # a copy costs less than the ctypes view below
+            return _ANY_CRC.value(buf.tobytes())
         # google_crc32c takes only buffers without a release hook (bytes): a ctypes view of the same memory
         view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
         return _ANY_CRC.value(view)
@@ -149,9 +151,26 @@ def encode_with_crc32(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> t
 FUSED_BYTES = 256 << 10
 
 
+#: below this many bytes, a block's CRC32C is summed over a copy in ``bytes`` (cheaper than a ctypes view)
+_SMALL_BLOCK = 1 << 12
+
+
+@functools.lru_cache(maxsize=256)
+def _one_block_index(nbytes: int) -> tuple[bytes, bytes]:
+    """The index of a shard file holding one inner chunk of ``nbytes`` bytes, and the index's CRC32C."""
+    raw = struct.pack("<2Q", 0, nbytes + 4)
+    return raw, crc32c(raw).to_bytes(4, "little")
+
+
 def _encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], zip_crc: bool) -> tuple[list[Buffer], int]:
     from .packfile import _crc32
 
+    if not zip_crc and data.nbytes < _SMALL_BLOCK and tuple(data.shape) == tuple(inner_chunk_shape):
+        # one small inner chunk (the chunk of every small tensor): the whole file in one buffer, its bytes
+        # (C order), their CRC32C and a cached index
+        block = data.tobytes()
+        raw_index, index_crc = _one_block_index(len(block))
+        return [b"".join((block, _ANY_CRC.value(block).to_bytes(4, "little"), raw_index, index_crc))], 0
     grid = tuple(c // i for c, i in zip(data.shape, inner_chunk_shape))
     if all(g == 1 for g in grid):
         blocks = [_flat_bytes(data)]

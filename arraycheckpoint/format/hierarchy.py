@@ -71,9 +71,12 @@ def hierarchy_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
     """Every document the coordinator writes at commit, key (relative to the root) -> bytes: the metadata,
     the control node and a group ``zarr.json`` for the root and each directory above an entry."""
     groups = {""}
-    for name in list(meta.tensors) + list(meta.objects):
-        parts = name.split("/")
-        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    for names in (meta.tensors, meta.objects):
+        for name in names:
+            head = name.rpartition("/")[0]
+            while head not in groups:  # every directory above the entry, up to one already known
+                groups.add(head)
+                head = head.rpartition("/")[0]
     attrs = {
         "format_version": meta.format_version,
         "framework": meta.framework,

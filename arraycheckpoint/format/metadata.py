@@ -9,13 +9,13 @@ nothing is executed (there is no pickle here; pickled user objects are opaque st
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
 from ..checks.names import check_name as check_name  # the one validator of entry names (saves use it too)
 from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
@@ -178,39 +178,10 @@ class CheckpointMetadata:
     layout_groups: tuple[Any, ...] = ()  # format 2: [{"meshes": [...], "ranks": <ranges>}], see rules.py
 
     def to_json(self) -> str:
-        """Serialise to the canonical JSON text of ``.metadata.json``."""
-        doc = {
-            "format_version": self.format_version,
-            "library_version": self.library_version,
-            "codec_preset": self.codec_preset,
-            "framework": self.framework,
-            "world_size": self.world_size,
-            "step": self.step,
-            "topology": dict(self.topology),
-            "roles": list(self.roles),
-            **({"layout_groups": list(self.layout_groups)} if self.format_version >= 2 else {}),
-            "tensors": {
-                name: {
-                    "shape": list(t.shape),
-                    "dtype": t.dtype,
-                    "chunk_shape": list(t.chunk_shape),
-                    "inner_chunk_shape": list(t.inner_chunk_shape),
-                    "compression": t.compression,
-                    **(
-                        {"shards": [[list(x.offsets), list(x.lengths), x.rank] for x in t.shards]}
-                        if self.format_version == 1  # tools rewriting an old checkpoint keep its format
-                        else {"regions": [[g, r] for g, r in t.regions]}
-                    ),
-                    "writers": HELD if getattr(t.writers, "derived", False) else list(t.writers),
-                    **({"rank_rows": True} if t.rank_rows else {}),
-                    **({"pack": t.pack} if t.pack is not None else {}),
-                }
-                for name, t in sorted(self.tensors.items())
-            },
-            "objects": {name: _object_json(o) for name, o in sorted(self.objects.items())},
-            "metrics": dict(self.metrics),
-        }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        """Serialise to the canonical JSON text of ``.metadata.json`` (:func:`.metatext.metadata_text`)."""
+        from .metatext import metadata_text
+
+        return metadata_text(self)
 
     @staticmethod
     def from_json(text: str | bytes, what: str = METADATA_FILE) -> CheckpointMetadata:
@@ -220,14 +191,6 @@ class CheckpointMetadata:
 
         doc = load_json_bounded(text, max_bytes=MAX_METADATA_BYTES, what=what)
         return _parse(doc)
-
-
-def _object_json(o: ObjectMeta) -> dict[str, Any]:
-    if o.scope == "global":
-        return {"scope": "global", "value": o.value}
-    if o.rows is not None:
-        return {"scope": "rank", "template": o.template, "rows": dict(o.rows)}
-    return {"scope": "rank", "per_rank": {str(r): v for r, v in sorted(o.per_rank.items())}}
 
 
 def _req(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -326,6 +289,7 @@ class _TensorMemo:
         self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
         self.packs: set[tuple[Any, ...]] = set()
         self.writers: dict[tuple[Any, ...], Writers] = {}
+        self.pack_ranks: dict[str | None, int | None] = {}  # pack entry -> TensorMeta.pack_rank
         self.derived = 0  # chunks of the distinct derived writers above (bounded: MAX_DERIVED_WRITERS_TOTAL)
 
 
@@ -380,14 +344,12 @@ def _parse_tensor(
     raw = t.get("writers", [])
     writers: Sequence[int]
     if raw == HELD and version >= 7:
-        from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
-
         if nchunks > MAX_DERIVED_WRITERS:
             raise MetadataError(
                 f"metadata: {where}.writers is derived for {nchunks} chunks, above the limit of "
                 f"{MAX_DERIVED_WRITERS} (a save lists the writers of such an array)"
             )
-        wkey = (shape, chunk, repr(regions))
+        wkey = (shape, chunk, id(regions))  # parsed regions are kept (memo.regions): one object per value
         writers = memo.writers.get(wkey)
         if writers is None:
             memo.derived += nchunks
@@ -417,9 +379,21 @@ def _parse_tensor(
         if key not in memo.packs:
             _parse_pack(pack, where, version, world_size, compression, shape, chunk, writers)
             memo.packs.add(key)
-    return TensorMeta(
+    meta = TensorMeta(
         name, shape, dtype, chunk, inner, compression, shards, writers, regions, rank_rows, pack
     )
+    # pack_rank, asked several times per tensor by a load: set now, once per distinct pack entry (a cached
+    # property computed on first use costs a lock and a regular expression per tensor)
+    rank = memo.pack_ranks.get(pack, _UNSET) if type(pack) is str or pack is None else _UNSET
+    if rank is _UNSET:
+        rank = packs_rank(pack)
+        if type(pack) is str or pack is None:
+            memo.pack_ranks[pack] = rank
+    meta.__dict__["pack_rank"] = rank
+    return meta
+
+
+_UNSET = object()
 
 
 def _parse_pack(

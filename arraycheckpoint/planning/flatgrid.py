@@ -156,8 +156,13 @@ def _most_held(pieces: list[tuple[Box, int]], holders: Sequence[Sequence[int]]) 
 
 def chunk_box(shape: Sequence[int], chunk: Sequence[int], counts: Sequence[int], flat: int) -> Box:
     """Chunk ``flat`` (row-major) of the grid, clipped to the tensor."""
-    idx = np.unravel_index(flat, counts) if counts else ()
-    offsets = tuple(int(i) * c for i, c in zip(idx, chunk))
+    if not 0 <= flat < math.prod(counts):
+        raise ValueError(f"chunk {flat} is outside a grid of {list(counts)} chunks")
+    idx = []
+    for n in reversed(counts):  # numpy's unravel_index, without its per-call cost (once per chunk written)
+        flat, i = divmod(flat, n)
+        idx.append(i)
+    offsets = tuple(int(i) * c for i, c in zip(reversed(idx), chunk))
     return Box(offsets, tuple(min(c, s - o) for o, c, s in zip(offsets, chunk, shape)))
 
 

@@ -19,7 +19,6 @@ go to their holders by worst fit (:mod:`arraycheckpoint.planning.owners`), so on
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import hashlib
 import math
 from collections import defaultdict
@@ -357,25 +356,25 @@ def build_compact_plan(
     # names that differ between ranks (per-rank tensors) can nest across ranks: refused before any write
     check_name_tree(first)
 
-    keys: dict[str, Any] = {}
-    regions_by_key: dict[Any, dict[Box, list[int]]] = {}
-    for name in sorted(contribs):
+    names = sorted(contribs)
+    # tensors with the same contributions (up to the name) share one analysis: a class, numbered here once
+    # per tensor (its key, which holds every contribution's rule, is hashed once, not at every lookup)
+    class_of: dict[Any, int] = {}
+    keys: dict[str, int] = {}
+    key_of: list[Any] = []
+    regions_by_key: dict[int, dict[Box, list[int]]] = {}
+    uses: dict[int, int] = defaultdict(int)  # tensors per class: a replicated region counts once per tensor
+    for name in names:
         t = first[name]
-        # tensors with the same contributions (up to the name) share one analysis
-        key = keys[name] = (
-            t.shape,
-            t.itemsize,
-            t.dtype,
-            tuple((id(d), r, x.rule) for d, r, x in contribs[name]),
-        )
-        if key not in regions_by_key:
-            regions_by_key[key] = _regions_of(name, contribs[name])
-    uses = defaultdict(int)  # tensors per class: a replicated region counts once per tensor
-    for key in keys.values():
-        uses[key] += 1
+        key = (t.shape, t.itemsize, t.dtype, tuple((id(d), id(r), x.rule) for d, r, x in contribs[name]))
+        k = keys[name] = class_of.setdefault(key, len(class_of))
+        if k == len(key_of):
+            key_of.append(key)
+            regions_by_key[k] = _regions_of(name, contribs[name])
+        uses[k] += 1
     caps = replica_caps(
         (
-            (b.volume * k[1] * uses[k], sorted(hs))
+            (b.volume * key_of[k][1] * uses[k], sorted(hs))
             for k, regions in regions_by_key.items()
             for b, hs in regions.items()
             if len(hs) > 1
@@ -385,7 +384,7 @@ def build_compact_plan(
         options.max_chunk_bytes,
     )
     keyed: dict[Any, tuple[str, TensorRule, list[Box], list[list[int]], int | None]] = {}
-    for name in sorted(contribs):
+    for name in names:
         key = keys[name]
         if key not in keyed:
             regions = regions_by_key[key]
@@ -396,7 +395,7 @@ def build_compact_plan(
     grids = _grids(keyed, uses, options)
     classes: dict[str, _Class] = {}
     cache: dict[Any, _Class] = {}
-    for name in sorted(contribs):
+    for name in names:
         t, key = first[name], keys[name]
         c = cache.get(key)
         if c is None:
@@ -408,29 +407,35 @@ def build_compact_plan(
 
     # forced chunks (one holder) first, then the replicated ones by worst fit: largest first, ties by
     # (name, index) (arraycheckpoint.planning.owners)
-    names = sorted(classes)
     load = np.zeros(world, dtype=np.int64)
-    class_load: dict[int, np.ndarray] = {}
+    class_load: dict[int, tuple[np.ndarray, list[int]]] = {}  # per class: bytes per rank, its free chunks
     writers: dict[str, np.ndarray] = {}
+    uses_of: dict[int, int] = {}  # tensors per class
     order = []
     for name in names:
         c = classes[name]
-        if id(c) not in class_load:
+        got = class_load.get(id(c))
+        if got is None:
             own = c.forced >= 0
-            class_load[id(c)] = np.bincount(c.forced[own], weights=c.nbytes[own], minlength=world).astype(
-                np.int64
+            got = class_load[id(c)] = (
+                np.bincount(c.forced[own], weights=c.nbytes[own], minlength=world).astype(np.int64),
+                np.nonzero(~own)[0].tolist(),
             )
-        load += class_load[id(c)]
-        free = np.nonzero(c.forced < 0)[0]
-        writers[name] = c.forced.copy() if len(free) else c.forced  # all forced: the class's array, shared
-        order.extend((-int(c.nbytes[ci]), name, ci) for ci in free.tolist())
+        uses_of[id(c)] = uses_of.get(id(c), 0) + 1
+        free = got[1]
+        writers[name] = c.forced.copy() if free else c.forced  # all forced: the class's array, shared
+        if free:
+            order.extend((-int(c.nbytes[ci]), name, ci) for ci in free)
+    for cid, n in uses_of.items():  # each class's bytes per rank, once per tensor of the class
+        load += class_load[cid][0] * n
     order.sort()
     fit = WorstFit(load)
     for neg, name, ci in order:
         writers[name][ci] = fit.pick(-neg, classes[name].candidates(ci))
 
     files = [0] * world
-    tensors: dict[str, TensorDecision] = {}
+    decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool]] = {}
+    firsts: dict[int, int] = {}  # writer array -> its first chunk's writer
     derived_total, counted = 0, set()  # readers bound the derived writers of a checkpoint: list the rest
     for name in names:
         t, c = first[name], classes[name]
@@ -441,23 +446,34 @@ def build_compact_plan(
                 derived_total += len(c.forced)
                 counted.add(id(c))
         ws = writers[name]
-        ws.flags.writeable = False
-        creator = int(ws[0]) if len(ws) else min(range(world), key=lambda r: (files[r], r))
+        if len(ws):
+            first_writer = firsts.get(id(ws))
+            if first_writer is None:  # a writer array shared by the tensors of a class: once
+                ws.flags.writeable = False
+                first_writer = firsts[id(ws)] = int(ws[0])
+            creator = first_writer
+        else:
+            ws.flags.writeable = False
+            creator = min(range(world), key=lambda r: (files[r], r))
         files[creator] += 1
         layout = ArrayLayout(
             name, t.shape, t.dtype, c.layout_shape[0], c.layout_shape[1], options.compression
         )
-        tensors[name] = TensorDecision(layout, ws, creator, derived=derived)
+        decided[name] = (layout, ws, creator, derived)
     packs = assign_packs(
-        {n: (d.layout, d.writers, d.creator) for n, d in tensors.items()},
+        {n: (d[0], d[1], d[2]) for n, d in decided.items()},
         {n: first[n].itemsize for n in names},
         options.pack_array_bytes,
         options.min_chunk_bytes,
     )
-    for name, key in packs.items():
-        tensors[name] = dataclasses.replace(tensors[name], pack=key)
-    h = hashlib.sha1()
-    digests: dict[int, bytes] = {}  # a class's regions and an array's writers, hashed once for all sharers
+    tensors = {
+        n: TensorDecision(layout, ws, creator, packs.get(n), derived)
+        for n, (layout, ws, creator, derived) in decided.items()
+    }
+    # a class's regions, an array's writers and a layout but its name, hashed once for all sharers; the
+    # digest of every tensor's lines, hashed in one update (the same digest as one update per line)
+    lines: list[bytes] = []
+    digests: dict[Any, bytes] = {}
     for name in names:
         d, c = tensors[name], classes[name]
         if id(c) not in digests:
@@ -468,9 +484,17 @@ def build_compact_plan(
         ws = writers[name]
         if id(ws) not in digests:
             digests[id(ws)] = hashlib.sha1(ws.tobytes()).digest()
-        h.update(repr((name, d.layout, d.creator, d.pack, d.derived)).encode())
-        h.update(digests[id(ws)])
-        h.update(digests[id(c)])
+        lay = d.layout
+        fields = (lay.shape, lay.dtype, lay.chunk_shape, lay.inner_chunk_shape, lay.compression)
+        if fields not in digests:
+            digests[fields] = repr(fields).encode()
+        lines += (
+            f"{name}\0{d.creator}\0{d.pack}\0{d.derived}\0".encode(),
+            digests[fields],
+            digests[id(ws)],
+            digests[id(c)],
+        )
+    h = hashlib.sha1(b"".join(lines))
     exchange = any(classes[n].straddles for n in names)
     plan = CompactPlan(world, groups, tensors, h.hexdigest()[:16], exchange)
     plan._classes = classes
@@ -483,22 +507,33 @@ def rank_plan(plan: CompactPlan, rank: int) -> RankPlan:
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     mine: set[str] = set()
+    # tensors of one class share its chunks, and those whose writers follow from the layout share one writer
+    # array: this rank's chunks of a writer array, and a chunk's box and sourced pieces, are worked out once
+    # (100,000 small tensors are a handful of classes)
+    chosen: dict[int, list[int]] = {}
+    sourced: dict[tuple[int, int], tuple[Box, tuple[Piece, ...]]] = {}
     for name in sorted(plan.tensors):
         d = plan.tensors[name]
         c = plan._classes[name]
         ws = d.writers
         if d.creator == rank:
             mine.add(name)
-        for ci in np.nonzero(ws == rank)[0].tolist():
-            resolved = []
-            for box, region in c.pieces_of(ci):
-                hs = c.holders[region]
-                src = rank if _holds(hs, rank) else fragment_source(hs, rank)
-                resolved.append(Piece(box, src))
-                if src != rank:
-                    recvs.append(Transfer(name, box, src, rank))
-            writes.append(ChunkWrite(name, c.chunk(ci), tuple(resolved)))
+        cis = chosen.get(id(ws))
+        if cis is None:
+            cis = chosen[id(ws)] = np.nonzero(ws == rank)[0].tolist()
+        for ci in cis:
+            got = sourced.get((id(c), ci))
+            if got is None:
+                resolved = []
+                for box, region in c.pieces_of(ci):
+                    hs = c.holders[region]
+                    resolved.append(Piece(box, rank if _holds(hs, rank) else fragment_source(hs, rank)))
+                got = sourced[(id(c), ci)] = (c.chunk(ci), tuple(resolved))
+            recvs.extend(Transfer(name, p.box, p.src, rank) for p in got[1] if p.src != rank)
+            writes.append(ChunkWrite(name, got[0], got[1]))
             mine.add(name)
+        if not c.straddles:
+            continue  # no chunk lies in several regions: no fragment leaves this rank
         outgoing = []
         for region in c.held_by(rank):
             hs = c.holders[region]

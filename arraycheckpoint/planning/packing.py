@@ -120,11 +120,16 @@ def assign_packs(
         pack_bytes: the target file size (``PlanOptions.min_chunk_bytes``): chunk files below it are packed,
             and packs are filled to it.
     """
-    return {
-        name: rank_packs(creator, pack_bytes)
-        for name, (layout, _writers, creator) in sorted(decisions.items())
-        if packable(layout, itemsizes[name], array_limit, pack_bytes)
-    }
+    out: dict[str, str] = {}
+    known: dict[tuple[Any, ...], bool] = {}  # per layout but its name: tensors of one shape decide alike
+    for name, (layout, _writers, creator) in sorted(decisions.items()):
+        what = (layout.chunk_shape, layout.inner_chunk_shape, layout.compression, itemsizes[name])
+        packed = known.get(what)
+        if packed is None:
+            packed = known[what] = packable(layout, itemsizes[name], array_limit, pack_bytes)
+        if packed:
+            out[name] = rank_packs(creator, pack_bytes)
+    return out
 
 
 def fill_packs(members: Iterable[tuple[str, int]], rank: int, target: int) -> list[tuple[str, list[str]]]:

@@ -26,7 +26,7 @@ class Box:
     @staticmethod
     def full(shape: Sequence[int]) -> Box:
         """The box covering a whole tensor of ``shape``."""
-        return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+        return Box((0,) * len(shape), tuple(map(int, shape)))
 
     @property
     def ndim(self) -> int:

@@ -65,7 +65,14 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 def _exotic(dtype: np.dtype) -> bool:
-    return dtype.kind == "V" or dtype.type.__module__.startswith("ml_dtypes")
+    known = _EXOTIC.get(dtype)
+    if known is None:
+        known = _EXOTIC[dtype] = dtype.kind == "V" or dtype.type.__module__.startswith("ml_dtypes")
+    return known
+
+
+#: dtype -> whether numpy lacks it (:func:`_exotic`), asked once per tensor of a save or load
+_EXOTIC: dict[np.dtype, bool] = {}
 
 
 def as_torch(arr: np.ndarray) -> torch.Tensor:
@@ -103,7 +110,9 @@ class TorchSource:
 
     def borrowed_view(self) -> np.ndarray | None:
         """The tensor's own host memory as numpy (CPU tensors only), for saves the caller waits for."""
-        t = self.tensor.detach()
+        t = self.tensor
+        if t.requires_grad:
+            t = t.detach()
         if t.device.type != "cpu" or t.is_conj() or t.is_neg():
             return None
         np_dtype = numpy_dtype(t.dtype)
