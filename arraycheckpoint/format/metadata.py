@@ -21,7 +21,7 @@ from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
 from ..planning.packing import PACK_KEY, RANK_PACKS, packs_rank
 from ..planning.regions import Box
-from .writers import HELD, Writers
+from .writers import HELD, DerivedBudget, Writers
 
 #: 7: a tensor whose every chunk is written by the one rank holding the region that holds most of it stores
 #: ``"writers": "held"`` instead of a list: readers derive the writers from its regions and chunk grid
@@ -326,7 +326,7 @@ class _TensorMemo:
         self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
         self.packs: set[tuple[Any, ...]] = set()
         self.writers: dict[tuple[Any, ...], Writers] = {}
-        self.derived = 0  # chunks of the distinct derived writers above (bounded: MAX_DERIVED_WRITERS_TOTAL)
+        self.budget = DerivedBudget()  # what deriving the distinct writers above costs, bounded
 
 
 def _parse_tensor(
@@ -380,22 +380,10 @@ def _parse_tensor(
     raw = t.get("writers", [])
     writers: Sequence[int]
     if raw == HELD and version >= 7:
-        from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
-
-        if nchunks > MAX_DERIVED_WRITERS:
-            raise MetadataError(
-                f"metadata: {where}.writers is derived for {nchunks} chunks, above the limit of "
-                f"{MAX_DERIVED_WRITERS} (a save lists the writers of such an array)"
-            )
         wkey = (shape, chunk, repr(regions))
         writers = memo.writers.get(wkey)
         if writers is None:
-            memo.derived += nchunks
-            if memo.derived > MAX_DERIVED_WRITERS_TOTAL:
-                raise MetadataError(
-                    f"metadata: {where}.writers is derived, and the checkpoint's derived writers pass "
-                    f"{MAX_DERIVED_WRITERS_TOTAL} in all (a save lists the writers beyond that)"
-                )
+            memo.budget.charge(where, nchunks, shape, regions, groups)
             writers = memo.writers[wkey] = Writers.derive(name, shape, chunk, regions, groups, nchunks)
     else:
         listed = _ints(raw, 0, nchunks)

@@ -95,3 +95,40 @@ class Writers(Sequence):
 
     def __repr__(self) -> str:
         return f"Writers({'derived, ' if self.derived else ''}{self._len} chunks)"
+
+
+class DerivedBudget:
+    """What deriving a checkpoint's writers costs a reader, charged once per distinct derived layout while its
+    metadata is parsed, before any is derived: chunks (one int64 each; :data:`MAX_DERIVED_WRITERS` per array,
+    :data:`MAX_DERIVED_WRITERS_TOTAL` in all) and ranks visited expanding the layout rules
+    (:func:`arraycheckpoint.planning.rules.rule_visits`, :data:`MAX_DERIVED_RANK_VISITS` in all); the planner
+    lists the writers past these bounds, so a valid save never meets them."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.visits = 0
+
+    def charge(self, where: str, nchunks: int, shape: tuple[int, ...], regions: tuple, groups: tuple) -> None:
+        """Count one distinct derived layout of the tensor at ``where``; :class:`MetadataError` naming it past
+        a bound."""
+        from ..checks.bounds import MAX_DERIVED_RANK_VISITS, MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
+        from ..planning.rules import rule_visits
+
+        if nchunks > MAX_DERIVED_WRITERS:
+            raise MetadataError(
+                f"metadata: {where}.writers is derived for {nchunks} chunks, above the limit of "
+                f"{MAX_DERIVED_WRITERS} (a save lists the writers of such an array)"
+            )
+        self.chunks += nchunks
+        if self.chunks > MAX_DERIVED_WRITERS_TOTAL:
+            raise MetadataError(
+                f"metadata: {where}.writers is derived, and the checkpoint's derived writers pass "
+                f"{MAX_DERIVED_WRITERS_TOTAL} in all (a save lists the writers beyond that)"
+            )
+        self.visits += sum(rule_visits(shape, r, groups[g][0].meshes, len(groups[g][1])) for g, r in regions)
+        if self.visits > MAX_DERIVED_RANK_VISITS:
+            raise MetadataError(
+                f"metadata: {where}.writers is derived, and deriving the checkpoint's writers visits more than "
+                f"{MAX_DERIVED_RANK_VISITS} ranks of its layout rules in all (a save lists the writers beyond "
+                "that)"
+            )

@@ -257,6 +257,26 @@ def rule_boxes(shape: tuple[int, ...], rule: Sequence[Any], meshes: Sequence[Mes
     return out
 
 
+def rule_visits(shape: Sequence[int], rule: Sequence[Any], meshes: Sequence[Mesh], ranks: int) -> int:
+    """What expanding ``rule`` (JSON or tuple form, checked) for a group of ``ranks`` ranks into its regions and
+    holders costs, in ranks visited: every rank of the group, plus every rank of a mesh rule's mesh, the parts
+    of the flat space a range rule touches, or one per box and rank of a boxes rule. Readers bound the sum
+    over a checkpoint's derived writers (a mesh rule of a few bytes can name millions of ranks); the planner
+    counts the same and lists the writers past the bound."""
+    kind = rule[0]
+    if kind == "mesh":
+        return ranks + len(meshes[rule[1]].ranks)
+    if kind == "range":
+        parts, numel = len(meshes[rule[1]].ranks), math.prod(shape)
+        size = -(-rule[3] // parts) if parts else 0
+        if not numel or not size:
+            return ranks
+        return ranks + min((rule[2] + numel - 1) // size, parts - 1) - rule[2] // size + 1
+    if kind == "boxes":
+        return ranks * max(len(rule[1]), 1)
+    return ranks
+
+
 def check_rule(shape: tuple[int, ...], rule: Sequence[Any], n_meshes: int) -> None:
     """Refuse malformed rules (they come from other ranks: validate before use)."""
     ok = isinstance(rule, list | tuple) and rule and rule[0] in ("replica", "mesh", "boxes", "range")

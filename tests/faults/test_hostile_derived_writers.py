@@ -105,3 +105,50 @@ def test_verify_checks_a_column_split_in_linear_time(monkeypatch):
     ]
     holes = verify.uncovered(CheckpointMetadata.from_json(json.dumps(doc)).tensors["model/w"])
     assert [(h.offsets, h.lengths) for h in holes] == [((0, 10), (1, 2))]
+
+
+def test_rank_visits_of_derived_writers_are_bounded_over_the_checkpoint():
+    """A 30-byte mesh rule of 4M ranks costs a reader 4M rank visits (seconds) per distinct shape it derives:
+    the visits are bounded over the whole checkpoint and refused while parsing, naming the tensor, before
+    any is derived."""
+    from arraycheckpoint.checks.bounds import MAX_DERIVED_RANK_VISITS
+    from arraycheckpoint.planning.rules import MAX_MESH_RANKS
+
+    world = MAX_MESH_RANKS
+    per_tensor = 2 * world  # the group's ranks and its mesh's
+    k = MAX_DERIVED_RANK_VISITS // per_tensor + 1
+    tensors = {f"model/w{i}": _held([4 + i], [1], [[0, ["mesh", 0, [0]]]]) for i in range(k)}
+    with pytest.raises(MetadataError, match=f"model/w{k - 1}.*visits more than"):
+        CheckpointMetadata.from_json(json.dumps(_doc(world, tensors)))
+    del tensors[f"model/w{k - 1}"]
+    meta = CheckpointMetadata.from_json(json.dumps(_doc(world, tensors)))
+    assert meta.tensors["model/w0"].writers.derived
+
+
+def test_a_save_lists_the_writers_past_the_rank_visit_bound(monkeypatch):
+    """The planner counts the visits a reader counts and lists the writers of the layouts past the bound:
+    a reader with the same bound parses the metadata and reads every writer equal to the plan's."""
+    from arraycheckpoint.checks import bounds
+    from arraycheckpoint.engine.coordinate import build_metadata
+    from arraycheckpoint.planning import groupplan
+    from arraycheckpoint.planning.groupplan import Decl, TensorRule, build_compact_plan
+    from arraycheckpoint.planning.items import SaveRequest
+    from arraycheckpoint.planning.plan import PlanOptions
+    from arraycheckpoint.planning.rules import Mesh
+
+    world = 16
+    rules = tuple(
+        TensorRule(f"model/p{i}", (64 + 16 * i, 8), "float32", 4, ("mesh", 0, (0,))) for i in range(6)
+    )
+    groups = [(Decl((Mesh((world,), tuple(range(world))),), rules), tuple(range(world)))]
+    limit = 3 * 2 * world  # three layouts' worth: the group's 16 ranks and the mesh's 16, each
+    monkeypatch.setattr(groupplan, "MAX_DERIVED_RANK_VISITS", limit)
+    monkeypatch.setattr(bounds, "MAX_DERIVED_RANK_VISITS", limit)
+    plan = build_compact_plan(groups, world, PlanOptions(min_chunk_bytes=64, max_chunk_bytes=256))
+    derived = sorted(n for n, d in plan.tensors.items() if d.derived)
+    assert derived == ["model/p0", "model/p1", "model/p2"], derived
+    text = build_metadata(plan, SaveRequest([], [], framework="fsdp"), [{} for _ in range(world)]).to_json()
+    parsed = CheckpointMetadata.from_json(text)
+    for name, d in plan.tensors.items():
+        assert getattr(parsed.tensors[name].writers, "derived", False) == (name in derived)
+        assert np.array_equal(np.asarray(list(parsed.tensors[name].writers)), d.writers), name
