@@ -21,7 +21,7 @@ from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
 from ..planning.packing import PACK_KEY, RANK_PACKS, packs_rank
 from ..planning.regions import Box
-from .writers import HELD, DerivedBudget, Writers
+from .writers import HELD, ReaderBudget, Writers
 
 #: 7: a tensor whose every chunk is written by the one rank holding the region that holds most of it stores
 #: ``"writers": "held"`` instead of a list: readers derive the writers from its regions and chunk grid
@@ -326,7 +326,7 @@ class _TensorMemo:
         self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
         self.packs: set[tuple[Any, ...]] = set()
         self.writers: dict[tuple[Any, ...], Writers] = {}
-        self.budget = DerivedBudget()  # what deriving the distinct writers above costs, bounded
+        self.budget = ReaderBudget()  # what deriving the distinct writers above costs, bounded
 
 
 def _parse_tensor(
@@ -376,7 +376,7 @@ def _parse_tensor(
         regions = cached if cached is not None else _parse_regions(raw, where, shape, groups)
         if cached is None:
             memo.regions[key] = regions
-        shards = LazyShards(name, shape, regions, groups)
+        shards = LazyShards(name, shape, regions, groups, memo.budget)
     raw = t.get("writers", [])
     writers: Sequence[int]
     if raw == HELD and version >= 7:
@@ -550,23 +550,21 @@ def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[
 class LazyShards(Sequence):
     """The saved regions of a format-2 tensor, expanded from its rules only when asked for (tools)."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], regions: tuple, groups: tuple) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        regions: tuple,
+        groups: tuple,
+        budget: ReaderBudget | None = None,
+    ) -> None:
         self._args = (name, shape, regions, groups)
+        self._budget = budget  # shared by a parsed checkpoint's tensors: expansions cached and bounded
 
     @cached_property
     def _items(self) -> tuple[ShardMeta, ...]:
-        from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
-
-        name, shape, regions, groups = self._args
-        contribs = [
-            (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
-            for g, rule in regions
-        ]
-        try:
-            held = _regions_of(name, contribs)
-        except ArrayCheckpointError as e:
-            raise MetadataError(f"metadata: tensor {name!r}: {e}") from None
-        return tuple(ShardMeta(b.offsets, b.lengths, min(r)) for b, r in sorted(held.items()))
+        held = (self._budget or ReaderBudget()).regions(*self._args)
+        return tuple(ShardMeta(b.offsets, b.lengths, min(r)) for b, r in held)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -152,3 +152,34 @@ def test_a_save_lists_the_writers_past_the_rank_visit_bound(monkeypatch):
     for name, d in plan.tensors.items():
         assert getattr(parsed.tensors[name].writers, "derived", False) == (name in derived)
         assert np.array_equal(np.asarray(list(parsed.tensors[name].writers)), d.writers), name
+
+
+def test_expanded_regions_are_bounded_over_the_checkpoint_and_shared(monkeypatch):
+    """Tools list every tensor's saved regions (expanded from its rules): each distinct layout once, the
+    ranks visited bounded over the checkpoint (a few bytes of mesh rule name 4M ranks; at 2 us a visit, ten
+    thousand tensors of new shapes were 50 hours of ``inspect``), refused naming the tensor."""
+    from arraycheckpoint.checks import bounds
+    from arraycheckpoint.planning import groupplan
+
+    world = 1000
+    monkeypatch.setattr(bounds, "MAX_EXPANDED_RANK_VISITS", 3 * 2 * world)
+    calls = [0]
+    real = groupplan._regions_of
+
+    def counting(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(groupplan, "_regions_of", counting)
+    tensors = {f"model/w{i}": _held([4 + i], [1], [[0, ["mesh", 0, [0]]]]) for i in range(4)}
+    tensors.update({f"model/same{i}": _held([4], [1], [[0, ["mesh", 0, [0]]]]) for i in range(50)})
+    for t in tensors.values():
+        t["writers"] = list(range(t["shape"][0]))
+    meta = CheckpointMetadata.from_json(json.dumps(_doc(world, tensors)))
+    for i in range(50):  # one layout, expanded once
+        assert [s.rank for s in meta.tensors[f"model/same{i}"].shards] == [0, 1, 2, 3]
+    assert calls[0] == 1
+    for i in range(3):
+        assert len(meta.tensors[f"model/w{i}"].shards) == 4 + i
+    with pytest.raises(MetadataError, match="model/w3.*visits more than"):
+        len(meta.tensors["model/w3"].shards)
