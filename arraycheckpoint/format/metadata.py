@@ -535,7 +535,7 @@ def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[
         if not 0 <= g < len(groups):
             raise MetadataError(f"metadata: {where}.regions names layout group {g} of {len(groups)}")
         try:
-            check_rule(shape, rule, len(groups[g][0].meshes))
+            check_rule(shape, rule, groups[g][0].meshes)
         except ArrayCheckpointError as e:
             raise MetadataError(f"metadata: {where}: {e}") from None
         if rule[0] == "boxes":

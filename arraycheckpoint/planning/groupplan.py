@@ -81,7 +81,7 @@ class Decl:
             tensors = []
             for name, shape, dtype, itemsize, rule in j["tensors"]:
                 shape = tuple(int(s) for s in shape)
-                check_rule(shape, rule, len(meshes))
+                check_rule(shape, rule, meshes)
                 tensors.append(TensorRule(str(name), shape, str(dtype), int(itemsize), _rule_tuple(rule)))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed declaration ({type(e).__name__}: {e})") from None

@@ -277,15 +277,20 @@ def rule_visits(shape: Sequence[int], rule: Sequence[Any], meshes: Sequence[Mesh
     return ranks
 
 
-def check_rule(shape: tuple[int, ...], rule: Sequence[Any], n_meshes: int) -> None:
-    """Refuse malformed rules (they come from other ranks: validate before use)."""
+def check_rule(shape: tuple[int, ...], rule: Sequence[Any], meshes: Sequence[Mesh]) -> None:
+    """Refuse malformed rules (they come from other ranks and from checkpoints: validate before use); a mesh
+    rule places every dimension of its mesh, no more, no fewer."""
+    n_meshes = len(meshes)
     ok = isinstance(rule, list | tuple) and rule and rule[0] in ("replica", "mesh", "boxes", "range")
     if ok and rule[0] == "mesh":
         ok = (
             len(rule) == 3
             and isinstance(rule[1], int)
+            and not isinstance(rule[1], bool)
             and 0 <= rule[1] < n_meshes
-            and all(isinstance(d, int) and -1 <= d < len(shape) for d in rule[2])
+            and isinstance(rule[2], list | tuple)
+            and len(rule[2]) == len(meshes[rule[1]].shape)
+            and all(isinstance(d, int) and not isinstance(d, bool) and -1 <= d < len(shape) for d in rule[2])
         )
     if ok and rule[0] == "range":  # bounded before anything is expanded: the flat space holds the tensor
         ok = (
@@ -296,11 +301,30 @@ def check_rule(shape: tuple[int, ...], rule: Sequence[Any], n_meshes: int) -> No
             and rule[2] + math.prod(shape) <= rule[3] <= MAX_FLAT_ELEMENTS
         )
     if ok and rule[0] == "boxes":
-        ok = len(rule) == 2 and all(
-            len(b) == 2 and len(b[0]) == len(shape) and len(b[1]) == len(shape) for b in rule[1]
+        ok = (
+            len(rule) == 2
+            and isinstance(rule[1], list | tuple)
+            and all(_box_form(b, len(shape)) for b in rule[1])
         )
+    if ok and rule[0] == "replica":
+        ok = len(rule) == 1
     if not ok:
         raise PlanError(f"malformed layout rule {rule!r} for a tensor of shape {shape}")
+
+
+def _box_form(b: Any, ndim: int) -> bool:
+    """Whether ``b`` is ``[offsets, lengths]`` (or a :class:`Box`) of ``ndim`` integers each."""
+    if isinstance(b, Box):
+        return b.ndim == ndim
+    return (
+        isinstance(b, list | tuple)
+        and len(b) == 2
+        and all(isinstance(v, list | tuple) and len(v) == ndim and all(_is_int(x) for x in v) for v in b)
+    )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def digest(obj: Any) -> bytes:

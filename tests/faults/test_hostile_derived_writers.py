@@ -183,3 +183,22 @@ def test_expanded_regions_are_bounded_over_the_checkpoint_and_shared(monkeypatch
         assert len(meta.tensors[f"model/w{i}"].shards) == 4 + i
     with pytest.raises(MetadataError, match="model/w3.*visits more than"):
         len(meta.tensors["model/w3"].shards)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        ["mesh", 0, [0, 0]],  # more placements than the mesh has dimensions (an IndexError when expanded)
+        ["mesh", 0, []],
+        ["boxes", [5]],  # boxes not [offsets, lengths] (a TypeError while parsing)
+        ["boxes", 5],
+        ["boxes", [[5, 6]]],
+        ["boxes", [[[0], [4], [1]]]],
+        ["replica", 1],
+    ],
+)
+@pytest.mark.parametrize("writers", ["held", [0, 0, 0, 0]])
+def test_malformed_layout_rules_are_refused_while_parsing(rule, writers):
+    tensor = {**_held([4], [1], [[0, rule]]), "writers": writers}
+    with pytest.raises(MetadataError, match="model/w.*malformed layout rule"):
+        CheckpointMetadata.from_json(json.dumps(_doc(2, {"model/w": tensor})))
