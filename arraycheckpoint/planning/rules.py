@@ -97,6 +97,15 @@ class Mesh:
             return 0
 
     @cached_property
+    def repeats(self) -> bool:
+        """Whether a rank stands at several positions of the mesh (a process holding several devices)."""
+        ranks = np.asarray(self.ranks, dtype=np.int64)
+        if len(ranks) < 2 or (np.diff(ranks) > 0).all():  # increasing (the usual mesh): no repeats
+            return False
+        ranks.sort()
+        return bool((ranks[1:] == ranks[:-1]).any())
+
+    @cached_property
     def positions(self) -> dict[int, tuple[int, ...]]:
         """``rank -> flat mesh positions`` it occupies (several for a process holding several devices)."""
         out: dict[int, list[int]] = {}
@@ -182,28 +191,58 @@ def mesh_regions(
 ) -> dict[Box, list[int]]:
     """Every non-empty box of a mesh rule and the ranks holding it (only ranks in ``members`` if given).
 
-    A rank at several coordinates holding the same box is listed once.
+    A rank at several coordinates holding the same box is listed once. Boxes in the order of their first
+    mesh position, each one's ranks in mesh order. Vectorised over the mesh (a mesh rule of a few bytes in a
+    checkpoint names up to :data:`MAX_MESH_RANKS` ranks): Python work per box, not per rank.
     """
+    ranks = np.asarray(mesh.ranks, dtype=np.int64)
+    flat = np.arange(len(ranks), dtype=np.int64)
+    if members is not None:
+        flat = flat[np.isin(ranks, np.fromiter(members, dtype=np.int64, count=len(members)))]
+    if not len(flat) or not math.prod(shape):
+        return {}
+    coords = np.unravel_index(flat, mesh.shape) if mesh.shape else ()
+    offsets = np.zeros((len(flat), len(shape)), dtype=np.int64)
+    lengths = np.tile(np.asarray(shape, dtype=np.int64), (len(flat), 1))
+    split = [(i, d) for i, d in enumerate(placements) if d >= 0]
+    for i, dim in split:  # chunk_part, for every position at once (nested splits in mesh order)
+        extent, parts = lengths[:, dim], mesh.shape[i]
+        size = -(-extent // parts)
+        whole = extent // np.maximum(size, 1)  # parts that start inside the extent: no int64 overflow
+        start = np.where(coords[i] <= whole, np.minimum(coords[i], whole) * size, extent)
+        start = np.minimum(start, extent)
+        offsets[:, dim] += start
+        lengths[:, dim] = np.maximum(0, np.minimum(start + size, extent) - start)
+    keep = np.flatnonzero((lengths > 0).all(axis=1))
+    if not len(keep):
+        return {}
+    held = ranks[flat[keep]]
+    offs, lens = offsets[keep].tolist(), lengths[keep].tolist()
     out: dict[Box, list[int]] = {}
-    coords = np.unravel_index(np.arange(len(mesh.ranks)), mesh.shape) if mesh.shape else ()
-    cache: dict[tuple[int, ...], Box] = {}
-    split_dims = [i for i, d in enumerate(placements) if d >= 0]
-    repeated = len(mesh.positions) != len(mesh.ranks)
-    seen: set[tuple[Box, int]] = set()
-    for flat, rank in enumerate(mesh.ranks):
-        if members is not None and rank not in members:
-            continue
-        coord = tuple(int(c[flat]) for c in coords)
-        key = tuple(coord[i] for i in split_dims)
-        box = cache.get(key)
-        if box is None:
-            box = cache[key] = mesh_box(shape, mesh, placements, coord)
-        if box.volume:
-            if repeated:
-                if (box, rank) in seen:
-                    continue
-                seen.add((box, rank))
-            out.setdefault(box, []).append(rank)
+    if not mesh.repeats and all(mesh.shape[i] == 1 for i, d in enumerate(placements) if d < 0):
+        # no replicated mesh dimension and no rank at two positions: one holder per box, in mesh order
+        for o, n, r in zip(offs, lens, held.tolist()):
+            out[Box(tuple(o), tuple(n))] = [r]
+        return out
+    # positions with equal split coordinates hold the same box: group them (stable: mesh order kept)
+    key = (
+        np.ravel_multi_index([coords[i][keep] for i, _d in split], [mesh.shape[i] for i, _d in split])
+        if split
+        else np.zeros(len(keep), dtype=np.int64)
+    )
+    order = np.argsort(key, kind="stable")
+    heads = np.flatnonzero(np.r_[True, key[order][1:] != key[order][:-1]])
+    bounds = np.r_[heads, len(order)].tolist()
+    rows, who_all = order.tolist(), held[order].tolist()
+    repeated = mesh.repeats
+    for g in np.argsort(order[heads], kind="stable").tolist():  # boxes by first mesh position
+        first = rows[bounds[g]]
+        who = who_all[bounds[g] : bounds[g + 1]]
+        holders = out.setdefault(Box(tuple(offs[first]), tuple(lens[first])), [])
+        if repeated:  # a rank at several positions holding this box: listed once
+            have = set(holders)
+            who = [r for r in dict.fromkeys(who) if r not in have]
+        holders.extend(who)
     return out
 
 
