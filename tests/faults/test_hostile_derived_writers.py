@@ -202,3 +202,13 @@ def test_malformed_layout_rules_are_refused_while_parsing(rule, writers):
     tensor = {**_held([4], [1], [[0, rule]]), "writers": writers}
     with pytest.raises(MetadataError, match="model/w.*malformed layout rule"):
         CheckpointMetadata.from_json(json.dumps(_doc(2, {"model/w": tensor})))
+
+
+@pytest.mark.parametrize("pack", [".acp/packs/0\n", ".acp/packs/0@1024\n"])
+def test_pack_entry_with_a_trailing_newline_is_refused(pack):
+    """``$`` also matches before a final newline: a pack entry is matched to its very end."""
+    tensor = {**_held([4], [1], [[0, ["replica"]]]), "pack": pack}
+    doc = _doc(1, {"model/w": tensor})
+    doc["layout_groups"] = [{"meshes": [], "ranks": [[0, 1, 1]]}]
+    with pytest.raises(MetadataError, match="model/w.*pack"):
+        CheckpointMetadata.from_json(json.dumps(doc))
