@@ -282,8 +282,10 @@ def _parse(doc: Any) -> CheckpointMetadata:
             f"(which reads versions {list(READABLE_VERSIONS)}); upgrade arraycheckpoint"
         )
     world_size = _req(doc, "world_size", int, "metadata")
-    if world_size < 1:
-        raise MetadataError(f"metadata: world_size {world_size} must be >= 1")
+    from ..planning.rules import MAX_MESH_RANKS
+
+    if not 1 <= world_size <= MAX_MESH_RANKS:  # a larger world could not describe its meshes
+        raise MetadataError(f"metadata: world_size {world_size} must be between 1 and {MAX_MESH_RANKS}")
     groups = _parse_groups(doc.get("layout_groups", []), world_size) if version >= 2 else ()
     tensors: dict[str, TensorMeta] = {}
     memo = _TensorMemo()

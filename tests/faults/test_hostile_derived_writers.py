@@ -212,3 +212,28 @@ def test_pack_entry_with_a_trailing_newline_is_refused(pack):
     doc["layout_groups"] = [{"meshes": [], "ranks": [[0, 1, 1]]}]
     with pytest.raises(MetadataError, match="model/w.*pack"):
         CheckpointMetadata.from_json(json.dumps(doc))
+
+
+def test_a_world_beyond_any_mesh_is_refused_before_anything_sized_by_it(tmp_path):
+    """A template per-rank object has a row per rank of the world: a world of 2^40 (its stacked arrays
+    declared [2^40, k], in bounds) made a load build ``list(range(2^40))`` (MemoryError) and ``diff`` too."""
+    import torch
+
+    import arraycheckpoint as acp
+    from arraycheckpoint.format.perrank import PerRank
+    from arraycheckpoint.stateful import source_rank
+
+    path = tmp_path / "ck"
+    acp.save(path, {"extra_state": {"counter": PerRank({"n": 3, "t": torch.arange(3)})}})
+    meta = path / ".acp" / "metadata.json"
+    doc = json.loads(meta.read_text())
+    doc["world_size"] = 1 << 40
+    for t in doc["tensors"].values():
+        if t.get("rank_rows"):
+            t["shape"][0], t["chunk_shape"][0], t["inner_chunk_shape"][0] = 1 << 40, 1 << 20, 1 << 20
+            t.update(writers="held")
+            t.pop("pack", None)
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(MetadataError, match="world_size 1099511627776"):
+        acp.load(path, {"extra_state": {"counter": PerRank()}})
+    assert source_rank(5, range(4)) == 1 and source_rank(2, range(1 << 22)) == 2  # no list of the world
