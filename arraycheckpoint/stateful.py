@@ -27,7 +27,7 @@ a root's committed roles.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,11 +224,13 @@ def extend_request(
 
 
 # ------------------------------------------------------------------------------------------------ load
-def source_rank(rank: int, saved_ranks: list[int]) -> int:
-    """The saved rank whose per-rank value ``rank`` loads: itself if saved, else ``saved_ranks[rank % n]``."""
+def source_rank(rank: int, saved_ranks: Sequence[int]) -> int:
+    """The saved rank whose per-rank value ``rank`` loads: itself if saved, else ``saved_ranks[rank % n]``
+    (in order; a range stays a range)."""
     if not saved_ranks:
         raise ArrayCheckpointError(f"rank {rank}: the checkpoint holds no per-rank values")
-    return rank if rank in saved_ranks else sorted(saved_ranks)[rank % len(saved_ranks)]
+    ordered = saved_ranks if isinstance(saved_ranks, range) else sorted(saved_ranks)
+    return rank if rank in saved_ranks else ordered[rank % len(ordered)]
 
 
 def default_derive(value: Any, rank: int, source: int) -> Any:

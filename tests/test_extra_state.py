@@ -219,7 +219,7 @@ def test_per_rank_rule_across_world_sizes(tmp_path) -> None:
     saved = run_distributed(_save_per_rank, 2, (root,))
     assert saved[0] != saved[1]
     meta = acp.read_metadata(root)
-    assert rankdoc.saved_ranks(meta.objects["extra_state/~per_rank"], meta.world_size) == [0, 1]
+    assert list(rankdoc.saved_ranks(meta.objects["extra_state/~per_rank"], meta.world_size)) == [0, 1]
     grown = run_distributed(_load_per_rank, 3, (root,))
     for got in grown:
         assert got["step"] == 42 and got["sched"] == {"lr": 0.5}  # global values load everywhere

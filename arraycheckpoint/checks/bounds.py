@@ -53,6 +53,17 @@ MAX_DERIVED_WRITERS = 1 << 26
 #: make a reader allocate 512 MiB per array, as many times as a hostile metadata repeats it with new shapes
 #: (2 GiB at most; 10,000 FSDP1 ranks of the 414 GB benchmark state derive 50.5 M). A save lists the rest.
 MAX_DERIVED_WRITERS_TOTAL = 1 << 28
+#: Most ranks a reader visits deriving the writers of one checkpoint, over its distinct derived layouts
+#: (:func:`arraycheckpoint.planning.rules.rule_visits`: a layout group's ranks and the ranks of its mesh rule,
+#: a few microseconds each): a mesh rule of a few bytes names up to 4M ranks, and repeated with new shapes it
+#: would keep a reader busy for hours. FSDP2 at 10,000 ranks with 1,000 distinct layouts visits 2 x 10^7.
+#: A save lists the writers of the layouts beyond it.
+MAX_DERIVED_RANK_VISITS = 1 << 25
+#: Most ranks a reader visits expanding the saved regions tools list (``verify``, ``inspect``, the zarr store:
+#: every tensor's regions and holders), over a checkpoint's distinct layouts, for the same reason; a save
+#: whose plan expanded more would have spent minutes planning (10,000 FSDP2 ranks with 1,000 distinct
+#: layouts: 2 x 10^7).
+MAX_EXPANDED_RANK_VISITS = 1 << 25
 #: Most chunks of one packed array: every member of a pack takes at least 154 bytes (132 of ZIP records, its
 #: name twice, 24 bytes of encoding around one element), and a pack is at most 4 x MAX_OBJECT_BYTES.
 MAX_PACKED_CHUNKS = 4 * MAX_OBJECT_BYTES // 154

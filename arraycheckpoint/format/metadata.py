@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
 from ..checks.names import check_name as check_name  # the one validator of entry names (saves use it too)
 from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
 from ..planning.packing import PACK_KEY, RANK_PACKS, packs_rank
 from ..planning.regions import Box
-from .writers import HELD, Writers
+from .writers import HELD, ReaderBudget, Writers
 
 #: 7: a tensor whose every chunk is written by the one rank holding the region that holds most of it stores
 #: ``"writers": "held"`` instead of a list: readers derive the writers from its regions and chunk grid
@@ -245,8 +244,10 @@ def _parse(doc: Any) -> CheckpointMetadata:
             f"(which reads versions {list(READABLE_VERSIONS)}); upgrade arraycheckpoint"
         )
     world_size = _req(doc, "world_size", int, "metadata")
-    if world_size < 1:
-        raise MetadataError(f"metadata: world_size {world_size} must be >= 1")
+    from ..planning.rules import MAX_MESH_RANKS
+
+    if not 1 <= world_size <= MAX_MESH_RANKS:  # a larger world could not describe its meshes
+        raise MetadataError(f"metadata: world_size {world_size} must be between 1 and {MAX_MESH_RANKS}")
     groups = _parse_groups(doc.get("layout_groups", []), world_size) if version >= 2 else ()
     tensors: dict[str, TensorMeta] = {}
     memo = _TensorMemo()
@@ -290,7 +291,7 @@ class _TensorMemo:
         self.packs: set[tuple[Any, ...]] = set()
         self.writers: dict[tuple[Any, ...], Writers] = {}
         self.pack_ranks: dict[str | None, int | None] = {}  # pack entry -> TensorMeta.pack_rank
-        self.derived = 0  # chunks of the distinct derived writers above (bounded: MAX_DERIVED_WRITERS_TOTAL)
+        self.budget = ReaderBudget()  # what deriving the distinct writers above costs, bounded
 
 
 def _parse_tensor(
@@ -340,24 +341,14 @@ def _parse_tensor(
         regions = cached if cached is not None else _parse_regions(raw, where, shape, groups)
         if cached is None:
             memo.regions[key] = regions
-        shards = LazyShards(name, shape, regions, groups)
+        shards = LazyShards(name, shape, regions, groups, memo.budget)
     raw = t.get("writers", [])
     writers: Sequence[int]
     if raw == HELD and version >= 7:
-        if nchunks > MAX_DERIVED_WRITERS:
-            raise MetadataError(
-                f"metadata: {where}.writers is derived for {nchunks} chunks, above the limit of "
-                f"{MAX_DERIVED_WRITERS} (a save lists the writers of such an array)"
-            )
         wkey = (shape, chunk, id(regions))  # parsed regions are kept (memo.regions): one object per value
         writers = memo.writers.get(wkey)
         if writers is None:
-            memo.derived += nchunks
-            if memo.derived > MAX_DERIVED_WRITERS_TOTAL:
-                raise MetadataError(
-                    f"metadata: {where}.writers is derived, and the checkpoint's derived writers pass "
-                    f"{MAX_DERIVED_WRITERS_TOTAL} in all (a save lists the writers beyond that)"
-                )
+            memo.budget.charge(where, nchunks, shape, regions, groups)
             writers = memo.writers[wkey] = Writers.derive(name, shape, chunk, regions, groups, nchunks)
     else:
         listed = _ints(raw, 0, nchunks)
@@ -521,7 +512,7 @@ def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[
         if not 0 <= g < len(groups):
             raise MetadataError(f"metadata: {where}.regions names layout group {g} of {len(groups)}")
         try:
-            check_rule(shape, rule, len(groups[g][0].meshes))
+            check_rule(shape, rule, groups[g][0].meshes)
         except ArrayCheckpointError as e:
             raise MetadataError(f"metadata: {where}: {e}") from None
         if rule[0] == "boxes":
@@ -536,23 +527,21 @@ def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[
 class LazyShards(Sequence):
     """The saved regions of a format-2 tensor, expanded from its rules only when asked for (tools)."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], regions: tuple, groups: tuple) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        regions: tuple,
+        groups: tuple,
+        budget: ReaderBudget | None = None,
+    ) -> None:
         self._args = (name, shape, regions, groups)
+        self._budget = budget  # shared by a parsed checkpoint's tensors: expansions cached and bounded
 
     @cached_property
     def _items(self) -> tuple[ShardMeta, ...]:
-        from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
-
-        name, shape, regions, groups = self._args
-        contribs = [
-            (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
-            for g, rule in regions
-        ]
-        try:
-            held = _regions_of(name, contribs)
-        except ArrayCheckpointError as e:
-            raise MetadataError(f"metadata: tensor {name!r}: {e}") from None
-        return tuple(ShardMeta(b.offsets, b.lengths, min(r)) for b, r in sorted(held.items()))
+        held = (self._budget or ReaderBudget()).regions(*self._args)
+        return tuple(ShardMeta(b.offsets, b.lengths, min(r)) for b, r in held)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -234,9 +234,10 @@ def check(template: Any, rows: Any, tensors: Mapping[str, Any], world: int) -> s
     return None
 
 
-def saved_ranks(obj: Any, world: int) -> list[int]:
-    """The saved ranks of a per-rank object (every rank of the world for a template object)."""
-    return list(range(world)) if obj.rows is not None else sorted(obj.per_rank)
+def saved_ranks(obj: Any, world: int) -> Sequence[int]:
+    """The saved ranks of a per-rank object, sorted (every rank of the world for a template object: a range,
+    not a list of the world)."""
+    return range(world) if obj.rows is not None else sorted(obj.per_rank)
 
 
 def read_rows(

@@ -41,7 +41,6 @@ class Writers(Sequence):
 
             from ..planning.flatgrid import held_writers
             from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
-            from ..planning.plan import _validate_cover
 
             contribs = [
                 (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
@@ -49,8 +48,7 @@ class Writers(Sequence):
             ]
             try:
                 held = _regions_of(name, contribs)
-                unique = sorted(held)
-                _validate_cover(name, shape, unique)
+                unique = sorted(held)  # held_writers checks that they cut the tensor exactly, in linear time
                 out = held_writers(shape, chunk, unique, [sorted(held[b]) for b in unique])
             except (ArrayCheckpointError, ValueError) as e:
                 raise MetadataError(
@@ -97,3 +95,76 @@ class Writers(Sequence):
 
     def __repr__(self) -> str:
         return f"Writers({'derived, ' if self.derived else ''}{self._len} chunks)"
+
+
+class ReaderBudget:
+    """What deriving a checkpoint's writers costs a reader, charged once per distinct derived layout while its
+    metadata is parsed, before any is derived: chunks (one int64 each; :data:`MAX_DERIVED_WRITERS` per array,
+    :data:`MAX_DERIVED_WRITERS_TOTAL` in all) and ranks visited expanding the layout rules
+    (:func:`arraycheckpoint.planning.rules.rule_visits`, :data:`MAX_DERIVED_RANK_VISITS` in all); the planner
+    lists the writers past these bounds, so a valid save never meets them. Also the saved regions tools expand
+    (:meth:`regions`): once per distinct layout, :data:`MAX_EXPANDED_RANK_VISITS` ranks visited in all."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.visits = 0
+        self.expanded = 0
+        self._regions: dict[tuple[Any, ...], list[tuple[Any, list[int]]]] = {}
+
+    def regions(
+        self, name: str, shape: tuple[int, ...], regions: tuple, groups: tuple
+    ) -> list[tuple[Any, list[int]]]:
+        """The saved regions of the tensor ``name`` and their holders, sorted, expanded from its rules once per
+        distinct ``(shape, regions)`` of the checkpoint; :class:`MetadataError` naming the tensor when they are
+        malformed, or when the checkpoint's expansions pass the bound (a mesh rule of a few bytes names up to
+        4M ranks: repeated with new shapes, a tool listing every tensor's regions would run for hours)."""
+        from ..checks.bounds import MAX_EXPANDED_RANK_VISITS
+        from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
+        from ..planning.rules import rule_visits
+
+        key = (shape, repr(regions))
+        hit = self._regions.get(key)
+        if hit is None:
+            self.expanded += sum(
+                rule_visits(shape, r, groups[g][0].meshes, len(groups[g][1])) for g, r in regions
+            )
+            if self.expanded > MAX_EXPANDED_RANK_VISITS:
+                raise MetadataError(
+                    f"metadata: tensor {name!r}: expanding the checkpoint's saved regions visits more than "
+                    f"{MAX_EXPANDED_RANK_VISITS} ranks of its layout rules in all; the checkpoint is hostile "
+                    "or far beyond what a save plans"
+                )
+            contribs = [
+                (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
+                for g, rule in regions
+            ]
+            try:
+                hit = self._regions[key] = sorted(_regions_of(name, contribs).items())
+            except ArrayCheckpointError as e:
+                raise MetadataError(f"metadata: tensor {name!r}: {e}") from None
+        return hit
+
+    def charge(self, where: str, nchunks: int, shape: tuple[int, ...], regions: tuple, groups: tuple) -> None:
+        """Count one distinct derived layout of the tensor at ``where``; :class:`MetadataError` naming it past
+        a bound."""
+        from ..checks.bounds import MAX_DERIVED_RANK_VISITS, MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
+        from ..planning.rules import rule_visits
+
+        if nchunks > MAX_DERIVED_WRITERS:
+            raise MetadataError(
+                f"metadata: {where}.writers is derived for {nchunks} chunks, above the limit of "
+                f"{MAX_DERIVED_WRITERS} (a save lists the writers of such an array)"
+            )
+        self.chunks += nchunks
+        if self.chunks > MAX_DERIVED_WRITERS_TOTAL:
+            raise MetadataError(
+                f"metadata: {where}.writers is derived, and the checkpoint's derived writers pass "
+                f"{MAX_DERIVED_WRITERS_TOTAL} in all (a save lists the writers beyond that)"
+            )
+        self.visits += sum(rule_visits(shape, r, groups[g][0].meshes, len(groups[g][1])) for g, r in regions)
+        if self.visits > MAX_DERIVED_RANK_VISITS:
+            raise MetadataError(
+                f"metadata: {where}.writers is derived, and deriving the checkpoint's writers visits more than "
+                f"{MAX_DERIVED_RANK_VISITS} ranks of its layout rules in all (a save lists the writers beyond "
+                "that)"
+            )

@@ -291,7 +291,7 @@ class PackReading:
                 tail = await self._read(key, cd_at, tail_at) + tail
                 tail_at = cd_at
             infos = zipfile.ZipFile(TailFile(size, tail_at, tail)).infolist()
-        except (zipfile.BadZipFile, struct.error, ValueError, EOFError) as e:
+        except (zipfile.BadZipFile, struct.error, ValueError, EOFError, NotImplementedError) as e:
             raise CorruptCheckpointError(
                 f"{where} is not a readable ZIP archive ({e}); the pack is damaged"
             ) from None

@@ -216,13 +216,58 @@ def held_writers(
     """The writer of every chunk of a layout whose writers are derived (``"writers": "held"``): the one
     holder of the region :func:`region_choice` picks (nested or flat-run grids only).
 
+    The regions (untrusted: read from a checkpoint) must cut the tensor exactly, checked in
+    O(regions + chunks) before anything is painted (:func:`partition_problem`).
+
     Raises:
-        ValueError: the grid is neither, or a chosen region has several holders (its writer was picked by
-            worst fit, which the metadata lists).
+        ValueError: the grid is neither, the regions overlap or leave part of the tensor unsaved, or a chosen
+            region has several holders (its writer was picked by worst fit, which the metadata lists).
     """
+    problem = partition_problem(shape, chunk, boxes)
+    if problem is not None:
+        raise ValueError(problem)
     choice, _s, _k = region_choice(shape, chunk, boxes, holders, generic=False)
     single = np.asarray([h[0] if len(h) == 1 else -1 for h in holders], dtype=np.int64)
     out = single[choice] if len(choice) else choice
     if len(out) and int(out.min()) < 0:
         raise ValueError("a chunk lies in a region held by several ranks: its writer is not derived")
     return out
+
+
+def partition_problem(shape: Sequence[int], chunk: Sequence[int], boxes: Sequence[Box]) -> str | None:
+    """Why the distinct, non-empty ``boxes`` (inside ``shape``) do not cut the tensor exactly into disjoint
+    parts, or None when they do; only for the grids whose writers a reader derives (a nested grid: compared
+    in whole chunks; flat runs: compared as intervals of the flattened tensor), else None (refused by
+    :func:`region_choice`). Linear in regions and chunks, never regions x regions: the regions come from
+    a checkpoint, and a few hundred bytes of mesh rule can name millions."""
+    n = math.prod(shape) if shape else 1
+    if not shape or n == 0:
+        return None
+    if _nests(shape, chunk, boxes):
+        counts = [-(-s // c) for s, c in zip(shape, chunk)]
+        spans = [
+            math.prod(-(-(o + k) // c) - o // c for o, k, c in zip(b.offsets, b.lengths, chunk))
+            for b in boxes
+        ]
+        if sum(spans) != math.prod(counts):  # chunks of a nested grid: disjoint and covering iff each once
+            return (
+                f"its regions hold {sum(spans)} chunks of its {math.prod(counts)} (counted with repeats): "
+                "they overlap or do not cover it"
+            )
+        seen = np.zeros(counts, dtype=bool)
+        for b in boxes:  # each chunk painted once at most (the sum above), so linear in the chunks
+            seen[tuple(slice(o // c, -(-(o + k) // c)) for o, k, c in zip(b.offsets, b.lengths, chunk))] = (
+                True
+            )
+        if not seen.all():
+            return "its regions overlap and do not cover it"
+        return None
+    if not is_run(shape, chunk):
+        return None
+    intervals = [flat_interval(shape, b) for b in boxes]
+    if any(iv is None for iv in intervals):
+        return None
+    iv = np.asarray(sorted(intervals), dtype=np.int64).reshape(-1, 2)  # type: ignore[arg-type]
+    if len(iv) == 0 or iv[0, 0] != 0 or iv[-1, 1] != n or not np.array_equal(iv[1:, 0], iv[:-1, 1]):
+        return "its regions, as ranges of the flattened tensor, overlap or do not cover it"
+    return None

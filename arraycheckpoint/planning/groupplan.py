@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks.bounds import MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
+from ..checks.bounds import MAX_DERIVED_RANK_VISITS, MAX_DERIVED_WRITERS, MAX_DERIVED_WRITERS_TOTAL
 from ..checks.names import check_name_tree
 from ..errors import PlanError
 from .chunking import RunOption, choose_runs, run_options, split_chunk, tensor_chunk_shape
@@ -46,7 +46,7 @@ from .plan import (
     check_loadable,
 )
 from .regions import Box
-from .rules import Mesh, check_rule, mesh_regions, range_regions
+from .rules import Mesh, check_rule, mesh_regions, range_regions, rule_visits
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Decl:
             tensors = []
             for name, shape, dtype, itemsize, rule in j["tensors"]:
                 shape = tuple(int(s) for s in shape)
-                check_rule(shape, rule, len(meshes))
+                check_rule(shape, rule, meshes)
                 tensors.append(TensorRule(str(name), shape, str(dtype), int(itemsize), _rule_tuple(rule)))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed declaration ({type(e).__name__}: {e})") from None
@@ -436,14 +436,20 @@ def build_compact_plan(
     files = [0] * world
     decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool]] = {}
     firsts: dict[int, int] = {}  # writer array -> its first chunk's writer
-    derived_total, counted = 0, set()  # readers bound the derived writers of a checkpoint: list the rest
+    # readers bound the derived writers of a checkpoint and the ranks visited deriving them: list the rest
+    derived_total, visits_total, counted = 0, 0, set()
     for name in names:
         t, c = first[name], classes[name]
         derived = c.derived
         if derived and id(c) not in counted:
-            derived = derived_total + len(c.forced) <= MAX_DERIVED_WRITERS_TOTAL
+            visits = sum(rule_visits(t.shape, x.rule, d.meshes, len(r)) for d, r, x in contribs[name])
+            derived = (
+                derived_total + len(c.forced) <= MAX_DERIVED_WRITERS_TOTAL
+                and visits_total + visits <= MAX_DERIVED_RANK_VISITS
+            )
             if derived:
                 derived_total += len(c.forced)
+                visits_total += visits
                 counted.add(id(c))
         ws = writers[name]
         if len(ws):

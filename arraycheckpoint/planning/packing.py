@@ -33,7 +33,7 @@ from typing import Any
 #: Where packs live: inside the control node, which zarr-python never lists (an empty array node).
 PACK_DIR = ".acp/packs"
 #: The only pack keys a checkpoint may name (checked on load: nothing else is opened as a pack).
-PACK_KEY = re.compile(r"^\.acp/packs/(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.zip$")
+PACK_KEY = re.compile(r"^\.acp/packs/(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.zip\Z")
 #: Per member: a ZIP local header and central-directory record (zip64 extras included) plus the name twice.
 MEMBER_OVERHEAD = 30 + 46 + 2 * 28
 #: End-of-central-directory records (zip64 included).
@@ -48,7 +48,7 @@ def pack_key(rank: int, index: int) -> str:
 #: Format 6: the packs of one rank (``.acp/packs/<rank>@<target>``: the files ``<rank>.<k>.zip``, filled to
 #: ``target`` bytes each), what a packed array's ``pack`` names (the rank whose packs hold its ``zarr.json``;
 #: chunk ``i`` lies in the packs of ``writers[i]``).
-RANK_PACKS = re.compile(r"^\.acp/packs/(0|[1-9][0-9]{0,8})(?:@([1-9][0-9]{0,15}))?$")
+RANK_PACKS = re.compile(r"^\.acp/packs/(0|[1-9][0-9]{0,8})(?:@([1-9][0-9]{0,15}))?\Z")
 #: What an array's ``zarr.json`` counts for when a rank fills its packs (its real size varies by release).
 DOC_BYTES = 1024
 

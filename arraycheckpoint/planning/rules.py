@@ -97,6 +97,15 @@ class Mesh:
             return 0
 
     @cached_property
+    def repeats(self) -> bool:
+        """Whether a rank stands at several positions of the mesh (a process holding several devices)."""
+        ranks = np.asarray(self.ranks, dtype=np.int64)
+        if len(ranks) < 2 or (np.diff(ranks) > 0).all():  # increasing (the usual mesh): no repeats
+            return False
+        ranks.sort()
+        return bool((ranks[1:] == ranks[:-1]).any())
+
+    @cached_property
     def positions(self) -> dict[int, tuple[int, ...]]:
         """``rank -> flat mesh positions`` it occupies (several for a process holding several devices)."""
         out: dict[int, list[int]] = {}
@@ -182,28 +191,58 @@ def mesh_regions(
 ) -> dict[Box, list[int]]:
     """Every non-empty box of a mesh rule and the ranks holding it (only ranks in ``members`` if given).
 
-    A rank at several coordinates holding the same box is listed once.
+    A rank at several coordinates holding the same box is listed once. Boxes in the order of their first
+    mesh position, each one's ranks in mesh order. Vectorised over the mesh (a mesh rule of a few bytes in a
+    checkpoint names up to :data:`MAX_MESH_RANKS` ranks): Python work per box, not per rank.
     """
+    ranks = np.asarray(mesh.ranks, dtype=np.int64)
+    flat = np.arange(len(ranks), dtype=np.int64)
+    if members is not None:
+        flat = flat[np.isin(ranks, np.fromiter(members, dtype=np.int64, count=len(members)))]
+    if not len(flat) or not math.prod(shape):
+        return {}
+    coords = np.unravel_index(flat, mesh.shape) if mesh.shape else ()
+    offsets = np.zeros((len(flat), len(shape)), dtype=np.int64)
+    lengths = np.tile(np.asarray(shape, dtype=np.int64), (len(flat), 1))
+    split = [(i, d) for i, d in enumerate(placements) if d >= 0]
+    for i, dim in split:  # chunk_part, for every position at once (nested splits in mesh order)
+        extent, parts = lengths[:, dim], mesh.shape[i]
+        size = -(-extent // parts)
+        whole = extent // np.maximum(size, 1)  # parts that start inside the extent: no int64 overflow
+        start = np.where(coords[i] <= whole, np.minimum(coords[i], whole) * size, extent)
+        start = np.minimum(start, extent)
+        offsets[:, dim] += start
+        lengths[:, dim] = np.maximum(0, np.minimum(start + size, extent) - start)
+    keep = np.flatnonzero((lengths > 0).all(axis=1))
+    if not len(keep):
+        return {}
+    held = ranks[flat[keep]]
+    offs, lens = offsets[keep].tolist(), lengths[keep].tolist()
     out: dict[Box, list[int]] = {}
-    coords = np.unravel_index(np.arange(len(mesh.ranks)), mesh.shape) if mesh.shape else ()
-    cache: dict[tuple[int, ...], Box] = {}
-    split_dims = [i for i, d in enumerate(placements) if d >= 0]
-    repeated = len(mesh.positions) != len(mesh.ranks)
-    seen: set[tuple[Box, int]] = set()
-    for flat, rank in enumerate(mesh.ranks):
-        if members is not None and rank not in members:
-            continue
-        coord = tuple(int(c[flat]) for c in coords)
-        key = tuple(coord[i] for i in split_dims)
-        box = cache.get(key)
-        if box is None:
-            box = cache[key] = mesh_box(shape, mesh, placements, coord)
-        if box.volume:
-            if repeated:
-                if (box, rank) in seen:
-                    continue
-                seen.add((box, rank))
-            out.setdefault(box, []).append(rank)
+    if not mesh.repeats and all(mesh.shape[i] == 1 for i, d in enumerate(placements) if d < 0):
+        # no replicated mesh dimension and no rank at two positions: one holder per box, in mesh order
+        for o, n, r in zip(offs, lens, held.tolist()):
+            out[Box(tuple(o), tuple(n))] = [r]
+        return out
+    # positions with equal split coordinates hold the same box: group them (stable: mesh order kept)
+    key = (
+        np.ravel_multi_index([coords[i][keep] for i, _d in split], [mesh.shape[i] for i, _d in split])
+        if split
+        else np.zeros(len(keep), dtype=np.int64)
+    )
+    order = np.argsort(key, kind="stable")
+    heads = np.flatnonzero(np.r_[True, key[order][1:] != key[order][:-1]])
+    bounds = np.r_[heads, len(order)].tolist()
+    rows, who_all = order.tolist(), held[order].tolist()
+    repeated = mesh.repeats
+    for g in np.argsort(order[heads], kind="stable").tolist():  # boxes by first mesh position
+        first = rows[bounds[g]]
+        who = who_all[bounds[g] : bounds[g + 1]]
+        holders = out.setdefault(Box(tuple(offs[first]), tuple(lens[first])), [])
+        if repeated:  # a rank at several positions holding this box: listed once
+            have = set(holders)
+            who = [r for r in dict.fromkeys(who) if r not in have]
+        holders.extend(who)
     return out
 
 
@@ -257,15 +296,40 @@ def rule_boxes(shape: tuple[int, ...], rule: Sequence[Any], meshes: Sequence[Mes
     return out
 
 
-def check_rule(shape: tuple[int, ...], rule: Sequence[Any], n_meshes: int) -> None:
-    """Refuse malformed rules (they come from other ranks: validate before use)."""
+def rule_visits(shape: Sequence[int], rule: Sequence[Any], meshes: Sequence[Mesh], ranks: int) -> int:
+    """What expanding ``rule`` (JSON or tuple form, checked) for a group of ``ranks`` ranks into its regions and
+    holders costs, in ranks visited: every rank of the group, plus every rank of a mesh rule's mesh, the parts
+    of the flat space a range rule touches, or one per box and rank of a boxes rule. Readers bound the sum
+    over a checkpoint's derived writers (a mesh rule of a few bytes can name millions of ranks); the planner
+    counts the same and lists the writers past the bound."""
+    kind = rule[0]
+    if kind == "mesh":
+        return ranks + len(meshes[rule[1]].ranks)
+    if kind == "range":
+        parts, numel = len(meshes[rule[1]].ranks), math.prod(shape)
+        size = -(-rule[3] // parts) if parts else 0
+        if not numel or not size:
+            return ranks
+        return ranks + min((rule[2] + numel - 1) // size, parts - 1) - rule[2] // size + 1
+    if kind == "boxes":
+        return ranks * max(len(rule[1]), 1)
+    return ranks
+
+
+def check_rule(shape: tuple[int, ...], rule: Sequence[Any], meshes: Sequence[Mesh]) -> None:
+    """Refuse malformed rules (they come from other ranks and from checkpoints: validate before use); a mesh
+    rule places every dimension of its mesh, no more, no fewer."""
+    n_meshes = len(meshes)
     ok = isinstance(rule, list | tuple) and rule and rule[0] in ("replica", "mesh", "boxes", "range")
     if ok and rule[0] == "mesh":
         ok = (
             len(rule) == 3
             and isinstance(rule[1], int)
+            and not isinstance(rule[1], bool)
             and 0 <= rule[1] < n_meshes
-            and all(isinstance(d, int) and -1 <= d < len(shape) for d in rule[2])
+            and isinstance(rule[2], list | tuple)
+            and len(rule[2]) == len(meshes[rule[1]].shape)
+            and all(isinstance(d, int) and not isinstance(d, bool) and -1 <= d < len(shape) for d in rule[2])
         )
     if ok and rule[0] == "range":  # bounded before anything is expanded: the flat space holds the tensor
         ok = (
@@ -276,11 +340,30 @@ def check_rule(shape: tuple[int, ...], rule: Sequence[Any], n_meshes: int) -> No
             and rule[2] + math.prod(shape) <= rule[3] <= MAX_FLAT_ELEMENTS
         )
     if ok and rule[0] == "boxes":
-        ok = len(rule) == 2 and all(
-            len(b) == 2 and len(b[0]) == len(shape) and len(b[1]) == len(shape) for b in rule[1]
+        ok = (
+            len(rule) == 2
+            and isinstance(rule[1], list | tuple)
+            and all(_box_form(b, len(shape)) for b in rule[1])
         )
+    if ok and rule[0] == "replica":
+        ok = len(rule) == 1
     if not ok:
         raise PlanError(f"malformed layout rule {rule!r} for a tensor of shape {shape}")
+
+
+def _box_form(b: Any, ndim: int) -> bool:
+    """Whether ``b`` is ``[offsets, lengths]`` (or a :class:`Box`) of ``ndim`` integers each."""
+    if isinstance(b, Box):
+        return b.ndim == ndim
+    return (
+        isinstance(b, list | tuple)
+        and len(b) == 2
+        and all(isinstance(v, list | tuple) and len(v) == ndim and all(_is_int(x) for x in v) for v in b)
+    )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def digest(obj: Any) -> bytes:

@@ -112,6 +112,12 @@ def check_old_packs(root: str, meta: CheckpointMetadata, packs: Collection[str])
         rankpacks.check_rank_packs(
             LocalStorage(), root, meta, [n for n, t in meta.tensors.items() if t.pack_rank is not None]
         )
+    # the checks above read directories and headers; the rename copies every member: read each one now as
+    # it will be read then (its CRC-32 checked), so a pack it could not rewrite refuses it with nothing changed
+    for key in sorted(packs):
+        source = os.path.join(root, *key.split("/"))
+        if os.path.lexists(source):
+            _zip_members(source)
 
 
 def _holds(meta: CheckpointMetadata, key: str) -> bool:
@@ -219,23 +225,20 @@ def _renamed_members(source: str, old_to_new: Mapping[str, str], groups: bool = 
     pack's are derived from the new names; format 6 has none). A member of no array of the pack is kept as it
     is."""
     skip = set(group_keys(old_to_new)) if groups else set()
-    fd = os.open(source, os.O_RDONLY | _NOFOLLOW)
     out: list[Member] = []
-    with os.fdopen(fd, "rb") as f, zipfile.ZipFile(f) as zf:
-        for info in zf.infolist():
-            if info.filename in skip:
-                continue
-            # an array's members are its zarr.json and its chunks, whose keys have no "/" (format 5: "c.0.0")
-            old = info.filename.rpartition("/")[0]
-            data = zf.read(info)
-            if old not in old_to_new:
-                out.append((info.filename, [data]))
-                continue
-            new = old_to_new[old]
-            key = new + info.filename[len(old) :]
-            if info.filename == f"{old}/zarr.json":
-                data = renamed_array_doc(data, old, new, f"{source}:{info.filename}")
-            out.append((key, [data]))
+    for info, data in _zip_members(source):
+        if info.filename in skip:
+            continue
+        # an array's members are its zarr.json and its chunks, whose keys have no "/" (format 5: "c.0.0")
+        old = info.filename.rpartition("/")[0]
+        if old not in old_to_new:
+            out.append((info.filename, [data]))
+            continue
+        new = old_to_new[old]
+        key = new + info.filename[len(old) :]
+        if info.filename == f"{old}/zarr.json":
+            data = renamed_array_doc(data, old, new, f"{source}:{info.filename}")
+        out.append((key, [data]))
     seen: set[str] = set()
     for key, _parts in out:
         if key in seen:
@@ -245,6 +248,26 @@ def _renamed_members(source: str, old_to_new: Mapping[str, str], groups: bool = 
             )
         seen.add(key)
     return out
+
+
+def _zip_members(source: str) -> list[tuple[zipfile.ZipInfo, bytes]]:
+    """Every member of the pack file ``source`` (already checked: bounded, stored, no link) and its bytes, each
+    CRC-32 checked; :class:`CorruptCheckpointError` naming the pack (and the member) when Python's zipfile
+    cannot read it (a damaged member, a directory field it refuses)."""
+    member = ""
+    try:
+        fd = os.open(source, os.O_RDONLY | _NOFOLLOW)
+        with os.fdopen(fd, "rb") as f, zipfile.ZipFile(f) as zf:
+            out = []
+            for info in zf.infolist():
+                member = f" (member {info.filename!r})"
+                out.append((info, zf.read(info)))
+            return out
+    except (zipfile.BadZipFile, NotImplementedError, ValueError, EOFError, OSError) as e:
+        raise CorruptCheckpointError(
+            f"the pack {source}{member} cannot be read to rewrite it ({e}); the pack is damaged: the rename "
+            "is refused (verify names the damaged tensors)"
+        ) from None
 
 
 def _read_file(path: str, limit: int) -> bytes | None:

@@ -303,6 +303,31 @@ def _manager_digits(dest: Path) -> None:
     shutil.copytree(dest / "step_00000001", dest / "step_\u0669\u0669")  # Arabic-Indic 99
 
 
+def _regions(dest: Path, regions: list, writers: object = "held", **layout: object) -> None:
+    """``model/w``'s saved regions (and writers, and any layout field) replaced in the metadata (format 7:
+    ``"writers": "held"``: a reader derives every writer from the regions)."""
+    doc = _meta(dest)
+    doc["tensors"][W].update(regions=regions, writers=writers, **layout)
+    _set_meta(dest, doc)
+
+
+def _column_split(dest: Path, world: int) -> None:
+    """``model/w`` declared ``[1, 2 * world]``, split by columns over ``world`` ranks (a 40-byte mesh rule):
+    every region starts at row 0 (a pairwise overlap check sorted by rows compares 2 x 10^8 pairs)."""
+    doc = _meta(dest)
+    doc["world_size"] = world
+    doc["layout_groups"].append({"meshes": [[[world], ["arange", 0]]], "ranks": [[0, world, 1]]})
+    shape = [1, 2 * world]
+    doc["tensors"][W].update(
+        shape=shape,
+        chunk_shape=[1, 2],
+        inner_chunk_shape=[1, 2],
+        writers="held",
+        regions=[[len(doc["layout_groups"]) - 1, ["mesh", 0, [-1, 1][1:]]]],
+    )
+    _set_meta(dest, doc)
+
+
 # The corpus ---------------------------------------------------------------------------------------------
 #: entry points that read only the metadata of a native checkpoint (never its arrays)
 META_ONLY = frozenset({"inspect", "metrics"})
@@ -350,6 +375,24 @@ def _items() -> list[Item]:
             may_pass=frozenset(
                 {"load", "store", "verify", "inspect", "diff", "export", "metrics", "manager"}
             ),
+        ),
+        # format 7: writers derived from the saved regions
+        Item(
+            "held_regions_overlap",
+            "native",
+            _on("packed", lambda d, o: _regions(d, [[0, ["boxes", [[[0, 0], [6, 4]], [[4, 0], [4, 4]]]]]])),
+            may_pass=META_ONLY,
+        ),
+        Item(
+            "rule_boxes_malformed",
+            "native",
+            _on("packed", lambda d, o: _regions(d, [[0, ["boxes", [5]]]])),
+        ),
+        Item(
+            "held_column_split",
+            "native",
+            _on("packed", lambda d, o: _column_split(d, 20_000)),
+            may_pass=META_ONLY,
         ),
         # packs (format 5)
         Item(
