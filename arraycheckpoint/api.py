@@ -14,6 +14,8 @@ from typing import Any
 
 from ._validate import (
     _FRAMEWORKS,
+    check_compression,
+    check_indivisible,
     check_key_map_used,
     check_kwargs,
     check_namespaces_stored,
@@ -140,6 +142,8 @@ def save_async(
     plan = plan_options or PlanOptions()
     if compression is not None:
         plan = dataclasses.replace(plan, compression=compression)
+    if plan.compression is not None:
+        plan = dataclasses.replace(plan, compression=check_compression(plan.compression))
     options = SaveOptions(
         overwrite=overwrite,
         plan=plan,
@@ -235,6 +239,7 @@ def load(
     from . import stateful
 
     check_state(state, framework)
+    check_indivisible(indivisible)
     liveness_timeout = check_timeout(timeout)
     key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)

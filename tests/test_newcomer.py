@@ -204,3 +204,65 @@ def test_cli_without_torch_names_the_extra(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'arraycheckpoint[torch]'" in proc.stderr and "internal error" not in proc.stderr
+
+
+# -- what a path that is not a checkpoint says -------------------------------------------------------------
+def test_a_file_is_not_a_checkpoint_and_says_what_to_do(tmp_path: Path) -> None:
+    (tmp_path / "model.pt").write_bytes(b"torch.save bytes")
+    (tmp_path / "model.safetensors").write_bytes(b"safetensors bytes")
+    with pytest.raises(acp.CheckpointNotFoundError, match="is a file, not a checkpoint directory") as e:
+        acp.load(tmp_path / "model.pt", _zeros())
+    assert "does not exist" not in str(e.value) and "torch.load" in str(e.value)
+    with pytest.raises(acp.CheckpointNotFoundError, match="is a file") as e:
+        acp.read_metadata(tmp_path / "model.safetensors")
+    assert f"the directory holding it ({tmp_path})" in str(e.value)
+
+
+def test_an_empty_directory_does_not_say_it_does_not_exist(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(acp.CheckpointNotFoundError, match="exists but holds no committed checkpoint") as e:
+        acp.load(tmp_path / "empty", _zeros())
+    assert "does not exist" not in str(e.value)
+
+
+def test_a_missing_path_names_the_checkpoints_beside_it(tmp_path: Path) -> None:
+    acp.save(tmp_path / "step_100", _state())
+    acp.save(tmp_path / "roles", _state(), role="actor")
+    with pytest.raises(acp.CheckpointNotFoundError, match="does not exist") as e:
+        acp.load(tmp_path / "step_1000", _zeros())
+    assert "step_100" in str(e.value).split("does not exist", 1)[1]
+    with pytest.raises(acp.CheckpointNotFoundError, match="does not exist") as e:
+        acp.load(tmp_path / "roles", _zeros(), role="actr")
+    assert "actor" in str(e.value).split("does not exist", 1)[1]
+
+
+@pytest.mark.parametrize("command", ["inspect", "export", "verify", "metrics"])
+def test_cli_explains_a_directory_of_checkpoints_and_a_file(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from arraycheckpoint.cli import main
+
+    acp.save(tmp_path / "ckpts" / "step_100", _state())
+    (tmp_path / "model.pt").write_bytes(b"x")
+    out = [str(tmp_path / "out")] if command == "export" else []
+    for path, expected in [("ckpts", "holds committed checkpoints in step_100"), ("model.pt", "is a file")]:
+        assert main([command, str(tmp_path / path), *out]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "does not exist" not in err, err
+
+
+# -- arguments refused before anything runs ----------------------------------------------------------------
+def test_unknown_compression_is_refused_before_the_save(tmp_path: Path) -> None:
+    for kwargs in [{"compression": "zstandard"}, {"plan_options": acp.PlanOptions(compression="lz4")}]:
+        with pytest.raises(acp.InvalidArgumentError, match="compression") as e:
+            acp.save(tmp_path / "c", _state(), **kwargs)
+        assert "zstd" in str(e.value) and not isinstance(e.value, acp.SaveFailedError)
+    assert not (tmp_path / "c").exists()
+    acp.save(tmp_path / "c", _state(), compression="ZSTD")  # case as the codec takes it
+    _assert_loaded(str(tmp_path / "c"))
+
+
+def test_unknown_indivisible_mode_is_refused(tmp_path: Path) -> None:
+    acp.save(tmp_path / "c", _state())
+    with pytest.raises(acp.InvalidArgumentError, match="indivisible.*'replicated'.*'replicate'"):
+        acp.load(tmp_path / "c", _zeros(), indivisible="replicated")

@@ -217,10 +217,14 @@ def verify(
         if committed:
             report.problems.append(Problem("", None, f"committed but {files.metadata} is missing"))
             return report
+        from .._validate import explain_not_found
         from ..errors import CheckpointNotFoundError
 
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {root}: neither {files.metadata} nor {files.committed}"
+        raise explain_not_found(
+            os.fspath(path),
+            CheckpointNotFoundError(
+                f"no checkpoint at {root}: neither {files.metadata} nor {files.committed}"
+            ),
         )
     if not committed:
         report.problems.append(

@@ -110,7 +110,7 @@ def test_inspect_table_and_json(saved):
     assert "extra_state" in doc["objects"]
     text = cli("inspect", path).stdout
     assert "model/0.weight" in text and "64x32" in text and "step 42" in text
-    assert "no committed checkpoint" in cli("inspect", path + "-missing", check=2).stderr
+    assert "the path does not exist" in cli("inspect", path + "-missing", check=2).stderr
 
 
 def test_verify_ok_then_flipped_byte_then_missing_chunk(saved_in):
