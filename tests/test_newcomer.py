@@ -266,3 +266,21 @@ def test_unknown_indivisible_mode_is_refused(tmp_path: Path) -> None:
     acp.save(tmp_path / "c", _state())
     with pytest.raises(acp.InvalidArgumentError, match="indivisible.*'replicated'.*'replicate'"):
         acp.load(tmp_path / "c", _zeros(), indivisible="replicated")
+
+
+# -- what `arraycheckpoint metrics` says a save wrote -------------------------------------------------------
+@pytest.mark.parametrize("pack_array_bytes", [0, 2 << 20])
+def test_save_metrics_count_every_byte_written(tmp_path: Path, pack_array_bytes: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(64, 33, generator=g) for i in range(40)}}
+    path = tmp_path / f"c{pack_array_bytes}"
+    meta = acp.save(path, state, plan_options=acp.PlanOptions(pack_array_bytes=pack_array_bytes))
+    assert all(meta.tensors[n].pack is not None for n in meta.tensors) == bool(pack_array_bytes)
+    written = sum(
+        p["bytes"] for p in acp.read_metadata(path).metrics["save"]["0"]["phases"] if p["phase"] == "write"
+    )
+    data = sum(t.nbytes for t in state["model"].values())
+    assert data <= written <= data + 4096 * len(state["model"]), (
+        written,
+        data,
+    )  # chunks, index and zarr.json
