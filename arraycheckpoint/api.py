@@ -209,7 +209,7 @@ def load(
             divide by its mesh axis.
         dedup_reads: read each region that several ranks need once and share it through the
             communicator (collective; see the README's measurements for when it pays).
-        record_metrics: store every rank's load phases in the checkpoint as ``.metrics-load.json``
+        record_metrics: store every rank's load phases in the checkpoint as ``.acp/metrics-load.json``
             (collective; the checkpoint's storage must be writable). ``report["metrics"]`` always receives
             this rank's phases.
         comm: the communicator (default: as for :func:`save_async`).
