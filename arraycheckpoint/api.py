@@ -70,14 +70,15 @@ def detect_framework(state: Mapping[str, Any]) -> str:
     return "torch"
 
 
-def _communicator(comm: Communicator | None, framework: str) -> Communicator:
+def _communicator(comm: Communicator | None, framework: str, timeout: float | None = None) -> Communicator:
+    """``comm``, else the framework's default (``timeout``: the liveness bound if the torch one is created now)."""
     if comm is not None:
         return comm
     if _FRAMEWORKS.get(framework) == "jax":
         from .adapters.jax import jax_communicator
 
         return jax_communicator()
-    return default_communicator()
+    return default_communicator(timeout)
 
 
 def save_async(
@@ -134,7 +135,7 @@ def save_async(
     adapter = _adapter(framework)
     request = adapter.save_request(state, AdapterOptions(allow_pickle=allow_pickle, step=step))
     request.framework = framework
-    comm = _communicator(comm, framework)
+    comm = _communicator(comm, framework, liveness_timeout)
     stateful.extend_request(
         request, special, comm, AdapterOptions(allow_pickle=allow_pickle, step=step), role
     )
@@ -269,7 +270,7 @@ def load(
             job,
             special,
             meta,
-            lambda: _communicator(comm, framework),
+            lambda: _communicator(comm, framework, liveness_timeout),
             options,
             lambda targets: eng.load(storage, root, meta, targets),  # a dataloader's index rows
         )  # stateful
@@ -278,7 +279,7 @@ def load(
         check_key_map_used(key_map, strict, report)
         found = check_expected(meta, job, options)
         needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
-        communicator = _communicator(comm, framework) if needs_comm else None
+        communicator = _communicator(comm, framework, liveness_timeout) if needs_comm else None
         if communicator is not None:
             eng.wait_idle()  # a save in flight still uses the group (and its timeout)
             communicator.set_liveness_timeout(liveness_timeout)
