@@ -331,7 +331,6 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
     why = (
         f"it has {files.metadata} but no commit marker {files.committed}: a save there did not finish"
         if partial
-        else f"no {files.committed}, and no Hugging Face or DCP checkpoint either: a save there did not "
-        "finish, or it is not a checkpoint directory"
+        else f"no {files.committed}: a save there did not finish, or it is not a checkpoint directory"
     )
     return CheckpointNotFoundError(f"{path} exists but holds no committed checkpoint ({why})")

@@ -284,3 +284,15 @@ def test_save_metrics_count_every_byte_written(tmp_path: Path, pack_array_bytes:
         written,
         data,
     )  # chunks, index and zarr.json
+
+
+def test_verify_of_a_hugging_face_directory_says_what_it_is(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from arraycheckpoint.tools.verify import verify
+
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(acp.CheckpointNotFoundError, match="is a Hugging Face safetensors directory"):
+        verify(tmp_path / "hf")
+    acp.load(tmp_path / "hf", {"model": {"w": torch.zeros(2)}})  # which acp.load reads
