@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -101,6 +102,25 @@ def check_timeout(timeout: Any) -> float | None:
             f"rank fails the save or load), got {timeout!r}; pass None for the default"
         )
     return float(timeout)
+
+
+def check_step(step: Any) -> int | None:
+    """``step=`` of a save: None or an integer (``np.int64`` and 0-d integer tensors too), as the metadata
+    stores it: anything else would commit a checkpoint whose metadata no load accepts.
+
+    Raises:
+        InvalidArgumentError: a bool, a float, a string, or any other non-integer.
+    """
+    if step is None:
+        return None
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise InvalidArgumentError(
+        f"step must be an integer (the training step) or None, got {step!r} ({type(step).__name__})"
+    )
 
 
 def check_compression(compression: Any) -> str | None:

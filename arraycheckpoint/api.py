@@ -20,6 +20,7 @@ from ._validate import (
     check_kwargs,
     check_namespaces_stored,
     check_state,
+    check_step,
     check_timeout,
     check_transforms,
     explain_not_found,
@@ -128,6 +129,7 @@ def save_async(
 
     check_state(state, framework)
     liveness_timeout = check_timeout(timeout)
+    step = check_step(step)
     path = stateful.role_path(path, role)
     special, state = stateful.split(state)
     # --

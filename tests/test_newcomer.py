@@ -296,3 +296,15 @@ def test_verify_of_a_hugging_face_directory_says_what_it_is(tmp_path: Path) -> N
     with pytest.raises(acp.CheckpointNotFoundError, match="is a Hugging Face safetensors directory"):
         verify(tmp_path / "hf")
     acp.load(tmp_path / "hf", {"model": {"w": torch.zeros(2)}})  # which acp.load reads
+
+
+def test_step_must_be_an_integer_before_anything_is_committed(tmp_path: Path) -> None:
+    import numpy as np
+
+    for step in ["100", 1.5, True]:
+        with pytest.raises(acp.InvalidArgumentError, match="step must be an integer"):
+            acp.save(tmp_path / "c", _state(), step=step)  # type: ignore[arg-type]
+        assert not (tmp_path / "c").exists()
+    for i, step in enumerate([np.int64(7), torch.tensor(8)]):
+        acp.save(tmp_path / f"ok{i}", _state(), step=step)  # type: ignore[arg-type]
+        assert acp.read_metadata(tmp_path / f"ok{i}").step == 7 + i
