@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -101,6 +102,61 @@ def check_timeout(timeout: Any) -> float | None:
             f"rank fails the save or load), got {timeout!r}; pass None for the default"
         )
     return float(timeout)
+
+
+def check_step(step: Any) -> int | None:
+    """``step=`` of a save: None or an integer (``np.int64`` and 0-d integer tensors too), as the metadata
+    stores it: anything else would commit a checkpoint whose metadata no load accepts.
+
+    Raises:
+        InvalidArgumentError: a bool, a float, a string, or any other non-integer.
+    """
+    if step is None:
+        return None
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise InvalidArgumentError(
+        f"step must be an integer (the training step) or None, got {step!r} ({type(step).__name__})"
+    )
+
+
+def check_compression(compression: Any) -> str | None:
+    """``compression=`` (or ``PlanOptions.compression``) of a save, checked before the snapshot rather than
+    failing the background write, and normalised as the metadata stores it (lower case; ``"none"`` is None:
+    a load refuses any other spelling).
+
+    Raises:
+        InvalidArgumentError: a name no codec preset has.
+    """
+    from .codecs.presets import COMPRESSIONS
+
+    if compression is None:
+        return None
+    name = compression.lower() if isinstance(compression, str) else None
+    if name == "none":
+        return None
+    if name in COMPRESSIONS:
+        return name
+    raise InvalidArgumentError(
+        f"compression={compression!r} is not supported; use None or one of {', '.join(map(repr, COMPRESSIONS))}"
+    )
+
+
+def check_indivisible(indivisible: Any) -> None:
+    """``indivisible=`` of a load: one of :data:`~arraycheckpoint.adapters.base.INDIVISIBLE_MODES`.
+
+    Raises:
+        InvalidArgumentError: any other value (it would otherwise act as ``"error"`` without a word).
+    """
+    from .adapters.base import INDIVISIBLE_MODES
+
+    if indivisible not in INDIVISIBLE_MODES:
+        raise InvalidArgumentError(
+            f"indivisible={indivisible!r} is not a mode; use one of {', '.join(map(repr, INDIVISIBLE_MODES))}"
+        )
 
 
 def check_transforms(transforms: Any, jax_targets: bool) -> None:
@@ -218,25 +274,83 @@ def check_namespaces_stored(meta: Any, job: Any, state: Mapping[str, Any], job_k
         )
 
 
+#: What a file a newcomer passes as a checkpoint path probably is, by its suffix, and what to do instead.
+_FILE_HINTS = (
+    (
+        (".safetensors",),
+        "a safetensors file: pass the directory holding it ({parent}), which loads as a Hugging Face checkpoint",
+    ),
+    (
+        (".distcp", ".metadata"),
+        "part of a DCP checkpoint: pass the directory holding it ({parent}), with allow_pickle=True",
+    ),
+    (
+        (".pt", ".pth", ".bin", ".ckpt", ".tar"),
+        "a torch.save file? torch.load it, or make it a checkpoint with `arraycheckpoint import`",
+    ),
+)
+#: Entries of a missing path's parent looked at for committed checkpoints to name (an error path only).
+_SIBLINGS_SCANNED = 1000
+
+
+def _file_hint(root: str) -> str:
+    name = os.path.basename(root).lower()
+    for suffixes, hint in _FILE_HINTS:
+        if name.endswith(suffixes):
+            return "; " + hint.format(parent=os.path.dirname(root) or ".")
+    return ""
+
+
+def _committed_beside(root: str) -> str:
+    """``"; committed checkpoints beside it in <parent>: a, b"`` for a missing local ``root`` (a mistyped step
+    or role), else ``""``."""
+    from .format.metadata import CONTROL_LAYOUTS
+
+    parent = os.path.dirname(root.rstrip(os.sep)) or "."
+    try:
+        with os.scandir(parent) as entries:
+            names = [e.name for _, e in zip(range(_SIBLINGS_SCANNED), entries) if e.is_dir()]
+    except OSError:
+        return ""
+    found = sorted(
+        n for n in names if any(os.path.isfile(os.path.join(parent, n, f.committed)) for f in CONTROL_LAYOUTS)
+    )
+    if not found:
+        return ""
+    shown = ", ".join(found[:10]) + (f", ... ({len(found)} in all)" if len(found) > 10 else "")
+    return f"; committed checkpoints beside it in {parent}: {shown}"
+
+
 def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNotFoundError:
-    """A not-found error that tells a missing path from a directory holding no committed checkpoint."""
+    """A not-found error that says what is at ``path``: nothing (naming committed checkpoints beside it, on a
+    local path), a file (what it may be), a directory of checkpoints, or a directory holding none."""
     from .format.metadata import marker_owner
     from .storage import LocalStorage, storage_for
 
     try:
         storage, root = storage_for(path)
+        local = isinstance(storage, LocalStorage)
+        if local and os.path.lexists(root) and not os.path.isdir(root):
+            return CheckpointNotFoundError(
+                f"no checkpoint at {path}: it is a file, not a checkpoint directory{_file_hint(root)}"
+            )
         keys = storage.list(root)
+        if not keys and not (local and os.path.isdir(root)):
+            beside = _committed_beside(root) if local else ""
+            return CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist{beside}")
+        files = storage.control_files(root)
+        partial = storage.exists(root, files.metadata)
     except Exception:  # noqa: BLE001 - the original error is the better message
         return error
-    if not keys and not (isinstance(storage, LocalStorage) and os.path.isdir(root)):
-        return CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
     inner = sorted({o for o in map(marker_owner, keys) if o})
     if inner:
         return CheckpointNotFoundError(
             f"no committed checkpoint at {path} itself, but it holds committed checkpoints in "
             f"{', '.join(inner[:10])}: load one of those (a role: pass role=...)"
         )
-    return CheckpointNotFoundError(
-        f"{path} exists but holds no committed checkpoint ({error}): a save there did not finish, or it is "
-        "not a checkpoint directory"
+    why = (
+        f"it has {files.metadata} but no commit marker {files.committed}: a save there did not finish"
+        if partial
+        else f"no {files.committed}: a save there did not finish, or it is not a checkpoint directory"
     )
+    return CheckpointNotFoundError(f"{path} exists but holds no committed checkpoint ({why})")

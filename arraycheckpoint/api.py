@@ -14,10 +14,13 @@ from typing import Any
 
 from ._validate import (
     _FRAMEWORKS,
+    check_compression,
+    check_indivisible,
     check_key_map_used,
     check_kwargs,
     check_namespaces_stored,
     check_state,
+    check_step,
     check_timeout,
     check_transforms,
     explain_not_found,
@@ -68,14 +71,15 @@ def detect_framework(state: Mapping[str, Any]) -> str:
     return "torch"
 
 
-def _communicator(comm: Communicator | None, framework: str) -> Communicator:
+def _communicator(comm: Communicator | None, framework: str, timeout: float | None = None) -> Communicator:
+    """``comm``, else the framework's default (``timeout``: the liveness bound if the torch one is created now)."""
     if comm is not None:
         return comm
     if _FRAMEWORKS.get(framework) == "jax":
         from .adapters.jax import jax_communicator
 
         return jax_communicator()
-    return default_communicator()
+    return default_communicator(timeout)
 
 
 def save_async(
@@ -125,6 +129,7 @@ def save_async(
 
     check_state(state, framework)
     liveness_timeout = check_timeout(timeout)
+    step = check_step(step)
     path = stateful.role_path(path, role)
     special, state = stateful.split(state)
     # --
@@ -132,7 +137,7 @@ def save_async(
     adapter = _adapter(framework)
     request = adapter.save_request(state, AdapterOptions(allow_pickle=allow_pickle, step=step))
     request.framework = framework
-    comm = _communicator(comm, framework)
+    comm = _communicator(comm, framework, liveness_timeout)
     stateful.extend_request(
         request, special, comm, AdapterOptions(allow_pickle=allow_pickle, step=step), role
     )
@@ -140,6 +145,8 @@ def save_async(
     plan = plan_options or PlanOptions()
     if compression is not None:
         plan = dataclasses.replace(plan, compression=compression)
+    if plan.compression is not None:
+        plan = dataclasses.replace(plan, compression=check_compression(plan.compression))
     options = SaveOptions(
         overwrite=overwrite,
         plan=plan,
@@ -205,7 +212,7 @@ def load(
             divide by its mesh axis.
         dedup_reads: read each region that several ranks need once and share it through the
             communicator (collective; see the README's measurements for when it pays).
-        record_metrics: store every rank's load phases in the checkpoint as ``.metrics-load.json``
+        record_metrics: store every rank's load phases in the checkpoint as ``.acp/metrics-load.json``
             (collective; the checkpoint's storage must be writable). ``report["metrics"]`` always receives
             this rank's phases.
         comm: the communicator (default: as for :func:`save_async`).
@@ -235,6 +242,7 @@ def load(
     from . import stateful
 
     check_state(state, framework)
+    check_indivisible(indivisible)
     liveness_timeout = check_timeout(timeout)
     key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)
@@ -264,7 +272,7 @@ def load(
             job,
             special,
             meta,
-            lambda: _communicator(comm, framework),
+            lambda: _communicator(comm, framework, liveness_timeout),
             options,
             lambda targets: eng.load(storage, root, meta, targets),  # a dataloader's index rows
         )  # stateful
@@ -273,7 +281,7 @@ def load(
         check_key_map_used(key_map, strict, report)
         found = check_expected(meta, job, options)
         needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
-        communicator = _communicator(comm, framework) if needs_comm else None
+        communicator = _communicator(comm, framework, liveness_timeout) if needs_comm else None
         if communicator is not None:
             eng.wait_idle()  # a save in flight still uses the group (and its timeout)
             communicator.set_liveness_timeout(liveness_timeout)

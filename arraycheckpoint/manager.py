@@ -351,6 +351,13 @@ class _RankSync:
         self.world = 1
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                from .runtime.liveness import default_timeout, join_world
+
+                store = dist.distributed_c10d._get_default_store()
+                join_world(
+                    store, dist.get_rank(), dist.get_world_size(), default_timeout(), "CheckpointManager()"
+                )
             self._group = dist.new_group(backend="gloo")
             self.rank = dist.get_rank(self._group)
             self.world = dist.get_world_size(self._group)

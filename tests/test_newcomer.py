@@ -204,3 +204,107 @@ def test_cli_without_torch_names_the_extra(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'arraycheckpoint[torch]'" in proc.stderr and "internal error" not in proc.stderr
+
+
+# -- what a path that is not a checkpoint says -------------------------------------------------------------
+def test_a_file_is_not_a_checkpoint_and_says_what_to_do(tmp_path: Path) -> None:
+    (tmp_path / "model.pt").write_bytes(b"torch.save bytes")
+    (tmp_path / "model.safetensors").write_bytes(b"safetensors bytes")
+    with pytest.raises(acp.CheckpointNotFoundError, match="is a file, not a checkpoint directory") as e:
+        acp.load(tmp_path / "model.pt", _zeros())
+    assert "does not exist" not in str(e.value) and "torch.load" in str(e.value)
+    with pytest.raises(acp.CheckpointNotFoundError, match="is a file") as e:
+        acp.read_metadata(tmp_path / "model.safetensors")
+    assert f"the directory holding it ({tmp_path})" in str(e.value)
+
+
+def test_an_empty_directory_does_not_say_it_does_not_exist(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(acp.CheckpointNotFoundError, match="exists but holds no committed checkpoint") as e:
+        acp.load(tmp_path / "empty", _zeros())
+    assert "does not exist" not in str(e.value)
+
+
+def test_a_missing_path_names_the_checkpoints_beside_it(tmp_path: Path) -> None:
+    acp.save(tmp_path / "step_100", _state())
+    acp.save(tmp_path / "roles", _state(), role="actor")
+    with pytest.raises(acp.CheckpointNotFoundError, match="does not exist") as e:
+        acp.load(tmp_path / "step_1000", _zeros())
+    assert "step_100" in str(e.value).split("does not exist", 1)[1]
+    with pytest.raises(acp.CheckpointNotFoundError, match="does not exist") as e:
+        acp.load(tmp_path / "roles", _zeros(), role="actr")
+    assert "actor" in str(e.value).split("does not exist", 1)[1]
+
+
+@pytest.mark.parametrize("command", ["inspect", "export", "verify", "metrics"])
+def test_cli_explains_a_directory_of_checkpoints_and_a_file(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from arraycheckpoint.cli import main
+
+    acp.save(tmp_path / "ckpts" / "step_100", _state())
+    (tmp_path / "model.pt").write_bytes(b"x")
+    out = [str(tmp_path / "out")] if command == "export" else []
+    for path, expected in [("ckpts", "holds committed checkpoints in step_100"), ("model.pt", "is a file")]:
+        assert main([command, str(tmp_path / path), *out]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "does not exist" not in err, err
+
+
+# -- arguments refused before anything runs ----------------------------------------------------------------
+def test_unknown_compression_is_refused_before_the_save(tmp_path: Path) -> None:
+    for kwargs in [{"compression": "zstandard"}, {"plan_options": acp.PlanOptions(compression="lz4")}]:
+        with pytest.raises(acp.InvalidArgumentError, match="compression") as e:
+            acp.save(tmp_path / "c", _state(), **kwargs)
+        assert "zstd" in str(e.value) and not isinstance(e.value, acp.SaveFailedError)
+    assert not (tmp_path / "c").exists()
+    acp.save(tmp_path / "c", _state(), compression="ZSTD")  # case as the codec takes it
+    _assert_loaded(str(tmp_path / "c"))
+
+
+def test_unknown_indivisible_mode_is_refused(tmp_path: Path) -> None:
+    acp.save(tmp_path / "c", _state())
+    with pytest.raises(acp.InvalidArgumentError, match="indivisible.*'replicated'.*'replicate'"):
+        acp.load(tmp_path / "c", _zeros(), indivisible="replicated")
+
+
+# -- what `arraycheckpoint metrics` says a save wrote -------------------------------------------------------
+@pytest.mark.parametrize("pack_array_bytes", [0, 2 << 20])
+def test_save_metrics_count_every_byte_written(tmp_path: Path, pack_array_bytes: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(64, 33, generator=g) for i in range(40)}}
+    path = tmp_path / f"c{pack_array_bytes}"
+    meta = acp.save(path, state, plan_options=acp.PlanOptions(pack_array_bytes=pack_array_bytes))
+    assert all(meta.tensors[n].pack is not None for n in meta.tensors) == bool(pack_array_bytes)
+    written = sum(
+        p["bytes"] for p in acp.read_metadata(path).metrics["save"]["0"]["phases"] if p["phase"] == "write"
+    )
+    data = sum(t.nbytes for t in state["model"].values())
+    assert data <= written <= data + 4096 * len(state["model"]), (
+        written,
+        data,
+    )  # chunks, index and zarr.json
+
+
+def test_verify_of_a_hugging_face_directory_says_what_it_is(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from arraycheckpoint.tools.verify import verify
+
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(acp.CheckpointNotFoundError, match="is a Hugging Face safetensors directory"):
+        verify(tmp_path / "hf")
+    acp.load(tmp_path / "hf", {"model": {"w": torch.zeros(2)}})  # which acp.load reads
+
+
+def test_step_must_be_an_integer_before_anything_is_committed(tmp_path: Path) -> None:
+    import numpy as np
+
+    for step in ["100", 1.5, True]:
+        with pytest.raises(acp.InvalidArgumentError, match="step must be an integer"):
+            acp.save(tmp_path / "c", _state(), step=step)  # type: ignore[arg-type]
+        assert not (tmp_path / "c").exists()
+    for i, step in enumerate([np.int64(7), torch.tensor(8)]):
+        acp.save(tmp_path / f"ok{i}", _state(), step=step)  # type: ignore[arg-type]
+        assert acp.read_metadata(tmp_path / f"ok{i}").step == 7 + i

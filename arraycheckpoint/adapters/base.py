@@ -16,6 +16,9 @@ from ..errors import StateMismatchError
 from ..format.metadata import CheckpointMetadata
 from ..planning.items import LoadTensor, SaveRequest
 
+#: ``indivisible=`` of a jax load: what to do with a ``NamedSharding`` dimension its mesh axis does not divide.
+INDIVISIBLE_MODES = ("error", "replicate")
+
 
 @dataclass(frozen=True)
 class AdapterOptions:

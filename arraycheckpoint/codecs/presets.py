@@ -72,7 +72,9 @@ ML_DTYPE_NAMES: tuple[str, ...] = (
 SUPPORTED_DTYPES: tuple[str, ...] = _NUMPY_NAMES + ML_DTYPE_NAMES
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
-_COMPRESSIONS = ("zstd",)
+#: The ``compression=`` names a save accepts (besides None), lower case.
+COMPRESSIONS = ("zstd",)
+_COMPRESSIONS = COMPRESSIONS
 
 
 class UnsupportedDTypeError(_ProjectUnsupportedDTypeError, ValueError):

@@ -101,6 +101,8 @@ class Packs:
             self._where.update((m, (key, i)) for i, m in enumerate(keys))
         self._open: dict[str, Any] = {}
         self._last: dict[str, Any] = {}  # the last write future handed out per pack
+        #: bytes handed to storage so far (every member's, also those of a batch whose future went out before)
+        self.written = 0
 
     def _key(self, w: Any) -> str:
         return self._keys.get(id(w)) or f"{w.name}/{shardfile.chunk_key(self._layouts[w.name], w.chunk)}"
@@ -136,6 +138,8 @@ class Packs:
         if pack is None:
             pack = self._open[key] = self._writer.open_pack(key, self._layout[key])
         started = pack.add(index, parts, crc)
+        if started is not None:
+            self.written += started[1]
         if started is None or started[0] is self._last.get(key):
             # a small member joined the batch of the one before it, whose future was handed out: counted
             # with it (the bytes in flight are undercounted by at most one batch per pack)

@@ -266,10 +266,9 @@ class SavePipeline:
                 total = 0
 
                 def start(fut: Any, nbytes: int, name: str) -> None:
-                    nonlocal pending, total
+                    nonlocal pending
                     inflight.append((fut, nbytes, name))
                     pending += nbytes
-                    total += nbytes
 
                 def make_room(nbytes: int) -> None:
                     nonlocal pending
@@ -304,6 +303,7 @@ class SavePipeline:
                     else:
                         fut = stores[w.name][w.chunk.slices()].write(data)
                     start(fut, data.nbytes, w.name)
+                    total += data.nbytes
                 packs.check_done()
                 writer.flush()
                 for fut, _n, name in inflight:
@@ -312,7 +312,7 @@ class SavePipeline:
                     wait_write(fut, name)
             finally:
                 writer.close()
-            rec["bytes"] = total
+            rec["bytes"] = total + packs.written  # packed members counted by the packs (batched writes too)
 
     def _chunk_data(self, job: SaveJob, w: Any, received: dict[tuple[str, Box], np.ndarray]) -> np.ndarray:
         me = job.comm.rank

@@ -155,9 +155,13 @@ class TorchCommunicator(Communicator):
     :func:`default_communicator` does on the first save or load.
     """
 
-    def __init__(self, group: Any = None, timeout: float | None = None) -> None:
+    def __init__(
+        self, group: Any = None, timeout: float | None = None, join_timeout: float | None = None
+    ) -> None:
         """Args:
-        group: the gloo group to use (default: a new one over the whole world).
+        group: the gloo group to use (default: a new one over the whole world, created once every rank got
+            here: a rank that does not come within ``join_timeout``, default ``timeout``, is named in a
+            :class:`StalledRankError`).
         timeout: seconds without a heartbeat after which a rank counts as stalled (default
             :data:`arraycheckpoint.runtime.liveness.DEFAULT_TIMEOUT` or ``ACP_LIVENESS_TIMEOUT``); every rank then
             fails within about this bound with an error naming the stalled rank. Only a whole-world group
@@ -166,21 +170,24 @@ class TorchCommunicator(Communicator):
         import torch
         import torch.distributed as dist
 
-        from .liveness import Liveness, default_timeout
+        from .liveness import Liveness, default_timeout, join_world
 
         self._dist = dist
         self._torch = torch
         self._own_group = group is None
+        self._default_timeout = timeout or default_timeout()
+        store = dist.distributed_c10d._get_default_store() if group is None else None
+        if store is not None and dist.get_world_size() > 1:
+            wait = join_timeout or self._default_timeout
+            join_world(store, dist.get_rank(), dist.get_world_size(), wait, "the checkpoint group")
         self._group = group if group is not None else dist.new_group(backend="gloo")
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
         self._liveness: Liveness | None = None
-        self._default_timeout = timeout or default_timeout()
         self._broken: BaseException | None = None
         self._retired: list[Any] = []  # groups left with abandoned work: kept, their destructor could block
         token = uuid.uuid4().hex[:12] if self._rank == 0 else ""
         self._session = self.broadcast_bytes(token.encode()).decode()
-        store = dist.distributed_c10d._get_default_store() if self._own_group else None
         if store is not None:
             self._liveness = Liveness(
                 store, f"acp-live/{self._session}", self._rank, self._world, self._default_timeout
@@ -352,10 +359,11 @@ class _AllWorks:
 _TORCH_COMMS: dict[int, TorchCommunicator] = {}
 
 
-def default_communicator() -> Communicator:
+def default_communicator(timeout: float | None = None) -> Communicator:
     """The communicator for this process: torch.distributed's world when initialised, else single-process.
 
-    The torch one is created once per default process group and reused (its ``new_group`` is collective).
+    The torch one is created once per default process group and reused (its ``new_group`` is collective;
+    ``timeout``: how long its creation waits for every rank, default the liveness timeout's default).
     """
     import sys
 
@@ -364,6 +372,6 @@ def default_communicator() -> Communicator:
         key = id(dist.group.WORLD)
         if key not in _TORCH_COMMS:
             _TORCH_COMMS.clear()
-            _TORCH_COMMS[key] = TorchCommunicator()
+            _TORCH_COMMS[key] = TorchCommunicator(join_timeout=timeout)
         return _TORCH_COMMS[key]
     return SingleProcessCommunicator()

@@ -21,6 +21,7 @@ itself stops answering and torch's store timeout applies.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -28,7 +29,9 @@ from typing import Any
 
 from ..errors import StalledRankError  # also importable from here (its old home)
 
-__all__ = ["DEFAULT_TIMEOUT", "Liveness", "StalledRankError", "default_timeout"]
+__all__ = ["DEFAULT_TIMEOUT", "Liveness", "StalledRankError", "default_timeout", "join_world"]
+
+log = logging.getLogger("arraycheckpoint")
 
 #: Seconds without a heartbeat after which a rank counts as stalled (``ACP_LIVENESS_TIMEOUT`` overrides).
 DEFAULT_TIMEOUT = 300.0
@@ -193,3 +196,50 @@ def _peer_interval(value: bytes) -> float:
         return float(bytes(value).split(b":", 1)[1])
     except (IndexError, ValueError):
         return 5.0  # the longest interval any rank uses
+
+
+_JOINED = [0]  # group creations this process completed, in order (the same on every rank)
+#: Seconds a rank waits for the others at a group creation before it logs which ranks have not arrived.
+JOIN_WARN_AFTER = 30.0
+
+
+def join_world(store: Any, rank: int, world: int, timeout: float, what: str) -> None:
+    """Wait in the c10d ``store`` until every rank of the world reaches this group creation (``what``).
+
+    Creating a process group (``new_group``) is collective and has no heartbeat yet: a rank that never gets
+    there (a save called on rank 0 only, as ``torch.save`` is) would leave the others blocked for torch's
+    store timeout, 30 minutes, saying nothing. Here each waiting rank logs the missing ranks after
+    :data:`JOIN_WARN_AFTER` seconds and raises :class:`StalledRankError` naming them after ``timeout``. One
+    counter and one key per rank; a waiting rank polls one key (with backoff), so the store sees O(ranks).
+    A rank that gave up joins the same creation again on its next call (counted once), so the job goes on
+    once the others call too.
+    """
+    prefix = f"acp-join/{_JOINED[0]}"
+    if not store.check([f"{prefix}/{rank}"]):
+        store.set(f"{prefix}/{rank}", b"1")
+        if store.add(f"{prefix}/count", 1) == world:
+            store.set(f"{prefix}/all", b"1")
+    start, delay, warned = time.monotonic(), 1e-3, False
+    while not store.check([f"{prefix}/all"]):
+        waited = time.monotonic() - start
+        if waited > timeout or (not warned and waited > min(JOIN_WARN_AFTER, timeout / 2)):
+            absent = world - int(store.add(f"{prefix}/count", 0))
+            named = [r for r in range(min(world, 1000)) if not store.check([f"{prefix}/{r}"])][:8]
+            ranks = ", ".join(map(str, named)) + (
+                f" and {absent - len(named)} more" if absent > len(named) else ""
+            )
+            message = (
+                f"rank {rank}: {absent} rank(s) ({ranks}) did not reach {what} within {waited:.0f} s: every rank "
+                "must call acp.save/save_async/load (and construct a CheckpointManager) at the same point, e.g. "
+                "not only under `if rank == 0:` as with torch.save"
+            )
+            if waited > timeout:
+                raise StalledRankError(
+                    f"{message}; the liveness timeout is {timeout:g} s (timeout= of save/load, or "
+                    "ACP_LIVENESS_TIMEOUT)"
+                )
+            log.warning("%s; still waiting", message)
+            warned = True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+    _JOINED[0] += 1

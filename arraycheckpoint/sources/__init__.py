@@ -80,6 +80,16 @@ def _has(storage: Storage, root: str, key: str) -> bool:
     return os.path.lexists(os.path.join(local, key))
 
 
+def foreign_kind(storage: Storage, root: str) -> str | None:
+    """``"safetensors"`` or ``"dcp"`` when ``root`` holds that format's index file (nothing is read), else None."""
+    from .dcp import DCP_METADATA
+    from .safetensors import INDEX_FILE, SINGLE_FILE
+
+    if _has(storage, root, INDEX_FILE) or _has(storage, root, SINGLE_FILE):
+        return "safetensors"
+    return "dcp" if _has(storage, root, DCP_METADATA) else None
+
+
 def open_source(storage: Storage, root: str, *, allow_pickle: bool = False) -> LoadSource | None:
     """The foreign checkpoint at ``root`` (a directory of ``storage``), or None when there is none.
 
@@ -87,12 +97,13 @@ def open_source(storage: Storage, root: str, *, allow_pickle: bool = False) -> L
         PickleNotAllowedError: ``root`` is a DCP checkpoint and ``allow_pickle`` is False.
         MetadataError: the format's index or headers are malformed.
     """
-    from .safetensors import INDEX_FILE, SINGLE_FILE, SafetensorsSource
+    kind = foreign_kind(storage, root)
+    if kind == "safetensors":
+        from .safetensors import SafetensorsSource
 
-    if _has(storage, root, INDEX_FILE) or _has(storage, root, SINGLE_FILE):
         return SafetensorsSource.open(storage, root)
-    from .dcp import DCP_METADATA, DcpSource
+    if kind == "dcp":
+        from .dcp import DcpSource
 
-    if _has(storage, root, DCP_METADATA):
         return DcpSource.open(storage, root, allow_pickle=allow_pickle)
     return None

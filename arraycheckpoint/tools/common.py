@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import explain_not_found
 from ..codecs import numpy_dtype
 from ..engine import engine
+from ..errors import CheckpointNotFoundError
 from ..format.metadata import CheckpointMetadata, TensorMeta
 from ..planning.items import LoadShard, LoadTensor
 from ..planning.regions import Box
@@ -35,8 +37,12 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open the committed checkpoint at ``path`` (raises :class:`CheckpointNotFoundError` otherwise)."""
-    storage, root, meta = engine().read_metadata(os.fspath(path))
+    """Open the committed checkpoint at ``path`` (raises :class:`CheckpointNotFoundError` otherwise, saying
+    what is there instead: nothing, a file, a directory of checkpoints)."""
+    try:
+        storage, root, meta = engine().read_metadata(os.fspath(path))
+    except CheckpointNotFoundError as e:
+        raise explain_not_found(os.fspath(path), e) from None
     return Checkpoint(storage, root, meta)
 
 

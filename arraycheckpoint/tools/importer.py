@@ -4,7 +4,8 @@ Sources, detected from the path:
 
 * a ``.safetensors`` file, or a directory holding ``model.safetensors.index.json`` (Hugging Face sharded) or
   ``*.safetensors`` files: tensors are read lazily, one at a time, while the engine takes its snapshot;
-* a torch.distributed.checkpoint (DCP) directory (it holds ``.metadata``): DCP's ``.metadata`` file is a
+* a torch.distributed.checkpoint (DCP) directory (it holds ``.metadata``), its keys named as ``acp.load`` reads
+  them (a ``{"model": ..., "optimizer": ...}`` state keeps its namespaces): DCP's ``.metadata`` file is a
   pickle, and unpickling runs code from the file, so this needs ``allow_pickle=True`` (``--allow-pickle``); tensors
   are read lazily, one at a time, through the DCP load source (:mod:`arraycheckpoint.sources.dcp`) with the
   checks of :func:`arraycheckpoint.load` (no link, no FIFO, no truncated file; DCP storage extensions such as
@@ -229,7 +230,10 @@ def _tensors_torch(src: str, skipped: list[str]) -> dict[str, Any]:
 def _tensors_dcp(
     src: str, skipped: list[str], progress: Callable[[int], None] | None
 ) -> dict[str, tuple[Any, _DcpTensor]]:
-    """DCP key -> (meta tensor: shape and dtype, lazy reader) of the DCP directory ``src``, read through the
+    """Entry name -> (meta tensor: shape and dtype, lazy reader) of the DCP directory ``src``: the name
+    ``acp.load`` reads the DCP key as (``model.0.weight`` of a ``{"model": ...}`` state is ``model/0.weight``,
+    ``optimizer.state.0.weight.exp_avg`` is ``optimizer/0.weight/exp_avg``; a flat state dict's keys stay
+    as they are and go under the namespace), read through the
     DCP load source (:class:`~arraycheckpoint.sources.dcp.DcpSource`) as :func:`arraycheckpoint.load` reads
     it: its ``.metadata`` and every ``.distcp`` file pass the checks of :mod:`arraycheckpoint.checks.files`
     (no link, never a FIFO, no file shorter than what is stored in it) before anything is read, and damage
@@ -254,7 +258,7 @@ def _tensors_dcp(
             continue
         shape = tuple(int(s) for s in tm.shape)
         t = torch.empty(shape, dtype=torch_dtype(numpy_dtype(tm.dtype)), device="meta")
-        out[key] = (t, _DcpTensor(source, name, progress))
+        out[name] = (t, _DcpTensor(source, name, progress))
     return out
 
 

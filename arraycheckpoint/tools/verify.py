@@ -235,10 +235,22 @@ def verify(
         if committed:
             report.problems.append(Problem("", None, f"committed but {files.metadata} is missing"))
             return report
+        from .._validate import explain_not_found
         from ..errors import CheckpointNotFoundError
+        from ..sources import foreign_kind
 
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {root}: neither {files.metadata} nor {files.committed}"
+        kind = foreign_kind(storage, root)
+        if kind is not None:
+            raise CheckpointNotFoundError(
+                f"{path} is a {'Hugging Face safetensors' if kind == 'safetensors' else 'torch DCP'} directory, "
+                "not an arraycheckpoint checkpoint: verify checks this library's checkpoints (acp.load reads "
+                "it as it is; `arraycheckpoint import` makes a checkpoint of it)"
+            )
+        raise explain_not_found(
+            os.fspath(path),
+            CheckpointNotFoundError(
+                f"no checkpoint at {root}: neither {files.metadata} nor {files.committed}"
+            ),
         )
     if not committed:
         report.problems.append(

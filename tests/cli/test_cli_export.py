@@ -87,7 +87,7 @@ def test_export_usage_errors(fsdp2_ckpt, tmp_path):
     err = cli("export", path, str(tmp_path / "x"), "--rename", str(bad), check=2).stderr
     assert "no.such.key" in err
     assert (
-        "no committed checkpoint"
+        "the path does not exist"
         in cli("export", str(tmp_path / "nothing"), str(tmp_path / "y"), check=2).stderr
     )
 

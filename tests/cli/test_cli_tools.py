@@ -110,7 +110,7 @@ def test_inspect_table_and_json(saved):
     assert "extra_state" in doc["objects"]
     text = cli("inspect", path).stdout
     assert "model/0.weight" in text and "64x32" in text and "step 42" in text
-    assert "no committed checkpoint" in cli("inspect", path + "-missing", check=2).stderr
+    assert "the path does not exist" in cli("inspect", path + "-missing", check=2).stderr
 
 
 def test_verify_ok_then_flipped_byte_then_missing_chunk(saved_in):
@@ -194,6 +194,26 @@ def test_import_dcp_then_load(tmp_path):
     dst = _model(6)
     acp.load(path, {"model": dst})
     _assert_same_model(src, dst)
+
+
+def test_import_of_a_nested_dcp_state_keeps_its_namespaces(tmp_path):
+    """DCP saved as ``{"model": ..., "optimizer": ...}`` (get_state_dict, torchtitan, the README): the keys
+    ``model.0.weight`` and ``optimizer.state.0.weight.exp_avg`` become the entries ``acp.load`` reads,
+    ``model/0.weight`` and ``optimizer/0.weight/exp_avg``, not ``model/model.0.weight``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    src, opt = _trained(7)
+    model_sd, optim_sd = get_state_dict(src, opt)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    path = str(tmp_path / "ckpt")
+    assert "param_groups" in cli("import", str(tmp_path / "dcp"), path, "--allow-pickle").stderr  # skipped
+    dst = _model(8)
+    dopt = torch.optim.Adam(dst.parameters(), lr=0.1)
+    acp.load(path, {"model": dst, "optimizer": dopt})
+    _assert_same_model(src, dst)
+    for p, q in zip(src.parameters(), dst.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg"], dopt.state[q]["exp_avg"])
 
 
 def test_import_into_a_users_directory_names_its_files(tmp_path):

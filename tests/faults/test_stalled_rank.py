@@ -164,3 +164,34 @@ def test_rebuild_gives_a_just_resumed_rank_a_fresh_timeout() -> None:
         assert live.generation == 1
     finally:
         live.close()
+
+
+def _rank0_only_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """A first save called on rank 0 only (as torch.save is), then by every rank."""
+    import torch.distributed as dist
+
+    import arraycheckpoint as acp
+    from arraycheckpoint.runtime import collectives
+
+    collectives._TORCH_COMMS.clear()  # the first save of the job creates the checkpoint group
+    model = torch.nn.Linear(8, 4)
+    error, elapsed = None, 0.0
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            acp.save(f"{tmp}/alone", {"model": model}, timeout=3)
+        except acp.StalledRankError as e:
+            error = str(e)
+        elapsed = time.monotonic() - start
+    dist.barrier()  # the training group is untouched
+    acp.save(f"{tmp}/together", {"model": model})  # every rank now: the group is created and the save commits
+    return {"error": error, "elapsed": elapsed}
+
+
+def test_a_save_on_rank_0_only_names_the_missing_ranks(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ACP_TEST_RANK0_ONLY", "1")  # a fresh pool: its workers have no checkpoint group yet
+    r0, _r1 = run_distributed(_rank0_only_body, world=2, args=(str(tmp_path),), timeout=240)
+    assert r0["error"] is not None and "1 rank(s) (1) did not reach the checkpoint group" in r0["error"], r0
+    assert "if rank == 0:" in r0["error"] and r0["elapsed"] < 30, r0  # not torch's 30-minute store timeout
+    assert acp.read_metadata(tmp_path / "together").world_size == 2
+    assert not (tmp_path / "alone").exists()

@@ -29,8 +29,11 @@ def init_parallel(tp: int, pp: int) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
-def build_gpt(tp: int, pp: int, seed: int, num_layers: int = 4, glu: bool = True) -> Any:
-    """A small megatron-core GPTModel for this rank's TP/PP position (CPU initialisation)."""
+def build_gpt(
+    tp: int, pp: int, seed: int, num_layers: int = 4, glu: bool = True, post_process: bool | None = None
+) -> Any:
+    """A small megatron-core GPTModel for this rank's TP/PP position (CPU initialisation); ``post_process``
+    (default: on the last pipeline stage) builds the output layer and final norm."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -55,7 +58,7 @@ def build_gpt(tp: int, pp: int, seed: int, num_layers: int = 4, glu: bool = True
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
     )
 
 

@@ -50,7 +50,14 @@ def load_single_and_mismatch(rank: int, world: int, path: str) -> tuple:
         message = str(e)
     else:
         message = ""
-    return result, message
+    headless = build_gpt(1, 1, seed=6, post_process=False)  # stored keys no rank loads: the output layer
+    try:
+        acp.load(path, {"model": headless})
+    except StateMismatchError as e:
+        unloaded = str(e)
+    else:
+        unloaded = ""
+    return result, message, unloaded
 
 
 def tp2pp2_and_back(rank: int, world: int, path: str, path2: str, path3: str) -> tuple:
@@ -107,9 +114,10 @@ def test_tp2_to_tp1_pp2(tp2_checkpoint: tuple) -> None:
 
 
 def test_tp2_to_single_process_and_strict_mismatch(tp2_checkpoint: tuple) -> None:
-    [(result, message)] = run_distributed(load_single_and_mismatch, 1, (tp2_checkpoint[0],))
+    [(result, message, unloaded)] = run_distributed(load_single_and_mismatch, 1, (tp2_checkpoint[0],))
     _check_load([result], tp2_checkpoint)
     assert "model/decoder.layers.mlp.linear_fc2.weight" in message and "[4, 32, 128]" in message
+    assert "checkpoint keys no rank loads" in unloaded and "model/output_layer.weight" in unloaded, unloaded
 
 
 def test_tp2_to_tp2_pp2_and_back_with_dp(tp2_checkpoint: tuple, tmp_path) -> None:

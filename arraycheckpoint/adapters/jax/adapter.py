@@ -34,9 +34,8 @@ from ...format import extras
 from ...format.metadata import CheckpointMetadata
 from ...planning.items import LoadShard, LoadTensor, SaveObject, SaveRequest, SaveTensor
 from ...planning.regions import Box
-from ..base import Adapter, AdapterOptions, Expected, LoadJob
+from ..base import INDIVISIBLE_MODES, Adapter, AdapterOptions, Expected, LoadJob
 from .arrays import (
-    INDIVISIBLE_MODES,
     aligned_empty,
     assemble,
     flatten,

@@ -18,8 +18,6 @@ from ...planning.items import ArraySource, SaveShard, SaveTensor
 from ...planning.regions import Box
 from .sharding_rule import sharding_rule
 
-INDIVISIBLE_MODES = ("error", "replicate")
-
 
 def key_name(key: Any) -> str:
     """One pytree path entry as a name component (dict key, sequence index, attribute, flattened index)."""
