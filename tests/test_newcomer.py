@@ -324,3 +324,12 @@ def test_a_module_and_its_state_dict_are_interchangeable_in_any_namespace(
     acp.load(tmp_path / "c", {"ema": target if loaded_as == "module" else target.state_dict()})
     for (name, a), b in zip(ema.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("bound", [-5, 0, 1.5, "1GB"])
+def test_max_inflight_bytes_must_be_a_positive_integer(tmp_path: Path, bound: object) -> None:
+    with pytest.raises(acp.InvalidArgumentError, match="max_inflight_bytes"):
+        acp.save(tmp_path / "c", _state(), max_inflight_bytes=bound)  # type: ignore[arg-type]
+    acp.save(tmp_path / "c", _state(), max_inflight_bytes=1 << 10)
+    with pytest.raises(acp.InvalidArgumentError, match="max_inflight_bytes"):
+        acp.load(tmp_path / "c", _zeros(), max_inflight_bytes=bound)  # type: ignore[arg-type]
