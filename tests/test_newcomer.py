@@ -333,3 +333,16 @@ def test_max_inflight_bytes_must_be_a_positive_integer(tmp_path: Path, bound: ob
     acp.save(tmp_path / "c", _state(), max_inflight_bytes=1 << 10)
     with pytest.raises(acp.InvalidArgumentError, match="max_inflight_bytes"):
         acp.load(tmp_path / "c", _zeros(), max_inflight_bytes=bound)  # type: ignore[arg-type]
+
+
+def test_cli_on_a_dcp_directory_names_the_command_that_reads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from arraycheckpoint.cli import main
+
+    dcp.save(_state()["model"], checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for command in (["inspect"], ["export", str(tmp_path / "out")]):
+        assert main([command[0], str(tmp_path / "dcp"), *command[1:]]) == 2
+        assert "arraycheckpoint import SRC PATH --allow-pickle" in capsys.readouterr().err
