@@ -349,9 +349,12 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
         storage, root = storage_for(path)
         local = isinstance(storage, LocalStorage)
         if local and os.path.lexists(root) and not os.path.isdir(root):
-            return CheckpointNotFoundError(
-                f"no checkpoint at {path}: it is a file, not a checkpoint directory{_file_hint(root)}"
+            what = (
+                f"a file, not a checkpoint directory{_file_hint(root)}"
+                if os.path.isfile(root)
+                else "not a directory (a broken link, a device, a FIFO)"
             )
+            return CheckpointNotFoundError(f"no checkpoint at {path}: it is {what}")
         keys = storage.list(root)
         if not keys and not (local and os.path.isdir(root)):
             beside = _committed_beside(root) if local else ""
