@@ -123,6 +123,24 @@ def check_step(step: Any) -> int | None:
     )
 
 
+def check_inflight(max_inflight_bytes: Any) -> None:
+    """``max_inflight_bytes=``: None (the default bound) or a positive integer number of bytes.
+
+    Raises:
+        InvalidArgumentError: anything else (a negative bound made every write wait for the one before).
+    """
+    if max_inflight_bytes is None:
+        return
+    if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, numbers.Integral):
+        bad = True
+    else:
+        bad = max_inflight_bytes <= 0
+    if bad:
+        raise InvalidArgumentError(
+            f"max_inflight_bytes must be a positive number of bytes or None (1 GiB), got {max_inflight_bytes!r}"
+        )
+
+
 def check_compression(compression: Any) -> str | None:
     """``compression=`` (or ``PlanOptions.compression``) of a save, checked before the snapshot rather than
     failing the background write, and normalised as the metadata stores it (lower case; ``"none"`` is None:
@@ -331,9 +349,12 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
         storage, root = storage_for(path)
         local = isinstance(storage, LocalStorage)
         if local and os.path.lexists(root) and not os.path.isdir(root):
-            return CheckpointNotFoundError(
-                f"no checkpoint at {path}: it is a file, not a checkpoint directory{_file_hint(root)}"
+            what = (
+                f"a file, not a checkpoint directory{_file_hint(root)}"
+                if os.path.isfile(root)
+                else "not a directory (a broken link, a device, a FIFO)"
             )
+            return CheckpointNotFoundError(f"no checkpoint at {path}: it is {what}")
         keys = storage.list(root)
         if not keys and not (local and os.path.isdir(root)):
             beside = _committed_beside(root) if local else ""

@@ -16,6 +16,7 @@ from ._validate import (
     _FRAMEWORKS,
     check_compression,
     check_indivisible,
+    check_inflight,
     check_key_map_used,
     check_kwargs,
     check_namespaces_stored,
@@ -130,6 +131,7 @@ def save_async(
     check_state(state, framework)
     liveness_timeout = check_timeout(timeout)
     step = check_step(step)
+    check_inflight(max_inflight_bytes)
     path = stateful.role_path(path, role)
     special, state = stateful.split(state)
     # --
@@ -243,6 +245,7 @@ def load(
 
     check_state(state, framework)
     check_indivisible(indivisible)
+    check_inflight(max_inflight_bytes)
     liveness_timeout = check_timeout(timeout)
     key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)

@@ -308,3 +308,41 @@ def test_step_must_be_an_integer_before_anything_is_committed(tmp_path: Path) ->
     for i, step in enumerate([np.int64(7), torch.tensor(8)]):
         acp.save(tmp_path / f"ok{i}", _state(), step=step)  # type: ignore[arg-type]
         assert acp.read_metadata(tmp_path / f"ok{i}").step == 7 + i
+
+
+# -- a namespace saved from a module loads into its state dict, and the other way round --------------------
+@pytest.mark.parametrize("saved_as", ["module", "state_dict"])
+@pytest.mark.parametrize("loaded_as", ["module", "state_dict"])
+def test_a_module_and_its_state_dict_are_interchangeable_in_any_namespace(
+    tmp_path: Path, saved_as: str, loaded_as: str
+) -> None:
+    torch.manual_seed(0)
+    ema = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    saved = ema if saved_as == "module" else ema.state_dict()
+    acp.save(tmp_path / "c", {"model": torch.nn.Linear(2, 2), "ema": saved})
+    target = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    acp.load(tmp_path / "c", {"ema": target if loaded_as == "module" else target.state_dict()})
+    for (name, a), b in zip(ema.state_dict().items(), target.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("bound", [-5, 0, 1.5, "1GB"])
+def test_max_inflight_bytes_must_be_a_positive_integer(tmp_path: Path, bound: object) -> None:
+    with pytest.raises(acp.InvalidArgumentError, match="max_inflight_bytes"):
+        acp.save(tmp_path / "c", _state(), max_inflight_bytes=bound)  # type: ignore[arg-type]
+    acp.save(tmp_path / "c", _state(), max_inflight_bytes=1 << 10)
+    with pytest.raises(acp.InvalidArgumentError, match="max_inflight_bytes"):
+        acp.load(tmp_path / "c", _zeros(), max_inflight_bytes=bound)  # type: ignore[arg-type]
+
+
+def test_cli_on_a_dcp_directory_names_the_command_that_reads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from arraycheckpoint.cli import main
+
+    dcp.save(_state()["model"], checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for command in (["inspect"], ["export", str(tmp_path / "out")]):
+        assert main([command[0], str(tmp_path / "dcp"), *command[1:]]) == 2
+        assert "arraycheckpoint import SRC PATH --allow-pickle" in capsys.readouterr().err

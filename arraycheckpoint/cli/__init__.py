@@ -451,7 +451,7 @@ def missing_dependency(error: ModuleNotFoundError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit code (see the module docstring)."""
-    from ..errors import ArrayCheckpointError
+    from ..errors import ArrayCheckpointError, PickleNotAllowedError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -465,7 +465,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         IsADirectoryError,
         PermissionError,
     ) as e:
-        print(f"arraycheckpoint {args.command}: error: {e}", file=sys.stderr)
+        hint = ""
+        if isinstance(e, PickleNotAllowedError) and args.command != "import":
+            hint = (
+                "; the command line reads a DCP directory only through `arraycheckpoint import SRC PATH "
+                "--allow-pickle`, which makes a checkpoint of it"
+            )
+        print(f"arraycheckpoint {args.command}: error: {e}{hint}", file=sys.stderr)
         return EXIT_USAGE
     except ModuleNotFoundError as e:  # an optional dependency this command needs: say which extra installs it
         print(f"arraycheckpoint {args.command}: error: {missing_dependency(e)}", file=sys.stderr)

@@ -13,6 +13,10 @@ job's c10d store every ``interval`` seconds, and a rank waiting in a checkpoint 
 * staleness compares the *peer's* counter, never clocks across hosts, so a rank that was itself stopped does
   not blame the others when it resumes.
 
+The one bound in time is on *arriving*: before a checkpoint group exists there is no heartbeat to watch, so
+:func:`join_world` names the ranks that did not reach its creation within the timeout (a save called on one
+rank only).
+
 What it deliberately does not do: judge progress inside a rank. A rank whose writes are slow (or whose
 storage hangs) keeps beating and is waited for; bound storage with the backends' retry policies instead.
 The store master is the process that created the store (usually rank 0's); if that process stalls, the store

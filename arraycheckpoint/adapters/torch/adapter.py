@@ -27,7 +27,7 @@ from ...format.metadata import CheckpointMetadata
 from ...planning.items import LoadTensor, SaveObject, SaveRequest, SaveTensor
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
 from .common import dtype_name, tensor_item
-from .extra_state import load_extra, nested_modules, save_extra
+from .extra_state import DCP_MAP, load_extra, nested_modules, save_extra
 from .module import ModuleView, StoredNames, materialise
 from .optimizer import _plain, _restore_like, load_optimizer, owner, save_optimizer  # noqa: F401
 from .tensors import layout, load_shard
@@ -68,7 +68,10 @@ class TorchAdapter(Adapter):
     def load_job(
         self, meta: CheckpointMetadata, state: Mapping[str, Any], options: AdapterOptions
     ) -> LoadJob:
-        nested = {ns: nested_modules(meta, ns, v) for ns, v in state.items() if _is_extra(ns, v)}
+        flat = {ns for ns, v in state.items() if _is_state_dict(ns, v) or _saved_from_module(meta, ns, v)}
+        nested = {
+            ns: nested_modules(meta, ns, v) for ns, v in state.items() if _is_extra(ns, v) and ns not in flat
+        }
         modules = {ns: v for ns, v in state.items() if isinstance(v, torch.nn.Module)}
         for subs in nested.values():
             modules.update(subs)
@@ -82,6 +85,8 @@ class TorchAdapter(Adapter):
         views = {ns: ModuleView(m) for ns, m in modules.items()}
         result = dict(state)
         for ns in modules:
+            if _saved_as_state_dict(meta, ns):
+                expected[ns] = Expected()  # its document only names the tensors the module reads
             finishers.append(_load_module(ns, views[ns], names, targets, expected, dropped))
             finishers.extend(_load_module_extra(ns, views[ns], meta, targets, expected, options))
         for ns, value in state.items():
@@ -92,7 +97,7 @@ class TorchAdapter(Adapter):
                         ns, value, model_ns, view, meta, names, targets, expected, dropped, options
                     )
                 )
-            elif _is_state_dict(ns, value):
+            elif ns in flat:
                 for fqn, t in value.items():
                     if t.is_meta:
                         raise MetaDeviceError(
@@ -291,6 +296,32 @@ def _module_views(state: Mapping[str, Any]) -> dict[str, ModuleView]:
 def _is_extra(ns: str, value: Any) -> bool:
     """A namespace stored as extra state (JSON plus arrays, nested modules as namespaces of their own)."""
     return not isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) and not _is_state_dict(ns, value)
+
+
+def _saved_from_module(meta: CheckpointMetadata, ns: str, value: Any) -> bool:
+    """A state dict target (FQN -> tensor) of a namespace other than ``model`` that was saved from a module:
+    its tensors are stored as ``<ns>/<fqn>`` with no document, so it loads as a ``model`` state dict does.
+    (A DCP Writer's namespaces have no document either: their key map rebuilds it, see ``stored_document``.)"""
+    return (
+        ns not in meta.objects
+        and DCP_MAP not in meta.objects
+        and isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(v, torch.Tensor) for v in value.values())
+        and any(n.startswith(f"{ns}/") for n in meta.tensors)
+    )
+
+
+def _saved_as_state_dict(meta: CheckpointMetadata, ns: str) -> bool:
+    """Whether namespace ``ns`` was saved from a state dict (FQN -> tensor) outside ``model``: a document
+    of nothing but references to its own tensors ``<ns>/<fqn>``, which a module target reads directly."""
+    obj = meta.objects.get(ns)
+    doc = obj.value if obj is not None else None
+    return (
+        isinstance(doc, dict)
+        and bool(doc)
+        and all(isinstance(k, str) and v == {"__array__": f"{ns}/{k}"} for k, v in doc.items())
+    )
 
 
 def _is_state_dict(ns: str, value: Any) -> bool:
