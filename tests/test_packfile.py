@@ -70,7 +70,7 @@ def test_write_zip_file_refuses_an_existing_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 100_003])
 def test_crc32_is_zlibs(nbytes: int) -> None:
-    """Members' CRC-32 (libdeflate's loop where the system has it) is zlib's, continued from any value."""
+    """Members' CRC-32 (zlib-ng's) is zlib's, continued from any value."""
     data = np.frombuffer(np.random.default_rng(nbytes).bytes(nbytes), dtype=np.uint8)
     for start in (0, 0x12345678):
         assert packfile._crc32(data, start) == zlib.crc32(data.tobytes(), start)

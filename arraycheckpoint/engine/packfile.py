@@ -11,8 +11,6 @@ function of its arrays alone.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import io
 import json
 import struct
@@ -58,37 +56,23 @@ def zip_bytes(members: list[Member]) -> bytes:
     return buf.getvalue()
 
 
-def _libdeflate_crc32() -> Any:
-    """libdeflate's ``libdeflate_crc32`` when the system has the library (a carry-less-multiply CRC-32,
-    3-6x zlib's 1.2 speed measured here), else None."""
-    for name in ("libdeflate.so.0", ctypes.util.find_library("deflate")):
-        if not name:
-            continue
-        try:
-            fn = ctypes.CDLL(name).libdeflate_crc32
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
-        if fn(0, b"123456789", 9) == zlib.crc32(b"123456789"):  # the library computes ZIP's CRC-32
-            return fn
-    return None
+def _zip_crc32() -> Any:
+    """ZIP's CRC-32 function: zlib-ng's (carry-less multiply: ~90 GB/s on a cached block here, against 5.6 for
+    the system zlib's), or :func:`zlib.crc32` where zlib-ng is not installed (same values)."""
+    try:
+        from zlib_ng.zlib_ng import crc32
+    except ImportError:  # pragma: no cover - a dependency; kept working without it
+        return zlib.crc32
+    return crc32
 
 
-_DEFLATE_CRC32: Any = False  # looked up on first use (None: not on this system)
-#: below this, zlib's own call costs less than the foreign call
-_FAST_CRC_BYTES = 1 << 12
+#: ZIP's CRC-32 (releases the GIL on large buffers, as zlib's does)
+_ZIP_CRC32 = _zip_crc32()
 
 
 def _crc32(buf: bytes | np.ndarray, crc: int) -> int:
-    """ZIP's CRC-32 of ``buf`` continuing ``crc`` (zlib's value; libdeflate's faster loop where present)."""
-    global _DEFLATE_CRC32
-    if isinstance(buf, np.ndarray) and buf.nbytes >= _FAST_CRC_BYTES and buf.flags.c_contiguous:
-        if _DEFLATE_CRC32 is False:
-            _DEFLATE_CRC32 = _libdeflate_crc32()
-        if _DEFLATE_CRC32 is not None:
-            return int(_DEFLATE_CRC32(crc, buf.ctypes.data, buf.nbytes))
-    return zlib.crc32(buf, crc)
+    """ZIP's CRC-32 of ``buf`` (bytes or a C-contiguous array) continuing ``crc``."""
+    return _ZIP_CRC32(buf, crc)
 
 
 def _member_info(key: str) -> zipfile.ZipInfo:
