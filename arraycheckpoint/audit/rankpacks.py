@@ -46,6 +46,57 @@ def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
     return out
 
 
+#: Packed members of a rank whose packs are not looked at before its members are listed one by one.
+CAPACITY_FREE = 1 << 12
+
+
+def rank_capacity_problem(root: str, rank: int, chunks: Mapping[str, int]) -> str | None:
+    """Why ``rank``'s packs under the local checkpoint ``root`` cannot hold ``chunks`` (array -> number of
+    its chunks that rank wrote), or None. Every member takes at least a ZIP local header and directory record
+    and its name twice; the packs' sizes (``<rank>.0.zip``, ``<rank>.1.zip``, ... up to the first absent) must
+    add up to that before a reader lists the members one by one: a 40-byte change of shape in the metadata
+    declares 2^26 chunks (gigabytes of keys) that no pack holds. Only above :data:`CAPACITY_FREE` members."""
+    import os
+
+    from ..planning.packing import PACK_DIR, pack_key
+
+    members = sum(chunks.values())
+    if members <= CAPACITY_FREE:
+        return None
+    need = sum(k * (30 + 46 + 2 * (len(n.encode()) + 4)) for n, k in chunks.items())
+    have = 0
+    for k in range(members + 1):
+        try:
+            have += os.lstat(os.path.join(root, *pack_key(rank, k).split("/"))).st_size
+        except OSError:  # absent (or unreadable: the pack checks name it)
+            break
+        if have >= need:
+            return None
+    return (
+        f"rank {rank}'s packs ({root}/{PACK_DIR}/{rank}.<k>.zip) are {have} bytes in all, but the metadata "
+        f"puts {members} chunks in them, which take at least {need}; the checkpoint is damaged or hostile"
+    )
+
+
+def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -> None:
+    """:func:`rank_capacity_problem` for every rank writing chunks of the arrays ``names`` (local checkpoints;
+    the chunks per rank counted from the writers at once, not listed)."""
+    if getattr(storage, "commit_strategy", "") != "rename":
+        return
+    per_rank: dict[int, dict[str, int]] = {}
+    for name in names:
+        writers = meta.tensors[name].writers
+        if len(writers) <= 1:
+            continue  # one chunk (every small array): listing it costs what counting would
+        counts = np.bincount(np.asarray(getattr(writers, "array", writers), dtype=np.int64))
+        for r in np.flatnonzero(counts).tolist():
+            per_rank.setdefault(r, {})[name] = int(counts[r])
+    for rank, chunks in per_rank.items():
+        problem = rank_capacity_problem(base, rank, chunks)
+        if problem is not None:
+            raise _naming(InconsistentCheckpointError, [f"{n}/c" for n in chunks], problem)
+
+
 def check_rank_packs(
     storage: Any,
     root: str,
@@ -87,6 +138,7 @@ def check_rank_packs(
         return {}
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
+    check_capacity(storage, base, meta, names)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     for name in names:
         t = meta.tensors[name]

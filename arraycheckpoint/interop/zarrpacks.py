@@ -182,8 +182,18 @@ class PackReading:
         found = self._ranks.get(rank)
         if found is not None:
             return found
+        from ..audit.rankpacks import rank_capacity_problem
         from ..codecs import numpy_dtype
 
+        if self._local is not None:  # before a key is built per chunk: the packs can hold that many
+            chunks = {
+                n: int(np.count_nonzero(np.asarray(getattr(w, "array", w)) == rank))
+                for n in self._packed
+                if self._meta.tensors[n].pack_rank is not None and len(w := self._meta.tensors[n].writers) > 1
+            }
+            problem = rank_capacity_problem(self._local, rank, {n: k for n, k in chunks.items() if k})
+            if problem is not None:
+                raise CorruptCheckpointError(f"tensors {sorted(chunks)[:3]}: {problem}")
         limits: dict[str, int] = {}
         for name in self._packed:
             t = self._meta.tensors[name]
