@@ -8,6 +8,7 @@ sizes of a rank's packs must be those its save could have produced.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
@@ -193,7 +194,9 @@ def check_rank_packs(
         # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
         # order up to the first absent one, only when a member read is not there
         where_of = _predicted_packs(meta, rank, needed[rank], docs, chunks, target)
-        probe = [(k, False) for k in sorted(set(where_of.values()))] + [(k, True) for k in range(members + 1)]
+        probe = itertools.chain(  # lazily: the rank may hold millions of members of arrays not read
+            ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
+        )
         opened: set[int] = set()
         for k, probing in probe:
             if k in opened:
