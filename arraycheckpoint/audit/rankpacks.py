@@ -79,11 +79,68 @@ def rank_capacity_problem(root: str, rank: int, chunks: Mapping[str, int]) -> st
     )
 
 
-def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -> None:
-    """:func:`rank_capacity_problem` for every rank writing chunks of the arrays ``names`` (local checkpoints;
-    the chunks per rank counted from the writers at once, not listed)."""
-    if getattr(storage, "commit_strategy", "") != "rename":
-        return
+def _rank_bounds(
+    meta: Any, docs: Collection[str], chunks: Mapping[str, int]
+) -> tuple[dict[str, int], dict[str, tuple[int, ...]], int, int, int]:
+    """For a rank holding the documents of ``docs`` and ``chunks`` (array -> its chunks there): each array's
+    largest member, its grid, the most directory bytes of one of its packs, its members, the largest pack."""
+    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES
+
+    limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in set(docs) | set(chunks)}
+    grids = {n: _chunk_grid(meta.tensors[n]) for n in limits}
+    entries_bound = sum(_CD_ENTRY_BYTES + len(n.encode()) + 10 for n in docs) + sum(
+        k * (_CD_ENTRY_BYTES + len(n.encode()) + 1 + max(9, _longest_chunk_key(grids[n])))
+        for n, k in chunks.items()
+    )
+    members = len(docs) + sum(chunks.values())
+    bound = min(
+        TRAILER_BYTES * (members + 1)
+        + sum(MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 10) for n in docs)
+        + sum(
+            k * (limits[n] + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 1 + _longest_chunk_key(grids[n])))
+            for n, k in chunks.items()
+        ),
+        MAX_OBJECT_BYTES * 4,
+    )
+    return limits, grids, entries_bound, members, bound
+
+
+#: Packed members of a rank whose packs' directories an object-store reader counts before listing them.
+REMOTE_CAPACITY_FREE = 1 << 16
+
+
+def _remote_capacity_problem(
+    storage: Any, base: str, meta: Any, rank: int, holds: Any, wanted: int
+) -> str | None:
+    """Object stores (no sizes without reads): the entries of ``rank``'s pack directories, counted (each read
+    with its bounds) until they reach ``wanted``; why they do not, or None."""
+    from ..planning.packing import pack_key
+
+    docs, chunks = holds.get(rank, ([], {}))
+    _limits, _grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks)
+    found = 0
+    for k in range(members + 1):
+        entries, size = packdir._pack_directory(
+            storage, base, pack_key(rank, k), bound, max_directory_bytes=entries_bound, missing_ok=True
+        )
+        if size is None and not entries:
+            break
+        found += len(entries)
+        if found >= wanted:
+            return None
+    return (
+        f"rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip) hold {found} members in all, but the metadata "
+        f"puts {wanted} chunks in them; the checkpoint is damaged or hostile"
+    )
+
+
+def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -> Any:
+    """:func:`rank_capacity_problem` for every rank writing chunks of the arrays ``names`` (the chunks per rank
+    counted from the writers at once, not listed; object stores: the entries of the rank's pack directories
+    counted, above :data:`REMOTE_CAPACITY_FREE` members). Returns what every rank holds
+    (:func:`_rank_members`)."""
+    holds = _rank_members(meta)
+    local = getattr(storage, "commit_strategy", "") == "rename"
     per_rank: dict[int, dict[str, int]] = {}
     for name in names:
         writers = meta.tensors[name].writers
@@ -93,9 +150,15 @@ def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -
         for r in np.flatnonzero(counts).tolist():
             per_rank.setdefault(r, {})[name] = int(counts[r])
     for rank, chunks in per_rank.items():
-        problem = rank_capacity_problem(base, rank, chunks)
+        if local:
+            problem = rank_capacity_problem(base, rank, chunks)
+        elif sum(chunks.values()) > REMOTE_CAPACITY_FREE:
+            problem = _remote_capacity_problem(storage, base, meta, rank, holds, sum(chunks.values()))
+        else:
+            problem = None
         if problem is not None:
             raise _naming(InconsistentCheckpointError, [f"{n}/c" for n in chunks], problem)
+    return holds
 
 
 def check_rank_packs(
@@ -133,13 +196,13 @@ def check_rank_packs(
         CorruptCheckpointError: what :func:`check_packs` refuses, for the packs of a format-6 checkpoint.
     """
     from ..format.metadata import chunk_key_separator
-    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key, packs_target
+    from ..planning.packing import pack_key, packs_target
 
     if not names:
         return {}
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
-    check_capacity(storage, base, meta, names)  # before a key is built per chunk
+    holds = check_capacity(storage, base, meta, names)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     for name in names:
         t = meta.tensors[name]
@@ -156,28 +219,13 @@ def check_rank_packs(
             idx = np.unravel_index(flat, grid) if grid else ()
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
             needed.setdefault(writers[flat], {})[key] = (name, flat)
-    holds = _rank_members(meta)
+    # what every rank holds: from check_capacity above
     targets = {packs_target(t.pack) for t in meta.tensors.values() if t.pack_rank is not None}
     target = targets.pop() if len(targets) == 1 else 0
     out: dict[str, int | None] = {}
     for rank in sorted(needed):
         docs, chunks = holds.get(rank, ([], {}))
-        limits = {n: _packed_chunk_bytes(meta.tensors[n]) for n in set(docs) | set(chunks)}
-        grids = {n: _chunk_grid(meta.tensors[n]) for n in limits}
-        entries_bound = sum(_CD_ENTRY_BYTES + len(n.encode()) + 10 for n in docs) + sum(
-            k * (_CD_ENTRY_BYTES + len(n.encode()) + 1 + max(9, _longest_chunk_key(grids[n])))
-            for n, k in chunks.items()
-        )
-        members = len(docs) + sum(chunks.values())
-        bound = min(
-            TRAILER_BYTES * (members + 1)
-            + sum(MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 10) for n in docs)
-            + sum(
-                k * (limits[n] + MEMBER_OVERHEAD + 2 * (len(n.encode()) + 1 + _longest_chunk_key(grids[n])))
-                for n, k in chunks.items()
-            ),
-            MAX_OBJECT_BYTES * 4,
-        )
+        limits, grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks)
         seen: set[str] = set()
         reading = set(needed[rank])
         check = functools.partial(
