@@ -8,6 +8,7 @@ sizes of a rank's packs must be those its save could have produced.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
@@ -46,6 +47,131 @@ def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
     return out
 
 
+#: Packed members of a rank whose packs are not looked at before its members are listed one by one.
+CAPACITY_FREE = 1 << 12
+
+
+def rank_capacity_problem(root: str, rank: int, chunks: Mapping[str, int]) -> str | None:
+    """Why ``rank``'s packs under the local checkpoint ``root`` cannot hold ``chunks`` (array -> number of
+    its chunks that rank wrote), or None. Every member takes at least a ZIP local header and directory record
+    and its name twice; the packs' sizes (``<rank>.0.zip``, ``<rank>.1.zip``, ... up to the first absent) must
+    add up to that before a reader lists the members one by one: a 40-byte change of shape in the metadata
+    declares 2^26 chunks (gigabytes of keys) that no pack holds. Only above :data:`CAPACITY_FREE` members."""
+    import os
+
+    from ..planning.packing import PACK_DIR, pack_key
+
+    members = sum(chunks.values())
+    if members <= CAPACITY_FREE:
+        return None
+    need = sum(k * (30 + 46 + 2 * (len(n.encode()) + 4)) for n, k in chunks.items())
+    have = 0
+    for k in range(members + 1):
+        try:
+            have += os.lstat(os.path.join(root, *pack_key(rank, k).split("/"))).st_size
+        except OSError:  # absent (or unreadable: the pack checks name it)
+            break
+        if have >= need:
+            return None
+    return (
+        f"rank {rank}'s packs ({root}/{PACK_DIR}/{rank}.<k>.zip) are {have} bytes in all, but the metadata "
+        f"puts {members} chunks in them, which take at least {need}; the checkpoint is damaged or hostile"
+    )
+
+
+def _rank_bounds(
+    meta: Any,
+    docs: Collection[str],
+    chunks: Mapping[str, int],
+    per_layout: dict[Any, tuple[int, tuple[int, ...], int]] | None = None,
+) -> tuple[dict[str, int], dict[str, tuple[int, ...]], int, int, int]:
+    """For a rank holding the documents of ``docs`` and ``chunks`` (array -> its chunks there): each array's
+    largest member, its grid, the most directory bytes of one of its packs, its members, the largest pack.
+    ``per_layout`` caches (chunk file bytes, grid, longest chunk key) per distinct layout across calls."""
+    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES
+
+    per_layout = {} if per_layout is None else per_layout
+    limits: dict[str, int] = {}
+    grids: dict[str, tuple[int, ...]] = {}
+    entries_bound = bound = 0
+    for n in docs:
+        nb = len(n.encode())
+        entries_bound += _CD_ENTRY_BYTES + nb + 10
+        bound += MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (nb + 10)
+    for n in set(docs) | set(chunks):
+        t = meta.tensors[n]
+        lay = (t.dtype, t.shape, t.chunk_shape, t.inner_chunk_shape)
+        known = per_layout.get(lay)
+        if known is None:
+            grid = _chunk_grid(t)
+            known = per_layout[lay] = (_packed_chunk_bytes(t), grid, _longest_chunk_key(grid))
+        limits[n], grids[n] = known[0], known[1]
+        k = chunks.get(n, 0)
+        if k:
+            nb = len(n.encode())
+            entries_bound += k * (_CD_ENTRY_BYTES + nb + 1 + max(9, known[2]))
+            bound += k * (known[0] + MEMBER_OVERHEAD + 2 * (nb + 1 + known[2]))
+    members = len(docs) + sum(chunks.values())
+    bound = min(TRAILER_BYTES * (members + 1) + bound, MAX_OBJECT_BYTES * 4)
+    return limits, grids, entries_bound, members, bound
+
+
+#: Packed members of a rank whose packs' directories an object-store reader counts before listing them.
+REMOTE_CAPACITY_FREE = 1 << 16
+
+
+def _remote_capacity_problem(
+    storage: Any, base: str, meta: Any, rank: int, holds: Any, wanted: int
+) -> str | None:
+    """Object stores (no sizes without reads): the entries of ``rank``'s pack directories, counted (each read
+    with its bounds) until they reach ``wanted``; why they do not, or None."""
+    from ..planning.packing import pack_key
+
+    docs, chunks = holds.get(rank, ([], {}))
+    _limits, _grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks)
+    found = 0
+    for k in range(members + 1):
+        entries, size = packdir._pack_directory(
+            storage, base, pack_key(rank, k), bound, max_directory_bytes=entries_bound, missing_ok=True
+        )
+        if size is None and not entries:
+            break
+        found += len(entries)
+        if found >= wanted:
+            return None
+    return (
+        f"rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip) hold {found} members in all, but the metadata "
+        f"puts {wanted} chunks in them; the checkpoint is damaged or hostile"
+    )
+
+
+def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -> Any:
+    """:func:`rank_capacity_problem` for every rank writing chunks of the arrays ``names`` (the chunks per rank
+    counted from the writers at once, not listed; object stores: the entries of the rank's pack directories
+    counted, above :data:`REMOTE_CAPACITY_FREE` members). Returns what every rank holds
+    (:func:`_rank_members`)."""
+    holds = _rank_members(meta)
+    local = getattr(storage, "commit_strategy", "") == "rename"
+    per_rank: dict[int, dict[str, int]] = {}
+    for name in names:
+        writers = meta.tensors[name].writers
+        if len(writers) <= 1:
+            continue  # one chunk (every small array): listing it costs what counting would
+        counts = np.bincount(np.asarray(getattr(writers, "array", writers), dtype=np.int64))
+        for r in np.flatnonzero(counts).tolist():
+            per_rank.setdefault(r, {})[name] = int(counts[r])
+    for rank, chunks in per_rank.items():
+        if local:
+            problem = rank_capacity_problem(base, rank, chunks)
+        elif sum(chunks.values()) > REMOTE_CAPACITY_FREE:
+            problem = _remote_capacity_problem(storage, base, meta, rank, holds, sum(chunks.values()))
+        else:
+            problem = None
+        if problem is not None:
+            raise _naming(InconsistentCheckpointError, [f"{n}/c" for n in chunks], problem)
+    return holds
+
+
 def check_rank_packs(
     storage: Any,
     root: str,
@@ -81,12 +207,13 @@ def check_rank_packs(
         CorruptCheckpointError: what :func:`check_packs` refuses, for the packs of a format-6 checkpoint.
     """
     from ..format.metadata import chunk_key_separator
-    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES, pack_key, packs_target
+    from ..planning.packing import pack_key, packs_target
 
     if not names:
         return {}
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
+    holds = check_capacity(storage, base, meta, names)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 under an array
     for name in names:
@@ -107,7 +234,7 @@ def check_rank_packs(
             idx = np.unravel_index(flat, grid) if grid else ()
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
             needed.setdefault(writers[flat], {})[key] = (name, flat)
-    holds = _rank_members(meta)
+    # what every rank holds: from check_capacity above
     packs = {t.pack for t in meta.tensors.values() if t.pack_rank is not None}  # a few distinct entries
     targets = {packs_target(pack) for pack in packs}
     target = targets.pop() if len(targets) == 1 else 0
@@ -115,28 +242,7 @@ def check_rank_packs(
     per_layout: dict[Any, tuple[int, tuple[int, ...], int]] = {}  # chunk file bytes, grid, longest chunk key
     for rank in sorted(needed):
         docs, chunks = holds.get(rank, ([], {}))
-        limits: dict[str, int] = {}
-        grids: dict[str, tuple[int, ...]] = {}
-        entries_bound = bound = 0
-        for n in docs:
-            nb = len(n.encode())
-            entries_bound += _CD_ENTRY_BYTES + nb + 10
-            bound += MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (nb + 10)
-        for n in set(docs) | set(chunks):
-            t = meta.tensors[n]
-            lay = (t.dtype, t.shape, t.chunk_shape, t.inner_chunk_shape)
-            known = per_layout.get(lay)
-            if known is None:
-                grid = _chunk_grid(t)
-                known = per_layout[lay] = (_packed_chunk_bytes(t), grid, _longest_chunk_key(grid))
-            limits[n], grids[n] = known[0], known[1]
-            k = chunks.get(n, 0)
-            if k:
-                nb = len(n.encode())
-                entries_bound += k * (_CD_ENTRY_BYTES + nb + 1 + max(9, known[2]))
-                bound += k * (known[0] + MEMBER_OVERHEAD + 2 * (nb + 1 + known[2]))
-        members = len(docs) + sum(chunks.values())
-        bound = min(TRAILER_BYTES * (members + 1) + bound, MAX_OBJECT_BYTES * 4)
+        limits, grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks, per_layout)
         seen: set[str] = set()
         reading = set(needed[rank])
         check = functools.partial(
@@ -153,7 +259,9 @@ def check_rank_packs(
         # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
         # order up to the first absent one, only when a member read is not there
         where_of = _predicted_packs(meta, rank, needed[rank], docs, chunks, target)
-        probe = [(k, False) for k in sorted(set(where_of.values()))] + [(k, True) for k in range(members + 1)]
+        probe = itertools.chain(  # lazily: the rank may hold millions of members of arrays not read
+            ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
+        )
         opened: set[int] = set()
         for k, probing in probe:
             if k in opened:

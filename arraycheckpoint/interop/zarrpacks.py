@@ -175,6 +175,20 @@ class PackReading:
     _in_pack: dict[str, list[str]]
     _fds: _PackFiles | None
 
+    def _chunks_of(self, name: str, rank: int) -> np.ndarray:
+        """The chunks (flat indices, ascending) of the packed array ``name`` that ``rank`` wrote: its writers
+        grouped by rank once per array (a store reads every rank's packs: a scan of every writer per rank
+        would cost ranks x chunks)."""
+        cache = self.__dict__.setdefault("_by_writer", {})
+        grouped = cache.get(name)
+        if grouped is None:
+            writers = self._meta.tensors[name].writers
+            ranks = np.asarray(getattr(writers, "array", writers), dtype=np.int64)
+            order = np.argsort(ranks, kind="stable")
+            grouped = cache[name] = (order, ranks[order])
+        order, ranks = grouped
+        return order[np.searchsorted(ranks, rank, "left") : np.searchsorted(ranks, rank, "right")]
+
     async def _rank(self, rank: int) -> dict[str, tuple[_Pack, _Member]]:
         """Format 6: every member of ``rank``'s packs (``<rank>.0.zip``, ``<rank>.1.zip``, ... up to the first
         absent one), each pack's directory read and checked once: every entry must be a member that rank
@@ -182,20 +196,28 @@ class PackReading:
         found = self._ranks.get(rank)
         if found is not None:
             return found
+        from ..audit.rankpacks import rank_capacity_problem
         from ..codecs import numpy_dtype
 
+        mine_of = {
+            n: self._chunks_of(n, rank) for n in self._packed if self._meta.tensors[n].pack_rank is not None
+        }
+        if self._local is not None:  # before a key is built per chunk: the packs can hold that many
+            chunks = {
+                n: len(m) for n, m in mine_of.items() if len(m) and len(self._meta.tensors[n].writers) > 1
+            }
+            problem = rank_capacity_problem(self._local, rank, chunks)
+            if problem is not None:
+                raise CorruptCheckpointError(f"tensors {sorted(chunks)[:3]}: {problem}")
         limits: dict[str, int] = {}
-        for name in self._packed:
+        for name, mine in mine_of.items():
             t = self._meta.tensors[name]
-            if t.pack_rank is None:
-                continue
             if t.pack_rank == rank:
                 limits[f"{name}/zarr.json"] = MAX_PACKED_JSON_BYTES
-            mine = [i for i, w in enumerate(t.writers) if w == rank]
-            if mine:
+            if len(mine):
                 per_chunk = chunk_file_bytes(t, numpy_dtype(t.dtype).itemsize)
                 grid = [-(-s // c) for s, c in zip(t.shape, t.chunk_shape)]
-                for flat in mine:
+                for flat in mine.tolist():
                     index = [int(i) for i in np.unravel_index(flat, grid)] if grid else []
                     limits[f"{name}/{self._sep.join(['c', *map(str, index)])}"] = per_chunk
         found = {}

@@ -64,14 +64,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
                 # format 5: pack files; format 6: the ranks whose packs hold packed chunks or documents
                 "packs": len({r["pack"] for r in rows} - {None})
                 if meta.format_version < 6
-                else len(
-                    {
-                        int(w)
-                        for t in meta.tensors.values()
-                        if t.pack_rank is not None
-                        for w in (t.pack_rank, *t.writers)
-                    }
-                ),
+                else len(_pack_ranks(meta)),
                 "namespaces": per_ns,
             },
         }
@@ -140,3 +133,19 @@ def _stored_in(pack: str | None) -> str:
 
 def _kv(d: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items()) or "-"
+
+
+def _pack_ranks(meta: Any) -> set[int]:
+    """Format 6: the ranks whose packs hold packed chunks or documents (writers counted at once, not one by one:
+    an array may have 2^26 derived writers)."""
+    import numpy as np
+
+    ranks: set[int] = set()
+    for t in meta.tensors.values():
+        if t.pack_rank is None:
+            continue
+        ranks.add(int(t.pack_rank))
+        writers = np.asarray(getattr(t.writers, "array", t.writers), dtype=np.int64)
+        if len(writers):
+            ranks.update(np.flatnonzero(np.bincount(writers)).tolist())
+    return ranks

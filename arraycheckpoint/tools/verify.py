@@ -282,6 +282,12 @@ def verify(
     # checked here beforehand only without the data read, and after a failed read to name what is wrong
     packed = {n for n, t in meta.tensors.items() if t.pack_rank is not None}
     by_rank = packed if read_data else _check_rank_packs(storage, root, meta, report, packed)
+    try:  # before a key is built per chunk: the packs can hold the chunks the metadata puts in them
+        rankpacks.check_capacity(storage, root, meta, sorted(by_rank))
+    except ArrayCheckpointError as e:
+        named = getattr(e, "tensors", {})
+        report.problems.extend(Problem(n, None, f"stored in packs: {named[n]}") for n in sorted(named))
+        by_rank = set(by_rank) - set(named)
     jobs: dict[str, list[tuple[TensorMeta, list[tuple[tuple[int, ...], Box]]]]] = {}
     for name, tm in sorted(meta.tensors.items()):
         report.tensors += 1
@@ -298,6 +304,12 @@ def verify(
                     f"region {list(hole.offsets)}+{list(hole.lengths)} is covered by no saved shard",
                 )
             )
+        if tm.pack_rank is not None and name not in by_rank:  # format 6: its packs were reported
+            report.chunks += math.prod(-(-s // c) for s, c in zip(tm.shape, tm.chunk_shape))
+            report.bytes += tm.nbytes
+            if progress is not None:
+                progress(tm.nbytes)
+            continue
         boxes = list(chunk_boxes(tm.shape, tm.chunk_shape)) if tm.shape else [Box((), ())]
         if tm.writers and len(tm.writers) != len(boxes):
             report.problems.append(
@@ -307,11 +319,7 @@ def verify(
         report.bytes += tm.nbytes
         if tm.pack is None:
             present = _stored_chunks(storage, root, name)
-        elif tm.pack_rank is not None:  # format 6: its packs were checked whole (or it was reported)
-            if name not in by_rank:
-                if progress is not None:
-                    progress(tm.nbytes)
-                continue
+        elif tm.pack_rank is not None:  # format 6: its packs were checked whole (or read with the data)
             present = {
                 chunk_key(chunk_index(b, tm.chunk_shape), chunk_key_separator(meta.format_version))
                 for b in boxes

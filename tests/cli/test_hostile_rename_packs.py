@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 
 import pytest
@@ -101,3 +102,52 @@ def test_store_refuses_a_pack_zipfile_cannot_open_naming_it(packed):
     root = zarr.open_group(checkpoint_store(path), mode="r")
     with pytest.raises(CorruptCheckpointError, match=str(pack)):
         root["model/w"][...]
+
+
+def test_a_grid_the_packs_cannot_hold_is_refused_before_its_chunks_are_listed(packed, tmp_path, capsys):
+    """A 40-byte change of shape declares 2^13 derived chunks of ``model/w`` in rank 0's packs, which hold a
+    few KB: every entry point refuses from the packs' sizes, naming the tensor, before building a key per chunk
+    (at 2^26 chunks: gigabytes of keys, minutes, MemoryError)."""
+    import zarr
+
+    from arraycheckpoint.errors import ArrayCheckpointError
+    from arraycheckpoint.tools.verify import verify
+    from arraycheckpoint.zarr import checkpoint_store
+
+    path, _state = packed
+    meta = path / ".acp" / "metadata.json"
+    doc = json.loads(meta.read_text())
+    doc["tensors"]["model/w"].update(shape=[1 << 13, 4], chunk_shape=[1, 4], inner_chunk_shape=[1, 4])
+    meta.write_text(json.dumps(doc))
+    why = "chunks in them, which take at least"
+    with pytest.raises(ArrayCheckpointError, match=f"model/w.*{why}"):
+        acp.load(path, {"model": {"w": torch.zeros(1 << 13, 4)}}, strict=False)
+    report = verify(path)
+    assert any(p.tensor == "model/w" and why in p.message for p in report.problems), report.problems[:3]
+    with pytest.raises(ArrayCheckpointError, match=f"model/w.*{why}"):
+        zarr.open_group(checkpoint_store(path), mode="r")["model/w"][...]
+    for args in (["diff", path, path], ["export", path, tmp_path / "out"]):
+        code = main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert code == EXIT_USAGE and "model/w" in err and why in err, err
+
+
+def test_an_object_store_grid_the_packs_cannot_hold_is_refused_from_their_directories():
+    """The same on an object store (no sizes without reads): the entries of the rank's pack directories are
+    counted before a key is built per chunk (2^24 chunks: 28 s and MemoryError under 4 GB before)."""
+    from arraycheckpoint.errors import ArrayCheckpointError
+    from arraycheckpoint.storage import storage_for
+    from arraycheckpoint.tools.verify import verify
+
+    url = "memory://hostile-grid"
+    opts = acp.PlanOptions(min_chunk_bytes=1 << 10, max_chunk_bytes=64, inner_chunk_bytes=64)
+    acp.save(url, {"model": {"w": torch.randn(64, 4), "b": torch.randn(8, 8)}}, plan_options=opts)
+    storage, root = storage_for(url)
+    doc = json.loads(storage.read(root, ".acp/metadata.json"))
+    doc["tensors"]["model/w"].update(shape=[1 << 17, 4], chunk_shape=[1, 4], inner_chunk_shape=[1, 4])
+    storage.write(root, ".acp/metadata.json", json.dumps(doc).encode())
+    why = "members in all, but the metadata puts 13107[0-9] chunks in them"
+    report = verify(url)
+    assert any(p.tensor == "model/w" and re.search(why, p.message) for p in report.problems), report.problems
+    with pytest.raises(ArrayCheckpointError, match=f"model/w.*{why}"):
+        acp.load(url, {"model": {"w": torch.zeros(1 << 17, 4)}}, strict=False)

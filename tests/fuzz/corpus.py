@@ -389,6 +389,17 @@ def _items() -> list[Item]:
             _on("packed", lambda d, o: _regions(d, [[0, ["boxes", [5]]]])),
         ),
         Item(
+            "held_packed_huge_grid",  # 2^24 derived chunks declared in rank 0's packs of a few KB
+            "native",
+            _on(
+                "packed",
+                lambda d, o: _regions(
+                    d, [[0, ["replica"]]], shape=[1 << 24, 4], chunk_shape=[1, 4], inner_chunk_shape=[1, 4]
+                ),
+            ),
+            may_pass=META_ONLY,
+        ),
+        Item(
             "held_column_split",
             "native",
             _on("packed", lambda d, o: _column_split(d, 20_000)),
