@@ -105,9 +105,9 @@ def test_whole_members_go_straight_into_the_tensors_with_one_preadv_each(tmp_pat
     acp.load(ck, {"model": dest}, report=report)
     for k, v in state.items():
         assert torch.equal(dest[k].view(torch.int32), v.view(torch.int32)), k
-    # one preadv per chunk member and one for both arrays' zarr.json (a save writes a pack's documents
-    # together); no separate read of an index or a local header
-    assert len(preadv) == chunks + 1 and not pread, (preadv, pread)
+    # at most one preadv per chunk member and one for the arrays' zarr.json (small members and documents
+    # come through the pack's read-ahead window); no separate read of an index or a local header
+    assert len(preadv) <= chunks + 1 and not pread, (preadv, pread)
     read = _read_phase(report)
     total = sum(v.numel() * v.element_size() for v in state.values())
     assert read["direct"] >= total // 2 and read["direct"] + read["scratch"] >= total, read

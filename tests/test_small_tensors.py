@@ -238,3 +238,28 @@ def test_the_one_test_local_header_check_refuses_what_the_full_one_refuses() -> 
         assert str(fast.value) == str(full.value), why
     with pytest.raises(CorruptCheckpointError, match="runs into the next member"):
         zipdir.check_local_header("p", entry, good, 100 + len(good) + 39, lambda r: [])
+
+
+def test_the_read_ahead_follows_reads_in_order_and_stays_small_otherwise(tmp_path: Path, monkeypatch) -> None:
+    """A full load reads each pack about once; a load of a few members of a pack reads about a member each."""
+    state = {f"p{i}": torch.arange(64, dtype=torch.float32) + i for i in range(3000)}
+    path = tmp_path / "ck"
+    acp.save(path, {"model": state})
+    packs = sum(p.stat().st_size for p in (path / ".acp" / "packs").glob("*.zip"))
+    asked: list[int] = []
+    original = packread.PackFile._read
+
+    def counting(self, offset, nbytes, staging):  # type: ignore[no-untyped-def]
+        asked.append(nbytes)
+        return original(self, offset, nbytes, staging)
+
+    monkeypatch.setattr(packread.PackFile, "_read", counting)
+    target = _junk_like(state)
+    acp.load(path, {"model": target})
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    assert sum(asked) <= 2 * packs + (1 << 20)  # the directories' ranges and each byte about once
+    asked.clear()
+    some = {k: target[k].fill_(-7) for k in list(state)[::300]}  # 10 tensors far apart
+    acp.load(path, {"model": some}, strict=False)
+    assert all(torch.equal(some[k], state[k]) for k in some)
+    assert sum(asked) <= len(some) * 2 * (packread._WINDOW_START + 1024)

@@ -230,6 +230,7 @@ def build_metadata(
     stacked.update(n for o in request.objects if o.rows is not None for n in o.rows.values())
     tensors = {}
     rules: dict[tuple[int, Any], tuple[int, list[Any]]] = {}  # (group, rule) -> its JSON form, made once
+    shared: dict[tuple[int, bool], Any] = {}  # a writer array shared by tensors (a class): one Writers
     for name, td in plan.tensors.items():
         layout = td.layout
         found = []
@@ -248,7 +249,7 @@ def build_metadata(
             compression=layout.compression,
             shards=LazyShards(name, layout.shape, regions, plan.groups),
             # derived writers are not stored (format 7): one shared array per class, never a list per chunk
-            writers=Writers(td.writers, derived=True) if td.derived else tuple(td.writers.tolist()),
+            writers=_writers_of(td, shared),
             regions=regions,
             rank_rows=name in stacked,
             pack=td.pack,
@@ -281,6 +282,16 @@ def build_metadata(
             {"meshes": [m.to_json() for m in d.meshes], "ranks": encode_ranks(r)} for d, r in plan.groups
         ),
     )
+
+
+def _writers_of(td: Any, shared: dict[tuple[int, bool], Any]) -> Any:
+    """The metadata's writers of a tensor decision: derived (format 7: one shared array per class, never a
+    list per chunk) or listed; one object per writer array the plan shares between tensors (immutable)."""
+    key = (id(td.writers), td.derived)
+    got = shared.get(key)
+    if got is None:
+        got = shared[key] = Writers(td.writers, derived=True) if td.derived else tuple(td.writers.tolist())
+    return got
 
 
 def declare(tensors: list[SaveTensor], rank: int) -> Decl:

@@ -297,8 +297,10 @@ class LoadPipeline:
                     sink(result)
                 return n
 
+            # in name order: the order of the members in packs, whose small members are then read ahead
+            ordered = sorted(targets, key=lambda t: t.name) if packed is not None else targets
             try:
-                for t in targets:
+                for t in ordered:
                     if not t.shards:
                         continue
                     stored = numpy_dtype(meta.tensors[t.name].dtype)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks.zipdir import check_local_header
+from ..checks import zipdir  # zipdir.check_local_header: looked up at call time (tests count its calls)
 from ..codecs import numpy_dtype
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
 from ..planning.regions import Box, intersect
@@ -60,7 +60,6 @@ class PackFile:
         #: member -> where the next member's header starts: members whose local header the load's checks left
         #: to this reader (checked on the bytes read with the member, before they are used)
         self._unchecked: dict[str, int] = unchecked or {}
-        self._docs: tuple[int, bytes] | None = None  # the docs this load reads, one read: (offset, bytes)
         self._kv = kvstore
         self._leaf = key.rpartition("/")[2]
         self._fd = -1
@@ -68,6 +67,7 @@ class PackFile:
         #: reads one after the other (the document and chunk of each small tensor, in pack order) come from
         #: it, not from a ``pread`` each
         self._window: tuple[int, np.ndarray] = (0, np.empty(0, np.uint8))
+        self._ahead = 0  # bytes the last window read
         if kvstore is None:
             # below the root one component at a time, no link, non-blocking, a regular file: the pack may have
             # been swapped since the load's checks (a FIFO, a directory, a link to ``.acp``)
@@ -108,7 +108,14 @@ class PackFile:
             return None
         at, held = self._window
         if offset < at or offset + nbytes > at + len(held):  # (one cut short by the file's end: read again)
-            at, held = self._window = (offset, self._read(offset, _WINDOW, None))
+            # read ahead as far as the reads go on in order (grown 4x per window up to _WINDOW); a read
+            # elsewhere (a load that needs some members only) starts again small: never 1 MiB per member
+            end = at + len(held)
+            ahead = (
+                min(_WINDOW, 4 * self._ahead) if end - _WINDOW_START <= offset <= end + _WINDOW_START else 0
+            )
+            self._ahead = max(ahead, _WINDOW_START, nbytes)
+            at, held = self._window = (offset, self._read(offset, self._ahead, None))
         return held[offset - at : offset - at + nbytes]
 
     def _read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
@@ -126,37 +133,13 @@ class PackFile:
         if following is None:
             return _header_check(name)(raw)
         head = _LOCAL.size + len(info.raw_name)
-        return check_local_header(self.path, info, raw, following, self._read_many) - head
+        return zipdir.check_local_header(self.path, info, raw, following, self._read_many) - head
 
     def doc(self, name: str) -> bytes | None:
-        """The stored bytes of the ``zarr.json`` member ``name`` (:meth:`member`). The documents a load reads
-        lie together at the start of a pack (a save writes them first): the first call reads all those this
-        load's checks left to this reader with one read when they span at most :data:`_MAX_DOCS_SPAN` bytes
-        (one ``pread`` or ranged read per pack, not one per array), each then checked as it is asked for."""
-        info = self._members.get(name)
-        if info is None:
-            return None
-        if self._docs is None:
-            self._docs = (0, b"")
-            ends = [
-                (self._members[m].header_offset, end)
-                for m, end in self._unchecked.items()
-                if m.endswith(_DOC)
-            ]
-            if len(ends) > 1:
-                lo, hi = min(o for o, _ in ends), max(e for _, e in ends)
-                if hi - lo <= _MAX_DOCS_SPAN:
-                    self._docs = (lo, self._read(lo, hi - lo, None).tobytes())
-        lo, held = self._docs
-        head = _LOCAL.size + len(info.raw_name)
-        at = info.header_offset - lo
-        if name not in self._unchecked or not held or at < 0 or at + head > len(held):
-            return self.member(name)
-        shift = self._lead(name, info, held[at : at + head])
-        if shift is None:
-            return None
-        data = held[at + head + shift : at + head + shift + info.file_size]
-        return data if len(data) == info.file_size else self.member(name)
+        """The stored bytes of the ``zarr.json`` member ``name`` (:meth:`member`). A save puts each array's
+        document just before its chunks, so a load reading arrays in name order reads both through the pack's
+        read-ahead window (:meth:`_near`): one ``pread`` per window, not one per array."""
+        return self.member(name)
 
     def member_view(self, name: str, staging: np.ndarray | None = None) -> np.ndarray | None:
         """The stored bytes of member ``name`` (a view of ``staging`` when it is large enough), or None when
@@ -428,10 +411,8 @@ class PackedReader:
 #: bytes a local pack is read ahead by, for its small members (:meth:`PackFile._near`; members up to a
 #: quarter of it)
 _WINDOW = 1 << 20
-#: the most bytes of a pack read at once for the ``zarr.json`` documents a load reads from it (a save writes
-#: them together, about 700 bytes each: 4 MiB hold about 6,000)
-_MAX_DOCS_SPAN = 4 << 20
-_DOC = "/zarr.json"
+#: the first window of a pack, and one after a read out of order (a member far from the last window)
+_WINDOW_START = 16 << 10
 
 
 def _chunks_met(dests: list[chunkread.Dest], chunk_shape: Any) -> list[tuple[int, ...]]:

@@ -73,16 +73,25 @@ class Packs:
         real = {key: len(parts[0]) for key, parts in self._docs.items()}  # bytes as written
         sizes_of: dict[tuple[Any, ...], int] = {}  # chunk file bytes per (chunk, inner chunk, dtype)
         self._keys: dict[int, str] = {}  # id of a write -> its member key
+        first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 (the one chunk of every small array)
         for w in self._writes:
             layout = layouts[w.name]
-            flat = 0  # row-major index of the chunk in its grid
-            for o, c, n in zip(w.chunk.offsets, layout.chunk_shape, layout.shape):
-                flat = flat * -(-n // c) + o // c
+            offsets = w.chunk.offsets
+            if any(offsets):
+                flat = 0  # row-major index of the chunk in its grid
+                for o, c, n in zip(offsets, layout.chunk_shape, layout.shape):
+                    flat = flat * -(-n // c) + o // c
+                suffix = shardfile.chunk_key(layout, w.chunk)
+            else:
+                flat = 0
+                suffix = first_keys.get(len(offsets)) or first_keys.setdefault(
+                    len(offsets), shardfile.chunk_key(layout, w.chunk)
+                )
             grid = (layout.chunk_shape, layout.inner_chunk_shape, layout.dtype)
             size = sizes_of.get(grid)
             if size is None:
                 size = sizes_of[grid] = chunk_file_bytes(layout, numpy_dtype(layout.dtype).itemsize)
-            key = self._keys[id(w)] = f"{w.name}/{shardfile.chunk_key(layout, w.chunk)}"
+            key = self._keys[id(w)] = f"{w.name}/{suffix}"
             members.append((w.name, flat, key, size))
             real[key] = size
         members.sort()
