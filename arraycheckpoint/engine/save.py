@@ -98,7 +98,11 @@ class SavePipeline:
         )
         if decl_error is not None:
             job.error = describe(decl_error, comm.rank)
-        self._coordinator.agree(job)  # the one collective before the snapshot (fixed size)
+        try:
+            self._coordinator.agree(job)  # the one collective before the snapshot (fixed size)
+        except BaseException as e:
+            future._set_committed(error=e)  # the next save's wait_idle must not wait for this one forever
+            raise
         if job.unstack or job.untemplate:
             _unstack(job)
         self._last_mode = job.mode  # for tests and monitoring: which planning path this save took

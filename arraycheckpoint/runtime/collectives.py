@@ -198,6 +198,10 @@ class TorchCommunicator(Communicator):
         """See :meth:`Communicator.set_liveness_timeout` (heartbeats speed up at once for a short bound)."""
         if self._liveness is not None:
             self._liveness.set_timeout(timeout or self._default_timeout)
+            if self._liveness.enter_call() and self._broken is None:
+                from ..errors import StalledRankError
+
+                self._broken = StalledRankError("a rank gave up a collective of this checkpoint group")
 
     def _call(self, start: Any, what: str) -> None:
         """Run one collective (``start()`` issues it with ``async_op=True``) and wait for it while checking

@@ -15,7 +15,10 @@ job's c10d store every ``interval`` seconds, and a rank waiting in a checkpoint 
 
 The one bound in time is on *arriving*: before a checkpoint group exists there is no heartbeat to watch, so
 :func:`join_world` names the ranks that did not reach its creation within the timeout (a save called on one
-rank only).
+rank only). Once it exists, every rank publishes with its heartbeat how many saves and loads it has entered
+(:meth:`Liveness.enter_call`) and its timeout: a watched rank that keeps beating but stays a call behind for
+the larger of the two timeouts (it never called this save: ``if rank == 0: acp.save(...)``) is named the same
+way. A rank inside the same call, however slow, is never blamed.
 
 What it deliberately does not do: judge progress inside a rank. A rank whose writes are slow (or whose
 storage hangs) keeps beating and is waited for; bound storage with the backends' retry policies instead.
@@ -70,6 +73,8 @@ class Liveness:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._beats = 0
+        self.calls = 0  # saves and loads this rank has entered (published with every beat)
+        self._behind: dict[int, tuple[int, float]] = {}  # watched rank -> (its calls, since when seen behind)
         self.set_timeout(timeout)
         self._beat()
         self._thread = threading.Thread(target=self._run, name="acp-heartbeat", daemon=True)
@@ -103,7 +108,17 @@ class Liveness:
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(self._key(self.rank), f"{self._beats}:{self.interval:g}")
+        self.store.set(self._key(self.rank), f"{self._beats}:{self.interval:g}:{self.calls}:{self.timeout:g}")
+
+    def enter_call(self) -> bool:
+        """Count one more save or load on this rank (before its first collective; every rank enters the same
+        calls in the same order) and publish it at once. Returns whether a rank gave up a collective of this
+        group (:meth:`aborted`): the caller rebuilds the group before its first collective, as the rank that
+        gave up does (a rank that was never in that call, ``if rank == 0: acp.save``, learns it here)."""
+        self.calls += 1
+        self._behind.clear()
+        self._beat()
+        return self.aborted()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -134,6 +149,11 @@ class Liveness:
         self.check_abort(what)
         self.check_stale(what, publish=True, peers=peers)
 
+    def aborted(self) -> bool:
+        """Whether a rank gave up a collective of this group's generation (the group must be rebuilt before
+        its next collective: the others may still have one in flight)."""
+        return bool(self.store.check([self._abort_key()]))
+
     def check_abort(self, what: str) -> None:
         """Raise if a rank published a stall verdict for this generation (one store round trip)."""
         abort = self._abort_key()
@@ -152,13 +172,22 @@ class Liveness:
         else:
             watched = sorted({0, *peers} - {self.rank})
         values = self.store.multi_get([self._key(r) for r in watched])
-        stalled = []
+        stalled, absent = [], []
         for r, value in zip(watched, values):
             seen = self._seen.get(r)
             if seen is None or seen[0] != value:
                 self._seen[r] = (bytes(value), now)
             elif now - seen[1] > max(self.timeout, 2 * _peer_interval(value) + 1.0):
                 stalled.append((r, now - seen[1]))
+            calls, bound = _peer_calls(value)
+            if calls is None or calls >= self.calls:
+                self._behind.pop(r, None)
+                continue
+            behind = self._behind.get(r)
+            if behind is None or behind[0] != calls:
+                self._behind[r] = (calls, now)
+            elif now - behind[1] > max(self.timeout, bound):  # a late rank is not judged by a bound it has
+                absent.append((r, calls, now - behind[1]))  # not seen yet: the larger of the two
         if stalled:
             names = ", ".join(f"rank {r} (no heartbeat for {age:.0f} s)" for r, age in stalled)
             verdict = (
@@ -166,6 +195,16 @@ class Liveness:
                 f"{self.timeout:g} s (timeout= of save/load, or ACP_LIVENESS_TIMEOUT). Check that rank's host and "
                 "logs; the checkpoint was not committed"
             )
+        elif absent:
+            names = ", ".join(f"rank {r} ({calls} calls, {age:.0f} s)" for r, calls, age in absent[:8])
+            more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
+            verdict = (
+                f"{names}{more} alive but never entered this checkpoint call ({what}; this rank's call "
+                f"{self.calls}): every rank must call acp.save/save_async/load at the same point, e.g. not only "
+                f"under `if rank == 0:` as with torch.save; the liveness timeout is {self.timeout:g} s (timeout= "
+                "of save/load, or ACP_LIVENESS_TIMEOUT); the checkpoint was not committed"
+            )
+        if stalled or absent:
             if publish:
                 try:
                     self.store.set(abort, f"rank {self.rank} found {verdict}")
@@ -192,6 +231,21 @@ class Liveness:
             time.sleep(delay)
             delay = min(delay * 2, self.interval)
         self.generation = generation
+        # every rank rebuilds at the first collective of the call it is in, the same call on every rank: the
+        # count of calls restarts there (a call one rank entered alone no longer puts it ahead)
+        self.calls = 1
+        self._behind.clear()
+        self._beat()
+
+
+def _peer_calls(value: bytes) -> tuple[int | None, float]:
+    """The saves and loads a peer has entered and its liveness timeout, published with its counter
+    (``b"<beats>:<interval>:<calls>:<timeout>"``; None and 0 when it publishes none)."""
+    try:
+        _beats, _interval, calls, timeout = bytes(value).split(b":")
+        return int(calls), float(timeout)
+    except ValueError:
+        return None, 0.0
 
 
 def _peer_interval(value: bytes) -> float:

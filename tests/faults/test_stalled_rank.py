@@ -195,3 +195,47 @@ def test_a_save_on_rank_0_only_names_the_missing_ranks(tmp_path, monkeypatch) ->
     assert "if rank == 0:" in r0["error"] and r0["elapsed"] < 30, r0  # not torch's 30-minute store timeout
     assert acp.read_metadata(tmp_path / "together").world_size == 2
     assert not (tmp_path / "alone").exists()
+
+
+def _rank0_alone_later_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Every rank saves, then rank 0 alone (its heartbeat peers alive, in training), then every rank twice.
+    A rank a call behind is named after the larger of its own timeout and the caller's (it may be late, not
+    absent): the job's default is 4 s here."""
+    import torch.distributed as dist
+
+    import arraycheckpoint as acp
+    from arraycheckpoint.runtime import collectives
+
+    os.environ["ACP_LIVENESS_TIMEOUT"] = "4"
+    collectives._TORCH_COMMS.clear()  # a checkpoint group with this default
+    try:
+        model = torch.nn.Linear(8, 4)
+        acp.save(f"{tmp}/first", {"model": model})  # the checkpoint group exists and every rank beats
+        error, elapsed = None, 0.0
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                acp.save(f"{tmp}/alone", {"model": model}, timeout=3)
+            except acp.StalledRankError as e:
+                error = str(e)
+            elapsed = time.monotonic() - start
+        dist.barrier()  # the training group is untouched
+        acp.save(f"{tmp}/together", {"model": model})  # the group rank 0 gave up is rebuilt by both
+        acp.save(f"{tmp}/again", {"model": model}, timeout=3)  # calls counted alike again: no one behind
+    finally:
+        del os.environ["ACP_LIVENESS_TIMEOUT"]
+        collectives._TORCH_COMMS.clear()
+    return {"error": error, "elapsed": elapsed}
+
+
+def test_a_later_save_on_rank_0_only_names_the_ranks_that_never_called(tmp_path, monkeypatch) -> None:
+    """Once the checkpoint group exists every rank keeps beating: ``if rank == 0: acp.save(...)`` used to wait
+    in the agreement until torch's 30-minute timeout (and the next save forever, on a future never set)."""
+    monkeypatch.setenv("ACP_TEST_RANK0_ONLY", "1")  # a fresh pool: the job's default timeout changes in it
+    r0, _r1 = run_distributed(_rank0_alone_later_body, world=2, args=(str(tmp_path),), timeout=240)
+    assert r0["error"] is not None and "rank 1 (" in r0["error"], r0
+    assert "never entered this checkpoint call" in r0["error"] and "if rank == 0:" in r0["error"], r0
+    assert r0["elapsed"] < 30, r0
+    for name in ("first", "together", "again"):
+        assert acp.read_metadata(tmp_path / name).world_size == 2
+    assert not (tmp_path / "alone").exists()

@@ -93,6 +93,8 @@ class JaxCommunicator(Communicator):
         """See :meth:`Communicator.set_liveness_timeout`."""
         if self._liveness is not None:
             self._liveness.set_timeout(timeout or self._default_timeout)
+            if self._liveness.enter_call() and self._broken is None:
+                self._broken = StalledRankError("a rank gave up a collective of this checkpoint group")
 
     @property
     def rank(self) -> int:
