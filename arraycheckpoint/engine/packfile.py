@@ -115,7 +115,12 @@ def local_header(record: Record) -> bytes:
     if not _plain(key, nbytes):
         return _record_info(record).FileHeader(nbytes >= zipfile.ZIP64_LIMIT)
     name, flags = _name_flags(key)
-    head = _LOCAL.pack(
+    return _plain_local_header(flags, crc, nbytes, len(name)) + name
+
+
+def _plain_local_header(flags: int, crc: int, nbytes: int, name_len: int) -> bytes:
+    """The fixed part of a stored member's local header without zip64 fields (no extra field)."""
+    return _LOCAL.pack(
         zipfile.stringFileHeader,
         _PROTO.extract_version,
         _PROTO.reserved,
@@ -126,10 +131,9 @@ def local_header(record: Record) -> bytes:
         crc,
         nbytes,
         nbytes,
-        len(name),
+        name_len,
         0,
     )
-    return head + name
 
 
 def header_parts(members: list[tuple[str, int]]) -> list[tuple[bytes, bytes] | None]:
@@ -151,20 +155,7 @@ def header_parts(members: list[tuple[str, int]]) -> list[tuple[bytes, bytes] | N
             continue
         head = heads.get(flags)
         if head is None:
-            head = heads[flags] = _LOCAL.pack(
-                zipfile.stringFileHeader,
-                _PROTO.extract_version,
-                _PROTO.reserved,
-                flags,
-                _PROTO.compress_type,
-                _DOS_TIME,
-                _DOS_DATE,
-                0,
-                0,
-                0,
-                0,
-                0,
-            )[:_CRC_AT]
+            head = heads[flags] = _plain_local_header(flags, 0, 0, 0)[:_CRC_AT]
         out.append((head, raw[i * step : (i + 1) * step] + name))
     return out
 
