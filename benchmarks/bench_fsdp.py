@@ -314,7 +314,7 @@ def floor_save(path: str, model: Model, opt: Optim) -> None:
     import torch.distributed as dist
 
     from arraycheckpoint.engine.shardfile import start_writeback
-    from arraycheckpoint.storage.local import _syncfs
+    from arraycheckpoint.storage.local import LocalStorage
 
     where = os.path.join(path, str(dist.get_rank()))
     os.makedirs(where, exist_ok=True)
@@ -345,12 +345,7 @@ def floor_save(path: str, model: Model, opt: Optim) -> None:
                 write_file()
     if batch:
         write_file()
-    fd = os.open(where, os.O_RDONLY)
-    try:
-        if _syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
+    LocalStorage().flush(where)  # the syncfs a save's flush does
     sync()
 
 

@@ -210,6 +210,15 @@ def torch_full_state(model: Any, opt: Any) -> dict[str, Any]:
     return out
 
 
+def snapshot_copied(meta, world: int) -> list[int]:
+    """Bytes each rank's snapshot copied (its ``snapshot`` phase's ``copied``, from the save's metrics)."""
+    out = []
+    for r in range(world):
+        (snap,) = [p for p in meta.metrics["save"][str(r)]["phases"] if p["phase"] == "snapshot"]
+        out.append(snap["copied"])
+    return out
+
+
 def written_bytes(meta, world: int) -> list[int]:
     """Bytes of the stored chunks each rank wrote, from the metadata's per-chunk writers."""
     import itertools

@@ -50,7 +50,7 @@ def test_save_and_load_stay_within_the_inflight_cap(tmp_path: Path) -> None:
 def _ddp_snapshot_body(rank: int, world: int, tmp: str) -> dict:
     import numpy as np
     import torch
-    from dist import torch_full_state, written_bytes
+    from dist import snapshot_copied, torch_full_state, written_bytes
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import arraycheckpoint as acp
@@ -84,11 +84,7 @@ def _ddp_snapshot_body(rank: int, world: int, tmp: str) -> dict:
         step(model, opt)  # mutates every tensor while the save writes: the snapshot must not see it
         meta = fut.result()
         if rank == 0:
-            copied = []
-            for r in range(world):
-                (snap,) = [p for p in meta.metrics["save"][str(r)]["phases"] if p["phase"] == "snapshot"]
-                copied.append(snap["copied"])
-            out["copied"].append(copied)
+            out["copied"].append(snapshot_copied(meta, world))
             out["written"] = written_bytes(meta, world)
             out["state_bytes"] = sum(a.nbytes for a in out["states"][0].values())
             out["split"] = sum(len(set(tm.writers)) > 1 for tm in meta.tensors.values())

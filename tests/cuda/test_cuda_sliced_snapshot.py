@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from dist import run_distributed, written_bytes
+from dist import run_distributed, snapshot_copied, written_bytes
 
 
 def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -52,11 +52,7 @@ def _body(rank: int, world: int, tmp: str) -> dict:
         _step(model, opt)  # every tensor changes on the device while the save writes
         meta = fut.result()
         if rank == 0:
-            copied = []
-            for r in range(world):
-                (snap,) = [p for p in meta.metrics["save"][str(r)]["phases"] if p["phase"] == "snapshot"]
-                copied.append(snap["copied"])
-            out["copied"].append(copied)
+            out["copied"].append(snapshot_copied(meta, world))
             out["written"] = written_bytes(meta, world)
             out["split"] = sum(len(set(tm.writers)) > 1 for tm in meta.tensors.values())
     out["state_bytes"] = sum(a.nbytes for a in states[0].values())

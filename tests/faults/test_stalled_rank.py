@@ -166,15 +166,13 @@ def test_rebuild_gives_a_just_resumed_rank_a_fresh_timeout() -> None:
         live.close()
 
 
-def _rank0_only_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    """A first save called on rank 0 only (as torch.save is), then by every rank."""
+def _save_on_rank_0_alone(rank: int, model: torch.nn.Module, tmp: str) -> tuple[str | None, float]:
+    """``if rank == 0: acp.save(..., timeout=3)`` as with torch.save: rank 0's error and seconds; then every
+    rank meets in the training group (untouched)."""
     import torch.distributed as dist
 
     import arraycheckpoint as acp
-    from arraycheckpoint.runtime import collectives
 
-    collectives._TORCH_COMMS.clear()  # the first save of the job creates the checkpoint group
-    model = torch.nn.Linear(8, 4)
     error, elapsed = None, 0.0
     if rank == 0:
         start = time.monotonic()
@@ -183,7 +181,19 @@ def _rank0_only_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
         except acp.StalledRankError as e:
             error = str(e)
         elapsed = time.monotonic() - start
-    dist.barrier()  # the training group is untouched
+    dist.barrier()
+    return error, elapsed
+
+
+def _rank0_only_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """A first save called on rank 0 only (as torch.save is), then by every rank."""
+
+    import arraycheckpoint as acp
+    from arraycheckpoint.runtime import collectives
+
+    collectives._TORCH_COMMS.clear()  # the first save of the job creates the checkpoint group
+    model = torch.nn.Linear(8, 4)
+    error, elapsed = _save_on_rank_0_alone(rank, model, tmp)
     acp.save(f"{tmp}/together", {"model": model})  # every rank now: the group is created and the save commits
     return {"error": error, "elapsed": elapsed}
 
@@ -201,7 +211,6 @@ def _rank0_alone_later_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Every rank saves, then rank 0 alone (its heartbeat peers alive, in training), then every rank twice.
     A rank a call behind is named after the larger of its own timeout and the caller's (it may be late, not
     absent): the job's default is 4 s here."""
-    import torch.distributed as dist
 
     import arraycheckpoint as acp
     from arraycheckpoint.runtime import collectives
@@ -211,15 +220,7 @@ def _rank0_alone_later_body(rank: int, world: int, tmp: str) -> dict[str, Any]:
     try:
         model = torch.nn.Linear(8, 4)
         acp.save(f"{tmp}/first", {"model": model})  # the checkpoint group exists and every rank beats
-        error, elapsed = None, 0.0
-        if rank == 0:
-            start = time.monotonic()
-            try:
-                acp.save(f"{tmp}/alone", {"model": model}, timeout=3)
-            except acp.StalledRankError as e:
-                error = str(e)
-            elapsed = time.monotonic() - start
-        dist.barrier()  # the training group is untouched
+        error, elapsed = _save_on_rank_0_alone(rank, model, tmp)
         acp.save(f"{tmp}/together", {"model": model})  # the group rank 0 gave up is rebuilt by both
         acp.save(f"{tmp}/again", {"model": model}, timeout=3)  # calls counted alike again: no one behind
     finally:
