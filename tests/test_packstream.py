@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
-from arraycheckpoint.engine import packfile, packstream, packwrite, shardfile
+from arraycheckpoint.codecs import crc
+from arraycheckpoint.engine import packfile, packstream, packwrite, shardfile, summed
 from arraycheckpoint.errors import ArrayCheckpointError, SaveFailedError
 
 
@@ -206,10 +207,11 @@ def test_packs_on_a_key_value_store_are_written_whole_and_load(tmp_path: Path) -
     ("shape", "inner"),
     [((512, 160), (128, 160)), ((7, 5), (7, 5)), ((64, 96), (32, 96)), ((300_001,), (300_001,))],
 )
-def test_the_fused_crc32_is_zlibs_over_the_encoded_file(shape, inner, monkeypatch) -> None:
-    """A pack member's CRC-32, summed slice by slice beside each inner chunk's CRC32C, is zlib's over the
-    chunk file's bytes, which are :func:`shardfile.encode`'s (slices smaller than an inner chunk, and the
-    CRC32C through google_crc32c itself, too)."""
+def test_a_chunk_summed_as_written_is_the_encoded_file(shape, inner, tmp_path, monkeypatch) -> None:
+    """A chunk file whose CRC32C are left to the writer (:mod:`summed`) is written with exactly the bytes of
+    the resolved encoding, and the CRC-32 summed beside them is zlib's over those bytes: with slices smaller
+    than an inner chunk, groups of one slice, and the CRC32C through google_crc32c instead of the crc32c
+    package, too."""
     data = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
 
     def joined(parts: list[shardfile.Buffer]) -> bytes:
@@ -219,17 +221,32 @@ def test_the_fused_crc32_is_zlibs_over_the_encoded_file(shape, inner, monkeypatc
         )
 
     want = joined(shardfile.encode(data, inner))
-    for fused, ctypes_crc in ((shardfile.FUSED_BYTES, shardfile._CTYPES_CRC), (4096, None)):
-        monkeypatch.setattr(shardfile, "FUSED_BYTES", fused)
-        monkeypatch.setattr(shardfile, "_CTYPES_CRC", ctypes_crc)
-        parts, crc = shardfile.encode_with_crc32(data, inner)
-        assert joined(parts) == want
-        assert crc == zlib.crc32(want)
+    assert crc._FAST is not None, "the crc32c package is a dependency: its hardware path is the one tested"
+    cases = [
+        (summed.SLICE_BYTES, summed.GROUP_BYTES, crc._FAST),
+        (4096, 4096, None),
+        (4096, 3 * 4096, crc._FAST),
+    ]
+    for n, (slice_bytes, group_bytes, fast) in enumerate(cases):
+        monkeypatch.setattr(summed, "SLICE_BYTES", slice_bytes)
+        monkeypatch.setattr(summed, "GROUP_BYTES", group_bytes)
+        monkeypatch.setattr(crc, "_FAST", fast)
+        parts = shardfile.encode(data, inner, deferred=True)
+        assert summed.has_deferred(parts) == (int(np.prod(inner)) * 4 >= slice_bytes)
+        path = tmp_path / f"f{n}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        try:
+            zip_crc, nbytes = summed.write(fd, parts, 100, str(path), zip_crc=True)
+        finally:
+            os.close(fd)
+        assert nbytes == len(want)
+        assert path.read_bytes()[100:] == want
+        assert zip_crc == zlib.crc32(want)
 
 
-def test_large_members_carry_the_fused_crc32_through_a_save(tmp_path: Path) -> None:
-    """Chunks at or above the fused slice (their CRC-32 summed by the encoder, not the writer): the pack's
-    members check with zipfile and load bit-exactly."""
+def test_large_members_summed_as_written_through_a_save(tmp_path: Path) -> None:
+    """Chunks at or above the summed slice (both checksums summed by the writer as it writes them, the local
+    header after the bytes): the pack's members check with zipfile and load bit-exactly."""
     g = torch.Generator().manual_seed(1)
     state = {"w": torch.randn(512, 1024, generator=g), "v": torch.randn(3, 70_000, generator=g)}
     acp.save(tmp_path / "ck", {"model": state}, plan_options=acp.PlanOptions(min_chunk_bytes=8 << 20))
@@ -239,7 +256,7 @@ def test_large_members_carry_the_fused_crc32_through_a_save(tmp_path: Path) -> N
         with zipfile.ZipFile(pack) as zf:
             assert zf.testzip() is None
             sizes = [i.file_size for i in zf.infolist() if not i.filename.endswith("zarr.json")]
-            assert max(sizes) >= shardfile.FUSED_BYTES, sizes
+            assert max(sizes) >= summed.SLICE_BYTES, sizes
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
     acp.load(tmp_path / "ck", {"model": dest})
     assert all(torch.equal(dest[k], state[k]) for k in state)

@@ -63,7 +63,7 @@ Lead = tuple[int, Callable[[bytes], int | None]]
 
 def available() -> bool:
     """Whether this interpreter has the hardware CRC32C on a little-endian host (else tensorstore reads)."""
-    return shardfile._CRC is not None and np.little_endian
+    return shardfile.HARDWARE_CRC and np.little_endian
 
 
 class ShardLayout:

@@ -8,8 +8,8 @@ threads, while the next ones are encoded: the pack's bytes reach the page cache 
 :func:`.shardfile.start_writeback`, the device) during the save instead of after its last member. The central
 directory follows the last member written. The file's bytes are exactly :func:`.packfile.write_zip`'s for the
 same members in the same order (``tests/test_packstream.py``), so every reader of packs reads it unchanged.
-A member's CRC-32 (in its local header) is the encoder's where it summed it beside the shard's CRC32C
-(:func:`.shardfile.encode_with_crc32`, large chunks), else it is summed on the writing thread.
+A member's CRC-32 (in its local header) is summed on the writing thread: a large chunk's slice by slice beside
+its CRC32C right before each slice is written (:mod:`.summed`), its local header written after its bytes.
 
 Small members are handed to the threads in batches (:data:`BATCH_BYTES`, :data:`BATCH_MEMBERS`), each batch's
 members that are neighbours in the file written with one ``pwritev``. A pack whose write failed, or that a
@@ -20,7 +20,6 @@ directory is left behind, and no descriptor.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import threading
 import zipfile
@@ -33,14 +32,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveFailedError
+from . import summed
 from .packfile import Buffer, Member, _crc32, _flat, central_directory, header_parts, local_header
 
 #: A batch of small members is handed to the writer's threads once it holds this many bytes ...
 BATCH_BYTES = 4 << 20
 #: ... or this many members (or when the pack's last member arrives, or at :meth:`StreamedPack.flush`).
 BATCH_MEMBERS = 128
-#: Most buffers one ``pwritev(2)`` takes (Linux's ``IOV_MAX``).
-_IOV_MAX = 1024
 #: A member of one buffer up to this size is written joined to its header (one buffer instead of two).
 _JOIN_BYTES = 1 << 12
 
@@ -91,10 +89,10 @@ class StreamedPack:
         self._lock = threading.Lock()
         self._failed = False
         self._done = False
-        self._batch: list[tuple[int, list[Buffer], int | None]] = []
+        self._batch: list[tuple[int, list[Any]]] = []
         self._batch_bytes = 0
         self._batch_future: Future[None] = Future()
-        self._queue: deque[tuple[list[tuple[int, list[Buffer], int | None]], Future[None]]] = deque()
+        self._queue: deque[tuple[list[tuple[int, list[Any]]], Future[None]]] = deque()
         self._draining = False  # a thread is writing this pack's queued batches
         flags = (
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -109,17 +107,16 @@ class StreamedPack:
         """Every member was handed to :meth:`add`."""
         return self._members.complete
 
-    def add(self, index: int, parts: list[Buffer], crc: int | None = None) -> tuple[Future[None], int]:
-        """Queue member ``index``'s bytes (``parts``, in order; ``crc``: their CRC-32 where the encoder summed
-        it already, else it is computed on the writing thread); the future of the batch that writes it, and
-        the member's bytes.
+    def add(self, index: int, parts: list[Any]) -> tuple[Future[None], int]:
+        """Queue member ``index``'s bytes (``parts``, in order; their CRC-32 is summed on the writing thread);
+        the future of the batch that writes it, and the member's bytes.
 
         Raises:
             SaveFailedError: the member was added before, or its bytes are not the size the pack was laid
                 out with (a plan and an encoder that disagree: nothing is written at a wrong offset).
         """
         nbytes = self._members.arrive(index, parts)
-        self._batch.append((index, parts, crc))
+        self._batch.append((index, parts))
         self._batch_bytes += nbytes
         fut = self._batch_future
         if self._batch_bytes >= BATCH_BYTES or len(self._batch) >= BATCH_MEMBERS or self.complete:
@@ -174,20 +171,29 @@ class StreamedPack:
             self._done = True
         self._remove()
 
-    def _write(self, batch: list[tuple[int, list[Buffer], int | None]]) -> None:
+    def _write(self, batch: list[tuple[int, list[Any]]]) -> None:
         """Write the members of ``batch``: each run of neighbours in the file with one ``pwritev``."""
         batch.sort(key=lambda m: m[0])
         run: list[Buffer] = []
         start = prev = -2
         keys, sizes, offsets = self._members.keys, self._members.sizes, self._offsets
-        for index, parts, known in batch:
-            if len(parts) == 1 and type(parts[0]) is bytes:  # a document, a small chunk file: one buffer
+        for index, parts in batch:
+            deferred = len(parts) > 1 and summed.has_deferred(parts)
+            if deferred:  # a large chunk: summed as written, its header after its bytes
+                if run:
+                    self._pwrite(run, offsets[start])
+                    run = []
+                at = offsets[index] + self._header_bytes[index]
+                crc, nbytes = summed.write(self._open_fd(), parts, at, self.path, zip_crc=True)
+                self._queue_writeback(at, nbytes)
+                flat: list[Buffer] = []
+            elif len(parts) == 1 and type(parts[0]) is bytes:  # a document, a small chunk file: one buffer
                 flat = parts
-                crc = zlib.crc32(parts[0]) if known is None else known
+                crc = zlib.crc32(parts[0])
             else:
                 flat = [_flat(p) if isinstance(p, np.ndarray) else p for p in parts]
-                crc = 0 if known is None else known
-                for p in flat if known is None else ():
+                crc = 0
+                for p in flat:
                     crc = _crc32(p, crc)
             self._crcs[index] = crc
             parts_of = self._headers[index]
@@ -200,6 +206,9 @@ class StreamedPack:
                     f"the local header of {keys[index]} in {self.path} is not the {self._header_bytes[index]} "
                     "bytes its layout assumed"
                 )
+            if deferred:
+                self._pwrite([header], offsets[index])
+                continue
             if run and index != prev + 1:
                 self._pwrite(run, offsets[start])
                 run = []
@@ -214,28 +223,21 @@ class StreamedPack:
         if run:
             self._pwrite(run, offsets[start])
 
-    def _pwrite(self, buffers: list[Buffer], offset: int) -> None:
+    def _open_fd(self) -> int:
         fd = self._fd
         assert fd is not None, "a pack written after it was closed"
-        views = [memoryview(b).cast("B") for b in buffers]
-        views = [v for v in views if v.nbytes]
-        first, total = offset, sum(v.nbytes for v in views)
-        i = 0
-        while i < len(views):
-            part = views[i : i + _IOV_MAX]
-            n = os.pwritev(fd, part, offset)
-            if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
-                raise OSError(errno.EIO, f"pwritev(2) wrote nothing to {self.path}")
-            offset += n
-            if len(part) == len(views) - i and offset == first + total:
-                break  # everything written (the usual case: one call)
-            while i < len(views) and n >= views[i].nbytes:
-                n -= views[i].nbytes
-                i += 1
-            if n:
-                views[i] = views[i][n:]
-        if total >= self._writeback_bytes:
-            self._later(lambda: self._writeback(fd, first, total))
+        return fd
+
+    def _pwrite(self, buffers: list[Buffer], offset: int) -> None:
+        total = summed.pwritev_all(self._open_fd(), buffers, offset, self.path)
+        self._queue_writeback(offset, total)
+
+    def _queue_writeback(self, offset: int, nbytes: int) -> None:
+        """Start the device write-back of ``nbytes`` written at ``offset``, on the write-back thread, where
+        they are at least ``writeback_bytes``."""
+        if nbytes >= self._writeback_bytes:
+            fd = self._open_fd()
+            self._later(lambda: self._writeback(fd, offset, nbytes))
 
     def _finish(self, count: int) -> None:
         """``count`` members written (or failed). After the last: the central directory, and the file handed
@@ -291,9 +293,9 @@ class WholePack:
         """Every member was handed to :meth:`add`."""
         return self._members.complete
 
-    def add(self, index: int, parts: list[Buffer], crc: int | None = None) -> tuple[Any, int] | None:
-        """Hold member ``index``'s bytes (``crc`` unused: zipfile sums them); after the last member: the pack's
-        write future and its bytes."""
+    def add(self, index: int, parts: list[Buffer]) -> tuple[Any, int] | None:
+        """Hold member ``index``'s bytes (zipfile sums their CRC-32); after the last member: the pack's write
+        future and its bytes."""
         self._members.arrive(index, parts)
         self._parts[index] = parts
         if not self.complete:

@@ -133,20 +133,15 @@ class Packs:
         started = self._put(f"{w.name}/zarr.json", doc) if doc is not None else []
         little = data if data.dtype.byteorder != ">" else data.astype(data.dtype.newbyteorder("<"))
         full = shardfile.padded(little, layout.chunk_shape)
-        if full.nbytes >= shardfile.FUSED_BYTES:  # both checksums while the slices are cached
-            parts, crc = shardfile.encode_with_crc32(full, layout.inner_chunk_shape)
-            return started + self._put(self._key(w), parts, crc)
-        # a small chunk is in the cache anyway: its CRC-32 is left to the writing thread
-        return started + self._put(self._key(w), shardfile.encode(full, layout.inner_chunk_shape))
+        parts = shardfile.encode(full, layout.inner_chunk_shape, deferred=self._writer.summing)
+        return started + self._put(self._key(w), parts)
 
-    def _put(
-        self, member: str, parts: list[shardfile.Buffer], crc: int | None = None
-    ) -> list[tuple[Any, int, str]]:
+    def _put(self, member: str, parts: list[Any]) -> list[tuple[Any, int, str]]:
         key, index = self._where[member]
         pack = self._open.get(key)
         if pack is None:
             pack = self._open[key] = self._writer.open_pack(key, self._layout[key])
-        started = pack.add(index, parts, crc)
+        started = pack.add(index, parts)
         if started is not None:
             self.written += started[1]
         if started is None or started[0] is self._last.get(key):

@@ -303,7 +303,9 @@ class SavePipeline:
                     if encode:
                         layout = layouts[w.name]
                         key = f"{w.name}/{shardfile.chunk_key(layout, w.chunk)}"
-                        fut = writer.write(key, shardfile.encode(data, layout.inner_chunk_shape))
+                        fut = writer.write(
+                            key, shardfile.encode(data, layout.inner_chunk_shape, writer.summing)
+                        )
                     else:
                         fut = stores[w.name][w.chunk.slices()].write(data)
                     start(fut, data.nbytes, w.name)

@@ -7,9 +7,9 @@ chunk, C order) and the index's ``crc32c``. That is simple enough to produce her
 
 * write a small tensor with one file write instead of opening a tensorstore array for it (the open, not the
   bytes, dominated saves of many small tensors);
-* checksum with the hardware CRC32C of ``google_crc32c`` (zarr-python's own dependency) straight from the
-  source buffer, and, on a local file system, hand the source buffer to ``writev(2)`` without copying it into
-  a write buffer first (tensorstore copies it and checksums in software).
+* checksum with the hardware CRC32C (:mod:`arraycheckpoint.codecs.crc`) straight from the source buffer,
+  and, on a local file system, hand the source buffer to ``writev(2)`` without copying it into a write
+  buffer first (tensorstore copies it and checksums in software).
 
 Compressed arrays and partial edge chunks still go through tensorstore, except the edge chunks of packed
 arrays (:mod:`arraycheckpoint.planning.packing`), padded here to the full chunk shape (:func:`padded`). Nothing is read here: loads go through
@@ -19,7 +19,6 @@ tensorstore (or zarr-python), which verify both checksums, so a file this module
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import logging
 import os
@@ -30,40 +29,29 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs import crc
 from ..errors import StorageError
 from ..planning.regions import Box
+from . import summed
 
 
-def _crc32c() -> Any:
-    try:
-        import google_crc32c
-    except ImportError:  # pragma: no cover - a declared dependency (and zarr's)
-        google_crc32c = None
-    if google_crc32c is not None and google_crc32c.implementation == "c":
-        return google_crc32c
+def _hardware_crc() -> bool:
+    if crc.in_hardware():
+        return True
     # Measured on a 16-core machine whose interpreter lacked it: a 1 GiB save took 8x the raw write's CPU
     # time and held up to max_inflight_bytes in tensorstore's write buffers (+1.2 GiB peak RSS, not +55 MiB).
     logging.getLogger("arraycheckpoint").warning(
-        "google_crc32c's C extension is not available in this interpreter (%s): whole chunks are written "
-        "through tensorstore instead (more CPU, and up to max_inflight_bytes of write buffers); "
-        "`python -m pip install google-crc32c` for the fast path",
+        "no hardware CRC32C in this interpreter (%s): whole chunks are written through tensorstore instead "
+        "(more CPU, and up to max_inflight_bytes of write buffers); `python -m pip install crc32c` for the "
+        "fast path",
         sys.executable,
     )
-    return None
+    return False
 
 
-_CRC = _crc32c()
-
-
-def _any_crc32c() -> Any:
-    """google_crc32c whatever its implementation (packed arrays, :mod:`arraycheckpoint.planning.packing`, are always
-    encoded here: the plan decides packing identically on every rank, whatever each interpreter has)."""
-    import google_crc32c
-
-    return google_crc32c
-
-
-_ANY_CRC = _CRC if _CRC is not None else _any_crc32c()
+#: whether this module encodes the chunk files of whole chunks (packed arrays are always encoded here, with
+#: whatever CRC32C this interpreter has: the plan decides packing identically on every rank)
+HARDWARE_CRC = _hardware_crc()
 
 Buffer = bytes | np.ndarray
 
@@ -72,7 +60,7 @@ def can_encode(layout: Any, chunk: Box, dtype: np.dtype[Any]) -> bool:
     """Whether :func:`encode` produces ``chunk``'s file of ``layout``: uncompressed, a whole chunk inside the
     array (no padding), little-endian data, and a hardware CRC32C available."""
     return (
-        _CRC is not None
+        HARDWARE_CRC
         and np.little_endian
         and layout.compression is None
         and chunk.volume > 0
@@ -87,90 +75,23 @@ def chunk_key(layout: Any, chunk: Box, separator: str = ".") -> str:
     return separator.join(["c", *map(str, index)])
 
 
-def _ctypes_crc32c() -> Any:
-    """``crc32c_extend`` of the library google_crc32c's extension is built on, called through ctypes: the
-    same hardware loop, without the GIL (the extension holds it for anything but ``bytes``, so the save
-    thread's checksums stalled the writer threads returning from their writes); None where not found."""
-    import ctypes.util
-    import glob
-
-    import google_crc32c
-
-    site = os.path.dirname(os.path.dirname(google_crc32c.__file__))
-    names = sorted(glob.glob(os.path.join(site, "google_crc32c.libs", "libcrc32c*.so*")))
-    for name in [*names, ctypes.util.find_library("crc32c")]:
-        if not name:
-            continue
-        try:
-            fn = ctypes.CDLL(name).crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
-        if fn(0, b"123456789", 9) == 0xE3069283:  # CRC32C's check value
-            return fn
-    return None
-
-
-_CTYPES_CRC: Any = False  # looked up on first use (None: not found)
-#: below this, the extension's own call costs less than the foreign call
-_CTYPES_CRC_BYTES = 1 << 16
-
-
 def crc32c(buf: Buffer) -> int:
     """CRC32C of ``buf`` (bytes or a C-contiguous array), without copying an array."""
-    if isinstance(buf, np.ndarray):
-        if buf.nbytes == 0:
-            return _ANY_CRC.value(b"")
-        if buf.nbytes >= _CTYPES_CRC_BYTES:
-            return _crc32c_extend(0, buf)
-        if buf.nbytes < _SMALL_BLOCK:  # a copy costs less than the ctypes view below
-            return _ANY_CRC.value(buf.tobytes())
-        # google_crc32c takes only buffers without a release hook (bytes): a ctypes view of the same memory
-        view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
-        return _ANY_CRC.value(view)
-    return _ANY_CRC.value(buf)
+    return crc.crc32c(buf)
 
 
-def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> list[Buffer]:
+def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], deferred: bool = False) -> list[Any]:
     """The shard file of ``data`` (one whole chunk) in inner chunks of ``inner_chunk_shape``, as the list of
-    buffers to write one after the other (views of ``data`` where the inner chunks are contiguous in it)."""
-    return _encode(data, inner_chunk_shape, zip_crc=False)[0]
+    buffers to write one after the other (views of ``data`` where the inner chunks are contiguous in it).
 
-
-def encode_with_crc32(data: np.ndarray, inner_chunk_shape: tuple[int, ...]) -> tuple[list[Buffer], int]:
-    """:func:`encode`, and the ZIP CRC-32 of the whole file (a pack member's, :mod:`.packstream`), computed in
-    the same pass: each slice of :data:`FUSED_BYTES` is summed for CRC-32 first (a streaming loop that also
-    brings it into the cache), then for its inner chunk's CRC32C while it is there. Measured here on 144 MiB
-    of float32 chunks: both checksums in 24 ms, against 25 ms for the CRC32C alone and 48 ms for the two in
-    separate passes (the CRC32C loop runs 4x slower on data that is not in the cache)."""
-    return _encode(data, inner_chunk_shape, zip_crc=True)
-
-
-#: Slices summed by both checksums while in the cache (:func:`encode_with_crc32`).
-FUSED_BYTES = 256 << 10
-
-
-#: below this many bytes, a block's CRC32C is summed over a copy in ``bytes`` (cheaper than a ctypes view)
-_SMALL_BLOCK = 1 << 12
-
-
-@functools.lru_cache(maxsize=256)
-def _one_block_index(nbytes: int) -> tuple[bytes, bytes]:
-    """The index of a shard file holding one inner chunk of ``nbytes`` bytes, and the index's CRC32C."""
-    raw = struct.pack("<2Q", 0, nbytes + 4)
-    return raw, crc32c(raw).to_bytes(4, "little")
-
-
-def _encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], zip_crc: bool) -> tuple[list[Buffer], int]:
-    from .packfile import _crc32
-
-    if not zip_crc and data.nbytes < _SMALL_BLOCK and tuple(data.shape) == tuple(inner_chunk_shape):
+    ``deferred``: for a writer that sums as it writes (:mod:`.summed`: ``writer.summing``), the CRC32C of
+    each inner chunk of at least :data:`.summed.SLICE_BYTES` is left to it (:data:`.summed.DEFERRED`)."""
+    if data.nbytes < _SMALL_BLOCK and tuple(data.shape) == tuple(inner_chunk_shape):
         # one small inner chunk (the chunk of every small tensor): the whole file in one buffer, its bytes
         # (C order), their CRC32C and a cached index
         block = data.tobytes()
         raw_index, index_crc = _one_block_index(len(block))
-        return [b"".join((block, _ANY_CRC.value(block).to_bytes(4, "little"), raw_index, index_crc))], 0
+        return [b"".join((block, crc.crc32c(block).to_bytes(4, "little"), raw_index, index_crc))]
     grid = tuple(c // i for c, i in zip(data.shape, inner_chunk_shape))
     if all(g == 1 for g in grid):
         blocks = [_flat_bytes(data)]
@@ -179,44 +100,30 @@ def _encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], zip_crc: bool)
             _flat_bytes(data[tuple(slice(p * i, (p + 1) * i) for p, i in zip(pos, inner_chunk_shape))])
             for pos in np.ndindex(*grid)
         ]
-    parts: list[Buffer] = []
+    parts: list[Any] = []
     index = []
     offset = 0
-    zcrc = 0
     for block in blocks:
-        if zip_crc:
-            c = 0
-            for i in range(0, block.nbytes, FUSED_BYTES):
-                piece = block[i : i + FUSED_BYTES]
-                zcrc = _crc32(piece, zcrc)
-                c = _crc32c_extend(c, piece)
-            tail = c.to_bytes(4, "little")
-            zcrc = _crc32(tail, zcrc)
+        if deferred and block.nbytes >= summed.SLICE_BYTES:
+            parts += (block, summed.DEFERRED)
         else:
-            tail = crc32c(block).to_bytes(4, "little")
-        parts += (block, tail)
+            parts += (block, crc.crc32c(block).to_bytes(4, "little"))
         index += (offset, block.nbytes + 4)
         offset += block.nbytes + 4
     raw_index = struct.pack(f"<{len(index)}Q", *index)
-    tail = crc32c(raw_index).to_bytes(4, "little")
-    parts += (raw_index, tail)
-    if zip_crc:
-        zcrc = _crc32(tail, _crc32(raw_index, zcrc))
-    return parts, zcrc
+    parts += (raw_index, crc.crc32c(raw_index).to_bytes(4, "little"))
+    return parts
 
 
-def _crc32c_extend(crc: int, buf: np.ndarray) -> int:
-    """CRC32C of the contiguous array ``buf`` continuing ``crc``."""
-    global _CTYPES_CRC
-    if buf.nbytes < _CTYPES_CRC_BYTES:  # the extension, holding the GIL: a foreign call releases it, and
-        return int(_ANY_CRC.extend(crc, buf.tobytes()))  # waiting to take it back cost 17 us per small chunk
-    if _CRC is not None:
-        if _CTYPES_CRC is False:
-            _CTYPES_CRC = _ctypes_crc32c()
-        if _CTYPES_CRC is not None:
-            return int(_CTYPES_CRC(crc, buf.ctypes.data, buf.nbytes))
-    view = (ctypes.c_char * buf.nbytes).from_address(buf.ctypes.data)
-    return int(_ANY_CRC.extend(crc, view))
+#: below this many bytes, a one-chunk file is joined into one buffer (its bytes copied: cheaper than three)
+_SMALL_BLOCK = 1 << 12
+
+
+@functools.lru_cache(maxsize=256)
+def _one_block_index(nbytes: int) -> tuple[bytes, bytes]:
+    """The index of a shard file holding one inner chunk of ``nbytes`` bytes, and the index's CRC32C."""
+    raw = struct.pack("<2Q", 0, nbytes + 4)
+    return raw, crc32c(raw).to_bytes(4, "little")
 
 
 def padded(data: np.ndarray, chunk_shape: tuple[int, ...]) -> np.ndarray:
@@ -269,6 +176,9 @@ def write_documents(storage: Any, root: str, docs: dict[str, bytes]) -> None:
 class KvWriter:
     """Writes files through a tensorstore key-value store (any storage backend): one joined copy per file."""
 
+    #: takes whole files only: no CRC32C left to it (:mod:`.summed`)
+    summing = False
+
     def __init__(self, kvstore: Any) -> None:
         self._kv = kvstore
 
@@ -312,6 +222,9 @@ class FileWriter:
     to replace atomically (the commit renames the whole directory), and durability comes from the storage's
     one flush before the commit. Files are created exclusively and never through a symbolic link.
     """
+
+    #: sums the CRC32C of large blocks as it writes them (:mod:`.summed`)
+    summing = True
 
     def __init__(self, root: str, threads: int) -> None:
         self._root = root.rstrip("/")
@@ -459,8 +372,6 @@ class FileWriter:
                 self._dirs.add(sub)
 
 
-_IOV_MAX = 1024
-
 #: ``sync_file_range(2)`` flag: start writing the range's dirty pages back, do not wait for it.
 _SYNC_FILE_RANGE_WRITE = 2
 _sync_file_range: Any = None
@@ -497,25 +408,18 @@ def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
 _close = os.close
 
 
-def _write_file(path: str, parts: list[Buffer], release: Any = None) -> None:
-    """Create ``path`` holding ``parts``; ``release(fd, nbytes)`` takes over closing the written file (else
-    it is closed here)."""
-    # byte views: a memoryview's len() counts items, and the accounting below counts bytes
-    views = [memoryview(_flat_bytes(p) if isinstance(p, np.ndarray) else p) for p in parts]
-    views = [v for v in views if v.nbytes]
-    nbytes = sum(v.nbytes for v in views)
+def _write_file(path: str, parts: list[Any], release: Any = None) -> None:
+    """Create ``path`` holding ``parts`` (CRC32C left to the writer summed as written: :mod:`.summed`);
+    ``release(fd, nbytes)`` takes over closing the written file (else it is closed here)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags, 0o644)
     try:
-        while views:
-            n = os.writev(fd, views[:_IOV_MAX])
-            if n <= 0:  # no progress (a file system that writes nothing without an error): never loop
-                raise OSError(errno.EIO, f"writev(2) wrote nothing to {path}")
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            if n:
-                views[0] = views[0][n:]
+        if summed.has_deferred(parts):
+            nbytes = summed.write(fd, parts, 0, path, zip_crc=False)[1]
+        else:
+            nbytes = summed.pwritev_all(
+                fd, [_flat_bytes(p) if isinstance(p, np.ndarray) else p for p in parts], 0, path
+            )
     except BaseException:
         os.close(fd)
         raise

@@ -398,7 +398,8 @@ class _ChunkWriter:
             part = host[c.slices(box)]
             if shardfile.can_encode(layout, c, np_dtype):
                 key = f"{entry}/{shardfile.chunk_key(layout, c)}"
-                self._writes.append((fqn, self._writer.write(key, shardfile.encode(part, tuple(inner)))))
+                parts = shardfile.encode(part, tuple(inner), self._writer.summing)
+                self._writes.append((fqn, self._writer.write(key, parts)))
             else:
                 self._writes.append((fqn, self._store(fqn)[c.slices()].write(part)))
         return int(host.nbytes)

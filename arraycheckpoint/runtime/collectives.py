@@ -148,6 +148,10 @@ class SingleProcessCommunicator(Communicator):
         return [int(v) for v in values]
 
 
+#: seconds between polls of a collective in flight for its first :data:`_FAST_POLL_FOR` seconds, and after
+_FAST_POLL, _FAST_POLL_FOR, _SLOW_POLL = 0.001, 0.2, 0.02
+
+
 class TorchCommunicator(Communicator):
     """Collectives on a dedicated gloo process group over the default torch.distributed world.
 
@@ -217,11 +221,16 @@ class TorchCommunicator(Communicator):
             self._rebuild()
         try:
             work = start()
+            began = time.monotonic()
             delay = 1e-4
             while not work.is_completed():
                 self._liveness.check(what)
                 time.sleep(delay)
-                delay = min(delay * 2, 0.02)
+                # polled every millisecond at first (a checkpoint's collectives finish within milliseconds of
+                # the last rank's arrival, and a doubling wait found them up to its own length late), then
+                # every 20 ms: a rank waiting minutes for a slow peer wakes 50 times a second, not 1,000
+                cap = _FAST_POLL if time.monotonic() - began < _FAST_POLL_FOR else _SLOW_POLL
+                delay = min(delay * 2, cap)
             work.wait()
             self._liveness.check_abort(what)  # a stalled rank that resumed must not go on with stale data
         except StalledRankError as e:

@@ -199,7 +199,6 @@ def _value_records(root: str, md: Any, where: dict[Any, Any]) -> dict[str, _Valu
     tensors' records: a plain file name inside ``root``, a length of at most ``MAX_BYTE_IO``."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-
     out: dict[str, _Value] = {}
     for fqn, sm in md.state_dict_metadata.items():
         info = where.get((fqn, ())) if isinstance(sm, BytesStorageMetadata) else None

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...planning.rules import Mesh
-from .tensors import is_dtensor
+from .tensors import is_dtensor, mesh_of
 
 
 def dtensor_rule(t: Any) -> tuple[Any, ...] | None:
@@ -27,9 +26,4 @@ def dtensor_rule(t: Any) -> tuple[Any, ...] | None:
             placements.append(-1)
         else:
             return None
-    mesh = t.device_mesh
-    return (
-        "mesh",
-        Mesh(tuple(int(s) for s in mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist())),
-        tuple(placements),
-    )
+    return ("mesh", mesh_of(t.device_mesh), tuple(placements))
