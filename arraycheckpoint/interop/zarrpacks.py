@@ -14,7 +14,10 @@ import struct
 import threading
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from zarr.abc.store import ByteRequest, RangeByteRequest, Store
@@ -24,11 +27,8 @@ from ..checks.bounds import MAX_PACKED_JSON_BYTES
 from ..errors import CorruptCheckpointError
 from ..format.metadata import CheckpointMetadata
 from ..planning.packing import (
-    PACK_DIR,
     chunk_count,
-    chunk_file_bytes,
     group_keys,
-    pack_key,
     stored_bytes,
 )
 from ..storage.ranged import TailFile, check_member_names
@@ -45,10 +45,13 @@ _LOCAL = b"PK\x03\x04"
 
 @dataclass(frozen=True)
 class _Member:
-    """One exposed member of a pack: its central-directory entry and the bound on its size."""
+    """One exposed member of a pack: its central-directory entry and the bound on its size; format 6: where
+    the next member (or the directory) starts, which bounds its local header and data
+    (:func:`arraycheckpoint.checks.zipdir.check_local_header`, as the load checks it)."""
 
-    info: zipfile.ZipInfo
+    info: Any  # zipfile.ZipInfo (format 5), checks.zipdir.PackMember (format 6)
     limit: int
+    following: int | None = None
 
 
 class _Pack:
@@ -62,8 +65,11 @@ class _Pack:
         self.data_at: dict[str, int] = {}
 
 
-def _member_name(info: zipfile.ZipInfo) -> bytes:
+def _member_name(info: Any) -> bytes:
     """The member's name as its local header stores it."""
+    raw = getattr(info, "raw_name", None)
+    if raw is not None:
+        return bytes(raw)
     return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
 
 
@@ -190,61 +196,53 @@ class PackReading:
         return order[np.searchsorted(ranks, rank, "left") : np.searchsorted(ranks, rank, "right")]
 
     async def _rank(self, rank: int) -> dict[str, tuple[_Pack, _Member]]:
-        """Format 6: every member of ``rank``'s packs (``<rank>.0.zip``, ``<rank>.1.zip``, ... up to the first
-        absent one), each pack's directory read and checked once: every entry must be a member that rank
-        holds (none twice), and every member it holds must be there."""
+        """Format 6: every member of ``rank``'s packs, each pack's directory read and checked once by the
+        enumeration every reader shares (:class:`arraycheckpoint.audit.rankpacks.RankPacks`: the load and
+        ``verify`` accept and refuse what this store does), after the packs' capacity is checked (before a
+        key is built per chunk)."""
         found = self._ranks.get(rank)
         if found is not None:
             return found
-        from ..audit.rankpacks import rank_capacity_problem
-        from ..codecs import numpy_dtype
+        # one walk at a time, on a thread of its own: a walk waits on reads run on this loop, which may need
+        # the default executor's threads (fsspec's wrapped file systems): walks there could take them all
+        loop = asyncio.get_running_loop()
+        lock = self.__dict__.setdefault("_walk_locks", {}).setdefault(id(loop), asyncio.Lock())
+        async with lock:
+            found = self._ranks.get(rank)
+            if found is None:
+                pool = self.__dict__.get("_walk_pool")
+                if pool is None:
+                    pool = self.__dict__["_walk_pool"] = ThreadPoolExecutor(1, thread_name_prefix="acp-store")
+                found = await loop.run_in_executor(pool, self._walk_rank, rank, loop)
+                self._ranks[rank] = found
+        return found
 
-        mine_of = {
-            n: self._chunks_of(n, rank) for n in self._packed if self._meta.tensors[n].pack_rank is not None
-        }
-        if self._local is not None:  # before a key is built per chunk: the packs can hold that many
-            chunks = {
-                n: len(m) for n, m in mine_of.items() if len(m) and len(self._meta.tensors[n].writers) > 1
+    def _walk_rank(self, rank: int, loop: asyncio.AbstractEventLoop) -> dict[str, tuple[_Pack, _Member]]:
+        """:meth:`_rank` in a worker thread (object stores: each read run on ``loop``)."""
+        from ..audit.rankpacks import RankPacks, _rank_members
+        from ..storage.local import LocalStorage
+
+        holds = self.__dict__.get("_holds")
+        if holds is None:
+            holds = self.__dict__["_holds"] = _rank_members(self._meta)
+        if self._local is not None:
+            walk = RankPacks(LocalStorage(), self._local, self._meta, holds)
+        else:
+            walk = RankPacks(_StoreRanges(self, loop), str(self._base).rstrip("/"), self._meta, holds)
+        reading = walk.whole_rank(rank, lambda name: self._chunks_of(name, rank))
+        directories: dict[str, list[Any]] = {}
+        deferred: dict[str, dict[str, int]] = {}
+        walk.check(rank, reading, directories, deferred)
+        found: dict[str, tuple[_Pack, _Member]] = {}
+        for key, entries in directories.items():
+            following = deferred.get(key, {})
+            members = {
+                e.filename: _Member(e, e.file_size, following[e.filename])
+                for e in entries
+                if e.filename in following
             }
-            problem = rank_capacity_problem(self._local, rank, chunks)
-            if problem is not None:
-                raise CorruptCheckpointError(f"tensors {sorted(chunks)[:3]}: {problem}")
-        limits: dict[str, int] = {}
-        for name, mine in mine_of.items():
-            t = self._meta.tensors[name]
-            if t.pack_rank == rank:
-                limits[f"{name}/zarr.json"] = MAX_PACKED_JSON_BYTES
-            if len(mine):
-                per_chunk = chunk_file_bytes(t, numpy_dtype(t.dtype).itemsize)
-                grid = [-(-s // c) for s, c in zip(t.shape, t.chunk_shape)]
-                for flat in mine.tolist():
-                    index = [int(i) for i in np.unravel_index(flat, grid)] if grid else []
-                    limits[f"{name}/{self._sep.join(['c', *map(str, index)])}"] = per_chunk
-        found = {}
-        for k in range(len(limits) + 1):
-            key = pack_key(rank, k)
-            if not await self._exists_object(key):
-                break
-            if k == len(limits):
-                raise CorruptCheckpointError(
-                    f"{self._where(key)} exists, but rank {rank}'s {len(limits)} packed member(s) fill at most "
-                    f"{len(limits)} pack(s); the checkpoint is damaged or hostile"
-                )
-            pack = await self._read_directory(key, limits)
-            for member, m in pack.members.items():
-                if member in found:
-                    raise CorruptCheckpointError(
-                        f"{self._where(key)} holds the member {member!r} a second time (in another of rank "
-                        f"{rank}'s packs); the pack is damaged or hostile"
-                    )
-                found[member] = (pack, m)
-        missing = sorted(set(limits) - set(found))
-        if missing:
-            raise CorruptCheckpointError(
-                f"tensor {missing[0].rpartition('/')[0]!r}: {missing[0]} is in none of rank {rank}'s packs "
-                f"({self._where(PACK_DIR)}/{rank}.<k>.zip); the checkpoint is damaged"
-            )
-        self._ranks[rank] = found
+            pack = _Pack(key, members, 0)
+            found.update((name, (pack, m)) for name, m in members.items())
         return found
 
     # Packs ------------------------------------------------------------------------------------------------
@@ -279,15 +277,13 @@ class PackReading:
     def _where(self, key: str) -> str:
         return f"{self._local or self._base}/{key}"
 
-    async def _read_directory(self, key: str, rank_limits: dict[str, int] | None = None) -> _Pack:
-        """Read and check the central directory of the pack ``key`` (see the module docstring); format 6:
-        ``rank_limits`` (member -> largest size) lists every member the pack's rank holds, and an entry
-        outside it is damage."""
+    async def _read_directory(self, key: str) -> _Pack:
+        """Format 5: read and check the central directory of the pack ``key`` (see the module docstring)."""
         from ..codecs import numpy_dtype
 
         where = self._where(key)
-        names = self._in_pack.get(key, []) if rank_limits is None else []
-        limits: dict[str, int] = dict(rank_limits or {})
+        names = self._in_pack.get(key, [])
+        limits: dict[str, int] = {}
         for name in names:
             t = self._meta.tensors[name]
             chunks = chunk_count(t.shape, t.chunk_shape)
@@ -321,11 +317,6 @@ class PackReading:
         members: dict[str, _Member] = {}
         for info in infos:
             if info.filename not in limits:
-                if rank_limits is not None:
-                    raise CorruptCheckpointError(
-                        f"{where} holds the member {info.filename!r}, which its rank did not write (a chunk of "
-                        "another writer or outside the grid, or a foreign file); the pack is damaged or hostile"
-                    )
                 continue  # not an array the metadata puts in this pack: never served
             if info.filename in members:
                 raise CorruptCheckpointError(
@@ -369,30 +360,47 @@ class PackReading:
         info = member.info
         start, end = _span(byte_range, int(info.file_size))
         if self._fds is not None:  # a local pack: its header (first use) and the bytes in one worker call
-            data = await asyncio.to_thread(self._member_bytes_local, pack, info, start, end)
+            data = await asyncio.to_thread(self._member_bytes_local, pack, member, start, end)
             return prototype.buffer.from_bytes(data)
         at = pack.data_at.get(info.filename)
         if at is None:
-            name = _member_name(info)
-            header = await self._read(pack.key, info.header_offset, info.header_offset + 30 + len(name))
-            at = self._data_at(pack, info, header)
+            first, whole = _header_reads(member)
+            header = await self._read(pack.key, info.header_offset, info.header_offset + first)
+            if whole(header) > len(header):  # an extra field beyond the first read, within the member's room
+                header = await self._read(pack.key, info.header_offset, info.header_offset + whole(header))
+            at = self._data_at(pack, member, header)
         data = await self._read(pack.key, at + start, at + max(start, end))
         return prototype.buffer.from_bytes(data)
 
-    def _member_bytes_local(self, pack: _Pack, info: zipfile.ZipInfo, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the member ``info`` of the local pack ``pack`` (its local header checked
-        on first use), through the pack's one descriptor."""
+    def _member_bytes_local(self, pack: _Pack, member: _Member, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the member ``member`` of the local pack ``pack`` (its local header
+        checked on first use), through the pack's one descriptor."""
         assert self._fds is not None
+        info = member.info
         at = pack.data_at.get(info.filename)
         if at is None:
-            name = _member_name(info)
-            header = self._fds.pread(pack.key, info.header_offset, info.header_offset + 30 + len(name))
-            at = self._data_at(pack, info, header)
+            first, whole = _header_reads(member)
+            header = self._fds.pread(pack.key, info.header_offset, info.header_offset + first)
+            if whole(header) > len(header):
+                header = self._fds.pread(pack.key, info.header_offset, info.header_offset + whole(header))
+            at = self._data_at(pack, member, header)
         return self._fds.pread(pack.key, at + start, at + max(start, end))
 
-    def _data_at(self, pack: _Pack, info: zipfile.ZipInfo, header: bytes) -> int:
-        """Where the member ``info``'s bytes start, from its local ``header`` (checked against the directory
-        entry); remembered in ``pack``."""
+    def _data_at(self, pack: _Pack, member: _Member, header: bytes) -> int:
+        """Where the member's bytes start, from its local ``header`` (checked against the directory entry:
+        format 6 as the load checks it); remembered in ``pack``."""
+        info = member.info
+        if member.following is not None:
+            from ..checks.zipdir import check_local_header
+
+            def beyond(_ranges: list[tuple[int, int]]) -> list[bytes]:  # never: the header is read whole
+                return [b""]
+
+            at = info.header_offset + check_local_header(
+                self._where(pack.key), info, header, member.following, beyond
+            )
+            pack.data_at[info.filename] = at
+            return at
         name = _member_name(info)
         if len(header) != 30 + len(name) or header[:4] != _LOCAL or header[30:] != name:
             raise CorruptCheckpointError(
@@ -408,3 +416,67 @@ class PackReading:
             )
         pack.data_at[info.filename] = at
         return at
+
+
+def _header_reads(member: _Member) -> tuple[int, Callable[[bytes], int]]:
+    """The bytes of ``member``'s local header read first, and from those first bytes, the length of the
+    whole header when it fits the member's room (format 6: before the next member), else the first read's."""
+    info = member.info
+    first = 30 + len(_member_name(info))
+    if member.following is None:
+        return first, lambda head: len(head)
+    room = member.following - info.header_offset - int(info.file_size)
+    first = max(0, min(first + 64, room))
+
+    def whole(head: bytes) -> int:
+        if len(head) < 30:
+            return len(head)
+        name_len, extra_len = struct.unpack_from("<HH", head, 26)
+        need = 30 + name_len + extra_len
+        return need if len(head) < need <= room else len(head)
+
+    return first, whole
+
+
+class _StoreRanges:
+    """The reads of an object store's packs for :class:`arraycheckpoint.audit.rankpacks.RankPacks`, through
+    the store's zarr store (``pack_ranges``, what :func:`arraycheckpoint.audit.packdir._pack_directory` reads
+    a pack with), from a worker thread, each read run on the store's event loop ``loop``."""
+
+    commit_strategy = "marker"
+
+    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.store, self.loop = store, loop
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def pack_ranges(
+        self, base: str, key: str, want: int
+    ) -> tuple[bytes, int | None, Callable[[list[tuple[int, int | None]]], list[bytes]]] | None:
+        """The last ``want`` bytes of the pack ``key``, its size and a reader of its byte ranges; None when
+        it is absent."""
+        store = self.store
+
+        async def tail() -> tuple[int, bytes] | None:
+            if not await store._exists_object(key):
+                return None
+            size = await store._size(key)
+            return size, await store._read(key, max(0, size - want), size)
+
+        got = self._run(tail())
+        if got is None:
+            return None
+        size, last = got
+
+        def read(ranges: list[tuple[int, int | None]]) -> list[bytes]:
+            async def every() -> list[bytes]:
+                return list(
+                    await asyncio.gather(
+                        *(store._read(key, o, size if n is None else o + n) for o, n in ranges)
+                    )
+                )
+
+            return self._run(every())
+
+        return last, size, read

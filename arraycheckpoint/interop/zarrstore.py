@@ -187,6 +187,9 @@ class CheckpointStore(PackReading, Store):
     def close(self) -> None:
         if self._fds is not None:
             self._fds.close()
+        pool = self.__dict__.pop("_walk_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
         self._base.close()
         super().close()
 
