@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
@@ -150,3 +153,82 @@ def _open_pack(root: str, key: str) -> int:
         os.close(fd)
         raise CorruptCheckpointError(f"{root}/{key} is not a regular file; the checkpoint is damaged")
     return fd
+
+
+#: Shard indices a store remembers (per chunk key) to check the inner chunks zarr then reads by range.
+MAX_REMEMBERED_INDICES = 4096
+_EMPTY = 2**64 - 1
+
+
+class ChunkChecksums:
+    """The crc32c checks of what a store serves of a chunk file (zarr's ``sharding_indexed``: inner chunks
+    each ending in the crc32c of their bytes, then an index of ``(offset, length)`` per inner chunk ending in
+    its crc32c), made before zarr-python decodes it, so that damage is an error naming the tensor and the file
+    or pack member (zarr-python's own says only "Stored and computed checksum do not match").
+
+    A whole file is checked whole; the index, read on its own (its suffix), is checked and remembered, and an
+    inner chunk read by the range the index gives is checked against its crc32c. Other ranges are served
+    unchecked (zarr-python still checks what it decodes)."""
+
+    def __init__(self) -> None:
+        self._indices: OrderedDict[str, dict[tuple[int, int], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, key: str, data: bytes, n_inner: int, byte_range: ByteRequest | None, what: str) -> None:
+        """Check ``data``, the bytes ``byte_range`` of the chunk file ``key`` of ``n_inner`` inner chunks;
+        ``what`` (``tensor 'x': <file or member>``) starts the error.
+
+        Raises:
+            CorruptCheckpointError: a checksum that does not match, or an index entry outside the file.
+        """
+        index_bytes = 16 * n_inner + 4
+        if byte_range is None:
+            spans = self._index(data[-index_bytes:], len(data) - index_bytes, index_bytes, what)
+            for (start, end), i in spans.items():
+                _check_inner(data[start:end], f"inner chunk {i}", what)
+        elif isinstance(byte_range, SuffixByteRequest) and byte_range.suffix == index_bytes:
+            if len(data) == index_bytes:
+                spans = self._index(data, None, index_bytes, what)
+                with self._lock:
+                    self._indices[key] = spans
+                    while len(self._indices) > MAX_REMEMBERED_INDICES:
+                        self._indices.popitem(last=False)
+        elif isinstance(byte_range, RangeByteRequest):
+            with self._lock:
+                spans = self._indices.get(key)
+            i = None if spans is None else spans.get((byte_range.start, byte_range.end))
+            if i is not None:
+                _check_inner(data, f"inner chunk {i}", what)
+
+    @staticmethod
+    def _index(index: bytes, data_end: int | None, index_bytes: int, what: str) -> dict[tuple[int, int], int]:
+        """``[start, end) -> inner chunk number`` of every stored inner chunk from the shard ``index`` (its
+        crc32c checked; with ``data_end``, every entry within the file's data)."""
+        from ..engine.shardfile import crc32c
+
+        if len(index) != index_bytes or crc32c(index[:-4]) != int.from_bytes(index[-4:], "little"):
+            raise CorruptCheckpointError(
+                f"{what}: its shard index does not match its crc32c (truncated or overwritten); the checkpoint "
+                "is damaged"
+            )
+        entries = struct.unpack(f"<{(index_bytes - 4) // 8}Q", index[:-4])
+        spans: dict[tuple[int, int], int] = {}
+        for i, (offset, length) in enumerate(zip(entries[::2], entries[1::2])):
+            if offset == length == _EMPTY:
+                continue
+            if data_end is not None and (length < 4 or offset + length > data_end):
+                raise CorruptCheckpointError(
+                    f"{what}: its shard index has an entry outside the file; the checkpoint is damaged"
+                )
+            spans[(offset, offset + length)] = i
+        return spans
+
+
+def _check_inner(data: bytes, which: str, what: str) -> None:
+    from ..engine.shardfile import crc32c
+
+    if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
+        raise CorruptCheckpointError(
+            f"{what}: {which} does not match its crc32c (stored and computed checksums differ); the "
+            "checkpoint is damaged"
+        )

@@ -128,11 +128,14 @@ class _PackFiles:
         finally:
             self._release(entry)
 
+    #: ``os.close``, kept where interpreter shutdown (which clears module globals first) still finds it
+    _close_fd = staticmethod(os.close)
+
     def close(self) -> None:
         """Close every descriptor (the store's ``close``)."""
         with self._lock:
             for fd, _busy in self._open.values():
-                os.close(fd)
+                self._close_fd(fd)
             self._open.clear()
 
     def __del__(self) -> None:

@@ -52,7 +52,15 @@ from ..planning.packing import (
     PACK_KEY,
     chunk_file_bytes,
 )
-from .zarrfiles import _chunk_flat, _control_read, _exists_below, _grid, _read_file_below, _size_below
+from .zarrfiles import (
+    ChunkChecksums,
+    _chunk_flat,
+    _control_read,
+    _exists_below,
+    _grid,
+    _read_file_below,
+    _size_below,
+)
 from .zarrpacks import PackReading, _Member, _Pack, _PackFiles
 
 __all__ = ["CheckpointStore", "checkpoint_store"]
@@ -133,6 +141,7 @@ class CheckpointStore(PackReading, Store):
         self._sep = chunk_key_separator(meta.format_version)
         # local packs: one descriptor per pack, opened (below the root, no link, a regular file) on first use
         self._fds = _PackFiles(local_root) if local_root is not None else None
+        self._checksums = ChunkChecksums()
 
     @classmethod
     async def open_checkpoint(cls, base: Store, local_root: str | None = None) -> CheckpointStore:
@@ -249,6 +258,7 @@ class CheckpointStore(PackReading, Store):
             if found is not None:
                 buf = await self._read_member(*found, prototype, byte_range)
                 self._check_doc(key, buf.to_bytes(), byte_range)
+                self._check_chunk(key, buf, byte_range, f"{key} in {self._where(found[0].key)}")
                 return buf
             if self._served_by_pack(key):
                 return None
@@ -267,7 +277,28 @@ class CheckpointStore(PackReading, Store):
         if data is None:
             return None
         self._check_doc(key, data, byte_range)
+        self._check_chunk(key, data, byte_range, self._where(key))
         return prototype.buffer.from_bytes(data)
+
+    def _check_chunk(
+        self, key: str, data: bytes | Buffer, byte_range: ByteRequest | None, where: str
+    ) -> None:
+        """What is served of a chunk file (``where``: the file, or the member and its pack) passes its
+        crc32c checks before zarr-python decodes it (:class:`~.zarrfiles.ChunkChecksums`), so that damage is
+        an error naming the tensor and the file."""
+        at = key.rfind("/")
+        while at > 0:
+            t = self._meta.tensors.get(key[:at])
+            if t is not None:
+                break
+            at = key.rfind("/", 0, at)
+        else:
+            return
+        if _chunk_flat(key[at + 1 :], tuple(t.shape), tuple(t.chunk_shape), self._sep) is None:
+            return
+        n_inner = math.prod(c // i for c, i in zip(t.chunk_shape, t.inner_chunk_shape))
+        raw = data if isinstance(data, bytes) else data.to_bytes()
+        self._checksums.check(key, raw, n_inner, byte_range, f"tensor {t.name!r}: {where}")
 
     def _limit(self, key: str) -> int:
         """The largest a valid checkpoint's file ``key`` can be: a chunk file of its array's encoding, an

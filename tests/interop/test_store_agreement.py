@@ -1,0 +1,149 @@
+"""``checkpoint_store`` and the native readers agree on a hostile checkpoint, and the store's errors name it.
+
+The zarr store (what zarr-python, xarray and dask read a checkpoint through) and ``verify`` / ``acp.load``
+enumerate a rank's packs with one piece of code (``audit.rankpacks.RankPacks``), so a checkpoint is valid for
+all of them or refused by all of them with one message naming the pack and the member. An object store gets
+the capacity check of a local path; a damaged chunk read through the store names the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+zarr = pytest.importorskip("zarr")
+
+from faults.packtools import flip_member_byte, members  # noqa: E402
+
+import arraycheckpoint as acp  # noqa: E402
+from arraycheckpoint.errors import ArrayCheckpointError, CorruptCheckpointError  # noqa: E402
+from arraycheckpoint.tools.verify import verify  # noqa: E402
+from arraycheckpoint.zarr import checkpoint_store  # noqa: E402
+
+W = "model/w"
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("agree") / "ck"
+    acp.save(path, {"model": _state()})
+    assert sorted(os.listdir(path / ".acp" / "packs")) == ["0.0.zip"]
+    return path
+
+
+@pytest.fixture
+def ck(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved, tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def _memory_store(ck: Path) -> zarr.storage.MemoryStore:
+    """Every file of ``ck`` in a zarr MemoryStore: what the store sees of an object store (no file sizes
+    without reads, ranged reads only), as ``FsspecStore`` serves S3 (s3fs is not installed here)."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    data = {}
+    for dirpath, _, files in os.walk(ck):
+        for f in files:
+            key = os.path.relpath(os.path.join(dirpath, f), ck)
+            data[key] = default_buffer_prototype().buffer.from_bytes(Path(dirpath, f).read_bytes())
+    return zarr.storage.MemoryStore(data, read_only=True)
+
+
+@pytest.mark.parametrize("extra", ["duplicate", "foreign"])
+def test_a_pack_after_a_ranks_last_is_refused_alike_by_verify_load_and_store(ck: Path, extra: str) -> None:
+    """``.acp/packs/0.1.zip`` beside rank 0's only pack: a second, conflicting ``model/w/c.0.0`` (a reader
+    would have to pick one) or a foreign member. verify and the load passed it (they stopped looking once
+    every member was found) while the store refused it; now all three refuse with the same message."""
+    chunk = dict(members(ck / ".acp" / "packs" / "0.0.zip"))[f"{W}/c.0.0"]
+    name = f"{W}/c.0.0" if extra == "duplicate" else "notes.txt"
+    with zipfile.ZipFile(ck / ".acp" / "packs" / "0.1.zip", "w") as zf:
+        zf.writestr(name, bytes(len(chunk)))
+    why = "a second time" if extra == "duplicate" else "none of its arrays has"
+    pattern = re.escape(f"/.acp/packs/0.1.zip holds the member {name!r}") + ".*" + why
+    report = verify(ck)
+    assert not report.ok and all(re.search(str(ck) + pattern, p.message) for p in report.problems), report
+    with pytest.raises(CorruptCheckpointError, match=str(ck) + pattern):
+        acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in _state().items()}})
+    for base, where in (
+        (ck, str(ck)),
+        (_memory_store(ck), "memory://[0-9]+"),
+    ):  # a local path, an object store
+        with pytest.raises(CorruptCheckpointError, match=where + pattern):
+            zarr.open_group(checkpoint_store(base), mode="r")[W][...]
+
+
+def test_the_readers_agree_on_the_undamaged_checkpoint(ck: Path) -> None:
+    """The baseline of the case above: an empty ZIP file after the last pack holds nothing a reader could
+    take; verify, the load and the store (local and object store) all read the checkpoint bit-exactly."""
+    with zipfile.ZipFile(ck / ".acp" / "packs" / "0.1.zip", "w"):
+        pass
+    assert verify(ck).ok
+    want = _state()
+    got = acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in want.items()}})
+    assert all(torch.equal(got["model"][k], v) for k, v in want.items())
+    for base in (ck, _memory_store(ck)):
+        root = zarr.open_group(checkpoint_store(base), mode="r")
+        assert all(np.array_equal(root[f"model/{k}"][...], v.numpy()) for k, v in want.items())
+
+
+def test_an_object_store_grid_the_packs_cannot_hold_is_refused_before_its_keys_are_built(
+    tmp_path: Path,
+) -> None:
+    """A 40-byte change of shape declares 2^17 chunks of ``model/w`` in rank 0's packs of a few KB. A local
+    path was refused from the packs' sizes; on an object store the store built a key per chunk and read
+    every pack before saying a member was missing (at 2^26 chunks: gigabytes of keys). Now the entries of the
+    rank's pack directories are counted first, as verify and the load count them."""
+    path = tmp_path / "ck"
+    opts = acp.PlanOptions(min_chunk_bytes=1 << 10, max_chunk_bytes=64, inner_chunk_bytes=64)
+    acp.save(path, {"model": {"w": torch.randn(64, 4), "b": torch.randn(8, 8)}}, plan_options=opts)
+    meta = path / ".acp" / "metadata.json"
+    doc = json.loads(meta.read_text())
+    doc["tensors"][W].update(shape=[1 << 17, 4], chunk_shape=[1, 4], inner_chunk_shape=[1, 4])
+    meta.write_text(json.dumps(doc))
+    why = "members in all, but the metadata puts 13107[0-9] chunks in them"
+    root = zarr.open_group(checkpoint_store(_memory_store(path)), mode="r")
+    with pytest.raises(ArrayCheckpointError, match=f"{W}.*{why}"):
+        root[W][0]
+
+
+def test_a_damaged_chunk_read_through_the_store_names_the_tensor_and_the_file(tmp_path: Path) -> None:
+    """zarr-python's own checksum error says only "Stored and computed checksum do not match": the store
+    checks what it serves first, naming the tensor and the file (or the member and its pack), for a whole
+    chunk file, and for an inner chunk read by range."""
+    path = tmp_path / "ck"
+    state = {"w": torch.randn(16, 8), "big": torch.randn(512, 256)}  # w packed, big in its own file
+    opts = acp.PlanOptions(min_chunk_bytes=256 << 10, inner_chunk_bytes=64 << 10)  # big: 8 inner chunks
+    acp.save(path, {"model": state}, plan_options=opts)
+    assert (path / "model" / "big" / "c.0.0").is_file() and not (path / "model" / "w").exists()
+    flip_member_byte(path / ".acp" / "packs" / "0.0.zip", f"{W}/c.0.0", 5)
+    big = path / "model" / "big" / "c.0.0"
+    raw = bytearray(big.read_bytes())
+    raw[100] ^= 1
+    big.write_bytes(bytes(raw))
+    for base in (path, _memory_store(path)):
+        root = zarr.open_group(checkpoint_store(base), mode="r")
+        member = re.escape(f"{W}/c.0.0 in ") + ".*" + re.escape(".acp/packs/0.0.zip")
+        with pytest.raises(
+            CorruptCheckpointError, match=f"tensor '{W}': {member}: inner chunk 0 does not match"
+        ):
+            root[W][...]
+        for read in (lambda a: a[...], lambda a: a[0, :5]):  # the whole file, and one inner chunk by range
+            with pytest.raises(
+                CorruptCheckpointError, match=r"tensor 'model/big': .*model/big/c\.0\.0: inner"
+            ):
+                read(root["model/big"])
+        assert np.array_equal(root["model/big"][-1], state["big"][-1].numpy())  # undamaged inner chunks read
