@@ -204,34 +204,51 @@ class PackReading:
         ``verify`` accept and refuse what this store does), after the packs' capacity is checked (before a
         key is built per chunk)."""
         found = self._ranks.get(rank)
-        if found is not None:
-            return found
-        # one walk at a time, on a thread of its own: a walk waits on reads run on this loop, which may need
-        # the default executor's threads (fsspec's wrapped file systems): walks there could take them all
-        loop = asyncio.get_running_loop()
-        lock = self.__dict__.setdefault("_walk_locks", {}).setdefault(id(loop), asyncio.Lock())
-        async with lock:
-            found = self._ranks.get(rank)
-            if found is None:
-                pool = self.__dict__.get("_walk_pool")
-                if pool is None:
-                    pool = self.__dict__["_walk_pool"] = ThreadPoolExecutor(1, thread_name_prefix="acp-store")
-                found = await loop.run_in_executor(pool, self._walk_rank, rank, loop)
-                self._ranks[rank] = found
+        if found is None:
+            found = await self._walking(lambda walk: self._walk_rank(walk, rank), rank)
+            self._ranks[rank] = found
         return found
 
-    def _walk_rank(self, rank: int, loop: asyncio.AbstractEventLoop) -> dict[str, tuple[_Pack, _Member]]:
-        """:meth:`_rank` in a worker thread (object stores: each read run on ``loop``)."""
+    async def _capacity(self, name: str) -> None:
+        """Format 6: the packs of the ranks writing chunks of ``name`` can hold them
+        (:func:`arraycheckpoint.audit.rankpacks.check_capacity`, a local path's file sizes or an object
+        store's directory entries), before its keys are listed one per chunk; checked once per array."""
+        from ..audit.rankpacks import check_capacity
+
+        checked = self.__dict__.setdefault("_capacity_checked", set())
+        if name not in checked and len(self._meta.tensors[name].writers) > 1:
+            await self._walking(
+                lambda walk: check_capacity(walk.storage, walk.base, self._meta, [name]), None
+            )
+        checked.add(name)
+
+    async def _walking(self, work: Callable[[Any], Any], rank: int | None) -> Any:
+        """``work(walk)`` with a :class:`arraycheckpoint.audit.rankpacks.RankPacks` of the checkpoint, run on
+        a thread of its own, one at a time (a walk waits on reads run on this loop, which may need the
+        default executor's threads, as fsspec's wrapped file systems do: walks there could take them all);
+        ``rank``: a rank whose packs a finished walk may have read already (:meth:`_rank`)."""
         from ..audit.rankpacks import RankPacks, _rank_members
         from ..storage.local import LocalStorage
 
-        holds = self.__dict__.get("_holds")
-        if holds is None:
-            holds = self.__dict__["_holds"] = _rank_members(self._meta)
-        if self._local is not None:
-            walk = RankPacks(LocalStorage(), self._local, self._meta, holds)
-        else:
-            walk = RankPacks(_StoreRanges(self, loop), str(self._base).rstrip("/"), self._meta, holds)
+        loop = asyncio.get_running_loop()
+        lock = self.__dict__.setdefault("_walk_locks", {}).setdefault(id(loop), asyncio.Lock())
+        async with lock:
+            if rank is not None and rank in self._ranks:
+                return self._ranks[rank]
+            pool = self.__dict__.get("_walk_pool")
+            if pool is None:
+                pool = self.__dict__["_walk_pool"] = ThreadPoolExecutor(1, thread_name_prefix="acp-store")
+            holds = self.__dict__.get("_holds")
+            if holds is None:
+                holds = self.__dict__["_holds"] = _rank_members(self._meta)
+            if self._local is not None:
+                walk = RankPacks(LocalStorage(), self._local, self._meta, holds)
+            else:
+                walk = RankPacks(_StoreRanges(self, loop), str(self._base).rstrip("/"), self._meta, holds)
+            return await loop.run_in_executor(pool, work, walk)
+
+    def _walk_rank(self, walk: Any, rank: int) -> dict[str, tuple[_Pack, _Member]]:
+        """:meth:`_rank` in the walks' thread."""
         reading = walk.whole_rank(rank, lambda name: self._chunks_of(name, rank))
         directories: dict[str, list[Any]] = {}
         deferred: dict[str, dict[str, int]] = {}

@@ -482,6 +482,7 @@ class CheckpointStore(PackReading, Store):
         if t.pack_rank is None:
             pack = await self._pack(self._packed[name])
             return [k for k in pack.members if k.startswith(name + "/")]
+        await self._capacity(name)  # the packs can hold the grid declared, before a key is built per chunk
         return [f"{name}/zarr.json"] + [
             f"{name}/{self._sep.join(['c', *map(str, index)])}" for index in _grid(t.shape, t.chunk_shape)
         ]

@@ -115,9 +115,23 @@ def test_an_object_store_grid_the_packs_cannot_hold_is_refused_before_its_keys_a
     doc["tensors"][W].update(shape=[1 << 17, 4], chunk_shape=[1, 4], inner_chunk_shape=[1, 4])
     meta.write_text(json.dumps(doc))
     why = "members in all, but the metadata puts 13107[0-9] chunks in them"
-    root = zarr.open_group(checkpoint_store(_memory_store(path)), mode="r")
+    store = checkpoint_store(_memory_store(path))
     with pytest.raises(ArrayCheckpointError, match=f"{W}.*{why}"):
-        root[W][0]
+        zarr.open_group(store, mode="r")[W][0]
+    # listing the array's keys (zarr's list_prefix, xarray, a walk of the store) is checked the same way, on a
+    # local path too (it built the keys of every declared chunk there)
+    for store, why in ((store, why), (checkpoint_store(path), "chunks in them, which take at least")):
+        with pytest.raises(ArrayCheckpointError, match=f"{W}.*{why}"):
+            _keys(store, W)
+
+
+def _keys(store: object, prefix: str) -> list[str]:
+    from zarr.core.sync import sync
+
+    async def collect() -> list[str]:
+        return [k async for k in store.list_prefix(prefix)]  # type: ignore[attr-defined]
+
+    return sync(collect())
 
 
 def test_a_damaged_chunk_read_through_the_store_names_the_tensor_and_the_file(tmp_path: Path) -> None:
