@@ -120,9 +120,9 @@ def test_an_object_store_grid_the_packs_cannot_hold_is_refused_before_its_keys_a
         zarr.open_group(store, mode="r")[W][0]
     # listing the array's keys (zarr's list_prefix, xarray, a walk of the store) is checked the same way, on a
     # local path too (it built the keys of every declared chunk there)
-    for store, why in ((store, why), (checkpoint_store(path), "chunks in them, which take at least")):
-        with pytest.raises(ArrayCheckpointError, match=f"{W}.*{why}"):
-            _keys(store, W)
+    for listed, reason in ((store, why), (checkpoint_store(path), "chunks in them, which take at least")):
+        with pytest.raises(ArrayCheckpointError, match=f"{W}.*{reason}"):
+            _keys(listed, W)
 
 
 def _keys(store: object, prefix: str) -> list[str]:
