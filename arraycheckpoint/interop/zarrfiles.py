@@ -51,10 +51,7 @@ def _read_file_below(
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"{root}/{key} is not a regular file; the checkpoint is damaged")
         if st.st_size > limit:
-            raise CorruptCheckpointError(
-                f"{root}/{key} is {st.st_size} bytes, more than a valid checkpoint's file there can be ({limit}); "
-                "the checkpoint is damaged or hostile"
-            )
+            raise too_large(f"{root}/{key}", st.st_size, limit)
         if shard is not None:
             n = min(shard[0], st.st_size)
             shard[1](st.st_size, os.pread(fd, n, st.st_size - n))
@@ -65,6 +62,14 @@ def _read_file_below(
         return data
     finally:
         os.close(fd)
+
+
+def too_large(where: str, size: int, limit: int) -> CorruptCheckpointError:
+    """The error for the file ``where`` of ``size`` bytes, above the ``limit`` of a valid checkpoint's file."""
+    return CorruptCheckpointError(
+        f"{where} is {size} bytes, more than a valid checkpoint's file there can be ({limit}); the checkpoint "
+        "is damaged or hostile"
+    )
 
 
 def _grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Iterable[tuple[int, ...]]:

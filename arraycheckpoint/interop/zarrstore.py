@@ -60,6 +60,7 @@ from .zarrfiles import (
     _grid,
     _read_file_below,
     _size_below,
+    too_large,
 )
 from .zarrpacks import PackReading, _Member, _Pack, _PackFiles
 
@@ -272,6 +273,13 @@ class CheckpointStore(PackReading, Store):
                 size = await self._base.getsize(key)
                 tail = await self._base.get(key, prototype, SuffixByteRequest(min(shard[0], size)))
                 shard[1](size, b"" if tail is None else tail.to_bytes())
+            elif byte_range is None:  # bounded before it is downloaded, as a local file is before it is read
+                try:
+                    size = await self._base.getsize(key)
+                except FileNotFoundError:
+                    return None
+                if size > self._limit(key):
+                    raise too_large(self._where(key), size, self._limit(key))
             buf = await self._base.get(key, prototype, byte_range)
             data = None if buf is None else buf.to_bytes()
         if data is None:

@@ -161,3 +161,36 @@ def test_a_damaged_chunk_read_through_the_store_names_the_tensor_and_the_file(tm
             ):
                 read(root["model/big"])
         assert np.array_equal(root["model/big"][-1], state["big"][-1].numpy())  # undamaged inner chunks read
+
+
+def test_an_oversized_document_is_refused_on_an_object_store_before_it_is_downloaded(tmp_path: Path) -> None:
+    """An array's ``zarr.json`` padded with 2 MiB of spaces (the same JSON). A local path refused it from its
+    size (1 MiB at most); an object store downloaded it whole before its parse refused it (a 10 GB document:
+    10 GB in memory). Now both refuse from the size, naming the file, and nothing is downloaded."""
+    path = tmp_path / "ck"
+    acp.save(
+        path, {"model": {"big": torch.randn(512, 256)}}, plan_options=acp.PlanOptions(min_chunk_bytes=1 << 10)
+    )
+    doc = path / "model" / "big" / "zarr.json"
+    doc.write_bytes(doc.read_bytes() + b" " * (2 << 20))
+    fetched: list[str] = []
+
+    class Watched(zarr.storage.MemoryStore):
+        async def get(self, key, prototype, byte_range=None):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+            got = await super().get(key, prototype, byte_range)
+            if got is not None and len(got) > 1 << 20:
+                fetched.append(key)
+            return got
+
+        async def getsize(self, key: str) -> int:  # an object store's HEAD (MemoryStore's reads the value)
+            if key not in self._store_dict:
+                raise FileNotFoundError(key)
+            return len(self._store_dict[key])
+
+    remote = Watched(dict(_memory_store(path)._store_dict), read_only=True)
+    for base, where in ((path, str(path)), (remote, "memory://[0-9]+")):
+        with pytest.raises(
+            CorruptCheckpointError, match=where + "/model/big/zarr.json is [0-9]+ bytes, more than"
+        ):
+            zarr.open_group(checkpoint_store(base), mode="r")["model/big"]
+    assert fetched == []
