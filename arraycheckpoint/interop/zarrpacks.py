@@ -24,6 +24,7 @@ from zarr.abc.store import ByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ..checks.bounds import MAX_PACKED_JSON_BYTES
+from ..checks.zipdir import PackMember, _parse_zip_directory, check_local_header, next_offsets
 from ..errors import CorruptCheckpointError
 from ..format.metadata import CheckpointMetadata
 from ..planning.packing import (
@@ -31,7 +32,6 @@ from ..planning.packing import (
     group_keys,
     stored_bytes,
 )
-from ..storage.ranged import TailFile, check_member_names
 from . import zarrfiles
 from .zarrfiles import _grid, _pread_fd, _span
 
@@ -45,32 +45,23 @@ _LOCAL = b"PK\x03\x04"
 
 @dataclass(frozen=True)
 class _Member:
-    """One exposed member of a pack: its central-directory entry and the bound on its size; format 6: where
-    the next member (or the directory) starts, which bounds its local header and data
+    """One exposed member of a pack: its central-directory entry, the bound on its size, and where the next
+    member (or the directory) starts, which bounds its local header and data
     (:func:`arraycheckpoint.checks.zipdir.check_local_header`, as the load checks it)."""
 
-    info: Any  # zipfile.ZipInfo (format 5), checks.zipdir.PackMember (format 6)
+    info: PackMember
     limit: int
-    following: int | None = None
+    following: int
 
 
 class _Pack:
     """The exposed members of one pack (its validated central directory) and where their bytes start."""
 
-    def __init__(self, key: str, members: dict[str, _Member], directory_at: int) -> None:
+    def __init__(self, key: str, members: dict[str, _Member]) -> None:
         self.key = key
         self.members = members
-        self.directory_at = directory_at
         # member -> offset of its bytes (from its local header, read on the member's first use)
         self.data_at: dict[str, int] = {}
-
-
-def _member_name(info: Any) -> bytes:
-    """The member's name as its local header stores it."""
-    raw = getattr(info, "raw_name", None)
-    if raw is not None:
-        return bytes(raw)
-    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
 
 
 class _PackFiles:
@@ -261,7 +252,7 @@ class PackReading:
                 for e in entries
                 if e.filename in following
             }
-            pack = _Pack(key, members, 0)
+            pack = _Pack(key, members)
             found.update((name, (pack, m)) for name, m in members.items())
         return found
 
@@ -319,45 +310,49 @@ class PackReading:
         size = await self._size(key)
         tail_at = max(0, size - min(TAIL_BYTES, size))
         tail = await self._read(key, tail_at, size)
-        try:
+        try:  # where the directory starts, to read it with the tail (the parser below checks it all)
             cd_at, cd_size = _directory_span(tail, size)
-            if cd_size > directory_bound:
-                raise zipfile.BadZipFile(
-                    f"its directory is {cd_size} bytes, more than {directory_bound} for its arrays"
-                )
-            if cd_at < tail_at:
-                tail = await self._read(key, cd_at, tail_at) + tail
-                tail_at = cd_at
-            infos = zipfile.ZipFile(TailFile(size, tail_at, tail)).infolist()
-        except (zipfile.BadZipFile, struct.error, ValueError, EOFError, NotImplementedError) as e:
+        except (zipfile.BadZipFile, struct.error):
+            cd_at, cd_size = tail_at, 0
+        if cd_size > directory_bound:
             raise CorruptCheckpointError(
-                f"{where} is not a readable ZIP archive ({e}); the pack is damaged"
-            ) from None
-        check_member_names(infos, where)  # one name per member, whichever reader reads the pack
+                f"{where} is not a ZIP archive as a save writes it: a directory of {cd_size} bytes, more than its "
+                f"arrays' take ({directory_bound}); the checkpoint is damaged or hostile"
+            )
+        if 0 <= cd_at < tail_at:
+            tail = await self._read(key, cd_at, tail_at) + tail
+
+        def beyond(_ranges: list[tuple[int, int]]) -> list[bytes]:  # never: the directory is read whole
+            return [b""]
+
+        # the load's own parser: the layout a save writes, strictly enough that every reader sees one directory
+        entries, _size, cd_at = _parse_zip_directory(where, tail, size, size, beyond, directory_bound)
+        following = next_offsets(entries, cd_at)
         members: dict[str, _Member] = {}
-        for info in infos:
+        for info in entries:
             if info.filename not in limits:
-                continue  # not an array the metadata puts in this pack: never served
+                near = self._array_of(info.filename)
+                about = f"tensor {near!r}: " if near is not None else ""
+                raise CorruptCheckpointError(
+                    f"{about}{where} holds the member {info.filename!r}, which none of its arrays has; the pack "
+                    "is damaged or hostile"
+                )
             if info.filename in members:
                 raise CorruptCheckpointError(
                     f"{where} names the member {info.filename!r} twice; the pack is damaged"
                 )
             limit = limits[info.filename]
-            if (
-                info.compress_type != zipfile.ZIP_STORED
-                or info.compress_size != info.file_size
-                or info.flag_bits & 1
-            ):
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
                 raise CorruptCheckpointError(
-                    f"member {info.filename!r} of {where} is compressed or encrypted; packs store members "
-                    "uncompressed and nothing is inflated"
+                    f"member {info.filename!r} of {where} is compressed; packs store members uncompressed and "
+                    "nothing is inflated"
                 )
-            if info.file_size > limit or info.header_offset + 30 + info.file_size > cd_at:
+            if info.file_size > limit:
                 raise CorruptCheckpointError(
-                    f"member {info.filename!r} of {where} is {info.file_size} bytes at {info.header_offset}, more "
-                    f"than its encoding can be ({limit}) or beyond the archive's data; the pack is damaged"
+                    f"member {info.filename!r} of {where} is {info.file_size} bytes, more than its encoding can be "
+                    f"({limit}); the pack is damaged"
                 )
-            members[info.filename] = _Member(info, limit)
+            members[info.filename] = _Member(info, limit, following[info.header_offset])
         counts: dict[str, int] = {}
         for k in members:
             if not k.endswith("/zarr.json"):
@@ -372,7 +367,7 @@ class PackReading:
                     f"tensor {name!r}: its pack {where} holds {counts.get(name, 0)} of its "
                     f"{chunk_count(t.shape, t.chunk_shape)} chunk(s); the pack is damaged"
                 )
-        return _Pack(key, members, cd_at)
+        return _Pack(key, members)
 
     async def _read_member(
         self, pack: _Pack, member: _Member, prototype: BufferPrototype, byte_range: ByteRequest | None
@@ -407,33 +402,16 @@ class PackReading:
         return self._fds.pread(pack.key, at + start, at + max(start, end))
 
     def _data_at(self, pack: _Pack, member: _Member, header: bytes) -> int:
-        """Where the member's bytes start, from its local ``header`` (checked against the directory entry:
-        format 6 as the load checks it); remembered in ``pack``."""
+        """Where the member's bytes start, from its local ``header``, checked against the directory entry as
+        the load checks it (:func:`arraycheckpoint.checks.zipdir.check_local_header`); remembered in ``pack``."""
         info = member.info
-        if member.following is not None:
-            from ..checks.zipdir import check_local_header
 
-            def beyond(_ranges: list[tuple[int, int]]) -> list[bytes]:  # never: the header is read whole
-                return [b""]
+        def beyond(_ranges: list[tuple[int, int]]) -> list[bytes]:  # never: the header is read whole
+            return [b""]
 
-            at = info.header_offset + check_local_header(
-                self._where(pack.key), info, header, member.following, beyond
-            )
-            pack.data_at[info.filename] = at
-            return at
-        name = _member_name(info)
-        if len(header) != 30 + len(name) or header[:4] != _LOCAL or header[30:] != name:
-            raise CorruptCheckpointError(
-                f"member {info.filename!r} of {self._where(pack.key)} has no matching local header; the pack "
-                "is damaged"
-            )
-        method, name_len, extra_len = struct.unpack("<H16xHH", header[8:30])
-        at = info.header_offset + 30 + name_len + extra_len
-        if method != zipfile.ZIP_STORED or name_len != len(name) or at + info.file_size > pack.directory_at:
-            raise CorruptCheckpointError(
-                f"member {info.filename!r} of {self._where(pack.key)} has an inconsistent local header; the "
-                "pack is damaged"
-            )
+        at = info.header_offset + check_local_header(
+            self._where(pack.key), info, header, member.following, beyond
+        )
         pack.data_at[info.filename] = at
         return at
 
@@ -442,9 +420,7 @@ def _header_reads(member: _Member) -> tuple[int, Callable[[bytes], int]]:
     """The bytes of ``member``'s local header read first, and from those first bytes, the length of the
     whole header when it fits the member's room (format 6: before the next member), else the first read's."""
     info = member.info
-    first = 30 + len(_member_name(info))
-    if member.following is None:
-        return first, lambda head: len(head)
+    first = 30 + len(info.raw_name)
     room = member.following - info.header_offset - int(info.file_size)
     first = max(0, min(first + 64, room))
 

@@ -194,3 +194,40 @@ def test_an_oversized_document_is_refused_on_an_object_store_before_it_is_downlo
         ):
             zarr.open_group(checkpoint_store(base), mode="r")["model/big"]
     assert fetched == []
+
+
+def _format5(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the format-5 fixture (a pack per group of arrays, written by f62d3f0) and its first pack."""
+    path = tmp_path / "ck"
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "format5" / "single", path)
+    return path, sorted((path / ".acp" / "packs").iterdir())[0]
+
+
+def _set_flags(pack: Path, member: str, flags: int) -> None:
+    raw = bytearray(pack.read_bytes())
+    at = raw.index(b"PK\x01\x02")
+    while raw[at + 46 : at + 46 + int.from_bytes(raw[at + 28 : at + 30], "little")] != member.encode():
+        at = raw.index(b"PK\x01\x02", at + 4)
+    raw[at + 8 : at + 10] = flags.to_bytes(2, "little")
+    pack.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["data descriptor", "foreign member"])
+def test_format5_packs_are_read_by_the_store_as_the_load_reads_them(tmp_path: Path, damage: str) -> None:
+    """Format 5: the store read a pack's directory with zipfile and its own checks, the load and verify with
+    the library's parser: a member flagged with a data descriptor (its sizes after its data: readers may take
+    them from there) or a member none of the pack's arrays has was served by the store and refused by the
+    others. Now the store parses the pack as they do and refuses the same."""
+    path, pack = _format5(tmp_path)
+    member = "extra_state/a/b/c.0.0"
+    if damage == "data descriptor":
+        _set_flags(pack, member, 0x08)
+        why = re.escape(f"{pack} is not a ZIP archive as a save writes it: member b'{member}' is encrypted")
+    else:
+        with zipfile.ZipFile(pack, "a") as zf:
+            zf.writestr("notes.txt", b"hello")
+        why = re.escape(f"{pack} holds the member 'notes.txt', which none of its arrays has")
+    report = verify(path)
+    assert not report.ok and any(re.search(why, p.message) for p in report.problems), report.problems
+    with pytest.raises(CorruptCheckpointError, match=why):
+        zarr.open_group(checkpoint_store(path), mode="r")["extra_state/a/b"][...]
