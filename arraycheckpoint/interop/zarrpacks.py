@@ -1,10 +1,16 @@
 """The packs behind :class:`~arraycheckpoint.interop.zarrstore.CheckpointStore`: ZIP directories and member bytes.
 
-A pack's central directory is read once (its tail, ranged), checked against the members the metadata puts in
-the pack (stored uncompressed, inside the archive before the directory, no larger than their encoding can be),
-and cached; a member's bytes are read by range, and on a local path through one descriptor per pack
-(:class:`_PackFiles`, opened below the root without following links, at most :data:`MAX_OPEN_PACKS` at once).
-"""
+Every pack is read as the native load reads it, by the same code, so that the store, ``verify`` and
+``acp.load`` accept and refuse the same checkpoints: a pack's central directory is read once (its tail,
+ranged) and parsed by :func:`arraycheckpoint.checks.zipdir._parse_zip_directory` (the layout a save writes),
+and each member's local header is checked on first use by
+:func:`arraycheckpoint.checks.zipdir.check_local_header`. Format 6: a rank's packs are enumerated by
+:class:`arraycheckpoint.audit.rankpacks.RankPacks` (every pack up to the first absent one, each entry a member
+that rank holds, none twice, the packs' capacity counted before a key is built per chunk), on a thread of its
+own (object stores: each read run on the store's event loop, :class:`_StoreRanges`). Format 5: the members
+the metadata puts in the pack, and nothing else. A member's bytes are read by range, and on a local path
+through one descriptor per pack (:class:`_PackFiles`, opened below the root without following links, at most
+:data:`MAX_OPEN_PACKS` at once)"""
 
 from __future__ import annotations
 
