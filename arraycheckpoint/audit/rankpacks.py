@@ -281,9 +281,8 @@ class RankPacks:
         """Every member of ``rank``'s packs (``member -> (array, chunk or -1 for its zarr.json)``), after its
         packs' capacity is checked (:func:`rank_capacity`); ``chunks_of(array)``: the chunks (flat indices)
         of the array that ``rank`` wrote."""
+        self.capacity(rank)
         docs, counts = self.holds.get(rank, ([], {}))
-        multi = {n: k for n, k in counts.items() if len(self.meta.tensors[n].writers) > 1}
-        rank_capacity(self.storage, self.base, self.meta, rank, multi, self.holds)
         out = {f"{n}/zarr.json": (n, -1) for n in docs}
         for name in counts:
             grid = _chunk_grid(self.meta.tensors[name])
@@ -291,6 +290,12 @@ class RankPacks:
                 idx = np.unravel_index(flat, grid) if grid else ()
                 out[f"{name}/" + self.separator.join(["c", *(str(int(i)) for i in idx)])] = (name, flat)
         return out
+
+    def capacity(self, rank: int) -> None:
+        """:func:`rank_capacity` of ``rank`` for every chunk its packs hold (of arrays of several chunks)."""
+        counts = self.holds.get(rank, ([], {}))[1]
+        multi = {n: k for n, k in counts.items() if len(self.meta.tensors[n].writers) > 1}
+        rank_capacity(self.storage, self.base, self.meta, rank, multi, self.holds)
 
     def check(
         self,

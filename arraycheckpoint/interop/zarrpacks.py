@@ -207,17 +207,19 @@ class PackReading:
         return found
 
     async def _capacity(self, name: str) -> None:
-        """Format 6: the packs of the ranks writing chunks of ``name`` can hold them
-        (:func:`arraycheckpoint.audit.rankpacks.check_capacity`, a local path's file sizes or an object
-        store's directory entries), before its keys are listed one per chunk; checked once per array."""
-        from ..audit.rankpacks import check_capacity
-
+        """Format 6: the packs of the ranks writing chunks of ``name`` can hold what they hold
+        (:meth:`arraycheckpoint.audit.rankpacks.RankPacks.capacity`: a local path's file sizes, an object
+        store's directory entries), before its keys are listed one per chunk; each rank checked once."""
+        writers = self._meta.tensors[name].writers
         checked = self.__dict__.setdefault("_capacity_checked", set())
-        if name not in checked and len(self._meta.tensors[name].writers) > 1:
-            await self._walking(
-                lambda walk: check_capacity(walk.storage, walk.base, self._meta, [name]), None
-            )
-        checked.add(name)
+        if len(writers) <= 1:
+            return
+        ranks = [
+            r for r in np.unique(np.asarray(getattr(writers, "array", writers))).tolist() if r not in checked
+        ]
+        if ranks:
+            await self._walking(lambda walk: [walk.capacity(r) for r in ranks], None)
+            checked.update(ranks)
 
     async def _walking(self, work: Callable[[Any], Any], rank: int | None) -> Any:
         """``work(walk)`` with a :class:`arraycheckpoint.audit.rankpacks.RankPacks` of the checkpoint, run on
