@@ -231,3 +231,44 @@ def test_format5_packs_are_read_by_the_store_as_the_load_reads_them(tmp_path: Pa
     assert not report.ok and any(re.search(why, p.message) for p in report.problems), report.problems
     with pytest.raises(CorruptCheckpointError, match=why):
         zarr.open_group(checkpoint_store(path), mode="r")["extra_state/a/b"][...]
+
+
+def _damage(ck: Path, how: str, tmp_path: Path) -> str:
+    """Damage rank 0's only pack ``how``; return what every reader's message must say."""
+    from faults.packtools import set_local_header
+
+    pack = ck / ".acp" / "packs" / "0.0.zip"
+    raw = pack.read_bytes()
+    if how == "cut directory":
+        pack.write_bytes(raw[:-30])
+        return "is not a ZIP archive as a save writes it"
+    if how == "bytes prepended":  # zipfile shifts every offset by them, tensorstore does not
+        pack.write_bytes(b"\0" * 64 + raw)
+        return "its directory does not end where its end records begin"
+    if how == "deflate in the local header":
+        set_local_header(pack, f"{W}/c.0.0", method=8)
+        return "declares compression method 8"
+    if how == "symlink":
+        outside = tmp_path / "outside.zip"
+        outside.write_bytes(raw)
+        pack.unlink()
+        pack.symlink_to(outside)
+        return "is a symlink"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    "how", ["cut directory", "bytes prepended", "deflate in the local header", "symlink"]
+)
+def test_a_damaged_pack_gets_one_answer_from_verify_load_and_store(
+    ck: Path, tmp_path: Path, how: str
+) -> None:
+    """Every reader refuses a damaged pack with the same words, naming the pack (the store had a ZIP parser
+    and messages of its own, from zipfile)."""
+    why = re.escape(f"{ck}/.acp/packs/0.0.zip") + ".*" + re.escape(_damage(ck, how, tmp_path))
+    report = verify(ck)
+    assert not report.ok and all(re.search(why, p.message) for p in report.problems), report.problems
+    with pytest.raises(CorruptCheckpointError, match=why):
+        acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in _state().items()}})
+    with pytest.raises(CorruptCheckpointError, match=why):
+        zarr.open_group(checkpoint_store(ck), mode="r")[W][...]
