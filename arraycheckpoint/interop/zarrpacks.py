@@ -330,11 +330,8 @@ class PackReading:
         if 0 <= cd_at < tail_at:
             tail = await self._read(key, cd_at, tail_at) + tail
 
-        def beyond(_ranges: list[tuple[int, int]]) -> list[bytes]:  # never: the directory is read whole
-            return [b""]
-
         # the load's own parser: the layout a save writes, strictly enough that every reader sees one directory
-        entries, _size, cd_at = _parse_zip_directory(where, tail, size, size, beyond, directory_bound)
+        entries, _size, cd_at = _parse_zip_directory(where, tail, size, size, _read_before, directory_bound)
         following = next_offsets(entries, cd_at)
         members: dict[str, _Member] = {}
         for info in entries:
@@ -414,14 +411,18 @@ class PackReading:
         the load checks it (:func:`arraycheckpoint.checks.zipdir.check_local_header`); remembered in ``pack``."""
         info = member.info
 
-        def beyond(_ranges: list[tuple[int, int]]) -> list[bytes]:  # never: the header is read whole
-            return [b""]
-
         at = info.header_offset + check_local_header(
-            self._where(pack.key), info, header, member.following, beyond
+            self._where(pack.key), info, header, member.following, _read_before
         )
         pack.data_at[info.filename] = at
         return at
+
+
+def _read_before(_ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The parser's and the local-header check's reader of bytes beyond what was read: never called, the
+    store reads a directory (and a member's local header) whole before it checks it; what it would need
+    instead reads as cut short."""
+    return [b""]
 
 
 def _header_reads(member: _Member) -> tuple[int, Callable[[bytes], int]]:

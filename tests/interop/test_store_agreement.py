@@ -8,6 +8,7 @@ the capacity check of a local path; a damaged chunk read through the store names
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -272,3 +273,25 @@ def test_a_damaged_pack_gets_one_answer_from_verify_load_and_store(
         acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in _state().items()}})
     with pytest.raises(CorruptCheckpointError, match=why):
         zarr.open_group(checkpoint_store(ck), mode="r")[W][...]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_non_file_after_a_ranks_last_pack_is_refused_alike_without_blocking(ck: Path, kind: str) -> None:
+    """A FIFO (or a directory) named ``0.1.zip`` after rank 0's last pack: every reader that reads the whole
+    rank opens it without blocking (``O_NONBLOCK``) and refuses it; verify passed it."""
+    from faults.packtools import rescuing_fifo
+
+    extra = ck / ".acp" / "packs" / "0.1.zip"
+    if kind == "fifo":
+        os.mkfifo(extra)
+    else:
+        extra.mkdir()
+    why = re.escape(f"{extra} is not a regular file")
+    with rescuing_fifo(extra, after=5.0) if kind == "fifo" else contextlib.nullcontext() as rescued:
+        report = verify(ck)
+        assert not report.ok and all(re.search(why, p.message) for p in report.problems), report.problems
+        with pytest.raises(CorruptCheckpointError, match=why):
+            acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in _state().items()}})
+        with pytest.raises(CorruptCheckpointError, match=why):
+            zarr.open_group(checkpoint_store(ck), mode="r")[W][...]
+    assert rescued is None or not rescued.is_set()  # nothing waited on the FIFO
