@@ -18,6 +18,7 @@ import asyncio
 import os
 import struct
 import threading
+import weakref
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -83,21 +84,15 @@ class _PackFiles:
         self.opens = 0  # packs opened so far (what the scale tests count)
 
     def _acquire(self, key: str) -> list[int]:
-        with self._lock:
+        with self._lock:  # opened under the lock: concurrent first reads of a pack open it once, not each
             entry = self._open.get(key)
             if entry is not None:
                 self._open.move_to_end(key)
                 entry[1] += 1
                 return entry
-        fd = zarrfiles._open_pack(self.root, key)  # looked up at call time (tests count the opens)
-        with self._lock:
+            fd = zarrfiles._open_pack(self.root, key)  # looked up at call time (tests count the opens)
             self.opens += 1
-            entry = self._open.get(key)
-            if entry is not None:  # another thread opened it meanwhile: keep theirs
-                os.close(fd)
-            else:
-                entry = self._open[key] = [fd, 0]
-            entry[1] += 1
+            entry = self._open[key] = [fd, 1]
             idle = [k for k, (_fd, busy) in self._open.items() if not busy]  # least recently used first
             for other in idle[: max(0, len(self._open) - MAX_OPEN_PACKS)]:
                 os.close(self._open.pop(other)[0])
@@ -230,7 +225,8 @@ class PackReading:
         from ..storage.local import LocalStorage
 
         loop = asyncio.get_running_loop()
-        lock = self.__dict__.setdefault("_walk_locks", {}).setdefault(id(loop), asyncio.Lock())
+        locks = self.__dict__.setdefault("_walk_locks", weakref.WeakKeyDictionary())
+        lock = locks.setdefault(loop, asyncio.Lock())  # a lock belongs to one event loop
         async with lock:
             if rank is not None and rank in self._ranks:
                 return self._ranks[rank]
