@@ -10,6 +10,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
@@ -179,13 +180,16 @@ class ChunkChecksums:
         self._indices: OrderedDict[str, dict[tuple[int, int], int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def check(self, key: str, data: bytes, n_inner: int, byte_range: ByteRequest | None, what: str) -> None:
+    def check(self, key: str, data: Any, n_inner: int, byte_range: ByteRequest | None, what: str) -> None:
         """Check ``data``, the bytes ``byte_range`` of the chunk file ``key`` of ``n_inner`` inner chunks;
         ``what`` (``tensor 'x': <file or member>``) starts the error.
 
         Raises:
             CorruptCheckpointError: a checksum that does not match, or an index entry outside the file.
         """
+        import numpy as np
+
+        data = np.frombuffer(data, np.uint8)  # slices are views: the bytes are not copied to be summed
         index_bytes = 16 * n_inner + 4
         if byte_range is None:
             spans = self._index(data[-index_bytes:], len(data) - index_bytes, index_bytes, what)
@@ -206,17 +210,17 @@ class ChunkChecksums:
                 _check_inner(data, f"inner chunk {i}", what)
 
     @staticmethod
-    def _index(index: bytes, data_end: int | None, index_bytes: int, what: str) -> dict[tuple[int, int], int]:
+    def _index(index: Any, data_end: int | None, index_bytes: int, what: str) -> dict[tuple[int, int], int]:
         """``[start, end) -> inner chunk number`` of every stored inner chunk from the shard ``index`` (its
         crc32c checked; with ``data_end``, every entry within the file's data)."""
         from ..engine.shardfile import crc32c
 
-        if len(index) != index_bytes or crc32c(index[:-4]) != int.from_bytes(index[-4:], "little"):
+        if len(index) != index_bytes or crc32c(index[:-4]) != int.from_bytes(index[-4:].tobytes(), "little"):
             raise CorruptCheckpointError(
                 f"{what}: its shard index does not match its crc32c (truncated or overwritten); the checkpoint "
                 "is damaged"
             )
-        entries = struct.unpack(f"<{(index_bytes - 4) // 8}Q", index[:-4])
+        entries = struct.unpack(f"<{(index_bytes - 4) // 8}Q", index[:-4].tobytes())
         spans: dict[tuple[int, int], int] = {}
         for i, (offset, length) in enumerate(zip(entries[::2], entries[1::2])):
             if offset == length == _EMPTY:
@@ -229,10 +233,11 @@ class ChunkChecksums:
         return spans
 
 
-def _check_inner(data: bytes, which: str, what: str) -> None:
+def _check_inner(data: Any, which: str, what: str) -> None:
+    """``data`` (a uint8 array) ends in the crc32c of the bytes before it."""
     from ..engine.shardfile import crc32c
 
-    if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
+    if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:].tobytes(), "little"):
         raise CorruptCheckpointError(
             f"{what}: {which} does not match its crc32c (stored and computed checksums differ); the "
             "checkpoint is damaged"
