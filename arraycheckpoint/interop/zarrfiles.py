@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -161,8 +160,9 @@ def _open_pack(root: str, key: str) -> int:
     return fd
 
 
-#: Shard indices a store remembers (per chunk key) to check the inner chunks zarr then reads by range.
-MAX_REMEMBERED_INDICES = 4096
+#: Inner-chunk entries of the shard indices a store remembers (per chunk key, least recently used dropped
+#: first) to check the inner chunks zarr then reads by range: 24 bytes each, 96 MiB at most.
+MAX_REMEMBERED_ENTRIES = 1 << 22
 _EMPTY = 2**64 - 1
 
 
@@ -174,10 +174,12 @@ class ChunkChecksums:
 
     A whole file is checked whole; the index, read on its own (its suffix), is checked and remembered, and an
     inner chunk read by the range the index gives is checked against its crc32c. Other ranges are served
-    unchecked (zarr-python still checks what it decodes)."""
+    unchecked (zarr-python still checks what it decodes). An index is held as numpy arrays (24 bytes per
+    inner chunk, however many a hostile layout declares), looked up by bisection."""
 
     def __init__(self) -> None:
-        self._indices: OrderedDict[str, dict[tuple[int, int], int]] = OrderedDict()
+        self._indices: OrderedDict[str, tuple[Any, Any, Any]] = OrderedDict()
+        self._entries = 0
         self._lock = threading.Lock()
 
     def check(self, key: str, data: Any, n_inner: int, byte_range: ByteRequest | None, what: str) -> None:
@@ -192,45 +194,56 @@ class ChunkChecksums:
         data = np.frombuffer(data, np.uint8)  # slices are views: the bytes are not copied to be summed
         index_bytes = 16 * n_inner + 4
         if byte_range is None:
-            spans = self._index(data[-index_bytes:], len(data) - index_bytes, index_bytes, what)
-            for (start, end), i in spans.items():
+            starts, ends, numbers = _index(data[-index_bytes:], len(data) - index_bytes, index_bytes, what)
+            for start, end, i in zip(starts.tolist(), ends.tolist(), numbers.tolist()):
                 _check_inner(data[start:end], f"inner chunk {i}", what)
         elif isinstance(byte_range, SuffixByteRequest) and byte_range.suffix == index_bytes:
             if len(data) == index_bytes:
-                spans = self._index(data, None, index_bytes, what)
+                spans = _index(data, None, index_bytes, what)
                 with self._lock:
+                    old = self._indices.pop(key, None)
+                    self._entries += len(spans[0]) - (0 if old is None else len(old[0]))
                     self._indices[key] = spans
-                    while len(self._indices) > MAX_REMEMBERED_INDICES:
-                        self._indices.popitem(last=False)
+                    while self._entries > MAX_REMEMBERED_ENTRIES and len(self._indices) > 1:
+                        self._entries -= len(self._indices.popitem(last=False)[1][0])
         elif isinstance(byte_range, RangeByteRequest):
             with self._lock:
                 spans = self._indices.get(key)
-            i = None if spans is None else spans.get((byte_range.start, byte_range.end))
-            if i is not None:
-                _check_inner(data, f"inner chunk {i}", what)
+            if spans is not None:
+                starts, ends, numbers = spans
+                j = int(np.searchsorted(starts, byte_range.start))
+                while j < len(starts) and starts[j] == byte_range.start:
+                    if ends[j] == byte_range.end:
+                        _check_inner(data, f"inner chunk {int(numbers[j])}", what)
+                        break
+                    j += 1
 
-    @staticmethod
-    def _index(index: Any, data_end: int | None, index_bytes: int, what: str) -> dict[tuple[int, int], int]:
-        """``[start, end) -> inner chunk number`` of every stored inner chunk from the shard ``index`` (its
-        crc32c checked; with ``data_end``, every entry within the file's data)."""
-        from ..engine.shardfile import crc32c
 
-        if len(index) != index_bytes or crc32c(index[:-4]) != int.from_bytes(index[-4:].tobytes(), "little"):
-            raise CorruptCheckpointError(
-                f"{what}: its shard index does not match its crc32c (truncated or overwritten); the checkpoint "
-                "is damaged"
-            )
-        entries = struct.unpack(f"<{(index_bytes - 4) // 8}Q", index[:-4].tobytes())
-        spans: dict[tuple[int, int], int] = {}
-        for i, (offset, length) in enumerate(zip(entries[::2], entries[1::2])):
-            if offset == length == _EMPTY:
-                continue
-            if data_end is not None and (length < 4 or offset + length > data_end):
-                raise CorruptCheckpointError(
-                    f"{what}: its shard index has an entry outside the file; the checkpoint is damaged"
-                )
-            spans[(offset, offset + length)] = i
-        return spans
+def _index(index: Any, data_end: int | None, index_bytes: int, what: str) -> tuple[Any, Any, Any]:
+    """The stored inner chunks of the shard ``index`` (a uint8 array; its crc32c checked): their starts
+    (sorted), ends and numbers in the index; with ``data_end``, every one within the file's data."""
+    import numpy as np
+
+    from ..engine.shardfile import crc32c
+
+    if len(index) != index_bytes or crc32c(index[:-4]) != int.from_bytes(index[-4:].tobytes(), "little"):
+        raise CorruptCheckpointError(
+            f"{what}: its shard index does not match its crc32c (truncated or overwritten); the checkpoint is "
+            "damaged"
+        )
+    entries = np.frombuffer(index[:-4].tobytes(), "<u8").reshape(-1, 2)
+    numbers = np.flatnonzero(~((entries[:, 0] == _EMPTY) & (entries[:, 1] == _EMPTY)))
+    offsets, lengths = entries[numbers, 0], entries[numbers, 1]
+    if data_end is not None and (
+        (lengths < 4).any()
+        or (offsets > data_end).any()
+        or (lengths > data_end - np.minimum(offsets, data_end)).any()
+    ):
+        raise CorruptCheckpointError(
+            f"{what}: its shard index has an entry outside the file; the checkpoint is damaged"
+        )
+    order = np.argsort(offsets, kind="stable")
+    return offsets[order], offsets[order] + lengths[order], numbers[order]
 
 
 def _check_inner(data: Any, which: str, what: str) -> None:
