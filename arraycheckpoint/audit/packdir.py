@@ -121,8 +121,6 @@ def _pack_directory(
         CorruptCheckpointError: a link, a non-regular or oversized pack, a pack that is no ZIP archive as a
             save writes it, or what ``check_members`` and the local headers refuse.
     """
-    from ..planning.packing import PACK_DIR
-
     path = f"{base}/{key}"
     if getattr(storage, "commit_strategy", "") == "rename":
         from ..checks.files import open_regular
@@ -143,9 +141,35 @@ def _pack_directory(
             return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members, deferred)
         finally:
             os.close(fd)
+    want = min(bound + 1, _PACK_TAIL_BYTES)
+    ranges = getattr(storage, "pack_ranges", None)  # a reader of its own (checkpoint_store's zarr store)
+    got = ranges(base, key, want) if ranges is not None else _kv_ranges(storage, base, key, want)
+    if got is None:
+        if missing_ok:
+            return [], None
+        raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
+    tail, size, read_remote = got
+    if size is not None:
+        _check_pack_size(path, size, bound)
+    elif want == bound + 1:  # the object holds at least bound + 1 bytes
+        _check_pack_size(path, bound + 1, bound)
+    reader = _PackReader(path, read_remote, size, tail, whole_when_cheaper=True)
+    return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members, deferred)
+
+
+#: What an object store's reader of a pack returns: its last bytes, its size when known, and a reader of
+#: byte ranges (``(offset, length)``, a length of None for the whole object).
+RangesRead = tuple[bytes, int | None, Callable[[list[tuple[int, int | None]]], list[bytes]]]
+
+
+def _kv_ranges(storage: Any, base: str, key: str, want: int) -> RangesRead | None:
+    """The last ``want`` bytes of the pack ``key`` on an object store (through tensorstore), its size when
+    it is shorter than that (read whole), and its ranged reader; None when it is absent."""
+    from ..planning.packing import PACK_DIR
+
+    path = f"{base}/{key}"
     kv = _kvstore(storage, f"{base}/{PACK_DIR}")
     leaf = key[len(PACK_DIR) + 1 :]
-    want = min(bound + 1, _PACK_TAIL_BYTES)
     size: int | None = None
     try:
         result = kv.read(leaf, byte_range=slice(-want, None)).result()
@@ -156,16 +180,9 @@ def _pack_directory(
         if result.state == "value":
             size = len(result.value)
     if result.state != "value":
-        if missing_ok:
-            return [], None
-        raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
-    tail = bytes(result.value)
-    if size is not None:
-        _check_pack_size(path, size, bound)
-    elif want == bound + 1:  # the object holds at least bound + 1 bytes
-        _check_pack_size(path, bound + 1, bound)
+        return None
 
-    def read_remote(ranges: list[tuple[int, int]]) -> list[bytes]:
+    def read_remote(ranges: list[tuple[int, int | None]]) -> list[bytes]:
         futures = [kv.read(leaf, byte_range=slice(o, o + n) if n is not None else None) for o, n in ranges]
         out = []
         for f in futures:
@@ -180,8 +197,7 @@ def _pack_directory(
             out.append(bytes(r.value))
         return out
 
-    reader = _PackReader(path, read_remote, size, tail, whole_when_cheaper=True)
-    return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members, deferred)
+    return bytes(result.value), size, read_remote
 
 
 class _PackReader:

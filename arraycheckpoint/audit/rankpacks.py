@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -146,12 +146,9 @@ def _remote_capacity_problem(
 
 
 def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -> Any:
-    """:func:`rank_capacity_problem` for every rank writing chunks of the arrays ``names`` (the chunks per rank
-    counted from the writers at once, not listed; object stores: the entries of the rank's pack directories
-    counted, above :data:`REMOTE_CAPACITY_FREE` members). Returns what every rank holds
-    (:func:`_rank_members`)."""
+    """:func:`rank_capacity` for every rank writing chunks of the arrays ``names`` (the chunks per rank
+    counted from the writers at once, not listed). Returns what every rank holds (:func:`_rank_members`)."""
     holds = _rank_members(meta)
-    local = getattr(storage, "commit_strategy", "") == "rename"
     per_rank: dict[int, dict[str, int]] = {}
     for name in names:
         writers = meta.tensors[name].writers
@@ -161,15 +158,30 @@ def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -
         for r in np.flatnonzero(counts).tolist():
             per_rank.setdefault(r, {})[name] = int(counts[r])
     for rank, chunks in per_rank.items():
-        if local:
-            problem = rank_capacity_problem(base, rank, chunks)
-        elif sum(chunks.values()) > REMOTE_CAPACITY_FREE:
-            problem = _remote_capacity_problem(storage, base, meta, rank, holds, sum(chunks.values()))
-        else:
-            problem = None
-        if problem is not None:
-            raise _naming(InconsistentCheckpointError, [f"{n}/c" for n in chunks], problem)
+        rank_capacity(storage, base, meta, rank, chunks, holds)
     return holds
+
+
+def rank_capacity(
+    storage: Any, base: str, meta: Any, rank: int, chunks: Mapping[str, int], holds: Any
+) -> None:
+    """Before a key is built per chunk: ``rank``'s packs can hold ``chunks`` (array -> its chunks there, of
+    arrays of more than one chunk): on a local file system their sizes (:func:`rank_capacity_problem`), on
+    object stores the entries of their directories, counted above :data:`REMOTE_CAPACITY_FREE` members
+    (:func:`_remote_capacity_problem`); ``holds`` is :func:`_rank_members`.
+
+    Raises:
+        InconsistentCheckpointError: naming the arrays of ``chunks``.
+    """
+    wanted = sum(chunks.values())
+    if getattr(storage, "commit_strategy", "") == "rename":
+        problem = rank_capacity_problem(base, rank, chunks)
+    elif wanted > REMOTE_CAPACITY_FREE:
+        problem = _remote_capacity_problem(storage, base, meta, rank, holds, wanted)
+    else:
+        problem = None
+    if problem is not None:
+        raise _naming(InconsistentCheckpointError, [f"{n}/c" for n in chunks], problem)
 
 
 def check_rank_packs(
@@ -207,7 +219,6 @@ def check_rank_packs(
         CorruptCheckpointError: what :func:`check_packs` refuses, for the packs of a format-6 checkpoint.
     """
     from ..format.metadata import chunk_key_separator
-    from ..planning.packing import pack_key, packs_target
 
     if not names:
         return {}
@@ -234,17 +245,75 @@ def check_rank_packs(
             idx = np.unravel_index(flat, grid) if grid else ()
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
             needed.setdefault(writers[flat], {})[key] = (name, flat)
-    # what every rank holds: from check_capacity above
-    packs = {t.pack for t in meta.tensors.values() if t.pack_rank is not None}  # a few distinct entries
-    targets = {packs_target(pack) for pack in packs}
-    target = targets.pop() if len(targets) == 1 else 0
     out: dict[str, int | None] = {}
-    per_layout: dict[Any, tuple[int, tuple[int, ...], int]] = {}  # chunk file bytes, grid, longest chunk key
+    walk = RankPacks(storage, base, meta, holds)
     for rank in sorted(needed):
-        docs, chunks = holds.get(rank, ([], {}))
-        limits, grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks, per_layout)
+        out.update(walk.check(rank, needed[rank], directories, deferred))
+    return out
+
+
+class RankPacks:
+    """The one enumeration of a rank's packs, shared by every reader of a format-6 checkpoint (the load,
+    ``verify`` and the tools through :func:`check_rank_packs`, and ``checkpoint_store``), so that they accept
+    and refuse the same checkpoints.
+
+    :meth:`check` reads the packs of a rank that hold the members read (those the metadata predicts first,
+    then every pack in order up to the first absent one while a member read is not found), each directory
+    with the checks of :func:`_check_rank_pack_members`; when every member the rank holds is read (``verify``,
+    a whole load, the zarr store), every pack up to the first absent one is read, so that a pack after the
+    last one a save wrote (a member a second time, a foreign file) is refused by each of them alike.
+    ``storage`` is a :class:`~arraycheckpoint.storage.Storage` or any object that
+    :func:`arraycheckpoint.audit.packdir._pack_directory` reads packs through (``pack_ranges``)."""
+
+    def __init__(self, storage: Any, base: str, meta: Any, holds: Any) -> None:
+        from ..format.metadata import chunk_key_separator
+        from ..planning.packing import packs_target
+
+        self.storage, self.base, self.meta, self.holds = storage, base, meta, holds
+        self.separator = chunk_key_separator(meta.format_version)
+        packs = {t.pack for t in meta.tensors.values() if t.pack_rank is not None}  # a few distinct entries
+        targets = {packs_target(pack) for pack in packs}
+        self.target = targets.pop() if len(targets) == 1 else 0
+        # chunk file bytes, grid, longest chunk key per distinct layout
+        self.per_layout: dict[Any, tuple[int, tuple[int, ...], int]] = {}
+
+    def whole_rank(self, rank: int, chunks_of: Callable[[str], np.ndarray]) -> dict[str, tuple[str, int]]:
+        """Every member of ``rank``'s packs (``member -> (array, chunk or -1 for its zarr.json)``), after its
+        packs' capacity is checked (:func:`rank_capacity`); ``chunks_of(array)``: the chunks (flat indices)
+        of the array that ``rank`` wrote."""
+        self.capacity(rank)
+        docs, counts = self.holds.get(rank, ([], {}))
+        out = {f"{n}/zarr.json": (n, -1) for n in docs}
+        for name in counts:
+            grid = _chunk_grid(self.meta.tensors[name])
+            for flat in chunks_of(name).tolist():
+                idx = np.unravel_index(flat, grid) if grid else ()
+                out[f"{name}/" + self.separator.join(["c", *(str(int(i)) for i in idx)])] = (name, flat)
+        return out
+
+    def capacity(self, rank: int) -> None:
+        """:func:`rank_capacity` of ``rank`` for every chunk its packs hold (of arrays of several chunks)."""
+        counts = self.holds.get(rank, ([], {}))[1]
+        multi = {n: k for n, k in counts.items() if len(self.meta.tensors[n].writers) > 1}
+        rank_capacity(self.storage, self.base, self.meta, rank, multi, self.holds)
+
+    def check(
+        self,
+        rank: int,
+        reading: Mapping[str, tuple[str, int]],
+        directories: dict[str, list[Any]] | None = None,
+        deferred: dict[str, dict[str, int]] | None = None,
+    ) -> dict[str, int | None]:
+        """Read and check ``rank``'s packs holding the members ``reading`` (see the class docstring and
+        :func:`check_rank_packs` for ``directories`` and ``deferred``); ``pack key -> size`` of those read."""
+        from ..planning.packing import pack_key
+
+        meta, base = self.meta, self.base
+        docs, chunks = self.holds.get(rank, ([], {}))
+        limits, grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks, self.per_layout)
         seen: set[str] = set()
-        reading = set(needed[rank])
+        wanted = set(reading)
+        whole = len(wanted) >= members  # every member the rank holds: every pack up to the first absent
         check = functools.partial(
             _check_rank_pack_members,
             meta,
@@ -252,27 +321,28 @@ def check_rank_packs(
             docs=set(docs),
             grids=grids,
             limits=limits,
-            reading=reading,
+            reading=wanted,
             seen=seen,
-            separator=separator,
+            separator=self.separator,
         )
         # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
-        # order up to the first absent one, only when a member read is not there
-        where_of = _predicted_packs(meta, rank, needed[rank], docs, chunks, target)
+        # order up to the first absent one, only when a member read is not there (or every member is read)
+        where_of = _predicted_packs(meta, rank, reading, docs, chunks, self.target)
         probe = itertools.chain(  # lazily: the rank may hold millions of members of arrays not read
             ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
         )
+        out: dict[str, int | None] = {}
         opened: set[int] = set()
         for k, probing in probe:
             if k in opened:
                 continue
-            if probing and not reading - seen:
+            if probing and not whole and not wanted - seen:
                 break
             opened.add(k)
             key = pack_key(rank, k)
             try:
                 entries, size = packdir._pack_directory(
-                    storage,
+                    self.storage,
                     base,
                     key,
                     bound,
@@ -285,21 +355,23 @@ def check_rank_packs(
                 if str(e).startswith("tensor '"):
                     raise
                 # the members this pack was opened for (all not found yet when probing past the predicted ones)
-                concerned = reading - seen if probing else {m for m, at in where_of.items() if at == k}
-                raise _naming(type(e), concerned or reading, str(e)) from None
+                concerned = wanted - seen if probing else {m for m, at in where_of.items() if at == k}
+                raise _naming(type(e), concerned or wanted, str(e)) from None
             if size is None and not entries:
                 if probing:
                     break
                 continue  # reported below as missing members
             if k == members:
-                raise CorruptCheckpointError(
+                raise _naming(
+                    CorruptCheckpointError,
+                    wanted,
                     f"{base}/{key} exists, but rank {rank}'s {members} packed member(s) fill at most "
-                    f"{members} pack(s); the checkpoint is damaged or hostile"
+                    f"{members} pack(s); the checkpoint is damaged or hostile",
                 )
             out[key] = size
             if directories is not None:
                 directories[key] = entries
-        missing = sorted(reading - seen)
+        missing = sorted(wanted - seen)
         if missing:
             at = where_of.get(missing[0])
             expected = f", expected in {base}/{pack_key(rank, at)}" if at is not None else ""
@@ -316,7 +388,7 @@ def check_rank_packs(
                     "the checkpoint is damaged (a pack lost or cut short)"
                 )
             raise err
-    return out
+        return out
 
 
 def _predicted_packs(
@@ -425,9 +497,11 @@ def _check_rank_pack_members(
     for e in entries:
         name = e.filename
         if name in seen:
-            raise CorruptCheckpointError(
+            raise _naming(
+                CorruptCheckpointError,
+                [name],
                 f"{where} holds the member {name!r} a second time (in this or another of rank {rank}'s "
-                "packs); the pack is damaged or hostile"
+                "packs); the pack is damaged or hostile",
             )
         seen.add(name)
         array, _, leaf = name.rpartition("/")

@@ -1,10 +1,16 @@
 """The packs behind :class:`~arraycheckpoint.interop.zarrstore.CheckpointStore`: ZIP directories and member bytes.
 
-A pack's central directory is read once (its tail, ranged), checked against the members the metadata puts in
-the pack (stored uncompressed, inside the archive before the directory, no larger than their encoding can be),
-and cached; a member's bytes are read by range, and on a local path through one descriptor per pack
-(:class:`_PackFiles`, opened below the root without following links, at most :data:`MAX_OPEN_PACKS` at once).
-"""
+Every pack is read as the native load reads it, by the same code, so that the store, ``verify`` and
+``acp.load`` accept and refuse the same checkpoints: a pack's central directory is read once (its tail,
+ranged) and parsed by :func:`arraycheckpoint.checks.zipdir._parse_zip_directory` (the layout a save writes),
+and each member's local header is checked on first use by
+:func:`arraycheckpoint.checks.zipdir.check_local_header`. Format 6: a rank's packs are enumerated by
+:class:`arraycheckpoint.audit.rankpacks.RankPacks` (every pack up to the first absent one, each entry a member
+that rank holds, none twice, the packs' capacity counted before a key is built per chunk), on a thread of its
+own (object stores: each read run on the store's event loop, :class:`_StoreRanges`). Format 5: the members
+the metadata puts in the pack, and nothing else. A member's bytes are read by range, and on a local path
+through one descriptor per pack (:class:`_PackFiles`, opened below the root without following links, at most
+:data:`MAX_OPEN_PACKS` at once)"""
 
 from __future__ import annotations
 
@@ -12,26 +18,27 @@ import asyncio
 import os
 import struct
 import threading
+import weakref
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from zarr.abc.store import ByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from ..checks.bounds import MAX_PACKED_JSON_BYTES
+from ..checks.zipdir import PackMember, _parse_zip_directory, check_local_header, next_offsets
 from ..errors import CorruptCheckpointError
 from ..format.metadata import CheckpointMetadata
 from ..planning.packing import (
-    PACK_DIR,
     chunk_count,
-    chunk_file_bytes,
     group_keys,
-    pack_key,
     stored_bytes,
 )
-from ..storage.ranged import TailFile, check_member_names
 from . import zarrfiles
 from .zarrfiles import _grid, _pread_fd, _span
 
@@ -45,26 +52,23 @@ _LOCAL = b"PK\x03\x04"
 
 @dataclass(frozen=True)
 class _Member:
-    """One exposed member of a pack: its central-directory entry and the bound on its size."""
+    """One exposed member of a pack: its central-directory entry, the bound on its size, and where the next
+    member (or the directory) starts, which bounds its local header and data
+    (:func:`arraycheckpoint.checks.zipdir.check_local_header`, as the load checks it)."""
 
-    info: zipfile.ZipInfo
+    info: PackMember
     limit: int
+    following: int
 
 
 class _Pack:
     """The exposed members of one pack (its validated central directory) and where their bytes start."""
 
-    def __init__(self, key: str, members: dict[str, _Member], directory_at: int) -> None:
+    def __init__(self, key: str, members: dict[str, _Member]) -> None:
         self.key = key
         self.members = members
-        self.directory_at = directory_at
         # member -> offset of its bytes (from its local header, read on the member's first use)
         self.data_at: dict[str, int] = {}
-
-
-def _member_name(info: zipfile.ZipInfo) -> bytes:
-    """The member's name as its local header stores it."""
-    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
 
 
 class _PackFiles:
@@ -80,21 +84,15 @@ class _PackFiles:
         self.opens = 0  # packs opened so far (what the scale tests count)
 
     def _acquire(self, key: str) -> list[int]:
-        with self._lock:
+        with self._lock:  # opened under the lock: concurrent first reads of a pack open it once, not each
             entry = self._open.get(key)
             if entry is not None:
                 self._open.move_to_end(key)
                 entry[1] += 1
                 return entry
-        fd = zarrfiles._open_pack(self.root, key)  # looked up at call time (tests count the opens)
-        with self._lock:
+            fd = zarrfiles._open_pack(self.root, key)  # looked up at call time (tests count the opens)
             self.opens += 1
-            entry = self._open.get(key)
-            if entry is not None:  # another thread opened it meanwhile: keep theirs
-                os.close(fd)
-            else:
-                entry = self._open[key] = [fd, 0]
-            entry[1] += 1
+            entry = self._open[key] = [fd, 1]
             idle = [k for k, (_fd, busy) in self._open.items() if not busy]  # least recently used first
             for other in idle[: max(0, len(self._open) - MAX_OPEN_PACKS)]:
                 os.close(self._open.pop(other)[0])
@@ -122,11 +120,14 @@ class _PackFiles:
         finally:
             self._release(entry)
 
+    #: ``os.close``, kept where interpreter shutdown (which clears module globals first) still finds it
+    _close_fd = staticmethod(os.close)
+
     def close(self) -> None:
         """Close every descriptor (the store's ``close``)."""
         with self._lock:
             for fd, _busy in self._open.values():
-                os.close(fd)
+                self._close_fd(fd)
             self._open.clear()
 
     def __del__(self) -> None:
@@ -190,61 +191,73 @@ class PackReading:
         return order[np.searchsorted(ranks, rank, "left") : np.searchsorted(ranks, rank, "right")]
 
     async def _rank(self, rank: int) -> dict[str, tuple[_Pack, _Member]]:
-        """Format 6: every member of ``rank``'s packs (``<rank>.0.zip``, ``<rank>.1.zip``, ... up to the first
-        absent one), each pack's directory read and checked once: every entry must be a member that rank
-        holds (none twice), and every member it holds must be there."""
+        """Format 6: every member of ``rank``'s packs, each pack's directory read and checked once by the
+        enumeration every reader shares (:class:`arraycheckpoint.audit.rankpacks.RankPacks`: the load and
+        ``verify`` accept and refuse what this store does), after the packs' capacity is checked (before a
+        key is built per chunk)."""
         found = self._ranks.get(rank)
-        if found is not None:
-            return found
-        from ..audit.rankpacks import rank_capacity_problem
-        from ..codecs import numpy_dtype
+        if found is None:
+            found = await self._walking(lambda walk: self._walk_rank(walk, rank), rank)
+            self._ranks[rank] = found
+        return found
 
-        mine_of = {
-            n: self._chunks_of(n, rank) for n in self._packed if self._meta.tensors[n].pack_rank is not None
-        }
-        if self._local is not None:  # before a key is built per chunk: the packs can hold that many
-            chunks = {
-                n: len(m) for n, m in mine_of.items() if len(m) and len(self._meta.tensors[n].writers) > 1
+    async def _capacity(self, name: str) -> None:
+        """Format 6: the packs of the ranks writing chunks of ``name`` can hold what they hold
+        (:meth:`arraycheckpoint.audit.rankpacks.RankPacks.capacity`: a local path's file sizes, an object
+        store's directory entries), before its keys are listed one per chunk; each rank checked once."""
+        writers = self._meta.tensors[name].writers
+        checked = self.__dict__.setdefault("_capacity_checked", set())
+        if len(writers) <= 1:
+            return
+        ranks = [
+            r for r in np.unique(np.asarray(getattr(writers, "array", writers))).tolist() if r not in checked
+        ]
+        if ranks:
+            await self._walking(lambda walk: [walk.capacity(r) for r in ranks], None)
+            checked.update(ranks)
+
+    async def _walking(self, work: Callable[[Any], Any], rank: int | None) -> Any:
+        """``work(walk)`` with a :class:`arraycheckpoint.audit.rankpacks.RankPacks` of the checkpoint, run on
+        a thread of its own, one at a time (a walk waits on reads run on this loop, which may need the
+        default executor's threads, as fsspec's wrapped file systems do: walks there could take them all);
+        ``rank``: a rank whose packs a finished walk may have read already (:meth:`_rank`)."""
+        from ..audit.rankpacks import RankPacks, _rank_members
+        from ..storage.local import LocalStorage
+
+        loop = asyncio.get_running_loop()
+        locks = self.__dict__.setdefault("_walk_locks", weakref.WeakKeyDictionary())
+        lock = locks.setdefault(loop, asyncio.Lock())  # a lock belongs to one event loop
+        async with lock:
+            if rank is not None and rank in self._ranks:
+                return self._ranks[rank]
+            pool = self.__dict__.get("_walk_pool")
+            if pool is None:
+                pool = self.__dict__["_walk_pool"] = ThreadPoolExecutor(1, thread_name_prefix="acp-store")
+            holds = self.__dict__.get("_holds")
+            if holds is None:
+                holds = self.__dict__["_holds"] = _rank_members(self._meta)
+            if self._local is not None:
+                walk = RankPacks(LocalStorage(), self._local, self._meta, holds)
+            else:
+                walk = RankPacks(_StoreRanges(self, loop), str(self._base).rstrip("/"), self._meta, holds)
+            return await loop.run_in_executor(pool, work, walk)
+
+    def _walk_rank(self, walk: Any, rank: int) -> dict[str, tuple[_Pack, _Member]]:
+        """:meth:`_rank` in the walks' thread."""
+        reading = walk.whole_rank(rank, lambda name: self._chunks_of(name, rank))
+        directories: dict[str, list[Any]] = {}
+        deferred: dict[str, dict[str, int]] = {}
+        walk.check(rank, reading, directories, deferred)
+        found: dict[str, tuple[_Pack, _Member]] = {}
+        for key, entries in directories.items():
+            following = deferred.get(key, {})
+            members = {
+                e.filename: _Member(e, e.file_size, following[e.filename])
+                for e in entries
+                if e.filename in following
             }
-            problem = rank_capacity_problem(self._local, rank, chunks)
-            if problem is not None:
-                raise CorruptCheckpointError(f"tensors {sorted(chunks)[:3]}: {problem}")
-        limits: dict[str, int] = {}
-        for name, mine in mine_of.items():
-            t = self._meta.tensors[name]
-            if t.pack_rank == rank:
-                limits[f"{name}/zarr.json"] = MAX_PACKED_JSON_BYTES
-            if len(mine):
-                per_chunk = chunk_file_bytes(t, numpy_dtype(t.dtype).itemsize)
-                grid = [-(-s // c) for s, c in zip(t.shape, t.chunk_shape)]
-                for flat in mine.tolist():
-                    index = [int(i) for i in np.unravel_index(flat, grid)] if grid else []
-                    limits[f"{name}/{self._sep.join(['c', *map(str, index)])}"] = per_chunk
-        found = {}
-        for k in range(len(limits) + 1):
-            key = pack_key(rank, k)
-            if not await self._exists_object(key):
-                break
-            if k == len(limits):
-                raise CorruptCheckpointError(
-                    f"{self._where(key)} exists, but rank {rank}'s {len(limits)} packed member(s) fill at most "
-                    f"{len(limits)} pack(s); the checkpoint is damaged or hostile"
-                )
-            pack = await self._read_directory(key, limits)
-            for member, m in pack.members.items():
-                if member in found:
-                    raise CorruptCheckpointError(
-                        f"{self._where(key)} holds the member {member!r} a second time (in another of rank "
-                        f"{rank}'s packs); the pack is damaged or hostile"
-                    )
-                found[member] = (pack, m)
-        missing = sorted(set(limits) - set(found))
-        if missing:
-            raise CorruptCheckpointError(
-                f"tensor {missing[0].rpartition('/')[0]!r}: {missing[0]} is in none of rank {rank}'s packs "
-                f"({self._where(PACK_DIR)}/{rank}.<k>.zip); the checkpoint is damaged"
-            )
-        self._ranks[rank] = found
+            pack = _Pack(key, members)
+            found.update((name, (pack, m)) for name, m in members.items())
         return found
 
     # Packs ------------------------------------------------------------------------------------------------
@@ -279,15 +292,13 @@ class PackReading:
     def _where(self, key: str) -> str:
         return f"{self._local or self._base}/{key}"
 
-    async def _read_directory(self, key: str, rank_limits: dict[str, int] | None = None) -> _Pack:
-        """Read and check the central directory of the pack ``key`` (see the module docstring); format 6:
-        ``rank_limits`` (member -> largest size) lists every member the pack's rank holds, and an entry
-        outside it is damage."""
+    async def _read_directory(self, key: str) -> _Pack:
+        """Format 5: read and check the central directory of the pack ``key`` (see the module docstring)."""
         from ..codecs import numpy_dtype
 
         where = self._where(key)
-        names = self._in_pack.get(key, []) if rank_limits is None else []
-        limits: dict[str, int] = dict(rank_limits or {})
+        names = self._in_pack.get(key, [])
+        limits: dict[str, int] = {}
         for name in names:
             t = self._meta.tensors[name]
             chunks = chunk_count(t.shape, t.chunk_shape)
@@ -303,50 +314,46 @@ class PackReading:
         size = await self._size(key)
         tail_at = max(0, size - min(TAIL_BYTES, size))
         tail = await self._read(key, tail_at, size)
-        try:
+        try:  # where the directory starts, to read it with the tail (the parser below checks it all)
             cd_at, cd_size = _directory_span(tail, size)
-            if cd_size > directory_bound:
-                raise zipfile.BadZipFile(
-                    f"its directory is {cd_size} bytes, more than {directory_bound} for its arrays"
-                )
-            if cd_at < tail_at:
-                tail = await self._read(key, cd_at, tail_at) + tail
-                tail_at = cd_at
-            infos = zipfile.ZipFile(TailFile(size, tail_at, tail)).infolist()
-        except (zipfile.BadZipFile, struct.error, ValueError, EOFError, NotImplementedError) as e:
+        except (zipfile.BadZipFile, struct.error):
+            cd_at, cd_size = tail_at, 0
+        if cd_size > directory_bound:
             raise CorruptCheckpointError(
-                f"{where} is not a readable ZIP archive ({e}); the pack is damaged"
-            ) from None
-        check_member_names(infos, where)  # one name per member, whichever reader reads the pack
+                f"{where} is not a ZIP archive as a save writes it: a directory of {cd_size} bytes, more than its "
+                f"arrays' take ({directory_bound}); the checkpoint is damaged or hostile"
+            )
+        if 0 <= cd_at < tail_at:
+            tail = await self._read(key, cd_at, tail_at) + tail
+
+        # the load's own parser: the layout a save writes, strictly enough that every reader sees one directory
+        entries, _size, cd_at = _parse_zip_directory(where, tail, size, size, _read_before, directory_bound)
+        following = next_offsets(entries, cd_at)
         members: dict[str, _Member] = {}
-        for info in infos:
+        for info in entries:
             if info.filename not in limits:
-                if rank_limits is not None:
-                    raise CorruptCheckpointError(
-                        f"{where} holds the member {info.filename!r}, which its rank did not write (a chunk of "
-                        "another writer or outside the grid, or a foreign file); the pack is damaged or hostile"
-                    )
-                continue  # not an array the metadata puts in this pack: never served
+                near = self._array_of(info.filename)
+                about = f"tensor {near!r}: " if near is not None else ""
+                raise CorruptCheckpointError(
+                    f"{about}{where} holds the member {info.filename!r}, which none of its arrays has; the pack "
+                    "is damaged or hostile"
+                )
             if info.filename in members:
                 raise CorruptCheckpointError(
                     f"{where} names the member {info.filename!r} twice; the pack is damaged"
                 )
             limit = limits[info.filename]
-            if (
-                info.compress_type != zipfile.ZIP_STORED
-                or info.compress_size != info.file_size
-                or info.flag_bits & 1
-            ):
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
                 raise CorruptCheckpointError(
-                    f"member {info.filename!r} of {where} is compressed or encrypted; packs store members "
-                    "uncompressed and nothing is inflated"
+                    f"member {info.filename!r} of {where} is compressed; packs store members uncompressed and "
+                    "nothing is inflated"
                 )
-            if info.file_size > limit or info.header_offset + 30 + info.file_size > cd_at:
+            if info.file_size > limit:
                 raise CorruptCheckpointError(
-                    f"member {info.filename!r} of {where} is {info.file_size} bytes at {info.header_offset}, more "
-                    f"than its encoding can be ({limit}) or beyond the archive's data; the pack is damaged"
+                    f"member {info.filename!r} of {where} is {info.file_size} bytes, more than its encoding can be "
+                    f"({limit}); the pack is damaged"
                 )
-            members[info.filename] = _Member(info, limit)
+            members[info.filename] = _Member(info, limit, following[info.header_offset])
         counts: dict[str, int] = {}
         for k in members:
             if not k.endswith("/zarr.json"):
@@ -361,7 +368,7 @@ class PackReading:
                     f"tensor {name!r}: its pack {where} holds {counts.get(name, 0)} of its "
                     f"{chunk_count(t.shape, t.chunk_shape)} chunk(s); the pack is damaged"
                 )
-        return _Pack(key, members, cd_at)
+        return _Pack(key, members)
 
     async def _read_member(
         self, pack: _Pack, member: _Member, prototype: BufferPrototype, byte_range: ByteRequest | None
@@ -369,42 +376,108 @@ class PackReading:
         info = member.info
         start, end = _span(byte_range, int(info.file_size))
         if self._fds is not None:  # a local pack: its header (first use) and the bytes in one worker call
-            data = await asyncio.to_thread(self._member_bytes_local, pack, info, start, end)
+            data = await asyncio.to_thread(self._member_bytes_local, pack, member, start, end)
             return prototype.buffer.from_bytes(data)
         at = pack.data_at.get(info.filename)
         if at is None:
-            name = _member_name(info)
-            header = await self._read(pack.key, info.header_offset, info.header_offset + 30 + len(name))
-            at = self._data_at(pack, info, header)
+            first, whole = _header_reads(member)
+            header = await self._read(pack.key, info.header_offset, info.header_offset + first)
+            if whole(header) > len(header):  # an extra field beyond the first read, within the member's room
+                header = await self._read(pack.key, info.header_offset, info.header_offset + whole(header))
+            at = self._data_at(pack, member, header)
         data = await self._read(pack.key, at + start, at + max(start, end))
         return prototype.buffer.from_bytes(data)
 
-    def _member_bytes_local(self, pack: _Pack, info: zipfile.ZipInfo, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the member ``info`` of the local pack ``pack`` (its local header checked
-        on first use), through the pack's one descriptor."""
+    def _member_bytes_local(self, pack: _Pack, member: _Member, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the member ``member`` of the local pack ``pack`` (its local header
+        checked on first use), through the pack's one descriptor."""
         assert self._fds is not None
+        info = member.info
         at = pack.data_at.get(info.filename)
         if at is None:
-            name = _member_name(info)
-            header = self._fds.pread(pack.key, info.header_offset, info.header_offset + 30 + len(name))
-            at = self._data_at(pack, info, header)
+            first, whole = _header_reads(member)
+            header = self._fds.pread(pack.key, info.header_offset, info.header_offset + first)
+            if whole(header) > len(header):
+                header = self._fds.pread(pack.key, info.header_offset, info.header_offset + whole(header))
+            at = self._data_at(pack, member, header)
         return self._fds.pread(pack.key, at + start, at + max(start, end))
 
-    def _data_at(self, pack: _Pack, info: zipfile.ZipInfo, header: bytes) -> int:
-        """Where the member ``info``'s bytes start, from its local ``header`` (checked against the directory
-        entry); remembered in ``pack``."""
-        name = _member_name(info)
-        if len(header) != 30 + len(name) or header[:4] != _LOCAL or header[30:] != name:
-            raise CorruptCheckpointError(
-                f"member {info.filename!r} of {self._where(pack.key)} has no matching local header; the pack "
-                "is damaged"
-            )
-        method, name_len, extra_len = struct.unpack("<H16xHH", header[8:30])
-        at = info.header_offset + 30 + name_len + extra_len
-        if method != zipfile.ZIP_STORED or name_len != len(name) or at + info.file_size > pack.directory_at:
-            raise CorruptCheckpointError(
-                f"member {info.filename!r} of {self._where(pack.key)} has an inconsistent local header; the "
-                "pack is damaged"
-            )
+    def _data_at(self, pack: _Pack, member: _Member, header: bytes) -> int:
+        """Where the member's bytes start, from its local ``header``, checked against the directory entry as
+        the load checks it (:func:`arraycheckpoint.checks.zipdir.check_local_header`); remembered in ``pack``."""
+        info = member.info
+
+        at = info.header_offset + check_local_header(
+            self._where(pack.key), info, header, member.following, _read_before
+        )
         pack.data_at[info.filename] = at
         return at
+
+
+def _read_before(_ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The parser's and the local-header check's reader of bytes beyond what was read: never called, the
+    store reads a directory (and a member's local header) whole before it checks it; what it would need
+    instead reads as cut short."""
+    return [b""]
+
+
+def _header_reads(member: _Member) -> tuple[int, Callable[[bytes], int]]:
+    """The bytes of ``member``'s local header read first, and from those first bytes, the length of the
+    whole header when it fits the member's room (format 6: before the next member), else the first read's."""
+    info = member.info
+    first = 30 + len(info.raw_name)
+    room = member.following - info.header_offset - int(info.file_size)
+    first = max(0, min(first + 64, room))
+
+    def whole(head: bytes) -> int:
+        if len(head) < 30:
+            return len(head)
+        name_len, extra_len = struct.unpack_from("<HH", head, 26)
+        need = 30 + name_len + extra_len
+        return need if len(head) < need <= room else len(head)
+
+    return first, whole
+
+
+class _StoreRanges:
+    """The reads of an object store's packs for :class:`arraycheckpoint.audit.rankpacks.RankPacks`, through
+    the store's zarr store (``pack_ranges``, what :func:`arraycheckpoint.audit.packdir._pack_directory` reads
+    a pack with), from a worker thread, each read run on the store's event loop ``loop``."""
+
+    commit_strategy = "marker"
+
+    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.store, self.loop = store, loop
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def pack_ranges(
+        self, base: str, key: str, want: int
+    ) -> tuple[bytes, int | None, Callable[[list[tuple[int, int | None]]], list[bytes]]] | None:
+        """The last ``want`` bytes of the pack ``key``, its size and a reader of its byte ranges; None when
+        it is absent."""
+        store = self.store
+
+        async def tail() -> tuple[int, bytes] | None:
+            if not await store._exists_object(key):
+                return None
+            size = await store._size(key)
+            return size, await store._read(key, max(0, size - want), size)
+
+        got = self._run(tail())
+        if got is None:
+            return None
+        size, last = got
+
+        def read(ranges: list[tuple[int, int | None]]) -> list[bytes]:
+            async def every() -> list[bytes]:
+                return list(
+                    await asyncio.gather(
+                        *(store._read(key, o, size if n is None else o + n) for o, n in ranges)
+                    )
+                )
+
+            return self._run(every())
+
+        return last, size, read

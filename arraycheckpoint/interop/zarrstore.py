@@ -52,7 +52,16 @@ from ..planning.packing import (
     PACK_KEY,
     chunk_file_bytes,
 )
-from .zarrfiles import _chunk_flat, _control_read, _exists_below, _grid, _read_file_below, _size_below
+from .zarrfiles import (
+    ChunkChecksums,
+    _chunk_flat,
+    _control_read,
+    _exists_below,
+    _grid,
+    _read_file_below,
+    _size_below,
+    too_large,
+)
 from .zarrpacks import PackReading, _Member, _Pack, _PackFiles
 
 __all__ = ["CheckpointStore", "checkpoint_store"]
@@ -133,6 +142,7 @@ class CheckpointStore(PackReading, Store):
         self._sep = chunk_key_separator(meta.format_version)
         # local packs: one descriptor per pack, opened (below the root, no link, a regular file) on first use
         self._fds = _PackFiles(local_root) if local_root is not None else None
+        self._checksums = ChunkChecksums()
 
     @classmethod
     async def open_checkpoint(cls, base: Store, local_root: str | None = None) -> CheckpointStore:
@@ -187,6 +197,9 @@ class CheckpointStore(PackReading, Store):
     def close(self) -> None:
         if self._fds is not None:
             self._fds.close()
+        pool = self.__dict__.pop("_walk_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
         self._base.close()
         super().close()
 
@@ -245,7 +258,9 @@ class CheckpointStore(PackReading, Store):
             found = await self._member(key)
             if found is not None:
                 buf = await self._read_member(*found, prototype, byte_range)
-                self._check_doc(key, buf.to_bytes(), byte_range)
+                if key.endswith("zarr.json"):
+                    self._check_doc(key, buf.to_bytes(), byte_range)
+                self._check_chunk(key, buf, byte_range, f"{key} in {self._where(found[0].key)}")
                 return buf
             if self._served_by_pack(key):
                 return None
@@ -259,12 +274,40 @@ class CheckpointStore(PackReading, Store):
                 size = await self._base.getsize(key)
                 tail = await self._base.get(key, prototype, SuffixByteRequest(min(shard[0], size)))
                 shard[1](size, b"" if tail is None else tail.to_bytes())
+            elif byte_range is None:  # bounded before it is downloaded, as a local file is before it is read
+                try:
+                    size = await self._base.getsize(key)
+                except FileNotFoundError:
+                    return None
+                if size > self._limit(key):
+                    raise too_large(self._where(key), size, self._limit(key))
             buf = await self._base.get(key, prototype, byte_range)
             data = None if buf is None else buf.to_bytes()
         if data is None:
             return None
         self._check_doc(key, data, byte_range)
+        self._check_chunk(key, data, byte_range, self._where(key))
         return prototype.buffer.from_bytes(data)
+
+    def _check_chunk(
+        self, key: str, data: bytes | Buffer, byte_range: ByteRequest | None, where: str
+    ) -> None:
+        """What is served of a chunk file (``where``: the file, or the member and its pack) passes its
+        crc32c checks before zarr-python decodes it (:class:`~.zarrfiles.ChunkChecksums`), so that damage is
+        an error naming the tensor and the file."""
+        at = key.rfind("/")
+        while at > 0:
+            t = self._meta.tensors.get(key[:at])
+            if t is not None:
+                break
+            at = key.rfind("/", 0, at)
+        else:
+            return
+        if _chunk_flat(key[at + 1 :], tuple(t.shape), tuple(t.chunk_shape), self._sep) is None:
+            return
+        n_inner = math.prod(c // i for c, i in zip(t.chunk_shape, t.inner_chunk_shape))
+        raw = data if isinstance(data, bytes) else data.as_numpy_array()  # no copy
+        self._checksums.check(key, raw, n_inner, byte_range, f"tensor {t.name!r}: {where}")
 
     def _limit(self, key: str) -> int:
         """The largest a valid checkpoint's file ``key`` can be: a chunk file of its array's encoding, an
@@ -448,6 +491,7 @@ class CheckpointStore(PackReading, Store):
         if t.pack_rank is None:
             pack = await self._pack(self._packed[name])
             return [k for k in pack.members if k.startswith(name + "/")]
+        await self._capacity(name)  # the packs can hold the grid declared, before a key is built per chunk
         return [f"{name}/zarr.json"] + [
             f"{name}/{self._sep.join(['c', *map(str, index)])}" for index in _grid(t.shape, t.chunk_shape)
         ]

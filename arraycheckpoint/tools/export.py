@@ -344,6 +344,11 @@ def export_safetensors(
     from safetensors.numpy import save_file
 
     out_dir = os.fspath(out_dir)
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):  # a file, a FIFO, a broken link
+        raise ArrayCheckpointError(
+            f"{out_dir} exists and is not a directory; safetensors are exported into a directory (or pass "
+            "--format torch for one file)"
+        )
     os.makedirs(out_dir, exist_ok=True)
     stale = sorted(glob.glob(os.path.join(out_dir, "*.safetensors")))
     for name in (INDEX_FILE, *(extra_files or {})):

@@ -90,6 +90,12 @@ def test_export_usage_errors(fsdp2_ckpt, tmp_path):
         "the path does not exist"
         in cli("export", str(tmp_path / "nothing"), str(tmp_path / "y"), check=2).stderr
     )
+    # an output that exists and is no directory (a file, a FIFO): a clear error, never a traceback (exit 3)
+    (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    for out in ("file", "fifo"):
+        err = cli("export", path, str(tmp_path / out), check=2).stderr
+        assert "exists and is not a directory" in err and "Traceback" not in err, err
 
 
 def test_metrics_table_json_and_plot(fsdp2_ckpt, tmp_path):

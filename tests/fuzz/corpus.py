@@ -189,7 +189,7 @@ def _add_unicode_path(pack: Path, victim: bytes, other: bytes) -> None:
 def _add_member(pack: Path, name: str) -> None:
     import zipfile
 
-    with zipfile.ZipFile(pack, "a") as zf:
+    with zipfile.ZipFile(pack, "a" if pack.exists() else "w") as zf:
         zf.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), b"x" * 16)
 
 
@@ -431,6 +431,12 @@ def _items() -> list[Item]:
             "pack_member_dotdot",
             "native",
             _on("packed", lambda d, o: _add_member(d / PACK, "../../outside/evil")),
+            may_pass=data,
+        ),
+        Item(
+            "pack_after_last_duplicate",  # a second model/w chunk in a pack after rank 0's last: verify passed it
+            "native",
+            _on("packed", lambda d, o: _add_member(d / ".acp/packs/0.1.zip", f"{W}/c.0.0")),
             may_pass=data,
         ),
         Item(

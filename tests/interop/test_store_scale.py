@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 zarr = pytest.importorskip("zarr")
 
 import arraycheckpoint as acp  # noqa: E402
-from arraycheckpoint.interop import zarrfiles, zarrpacks, zarrstore  # noqa: E402
+from arraycheckpoint.audit import packdir  # noqa: E402
+from arraycheckpoint.interop import zarrfiles, zarrpacks  # noqa: E402
 from arraycheckpoint.planning.plan import PlanOptions  # noqa: E402
 from arraycheckpoint.zarr import checkpoint_store  # noqa: E402
 
@@ -47,14 +48,16 @@ def test_reading_many_packed_chunks_opens_each_pack_once(
         return real_open(root, key)
 
     directories: list[str] = []
-    real_directory = zarrstore.CheckpointStore._read_directory
+    real_directory = packdir._pack_directory
 
-    async def counted_directory(self: zarrstore.CheckpointStore, key: str, *args: object) -> object:
-        directories.append(key)
-        return await real_directory(self, key, *args)
+    def counted_directory(storage: object, base: str, key: str, *args: object, **kwargs: object) -> object:
+        entries, size = real_directory(storage, base, key, *args, **kwargs)
+        if size is not None:  # not the probe past the last pack
+            directories.append(key)
+        return entries, size
 
     monkeypatch.setattr(zarrfiles, "_open_pack", counted_open)
-    monkeypatch.setattr(zarrstore.CheckpointStore, "_read_directory", counted_directory)
+    monkeypatch.setattr(packdir, "_pack_directory", counted_directory)
     store = checkpoint_store(path)
     try:
         got = zarr.open_group(store, mode="r")["model/w"][...]
@@ -62,7 +65,7 @@ def test_reading_many_packed_chunks_opens_each_pack_once(
         store.close()
     assert np.array_equal(got, expected)  # bit-exact, every chunk from its pack
     assert len(directories) == len(set(directories)) == packs  # each directory parsed once
-    assert len(opens) <= packs + zarrpacks.MAX_OPEN_PACKS // 8  # one open per pack (racing first uses aside)
+    assert len(opens) == packs  # one open per pack (concurrent first reads of a pack open it once)
     assert len(set(opens)) == packs
 
 
