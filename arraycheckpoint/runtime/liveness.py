@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 from ..errors import StalledRankError  # also importable from here (its old home)
@@ -79,6 +80,7 @@ class Liveness:
         self._beat()
         self._thread = threading.Thread(target=self._run, name="acp-heartbeat", daemon=True)
         self._thread.start()
+        _stop_at_exit(self)
 
     def set_timeout(self, timeout: float) -> None:
         """Judge peers stalled after ``timeout`` seconds without a heartbeat from now on (every rank sets the
@@ -132,8 +134,13 @@ class Liveness:
                 return
 
     def close(self) -> None:
+        """Stop the heartbeat thread (it finishes the store call it may be in)."""
         self._stop.set()
         self._wake.set()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the heartbeat thread to end (after :meth:`close`)."""
+        self._thread.join(timeout)
 
     # Checks ------------------------------------------------------------------------------------------
     def check(self, what: str, peers: tuple[int, ...] = ()) -> None:
@@ -236,6 +243,48 @@ class Liveness:
         self.calls = 1
         self._behind.clear()
         self._beat()
+
+
+#: seconds the interpreter's exit waits for heartbeat threads that are inside a store call
+EXIT_JOIN_TIMEOUT = 5.0
+#: the heartbeats to stop before the interpreter finalizes (see :func:`_stop_heartbeats`)
+_RUNNING: weakref.WeakSet[Liveness] = weakref.WeakSet()
+_HOOKED = [False]
+
+
+def _stop_at_exit(live: Liveness) -> None:
+    """Have ``live``'s heartbeat stopped by :func:`_stop_heartbeats` when the interpreter exits."""
+    _RUNNING.add(live)
+    if _HOOKED[0]:
+        return
+    _HOOKED[0] = True
+    register = getattr(threading, "_register_atexit", None)  # runs before threads are joined, like atexit's
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(_stop_heartbeats)
+    except RuntimeError:
+        import atexit
+
+        atexit.register(_stop_heartbeats)
+
+
+def _stop_heartbeats() -> None:
+    """Stop every heartbeat thread before the interpreter finalizes (the exit hook).
+
+    A daemon thread inside a c10d store call (which releases the GIL) when finalization begins is ended by
+    Python as soon as the call returns, from inside torch's C++ binding: the unwinding meets a ``noexcept``
+    frame and the process aborts (SIGABRT, "terminate called without an active exception") after the program
+    itself succeeded, at random (a heartbeat spends a store round trip per interval in such a call). So each
+    heartbeat is told to stop and waited for, at most :data:`EXIT_JOIN_TIMEOUT` seconds in all (a store call
+    stuck longer, its server frozen, is left).
+    """
+    running = list(_RUNNING)
+    for live in running:
+        live.close()
+    deadline = time.monotonic() + EXIT_JOIN_TIMEOUT
+    for live in running:
+        live.join(max(0.0, deadline - time.monotonic()))
 
 
 def _peer_calls(value: bytes) -> tuple[int | None, float]:
