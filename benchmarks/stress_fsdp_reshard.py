@@ -25,7 +25,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,30 +43,17 @@ MODES = ("destroy", "plain exit", "load-and-exit")
 def _worker(
     rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, q: Any, err: str, destroy: bool
 ) -> None:
+    """``bench_fsdp._worker`` with this rank's stderr (faulthandler's dumps included) in the run's file."""
     import faulthandler
-    import warnings
 
-    import torch
-    import torch.distributed as dist
+    from bench_fsdp import _worker as run_rank
 
-    with contextlib.suppress(
-        OSError
-    ):  # every rank's stderr (faulthandler's dumps included) into the run's file
+    with contextlib.suppress(OSError):
         fd = os.open(err, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
     faulthandler.enable()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        q.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - every failure goes to the parent
-        q.put((rank, "error", traceback.format_exc()))
-    finally:
-        if destroy and dist.is_initialized():
-            dist.destroy_process_group()
+    run_rank(rank, world, port, fn, args, q, destroy)
 
 
 def spawn(

@@ -258,15 +258,9 @@ def _stop_at_exit(live: Liveness) -> None:
     if _HOOKED[0]:
         return
     _HOOKED[0] = True
-    register = getattr(threading, "_register_atexit", None)  # runs before threads are joined, like atexit's
-    try:
-        if register is None:
-            raise RuntimeError("no threading._register_atexit")
-        register(_stop_heartbeats)
-    except RuntimeError:
-        import atexit
+    from .exithook import at_thread_shutdown
 
-        atexit.register(_stop_heartbeats)
+    at_thread_shutdown(_stop_heartbeats)
 
 
 def _stop_heartbeats() -> None:
