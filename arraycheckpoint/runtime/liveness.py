@@ -20,6 +20,9 @@ rank only). Once it exists, every rank publishes with its heartbeat how many sav
 the larger of the two timeouts (it never called this save: ``if rank == 0: acp.save(...)``) is named the same
 way. A rank inside the same call, however slow, is never blamed.
 
+The heartbeat threads are stopped and joined when the interpreter exits, before it finalizes: a daemon thread
+still inside a store call then would abort the process (see :func:`_stop_heartbeats`).
+
 What it deliberately does not do: judge progress inside a rank. A rank whose writes are slow (or whose
 storage hangs) keeps beating and is waited for; bound storage with the backends' retry policies instead.
 The store master is the process that created the store (usually rank 0's); if that process stalls, the store
