@@ -83,7 +83,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, destroy: bool = True
+) -> None:
+    """One gloo rank: ``fn(rank, world, *args)``'s result or traceback to ``queue``; ``destroy``: end with
+    ``destroy_process_group()`` (else the interpreter exits with the group alive)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -96,7 +100,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     except BaseException:  # noqa: BLE001 - every failure goes to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
+        if destroy and dist.is_initialized():
             dist.destroy_process_group()
 
 

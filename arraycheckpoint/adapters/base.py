@@ -65,8 +65,9 @@ class LoadJob:
     global_namespaces: set[str] = field(default_factory=set)
     # expected keys that strict=False left out (filled by check_expected; finishers skip their values)
     dropped: set[str] = field(default_factory=set)
-    # entry prefixes checked name by name although they lie under an object entry (modules nested in an
-    # extra-state dict: a stored parameter the target module lacks is unexpected, as it is under ``model``)
+    # entry prefixes checked name by name although they lie under (or are) an object entry (modules nested in
+    # an extra-state dict, a state dict an older save stored with a document: a stored parameter the target
+    # lacks is unexpected, as it is under ``model``)
     scoped: set[str] = field(default_factory=set)
 
     def stored_names(self) -> set[str]:
@@ -95,7 +96,8 @@ def unexpected_names(
 ) -> list[str]:
     """Stored names under ``namespaces`` that nobody wants (format-internal ``~`` entries excepted).
 
-    A name under a wanted object entry is that object's array, unless a ``scoped`` prefix lies between them.
+    A name under a wanted object entry is that object's array, unless a ``scoped`` prefix lies between them
+    or is that entry itself.
     """
 
     def covered(n: str) -> bool:
@@ -103,7 +105,7 @@ def unexpected_names(
         if not owners:
             return False
         inner = max(owners, key=len)
-        return not any(n.startswith(p + "/") and p.startswith(inner + "/") for p in scoped)
+        return not any(n.startswith(p + "/") and (p == inner or p.startswith(inner + "/")) for p in scoped)
 
     return sorted(
         n

@@ -74,15 +74,9 @@ def _track(future: CheckpointFuture) -> None:
     # one, registered after concurrent.futures' own, runs while executors still accept work (a save's
     # background writes submit to them; after concurrent.futures' hook they fail "cannot schedule new
     # futures after interpreter shutdown" and the save is lost without a word)
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError("no threading._register_atexit")
-        register(_finish_at_exit)
-    except RuntimeError:
-        import atexit
+    from .exithook import at_thread_shutdown
 
-        atexit.register(_finish_at_exit)
+    at_thread_shutdown(_finish_at_exit)
 
 
 def finish_pending() -> list[str]:

@@ -20,6 +20,9 @@ rank only). Once it exists, every rank publishes with its heartbeat how many sav
 the larger of the two timeouts (it never called this save: ``if rank == 0: acp.save(...)``) is named the same
 way. A rank inside the same call, however slow, is never blamed.
 
+The heartbeat threads are stopped and joined when the interpreter exits, before it finalizes: a daemon thread
+still inside a store call then would abort the process (see :func:`_stop_heartbeats`).
+
 What it deliberately does not do: judge progress inside a rank. A rank whose writes are slow (or whose
 storage hangs) keeps beating and is waited for; bound storage with the backends' retry policies instead.
 The store master is the process that created the store (usually rank 0's); if that process stalls, the store
@@ -32,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 from ..errors import StalledRankError  # also importable from here (its old home)
@@ -79,6 +83,7 @@ class Liveness:
         self._beat()
         self._thread = threading.Thread(target=self._run, name="acp-heartbeat", daemon=True)
         self._thread.start()
+        _stop_at_exit(self)
 
     def set_timeout(self, timeout: float) -> None:
         """Judge peers stalled after ``timeout`` seconds without a heartbeat from now on (every rank sets the
@@ -132,8 +137,13 @@ class Liveness:
                 return
 
     def close(self) -> None:
+        """Stop the heartbeat thread (it finishes the store call it may be in)."""
         self._stop.set()
         self._wake.set()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the heartbeat thread to end (after :meth:`close`)."""
+        self._thread.join(timeout)
 
     # Checks ------------------------------------------------------------------------------------------
     def check(self, what: str, peers: tuple[int, ...] = ()) -> None:
@@ -236,6 +246,42 @@ class Liveness:
         self.calls = 1
         self._behind.clear()
         self._beat()
+
+
+#: seconds the interpreter's exit waits for heartbeat threads that are inside a store call
+EXIT_JOIN_TIMEOUT = 5.0
+#: the heartbeats to stop before the interpreter finalizes (see :func:`_stop_heartbeats`)
+_RUNNING: weakref.WeakSet[Liveness] = weakref.WeakSet()
+_HOOKED = [False]
+
+
+def _stop_at_exit(live: Liveness) -> None:
+    """Have ``live``'s heartbeat stopped by :func:`_stop_heartbeats` when the interpreter exits."""
+    _RUNNING.add(live)
+    if _HOOKED[0]:
+        return
+    _HOOKED[0] = True
+    from .exithook import at_thread_shutdown
+
+    at_thread_shutdown(_stop_heartbeats)
+
+
+def _stop_heartbeats() -> None:
+    """Stop every heartbeat thread before the interpreter finalizes (the exit hook).
+
+    A daemon thread inside a c10d store call (which releases the GIL) when finalization begins is ended by
+    Python as soon as the call returns, from inside torch's C++ binding: the unwinding meets a ``noexcept``
+    frame and the process aborts (SIGABRT, "terminate called without an active exception") after the program
+    itself succeeded, at random (a heartbeat spends a store round trip per interval in such a call). So each
+    heartbeat is told to stop and waited for, at most :data:`EXIT_JOIN_TIMEOUT` seconds in all (a store call
+    stuck longer, its server frozen, is left).
+    """
+    running = list(_RUNNING)
+    for live in running:
+        live.close()
+    deadline = time.monotonic() + EXIT_JOIN_TIMEOUT
+    for live in running:
+        live.join(max(0.0, deadline - time.monotonic()))
 
 
 def _peer_calls(value: bytes) -> tuple[int | None, float]:

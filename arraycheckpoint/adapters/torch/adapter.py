@@ -3,7 +3,8 @@
 State layout in the checkpoint:
 
 * ``model/<fqn>``: parameters and persistent buffers, global shapes; tied weights stored once
-  (``model/~aliases`` maps the other names); non-tensor module extra state as JSON objects;
+  (``model/~aliases`` maps the other names); non-tensor module extra state as JSON objects; a state dict's
+  numpy arrays beside its tensors, in their own dtype (a numpy target is filled in place and stays numpy);
 * ``optimizer/<fqn>/<key>``: per-parameter state keyed by parameter FQN (never integer ids), with the
   parameter's layout; ``optimizer/~param_groups``: hyper-parameters with FQN lists (see :mod:`.optimizer`);
 * any other key (``extra_state``, an EMA dict, ...): nested values as JSON plus arrays (see
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...errors import MetaDeviceError, StateMismatchError
@@ -27,7 +29,7 @@ from ...format.metadata import CheckpointMetadata
 from ...planning.items import LoadTensor, SaveObject, SaveRequest, SaveTensor
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
 from .common import dtype_name, tensor_item
-from .extra_state import DCP_MAP, load_extra, nested_modules, save_extra
+from .extra_state import DCP_MAP, expect_numpy, is_array, load_extra, nested_modules, save_extra
 from .module import ModuleView, StoredNames, materialise
 from .optimizer import _plain, _restore_like, load_optimizer, owner, save_optimizer  # noqa: F401
 from .tensors import layout, load_shard
@@ -84,9 +86,13 @@ class TorchAdapter(Adapter):
         names = StoredNames(meta, _top_level_key_map(meta, modules, options.key_map))
         views = {ns: ModuleView(m) for ns, m in modules.items()}
         result = dict(state)
+        # names under these entries are checked one by one: modules nested in extra state, and the
+        # namespaces whose state-dict document an older save wrote (a stored entry the target lacks is unexpected)
+        scoped = {name for subs in nested.values() for name in subs}
         for ns in modules:
             if _saved_as_state_dict(meta, ns):
-                expected[ns] = Expected()  # its document only names the tensors the module reads
+                expected[ns] = Expected()
+                scoped.add(ns)
             finishers.append(_load_module(ns, views[ns], names, targets, expected, dropped))
             finishers.extend(_load_module_extra(ns, views[ns], meta, targets, expected, options))
         for ns, value in state.items():
@@ -98,13 +104,24 @@ class TorchAdapter(Adapter):
                     )
                 )
             elif ns in flat:
+                refs = _document_refs(meta, ns)
+                if refs is not None:
+                    expected[ns] = Expected()  # an older save's document of the dict (see _document_refs)
+                    scoped.add(ns)
                 for fqn, t in value.items():
+                    name = f"{ns}/{fqn}"
+                    stored = names(name)
+                    if refs and stored not in meta.tensors:
+                        stored = refs.get(fqn, stored)
+                    if isinstance(t, np.ndarray):
+                        finishers.append(expect_numpy(name, value, fqn, stored, targets, expected, dropped))
+                        continue
                     if t.is_meta:
                         raise MetaDeviceError(
-                            f"{ns}/{fqn}: a meta tensor in a state dict cannot be filled in place; pass the "
+                            f"{name}: a meta tensor in a state dict cannot be filled in place; pass the "
                             f"module itself (acp.load(path, {{{ns!r}: model}}, device=...)) to materialise it"
                         )
-                    _expect_tensor(f"{ns}/{fqn}", t, layout(t), names, targets, expected)
+                    _expect_tensor(name, t, layout(t), names, targets, expected, stored)
             elif _is_extra(ns, value):
                 finishers.append(load_extra(ns, value, meta, targets, expected, result, options, nested[ns]))
 
@@ -113,7 +130,6 @@ class TorchAdapter(Adapter):
                 f()
             return result
 
-        scoped = {name for subs in nested.values() for name in subs}
         return LoadJob(targets, expected, set(state), finish, dropped=dropped, scoped=scoped)
 
 
@@ -299,7 +315,7 @@ def _is_extra(ns: str, value: Any) -> bool:
 
 
 def _saved_from_module(meta: CheckpointMetadata, ns: str, value: Any) -> bool:
-    """A state dict target (FQN -> tensor) of a namespace other than ``model`` that was saved from a module:
+    """A state dict target (FQN -> tensor or numpy array) of a namespace other than ``model`` saved from a module:
     its tensors are stored as ``<ns>/<fqn>`` with no document, so it loads as a ``model`` state dict does.
     (A DCP Writer's namespaces have no document either: their key map rebuilds it, see ``stored_document``.)"""
     return (
@@ -307,7 +323,7 @@ def _saved_from_module(meta: CheckpointMetadata, ns: str, value: Any) -> bool:
         and DCP_MAP not in meta.objects
         and isinstance(value, Mapping)
         and bool(value)
-        and all(isinstance(v, torch.Tensor) for v in value.values())
+        and all(is_array(v) for v in value.values())
         and any(n.startswith(f"{ns}/") for n in meta.tensors)
     )
 
@@ -324,10 +340,20 @@ def _saved_as_state_dict(meta: CheckpointMetadata, ns: str) -> bool:
     )
 
 
+def _document_refs(meta: CheckpointMetadata, ns: str) -> dict[str, str] | None:
+    """``{key: stored array}`` of namespace ``ns``'s stored document when it holds nothing but array
+    references, else None. Saves before 2026-11 (469cb39 and earlier) stored a ``model`` state dict holding
+    numpy arrays as extra state: such a document, ``model/~arrays``, and the arrays under their escaped keys."""
+    obj = meta.objects.get(ns)
+    doc = obj.value if obj is not None else None
+    if not isinstance(doc, dict) or not doc:
+        return None
+    refs = {k: v.get("__array__") for k, v in doc.items() if isinstance(v, dict) and len(v) == 1}
+    if len(refs) != len(doc) or not all(isinstance(r, str) for r in refs.values()):
+        return None
+    return refs  # type: ignore[return-value]
+
+
 def _is_state_dict(ns: str, value: Any) -> bool:
-    """A ``model`` entry given as a state dict (FQN -> tensor/DTensor) rather than a module."""
-    return (
-        ns == "model"
-        and isinstance(value, Mapping)
-        and all(isinstance(v, torch.Tensor) for v in value.values())
-    )
+    """A ``model`` entry given as a state dict (FQN -> tensor/DTensor or numpy array) rather than a module."""
+    return ns == "model" and isinstance(value, Mapping) and all(is_array(v) for v in value.values())

@@ -6,7 +6,11 @@ parameters. Modules nested at any depth (``{"ema": {"m": module}}``) are namespa
 document holds ``{"__module__": name}`` and the adapter stores the module's tensors under ``name`` exactly
 as it stores ``model``'s. Format-internal objects beside the document:
 
-* ``<ns>/~arrays``: ``{array name: "numpy"}`` for arrays that were numpy arrays (they come back as numpy);
+* ``<ns>/~arrays``: ``{array name: "numpy"}`` for arrays that were numpy arrays (they come back as numpy
+  unless a torch tensor at their place in the target is filled in place);
+
+A numpy array in the target (of the stored shape and dtype, writable) is filled in place and comes back as
+numpy, whichever kind of array was saved; a tensor target is filled in place and stays a tensor.
 * ``<ns>/~modules``: the names of the nested modules (a ``__module__`` document not listed there is a
   user dict of an older checkpoint).
 
@@ -15,7 +19,7 @@ This module plans only; it does no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -27,7 +31,7 @@ from ...format.metadata import CheckpointMetadata
 from ...planning.items import LoadShard, LoadTensor, SaveObject
 from ...planning.regions import Box
 from ..base import AdapterOptions, Expected
-from .common import dtype_name, fill, np_dtype, tensor_item
+from .common import array_dtype, dtype_name, fill, np_dtype, tensor_item
 from .tensors import as_torch, is_dtensor, layout, load_shard
 
 ARRAY_TYPES = "~arrays"  # <ns>/~arrays: {array name: "numpy"} for arrays that were not torch tensors
@@ -209,10 +213,59 @@ def _read_whole(ref: str, tm: Any, targets: list[LoadTensor], expected: dict[str
     """Plan reading stored tensor ``ref`` whole into a new host array."""
     expected[ref] = Expected(tm.shape, tm.dtype)
     buf = np.empty(tm.shape, dtype=np.dtype(np_dtype(tm.dtype)))
-    targets.append(
-        LoadTensor(ref, [LoadShard(Box.full(tm.shape), fill(buf))] if buf.size or tm.shape == () else [])
-    )
+    targets.append(LoadTensor(ref, numpy_shards(buf)))
     return buf
+
+
+def numpy_shards(buf: np.ndarray) -> list[LoadShard]:
+    """The read filling host array ``buf`` whole (straight into it where its dtype is the stored one)."""
+    if not buf.size and buf.shape != ():
+        return []
+    return [LoadShard(Box.full(buf.shape), fill(buf), buf if buf.dtype.isnative else None)]
+
+
+def expect_numpy(
+    name: str,
+    owner: Mapping[str, Any],
+    key: str,
+    stored: str | None,
+    targets: list[LoadTensor],
+    expected: dict[str, Expected],
+    dropped: set[str],
+) -> Callable[[], None]:
+    """Plan reading stored entry ``stored`` into the numpy array ``owner[key]`` (target name ``name``), checked
+    like a tensor (shape, dtype): in place, or, for a read-only array, into a new array of its dtype that
+    ``finish`` puts in its place in ``owner``.
+
+    Raises:
+        UnsupportedDTypeError: the array's dtype has no checkpoint representation (naming ``name``).
+        ValueError: a read-only array in a mapping that cannot be changed (naming ``name``).
+    """
+    arr = owner[key]
+    if stored is None:
+        return _nothing
+    dtype = array_dtype(name, arr.dtype)
+    out = arr if arr.flags.writeable else np.empty(arr.shape, dtype)
+    if out is not arr and not isinstance(owner, MutableMapping):
+        raise ValueError(
+            f"{name}: a read-only numpy array in a read-only mapping cannot be loaded; pass a writable array "
+            "(e.g. arr.copy()) or a dict"
+        )
+    read = LoadTensor(stored, numpy_shards(out))
+    targets.append(read)
+    expected[name] = Expected(arr.shape, dtype.name, stored=stored, reads=[read])
+    if out is arr:
+        return _nothing
+
+    def finish() -> None:
+        if name not in dropped:
+            owner[key] = out  # type: ignore[index]
+
+    return finish
+
+
+def _nothing() -> None:
+    return None
 
 
 def load_extra(
@@ -239,13 +292,24 @@ def load_extra(
         return lambda: None
     types = meta.objects.get(f"{ns}/{ARRAY_TYPES}")
     numpy = set(types.value) if types is not None and isinstance(types.value, dict) else set()
-    in_place = {
-        k: v for k, v in _targets(document, value, "__array__").items() if isinstance(v, torch.Tensor)
-    }
+    in_place = {k: v for k, v in _targets(document, value, "__array__").items() if is_array(v)}
     loaded: dict[str, Any] = {}
+    as_numpy: set[str] = (
+        set()
+    )  # come back as numpy: a numpy target's, or stored from numpy and not loaded in place
     for ref in extras.array_refs(document):
         tm = meta.tensors[ref]
         t = in_place.get(ref)
+        if isinstance(t, np.ndarray):
+            as_numpy.add(ref)
+            if t.flags.writeable and t.shape == tm.shape and t.dtype.name == tm.dtype:
+                read = LoadTensor(ref, numpy_shards(t))  # filled in place
+                targets.append(read)
+                expected[ref] = Expected(tm.shape, tm.dtype, reads=[read])
+                loaded[ref] = t
+            else:
+                loaded[ref] = _read_whole(ref, tm, targets, expected)  # replaced, as a tensor target is
+            continue
         if t is not None and getattr(t, "_local_tensor", t).is_meta:
             if is_dtensor(t):
                 raise MetaDeviceError(
@@ -253,7 +317,7 @@ def load_extra(
                     "(e.g. distribute_tensor(torch.empty(...), mesh, placements)) and load again"
                 )
             t = None  # a plain meta tensor is replaced by the loaded value
-        if t is not None and ref not in numpy and (is_dtensor(t) or _same_kind(t, tm)):
+        if t is not None and (is_dtensor(t) or _same_kind(t, tm)):
             # fill the target's own tensor in its own layout (a DTensor reshards like a parameter)
             shape, pieces = layout(t)
             read = LoadTensor(ref, [load_shard(box, v) for box, v in pieces])
@@ -262,6 +326,8 @@ def load_extra(
             loaded[ref] = t
             continue
         loaded[ref] = _read_whole(ref, tm, targets, expected)
+        if ref in numpy:
+            as_numpy.add(ref)
     given = dict(modules or {})
     as_dicts: dict[str, dict[str, Any]] = {}
     for name in _listed(meta, ns) - set(given):
@@ -274,7 +340,7 @@ def load_extra(
 
     def finish() -> None:
         arrays = {
-            k: v if isinstance(v, torch.Tensor) or k in numpy else as_torch(v).clone()
+            k: v if isinstance(v, torch.Tensor) or k in as_numpy else as_torch(v).clone()
             for k, v in loaded.items()
         }
         subs: dict[str, Any] = dict(given)

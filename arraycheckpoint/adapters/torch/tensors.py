@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ...errors import UnsupportedDTypeError
-from ...planning.items import LoadShard
+from ...planning.items import ArraySource, LoadShard
 from ...planning.regions import Box, flat_range_to_boxes
 from ...planning.rules import Mesh
 
@@ -144,6 +144,21 @@ class TorchSource:
             return snapshot_copy(src, dst)
         dst.copy_(src.reshape(dst.shape))
         return None
+
+
+@dataclass
+class NumpySource(ArraySource):
+    """A host numpy array of torch state, in native byte order: a blocking save writes from its memory."""
+
+    def copy_into(self, out: np.ndarray) -> None:
+        np.copyto(out, np.asarray(self.array).reshape(out.shape), casting="equiv")
+
+    def borrowed_view(self) -> np.ndarray | None:
+        return np.asarray(self.array)
+
+    def region(self, shape: tuple[int, ...], index: tuple[slice, ...]) -> NumpySource | None:
+        sub = ArraySource.region(self, shape, index)
+        return NumpySource(sub.array) if sub is not None else None
 
 
 def load_shard(box: Box, view: torch.Tensor) -> Any:
