@@ -10,6 +10,7 @@ Saves run strictly one after another (buffers and the checkpoint group are reuse
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -229,10 +230,11 @@ class SavePipeline:
                 f"during commit ({type(e).__name__}: {e}); unless the path loads, it was not committed and "
                 "CheckpointManager removes its leftovers on the next start"
             )
-        # the request's tensors (with the views the adapter made of them: 5-8 objects per tensor) are dropped
-        # before the caller wakes: a blocking save's caller resumes the cyclic collector, whose first pass
-        # would otherwise walk them (this thread still holding them) only to find them garbage
-        job.request.tensors = []
+        # this save's hold on the request's tensors (with the views the adapter made of them: 5-8 objects per
+        # tensor) ends before the caller wakes: a blocking save's caller resumes the cyclic collector, whose
+        # first pass would otherwise walk them (this thread still holding them) only to find them garbage.
+        # The caller's request itself is left as it is
+        job.request = dataclasses.replace(job.request, tensors=[])
         job.future._set_committed(meta, error)
 
     def _write(
