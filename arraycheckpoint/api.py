@@ -250,65 +250,111 @@ def load(
     key_map = key_map_function(key_map, state)
     path = stateful.role_path(path, role)
     # registered as being read from the first look at it: a manager's retention in this process skips it;
-    # no garbage collection passes over the objects the load keeps alive until it returns
+    # no garbage collection passes over the objects the load keeps alive until it returns, and they are all
+    # freed (by reference counting) inside _load, before the collector is back: a collection right after
+    # would walk the metadata, the targets and the read plan (20 objects per tensor) only to find them dead
     with reading(*storage_for(os.fspath(path))), gc_paused():
-        eng = engine()
-        try:
-            storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
-        except CheckpointNotFoundError as e:
-            raise explain_not_found(os.fspath(path), e) from None
-        special, state = stateful.split(state, meta)
-        # --
-        framework = framework or detect_framework(state)
-        check_transforms(transforms, _FRAMEWORKS.get(framework) == "jax")
-        options = AdapterOptions(
-            allow_pickle=allow_pickle,
+        return _load(
+            path,
+            state,
+            framework=framework,
             strict=strict,
+            allow_pickle=allow_pickle,
             allow_cast=allow_cast,
             key_map=key_map,
-            transforms=dict(transforms or {}),
+            transforms=transforms,
             indivisible=indivisible,
-            device=device,
-        )
-        job = _adapter(framework).load_job(meta, state, options)
-        job = stateful.merge_load(
-            job,
-            special,
-            meta,
-            lambda: _communicator(comm, framework, liveness_timeout),
-            options,
-            lambda targets: eng.load(storage, root, meta, targets),  # a dataloader's index rows
-        )  # stateful
-        if strict:
-            check_namespaces_stored(meta, job, state, key_map)
-        check_key_map_used(key_map, strict, report)
-        found = check_expected(meta, job, options)
-        needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
-        communicator = _communicator(comm, framework, liveness_timeout) if needs_comm else None
-        if communicator is not None:
-            eng.wait_idle()  # a save in flight still uses the group (and its timeout)
-            communicator.set_liveness_timeout(liveness_timeout)
-        if strict and job.global_namespaces:
-            _check_unexpected_across_ranks(meta, job, communicator)
-        if report is not None:
-            report.update(found)
-        recorder = eng.load(
-            storage,
-            root,
-            meta,
-            job.targets,
-            comm=communicator,
             dedup_reads=dedup_reads,
+            record_metrics=record_metrics,
+            comm=comm,
+            report=report,
+            device=device,
             all_or_nothing=all_or_nothing,
-            max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
+            max_inflight_bytes=max_inflight_bytes,
+            liveness_timeout=liveness_timeout,
         )
-        if report is not None:
-            report["metrics"] = recorder.to_json()["phases"]
-        if record_metrics:
-            from .engine import record_load_metrics
 
-            record_load_metrics(root, recorder, communicator)
-        return job.finish()
+
+def _load(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    framework: str | None,
+    strict: bool,
+    allow_pickle: bool,
+    allow_cast: bool,
+    key_map: Callable[[str], str | None] | None,
+    transforms: Mapping[str, Callable[[Any], Any]] | None,
+    indivisible: str,
+    dedup_reads: bool,
+    record_metrics: bool,
+    comm: Communicator | None,
+    report: dict[str, list[str]] | None,
+    device: Any,
+    all_or_nothing: bool,
+    max_inflight_bytes: int | None,
+    liveness_timeout: float | None,
+) -> dict[str, Any]:
+    """:func:`load` after its argument checks, inside its ``reading`` and ``gc_paused`` blocks."""
+    from . import stateful
+
+    eng = engine()
+    try:
+        storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
+    except CheckpointNotFoundError as e:
+        raise explain_not_found(os.fspath(path), e) from None
+    special, state = stateful.split(state, meta)
+    # --
+    framework = framework or detect_framework(state)
+    check_transforms(transforms, _FRAMEWORKS.get(framework) == "jax")
+    options = AdapterOptions(
+        allow_pickle=allow_pickle,
+        strict=strict,
+        allow_cast=allow_cast,
+        key_map=key_map,
+        transforms=dict(transforms or {}),
+        indivisible=indivisible,
+        device=device,
+    )
+    job = _adapter(framework).load_job(meta, state, options)
+    job = stateful.merge_load(
+        job,
+        special,
+        meta,
+        lambda: _communicator(comm, framework, liveness_timeout),
+        options,
+        lambda targets: eng.load(storage, root, meta, targets),  # a dataloader's index rows
+    )  # stateful
+    if strict:
+        check_namespaces_stored(meta, job, state, key_map)
+    check_key_map_used(key_map, strict, report)
+    found = check_expected(meta, job, options)
+    needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
+    communicator = _communicator(comm, framework, liveness_timeout) if needs_comm else None
+    if communicator is not None:
+        eng.wait_idle()  # a save in flight still uses the group (and its timeout)
+        communicator.set_liveness_timeout(liveness_timeout)
+    if strict and job.global_namespaces:
+        _check_unexpected_across_ranks(meta, job, communicator)
+    if report is not None:
+        report.update(found)
+    recorder = eng.load(
+        storage,
+        root,
+        meta,
+        job.targets,
+        comm=communicator,
+        dedup_reads=dedup_reads,
+        all_or_nothing=all_or_nothing,
+        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_BYTES,
+    )
+    if report is not None:
+        report["metrics"] = recorder.to_json()["phases"]
+    if record_metrics:
+        from .engine import record_load_metrics
+
+        record_load_metrics(root, recorder, communicator)
+    return job.finish()
 
 
 def load_jax(

@@ -10,6 +10,7 @@ Saves run strictly one after another (buffers and the checkpoint group are reuse
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -218,20 +219,23 @@ class SavePipeline:
             self._pool.give(job.buffers)
             job.buffers.clear()
             job.local.clear()
+        meta, error = None, None
         try:
             meta = self._coordinator.commit(job)
         except ArrayCheckpointError as e:
-            job.future._set_committed(error=e)
+            error = e
         except Exception as e:  # noqa: BLE001 - a collective failed: a peer died or the group broke
-            job.future._set_committed(
-                error=SaveFailedError(
-                    f"save to {job.final} did not complete: rank {comm.rank} lost contact with the other ranks "
-                    f"during commit ({type(e).__name__}: {e}); unless the path loads, it was not committed and "
-                    "CheckpointManager removes its leftovers on the next start"
-                )
+            error = SaveFailedError(
+                f"save to {job.final} did not complete: rank {comm.rank} lost contact with the other ranks "
+                f"during commit ({type(e).__name__}: {e}); unless the path loads, it was not committed and "
+                "CheckpointManager removes its leftovers on the next start"
             )
-        else:
-            job.future._set_committed(meta)
+        # this save's hold on the request's tensors (with the views the adapter made of them: 5-8 objects per
+        # tensor) ends before the caller wakes: a blocking save's caller resumes the cyclic collector, whose
+        # first pass would otherwise walk them (this thread still holding them) only to find them garbage.
+        # The caller's request itself is left as it is
+        job.request = dataclasses.replace(job.request, tensors=[])
+        job.future._set_committed(meta, error)
 
     def _write(
         self, job: SaveJob, plan: RankPlan, received: Callable[[], dict[tuple[str, Box], np.ndarray]]
