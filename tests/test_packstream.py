@@ -115,6 +115,38 @@ def test_a_failed_member_write_removes_the_pack_and_its_descriptor(tmp_path: Pat
     assert _fds() == before
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_write_failing_inside_a_summed_member_removes_the_pack(tmp_path: Path, monkeypatch) -> None:
+    """A large member is written in groups, its checksums summed as it goes (:mod:`summed`): a failure after
+    some of its groups are written fails its future, and the pack is removed with its descriptor."""
+    data = np.random.default_rng(3).standard_normal((4, 65_536)).astype(np.float32)  # 1 MiB, one inner chunk
+    parts = shardfile.encode(data, data.shape, deferred=True)
+    assert summed.has_deferred(parts)
+    members = [("a/zarr.json", [b"{}"]), ("a/c.0.0", parts), ("b", [b"x" * 100])]
+    sizes = [(k, sum(len(p) if not isinstance(p, np.ndarray) else p.nbytes for p in ps)) for k, ps in members]
+    monkeypatch.setattr(summed, "GROUP_BYTES", summed.SLICE_BYTES)  # four groups for the member
+    before = _fds()
+    real = os.pwritev
+    calls = []
+
+    def pwritev(fd, bufs, offset):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    writer = shardfile.FileWriter(str(tmp_path / "ck"), threads=2)
+    pack = writer.open_pack("p.zip", sizes)
+    futures = [pack.add(i, ps)[0] for i, (_k, ps) in enumerate(members)]
+    writer.flush()
+    errors = [f.exception() for f in futures]
+    writer.close()
+    assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in errors), errors
+    assert not (tmp_path / "ck" / "p.zip").exists()
+    assert _fds() == before
+
+
 def _bias_model() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {f"t{i}": torch.randn(4096 + i, generator=g) for i in range(8)}  # ~16 KiB chunk files: one pack
