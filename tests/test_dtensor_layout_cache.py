@@ -65,3 +65,29 @@ def _body(rank: int, world: int) -> list[str]:
 def test_cached_dtensor_boxes_and_meshes_are_torchs_own() -> None:
     results = run_distributed(_body, 2)
     assert results == [[], []], results
+
+
+def test_a_process_playing_two_ranks_in_turn_gets_each_ranks_own_box() -> None:
+    """Meshes compare equal whatever rank this process is: with rank 0's DTensor (and mesh) still alive, rank
+    1's equal mesh must not be handed rank 0's cached box (its tensor would be declared at rank 0's place)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from arraycheckpoint.adapters.torch import tensors
+
+    full = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    alive = []  # the previous rank's state, still referenced
+    for r in range(2):
+        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=2)
+        try:
+            mesh = init_device_mesh("cpu", (2,))
+            dt = DTensor.from_local(full[4 * r : 4 * (r + 1)].clone(), mesh, [Shard(0)], run_check=False)
+            _, [(box, view)] = tensors.layout(dt)
+            assert box.offsets == (4 * r, 0), (r, box)
+            assert torch.equal(full[box.slices()], view)
+            alive.append(dt)
+        finally:
+            dist.destroy_process_group()

@@ -65,6 +65,10 @@ def _google_extend(crc: int, block: Buffer) -> int:
     impl = _google()
     if isinstance(block, bytes):
         return int(impl.extend(crc, block))
+    if isinstance(block, np.ndarray):  # as bytes: memoryview() refuses dtypes without a buffer format (bf16)
+        if not block.flags.c_contiguous:
+            raise ValueError("the CRC32C of a buffer that is not C-contiguous")
+        block = block.reshape(-1).view(np.uint8)
     view = memoryview(block)
     if not view.c_contiguous:
         raise ValueError("the CRC32C of a buffer that is not C-contiguous")

@@ -60,6 +60,16 @@ def test_every_buffer_kind_gives_zarrs_crc32c(impl) -> None:
         assert got == want
 
 
+def test_arrays_of_dtypes_without_a_buffer_format_are_summed_as_bytes(impl) -> None:
+    """bfloat16 and float8 arrays (no buffer-protocol format): summed over their bytes, not refused."""
+    import google_crc32c
+    import ml_dtypes
+
+    for dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        a = np.arange(1000, dtype=np.float32).astype(dtype)
+        assert crc.crc32c(a) == google_crc32c.value(a.tobytes()), dtype
+
+
 def test_a_strided_array_is_refused_not_summed_wrongly(impl) -> None:
     a = np.arange(100, dtype=np.uint8)[::2]
     with pytest.raises(ValueError, match="contiguous"):

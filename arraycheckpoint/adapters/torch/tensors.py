@@ -238,9 +238,10 @@ def mesh_of(mesh: Any) -> Mesh:
 
 
 def _local_box(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], compute: Any) -> Box:
-    """This rank's box of a DTensor of global ``shape`` on ``mesh`` with ``placements`` (cached per mesh;
-    a mesh and its placements fix it, the rank's coordinate in the mesh included)."""
-    key = (shape, placements)
+    """This rank's box of a DTensor of global ``shape`` on ``mesh`` with ``placements``, cached per mesh under
+    the rank's coordinate in it: meshes compare equal whatever rank this process is (a process that plays
+    several ranks in turn, an in-process restart), and the box depends on the coordinate."""
+    key = (shape, placements, mesh.get_coordinate())
     boxes = _LOCAL_BOXES.get(mesh)
     if boxes is None:
         boxes = _LOCAL_BOXES[mesh] = {}
