@@ -93,6 +93,12 @@ def test_a_member_of_the_wrong_size_or_added_twice_is_refused(tmp_path: Path) ->
 def test_a_failed_member_write_removes_the_pack_and_its_descriptor(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(packstream, "BATCH_BYTES", 1)  # one batch per member
     members = _members(6)
+    _third_write_fails(tmp_path, monkeypatch, members, _sizes(members))
+
+
+def _third_write_fails(tmp_path: Path, monkeypatch, members: list, sizes: list) -> None:
+    """Stream ``members`` into a pack whose third ``pwritev`` fails with ENOSPC: a member's future carries the
+    error, and neither the pack nor a descriptor is left."""
     before = _fds()
     real = os.pwritev
     calls = []
@@ -105,7 +111,7 @@ def test_a_failed_member_write_removes_the_pack_and_its_descriptor(tmp_path: Pat
 
     monkeypatch.setattr(os, "pwritev", pwritev)
     writer = shardfile.FileWriter(str(tmp_path / "ck"), threads=2)
-    pack = writer.open_pack("p.zip", _sizes(members))
+    pack = writer.open_pack("p.zip", sizes)
     futures = [pack.add(i, parts)[0] for i, (_k, parts) in enumerate(members)]
     writer.flush()
     errors = [f.exception() for f in futures]
@@ -125,26 +131,7 @@ def test_a_write_failing_inside_a_summed_member_removes_the_pack(tmp_path: Path,
     members = [("a/zarr.json", [b"{}"]), ("a/c.0.0", parts), ("b", [b"x" * 100])]
     sizes = [(k, sum(len(p) if not isinstance(p, np.ndarray) else p.nbytes for p in ps)) for k, ps in members]
     monkeypatch.setattr(summed, "GROUP_BYTES", summed.SLICE_BYTES)  # four groups for the member
-    before = _fds()
-    real = os.pwritev
-    calls = []
-
-    def pwritev(fd, bufs, offset):
-        calls.append(offset)
-        if len(calls) == 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "pwritev", pwritev)
-    writer = shardfile.FileWriter(str(tmp_path / "ck"), threads=2)
-    pack = writer.open_pack("p.zip", sizes)
-    futures = [pack.add(i, ps)[0] for i, (_k, ps) in enumerate(members)]
-    writer.flush()
-    errors = [f.exception() for f in futures]
-    writer.close()
-    assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in errors), errors
-    assert not (tmp_path / "ck" / "p.zip").exists()
-    assert _fds() == before
+    _third_write_fails(tmp_path, monkeypatch, members, sizes)
 
 
 def _bias_model() -> dict[str, torch.Tensor]:

@@ -295,14 +295,10 @@ class CheckpointStore(PackReading, Store):
         """What is served of a chunk file (``where``: the file, or the member and its pack) passes its
         crc32c checks before zarr-python decodes it (:class:`~.zarrfiles.ChunkChecksums`), so that damage is
         an error naming the tensor and the file."""
-        at = key.rfind("/")
-        while at > 0:
-            t = self._meta.tensors.get(key[:at])
-            if t is not None:
-                break
-            at = key.rfind("/", 0, at)
-        else:
+        found = self._tensor_of(key)
+        if found is None:
             return
+        t, at = found
         if _chunk_flat(key[at + 1 :], tuple(t.shape), tuple(t.chunk_shape), self._sep) is None:
             return
         n_inner = math.prod(c // i for c, i in zip(t.chunk_shape, t.inner_chunk_shape))
@@ -318,13 +314,22 @@ class CheckpointStore(PackReading, Store):
 
         if key.endswith("zarr.json"):
             return MAX_ARRAY_JSON_BYTES
+        found = self._tensor_of(key)
+        if found is None:
+            return MAX_METADATA_BYTES
+        t = found[0]
+        return _max_file_bytes(t.chunk_shape, t.inner_chunk_shape, numpy_dtype(t.dtype).itemsize)
+
+    def _tensor_of(self, key: str) -> tuple[Any, int] | None:
+        """The tensor whose array holds ``key`` (its longest prefix that names one) and where its name ends
+        in ``key``; None for a key outside every array."""
         at = key.rfind("/")
         while at > 0:
             t = self._meta.tensors.get(key[:at])
             if t is not None:
-                return _max_file_bytes(t.chunk_shape, t.inner_chunk_shape, numpy_dtype(t.dtype).itemsize)
+                return t, at
             at = key.rfind("/", 0, at)
-        return MAX_METADATA_BYTES
+        return None
 
     def _shard_check(self, key: str) -> tuple[int, Callable[[int, bytes], None]] | None:
         """For a chunk file of an array stored in its own directory: the length of its shard index and the
@@ -334,14 +339,10 @@ class CheckpointStore(PackReading, Store):
         None."""
         from ..codecs import numpy_dtype
 
-        at = key.rfind("/")
-        while at > 0:
-            t = self._meta.tensors.get(key[:at])
-            if t is not None:
-                break
-            at = key.rfind("/", 0, at)
-        else:
+        found = self._tensor_of(key)
+        if found is None:
             return None
+        t, at = found
         shape, chunk = tuple(t.shape), tuple(t.chunk_shape)
         if t.pack is not None or _chunk_flat(key[at + 1 :], shape, chunk, self._sep) is None:
             return None
