@@ -54,8 +54,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
 
 MAX_LINES = 600
 #: Modules allowed over MAX_LINES, with the reason.
-TOO_LONG: dict[str, str] = {
-}
+TOO_LONG: dict[str, str] = {}
 MAX_TOP_LEVEL = 12
 
 

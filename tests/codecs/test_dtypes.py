@@ -401,7 +401,9 @@ def test_zarr_python_in_process_all_ml_dtypes(tmp_path: Path, name: str) -> None
         ("scalar", (), None),
     ],
 )
-def test_zarr_json_template_matches_whole_encoding(name: str, shape: tuple[int, ...], compression: str | None) -> None:
+def test_zarr_json_template_matches_whole_encoding(
+    name: str, shape: tuple[int, ...], compression: str | None
+) -> None:
     """The save's shared zarr.json template, joined with one array's names, is that array's whole encoding."""
     import dataclasses
     import json
@@ -431,6 +433,7 @@ def test_zarr_json_template_matches_whole_encoding(name: str, shape: tuple[int, 
     other = dataclasses.replace(layout, name=name + "2")
     create_arrays(Job(), w, [layout, other])  # type: ignore[arg-type]
     assert w.docs[f"{name}/zarr.json"] == whole
-    assert w.docs[f"{name}2/zarr.json"] == json.dumps(
-        array_metadata(shape, np.float32, chunk, chunk, compression, name=name + "2")
-    ).encode()
+    assert (
+        w.docs[f"{name}2/zarr.json"]
+        == json.dumps(array_metadata(shape, np.float32, chunk, chunk, compression, name=name + "2")).encode()
+    )

@@ -89,7 +89,9 @@ def test_chunk_bytes_are_bounded() -> None:
 
 def test_zero_length_tensors_still_load(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
-    acp.save(ck, {"extra_state": {"empty": np.zeros((0, 3), np.float32), "scalar": np.float64(2.5)}})  # packed
+    acp.save(
+        ck, {"extra_state": {"empty": np.zeros((0, 3), np.float32), "scalar": np.float64(2.5)}}
+    )  # packed
     out = acp.load(ck, {"extra_state": {}})
     assert out["extra_state"]["empty"].shape == (0, 3)
 
