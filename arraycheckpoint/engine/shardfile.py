@@ -75,9 +75,8 @@ def chunk_key(layout: Any, chunk: Box, separator: str = ".") -> str:
     return separator.join(["c", *map(str, index)])
 
 
-def crc32c(buf: Buffer) -> int:
-    """CRC32C of ``buf`` (bytes or a C-contiguous array), without copying an array."""
-    return crc.crc32c(buf)
+#: CRC32C of a buffer (bytes or a C-contiguous array, not copied): :func:`arraycheckpoint.codecs.crc.crc32c`
+crc32c = crc.crc32c
 
 
 def encode(data: np.ndarray, inner_chunk_shape: tuple[int, ...], deferred: bool = False) -> list[Any]:

@@ -27,6 +27,19 @@ def _doc(world: int, tensors: dict[str, dict]) -> dict:
     }
 
 
+def _count_intersections(monkeypatch, real, *modules) -> list[int]:
+    """Count the calls of ``real`` (a box intersection) through ``modules``' ``intersect``: ``[calls]``."""
+    calls = [0]
+
+    def counting(a, b):
+        calls[0] += 1
+        return real(a, b)
+
+    for module in modules:
+        monkeypatch.setattr(module, "intersect", counting)
+    return calls
+
+
 def _held(shape: list[int], chunk: list[int], regions: list) -> dict:
     return {
         "shape": shape,
@@ -44,15 +57,7 @@ def test_column_split_writers_are_derived_in_linear_time(monkeypatch):
     check of overlaps sorted by rows compares every pair (2 M box intersections: 2 s here, 5,000 s at 100,000
     ranks). The partition is checked in whole chunks instead: no pairwise comparison at all."""
     world = 2000
-    calls = [0]
-    real = plan.intersect
-
-    def counting(a, b):
-        calls[0] += 1
-        return real(a, b)
-
-    monkeypatch.setattr(plan, "intersect", counting)
-    monkeypatch.setattr(flatgrid, "intersect", counting)
+    calls = _count_intersections(monkeypatch, plan.intersect, plan, flatgrid)
     doc = _doc(world, {"model/w": _held([1, 2 * world], [1, 2], [[0, ["mesh", 0, [1]]]])})
     writers = CheckpointMetadata.from_json(json.dumps(doc)).tensors["model/w"].writers
     assert np.array_equal(writers.array, np.arange(world))
@@ -86,14 +91,7 @@ def test_verify_checks_a_column_split_in_linear_time(monkeypatch):
     from arraycheckpoint.tools import verify
 
     world = 2000
-    calls = [0]
-    real = verify.intersect
-
-    def counting(a, b):
-        calls[0] += 1
-        return real(a, b)
-
-    monkeypatch.setattr(verify, "intersect", counting)
+    calls = _count_intersections(monkeypatch, verify.intersect, verify)
     tensor = _held([1, 2 * world], [1, 2], [[0, ["mesh", 0, [1]]]])
     doc = _doc(world, {"model/w": {**tensor, "writers": list(range(world))}})
     meta = CheckpointMetadata.from_json(json.dumps(doc))
