@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import struct
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -284,7 +285,11 @@ class PackedReader:
         # pack -> member -> next header offset: local headers the checks left to this reader (read once)
         self._unchecked = unchecked or {}
         self._sep = chunk_key_separator(meta.format_version)
-        self._packs: dict[str, PackFile] = {}
+        #: open packs, least recently used first: at most :data:`MAX_OPEN_PACKS` (a resharded load reads from
+        #: the packs of every saving rank: thousands, more than a process may hold descriptors for)
+        self._packs: OrderedDict[str, PackFile] = OrderedDict()
+        self._max_open = open_packs_allowed()
+        self._members: dict[str, dict[str, Any]] = {}  # pack key -> its members by name (once per pack)
         self._where: dict[str, str] = {}  # member -> pack key (format 6, from the directories)
         for key, entries in directories.items():
             for e in entries:
@@ -300,7 +305,9 @@ class PackedReader:
 
     def _pack(self, key: str) -> PackFile:
         pack = self._packs.get(key)
-        if pack is None:
+        if pack is not None:
+            self._packs.move_to_end(key)
+        else:
             entries = self._directories.get(key)
             if entries is None:  # not checked by this load (cannot happen through LoadPipeline)
                 from ..audit.packdir import read_pack_directory
@@ -314,9 +321,12 @@ class PackedReader:
 
                     self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
                 kv = self._kv
-            pack = self._packs[key] = PackFile(
-                self._root, key, {e.filename: e for e in entries}, kv, self._unchecked.get(key)
-            )
+            members = self._members.get(key)
+            if members is None:  # kept when the pack is closed: opened again, it is not indexed again
+                members = self._members[key] = {e.filename: e for e in entries}
+            if len(self._packs) >= self._max_open:
+                self._packs.popitem(last=False)[1].close()
+            pack = self._packs[key] = PackFile(self._root, key, members, kv, self._unchecked.get(key))
         return pack
 
     def _pack_of(self, tm: Any, v6: bool, member: str) -> PackFile:
@@ -406,6 +416,25 @@ class PackedReader:
         for pack in self._packs.values():
             pack.close()
         self._packs.clear()
+
+
+#: Packs a load keeps open at once (each a descriptor on a local file system); the least recently used is
+#: closed first, and opened again (with every check of :class:`PackFile`) should it be read again.
+MAX_OPEN_PACKS = 64
+
+
+def open_packs_allowed() -> int:
+    """:data:`MAX_OPEN_PACKS`, or an eighth of the descriptors this process may open where that is fewer
+    (at least 2): the rest stay for the storage library, the process group's sockets and the user's files."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit here
+        return MAX_OPEN_PACKS
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return MAX_OPEN_PACKS
+    return max(2, min(MAX_OPEN_PACKS, soft // 8))
 
 
 #: bytes a local pack is read ahead by, for its small members (:meth:`PackFile._near`; members up to a

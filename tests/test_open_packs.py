@@ -1,0 +1,97 @@
+"""A load holds a bounded number of packs open, whatever the number of packs it reads.
+
+A resharded load reads from the packs of every saving rank: thousands at a few thousand ranks, more than a
+process may hold descriptors for (1,024 by default on many systems). The load kept every pack it had read
+open until it finished and failed with ``EMFILE`` ("Too many open files"); it now keeps at most
+``packread.MAX_OPEN_PACKS`` (an eighth of the process's limit where that is fewer) and opens a pack again,
+with every check, when it is read again.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import arraycheckpoint as acp
+from arraycheckpoint.engine import packread
+from arraycheckpoint.planning.plan import PlanOptions
+
+TENSORS = 300
+
+
+def _state(fill: bool) -> dict[str, dict[str, np.ndarray]]:
+    return {"model": {f"t{i:03d}": np.full(4, i if fill else -1, np.float32) for i in range(TENSORS)}}
+
+
+@pytest.fixture(scope="module")
+def many_packs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``TENSORS`` small arrays, one pack each (a 1 KiB fill target)."""
+    path = tmp_path_factory.mktemp("open_packs") / "ck"
+    acp.save(path, _state(True), plan_options=PlanOptions(min_chunk_bytes=1 << 10))
+    assert len(list((path / ".acp" / "packs").glob("*.zip"))) >= TENSORS // 2
+    return path
+
+
+def test_load_under_a_low_descriptor_limit(many_packs: Path) -> None:
+    """In a process allowed 64 descriptors, a load reading 300 packs succeeds, bit-exactly (it failed with
+    EMFILE)."""
+    script = textwrap.dedent(
+        f"""
+        import resource
+        import numpy as np
+        import arraycheckpoint as acp
+        state = {{"model": {{f"t{{i:03d}}": np.full(4, -1, np.float32) for i in range({TENSORS})}}}}
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        acp.load({str(many_packs)!r}, state)
+        assert all((state["model"][f"t{{i:03d}}"] == i).all() for i in range({TENSORS}))
+        print("loaded")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-2000:]
+
+
+def test_packs_closed_and_opened_again(many_packs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for two open packs, every pack is still read (and checked) and at most two are open."""
+    monkeypatch.setattr(packread, "open_packs_allowed", lambda: 2)
+    opened = {"now": 0, "most": 0, "opens": 0}
+    real_init, real_close = packread.PackFile.__init__, packread.PackFile.close
+
+    def init(self: packread.PackFile, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        opened["now"] += 1
+        opened["opens"] += 1
+        opened["most"] = max(opened["most"], opened["now"])
+
+    def close(self: packread.PackFile) -> None:
+        if self._fd >= 0:
+            opened["now"] -= 1
+        real_close(self)
+
+    monkeypatch.setattr(packread.PackFile, "__init__", init)
+    monkeypatch.setattr(packread.PackFile, "close", close)
+    state = _state(False)
+    acp.load(many_packs, state)
+    assert all((state["model"][f"t{i:03d}"] == i).all() for i in range(TENSORS))
+    packs = len(list((many_packs / ".acp" / "packs").glob("*.zip")))
+    assert opened["opens"] >= packs and opened["most"] == 2 and opened["now"] == 0
+
+
+def test_limit_follows_the_process_limit() -> None:
+    """An eighth of the process's descriptor limit where that is below MAX_OPEN_PACKS, at least two."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if len(os.listdir("/proc/self/fd")) > 80:
+        pytest.skip("this process holds too many descriptors to lower its limit to 100")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
+        assert packread.open_packs_allowed() == 12
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert packread.open_packs_allowed() == min(packread.MAX_OPEN_PACKS, max(2, soft // 8))
