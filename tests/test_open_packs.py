@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 import arraycheckpoint as acp
-from arraycheckpoint.engine import packread
+from arraycheckpoint.engine import common, packread
 from arraycheckpoint.planning.plan import PlanOptions
 
 TENSORS = 300
 
 
 def _state(fill: bool) -> dict[str, dict[str, np.ndarray]]:
-    return {"model": {f"t{i:03d}": np.full(4, i if fill else -1, np.float32) for i in range(TENSORS)}}
+    return {"model": {f"t{i}": np.full(4, i if fill else -1, np.float32) for i in range(TENSORS)}}
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +46,10 @@ def test_load_under_a_low_descriptor_limit(many_packs: Path) -> None:
         import resource
         import numpy as np
         import arraycheckpoint as acp
-        state = {{"model": {{f"t{{i:03d}}": np.full(4, -1, np.float32) for i in range({TENSORS})}}}}
+        state = {{"model": {{f"t{{i}}": np.full(4, -1, np.float32) for i in range({TENSORS})}}}}
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         acp.load({str(many_packs)!r}, state)
-        assert all((state["model"][f"t{{i:03d}}"] == i).all() for i in range({TENSORS}))
+        assert all((state["model"][f"t{{i}}"] == i).all() for i in range({TENSORS}))
         print("loaded")
         """
     )
@@ -78,7 +78,7 @@ def test_packs_closed_and_opened_again(many_packs: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(packread.PackFile, "close", close)
     state = _state(False)
     acp.load(many_packs, state)
-    assert all((state["model"][f"t{i:03d}"] == i).all() for i in range(TENSORS))
+    assert all((state["model"][f"t{i}"] == i).all() for i in range(TENSORS))
     packs = len(list((many_packs / ".acp" / "packs").glob("*.zip")))
     assert opened["opens"] >= packs and opened["most"] == 2 and opened["now"] == 0
 
@@ -91,7 +91,59 @@ def test_limit_follows_the_process_limit() -> None:
         pytest.skip("this process holds too many descriptors to lower its limit to 100")
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
-        assert packread.open_packs_allowed() == 12
+        assert common.open_packs_allowed() == 12
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert packread.open_packs_allowed() == min(packread.MAX_OPEN_PACKS, max(2, soft // 8))
+    assert common.open_packs_allowed() == min(common.MAX_OPEN_PACKS, max(2, soft // 8))
+
+
+def _save_script(path: Path) -> str:
+    return textwrap.dedent(
+        f"""
+        import resource
+        import numpy as np
+        import arraycheckpoint as acp
+        from arraycheckpoint.planning.plan import PlanOptions
+        state = {{"model": {{f"t{{i}}": np.full(4, i, np.float32) for i in range({TENSORS})}}}}
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        acp.save({str(path)!r}, state, plan_options=PlanOptions(min_chunk_bytes=1 << 10))
+        print("saved")
+        """
+    )
+
+
+def test_save_under_a_low_descriptor_limit(tmp_path: Path) -> None:
+    """In a process allowed 64 descriptors, a save filling 300 packs succeeds (it opened every pack before
+    the first was written and failed with EMFILE); the checkpoint loads bit-exactly."""
+    path = tmp_path / "ck"
+    out = subprocess.run(
+        [sys.executable, "-c", _save_script(path)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "saved" in out.stdout, out.stderr[-2000:]
+    assert len(list((path / ".acp" / "packs").glob("*.zip"))) >= TENSORS // 2
+    state = _state(False)
+    acp.load(path, state)
+    assert all((state["model"][f"t{i}"] == i).all() for i in range(TENSORS))
+
+
+def test_save_holds_a_bounded_number_of_packs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for two open packs, a save of 300 packs never holds more than two open at once."""
+    from arraycheckpoint.engine import packstream, packwrite
+
+    monkeypatch.setattr(packwrite, "open_packs_allowed", lambda: 2)
+    made: list[packstream.StreamedPack] = []
+    most = 0
+    real_init = packstream.StreamedPack.__init__
+
+    def init(self: packstream.StreamedPack, *args: object, **kwargs: object) -> None:
+        nonlocal most
+        most = max(most, 1 + sum(not p.closed for p in made))
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(packstream.StreamedPack, "__init__", init)
+    acp.save(tmp_path / "ck", _state(True), plan_options=PlanOptions(min_chunk_bytes=1 << 10))
+    assert len(made) >= TENSORS // 2 and most == 2 and all(p.closed for p in made)
+    state = _state(False)
+    acp.load(tmp_path / "ck", state)
+    assert all((state["model"][f"t{i}"] == i).all() for i in range(TENSORS))

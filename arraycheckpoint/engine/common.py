@@ -22,6 +22,25 @@ log = logging.getLogger("arraycheckpoint")
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 
+#: Packs a save or a load keeps open at once (a descriptor each on a local file system): a load reading from
+#: the packs of thousands of saving ranks, a save filling thousands of small packs, would otherwise hold more
+#: descriptors than a process may (1,024 by default on many systems).
+MAX_OPEN_PACKS = 64
+
+
+def open_packs_allowed() -> int:
+    """:data:`MAX_OPEN_PACKS`, or an eighth of the descriptors this process may open where that is fewer
+    (at least 2): the rest stay for the storage library, the process group's sockets and the user's files."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit here
+        return MAX_OPEN_PACKS
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return MAX_OPEN_PACKS
+    return max(2, min(MAX_OPEN_PACKS, soft // 8))
+
 
 def write_sidecar(storage: Storage, root: str, key: str, doc: dict[str, Any]) -> None:
     """Best-effort JSON sidecar (metrics): never fails a save or a load."""

@@ -38,6 +38,7 @@ from ..codecs import numpy_dtype
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
 from ..planning.regions import Box, intersect
 from . import chunkread, shardfile
+from .common import open_packs_allowed
 
 #: A ZIP local file header: signature, versions, flags, method, time, date, crc, sizes, name and extra lengths.
 _LOCAL = struct.Struct("<4s5H3L2H")
@@ -288,7 +289,7 @@ class PackedReader:
         #: open packs, least recently used first: at most :data:`MAX_OPEN_PACKS` (a resharded load reads from
         #: the packs of every saving rank: thousands, more than a process may hold descriptors for)
         self._packs: OrderedDict[str, PackFile] = OrderedDict()
-        self._max_open = open_packs_allowed()
+        self._max_open = open_packs_allowed()  # packs open at once (least recently used closed first)
         self._members: dict[str, dict[str, Any]] = {}  # pack key -> its members by name (once per pack)
         self._where: dict[str, str] = {}  # member -> pack key (format 6, from the directories)
         for key, entries in directories.items():
@@ -416,25 +417,6 @@ class PackedReader:
         for pack in self._packs.values():
             pack.close()
         self._packs.clear()
-
-
-#: Packs a load keeps open at once (each a descriptor on a local file system); the least recently used is
-#: closed first, and opened again (with every check of :class:`PackFile`) should it be read again.
-MAX_OPEN_PACKS = 64
-
-
-def open_packs_allowed() -> int:
-    """:data:`MAX_OPEN_PACKS`, or an eighth of the descriptors this process may open where that is fewer
-    (at least 2): the rest stay for the storage library, the process group's sockets and the user's files."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no such limit here
-        return MAX_OPEN_PACKS
-    if soft == resource.RLIM_INFINITY or soft <= 0:
-        return MAX_OPEN_PACKS
-    return max(2, min(MAX_OPEN_PACKS, soft // 8))
 
 
 #: bytes a local pack is read ahead by, for its small members (:meth:`PackFile._near`; members up to a

@@ -107,6 +107,11 @@ class StreamedPack:
         """Every member was handed to :meth:`add`."""
         return self._members.complete
 
+    @property
+    def closed(self) -> bool:
+        """The pack's file is no longer held open here (written whole and handed on, or removed)."""
+        return self._fd is None
+
     def add(self, index: int, parts: list[Any]) -> tuple[Future[None], int]:
         """Queue member ``index``'s bytes (``parts``, in order; their CRC-32 is summed on the writing thread);
         the future of the batch that writes it, and the member's bytes.

@@ -16,6 +16,7 @@ from ..errors import SaveFailedError
 from ..planning.packing import DOC_BYTES, chunk_file_bytes, fill_packs, packs_rank
 from ..planning.plan import ArrayLayout, RankPlan
 from . import shardfile
+from .common import open_packs_allowed, wait_write
 from .job import SaveJob
 
 
@@ -110,6 +111,10 @@ class Packs:
             self._where.update((m, (key, i)) for i, m in enumerate(keys))
         self._open: dict[str, Any] = {}
         self._last: dict[str, Any] = {}  # the last write future handed out per pack
+        #: packs opened and not yet seen finished, oldest first (at most open_packs_allowed() of them when the
+        #: plan's order allows: see :meth:`_room`)
+        self._unfinished: list[str] = []
+        self._max_open = open_packs_allowed()
         #: bytes handed to storage so far (every member's, also those of a batch whose future went out before)
         self.written = 0
 
@@ -140,7 +145,9 @@ class Packs:
         key, index = self._where[member]
         pack = self._open.get(key)
         if pack is None:
+            self._room()
             pack = self._open[key] = self._writer.open_pack(key, self._layout[key])
+            self._unfinished.append(key)
         started = pack.add(index, parts)
         if started is not None:
             self.written += started[1]
@@ -150,6 +157,28 @@ class Packs:
             return []
         self._last[key] = started[0]
         return [(started[0], started[1], f"{member.rpartition('/')[0]} (pack {key})")]
+
+    def _room(self) -> None:
+        """Before a pack is opened: while ``open_packs_allowed()`` packs are open, wait for the oldest whose
+        every member was handed over (its last write closes it), so that a save of thousands of small packs
+        (a small ``min_chunk_bytes``, everything within the bytes in flight) holds a bounded number of
+        descriptors. A pack still waiting for members (a plan whose order interleaves packs) is not waited
+        for: the save then holds more."""
+        if len(self._unfinished) < self._max_open:
+            return
+        self._unfinished = [k for k in self._unfinished if not _finished(self._open[k])]
+        flushed = False
+        for key in list(self._unfinished):
+            if len(self._unfinished) < self._max_open:
+                return
+            pack, last = self._open[key], self._last.get(key)
+            if not pack.complete or last is None:
+                continue
+            if not flushed:
+                self._writer.flush()  # the members still batched go to their packs' writers
+                flushed = True
+            wait_write(last, f"pack {key}")
+            self._unfinished.remove(key)
 
     def check_done(self) -> None:
         """Every pack got all its members (a plan whose writes miss a member would leave one incomplete)."""
@@ -161,6 +190,11 @@ class Packs:
 #: Stands for one dimension name in a ``zarr.json`` template; never part of an encoded layout otherwise.
 _PLACEHOLDER = "\0acp-dim\0"
 _DIM = json.dumps(_PLACEHOLDER)
+
+
+def _finished(pack: Any) -> bool:
+    """Whether ``pack``'s file is closed (a pack written as it fills: its last member written, or removed)."""
+    return getattr(pack, "closed", True)
 
 
 def zarr_json_template(layout: ArrayLayout) -> tuple[bytes, ...]:
