@@ -22,6 +22,8 @@ import sys
 import textwrap
 import threading
 
+from dist import free_port
+
 SCRIPT = textwrap.dedent(
     """
     import os
@@ -36,7 +38,7 @@ SCRIPT = textwrap.dedent(
     from arraycheckpoint.runtime.collectives import TorchCommunicator
 
     rank, init = int(sys.argv[1]), sys.argv[2]
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     comm = TorchCommunicator(timeout=1.0)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # alive, never sends: killed by the test while rank 0 finalizes
@@ -59,12 +61,18 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _env() -> dict[str, str]:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
 def test_exit_with_an_abandoned_p2p_wait_does_not_abort(tmp_path) -> None:
     script = tmp_path / "exit_in_p2p_wait.py"
     script.write_text(SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    init = str(tmp_path / "init")
+    env = _env()
+    init = (
+        f"tcp://127.0.0.1:{free_port()}"  # the store's server in rank 0: it answers while rank 1 is stopped
+    )
     ranks = [
         subprocess.Popen(
             [sys.executable, str(script), str(r), init],
@@ -91,3 +99,51 @@ def test_exit_with_an_abandoned_p2p_wait_does_not_abort(tmp_path) -> None:
     assert [s.strip() for s in lines] == ["stalled", "finalizing"], (lines, err[-2000:])
     assert main.returncode == 0, (main.returncode, err[-2000:])
     assert "terminate called" not in err, err[-2000:]
+
+
+LOADER_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import time
+    from dataclasses import dataclass
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from arraycheckpoint.data.tokenbuffer import NumberedSource, TokenBufferLoader
+
+
+    @dataclass(frozen=True)
+    class NativeSource(NumberedSource):
+        def read(self, index, i):
+            try:  # 0.3 s inside a C++ library with the GIL released (a real source's file or network read)
+                dist.HashStore().wait(["never"], timedelta(seconds=0.3))
+            except Exception:
+                pass
+            return self.read_fast(index, i)
+
+
+    class Finalizing:
+        def __del__(self, write=os.write, sleep=time.sleep):
+            write(1, b"finalizing\\n")
+            sleep(1.0)
+
+
+    loader = TokenBufferLoader([NativeSource("a", 10**6)], seq_len=4, max_ready_batches=10**6)
+    next(loader)  # the script stops iterating early and never closes the loader: its reader reads on
+    time.sleep(0.1)
+    keep = Finalizing()
+    print("done", flush=True)
+    """
+)
+
+
+def test_exit_while_the_token_reader_is_in_a_native_read_does_not_abort(tmp_path) -> None:
+    script = tmp_path / "exit_in_reader.py"
+    script.write_text(LOADER_SCRIPT)
+    for _ in range(2):
+        run = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env()
+        )
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+        assert "terminate called" not in run.stderr and run.stdout.split() == ["done", "finalizing"], run
