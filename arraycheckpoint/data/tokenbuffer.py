@@ -15,9 +15,11 @@ resharded run returns every remaining token exactly once (see :mod:`arraycheckpo
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -242,6 +244,7 @@ class TokenBufferLoader:
         if self.background and self._thread is None and not self._done:
             self._thread = threading.Thread(target=self._reader, name="acp-tokenbuffer-reader", daemon=True)
             self._thread.start()
+            _stop_at_exit(self)
         if not self.background:
             with self._cv:
                 empty = not self._ready
@@ -295,17 +298,21 @@ class TokenBufferLoader:
         return True
 
     def _stop_reader(self) -> None:
-        t = self._thread
-        if t is not None:
-            with self._cv:
-                self._closed = True
-                self._cv.notify_all()
-            t.join()
+        if self._thread is not None:
+            self._tell_reader_to_stop()
+            self._thread.join()
         self._thread = None
 
     def close(self) -> None:
         """Stop the reader thread (the state stays as it is)."""
         self._stop_reader()
+
+    def _tell_reader_to_stop(self) -> threading.Thread | None:
+        """Ask the reader to end after its current step (the exit hook); returns it (None: not running)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        return self._thread
 
     # ------------------------------------------------------------------------------------- checkpoint
     def prepare_checkpoint(self, step: int) -> None:
@@ -408,3 +415,34 @@ class TokenBufferLoader:
                 f"(saved {theirs.get('sources')}, seq_len {theirs.get('seq_len')}; here {mine['sources']}, "
                 f"seq_len {mine['seq_len']}); build the loader with the saved sources to resume"
             )
+
+
+#: seconds the interpreter's exit waits in all for reader threads to finish the step they are in
+EXIT_JOIN_TIMEOUT = 5.0
+_READING: weakref.WeakSet[TokenBufferLoader] = weakref.WeakSet()
+_HOOKED = [False]
+
+
+def _stop_at_exit(loader: TokenBufferLoader) -> None:
+    """Have ``loader``'s reader stopped by :func:`_stop_readers` when the interpreter exits."""
+    _READING.add(loader)
+    if not _HOOKED[0]:
+        _HOOKED[0] = True
+        atexit.register(_stop_readers)
+
+
+def _stop_readers() -> None:
+    """Stop the reader threads of loaders never closed, before the interpreter finalizes (an ``atexit`` hook).
+
+    A reader reads ahead until ``max_ready_batches`` are ready, so a script that stops iterating early leaves
+    it reading. A daemon thread that comes back from a call that released the GIL while the interpreter
+    finalizes is ended by Python from where it stands: inside a C++ library (a source whose ``read`` goes
+    through torch, tensorstore, a cloud SDK) that aborts the process (SIGABRT, "terminate called without an
+    active exception") after the program itself succeeded. So each reader is told to stop after its current
+    step and waited for, at most :data:`EXIT_JOIN_TIMEOUT` seconds in all (a read stuck longer is left).
+    ``atexit`` runs after Python has joined the non-daemon threads, which may still be iterating a loader.
+    """
+    threads = [t for t in (loader._tell_reader_to_stop() for loader in list(_READING)) if t is not None]
+    deadline = time.monotonic() + EXIT_JOIN_TIMEOUT
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))

@@ -219,6 +219,7 @@ class TorchCommunicator(Communicator):
 
         if self._broken is not None:
             self._rebuild()
+        work = None
         try:
             work = start()
             began = time.monotonic()
@@ -236,6 +237,9 @@ class TorchCommunicator(Communicator):
         except StalledRankError as e:
             self._broken = e
             raise
+        finally:
+            if isinstance(work, _AllWorks) and not work.is_completed():
+                work.abandon()  # nobody waits for it again: ended at interpreter exit
 
     def _rebuild(self) -> None:
         """After a stall: every rank agrees (through the store) and a fresh gloo group replaces the old one."""
@@ -341,24 +345,29 @@ class _AllWorks:
     """Several pending point-to-point operations as one waitable, for the liveness-checked wait.
 
     gloo's point-to-point work objects report completion only through ``wait()`` (``is_completed()`` stays
-    False), so a helper thread waits and the poll reads its flag. If a peer stalls, that thread stays blocked
-    until the process ends; the group is rebuilt for the next collective.
+    False), so a helper thread waits and the poll reads its flag. If a peer stalls, the collective is given up
+    (:meth:`abandon`) and that thread stays blocked inside gloo; the group is rebuilt for the next collective,
+    and the thread is ended when the interpreter exits (:func:`_end_abandoned`).
     """
 
     def __init__(self, works: list[Any]) -> None:
+        self._works = works
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._at = 0  # the work the thread waits for now
 
         def wait_all() -> None:
             try:
-                for w in works:
+                for i, w in enumerate(works):
+                    self._at = i
                     w.wait()
             except BaseException as e:  # noqa: BLE001 - re-raised in wait()
                 self._error = e
             finally:
                 self._done.set()
 
-        threading.Thread(target=wait_all, name="acp-p2p-wait", daemon=True).start()
+        self._thread = threading.Thread(target=wait_all, name="acp-p2p-wait", daemon=True)
+        self._thread.start()
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -367,6 +376,62 @@ class _AllWorks:
         self._done.wait()
         if self._error is not None:
             raise self._error
+
+    def abandon(self) -> None:
+        """Give up this collective (a peer stalled, or the caller was interrupted): its thread, still inside
+        gloo's ``wait()``, is ended at interpreter exit."""
+        _ABANDONED.difference_update([a for a in _ABANDONED if a.is_completed()])  # their peer did send
+        _ABANDONED.add(self)
+        if not _ABANDONED_HOOKED[0]:
+            _ABANDONED_HOOKED[0] = True
+            from .exithook import at_thread_shutdown
+
+            at_thread_shutdown(_end_abandoned)
+
+    def cancel(self) -> None:
+        """Make the thread's pending ``wait()`` return (with an error). gloo offers no abort of a
+        point-to-point operation (``ProcessGroupGloo.abort()`` and ``shutdown()`` leave it waiting); a wait
+        with a timeout that expires closes every connection of the group's context, which fails the pending
+        operations at once. Only for an abandoned collective: the group is unusable afterwards."""
+        from datetime import timedelta
+
+        for w in self._works[self._at :]:
+            if self._done.is_set():
+                return
+            try:
+                w.wait(timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001, S110 - the timeout is the point: the connections are closed now
+                pass
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+#: collectives given up with their waiting thread still inside gloo (ended by :func:`_end_abandoned`)
+_ABANDONED: set[_AllWorks] = set()
+_ABANDONED_HOOKED = [False]
+#: seconds the interpreter's exit waits in all for the threads of abandoned collectives to end
+EXIT_JOIN_TIMEOUT = 5.0
+
+
+def _end_abandoned() -> None:
+    """End the waiting threads of abandoned point-to-point collectives before the interpreter finalizes.
+
+    Such a thread blocks in gloo's ``wait()`` with the GIL released until its peer sends or its connection
+    closes, which happens when that peer's process ends (killed with a stalled job, say) while this one
+    finalizes: Python then ends the thread from inside torch's C++ binding and the process aborts (SIGABRT,
+    "terminate called without an active exception") after the program itself returned. So each pending wait
+    is cancelled (:meth:`_AllWorks.cancel`) and its thread waited for, at most :data:`EXIT_JOIN_TIMEOUT`
+    seconds in all. Collectives in flight (an async save finishing at exit) are never abandoned, so never
+    touched here.
+    """
+    pending = [a for a in _ABANDONED if not a.is_completed()]
+    _ABANDONED.clear()
+    for a in pending:
+        a.cancel()
+    deadline = time.monotonic() + EXIT_JOIN_TIMEOUT
+    for a in pending:
+        a.join(max(0.0, deadline - time.monotonic()))
 
 
 _TORCH_COMMS: dict[int, TorchCommunicator] = {}

@@ -295,9 +295,9 @@ def _peer_calls(value: bytes) -> tuple[int | None, float]:
 
 
 def _peer_interval(value: bytes) -> float:
-    """The heartbeat interval a peer publishes with its counter (``b"<beats>:<interval>"``)."""
+    """The heartbeat interval a peer publishes with its counter (``b"<beats>:<interval>[:...]"``)."""
     try:
-        return float(bytes(value).split(b":", 1)[1])
+        return float(bytes(value).split(b":")[1])
     except (IndexError, ValueError):
         return 5.0  # the longest interval any rank uses
 

@@ -240,3 +240,19 @@ def test_a_later_save_on_rank_0_only_names_the_ranks_that_never_called(tmp_path,
     for name in ("first", "together", "again"):
         assert acp.read_metadata(tmp_path / name).world_size == 2
     assert not (tmp_path / "alone").exists()
+
+
+def test_a_peer_is_judged_by_the_interval_it_publishes() -> None:
+    """The interval is read back from what a heartbeat publishes (it was read as 5 s, the fallback, from the
+    four-field counter: a stall took 11 s to be named, whatever shorter timeout was asked)."""
+    import torch.distributed as dist
+
+    from arraycheckpoint.runtime.liveness import Liveness, _peer_interval
+
+    store = dist.HashStore()
+    live = Liveness(store, "p", rank=0, world=1, timeout=1.0)
+    try:
+        assert live.interval == 0.05 and _peer_interval(store.get("p/hb/0")) == live.interval
+    finally:
+        live.close()
+        live.join(5.0)
