@@ -507,11 +507,6 @@ class CheckpointStore(PackReading, Store):
         flat = _chunk_flat(leaf, t.shape, t.chunk_shape, self._sep)
         return None if flat is None else t.writers[flat]
 
-    async def _exists_object(self, key: str) -> bool:
-        if self._local is not None:
-            return await asyncio.to_thread(_exists_below, self._local, key)
-        return bool(await self._base.exists(key))
-
     # Writes -----------------------------------------------------------------------------------------------
     async def set(self, key: str, value: Buffer) -> None:
         self._check_writable()

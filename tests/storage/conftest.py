@@ -94,7 +94,8 @@ def s3_prefix(s3_server: S3Server) -> str:
 
 
 class FaultProxy:
-    """An HTTP proxy to the S3 server that fails the next ``fail_next`` requests with ``status``."""
+    """An HTTP proxy to the S3 server that fails the next ``fail_next`` requests with ``status``, and logs
+    every request it forwards in ``requests``: ``(method, path, Range header or None, body bytes sent)``."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
@@ -103,6 +104,7 @@ class FaultProxy:
         self.body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
         self.failed = 0
         self.forwarded = 0
+        self.requests: list[tuple[str, str, str | None, int]] = []
         self._lock = threading.Lock()
         proxy = self
 
@@ -139,11 +141,15 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("content-length", "transfer-encoding", "connection"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD answer has no body but says the object's length (what a file system's size is)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
+                with proxy._lock:
+                    proxy.requests.append((self.command, self.path, self.headers.get("Range"), len(data)))
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
