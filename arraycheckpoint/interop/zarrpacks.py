@@ -170,6 +170,7 @@ class PackReading:
     _base: Store
     _meta: CheckpointMetadata
     _local: str | None
+    _name: str  # how errors name the checkpoint (:func:`arraycheckpoint.interop.zarrstore._display`)
     _sep: str
     _packs: dict[str, _Pack]
     _ranks: dict[int, dict[str, tuple[_Pack, _Member]]]
@@ -239,7 +240,7 @@ class PackReading:
             if self._local is not None:
                 walk = RankPacks(LocalStorage(), self._local, self._meta, holds)
             else:
-                walk = RankPacks(_StoreRanges(self, loop), str(self._base).rstrip("/"), self._meta, holds)
+                walk = RankPacks(_StoreRanges(self, loop), self._name, self._meta, holds)
             return await loop.run_in_executor(pool, work, walk)
 
     def _walk_rank(self, walk: Any, rank: int) -> dict[str, tuple[_Pack, _Member]]:
@@ -290,7 +291,7 @@ class PackReading:
             ) from None
 
     def _where(self, key: str) -> str:
-        return f"{self._local or self._base}/{key}"
+        return f"{self._local or self._name}/{key}"
 
     async def _read_directory(self, key: str) -> _Pack:
         """Format 5: read and check the central directory of the pack ``key`` (see the module docstring)."""
