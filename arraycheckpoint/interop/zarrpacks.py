@@ -205,7 +205,9 @@ class PackReading:
     async def _capacity(self, name: str) -> None:
         """Format 6: the packs of the ranks writing chunks of ``name`` can hold what they hold
         (:meth:`arraycheckpoint.audit.rankpacks.RankPacks.capacity`: a local path's file sizes, an object
-        store's directory entries), before its keys are listed one per chunk; each rank checked once."""
+        store's directory entries), before its keys are listed one per chunk; each rank checked once. On an
+        object store, where counting reads the directories, each rank's packs are walked instead
+        (:meth:`_rank`, which counts first): what a read of the keys listed needs, each directory read once."""
         writers = self._meta.tensors[name].writers
         checked = self.__dict__.setdefault("_capacity_checked", set())
         if len(writers) <= 1:
@@ -213,9 +215,12 @@ class PackReading:
         ranks = [
             r for r in np.unique(np.asarray(getattr(writers, "array", writers))).tolist() if r not in checked
         ]
-        if ranks:
+        if ranks and self._local is None:
+            for r in ranks:
+                await self._rank(r)
+        elif ranks:
             await self._walking(lambda walk: [walk.capacity(r) for r in ranks], None)
-            checked.update(ranks)
+        checked.update(ranks)
 
     async def _walking(self, work: Callable[[Any], Any], rank: int | None) -> Any:
         """``work(walk)`` with a :class:`arraycheckpoint.audit.rankpacks.RankPacks` of the checkpoint, run on
