@@ -210,6 +210,46 @@ def _sizes(s3_server: Any, prefix: str) -> dict[str, int]:
     return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
 
 
+def test_tensorstore_reads_a_packed_chunk_from_s3_with_ranged_gets(
+    saved: tuple[str, dict[str, np.ndarray]], s3_server: Any, fault_proxy: Any
+) -> None:
+    """``docs/format.md``'s tensorstore route with an S3 pack for the base: the ``zarr3`` driver over the
+    ``zip`` key-value store of rank 1's pack on the server reads ``model/v2``'s chunk ``c.1.0`` bit-exactly,
+    with ranged GETs only: the pack's last 64 KiB (its end records), its directory, the member; a second read
+    revalidates the tail (an empty answer) and fetches the member again."""
+    ts = pytest.importorskip("tensorstore")
+    import json
+
+    url, want = saved
+    prefix = _prefix(s3_server, url)
+    packs = _pack_members(s3_server, prefix)
+    key = next(k for k, (_n, members) in packs.items() if "model/v2/c.1.0" in members)
+    members = packs[key][1]
+    holder = next(k for k, (_n, m) in packs.items() if "model/v2/zarr.json" in m)  # its creator's packs
+    body = s3_server.client.get_object(Bucket=s3_server.bucket, Key=holder)["Body"].read()
+    with zipfile.ZipFile(io.BytesIO(body)) as zf:
+        doc = zf.read("model/v2/zarr.json")
+    meta = json.loads(doc)
+    base = {"driver": "s3", "bucket": s3_server.bucket, "path": key, "endpoint": fault_proxy.endpoint}
+    spec = {
+        "driver": "zarr3",
+        "metadata": meta,
+        "kvstore": {"driver": "zip", "path": "model/v2/", "base": base},
+    }
+    arr = ts.open(spec, open=True, assume_metadata=True).result()
+    rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+    assert np.array_equal(_bits(arr[rows : 2 * rows].read().result()), want["model/v2"][rows:])
+    gets = [(r, n) for m, p, r, n in fault_proxy.requests if m == "GET" and p.endswith(key)]
+    member = members["model/v2/c.1.0"]
+    assert all(r is not None for r, _n in gets), gets
+    assert len(gets) == 3 and gets[0] == ("bytes=-65634", 65634), gets  # end records, directory, member
+    assert gets[2][1] == 30 + len(member.filename) + member.file_size, (gets, member)
+    fault_proxy.requests.clear()
+    assert np.array_equal(_bits(arr[rows : 2 * rows].read().result()), want["model/v2"][rows:])
+    again = [(r, n) for m, p, r, n in fault_proxy.requests if m == "GET" and p.endswith(key)]
+    assert again == [("bytes=-65634", 0), gets[2]], again
+
+
 def _copy(s3_server: Any, url: str) -> tuple[str, str]:
     """A copy of the saved checkpoint under a fresh prefix (server-side copies): its URL and key prefix."""
     src = _prefix(s3_server, url)
