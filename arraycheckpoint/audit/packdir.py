@@ -161,7 +161,11 @@ def _pack_directory(
     else:
         want = min(bound + 1, _PACK_TAIL_BYTES)
         ranges = getattr(storage, "pack_ranges", None)  # a reader of its own (checkpoint_store's zarr store)
-        got = ranges(base, key, want) if ranges is not None else _kv_ranges(storage, base, key, want)
+        if ranges is not None:  # it knows the pack's size: the end records and what the directory can take,
+            # as a local pack's first read (not 256 KiB of members besides a small directory)
+            got = ranges(base, key, min(want, (max_directory_bytes or want) + _TRAILER_MAX))
+        else:
+            got = _kv_ranges(storage, base, key, want)
     keep = parsed is not None and check_members is None
     if got is None:
         if keep:
