@@ -103,10 +103,10 @@ def checkpoint_store(
 def _display(base: Store) -> str:
     """How errors name the checkpoint behind ``base``: an fsspec store by its URL (``s3://bucket/ckpt``, not
     ``<FsspecStore(S3FileSystem, bucket/ckpt)>``), any other store as zarr prints it."""
-    if isinstance(base, FsspecStore):
-        protocol = base.fs.protocol
-        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
-        return f"{protocol}://{base.path}".rstrip("/")
+    protocol = getattr(getattr(base, "fs", None), "protocol", None) if isinstance(base, FsspecStore) else None
+    protocol = protocol[0] if isinstance(protocol, (tuple, list)) and protocol else protocol
+    if isinstance(protocol, str):
+        return f"{protocol}://{base.path}".rstrip("/")  # type: ignore[attr-defined]
     return str(base).rstrip("/")
 
 
