@@ -97,6 +97,7 @@ def _pack_directory(
     check_members: Callable[[list[PackMember]], list[PackMember]] | None = None,
     missing_ok: bool = False,
     deferred: dict[str, int] | None = None,
+    parsed: dict[Any, Any] | None = None,
 ) -> tuple[list[PackMember], int | None]:
     """The ZIP central directory of the pack ``key`` (its entries, in stored order, duplicates kept) and the
     pack's size, read and checked without ever inflating or allocating more than the directory.
@@ -115,6 +116,12 @@ def _pack_directory(
     Local files are read with ``pread``; object stores with ranged reads (the last
     :data:`_PACK_TAIL_BYTES` first, which usually hold the directory, then one small read per local header),
     so a pack is never downloaded whole to be checked.
+
+    ``parsed`` (object stores) lets two calls with the same bounds read a directory once: a call without
+    ``check_members`` (counting a rank's members before its keys are built,
+    :func:`arraycheckpoint.audit.rankpacks.rank_capacity`) keeps there what it read and parsed (or that the
+    pack is absent); a later call with ``check_members`` takes it from there and checks it, as it would
+    have checked the bytes it read.
 
     Raises:
         InconsistentCheckpointError: the pack is missing (with ``missing_ok``: ``([], None)`` is returned).
@@ -141,10 +148,28 @@ def _pack_directory(
             return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members, deferred)
         finally:
             os.close(fd)
-    want = min(bound + 1, _PACK_TAIL_BYTES)
-    ranges = getattr(storage, "pack_ranges", None)  # a reader of its own (checkpoint_store's zarr store)
-    got = ranges(base, key, want) if ranges is not None else _kv_ranges(storage, base, key, want)
+    held_at = (key, bound, max_directory_bytes)  # what ``parsed`` holds it under: read with these bounds
+    if parsed is not None and held_at in parsed:
+        held = parsed.pop(held_at) if check_members is not None else parsed[held_at]
+        if held is None:
+            got = None
+        else:
+            entries, size, cd_offset, read_remote = held
+            reader = _PackReader(path, read_remote, size, whole_when_cheaper=True)
+            _check_entries(path, entries, cd_offset, reader, check_members, deferred)
+            return entries, size
+    else:
+        want = min(bound + 1, _PACK_TAIL_BYTES)
+        ranges = getattr(storage, "pack_ranges", None)  # a reader of its own (checkpoint_store's zarr store)
+        if ranges is not None:  # it knows the pack's size: the end records and what the directory can take,
+            # as a local pack's first read (not 256 KiB of members besides a small directory)
+            got = ranges(base, key, min(want, (max_directory_bytes or want) + _TRAILER_MAX))
+        else:
+            got = _kv_ranges(storage, base, key, want)
+    keep = parsed is not None and check_members is None
     if got is None:
+        if keep:
+            parsed[held_at] = None  # type: ignore[index]
         if missing_ok:
             return [], None
         raise InconsistentCheckpointError(f"the pack {path} is missing; the checkpoint is damaged")
@@ -154,7 +179,14 @@ def _pack_directory(
     elif want == bound + 1:  # the object holds at least bound + 1 bytes
         _check_pack_size(path, bound + 1, bound)
     reader = _PackReader(path, read_remote, size, tail, whole_when_cheaper=True)
-    return _read_pack(path, tail, size, bound, reader, max_directory_bytes, check_members, deferred)
+    entries, size, cd_offset = _parse_zip_directory(
+        path, tail, size, bound, reader.read_many, max_directory_bytes
+    )
+    reader.size = size
+    if keep:
+        parsed[held_at] = (entries, size, cd_offset, read_remote)  # type: ignore[index]
+    _check_entries(path, entries, cd_offset, reader, check_members, deferred)
+    return entries, size
 
 
 #: What an object store's reader of a pack returns: its last bytes, its size when known, and a reader of
@@ -255,6 +287,20 @@ def _read_pack(
         path, tail, size, bound, reader.read_many, max_directory_bytes
     )
     reader.size = size
+    _check_entries(path, entries, cd_offset, reader, check_members, deferred)
+    return entries, size
+
+
+def _check_entries(
+    path: str,
+    entries: list[PackMember],
+    cd_offset: int,
+    reader: _PackReader,
+    check_members: Callable[[list[PackMember]], list[PackMember]] | None,
+    deferred: dict[str, int] | None,
+) -> None:
+    """``check_members`` on a pack's parsed directory ``entries``, then the local headers of the members it
+    returns (or, with ``deferred``, where each of them ends, for the reader to check them)."""
     if check_members is not None:
         members = check_members(entries)
         if deferred is None:
@@ -262,7 +308,6 @@ def _read_pack(
         elif members:
             following = next_offsets(entries, cd_offset)
             deferred.update((e.filename, following[e.header_offset]) for e in members)
-    return entries, size
 
 
 def _check_pack_size(path: str, size: int, bound: int) -> None:

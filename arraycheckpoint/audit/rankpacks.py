@@ -121,10 +121,18 @@ REMOTE_CAPACITY_FREE = 1 << 16
 
 
 def _remote_capacity_problem(
-    storage: Any, base: str, meta: Any, rank: int, holds: Any, wanted: int
+    storage: Any,
+    base: str,
+    meta: Any,
+    rank: int,
+    holds: Any,
+    wanted: int,
+    parsed: dict[Any, Any] | None = None,
 ) -> str | None:
     """Object stores (no sizes without reads): the entries of ``rank``'s pack directories, counted (each read
-    with its bounds) until they reach ``wanted``; why they do not, or None."""
+    with its bounds) until they reach ``wanted``; why they do not, or None. Each directory read is kept in
+    ``parsed`` for the walk that checks it next (:class:`RankPacks`): read once, not once to count and once
+    to check."""
     from ..planning.packing import pack_key
 
     docs, chunks = holds.get(rank, ([], {}))
@@ -132,7 +140,13 @@ def _remote_capacity_problem(
     found = 0
     for k in range(members + 1):
         entries, size = packdir._pack_directory(
-            storage, base, pack_key(rank, k), bound, max_directory_bytes=entries_bound, missing_ok=True
+            storage,
+            base,
+            pack_key(rank, k),
+            bound,
+            max_directory_bytes=entries_bound,
+            missing_ok=True,
+            parsed=parsed,
         )
         if size is None and not entries:
             break
@@ -145,9 +159,12 @@ def _remote_capacity_problem(
     )
 
 
-def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -> Any:
+def check_capacity(
+    storage: Any, base: str, meta: Any, names: Collection[str], parsed: dict[Any, Any] | None = None
+) -> Any:
     """:func:`rank_capacity` for every rank writing chunks of the arrays ``names`` (the chunks per rank
-    counted from the writers at once, not listed). Returns what every rank holds (:func:`_rank_members`)."""
+    counted from the writers at once, not listed; ``parsed``: see :func:`rank_capacity`). Returns what
+    every rank holds (:func:`_rank_members`)."""
     holds = _rank_members(meta)
     per_rank: dict[int, dict[str, int]] = {}
     for name in names:
@@ -158,17 +175,24 @@ def check_capacity(storage: Any, base: str, meta: Any, names: Collection[str]) -
         for r in np.flatnonzero(counts).tolist():
             per_rank.setdefault(r, {})[name] = int(counts[r])
     for rank, chunks in per_rank.items():
-        rank_capacity(storage, base, meta, rank, chunks, holds)
+        rank_capacity(storage, base, meta, rank, chunks, holds, parsed)
     return holds
 
 
 def rank_capacity(
-    storage: Any, base: str, meta: Any, rank: int, chunks: Mapping[str, int], holds: Any
+    storage: Any,
+    base: str,
+    meta: Any,
+    rank: int,
+    chunks: Mapping[str, int],
+    holds: Any,
+    parsed: dict[Any, Any] | None = None,
 ) -> None:
     """Before a key is built per chunk: ``rank``'s packs can hold ``chunks`` (array -> its chunks there, of
     arrays of more than one chunk): on a local file system their sizes (:func:`rank_capacity_problem`), on
     object stores the entries of their directories, counted above :data:`REMOTE_CAPACITY_FREE` members
-    (:func:`_remote_capacity_problem`); ``holds`` is :func:`_rank_members`.
+    (:func:`_remote_capacity_problem`); ``holds`` is :func:`_rank_members`. ``parsed``: where the directories
+    counted are kept for the walk that checks them (:class:`RankPacks` ``parsed``), so that each is read once.
 
     Raises:
         InconsistentCheckpointError: naming the arrays of ``chunks``.
@@ -177,7 +201,7 @@ def rank_capacity(
     if getattr(storage, "commit_strategy", "") == "rename":
         problem = rank_capacity_problem(base, rank, chunks)
     elif wanted > REMOTE_CAPACITY_FREE:
-        problem = _remote_capacity_problem(storage, base, meta, rank, holds, wanted)
+        problem = _remote_capacity_problem(storage, base, meta, rank, holds, wanted, parsed)
     else:
         problem = None
     if problem is not None:
@@ -224,7 +248,8 @@ def check_rank_packs(
         return {}
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
-    holds = check_capacity(storage, base, meta, names)  # before a key is built per chunk
+    parsed: dict[Any, Any] = {}  # the directories counted, checked by the walk below without a second read
+    holds = check_capacity(storage, base, meta, names, parsed)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 under an array
     for name in names:
@@ -246,7 +271,7 @@ def check_rank_packs(
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
             needed.setdefault(writers[flat], {})[key] = (name, flat)
     out: dict[str, int | None] = {}
-    walk = RankPacks(storage, base, meta, holds)
+    walk = RankPacks(storage, base, meta, holds, parsed)
     for rank in sorted(needed):
         out.update(walk.check(rank, needed[rank], directories, deferred))
     return out
@@ -263,13 +288,18 @@ class RankPacks:
     a whole load, the zarr store), every pack up to the first absent one is read, so that a pack after the
     last one a save wrote (a member a second time, a foreign file) is refused by each of them alike.
     ``storage`` is a :class:`~arraycheckpoint.storage.Storage` or any object that
-    :func:`arraycheckpoint.audit.packdir._pack_directory` reads packs through (``pack_ranges``)."""
+    :func:`arraycheckpoint.audit.packdir._pack_directory` reads packs through (``pack_ranges``). ``parsed``
+    holds the directories an object store's capacity count read (:func:`rank_capacity`), which :meth:`check`
+    checks without reading them again."""
 
-    def __init__(self, storage: Any, base: str, meta: Any, holds: Any) -> None:
+    def __init__(
+        self, storage: Any, base: str, meta: Any, holds: Any, parsed: dict[Any, Any] | None = None
+    ) -> None:
         from ..format.metadata import chunk_key_separator
         from ..planning.packing import packs_target
 
         self.storage, self.base, self.meta, self.holds = storage, base, meta, holds
+        self.parsed: dict[Any, Any] = {} if parsed is None else parsed
         self.separator = chunk_key_separator(meta.format_version)
         packs = {t.pack for t in meta.tensors.values() if t.pack_rank is not None}  # a few distinct entries
         targets = {packs_target(pack) for pack in packs}
@@ -295,7 +325,7 @@ class RankPacks:
         """:func:`rank_capacity` of ``rank`` for every chunk its packs hold (of arrays of several chunks)."""
         counts = self.holds.get(rank, ([], {}))[1]
         multi = {n: k for n, k in counts.items() if len(self.meta.tensors[n].writers) > 1}
-        rank_capacity(self.storage, self.base, self.meta, rank, multi, self.holds)
+        rank_capacity(self.storage, self.base, self.meta, rank, multi, self.holds, self.parsed)
 
     def check(
         self,
@@ -350,6 +380,7 @@ class RankPacks:
                     check_members=functools.partial(check, where=f"{base}/{key}"),
                     missing_ok=True,
                     deferred=None if deferred is None else deferred.setdefault(key, {}),
+                    parsed=self.parsed,
                 )
             except CorruptCheckpointError as e:  # name the tensors the pack was read for
                 if str(e).startswith("tensor '"):

@@ -170,6 +170,7 @@ class PackReading:
     _base: Store
     _meta: CheckpointMetadata
     _local: str | None
+    _name: str  # how errors name the checkpoint (:func:`arraycheckpoint.interop.zarrstore._display`)
     _sep: str
     _packs: dict[str, _Pack]
     _ranks: dict[int, dict[str, tuple[_Pack, _Member]]]
@@ -204,7 +205,9 @@ class PackReading:
     async def _capacity(self, name: str) -> None:
         """Format 6: the packs of the ranks writing chunks of ``name`` can hold what they hold
         (:meth:`arraycheckpoint.audit.rankpacks.RankPacks.capacity`: a local path's file sizes, an object
-        store's directory entries), before its keys are listed one per chunk; each rank checked once."""
+        store's directory entries), before its keys are listed one per chunk; each rank checked once. On an
+        object store, where counting reads the directories, each rank's packs are walked instead
+        (:meth:`_rank`, which counts first): what a read of the keys listed needs, each directory read once."""
         writers = self._meta.tensors[name].writers
         checked = self.__dict__.setdefault("_capacity_checked", set())
         if len(writers) <= 1:
@@ -212,9 +215,12 @@ class PackReading:
         ranks = [
             r for r in np.unique(np.asarray(getattr(writers, "array", writers))).tolist() if r not in checked
         ]
-        if ranks:
+        if ranks and self._local is None:
+            for r in ranks:
+                await self._rank(r)
+        elif ranks:
             await self._walking(lambda walk: [walk.capacity(r) for r in ranks], None)
-            checked.update(ranks)
+        checked.update(ranks)
 
     async def _walking(self, work: Callable[[Any], Any], rank: int | None) -> Any:
         """``work(walk)`` with a :class:`arraycheckpoint.audit.rankpacks.RankPacks` of the checkpoint, run on
@@ -239,7 +245,7 @@ class PackReading:
             if self._local is not None:
                 walk = RankPacks(LocalStorage(), self._local, self._meta, holds)
             else:
-                walk = RankPacks(_StoreRanges(self, loop), str(self._base).rstrip("/"), self._meta, holds)
+                walk = RankPacks(_StoreRanges(self, loop), self._name, self._meta, holds)
             return await loop.run_in_executor(pool, work, walk)
 
     def _walk_rank(self, walk: Any, rank: int) -> dict[str, tuple[_Pack, _Member]]:
@@ -290,7 +296,7 @@ class PackReading:
             ) from None
 
     def _where(self, key: str) -> str:
-        return f"{self._local or self._base}/{key}"
+        return f"{self._local or self._name}/{key}"
 
     async def _read_directory(self, key: str) -> _Pack:
         """Format 5: read and check the central directory of the pack ``key`` (see the module docstring)."""
@@ -373,34 +379,53 @@ class PackReading:
     async def _read_member(
         self, pack: _Pack, member: _Member, prototype: BufferPrototype, byte_range: ByteRequest | None
     ) -> Buffer:
-        info = member.info
-        start, end = _span(byte_range, int(info.file_size))
-        if self._fds is not None:  # a local pack: its header (first use) and the bytes in one worker call
-            data = await asyncio.to_thread(self._member_bytes_local, pack, member, start, end)
-            return prototype.buffer.from_bytes(data)
-        at = pack.data_at.get(info.filename)
-        if at is None:
-            first, whole = _header_reads(member)
-            header = await self._read(pack.key, info.header_offset, info.header_offset + first)
-            if whole(header) > len(header):  # an extra field beyond the first read, within the member's room
-                header = await self._read(pack.key, info.header_offset, info.header_offset + whole(header))
-            at = self._data_at(pack, member, header)
-        data = await self._read(pack.key, at + start, at + max(start, end))
+        """Bytes ``byte_range`` of ``member`` (see :meth:`_member_bytes`); a local pack's reads in one worker
+        call through its descriptor, an object store's as ranged reads of the pack object."""
+        start, end = _span(byte_range, int(member.info.file_size))
+        if self._fds is not None:
+            fds = self._fds
+            data = await asyncio.to_thread(
+                lambda: _run_sync(self._member_bytes(pack, member, start, end, _sync_reader(fds, pack.key)))
+            )
+        else:
+            data = await _run_async(
+                self._member_bytes(pack, member, start, end, lambda a, b: self._read(pack.key, a, b))
+            )
         return prototype.buffer.from_bytes(data)
 
-    def _member_bytes_local(self, pack: _Pack, member: _Member, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the member ``member`` of the local pack ``pack`` (its local header
-        checked on first use), through the pack's one descriptor."""
-        assert self._fds is not None
+    def _member_bytes(
+        self, pack: _Pack, member: _Member, start: int, end: int, read: Callable[[int, int], Any]
+    ) -> Any:
+        """A generator of the reads (``read(a, b)``: bytes ``[a, b)`` of the pack) that fetch bytes
+        ``[start, end)`` of ``member``; returns them. On the member's first use its local header is checked
+        (:meth:`_data_at`): read with its bytes in one ranged read when they start at the member's start
+        (what zarr asks for a whole chunk file or document), else first. Bytes cut short (a truncated pack)
+        are an error naming the member and the pack."""
         info = member.info
         at = pack.data_at.get(info.filename)
         if at is None:
             first, whole = _header_reads(member)
-            header = self._fds.pread(pack.key, info.header_offset, info.header_offset + first)
-            if whole(header) > len(header):
-                header = self._fds.pread(pack.key, info.header_offset, info.header_offset + whole(header))
+            if start == 0:  # header and bytes together: one request per member, not two
+                span = yield read(info.header_offset, info.header_offset + first + end)
+                if whole(span[:first]) <= first:
+                    at = self._data_at(pack, member, span[:first])
+                    return self._whole(pack, member, span[at - info.header_offset :][:end], end)
+            header = yield read(info.header_offset, info.header_offset + first)
+            if whole(header) > len(header):  # an extra field beyond the first read, within the member's room
+                header = yield read(info.header_offset, info.header_offset + whole(header))
             at = self._data_at(pack, member, header)
-        return self._fds.pread(pack.key, at + start, at + max(start, end))
+        data = yield read(at + start, at + max(start, end))
+        return self._whole(pack, member, data, max(0, end - start))
+
+    def _whole(self, pack: _Pack, member: _Member, data: bytes, want: int) -> bytes:
+        """``data`` when it holds the ``want`` bytes asked for, else the error naming member and pack."""
+        if len(data) != want:
+            array = member.info.filename.rpartition("/")[0]
+            raise CorruptCheckpointError(
+                f"tensor {array!r}: member {member.info.filename!r} of {self._where(pack.key)} is cut short "
+                f"({len(data)} of {want} bytes read); the pack is damaged or truncated"
+            )
+        return data
 
     def _data_at(self, pack: _Pack, member: _Member, header: bytes) -> int:
         """Where the member's bytes start, from its local ``header``, checked against the directory entry as
@@ -412,6 +437,30 @@ class PackReading:
         )
         pack.data_at[info.filename] = at
         return at
+
+
+def _sync_reader(fds: _PackFiles, key: str) -> Callable[[int, int], bytes]:
+    return lambda a, b: fds.pread(key, a, b)
+
+
+def _run_sync(steps: Any) -> bytes:
+    """Drive a :meth:`PackReading._member_bytes` generator whose reads return bytes."""
+    try:
+        got = next(steps)
+        while True:
+            got = steps.send(got)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+async def _run_async(steps: Any) -> bytes:
+    """Drive a :meth:`PackReading._member_bytes` generator whose reads return awaitables."""
+    try:
+        got = next(steps)
+        while True:
+            got = steps.send(await got)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 def _read_before(_ranges: list[tuple[int, int]]) -> list[bytes]:
@@ -460,9 +509,10 @@ class _StoreRanges:
         store = self.store
 
         async def tail() -> tuple[int, bytes] | None:
-            if not await store._exists_object(key):
+            try:  # its size says it is there: one request, not two
+                size = int(await store._base.getsize(key))
+            except FileNotFoundError:
                 return None
-            size = await store._size(key)
             return size, await store._read(key, max(0, size - want), size)
 
         got = self._run(tail())

@@ -100,6 +100,16 @@ def checkpoint_store(
     return sync(CheckpointStore.open_checkpoint(base, local))
 
 
+def _display(base: Store) -> str:
+    """How errors name the checkpoint behind ``base``: an fsspec store by its URL (``s3://bucket/ckpt``, not
+    ``<FsspecStore(S3FileSystem, bucket/ckpt)>``), any other store as zarr prints it."""
+    protocol = getattr(getattr(base, "fs", None), "protocol", None) if isinstance(base, FsspecStore) else None
+    protocol = protocol[0] if isinstance(protocol, (tuple, list)) and protocol else protocol
+    if isinstance(protocol, str):
+        return f"{protocol}://{base.path}".rstrip("/")  # type: ignore[attr-defined]
+    return str(base).rstrip("/")
+
+
 class CheckpointStore(PackReading, Store):
     """The read-only store :func:`checkpoint_store` returns (see the module docstring)."""
 
@@ -112,6 +122,7 @@ class CheckpointStore(PackReading, Store):
         self._base = base
         self._meta = meta
         self._local = local_root
+        self._name = _display(base)
         self._packed: dict[str, str] = {}  # array name -> pack key
         self._in_pack: dict[str, list[str]] = {}  # pack key -> its arrays
         check_layouts(meta)  # every declared layout possible (bounded chunks) before anything is sized by it
@@ -149,7 +160,7 @@ class CheckpointStore(PackReading, Store):
         """Open ``base`` (a zarr store rooted at a checkpoint), read and validate the checkpoint's metadata."""
         if not base._is_open:
             await base._open()
-        where = local_root or str(base)
+        where = local_root or _display(base)
         for files in CONTROL_LAYOUTS:
             if await _control_read(base, local_root, files.committed, 1 << 20) is not None:
                 raw = await _control_read(base, local_root, files.metadata, None)
@@ -270,8 +281,11 @@ class CheckpointStore(PackReading, Store):
                 _read_file_below, self._local, key, self._limit(key), byte_range, shard
             )
         else:
-            if shard is not None and await self._base.exists(key):
-                size = await self._base.getsize(key)
+            if shard is not None:  # its size (one request: it also says whether it is there), its index
+                try:
+                    size = await self._base.getsize(key)
+                except FileNotFoundError:
+                    return None
                 tail = await self._base.get(key, prototype, SuffixByteRequest(min(shard[0], size)))
                 shard[1](size, b"" if tail is None else tail.to_bytes())
             elif byte_range is None:  # bounded before it is downloaded, as a local file is before it is read
@@ -506,11 +520,6 @@ class CheckpointStore(PackReading, Store):
             return t.pack_rank
         flat = _chunk_flat(leaf, t.shape, t.chunk_shape, self._sep)
         return None if flat is None else t.writers[flat]
-
-    async def _exists_object(self, key: str) -> bool:
-        if self._local is not None:
-            return await asyncio.to_thread(_exists_below, self._local, key)
-        return bool(await self._base.exists(key))
 
     # Writes -----------------------------------------------------------------------------------------------
     async def set(self, key: str, value: Buffer) -> None:

@@ -53,7 +53,8 @@ def ck(saved: Path, tmp_path: Path) -> Path:
 
 def _memory_store(ck: Path) -> zarr.storage.MemoryStore:
     """Every file of ``ck`` in a zarr MemoryStore: what the store sees of an object store (no file sizes
-    without reads, ranged reads only), as ``FsspecStore`` serves S3 (s3fs is not installed here)."""
+    without reads, ranged reads only), in process (the same store over S3 through s3fs, against the loopback
+    server: ``tests/storage/test_checkpoint_store_s3.py``)."""
     from zarr.core.buffer import default_buffer_prototype
 
     data = {}

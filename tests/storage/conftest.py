@@ -49,21 +49,14 @@ class S3Server:
         return sorted(out)
 
     def zarr_store(self, root: str) -> Any:
-        """A zarr-python MemoryStore holding every object under ``root``, downloaded with boto3.
-
-        (zarr-python reaches S3 itself only through s3fs, which is not installed here; this reads the very
-        objects tensorstore stored, byte for byte.)
-        """
+        """zarr-python's own store of ``root`` (an ``s3://`` URL) on this server: ``FsspecStore`` through s3fs,
+        what a user of zarr-python reads S3 with; each read is a request to the server."""
+        pytest.importorskip("s3fs", reason="s3fs is not installed (the 'dev' extra lists it)")
         import zarr
 
-        prefix = root[len(f"s3://{self.bucket}/") :].rstrip("/") + "/"
-        data = {}
-        for key in self.keys(prefix):
-            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-            from zarr.core.buffer import default_buffer_prototype
-
-            data[key[len(prefix) :]] = default_buffer_prototype().buffer.from_bytes(body)
-        return zarr.storage.MemoryStore(data, read_only=True)
+        return zarr.storage.FsspecStore.from_url(
+            root, read_only=True, storage_options={"endpoint_url": self.endpoint}
+        )
 
     def stop(self) -> None:
         self._server.stop()
@@ -94,7 +87,8 @@ def s3_prefix(s3_server: S3Server) -> str:
 
 
 class FaultProxy:
-    """An HTTP proxy to the S3 server that fails the next ``fail_next`` requests with ``status``."""
+    """An HTTP proxy to the S3 server that fails the next ``fail_next`` requests with ``status``, and logs
+    every request it forwards in ``requests``: ``(method, path, Range header or None, body bytes sent)``."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
@@ -103,6 +97,7 @@ class FaultProxy:
         self.body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
         self.failed = 0
         self.forwarded = 0
+        self.requests: list[tuple[str, str, str | None, int]] = []
         self._lock = threading.Lock()
         proxy = self
 
@@ -139,11 +134,15 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("content-length", "transfer-encoding", "connection"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD answer has no body but says the object's length (what a file system's size is)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
+                with proxy._lock:
+                    proxy.requests.append((self.command, self.path, self.headers.get("Range"), len(data)))
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 

@@ -1,0 +1,117 @@
+"""A rank holding more than 65,536 packed members on an object store: its pack directories are read once.
+
+Above :data:`arraycheckpoint.audit.rankpacks.REMOTE_CAPACITY_FREE` members, a reader of an object store counts
+the entries of a rank's pack directories before it builds a key per chunk (a 40-byte change of shape in the
+metadata could declare 2^26 chunks no pack holds). That count read every directory, and the walk that checks
+the members read them all again (the zarr store's listing a third time). The count now keeps what it read
+for the walk: counted on the wire for ``checkpoint_store`` over S3 (s3fs, the loopback server), and per read
+for the load from ``memory://`` (tensorstore), on one rank's pack of 70,000 chunks of 4 bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+zarr = pytest.importorskip("zarr")
+
+import arraycheckpoint as acp  # noqa: E402
+from arraycheckpoint.audit import packdir  # noqa: E402
+from arraycheckpoint.audit.rankpacks import REMOTE_CAPACITY_FREE  # noqa: E402
+from arraycheckpoint.zarr import checkpoint_store  # noqa: E402
+
+N = 70_000
+PACK = ".acp/packs/0.0.zip"
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``model/w`` of 70,000 chunks of one float each, all in rank 0's one pack (about 9 MB, 1.5 s)."""
+    path = tmp_path_factory.mktemp("many") / "ck"
+    opts = acp.PlanOptions(min_chunk_bytes=16 << 20, max_chunk_bytes=4, inner_chunk_bytes=4)
+    acp.save(path, {"model": {"w": torch.arange(N, dtype=torch.float32)}}, plan_options=opts)
+    assert sorted(os.listdir(path / ".acp" / "packs")) == ["0.0.zip"]
+    assert N > REMOTE_CAPACITY_FREE
+    return path
+
+
+def _files(ck: Path) -> dict[str, bytes]:
+    out = {}
+    for d, _, fs in os.walk(ck):
+        for f in fs:
+            out[os.path.relpath(os.path.join(d, f), ck)] = Path(d, f).read_bytes()
+    return out
+
+
+def test_the_zarr_store_reads_the_directories_once_over_s3(
+    many: Path, s3_server: Any, fault_proxy: Any
+) -> None:
+    """Listing the array's 70,000 keys (what zarr, xarray and a walk of the store do), then reading chunks:
+    the pack's size once, its directory once (its tail, then the rest of it: two ranged GETs), one ranged GET
+    per member read (its ``zarr.json`` and the chunks). It was three passes (a count to list, a count and a walk to read): 3 HEADs and 6 GETs."""
+    prefix = f"many-{uuid.uuid4().hex[:8]}/ck"
+    for key, body in _files(many).items():
+        s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}", Body=body)
+    store = checkpoint_store(
+        f"s3://{s3_server.bucket}/{prefix}", storage_options={"endpoint_url": fault_proxy.endpoint}
+    )
+
+    from zarr.core.sync import sync
+
+    async def keys() -> list[str]:
+        return [k async for k in store.list_prefix("model/w")]
+
+    assert len(sync(keys())) == N + 1  # its zarr.json and every chunk
+    w = zarr.open_array(store, path="model/w", mode="r")
+    assert np.array_equal(w[[7, 65_537, N - 1]], np.array([7, 65_537, N - 1], dtype=np.float32))
+    pack = [(m, r, n) for m, p, r, n in fault_proxy.requests if p.endswith(f"{prefix}/{PACK}")]
+    calls = Counter(m for m, _r, _n in pack)
+    assert calls == {"HEAD": 1, "GET": 2 + 4}, pack  # directory (tail, rest); its zarr.json and 3 chunks
+    size = len(_files(many)[PACK])
+    directory = sum(n for m, _r, n in pack[:3] if m == "GET")
+    assert directory < size, (directory, size)  # the directory's reads, not the pack twice
+    absent = [m for m, p, _r, _n in fault_proxy.requests if p.endswith(f"{prefix}/.acp/packs/0.1.zip")]
+    assert absent == ["HEAD"]  # the first absent pack looked for once
+
+
+def test_the_load_reads_the_directories_once_from_memory(many: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``acp.load`` from ``memory://`` (tensorstore's key-value store: the object-store branch) counts the
+    rank's members before it builds a key per chunk, then checks them: one read of the pack's tail and one of
+    the rest of its directory (were two of each), bit-exact."""
+    import arraycheckpoint.storage.memory  # noqa: F401 - registers memory://
+    from arraycheckpoint.storage import storage_for
+
+    url = f"memory://many/{uuid.uuid4().hex[:8]}"
+    storage, root = storage_for(url)
+    for key, body in _files(many).items():
+        storage.write(root, key, body)
+    tails: Counter[str] = Counter()
+    ranges: Counter[str] = Counter()
+    real = packdir._kv_ranges
+
+    def counted(storage: Any, base: str, key: str, want: int) -> Any:
+        tails[key] += 1
+        got = real(storage, base, key, want)
+        if got is None:
+            return None
+        tail, size, read = got
+
+        def read_counted(spans: list[tuple[int, int | None]]) -> list[bytes]:
+            ranges[key] += 1
+            return read(spans)
+
+        return tail, size, read_counted
+
+    monkeypatch.setattr(packdir, "_kv_ranges", counted)
+    w = torch.zeros(N)
+    acp.load(url, {"model": {"w": w}})
+    assert torch.equal(w, torch.arange(N, dtype=torch.float32))
+    assert tails == {PACK: 1, ".acp/packs/0.1.zip": 1}, tails
+    assert ranges == {PACK: 1}, ranges  # the directory beyond the tail, once
