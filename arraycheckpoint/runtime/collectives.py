@@ -384,9 +384,9 @@ class _AllWorks:
         _ABANDONED.add(self)
         if not _ABANDONED_HOOKED[0]:
             _ABANDONED_HOOKED[0] = True
-            from .exithook import at_thread_shutdown
+            from .exithook import END_ABANDONED, at_thread_shutdown
 
-            at_thread_shutdown(_end_abandoned)
+            at_thread_shutdown(_end_abandoned, END_ABANDONED)
 
     def cancel(self) -> None:
         """Make the thread's pending ``wait()`` return (with an error). gloo offers no abort of a

@@ -76,7 +76,7 @@ def _track(future: CheckpointFuture) -> None:
     # futures after interpreter shutdown" and the save is lost without a word)
     from .exithook import at_thread_shutdown
 
-    at_thread_shutdown(_finish_at_exit)
+    at_thread_shutdown(_finish_at_exit)  # exithook.FINISH_SAVES: before the other hooks, whenever registered
 
 
 def finish_pending() -> list[str]:

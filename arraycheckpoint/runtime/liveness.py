@@ -261,9 +261,9 @@ def _stop_at_exit(live: Liveness) -> None:
     if _HOOKED[0]:
         return
     _HOOKED[0] = True
-    from .exithook import at_thread_shutdown
+    from .exithook import STOP_HEARTBEATS, at_thread_shutdown
 
-    at_thread_shutdown(_stop_heartbeats)
+    at_thread_shutdown(_stop_heartbeats, STOP_HEARTBEATS)  # after the saves finishing at exit
 
 
 def _stop_heartbeats() -> None:
