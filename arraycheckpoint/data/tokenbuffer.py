@@ -16,6 +16,7 @@ resharded run returns every remaining token exactly once (see :mod:`arraycheckpo
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import time
@@ -421,6 +422,17 @@ class TokenBufferLoader:
 EXIT_JOIN_TIMEOUT = 5.0
 _READING: weakref.WeakSet[TokenBufferLoader] = weakref.WeakSet()
 _HOOKED = [False]
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's reader threads (and a loader's lock may have been held by one
+    at the fork): its exit does not touch them."""
+    global _READING
+    _READING = weakref.WeakSet()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _stop_at_exit(loader: TokenBufferLoader) -> None:

@@ -22,10 +22,12 @@ log = logging.getLogger("arraycheckpoint")
 
 DEFAULT_INFLIGHT_BYTES = 1 << 30
 
-#: Packs a save or a load keeps open at once (a descriptor each on a local file system): a load reading from
-#: the packs of thousands of saving ranks, a save filling thousands of small packs, would otherwise hold more
-#: descriptors than a process may (1,024 by default on many systems).
-MAX_OPEN_PACKS = 64
+#: Packs a save or a load keeps open at once (a descriptor each on a local file system), at most: a load
+#: reading from the packs of thousands of saving ranks, a save filling thousands of small packs, would
+#: otherwise hold more descriptors than a process may (1,024 by default on many systems). Fewer where the
+#: process's limit asks for it (:func:`open_packs_allowed`); more than a load's reads cycle through would
+#: have it open a pack again for every chunk (a resharded load reads each array from every saving rank).
+MAX_OPEN_PACKS = 1024
 
 
 def open_packs_allowed() -> int:

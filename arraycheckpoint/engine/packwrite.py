@@ -159,26 +159,26 @@ class Packs:
         return [(started[0], started[1], f"{member.rpartition('/')[0]} (pack {key})")]
 
     def _room(self) -> None:
-        """Before a pack is opened: while ``open_packs_allowed()`` packs are open, wait for the oldest whose
-        every member was handed over (its last write closes it), so that a save of thousands of small packs
-        (a small ``min_chunk_bytes``, everything within the bytes in flight) holds a bounded number of
-        descriptors. A pack still waiting for members (a plan whose order interleaves packs) is not waited
-        for: the save then holds more."""
-        if len(self._unfinished) < self._max_open:
+        """Before a pack is opened: while ``open_packs_allowed()`` packs are open (or their files still wait
+        for the write-back thread to close them), wait for the oldest whose every member was handed over
+        (its last write closes it), so that a save of thousands of small packs (a small
+        ``min_chunk_bytes``, everything within the bytes in flight) holds a bounded number of descriptors. A
+        pack still waiting for members (a plan whose order interleaves packs) is not waited for: the save
+        then holds more."""
+        closing = getattr(self._writer, "closing", 0)
+        if len(self._unfinished) + closing < self._max_open:
             return
         self._unfinished = [k for k in self._unfinished if not _finished(self._open[k])]
-        flushed = False
         for key in list(self._unfinished):
-            if len(self._unfinished) < self._max_open:
-                return
+            if len(self._unfinished) + closing < self._max_open:
+                break
             pack, last = self._open[key], self._last.get(key)
             if not pack.complete or last is None:
                 continue
-            if not flushed:
-                self._writer.flush()  # the members still batched go to their packs' writers
-                flushed = True
-            wait_write(last, f"pack {key}")
+            wait_write(last, f"pack {key}")  # a complete pack's last batch is on its way (StreamedPack.add)
             self._unfinished.remove(key)
+        if len(self._unfinished) + getattr(self._writer, "closing", 0) >= self._max_open:
+            getattr(self._writer, "settle", lambda: None)()  # the write-back thread's closes
 
     def check_done(self) -> None:
         """Every pack got all its members (a plan whose writes miss a member would leave one incomplete)."""

@@ -24,6 +24,7 @@ import logging
 import os
 import struct
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -241,7 +242,10 @@ class FileWriter:
         self._batch: list[tuple[str, list[Buffer]]] = []
         self._batch_bytes = 0
         self._batch_future: Future[None] = Future()
-        self._packs: list[Any] = []  # packs streamed member by member (open_pack)
+        self._packs: list[Any] = []  # packs streamed member by member (open_pack) not yet complete
+        #: files handed to the write-back thread and not yet closed there (:attr:`closing`)
+        self._closing = 0
+        self._closing_lock = threading.Lock()
         #: the first file whose close failed on the write-back thread, and the error (raised by close())
         self._failure: tuple[str, OSError] | None = None
 
@@ -289,8 +293,10 @@ class FileWriter:
     def flush(self) -> None:
         """Hand the pending batch of small files (and of every open pack's members) to the pool (call before
         waiting on any returned future)."""
-        for pack in self._packs:
+        live = [pack for pack in self._packs if not pack.complete]  # a complete one handed its last batch on
+        for pack in live:
             pack.flush()
+        self._packs = live
         if not self._batch:
             return
         batch, fut = self._batch, self._batch_future
@@ -351,11 +357,30 @@ class FileWriter:
                 except OSError as e:
                     if self._failure is None:
                         self._failure = (path, e)
+                finally:
+                    with self._closing_lock:
+                        self._closing -= 1
 
+        with self._closing_lock:
+            self._closing += 1
         try:
             self._writeback.submit(run)
         except RuntimeError:  # shut down (a write after close): close it here rather than leak it
+            with self._closing_lock:
+                self._closing -= 1
             _close(fd)
+
+    @property
+    def closing(self) -> int:
+        """Written files whose descriptor the write-back thread has yet to close."""
+        return self._closing
+
+    def settle(self) -> None:
+        """Wait until the write-back thread has closed every file handed to it so far."""
+        try:
+            self._writeback.submit(lambda: None).result()
+        except RuntimeError:  # shut down: it closed everything
+            pass
 
     def _make_parents(self, key: str) -> None:
         # one mkdir per new directory, top down (os.makedirs probes bottom up: failed mkdirs and stats);

@@ -13,6 +13,7 @@ Three hooks exist, and their order matters whatever order they were registered i
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -24,6 +25,20 @@ STOP_HEARTBEATS = 20
 _hooks: list[tuple[int, int, Callable[[], None]]] = []
 _lock = threading.Lock()
 _registered = [False]
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) owns none of its parent's saves, collectives or heartbeats:
+    their hooks would wait forever in it on threads that do not exist there (a gloo wait copied from the
+    parent), and what the child then does to the sockets it shares with the parent aborts the parent."""
+    global _lock
+    _lock = threading.Lock()  # possibly held by another of the parent's threads at the fork
+    _hooks.clear()
+    _registered[0] = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def at_thread_shutdown(fn: Callable[[], None], order: int = FINISH_SAVES) -> None:

@@ -54,3 +54,39 @@ def test_order_at_a_real_exit() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["main done", "save finished", "heartbeats stopped"], out.stdout
+
+
+def test_a_forked_child_runs_none_of_the_parents_hooks() -> None:
+    """A child forked while a save_async is in flight (a DataLoader worker) exits at once: it waited forever
+    on the parent's save, whose threads do not exist in it (the same for a collective given up after a
+    stall, whose gloo wait then blocked the child and aborted the parent)."""
+    script = textwrap.dedent(
+        """
+        import multiprocessing as mp, sys, tempfile, threading, time
+        import numpy as np
+        import arraycheckpoint as acp
+        from arraycheckpoint.engine import packwrite
+
+        release = threading.Event()
+        real = packwrite.Packs.add
+
+        def held(self, w, data):  # the save stays in flight until the child has exited
+            release.wait(60)
+            return real(self, w, data)
+
+        packwrite.Packs.add = held
+        fut = acp.save_async(tempfile.mkdtemp() + "/ck", {"m": {"a": np.arange(4, dtype=np.float32)}})
+        child = mp.get_context("fork").Process(target=lambda: None)
+        child.start()
+        child.join(20)
+        print("child", child.exitcode, flush=True)
+        if child.exitcode is None:
+            child.kill()
+        release.set()
+        fut.result()
+        print("saved", flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["child 0", "saved"], out.stdout
