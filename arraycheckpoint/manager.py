@@ -17,7 +17,8 @@ Rules:
   the previous one is still running (``if_busy="skip"``; the decision is agreed by all ranks). Saves never
   interleave.
 * Retention runs on the coordinator after each successful commit: the newest ``keep_last`` committed steps
-  are kept, every step divisible by ``keep_every`` is kept, and the newest committed step is never deleted.
+  are kept, every step divisible by ``keep_every`` is kept, and the newest committed step is never deleted,
+  nor the step just committed (kept until the next save's pass when it is older than the kept ones).
   A deleted step disappears at once (renamed aside on POSIX; marker removed first on object stores). A step
   that a load in this process is reading is kept until a later pass; a step removed from under a reader
   (by another job) makes that load raise ``CheckpointNotFoundError``.
@@ -38,7 +39,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .runtime.future import CheckpointFuture
 from .storage import storage_for
 from .storage.base import being_read
@@ -187,9 +188,19 @@ class CheckpointManager:
         except FileNotFoundError:
             return False
 
+    def _committed(self, path: str) -> bool | None:
+        """Whether the step directory ``path`` is committed; None when its commit marker cannot be read as
+        one (a FIFO, a link on the way: ``.acp`` a symlink): such a step is damaged, neither listed nor
+        deleted (a warning names it), so one damaged step stops neither a resume nor retention."""
+        try:
+            return self.storage.is_committed(path)
+        except CorruptCheckpointError as e:
+            log.warning("skipping step directory %s: its commit marker is damaged (%s); it is kept", path, e)
+            return None
+
     def all_steps(self) -> list[int]:
-        """Every step with a committed checkpoint, ascending."""
-        return sorted(s for s, path in self._step_dirs().items() if self.storage.is_committed(path))
+        """Every step with a committed checkpoint, ascending (a step whose marker is damaged is skipped)."""
+        return sorted(s for s, path in self._step_dirs().items() if self._committed(path))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -236,7 +247,7 @@ class CheckpointManager:
         meta = future.result()
         if self._sync.rank == 0:
             try:
-                self.apply_retention()
+                self.apply_retention(keep=step)
             except Exception:  # noqa: BLE001 - the save is committed; a failed deletion is retried next time
                 log.warning("retention after step %d failed; it will be retried after the next save", step,
                             exc_info=True)  # fmt: skip
@@ -282,14 +293,24 @@ class CheckpointManager:
             keep.update(s for s in ordered if s % self.keep_every == 0)
         return [s for s in ordered if s not in keep]
 
-    def apply_retention(self) -> list[int]:
-        """Delete the committed steps the policy does not keep (coordinator only); returns them."""
+    def apply_retention(self, keep: int | None = None) -> list[int]:
+        """Delete the committed steps the policy does not keep (coordinator only); returns them.
+
+        Args:
+            keep: a step this pass never deletes: the one just committed (a step saved below the newest
+                ``keep_last`` ones, e.g. after restoring an older step, would otherwise be deleted right
+                after its save returned; a later save's pass applies the policy to it).
+        """
         with self._lock:
+            policy = self.steps_to_delete(self.all_steps())
             doomed = [
-                s
-                for s in self.steps_to_delete(self.all_steps())
-                if not being_read(self.storage, self._step_root(s))
+                s for s in policy if s != keep and not being_read(self.storage, self._step_root(s))
             ]  # a step a load in this process is reading is kept (deleted by a later pass)
+            if keep in policy:
+                log.warning(
+                    "step %d is older than the %s newest steps kept under %s: kept for now, deleted by the "
+                    "next save's retention", keep, self.keep_last, self.root,
+                )  # fmt: skip
             for s in doomed:
                 log.info("retention: deleting checkpoint of step %d under %s", s, self.root)
                 self.storage.remove_checkpoint(self._step_root(s))
@@ -302,7 +323,7 @@ class CheckpointManager:
         with self._lock:
             removed = self.storage.cleanup_leftovers(self.root)
             for step, path in sorted(self._step_dirs().items()):
-                if not self.storage.is_committed(path):
+                if self._committed(path) is False:
                     log.info("cleanup: removing uncommitted checkpoint of step %d at %s", step, path)
                     self.storage.delete(path)
                     removed.append(path)

@@ -249,3 +249,43 @@ def test_non_directories_and_foreign_digits_are_no_steps(tmp_path: Path) -> None
         "elsewhere", "step_00000002", "step_00000004", "step_00000007", "step_5", "step_٩٩"
     ]  # fmt: skip
     mgr.close()
+
+
+def test_a_step_saved_below_the_kept_ones_survives_its_own_retention(tmp_path: Path) -> None:
+    """Saving step 0 after steps 2 and 3 with keep_last=2 committed step 0 and the retention pass right
+    after deleted it: ``result()`` returned and the checkpoint was gone. The step just committed is kept."""
+    with CheckpointManager(tmp_path, keep_last=2) as mgr:
+        for step in (2, 3):
+            mgr.save(step, state_for(step)).result()
+        mgr.save(0, state_for(0)).result()
+        assert mgr.all_steps() == [0, 2, 3]
+        assert_state(mgr.restore(0, state=empty_state()), 0)
+        mgr.save(4, state_for(4)).result()  # a later save applies the policy as usual
+        assert mgr.all_steps() == [3, 4]
+
+
+def test_a_step_with_a_damaged_marker_neither_stops_the_manager_nor_is_deleted(
+    tmp_path: Path, caplog
+) -> None:
+    """A step directory whose ``.acp/committed`` is a FIFO, or whose ``.acp`` is a link, made the manager's
+    start-up (and every ``all_steps``, hence retention) raise: one damaged step stopped a job from resuming
+    or saving. It is no committed step (a warning names it) and it is kept: nothing is read through it."""
+    with CheckpointManager(tmp_path, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_for(step)).result()
+    fifo_step = tmp_path / "step_00000007"
+    (fifo_step / CONTROL_DIR).mkdir(parents=True)
+    os.mkfifo(fifo_step / CONTROL_DIR / "committed")
+    link_step = tmp_path / "step_00000008"
+    link_step.mkdir()
+    os.symlink(tmp_path / "step_00000003" / CONTROL_DIR, link_step / CONTROL_DIR)
+    with caplog.at_level("WARNING", logger="arraycheckpoint"):
+        mgr = _in_thread(lambda: CheckpointManager(tmp_path, keep_last=2))
+    assert mgr.removed == [] and mgr.all_steps() == [2, 3] and mgr.latest_step() == 3
+    assert str(fifo_step) in caplog.text and str(link_step) in caplog.text
+    assert_state(mgr.restore(state=empty_state()), 3)
+    mgr.save(4, state_for(4)).result()  # retention still runs
+    assert mgr.all_steps() == [3, 4]
+    mgr.close()
+    assert (fifo_step / CONTROL_DIR / "committed").exists() and os.path.islink(link_step / CONTROL_DIR)
+    assert (tmp_path / "step_00000003" / CONTROL_DIR / "committed").is_file()
