@@ -138,15 +138,16 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
     return [_regular(os.path.join(src, name), follow=False) for name in sorted(set(weight_map.values()))]
 
 
-def _regular(path: str, follow: bool) -> str:
-    """``path`` when it is a regular file (through a link only when ``follow``: the source the user named)."""
+def _regular(path: str, follow: bool, what: str = "safetensors") -> str:
+    """``path`` when it is a regular file (through a link only when ``follow``: the source the user named);
+    a FIFO, device or socket is refused before it is opened (opening a FIFO blocks)."""
     try:
         st = os.stat(path) if follow else os.lstat(path)
     except OSError as e:
-        raise ArrayCheckpointError(f"cannot read the safetensors file {path}: {e}") from None
+        raise ArrayCheckpointError(f"cannot read the {what} file {path}: {e}") from None
     if not stat.S_ISREG(st.st_mode):
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-        raise ArrayCheckpointError(f"safetensors file {path} is {kind}; import reads regular files only")
+        raise ArrayCheckpointError(f"{what} file {path} is {kind}; import reads regular files only")
     return path
 
 
@@ -326,15 +327,22 @@ def import_checkpoint(
     elif kind == "dcp":
         tensors.update(_tensors_dcp(src, result.skipped, progress))
     else:
-        for key, t in _tensors_torch(src, result.skipped).items():
+        for key, t in _tensors_torch(_regular(src, follow=True, what="torch.save"), result.skipped).items():
             tensors[key] = (t, _Counted(TorchSource(t.detach().contiguous()), progress))
     if not tensors:
         raise ArrayCheckpointError(f"{src} holds no tensors to import")
     items = []
+    seen: dict[str, str] = {}  # entry name -> the source key it comes from
     for key, (t, source) in sorted(tensors.items()):
         name = key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
         # a key with "/" is a full entry name (as ``export --what all`` writes optimizer state): kept as is
         full = check_name(name if "/" in name else f"{namespace}/{name}")
+        if full in seen:
+            raise ArrayCheckpointError(
+                f"source keys {seen[full]!r} and {key!r} of {src} would both be stored as {full!r} (after "
+                "--strip-prefix); import without it, or rename one of them first"
+            )
+        seen[full] = key
         shape = tuple(int(s) for s in t.shape)
         if not isinstance(t.dtype, torch.dtype):
             raise ArrayCheckpointError(f"tensor {key!r} has no torch dtype")
