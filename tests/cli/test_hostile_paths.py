@@ -9,17 +9,12 @@ import threading
 
 import pytest
 import torch
-from cli_helpers import flip_chunk_byte
+from cli_helpers import flip_chunk_byte, run_main
 
 import arraycheckpoint as acp
-from arraycheckpoint.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from arraycheckpoint.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
-
-def _run(capsys, *args: object) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    assert "Traceback" not in out.err, out.err
-    return code, out.out, out.err
+_run = run_main
 
 
 @pytest.fixture
