@@ -37,7 +37,8 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -375,7 +376,8 @@ def export_safetensors(
             fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
             arrays = _materialize(ckpt, group)
             written[fname] = tmp = _fresh_file(out_dir, fname)
-            save_file(arrays, tmp, metadata={"format": "pt"})
+            with _writing(tmp):
+                save_file(arrays, tmp, metadata={"format": "pt"})
             for e in group:
                 weight_map[e.key] = fname
             size = sum(a.nbytes for a in arrays.values())
@@ -396,7 +398,7 @@ def export_safetensors(
         }
         for name, doc in ((INDEX_FILE, index), *(extra_files or {}).items()):
             written[name] = tmp = _fresh_file(out_dir, name)
-            with open(tmp, "w") as f:
+            with _writing(tmp), open(tmp, "w") as f:
                 json.dump(doc, f, indent=2)
                 f.write("\n")
     except BaseException:
@@ -426,6 +428,18 @@ def _refuse_inside(ckpt: Checkpoint, out: str) -> None:
             f"{out} is inside the checkpoint {root} being exported; export outside it (a checkpoint holds only "
             "what a save wrote)"
         )
+
+
+@contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """Turn a failed write of ``path`` (disk full, file too large, read-only file system: safetensors raises
+    ``SafetensorError``, ``torch.save`` a ``RuntimeError``) into an error naming it (exit 2, not a traceback)."""
+    try:
+        yield
+    except ArrayCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only the writing of our own in-memory arrays runs in here
+        raise ArrayCheckpointError(f"cannot write {path}: {str(e).splitlines()[0] if str(e) else e!r}") from e
 
 
 def _fresh_file(directory: str, name: str) -> str:
@@ -481,7 +495,7 @@ def export_torch(
             progress(arr.nbytes)
     tmp = _fresh_file(parent, os.path.basename(out))
     try:
-        with open(tmp, "wb") as f:
+        with _writing(tmp), open(tmp, "wb") as f:
             torch.save(state, f)
         _honour_umask(tmp)
         os.replace(tmp, out)

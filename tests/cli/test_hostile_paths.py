@@ -141,3 +141,31 @@ def test_import_names_both_source_keys_that_become_one_entry(tmp_path, capsys):
     )
     assert code == EXIT_USAGE and "'module.w'" in err and "'w'" in err and "model/w" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_export_that_cannot_write_names_the_file_and_leaves_nothing(ckpt, tmp_path, fmt):
+    """A write that fails (here: the file size limit, as a full disk would) was an internal error with a
+    traceback (safetensors' ``SafetensorError``, torch's ``RuntimeError: unexpected pos``)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / ("hf" if fmt == "safetensors" else "m.pt")
+    body = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))\n"
+        "from arraycheckpoint.cli import main\n"
+        f"sys.exit(main(['export', {str(ckpt)!r}, {str(out)!r}, '--format', {fmt!r}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert "Traceback" not in proc.stderr and "cannot write" in proc.stderr and str(tmp_path) in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == (["ck", "hf"] if fmt == "safetensors" else ["ck"])
+    assert not (tmp_path / "hf").exists() or os.listdir(tmp_path / "hf") == []
+
+
+@pytest.mark.parametrize("size", ["nan", "inf", "-1", "0.1"])
+def test_export_refuses_a_shard_size_that_is_no_byte_count(ckpt, tmp_path, capsys, size):
+    code, _, err = _run(capsys, "export", ckpt, tmp_path / "hf", "--max-shard-size", size)
+    assert code == EXIT_USAGE and "cannot parse size" in err
