@@ -37,6 +37,7 @@ from ..format.metadata import (
 from ..planning.items import LoadTensor
 from ..runtime.monitoring import PhaseRecorder
 from . import LoadSource, _has, local_dir
+from .hubcache import locate
 from .ranges import RangeReader, StoredTensor
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,7 +75,7 @@ DTYPES = {
 
 def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
     local = local_dir(storage, root)
-    raw = read_below(local, key, limit) if local is not None else storage.read(root, key)
+    raw = read_below(*locate(local, key), limit) if local is not None else storage.read(root, key)
     if raw is None:
         raise MetadataError(f"{root}: {key} is missing")
     if len(raw) > limit:
@@ -102,7 +103,7 @@ def _header(kv: Any, root: str, key: str, local: str | None) -> tuple[int, dict[
     """
     where = f"{root}/{key}"
     if local is not None:
-        opened = open_regular(local, key)
+        opened = open_regular(*locate(local, key))  # a hub cache snapshot's link: its blob
         if opened is None:
             raise MetadataError(f"{where} is missing")
         fd, size = opened
@@ -298,7 +299,7 @@ def _tied_aliases(storage: Any, root: str, tensors: Mapping[str, StoredTensor]) 
     """The tied output embedding the directory stores once: ``{"lm_head.weight": "<...>embed_tokens.weight"}``
     when its ``config.json`` says ``tie_word_embeddings`` (transformers' default) and only the input embedding
     is stored; empty otherwise (no config, untied, or no single input embedding)."""
-    if f"{NAMESPACE}/{OUTPUT_EMBEDDING}" in tensors or not storage.exists(root, CONFIG_FILE):
+    if f"{NAMESPACE}/{OUTPUT_EMBEDDING}" in tensors or not _has(storage, root, CONFIG_FILE):
         return {}
     raw = _read_bounded(storage, root, CONFIG_FILE, MAX_CONFIG_BYTES)
     config = _json(raw, MAX_CONFIG_BYTES, f"{root}/{CONFIG_FILE}")  # bounded like the index and headers

@@ -37,6 +37,7 @@ from ..format.metadata import check_name
 from ..planning.items import SaveRequest, SaveShard, SaveTensor
 from ..planning.regions import Box
 from ..runtime.collectives import SingleProcessCommunicator
+from ..sources.hubcache import locate
 
 
 @dataclass
@@ -119,10 +120,14 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
         return [_regular(src, follow=True)]
     index = os.path.join(src, _INDEX)
     if not os.path.lexists(index):
-        return [_regular(p, follow=False) for p in sorted(glob.glob(os.path.join(src, "*.safetensors")))]
-    from ..storage import LocalStorage
+        return [
+            _in_dir(src, os.path.basename(p)) for p in sorted(glob.glob(os.path.join(src, "*.safetensors")))
+        ]
+    from ..checks.files import read_below
 
-    raw = LocalStorage().read(src, _INDEX)  # no link, no FIFO, bounded
+    raw = read_below(
+        *locate(src, _INDEX), MAX_METADATA_BYTES
+    )  # no link (but a hub cache's), no FIFO, bounded
     doc = load_json_bounded(raw or b"", max_bytes=MAX_METADATA_BYTES, what=index)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -135,7 +140,14 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
             or not name.isprintable()
         ):
             raise MetadataError(f"{index} names an unsafe file {name!r}: a plain *.safetensors name in {src}")
-    return [_regular(os.path.join(src, name), follow=False) for name in sorted(set(weight_map.values()))]
+    return [_in_dir(src, name) for name in sorted(set(weight_map.values()))]
+
+
+def _in_dir(src: str, name: str) -> str:
+    """The regular file ``name`` of the directory ``src``, never through a link, except a Hugging Face hub
+    cache snapshot's link to its blob (:mod:`arraycheckpoint.sources.hubcache`): then the blob's path."""
+    where, key = locate(src, name)
+    return _regular(os.path.join(where, key), follow=False)
 
 
 def _regular(path: str, follow: bool, what: str = "safetensors") -> str:
