@@ -42,11 +42,20 @@ def check_state(state: Any, framework: str | None = None) -> None:
             f"wrap it, e.g. acp.save(path, {{'model': model}})"
         )
     for ns, value in state.items():
-        if type(value).__name__ == "DataLoader" and type(value).__module__.startswith("torch.utils.data"):
+        if _plain_loader(value):
             raise InvalidStateError(
                 f"{ns}: a plain torch DataLoader has no resumable state (pickling it would not save its "
                 "position). Use a loader implementing arraycheckpoint.data.ReshardableLoader, or torchdata's "
                 f"StatefulDataLoader (restored through its state_dict()), or leave {ns!r} out of the state"
+            )
+        if type(value).__module__.startswith("accelerate.") and _plain_loader(
+            getattr(value, "base_dataloader", None)
+        ):
+            raise InvalidStateError(
+                f"{ns}: accelerate's {type(value).__name__} over a plain torch DataLoader has no resumable state "
+                "(its state_dict() fails). Prepare it under Accelerator(dataloader_config=DataLoaderConfiguration("
+                "use_stateful_dataloader=True)) (torchdata's StatefulDataLoader: its position is saved and "
+                f"restored), or leave {ns!r} out of the state"
             )
     if framework is None:
         return
@@ -69,6 +78,11 @@ def check_state(state: Any, framework: str | None = None) -> None:
                 f"the state holds jax arrays but framework={framework!r}: pass framework='jax', or omit "
                 "framework= to detect it"
             )
+
+
+def _plain_loader(value: Any) -> bool:
+    """Whether ``value`` is a plain ``torch.utils.data.DataLoader`` (no ``state_dict``: no position)."""
+    return type(value).__name__ == "DataLoader" and type(value).__module__.startswith("torch.utils.data")
 
 
 def check_kwargs(verb: str, kwargs: Mapping[str, Any], fn: Callable[..., Any]) -> None:
