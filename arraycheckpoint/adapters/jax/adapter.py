@@ -41,6 +41,8 @@ from .arrays import (
     flatten,
     is_array_target,
     is_jax_array,
+    is_key,
+    key_data_target,
     leaf_names,
     local_boxes,
     save_tensor,
@@ -96,7 +98,7 @@ class JaxAdapter(Adapter):
                         f"{name}: a jax.ShapeDtypeStruct has no values to save; pass the concrete jax.Array"
                     )
                 if isinstance(leaf, (jax.Array, np.ndarray)):
-                    tensors.append(save_tensor(name, leaf))
+                    tensors.append(save_tensor(name, jax.random.key_data(leaf) if is_key(leaf) else leaf))
                 else:
                     doc, _ = extras.encode(leaf, name, lambda _: False, options.allow_pickle)
                     objects.append(SaveObject(name, doc))
@@ -135,10 +137,13 @@ class JaxAdapter(Adapter):
                 if stored is None:
                     continue
                 if is_array_target(leaf):
+                    impl = None
+                    if is_key(leaf):  # loads as its key data, wrapped back into keys
+                        leaf, impl = key_data_target(name, leaf)
                     load = _ArrayLoad(name, stored, leaf, transforms.get(name), indivisible, options)
                     expected[stored] = load.expected()
                     targets.append(load.target(meta))
-                    setters.append((i, load.build))
+                    setters.append((i, load.build if impl is None else _wrapped_keys(load.build, impl)))
                 else:
                     expected[stored] = Expected()
                     setters.append((i, _object_getter(meta, stored, leaf, options)))
@@ -169,6 +174,10 @@ class JaxAdapter(Adapter):
             result[ns] = extras.decode(obj.value, arrays, options.allow_pickle)
 
         return finish
+
+
+def _wrapped_keys(build: Callable[[], Any], impl: str) -> Callable[[], Any]:
+    return lambda: jax.random.wrap_key_data(build(), impl=impl)
 
 
 @dataclass
