@@ -23,7 +23,8 @@ Rules:
   that a load in this process is reading is kept until a later pass; a step removed from under a reader
   (by another job) makes that load raise ``CheckpointNotFoundError``.
 * On start (``cleanup=True``) the coordinator removes staging directories, stale locks, half-deleted steps
-  and step directories without a commit marker; the other ranks wait for it. Do not run two managers (two
+  and step directories without a commit marker that hold only what a save writes (one holding anything
+  else is kept, with a warning); the other ranks wait for it. Do not run two managers (two
   jobs) on one root at the same time: each treats the other's saves in flight as leftovers.
 """
 
@@ -42,7 +43,7 @@ from typing import Any
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .runtime.future import CheckpointFuture
 from .storage import storage_for
-from .storage.base import being_read
+from .storage.base import being_read, is_checkpoint_key
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -318,18 +319,45 @@ class CheckpointManager:
 
     def cleanup(self) -> list[str]:
         """Remove uncommitted leftovers under ``root`` (staging directories, stale locks, step directories
-        without a commit marker, half-deleted steps). Call only while no save to ``root`` runs; returns what
-        was removed."""
+        without a commit marker holding only what a save writes, half-deleted steps). Call only while no save
+        to ``root`` runs; returns what was removed."""
         with self._lock:
             removed = self.storage.cleanup_leftovers(self.root)
             for step, path in sorted(self._step_dirs().items()):
                 if self._committed(path) is False:
+                    foreign = self._foreign_entries(path)
+                    if foreign:
+                        log.warning(
+                            "cleanup: kept %s: it is not a committed checkpoint, but it holds what no save "
+                            "writes (%s); move it away or remove it yourself", path, ", ".join(foreign),
+                        )  # fmt: skip
+                        continue
                     log.info("cleanup: removing uncommitted checkpoint of step %d at %s", step, path)
                     self.storage.delete(path)
                     removed.append(path)
             if removed:
                 log.info("cleanup under %s removed %d leftover(s) of crashed saves", self.root, len(removed))
             return removed
+
+    def _foreign_entries(self, path: str, limit: int = 10) -> list[str]:
+        """Up to ``limit`` entries below the step ``path`` that no save writes (a user's file, a link, a
+        FIFO: :func:`~arraycheckpoint.storage.base.is_checkpoint_key`, the rule a save applies to what it
+        finds at its target): a step holding any is not a crashed save's leftover and is never deleted."""
+        from .storage import LocalStorage
+
+        if not isinstance(self.storage, LocalStorage):
+            return [k for k in self.storage.list(path) if not is_checkpoint_key(k)][:limit]
+        found: list[str] = []
+        for top, dirs, files in os.walk(path):  # never into a linked directory (followlinks=False)
+            for name in dirs + files:
+                full = os.path.join(top, name)
+                mode = os.lstat(full).st_mode
+                rel = os.path.relpath(full, path).replace(os.sep, "/")
+                if not stat.S_ISDIR(mode) and not (stat.S_ISREG(mode) and is_checkpoint_key(rel)):
+                    found.append(rel + ("" if stat.S_ISREG(mode) else " (a link or special file)"))
+                    if len(found) >= limit:
+                        return found
+        return found
 
     def close(self) -> None:
         """Wait for the save in flight and stop the manager's thread.

@@ -289,3 +289,46 @@ def test_a_step_with_a_damaged_marker_neither_stops_the_manager_nor_is_deleted(
     mgr.close()
     assert (fifo_step / CONTROL_DIR / "committed").exists() and os.path.islink(link_step / CONTROL_DIR)
     assert (tmp_path / "step_00000003" / CONTROL_DIR / "committed").is_file()
+
+
+def test_cleanup_keeps_an_uncommitted_step_holding_what_no_save_writes(tmp_path: Path, caplog) -> None:
+    """Start-up cleanup removed every step directory without a commit marker whatever it held: a user's
+    ``step_00000007/notes.txt`` (or a copy of a checkpoint still being synced in) was deleted. It removes one
+    only when everything in it is what a save writes (the rule a save applies to its target)."""
+    ours = tmp_path / "step_00000003"  # a crashed save's own files only: removed
+    (ours / "model" / "w").mkdir(parents=True)
+    (ours / "model" / "w" / "c.0").write_bytes(b"x")
+    (ours / "model" / "w" / "zarr.json").write_text("{}")
+    (ours / CONTROL_DIR).mkdir()
+    (ours / METADATA_FILE).write_text("{}")
+    users = tmp_path / "step_00000007"
+    (users / "data").mkdir(parents=True)
+    (users / "notes.txt").write_text("keep me")
+    (users / "data" / "train.csv").write_text("1,2")
+    linked = tmp_path / "step_00000008"
+    linked.mkdir()
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "precious").write_text("keep me")
+    os.symlink(tmp_path / "victim", linked / "model")
+    with caplog.at_level("WARNING", logger="arraycheckpoint"):
+        mgr = CheckpointManager(tmp_path)
+    assert mgr.removed == [str(ours)]
+    assert (users / "notes.txt").read_text() == "keep me" and (users / "data" / "train.csv").exists()
+    assert os.path.islink(linked / "model") and (tmp_path / "victim" / "precious").exists()
+    assert str(users) in caplog.text and "notes.txt" in caplog.text and str(linked) in caplog.text
+    mgr.save(9, state_for(9)).result()  # the manager works beside them
+    assert mgr.all_steps() == [9]
+    mgr.close()
+
+
+def test_cleanup_keeps_foreign_objects_under_an_uncommitted_step_on_object_stores() -> None:
+    root = f"memory://mgr-{uuid.uuid4().hex[:8]}"
+    mgr = CheckpointManager(root)
+    mgr.storage.write(mgr.step_path(4), "model/w/c.0", b"partial")  # a crashed in-place save: removed
+    mgr.storage.write(mgr.step_path(5), "model/w/c.0", b"partial")
+    mgr.storage.write(mgr.step_path(5), "README.md", b"not ours")  # kept, with the chunk beside it
+    mgr.close()
+    mgr = CheckpointManager(root)
+    assert mgr.removed == [mgr.step_path(4)]
+    assert mgr.storage.list(mgr.step_path(5)) == ["README.md", "model/w/c.0"]
+    mgr.close()
