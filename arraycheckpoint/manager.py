@@ -31,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import re
 import stat
@@ -157,9 +158,7 @@ class CheckpointManager:
         return self._step_url(step)
 
     def _step_name(self, step: int) -> str:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        return f"{self.step_prefix}{step:08d}"
+        return f"{self.step_prefix}{_as_step(step):08d}"
 
     def _step_url(self, step: int) -> str:
         name = self._step_name(step)
@@ -229,6 +228,7 @@ class CheckpointManager:
         policy = if_busy or self.if_busy
         if policy not in _IF_BUSY:
             raise ValueError(f"if_busy must be one of {_IF_BUSY}, got {policy!r}")
+        step = _as_step(step)
         path = self.step_path(step)
         pending = self._pending
         if policy == "skip" and self._sync.any(pending is not None and not pending.done()):
@@ -378,6 +378,18 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+
+def _as_step(step: Any) -> int:
+    """``step`` as a plain ``int``: any integer, also a numpy integer or a 0-d integer tensor or jax array
+    (``operator.index``, as ``acp.save(step=...)`` takes them); never a bool, a float or a negative."""
+    try:
+        n = operator.index(step)
+    except TypeError:
+        n = -1
+    if isinstance(step, bool) or n < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    return n
 
 
 def _save_async(path: str, state: Mapping[str, Any], step: int, options: dict[str, Any]) -> CheckpointFuture:

@@ -332,3 +332,18 @@ def test_cleanup_keeps_foreign_objects_under_an_uncommitted_step_on_object_store
     assert mgr.removed == [mgr.step_path(4)]
     assert mgr.storage.list(mgr.step_path(5)) == ["README.md", "model/w/c.0"]
     mgr.close()
+
+
+def test_steps_given_as_numpy_or_tensor_integers(tmp_path: Path) -> None:
+    """``acp.save(step=np.int64(5))`` worked and ``mgr.save(np.int64(5), ...)`` raised "step must be a
+    non-negative integer, got np.int64(5)"; a training loop's step is often a numpy or tensor integer."""
+    import numpy as np
+
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(np.int64(5), state_for(5)).result()
+        mgr.save(torch.tensor(6), state_for(6)).result()
+        assert mgr.all_steps() == [6] and mgr.step_path(np.int32(6)).endswith("step_00000006")
+        assert_state(mgr.restore(np.int64(6), state=empty_state()), 6)
+        for bad in (True, 1.5, -1, torch.tensor(2.0)):
+            with pytest.raises(ValueError, match="non-negative integer"):
+                mgr.step_path(bad)
