@@ -34,7 +34,7 @@ from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..engine import SaveOptions, engine
 from ..errors import ArrayCheckpointError, MetadataError, PickleNotAllowedError
 from ..format.metadata import check_name
-from ..planning.items import SaveRequest, SaveShard, SaveTensor
+from ..planning.items import SaveObject, SaveRequest, SaveShard, SaveTensor
 from ..planning.regions import Box
 from ..runtime.collectives import SingleProcessCommunicator
 from ..sources.hubcache import locate
@@ -366,7 +366,7 @@ def import_checkpoint(
         on_total(result.bytes)
     request = SaveRequest(
         tensors=items,
-        objects=[],
+        objects=_hf_objects(src, namespace, {t.name for t in items}) if kind == "hf" else [],
         framework="torch",
         step=step,
         topology={"world_size": 1, "framework": "torch", "imported_from": kind},
@@ -375,6 +375,40 @@ def import_checkpoint(
         os.fspath(path), request, SingleProcessCommunicator(), SaveOptions(overwrite=overwrite)
     ).result()
     return result
+
+
+def _hf_objects(src: str, namespace: str, names: set[str]) -> list[SaveObject]:
+    """What a Hugging Face directory holds besides tensors, as ``acp.save`` of a transformers model stores
+    it and ``acp.load`` of the directory reads it: ``config.json`` and ``generation_config.json`` as
+    ``<namespace>/~hf_config`` (``export`` writes them back, so ``from_pretrained`` loads the export), and
+    the output embedding tied to the one input embedding stored (``<namespace>/~aliases``: the source's rule,
+    :func:`arraycheckpoint.sources.safetensors._tied_aliases`). Each file is read like the index: never
+    through a link but a hub cache's, never a FIFO, bounded."""
+    from ..checks.files import read_below
+    from ..sources.safetensors import CONFIG_FILE, INPUT_EMBEDDINGS, MAX_CONFIG_BYTES, OUTPUT_EMBEDDING
+
+    docs: dict[str, Any] = {}
+    for key, fname in (("config", CONFIG_FILE), ("generation_config", "generation_config.json")):
+        if not os.path.lexists(os.path.join(src, fname)):
+            continue
+        raw = read_below(*locate(src, fname), MAX_CONFIG_BYTES)
+        doc = load_json_bounded(raw or b"", max_bytes=MAX_CONFIG_BYTES, what=os.path.join(src, fname))
+        if isinstance(doc, dict):
+            docs[key] = doc
+    objects = [SaveObject(f"{namespace}/~hf_config", docs)] if docs else []
+    config = docs.get("config")
+    prefix = f"{namespace}/"
+    if (
+        config is not None
+        and config.get("tie_word_embeddings", True) is True
+        and prefix + OUTPUT_EMBEDDING not in names
+    ):
+        found = sorted(
+            n[len(prefix) :] for n in names if n.startswith(prefix) and n.endswith(INPUT_EMBEDDINGS)
+        )
+        if len(found) == 1:
+            objects.append(SaveObject(f"{namespace}/~aliases", {OUTPUT_EMBEDDING: found[0]}))
+    return objects
 
 
 @dataclass
