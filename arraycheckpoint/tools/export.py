@@ -46,6 +46,7 @@ import numpy as np
 
 from ..codecs import ML_DTYPE_NAMES, SUPPORTED_DTYPES, numpy_dtype
 from ..errors import ArrayCheckpointError
+from ..format.metadata import SAFETENSORS_FRAMEWORK
 from ..planning.regions import Box
 from .common import Checkpoint, read_boxes, read_tensors
 
@@ -112,7 +113,8 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 def hf_files(ckpt: Checkpoint, config: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """``{file name: JSON document}`` of the Hugging Face files an export writes beside the weights: from
     ``config`` (a ``config.json`` file, or a directory with ``config.json`` and maybe
-    ``generation_config.json``), else from what the checkpoint stored (``model/~hf_config``), else none."""
+    ``generation_config.json``), else from what the checkpoint stored (``model/~hf_config``), else, for a
+    Hugging Face directory being exported (re-sharded, cast, renamed), from its own files, else none."""
     if config is not None:
         path = os.fspath(config)
         paths = (
@@ -134,6 +136,10 @@ def hf_files(ckpt: Checkpoint, config: str | os.PathLike[str] | None = None) -> 
         return out
     stored = ckpt.meta.objects.get(HF_CONFIG)
     doc = stored.value if stored is not None and isinstance(stored.value, dict) else {}
+    if stored is None and ckpt.meta.framework == SAFETENSORS_FRAMEWORK and "://" not in ckpt.root:
+        from .importer import hf_config_docs  # a Hugging Face directory re-exported: its own config files
+
+        doc = hf_config_docs(ckpt.root)
     keys = {"config": "config.json", "generation_config": "generation_config.json"}
     return {keys[k]: v for k, v in doc.items() if k in keys and isinstance(v, dict)}
 

@@ -377,15 +377,11 @@ def import_checkpoint(
     return result
 
 
-def _hf_objects(src: str, namespace: str, names: set[str]) -> list[SaveObject]:
-    """What a Hugging Face directory holds besides tensors, as ``acp.save`` of a transformers model stores
-    it and ``acp.load`` of the directory reads it: ``config.json`` and ``generation_config.json`` as
-    ``<namespace>/~hf_config`` (``export`` writes them back, so ``from_pretrained`` loads the export), and
-    the output embedding tied to the one input embedding stored (``<namespace>/~aliases``: the source's rule,
-    :func:`arraycheckpoint.sources.safetensors._tied_aliases`). Each file is read like the index: never
-    through a link but a hub cache's, never a FIFO, bounded."""
+def hf_config_docs(src: str) -> dict[str, Any]:
+    """``{"config": ..., "generation_config": ...}`` of the Hugging Face directory ``src`` (the files that
+    exist): each read like the index (never through a link but a hub cache's, never a FIFO, bounded)."""
     from ..checks.files import read_below
-    from ..sources.safetensors import CONFIG_FILE, INPUT_EMBEDDINGS, MAX_CONFIG_BYTES, OUTPUT_EMBEDDING
+    from ..sources.safetensors import CONFIG_FILE, MAX_CONFIG_BYTES
 
     docs: dict[str, Any] = {}
     for key, fname in (("config", CONFIG_FILE), ("generation_config", "generation_config.json")):
@@ -395,6 +391,19 @@ def _hf_objects(src: str, namespace: str, names: set[str]) -> list[SaveObject]:
         doc = load_json_bounded(raw or b"", max_bytes=MAX_CONFIG_BYTES, what=os.path.join(src, fname))
         if isinstance(doc, dict):
             docs[key] = doc
+    return docs
+
+
+def _hf_objects(src: str, namespace: str, names: set[str]) -> list[SaveObject]:
+    """What a Hugging Face directory holds besides tensors, as ``acp.save`` of a transformers model stores
+    it and ``acp.load`` of the directory reads it: ``config.json`` and ``generation_config.json`` as
+    ``<namespace>/~hf_config`` (``export`` writes them back, so ``from_pretrained`` loads the export), and
+    the output embedding tied to the one input embedding stored (``<namespace>/~aliases``: the source's rule,
+    :func:`arraycheckpoint.sources.safetensors._tied_aliases`). Each file is read like the index: never
+    through a link but a hub cache's, never a FIFO, bounded."""
+    from ..sources.safetensors import INPUT_EMBEDDINGS, OUTPUT_EMBEDDING
+
+    docs = hf_config_docs(src)
     objects = [SaveObject(f"{namespace}/~hf_config", docs)] if docs else []
     config = docs.get("config")
     prefix = f"{namespace}/"

@@ -223,6 +223,13 @@ def test_import_export_and_diff_round_trip_of_a_transformers_model(tmp_path: Pat
     assert (tmp_path / "out" / "config.json").is_file()
     _assert_same(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")), src)
 
+    # an HF directory exported as it is (re-sharded): its own config, the tied weight written once
+    assert main(["export", str(hf), str(tmp_path / "resharded"), "--max-shard-size", "20KB"]) == 0
+    assert (tmp_path / "resharded" / "config.json").is_file()
+    index = __import__("json").loads((tmp_path / "resharded" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    _assert_same(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "resharded")), src)
+
     acp.save(tmp_path / "ckpt", {"model": llama(True, 0)})
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out2")]) == 0
     assert main(["import", str(tmp_path / "out2"), str(tmp_path / "back")]) == 0
