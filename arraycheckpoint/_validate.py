@@ -388,4 +388,17 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
         if partial
         else f"no {files.committed}: a save there did not finish, or it is not a checkpoint directory"
     )
-    return CheckpointNotFoundError(f"{path} exists but holds no committed checkpoint ({why})")
+    hub = _hub_cache_hint(root) if local else ""
+    return CheckpointNotFoundError(f"{path} exists but holds no committed checkpoint ({why}){hub}")
+
+
+def _hub_cache_hint(root: str) -> str:
+    """What to load instead of a Hugging Face hub cache folder (``models--org--name`` or its ``snapshots``):
+    its snapshot directories, which hold the files (as links the Hugging Face source follows)."""
+    repo = os.path.dirname(root) if os.path.basename(root) == "snapshots" else root
+    snapshots = os.path.join(repo, "snapshots")
+    if not (os.path.isdir(snapshots) and os.path.isdir(os.path.join(repo, "blobs"))):
+        return ""
+    found = sorted(os.listdir(snapshots))[:3]
+    shown = ", ".join(os.path.join(snapshots, f) for f in found) or f"{snapshots}/<commit>"
+    return f"; it is a Hugging Face hub cache folder: load a snapshot directory ({shown})"

@@ -144,3 +144,12 @@ def test_any_other_link_in_a_snapshot_is_refused(tmp_path: Path, capsys, plant) 
     assert "model.safetensors" in box["load"] or "blobs" in box["load"]
     assert box["import"] == EXIT_USAGE and not (tmp_path / "imported").exists()
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_cache_folder_itself_names_its_snapshot(tmp_path: Path) -> None:
+    llama(0).save_pretrained(tmp_path / "saved")
+    snapshot = hub_cache(tmp_path / "cache", "tiny/llama", tmp_path / "saved")
+    for wrong in (snapshot.parent.parent, snapshot.parent):
+        with pytest.raises(acp.CheckpointNotFoundError, match="hub cache folder: load a snapshot") as e:
+            acp.load(wrong, {"model": llama(1)})
+        assert str(snapshot) in str(e.value)
