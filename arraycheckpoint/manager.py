@@ -142,6 +142,12 @@ class CheckpointManager:
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
         self._step_re = re.compile(re.escape(step_prefix) + r"([0-9]+)", re.ASCII)
+        if self._committed(self.root):  # every rank, before anything collective: all raise alike
+            raise ValueError(
+                f"{url} is itself a committed checkpoint, not a directory of steps: pass the directory holding "
+                f"the steps (its parent, {self.storage.parent(self.root)[0]}), or load it with acp.load(path, "
+                "state); steps saved here would nest inside it (and go with it when it is replaced)"
+            )
         self._sync = _RankSync(self.save_options.get("comm"))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-manager")
         self._pending: ManagedSave | None = None

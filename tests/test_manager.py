@@ -347,3 +347,14 @@ def test_steps_given_as_numpy_or_tensor_integers(tmp_path: Path) -> None:
         for bad in (True, 1.5, -1, torch.tensor(2.0)):
             with pytest.raises(ValueError, match="non-negative integer"):
                 mgr.step_path(bad)
+
+
+def test_a_checkpoint_given_as_the_root_is_refused(tmp_path: Path) -> None:
+    """``CheckpointManager("run/step_00000100")`` (a step, not the run) found no steps in it and saved the
+    next ones inside that committed checkpoint."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(100, state_for(100)).result()
+    with pytest.raises(ValueError, match="itself a committed checkpoint") as e:
+        CheckpointManager(tmp_path / "step_00000100")
+    assert str(tmp_path) in str(e.value)
+    assert not any(n.startswith(("step_", ".step_")) for n in os.listdir(tmp_path / "step_00000100"))
