@@ -388,8 +388,24 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
         if partial
         else f"no {files.committed}: a save there did not finish, or it is not a checkpoint directory"
     )
-    hub = _hub_cache_hint(root) if local else ""
-    return CheckpointNotFoundError(f"{path} exists but holds no committed checkpoint ({why}){hub}")
+    hint = (_hub_cache_hint(root) or _torch_files_hint(root)) if local else ""
+    return CheckpointNotFoundError(f"{path} exists but holds no committed checkpoint ({why}){hint}")
+
+
+def _torch_files_hint(root: str) -> str:
+    """What to do with a directory of ``torch.save`` weights (an older Hugging Face repository's
+    ``pytorch_model.bin``): nothing reads them without unpickling, so say how to convert them."""
+    try:
+        names = sorted(n for n in os.listdir(root) if n.endswith((".bin", ".pt", ".pth")))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    return (
+        f"; it holds torch.save weights ({', '.join(names[:3])}), which are read only by unpickling: convert "
+        f"them with `arraycheckpoint import {os.path.join(root, names[0])} NEW_PATH` (torch.load with "
+        "weights_only=True), or load the model with transformers and save it with acp.save"
+    )
 
 
 def _hub_cache_hint(root: str) -> str:

@@ -153,3 +153,10 @@ def test_the_cache_folder_itself_names_its_snapshot(tmp_path: Path) -> None:
         with pytest.raises(acp.CheckpointNotFoundError, match="hub cache folder: load a snapshot") as e:
             acp.load(wrong, {"model": llama(1)})
         assert str(snapshot) in str(e.value)
+
+
+def test_a_directory_of_torch_save_weights_says_how_to_convert_it(tmp_path: Path) -> None:
+    """An older Hugging Face repository holds only ``pytorch_model.bin``: the error says how to convert it."""
+    torch.save(llama(0).state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(acp.CheckpointNotFoundError, match="arraycheckpoint import .*pytorch_model.bin"):
+        acp.load(tmp_path, {"model": llama(1)})
