@@ -42,11 +42,20 @@ def check_state(state: Any, framework: str | None = None) -> None:
             f"wrap it, e.g. acp.save(path, {{'model': model}})"
         )
     for ns, value in state.items():
-        if type(value).__name__ == "DataLoader" and type(value).__module__.startswith("torch.utils.data"):
+        if _plain_loader(value):
             raise InvalidStateError(
                 f"{ns}: a plain torch DataLoader has no resumable state (pickling it would not save its "
                 "position). Use a loader implementing arraycheckpoint.data.ReshardableLoader, or torchdata's "
                 f"StatefulDataLoader (restored through its state_dict()), or leave {ns!r} out of the state"
+            )
+        if type(value).__module__.startswith("accelerate.") and _plain_loader(
+            getattr(value, "base_dataloader", None)
+        ):
+            raise InvalidStateError(
+                f"{ns}: accelerate's {type(value).__name__} over a plain torch DataLoader has no resumable state "
+                "(its state_dict() fails). Prepare it under Accelerator(dataloader_config=DataLoaderConfiguration("
+                "use_stateful_dataloader=True)) (torchdata's StatefulDataLoader: its position is saved and "
+                f"restored), or leave {ns!r} out of the state"
             )
     if framework is None:
         return
@@ -69,6 +78,11 @@ def check_state(state: Any, framework: str | None = None) -> None:
                 f"the state holds jax arrays but framework={framework!r}: pass framework='jax', or omit "
                 "framework= to detect it"
             )
+
+
+def _plain_loader(value: Any) -> bool:
+    """Whether ``value`` is a plain ``torch.utils.data.DataLoader`` (no ``state_dict``: no position)."""
+    return type(value).__name__ == "DataLoader" and type(value).__module__.startswith("torch.utils.data")
 
 
 def check_kwargs(verb: str, kwargs: Mapping[str, Any], fn: Callable[..., Any]) -> None:
@@ -374,4 +388,33 @@ def explain_not_found(path: str, error: CheckpointNotFoundError) -> CheckpointNo
         if partial
         else f"no {files.committed}: a save there did not finish, or it is not a checkpoint directory"
     )
-    return CheckpointNotFoundError(f"{path} exists but holds no committed checkpoint ({why})")
+    hint = (_hub_cache_hint(root) or _torch_files_hint(root)) if local else ""
+    return CheckpointNotFoundError(f"{path} exists but holds no committed checkpoint ({why}){hint}")
+
+
+def _torch_files_hint(root: str) -> str:
+    """What to do with a directory of ``torch.save`` weights (an older Hugging Face repository's
+    ``pytorch_model.bin``): nothing reads them without unpickling, so say how to convert them."""
+    try:
+        names = sorted(n for n in os.listdir(root) if n.endswith((".bin", ".pt", ".pth")))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    return (
+        f"; it holds torch.save weights ({', '.join(names[:3])}), which are read only by unpickling: convert "
+        f"them with `arraycheckpoint import {os.path.join(root, names[0])} NEW_PATH` (torch.load with "
+        "weights_only=True), or load the model with transformers and save it with acp.save"
+    )
+
+
+def _hub_cache_hint(root: str) -> str:
+    """What to load instead of a Hugging Face hub cache folder (``models--org--name`` or its ``snapshots``):
+    its snapshot directories, which hold the files (as links the Hugging Face source follows)."""
+    repo = os.path.dirname(root) if os.path.basename(root) == "snapshots" else root
+    snapshots = os.path.join(repo, "snapshots")
+    if not (os.path.isdir(snapshots) and os.path.isdir(os.path.join(repo, "blobs"))):
+        return ""
+    found = sorted(os.listdir(snapshots))[:3]
+    shown = ", ".join(os.path.join(snapshots, f) for f in found) or f"{snapshots}/<commit>"
+    return f"; it is a Hugging Face hub cache folder: load a snapshot directory ({shown})"

@@ -17,18 +17,21 @@ Rules:
   the previous one is still running (``if_busy="skip"``; the decision is agreed by all ranks). Saves never
   interleave.
 * Retention runs on the coordinator after each successful commit: the newest ``keep_last`` committed steps
-  are kept, every step divisible by ``keep_every`` is kept, and the newest committed step is never deleted.
+  are kept, every step divisible by ``keep_every`` is kept, and the newest committed step is never deleted,
+  nor the step just committed (kept until the next save's pass when it is older than the kept ones).
   A deleted step disappears at once (renamed aside on POSIX; marker removed first on object stores). A step
   that a load in this process is reading is kept until a later pass; a step removed from under a reader
   (by another job) makes that load raise ``CheckpointNotFoundError``.
 * On start (``cleanup=True``) the coordinator removes staging directories, stale locks, half-deleted steps
-  and step directories without a commit marker; the other ranks wait for it. Do not run two managers (two
+  and step directories without a commit marker that hold only what a save writes (one holding anything
+  else is kept, with a warning); the other ranks wait for it. Do not run two managers (two
   jobs) on one root at the same time: each treats the other's saves in flight as leftovers.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import re
 import stat
@@ -38,10 +41,10 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .runtime.future import CheckpointFuture
 from .storage import storage_for
-from .storage.base import being_read
+from .storage.base import being_read, is_checkpoint_key
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -139,6 +142,12 @@ class CheckpointManager:
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
         self._step_re = re.compile(re.escape(step_prefix) + r"([0-9]+)", re.ASCII)
+        if self._committed(self.root):  # every rank, before anything collective: all raise alike
+            raise ValueError(
+                f"{url} is itself a committed checkpoint, not a directory of steps: pass the directory holding "
+                f"the steps (its parent, {self.storage.parent(self.root)[0]}), or load it with acp.load(path, "
+                "state); steps saved here would nest inside it (and go with it when it is replaced)"
+            )
         self._sync = _RankSync(self.save_options.get("comm"))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acp-manager")
         self._pending: ManagedSave | None = None
@@ -155,9 +164,7 @@ class CheckpointManager:
         return self._step_url(step)
 
     def _step_name(self, step: int) -> str:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        return f"{self.step_prefix}{step:08d}"
+        return f"{self.step_prefix}{_as_step(step):08d}"
 
     def _step_url(self, step: int) -> str:
         name = self._step_name(step)
@@ -187,9 +194,19 @@ class CheckpointManager:
         except FileNotFoundError:
             return False
 
+    def _committed(self, path: str) -> bool | None:
+        """Whether the step directory ``path`` is committed; None when its commit marker cannot be read as
+        one (a FIFO, a link on the way: ``.acp`` a symlink): such a step is damaged, neither listed nor
+        deleted (a warning names it), so one damaged step stops neither a resume nor retention."""
+        try:
+            return self.storage.is_committed(path)
+        except CorruptCheckpointError as e:
+            log.warning("skipping step directory %s: its commit marker is damaged (%s); it is kept", path, e)
+            return None
+
     def all_steps(self) -> list[int]:
-        """Every step with a committed checkpoint, ascending."""
-        return sorted(s for s, path in self._step_dirs().items() if self.storage.is_committed(path))
+        """Every step with a committed checkpoint, ascending (a step whose marker is damaged is skipped)."""
+        return sorted(s for s, path in self._step_dirs().items() if self._committed(path))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -217,6 +234,7 @@ class CheckpointManager:
         policy = if_busy or self.if_busy
         if policy not in _IF_BUSY:
             raise ValueError(f"if_busy must be one of {_IF_BUSY}, got {policy!r}")
+        step = _as_step(step)
         path = self.step_path(step)
         pending = self._pending
         if policy == "skip" and self._sync.any(pending is not None and not pending.done()):
@@ -236,7 +254,7 @@ class CheckpointManager:
         meta = future.result()
         if self._sync.rank == 0:
             try:
-                self.apply_retention()
+                self.apply_retention(keep=step)
             except Exception:  # noqa: BLE001 - the save is committed; a failed deletion is retried next time
                 log.warning("retention after step %d failed; it will be retried after the next save", step,
                             exc_info=True)  # fmt: skip
@@ -282,14 +300,24 @@ class CheckpointManager:
             keep.update(s for s in ordered if s % self.keep_every == 0)
         return [s for s in ordered if s not in keep]
 
-    def apply_retention(self) -> list[int]:
-        """Delete the committed steps the policy does not keep (coordinator only); returns them."""
+    def apply_retention(self, keep: int | None = None) -> list[int]:
+        """Delete the committed steps the policy does not keep (coordinator only); returns them.
+
+        Args:
+            keep: a step this pass never deletes: the one just committed (a step saved below the newest
+                ``keep_last`` ones, e.g. after restoring an older step, would otherwise be deleted right
+                after its save returned; a later save's pass applies the policy to it).
+        """
         with self._lock:
+            policy = self.steps_to_delete(self.all_steps())
             doomed = [
-                s
-                for s in self.steps_to_delete(self.all_steps())
-                if not being_read(self.storage, self._step_root(s))
+                s for s in policy if s != keep and not being_read(self.storage, self._step_root(s))
             ]  # a step a load in this process is reading is kept (deleted by a later pass)
+            if keep in policy:
+                log.warning(
+                    "step %d is older than the %s newest steps kept under %s: kept for now, deleted by the "
+                    "next save's retention", keep, self.keep_last, self.root,
+                )  # fmt: skip
             for s in doomed:
                 log.info("retention: deleting checkpoint of step %d under %s", s, self.root)
                 self.storage.remove_checkpoint(self._step_root(s))
@@ -297,18 +325,45 @@ class CheckpointManager:
 
     def cleanup(self) -> list[str]:
         """Remove uncommitted leftovers under ``root`` (staging directories, stale locks, step directories
-        without a commit marker, half-deleted steps). Call only while no save to ``root`` runs; returns what
-        was removed."""
+        without a commit marker holding only what a save writes, half-deleted steps). Call only while no save
+        to ``root`` runs; returns what was removed."""
         with self._lock:
             removed = self.storage.cleanup_leftovers(self.root)
             for step, path in sorted(self._step_dirs().items()):
-                if not self.storage.is_committed(path):
+                if self._committed(path) is False:
+                    foreign = self._foreign_entries(path)
+                    if foreign:
+                        log.warning(
+                            "cleanup: kept %s: it is not a committed checkpoint, but it holds what no save "
+                            "writes (%s); move it away or remove it yourself", path, ", ".join(foreign),
+                        )  # fmt: skip
+                        continue
                     log.info("cleanup: removing uncommitted checkpoint of step %d at %s", step, path)
                     self.storage.delete(path)
                     removed.append(path)
             if removed:
                 log.info("cleanup under %s removed %d leftover(s) of crashed saves", self.root, len(removed))
             return removed
+
+    def _foreign_entries(self, path: str, limit: int = 10) -> list[str]:
+        """Up to ``limit`` entries below the step ``path`` that no save writes (a user's file, a link, a
+        FIFO: :func:`~arraycheckpoint.storage.base.is_checkpoint_key`, the rule a save applies to what it
+        finds at its target): a step holding any is not a crashed save's leftover and is never deleted."""
+        from .storage import LocalStorage
+
+        if not isinstance(self.storage, LocalStorage):
+            return [k for k in self.storage.list(path) if not is_checkpoint_key(k)][:limit]
+        found: list[str] = []
+        for top, dirs, files in os.walk(path):  # never into a linked directory (followlinks=False)
+            for name in dirs + files:
+                full = os.path.join(top, name)
+                mode = os.lstat(full).st_mode
+                rel = os.path.relpath(full, path).replace(os.sep, "/")
+                if not stat.S_ISDIR(mode) and not (stat.S_ISREG(mode) and is_checkpoint_key(rel)):
+                    found.append(rel + ("" if stat.S_ISREG(mode) else " (a link or special file)"))
+                    if len(found) >= limit:
+                        return found
+        return found
 
     def close(self) -> None:
         """Wait for the save in flight and stop the manager's thread.
@@ -329,6 +384,18 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+
+def _as_step(step: Any) -> int:
+    """``step`` as a plain ``int``: any integer, also a numpy integer or a 0-d integer tensor or jax array
+    (``operator.index``, as ``acp.save(step=...)`` takes them); never a bool, a float or a negative."""
+    try:
+        n = operator.index(step)
+    except TypeError:
+        n = -1
+    if isinstance(step, bool) or n < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    return n
 
 
 def _save_async(path: str, state: Mapping[str, Any], step: int, options: dict[str, Any]) -> CheckpointFuture:

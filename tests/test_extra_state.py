@@ -236,3 +236,22 @@ def test_per_rank_rule_across_world_sizes(tmp_path) -> None:
     assert out["extra_state"]["counter"].value["rank"] == 0
     rng.restore(out["extra_state"]["rng"].value)
     assert [x.tolist() if hasattr(x, "tolist") else x for x in _draws()] == saved[0]
+
+
+def test_zero_dim_tensors_come_back_zero_dim(tmp_path) -> None:
+    """A 0-d tensor of extra state (``torch.tensor(100)``) came back as ``tensor([100])`` (shape (1,)):
+    the numpy-to-torch view went through ``np.ascontiguousarray``, which makes a 0-d array 1-d. The same
+    view wrote ``export --format torch``'s 0-d entries (``num_batches_tracked``, an optimizer's ``step``)."""
+    saved = {"step": torch.tensor(100), "lr": torch.tensor(0.5, dtype=torch.bfloat16), "v": torch.arange(3)}
+    acp.save(tmp_path / "ck", {"extra_state": saved})
+    got = acp.load(tmp_path / "ck", {"extra_state": {}})["extra_state"]
+    for k, v in saved.items():
+        assert got[k].shape == v.shape and got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+    from arraycheckpoint.cli import main
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    acp.save(tmp_path / "bn", {"model": model})
+    assert main(["export", str(tmp_path / "bn"), str(tmp_path / "bn.pt"), "--format", "torch"]) == 0
+    exported = torch.load(tmp_path / "bn.pt", weights_only=True)
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in model.state_dict().items()}

@@ -249,3 +249,112 @@ def test_non_directories_and_foreign_digits_are_no_steps(tmp_path: Path) -> None
         "elsewhere", "step_00000002", "step_00000004", "step_00000007", "step_5", "step_٩٩"
     ]  # fmt: skip
     mgr.close()
+
+
+def test_a_step_saved_below_the_kept_ones_survives_its_own_retention(tmp_path: Path) -> None:
+    """Saving step 0 after steps 2 and 3 with keep_last=2 committed step 0 and the retention pass right
+    after deleted it: ``result()`` returned and the checkpoint was gone. The step just committed is kept."""
+    with CheckpointManager(tmp_path, keep_last=2) as mgr:
+        for step in (2, 3):
+            mgr.save(step, state_for(step)).result()
+        mgr.save(0, state_for(0)).result()
+        assert mgr.all_steps() == [0, 2, 3]
+        assert_state(mgr.restore(0, state=empty_state()), 0)
+        mgr.save(4, state_for(4)).result()  # a later save applies the policy as usual
+        assert mgr.all_steps() == [3, 4]
+
+
+def test_a_step_with_a_damaged_marker_neither_stops_the_manager_nor_is_deleted(
+    tmp_path: Path, caplog
+) -> None:
+    """A step directory whose ``.acp/committed`` is a FIFO, or whose ``.acp`` is a link, made the manager's
+    start-up (and every ``all_steps``, hence retention) raise: one damaged step stopped a job from resuming
+    or saving. It is no committed step (a warning names it) and it is kept: nothing is read through it."""
+    with CheckpointManager(tmp_path, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_for(step)).result()
+    fifo_step = tmp_path / "step_00000007"
+    (fifo_step / CONTROL_DIR).mkdir(parents=True)
+    os.mkfifo(fifo_step / CONTROL_DIR / "committed")
+    link_step = tmp_path / "step_00000008"
+    link_step.mkdir()
+    os.symlink(tmp_path / "step_00000003" / CONTROL_DIR, link_step / CONTROL_DIR)
+    with caplog.at_level("WARNING", logger="arraycheckpoint"):
+        mgr = _in_thread(lambda: CheckpointManager(tmp_path, keep_last=2))
+    assert mgr.removed == [] and mgr.all_steps() == [2, 3] and mgr.latest_step() == 3
+    assert str(fifo_step) in caplog.text and str(link_step) in caplog.text
+    assert_state(mgr.restore(state=empty_state()), 3)
+    mgr.save(4, state_for(4)).result()  # retention still runs
+    assert mgr.all_steps() == [3, 4]
+    mgr.close()
+    assert (fifo_step / CONTROL_DIR / "committed").exists() and os.path.islink(link_step / CONTROL_DIR)
+    assert (tmp_path / "step_00000003" / CONTROL_DIR / "committed").is_file()
+
+
+def test_cleanup_keeps_an_uncommitted_step_holding_what_no_save_writes(tmp_path: Path, caplog) -> None:
+    """Start-up cleanup removed every step directory without a commit marker whatever it held: a user's
+    ``step_00000007/notes.txt`` (or a copy of a checkpoint still being synced in) was deleted. It removes one
+    only when everything in it is what a save writes (the rule a save applies to its target)."""
+    ours = tmp_path / "step_00000003"  # a crashed save's own files only: removed
+    (ours / "model" / "w").mkdir(parents=True)
+    (ours / "model" / "w" / "c.0").write_bytes(b"x")
+    (ours / "model" / "w" / "zarr.json").write_text("{}")
+    (ours / CONTROL_DIR).mkdir()
+    (ours / METADATA_FILE).write_text("{}")
+    users = tmp_path / "step_00000007"
+    (users / "data").mkdir(parents=True)
+    (users / "notes.txt").write_text("keep me")
+    (users / "data" / "train.csv").write_text("1,2")
+    linked = tmp_path / "step_00000008"
+    linked.mkdir()
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "precious").write_text("keep me")
+    os.symlink(tmp_path / "victim", linked / "model")
+    with caplog.at_level("WARNING", logger="arraycheckpoint"):
+        mgr = CheckpointManager(tmp_path)
+    assert mgr.removed == [str(ours)]
+    assert (users / "notes.txt").read_text() == "keep me" and (users / "data" / "train.csv").exists()
+    assert os.path.islink(linked / "model") and (tmp_path / "victim" / "precious").exists()
+    assert str(users) in caplog.text and "notes.txt" in caplog.text and str(linked) in caplog.text
+    mgr.save(9, state_for(9)).result()  # the manager works beside them
+    assert mgr.all_steps() == [9]
+    mgr.close()
+
+
+def test_cleanup_keeps_foreign_objects_under_an_uncommitted_step_on_object_stores() -> None:
+    root = f"memory://mgr-{uuid.uuid4().hex[:8]}"
+    mgr = CheckpointManager(root)
+    mgr.storage.write(mgr.step_path(4), "model/w/c.0", b"partial")  # a crashed in-place save: removed
+    mgr.storage.write(mgr.step_path(5), "model/w/c.0", b"partial")
+    mgr.storage.write(mgr.step_path(5), "README.md", b"not ours")  # kept, with the chunk beside it
+    mgr.close()
+    mgr = CheckpointManager(root)
+    assert mgr.removed == [mgr.step_path(4)]
+    assert mgr.storage.list(mgr.step_path(5)) == ["README.md", "model/w/c.0"]
+    mgr.close()
+
+
+def test_steps_given_as_numpy_or_tensor_integers(tmp_path: Path) -> None:
+    """``acp.save(step=np.int64(5))`` worked and ``mgr.save(np.int64(5), ...)`` raised "step must be a
+    non-negative integer, got np.int64(5)"; a training loop's step is often a numpy or tensor integer."""
+    import numpy as np
+
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(np.int64(5), state_for(5)).result()
+        mgr.save(torch.tensor(6), state_for(6)).result()
+        assert mgr.all_steps() == [6] and mgr.step_path(np.int32(6)).endswith("step_00000006")
+        assert_state(mgr.restore(np.int64(6), state=empty_state()), 6)
+        for bad in (True, 1.5, -1, torch.tensor(2.0)):
+            with pytest.raises(ValueError, match="non-negative integer"):
+                mgr.step_path(bad)
+
+
+def test_a_checkpoint_given_as_the_root_is_refused(tmp_path: Path) -> None:
+    """``CheckpointManager("run/step_00000100")`` (a step, not the run) found no steps in it and saved the
+    next ones inside that committed checkpoint."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(100, state_for(100)).result()
+    with pytest.raises(ValueError, match="itself a committed checkpoint") as e:
+        CheckpointManager(tmp_path / "step_00000100")
+    assert str(tmp_path) in str(e.value)
+    assert not any(n.startswith(("step_", ".step_")) for n in os.listdir(tmp_path / "step_00000100"))

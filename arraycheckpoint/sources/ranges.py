@@ -23,6 +23,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..planning.items import LoadShard
 from ..planning.regions import Box
 from ..runtime.tscontext import context
+from .hubcache import locate
 
 #: merged reads fetch at most this fraction more than the region's own bytes
 MAX_OVERREAD = 0.1
@@ -201,7 +202,8 @@ class _LocalFiles:
     def read_into(self, t: StoredTensor, begin: int, dest: np.ndarray, root: str) -> None:
         fd = self._fds.get(t.key)
         if fd is None:
-            opened = open_regular(self.path, t.key, what=f"tensor {t.name!r}: ")  # no link, no FIFO
+            # no link (but a hub cache snapshot's link to its blob), no FIFO
+            opened = open_regular(*locate(self.path, t.key), what=f"tensor {t.name!r}: ")
             if opened is None:
                 raise CorruptCheckpointError(f"tensor {t.name!r}: {t.key} in {root} is missing")
             fd = self._fds[t.key] = opened[0]

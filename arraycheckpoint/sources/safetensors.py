@@ -37,6 +37,7 @@ from ..format.metadata import (
 from ..planning.items import LoadTensor
 from ..runtime.monitoring import PhaseRecorder
 from . import LoadSource, _has, local_dir
+from .hubcache import locate
 from .ranges import RangeReader, StoredTensor
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,7 +75,7 @@ DTYPES = {
 
 def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
     local = local_dir(storage, root)
-    raw = read_below(local, key, limit) if local is not None else storage.read(root, key)
+    raw = read_below(*locate(local, key), limit) if local is not None else storage.read(root, key)
     if raw is None:
         raise MetadataError(f"{root}: {key} is missing")
     if len(raw) > limit:
@@ -102,7 +103,7 @@ def _header(kv: Any, root: str, key: str, local: str | None) -> tuple[int, dict[
     """
     where = f"{root}/{key}"
     if local is not None:
-        opened = open_regular(local, key)
+        opened = open_regular(*locate(local, key))  # a hub cache snapshot's link: its blob
         if opened is None:
             raise MetadataError(f"{where} is missing")
         fd, size = opened
@@ -189,6 +190,30 @@ def _tensor(root: str, key: str, base: int, name: str, entry: Any, size: int | N
     return StoredTensor(name, key, base + offsets[0], tuple(shape), dtype)
 
 
+def _check_layout(where: str, stored: Mapping[str, StoredTensor], base: int, size: int | None) -> None:
+    """The data of a safetensors file as its format requires (and the ``safetensors`` library checks): the
+    tensors' byte ranges tile the data from its first byte, without overlap or gap, to the end of the file
+    (where its size is known). Two tensors sharing bytes, or bytes no tensor owns, are damage."""
+    end = base
+    for key, t in sorted(stored.items(), key=lambda kv: (kv[1].begin, kv[1].nbytes)):
+        if t.begin != end:
+            what = (
+                "overlaps the tensor before it"
+                if t.begin < end
+                else f"leaves bytes [{end}, {t.begin}) unused"
+            )
+            raise InconsistentCheckpointError(
+                f"{where}: tensor {key!r} at bytes [{t.begin}, {t.begin + t.nbytes}) {what}; a safetensors "
+                "file's tensors tile its data without overlap or gap (the file is damaged or not safetensors)"
+            )
+        end += t.nbytes
+    if size is not None and end != size:
+        raise InconsistentCheckpointError(
+            f"{where}: its tensors end at byte {end} of a {size}-byte file; a safetensors file holds nothing after "
+            "its last tensor (the file is damaged or not safetensors)"
+        )
+
+
 def _check_file_name(root: str, fname: Any) -> str:
     if (
         not isinstance(fname, str)
@@ -261,15 +286,18 @@ class SafetensorsSource(LoadSource):
         tensors: dict[str, StoredTensor] = {}
         for fname in files:
             base, header, size = _header(kv, root, fname, local)
-            for key, entry in header.items():
-                if key == "__metadata__":
-                    continue
+            stored = {
+                key: _tensor(root, fname, base, check_name(f"{NAMESPACE}/{key}"), entry, size)
+                for key, entry in header.items()
+                if key != "__metadata__"
+            }
+            _check_layout(f"{root}/{fname}", stored, base, size)
+            for key, t in stored.items():
                 if weight_map is not None and weight_map.get(key) != fname:
                     continue  # the index decides which file holds a key
-                name = check_name(f"{NAMESPACE}/{key}")
-                if name in tensors:
+                if t.name in tensors:
                     raise MetadataError(f"{root}: tensor {key!r} appears in two files")
-                tensors[name] = _tensor(root, fname, base, name, entry, size)
+                tensors[t.name] = t
         if weight_map is not None:
             absent = sorted(k for k in weight_map if f"{NAMESPACE}/{k}" not in tensors)
             if absent:
@@ -298,7 +326,7 @@ def _tied_aliases(storage: Any, root: str, tensors: Mapping[str, StoredTensor]) 
     """The tied output embedding the directory stores once: ``{"lm_head.weight": "<...>embed_tokens.weight"}``
     when its ``config.json`` says ``tie_word_embeddings`` (transformers' default) and only the input embedding
     is stored; empty otherwise (no config, untied, or no single input embedding)."""
-    if f"{NAMESPACE}/{OUTPUT_EMBEDDING}" in tensors or not storage.exists(root, CONFIG_FILE):
+    if f"{NAMESPACE}/{OUTPUT_EMBEDDING}" in tensors or not _has(storage, root, CONFIG_FILE):
         return {}
     raw = _read_bounded(storage, root, CONFIG_FILE, MAX_CONFIG_BYTES)
     config = _json(raw, MAX_CONFIG_BYTES, f"{root}/{CONFIG_FILE}")  # bounded like the index and headers

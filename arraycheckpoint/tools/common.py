@@ -126,7 +126,7 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         raise ValueError(f"cannot parse size {text!r}; use e.g. 5GB, 500MB, 2GiB or a byte count") from None
-    if unit not in _SIZE_UNITS or value <= 0:
+    if unit not in _SIZE_UNITS or not math.isfinite(value) or value * _SIZE_UNITS[unit] < 1:
         raise ValueError(f"cannot parse size {text!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
     return int(value * _SIZE_UNITS[unit])
 

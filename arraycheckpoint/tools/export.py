@@ -36,7 +36,9 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,7 @@ import numpy as np
 
 from ..codecs import ML_DTYPE_NAMES, SUPPORTED_DTYPES, numpy_dtype
 from ..errors import ArrayCheckpointError
+from ..format.metadata import SAFETENSORS_FRAMEWORK
 from ..planning.regions import Box
 from .common import Checkpoint, read_boxes, read_tensors
 
@@ -110,7 +113,8 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 def hf_files(ckpt: Checkpoint, config: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """``{file name: JSON document}`` of the Hugging Face files an export writes beside the weights: from
     ``config`` (a ``config.json`` file, or a directory with ``config.json`` and maybe
-    ``generation_config.json``), else from what the checkpoint stored (``model/~hf_config``), else none."""
+    ``generation_config.json``), else from what the checkpoint stored (``model/~hf_config``), else, for a
+    Hugging Face directory being exported (re-sharded, cast, renamed), from its own files, else none."""
     if config is not None:
         path = os.fspath(config)
         paths = (
@@ -132,6 +136,10 @@ def hf_files(ckpt: Checkpoint, config: str | os.PathLike[str] | None = None) -> 
         return out
     stored = ckpt.meta.objects.get(HF_CONFIG)
     doc = stored.value if stored is not None and isinstance(stored.value, dict) else {}
+    if stored is None and ckpt.meta.framework == SAFETENSORS_FRAMEWORK and "://" not in ckpt.root:
+        from .importer import hf_config_docs  # a Hugging Face directory re-exported: its own config files
+
+        doc = hf_config_docs(ckpt.root)
     keys = {"config": "config.json", "generation_config": "generation_config.json"}
     return {keys[k]: v for k, v in doc.items() if k in keys and isinstance(v, dict)}
 
@@ -338,70 +346,125 @@ def export_safetensors(
     """Write ``entries`` as sharded safetensors plus the index into ``out_dir`` (created if needed), and
     ``extra_files`` (``{name: JSON document}``: ``config.json``, ``generation_config.json``) beside them.
 
-    Raises :class:`ArrayCheckpointError` when ``out_dir`` already holds safetensors files, unless
-    ``overwrite`` (then they are removed first).
+    Every file is written under a fresh temporary name (created with ``O_EXCL``: never through a link planted
+    in ``out_dir``) and renamed into place only once all of them are written, the index last; a failed export
+    removes what it wrote and leaves an older export it was to replace as it was.
+
+    Raises :class:`ArrayCheckpointError` when ``out_dir`` already holds safetensors files (or the index, or
+    one of ``extra_files``; a link of that name too), unless ``overwrite`` (then they are replaced, and old
+    shards the new index does not list are removed), or when ``out_dir`` lies inside the checkpoint read.
     """
     from safetensors.numpy import save_file
 
     out_dir = os.fspath(out_dir)
+    _refuse_inside(ckpt, out_dir)
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):  # a file, a FIFO, a broken link
         raise ArrayCheckpointError(
             f"{out_dir} exists and is not a directory; safetensors are exported into a directory (or pass "
             "--format torch for one file)"
         )
     os.makedirs(out_dir, exist_ok=True)
-    stale = sorted(glob.glob(os.path.join(out_dir, "*.safetensors")))
+    stale = sorted(glob.glob(os.path.join(glob.escape(out_dir), "*.safetensors")))
     for name in (INDEX_FILE, *(extra_files or {})):
-        if os.path.exists(os.path.join(out_dir, name)):
+        if os.path.lexists(os.path.join(out_dir, name)):  # a dangling link too: it would be written through
             stale.append(os.path.join(out_dir, name))
     if stale and not overwrite:
         raise ArrayCheckpointError(
             f"{out_dir} already holds safetensors files ({os.path.basename(stale[0])}, ...); export into an empty "
             "directory or pass --overwrite to replace them"
         )
-    for f in stale:  # a previous export with another file count would leave files the new index does not list
-        os.unlink(f)
     groups = plan_files(entries, max_shard_size)
     result = ExportResult()
     weight_map: dict[str, str] = {}
-    for i, group in enumerate(groups, start=1):
-        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        arrays = _materialize(ckpt, group)
-        tmp = os.path.join(out_dir, f".{fname}.tmp")
-        save_file(arrays, tmp, metadata={"format": "pt"})
+    written: dict[str, str] = {}  # final name -> its temporary file
+    try:
+        for i, group in enumerate(groups, start=1):
+            fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            arrays = _materialize(ckpt, group)
+            written[fname] = tmp = _fresh_file(out_dir, fname)
+            with _writing(tmp):
+                save_file(arrays, tmp, metadata={"format": "pt"})
+            for e in group:
+                weight_map[e.key] = fname
+            size = sum(a.nbytes for a in arrays.values())
+            result.total_size += size
+            result.tensors += len(arrays)
+            result.files.append(fname)
+            del arrays
+            if progress is not None:
+                progress(size)
+        index = {
+            "metadata": {
+                "total_size": result.total_size,
+                "format": "arraycheckpoint",
+                "source": os.path.basename(ckpt.root.rstrip("/")),
+                "step": ckpt.meta.step,
+            },
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        for name, doc in ((INDEX_FILE, index), *(extra_files or {}).items()):
+            written[name] = tmp = _fresh_file(out_dir, name)
+            with _writing(tmp), open(tmp, "w") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+    except BaseException:
+        for tmp in written.values():
+            _unlink(tmp)
+        raise
+    # commit: no index names a mix of old and new shards (the old index goes first, the new one comes last)
+    for f in stale:  # a previous export with another file count would leave files the new index does not list
+        _unlink(f)
+    for name, tmp in sorted(written.items(), key=lambda kv: kv[0] == INDEX_FILE):
         _honour_umask(tmp)
-        os.replace(tmp, os.path.join(out_dir, fname))
-        for e in group:
-            weight_map[e.key] = fname
-        size = sum(a.nbytes for a in arrays.values())
-        result.total_size += size
-        result.tensors += len(arrays)
-        result.files.append(fname)
-        del arrays
-        if progress is not None:
-            progress(size)
-    index = {
-        "metadata": {
-            "total_size": result.total_size,
-            "format": "arraycheckpoint",
-            "source": os.path.basename(ckpt.root.rstrip("/")),
-            "step": ckpt.meta.step,
-        },
-        "weight_map": dict(sorted(weight_map.items())),
-    }
+        os.replace(tmp, os.path.join(out_dir, name))
     result.index = os.path.join(out_dir, INDEX_FILE)
-    with open(result.index, "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-    for name, doc in (extra_files or {}).items():
-        with open(os.path.join(out_dir, name), "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
     return result
 
 
+def _refuse_inside(ckpt: Checkpoint, out: str) -> None:
+    """Refuse an output at or below the root of the (local) checkpoint read: its files would become part of
+    a committed checkpoint (which ``save(..., overwrite=True)`` deletes whole), or replace the source files
+    of a Hugging Face directory before they are read."""
+    root = ckpt.root
+    if "://" in root or not os.path.isdir(root):
+        return
+    real_root, real_out = os.path.realpath(root), os.path.realpath(out)
+    if os.path.commonpath([real_root, real_out]) == real_root:
+        raise ArrayCheckpointError(
+            f"{out} is inside the checkpoint {root} being exported; export outside it (a checkpoint holds only "
+            "what a save wrote)"
+        )
+
+
+@contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """Turn a failed write of ``path`` (disk full, file too large, read-only file system: safetensors raises
+    ``SafetensorError``, ``torch.save`` a ``RuntimeError``) into an error naming it (exit 2, not a traceback)."""
+    try:
+        yield
+    except ArrayCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only the writing of our own in-memory arrays runs in here
+        raise ArrayCheckpointError(f"cannot write {path}: {str(e).splitlines()[0] if str(e) else e!r}") from e
+
+
+def _fresh_file(directory: str, name: str) -> str:
+    """A new empty file for ``name`` in ``directory``, created with ``O_EXCL`` (a link planted there is never
+    written through); renamed onto ``name`` when complete."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    return tmp
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _honour_umask(path: str) -> None:
-    """Give ``path`` the mode a plain ``open()`` would (safetensors writes its files 0600)."""
+    """Give ``path`` the mode a plain ``open()`` would (safetensors and ``mkstemp`` write files 0600)."""
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
@@ -414,7 +477,8 @@ def export_torch(
     progress: Callable[[int], None] | None = None,
     overwrite: bool = False,
 ) -> ExportResult:
-    """Write ``entries`` as one ``torch.save`` dict ``{key: tensor}`` at ``out`` (built in memory)."""
+    """Write ``entries`` as one ``torch.save`` dict ``{key: tensor}`` at ``out`` (built in memory), through a
+    fresh temporary file renamed into place (a link planted at ``out`` is replaced, never written through)."""
     import torch
 
     from ..adapters.torch.tensors import as_torch
@@ -422,7 +486,8 @@ def export_torch(
     out = os.fspath(out)
     if os.path.isdir(out):
         out = os.path.join(out, "model.pt")
-    if os.path.exists(out) and not overwrite:
+    _refuse_inside(ckpt, out)
+    if os.path.lexists(out) and not overwrite:
         raise ArrayCheckpointError(f"{out} exists; pass --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
@@ -434,9 +499,15 @@ def export_torch(
         result.total_size += arr.nbytes
         if progress is not None:
             progress(arr.nbytes)
-    tmp = out + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    tmp = _fresh_file(parent, os.path.basename(out))
+    try:
+        with _writing(tmp), open(tmp, "wb") as f:
+            torch.save(state, f)
+        _honour_umask(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        _unlink(tmp)
+        raise
     result.files.append(out)
     result.tensors = len(state)
     return result

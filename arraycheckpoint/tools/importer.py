@@ -34,9 +34,10 @@ from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..engine import SaveOptions, engine
 from ..errors import ArrayCheckpointError, MetadataError, PickleNotAllowedError
 from ..format.metadata import check_name
-from ..planning.items import SaveRequest, SaveShard, SaveTensor
+from ..planning.items import SaveObject, SaveRequest, SaveShard, SaveTensor
 from ..planning.regions import Box
 from ..runtime.collectives import SingleProcessCommunicator
+from ..sources.hubcache import locate
 
 
 @dataclass
@@ -119,10 +120,14 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
         return [_regular(src, follow=True)]
     index = os.path.join(src, _INDEX)
     if not os.path.lexists(index):
-        return [_regular(p, follow=False) for p in sorted(glob.glob(os.path.join(src, "*.safetensors")))]
-    from ..storage import LocalStorage
+        return [
+            _in_dir(src, os.path.basename(p)) for p in sorted(glob.glob(os.path.join(src, "*.safetensors")))
+        ]
+    from ..checks.files import read_below
 
-    raw = LocalStorage().read(src, _INDEX)  # no link, no FIFO, bounded
+    raw = read_below(
+        *locate(src, _INDEX), MAX_METADATA_BYTES
+    )  # no link (but a hub cache's), no FIFO, bounded
     doc = load_json_bounded(raw or b"", max_bytes=MAX_METADATA_BYTES, what=index)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -135,18 +140,26 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
             or not name.isprintable()
         ):
             raise MetadataError(f"{index} names an unsafe file {name!r}: a plain *.safetensors name in {src}")
-    return [_regular(os.path.join(src, name), follow=False) for name in sorted(set(weight_map.values()))]
+    return [_in_dir(src, name) for name in sorted(set(weight_map.values()))]
 
 
-def _regular(path: str, follow: bool) -> str:
-    """``path`` when it is a regular file (through a link only when ``follow``: the source the user named)."""
+def _in_dir(src: str, name: str) -> str:
+    """The regular file ``name`` of the directory ``src``, never through a link, except a Hugging Face hub
+    cache snapshot's link to its blob (:mod:`arraycheckpoint.sources.hubcache`): then the blob's path."""
+    where, key = locate(src, name)
+    return _regular(os.path.join(where, key), follow=False)
+
+
+def _regular(path: str, follow: bool, what: str = "safetensors") -> str:
+    """``path`` when it is a regular file (through a link only when ``follow``: the source the user named);
+    a FIFO, device or socket is refused before it is opened (opening a FIFO blocks)."""
     try:
         st = os.stat(path) if follow else os.lstat(path)
     except OSError as e:
-        raise ArrayCheckpointError(f"cannot read the safetensors file {path}: {e}") from None
+        raise ArrayCheckpointError(f"cannot read the {what} file {path}: {e}") from None
     if not stat.S_ISREG(st.st_mode):
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-        raise ArrayCheckpointError(f"safetensors file {path} is {kind}; import reads regular files only")
+        raise ArrayCheckpointError(f"{what} file {path} is {kind}; import reads regular files only")
     return path
 
 
@@ -326,15 +339,22 @@ def import_checkpoint(
     elif kind == "dcp":
         tensors.update(_tensors_dcp(src, result.skipped, progress))
     else:
-        for key, t in _tensors_torch(src, result.skipped).items():
+        for key, t in _tensors_torch(_regular(src, follow=True, what="torch.save"), result.skipped).items():
             tensors[key] = (t, _Counted(TorchSource(t.detach().contiguous()), progress))
     if not tensors:
         raise ArrayCheckpointError(f"{src} holds no tensors to import")
     items = []
+    seen: dict[str, str] = {}  # entry name -> the source key it comes from
     for key, (t, source) in sorted(tensors.items()):
         name = key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
         # a key with "/" is a full entry name (as ``export --what all`` writes optimizer state): kept as is
         full = check_name(name if "/" in name else f"{namespace}/{name}")
+        if full in seen:
+            raise ArrayCheckpointError(
+                f"source keys {seen[full]!r} and {key!r} of {src} would both be stored as {full!r} (after "
+                "--strip-prefix); import without it, or rename one of them first"
+            )
+        seen[full] = key
         shape = tuple(int(s) for s in t.shape)
         if not isinstance(t.dtype, torch.dtype):
             raise ArrayCheckpointError(f"tensor {key!r} has no torch dtype")
@@ -346,7 +366,7 @@ def import_checkpoint(
         on_total(result.bytes)
     request = SaveRequest(
         tensors=items,
-        objects=[],
+        objects=_hf_objects(src, namespace, {t.name for t in items}) if kind == "hf" else [],
         framework="torch",
         step=step,
         topology={"world_size": 1, "framework": "torch", "imported_from": kind},
@@ -355,6 +375,49 @@ def import_checkpoint(
         os.fspath(path), request, SingleProcessCommunicator(), SaveOptions(overwrite=overwrite)
     ).result()
     return result
+
+
+def hf_config_docs(src: str) -> dict[str, Any]:
+    """``{"config": ..., "generation_config": ...}`` of the Hugging Face directory ``src`` (the files that
+    exist): each read like the index (never through a link but a hub cache's, never a FIFO, bounded)."""
+    from ..checks.files import read_below
+    from ..sources.safetensors import CONFIG_FILE, MAX_CONFIG_BYTES
+
+    docs: dict[str, Any] = {}
+    for key, fname in (("config", CONFIG_FILE), ("generation_config", "generation_config.json")):
+        if not os.path.lexists(os.path.join(src, fname)):
+            continue
+        raw = read_below(*locate(src, fname), MAX_CONFIG_BYTES)
+        doc = load_json_bounded(raw or b"", max_bytes=MAX_CONFIG_BYTES, what=os.path.join(src, fname))
+        if isinstance(doc, dict):
+            docs[key] = doc
+    return docs
+
+
+def _hf_objects(src: str, namespace: str, names: set[str]) -> list[SaveObject]:
+    """What a Hugging Face directory holds besides tensors, as ``acp.save`` of a transformers model stores
+    it and ``acp.load`` of the directory reads it: ``config.json`` and ``generation_config.json`` as
+    ``<namespace>/~hf_config`` (``export`` writes them back, so ``from_pretrained`` loads the export), and
+    the output embedding tied to the one input embedding stored (``<namespace>/~aliases``: the source's rule,
+    :func:`arraycheckpoint.sources.safetensors._tied_aliases`). Each file is read like the index: never
+    through a link but a hub cache's, never a FIFO, bounded."""
+    from ..sources.safetensors import INPUT_EMBEDDINGS, OUTPUT_EMBEDDING
+
+    docs = hf_config_docs(src)
+    objects = [SaveObject(f"{namespace}/~hf_config", docs)] if docs else []
+    config = docs.get("config")
+    prefix = f"{namespace}/"
+    if (
+        config is not None
+        and config.get("tie_word_embeddings", True) is True
+        and prefix + OUTPUT_EMBEDDING not in names
+    ):
+        found = sorted(
+            n[len(prefix) :] for n in names if n.startswith(prefix) and n.endswith(INPUT_EMBEDDINGS)
+        )
+        if len(found) == 1:
+            objects.append(SaveObject(f"{namespace}/~aliases", {OUTPUT_EMBEDDING: found[0]}))
+    return objects
 
 
 @dataclass

@@ -29,6 +29,16 @@ def cli(*args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+def run_main(capsys: Any, *args: object) -> tuple[int, str, str]:
+    """Run the command in process (``cli.main``): ``(exit code, stdout, stderr)``; never a traceback."""
+    from arraycheckpoint.cli import main
+
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err, out.err
+    return code, out.out, out.err
+
+
 def cli_json(*args: str) -> Any:
     return json.loads(cli(*args, "--json").stdout)
 

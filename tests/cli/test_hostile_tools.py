@@ -13,9 +13,10 @@ import struct
 import numpy as np
 import pytest
 import torch
+from cli_helpers import run_main
 
 import arraycheckpoint as acp
-from arraycheckpoint.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from arraycheckpoint.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from arraycheckpoint.errors import UnsafeNameError
 from arraycheckpoint.format.metadata import ShardMeta, TensorMeta
 from arraycheckpoint.tools.verify import uncovered
@@ -23,11 +24,7 @@ from arraycheckpoint.tools.verify import uncovered
 JOURNAL = ".acp-rename.json"
 
 
-def _run(capsys, *args: object) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    assert "Traceback" not in out.err, out.err
-    return code, out.out, out.err
+_run = run_main
 
 
 @pytest.fixture

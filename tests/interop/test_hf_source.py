@@ -343,3 +343,36 @@ def test_range_reader_boxes_bit_exact_and_bounded(tmp_path: Path, where: str) ->
     for i, b in enumerate(boxes):
         assert np.array_equal(got[i], full[b.slices()]), b
     assert reader.fetched <= MAX_OVERREAD * reader.wanted
+
+
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> None:
+    body = json.dumps(header).encode()
+    path.write_bytes(len(body).to_bytes(8, "little") + body + data)
+
+
+@pytest.mark.parametrize(
+    "header, data, why",
+    [
+        (  # two tensors on the same bytes: loaded as two aliases of one buffer
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+             "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8, "overlaps",
+        ),
+        (  # bytes no tensor owns (the safetensors library refuses such a file as not safetensors)
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, b"\0" * 16, "unused",
+        ),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, "nothing after"),
+    ],
+    ids=["overlap", "gap", "trailing"],
+)  # fmt: skip
+def test_a_safetensors_file_whose_tensors_do_not_tile_its_data_is_refused(
+    tmp_path: Path, header, data, why
+) -> None:
+    """The HF source accepted overlapping tensors, gaps and trailing bytes, which the ``safetensors`` library
+    (and so ``arraycheckpoint import``) refuses: the load and the import now answer a file alike."""
+    from arraycheckpoint.errors import InconsistentCheckpointError
+
+    _raw_safetensors(tmp_path / "model.safetensors", header, data)
+    with pytest.raises(InconsistentCheckpointError, match=why) as e:
+        acp.load(tmp_path, {"model": {"a": torch.zeros(2), "b": torch.zeros(2)}}, strict=False)
+    assert "model.safetensors" in str(e.value)

@@ -206,6 +206,36 @@ def test_export_with_config_and_pattern_rename(tmp_path: Path, tied_dir) -> None
     )
 
 
+def test_import_export_and_diff_round_trip_of_a_transformers_model(tmp_path: Path, tied_dir) -> None:
+    """``arraycheckpoint import`` of an HF directory dropped its config.json (a later ``export`` wrote none,
+    and ``from_pretrained`` could not load it) and its tied weight (the imported checkpoint did not load into
+    an untied model); a checkpoint exported and imported back differed from itself (``diff`` exit 1:
+    ``model/~hf_config`` and ``model/~aliases`` "only in A"). The import keeps both, as ``acp.load`` of the
+    directory reads them."""
+    from arraycheckpoint.cli import main
+
+    hf, src = tied_dir
+    assert main(["import", str(hf), str(tmp_path / "imported")]) == 0
+    untied = llama(False, 5)
+    acp.load(tmp_path / "imported", {"model": untied}, strict=True)
+    _assert_same(untied, src)
+    assert main(["export", str(tmp_path / "imported"), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "config.json").is_file()
+    _assert_same(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")), src)
+
+    # an HF directory exported as it is (re-sharded): its own config, the tied weight written once
+    assert main(["export", str(hf), str(tmp_path / "resharded"), "--max-shard-size", "20KB"]) == 0
+    assert (tmp_path / "resharded" / "config.json").is_file()
+    index = __import__("json").loads((tmp_path / "resharded" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    _assert_same(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "resharded")), src)
+
+    acp.save(tmp_path / "ckpt", {"model": llama(True, 0)})
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out2")]) == 0
+    assert main(["import", str(tmp_path / "out2"), str(tmp_path / "back")]) == 0
+    assert main(["diff", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+
+
 # ------------------------------------------------------------------------------------------ accelerate
 def test_accelerate_prepared_objects_save_and_load(tmp_path: Path) -> None:
     """accelerate's save_state hard-codes FileSystemWriter; acp.save/acp.load take its prepared model and

@@ -437,3 +437,54 @@ def test_registered_dataclass_and_optax_like_states(tmp_path):
 
 def test_restore_adopts_aligned_host_buffers(tmp_path):
     assert run_jax(__file__, "body_restore_adopts_aligned_host_buffers", str(tmp_path)) == [{"ok": True}]
+
+
+def body_scalar_saved_as_array_or_value(tmp):
+    """A leaf saved as a jax array and loaded into a Python scalar, or the other way round, kept the target's
+    own value silently, even under strict (a TrainState saved from a jitted step holds ``step`` as a 0-d
+    array; ``TrainState.create`` makes it the int 0: a resume restarted at step 0), and an abstract target
+    came back as the ``ShapeDtypeStruct`` itself. Each loads what was saved, in the target's kind."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import arraycheckpoint as acp
+
+    w = jnp.ones(3)
+    acp.save(f"{tmp}/array", {"model": {"w": w, "step": jnp.asarray(3, jnp.int32), "lr": jnp.asarray(0.5)}})
+    acp.save(f"{tmp}/value", {"model": {"w": w, "step": 3, "lr": 0.5}})
+
+    got = acp.load(f"{tmp}/array", {"model": {"w": w, "step": 0, "lr": 1.0}})["model"]
+    assert got["step"] == 3 and type(got["step"]) is int and got["lr"] == 0.5 and type(got["lr"]) is float
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    target = {
+        "w": w,
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+        "lr": jnp.asarray(1.0),
+    }
+    got = acp.load(f"{tmp}/value", {"model": target})["model"]
+    assert isinstance(got["step"], jax.Array) and got["step"].dtype == jnp.int32 and int(got["step"]) == 3
+    assert got["step"].sharding == NamedSharding(mesh, P())
+    assert isinstance(got["lr"], jax.Array) and float(got["lr"]) == 0.5
+    got = acp.load(f"{tmp}/value", {"model": {"w": w, "step": np.zeros((), np.int64), "lr": 0.0}})["model"]
+    assert isinstance(got["step"], np.ndarray) and int(got["step"]) == 3
+
+    # what cannot be the target's: an error naming the entry, never the target's value kept
+    for bad, what in (
+        ({"step": jnp.zeros(2, jnp.int32)}, "shape"),
+        ({"lr": jnp.asarray(0, jnp.int32)}, "0.5"),
+    ):
+        try:
+            acp.load(f"{tmp}/value", {"model": {"w": w, "step": 0, "lr": 0.0, **bad}})
+        except acp.ArrayCheckpointError as e:
+            assert "model/" in str(e) and what in str(e), e
+        else:
+            raise AssertionError(f"{bad} loaded")
+    return {"ok": True}
+
+
+def test_scalar_saved_as_array_or_value_loads_either_way(tmp_path):
+    assert run_jax(__file__, "body_scalar_saved_as_array_or_value", str(tmp_path)) == [{"ok": True}]

@@ -41,6 +41,8 @@ from .arrays import (
     flatten,
     is_array_target,
     is_jax_array,
+    is_key,
+    key_data_target,
     leaf_names,
     local_boxes,
     save_tensor,
@@ -96,7 +98,7 @@ class JaxAdapter(Adapter):
                         f"{name}: a jax.ShapeDtypeStruct has no values to save; pass the concrete jax.Array"
                     )
                 if isinstance(leaf, (jax.Array, np.ndarray)):
-                    tensors.append(save_tensor(name, leaf))
+                    tensors.append(save_tensor(name, jax.random.key_data(leaf) if is_key(leaf) else leaf))
                 else:
                     doc, _ = extras.encode(leaf, name, lambda _: False, options.allow_pickle)
                     objects.append(SaveObject(name, doc))
@@ -134,11 +136,23 @@ class JaxAdapter(Adapter):
                     )
                 if stored is None:
                     continue
-                if is_array_target(leaf):
+                if is_array_target(leaf) and not is_key(leaf) and _only_object(meta, stored):
+                    expected[stored] = Expected()  # a plain value saved where the target holds an array
+                    setters.append((i, _value_as_array(meta, name, stored, leaf, indivisible, options)))
+                elif not is_array_target(leaf) and stored in meta.tensors:
+                    expected[stored] = Expected()  # an array saved where the target holds a plain value
+                    got: dict[str, np.ndarray] = {}
+                    full = Box.full(meta.tensors[stored].shape)
+                    targets.append(LoadTensor(stored, [LoadShard(full, _keep(got, "full"))]))
+                    setters.append((i, _array_as_value(name, got, leaf, options)))
+                elif is_array_target(leaf):
+                    impl = None
+                    if is_key(leaf):  # loads as its key data, wrapped back into keys
+                        leaf, impl = key_data_target(name, leaf)
                     load = _ArrayLoad(name, stored, leaf, transforms.get(name), indivisible, options)
                     expected[stored] = load.expected()
                     targets.append(load.target(meta))
-                    setters.append((i, load.build))
+                    setters.append((i, load.build if impl is None else _wrapped_keys(load.build, impl)))
                 else:
                     expected[stored] = Expected()
                     setters.append((i, _object_getter(meta, stored, leaf, options)))
@@ -169,6 +183,10 @@ class JaxAdapter(Adapter):
             result[ns] = extras.decode(obj.value, arrays, options.allow_pickle)
 
         return finish
+
+
+def _wrapped_keys(build: Callable[[], Any], impl: str) -> Callable[[], Any]:
+    return lambda: jax.random.wrap_key_data(build(), impl=impl)
 
 
 @dataclass
@@ -268,6 +286,76 @@ def _cast(arr: np.ndarray, dtype: np.dtype, name: str, allow_cast: bool) -> np.n
             f"tensor {name!r}: stored dtype {arr.dtype} != target dtype {dtype} (pass allow_cast=True to convert)"
         )
     return arr.astype(dtype)
+
+
+def _only_object(meta: CheckpointMetadata, stored: str) -> bool:
+    return stored not in meta.tensors and stored in meta.objects
+
+
+def _stored_value(meta: CheckpointMetadata, stored: str, options: AdapterOptions) -> Any:
+    obj = meta.objects[stored]
+    value = obj.value if obj.scope == "global" else next(iter(obj.per_rank.values()), None)
+    return extras.decode(value, {}, options.allow_pickle)
+
+
+def _value_as_array(
+    meta: CheckpointMetadata, name: str, stored: str, leaf: Any, indivisible: str, options: AdapterOptions
+) -> Callable[[], Any]:
+    """An array target whose checkpoint entry is a plain value (``step`` saved as an int): that value as an
+    array of the target's shape, dtype (exactly, unless ``allow_cast``) and sharding."""
+
+    def get() -> Any:
+        value = _stored_value(meta, stored, options)
+        shape, dtype = tuple(int(s) for s in leaf.shape), np.dtype(leaf.dtype)
+        raw = np.asarray(value) if isinstance(value, (bool, int, float, list, np.ndarray)) else None
+        if raw is None or raw.dtype == object or raw.shape != shape:
+            raise ArrayCheckpointError(
+                f"{name!r}: the checkpoint holds the value {value!r} (shape {list(np.shape(value))}), the target "
+                f"an array of shape {list(shape)}"
+            )
+        arr = raw.astype(dtype)
+        if not options.allow_cast and not _same_values(arr, raw):
+            raise ArrayCheckpointError(
+                f"{name!r}: the stored value {value!r} is not exactly a {dtype} (pass allow_cast=True to convert)"
+            )
+        if isinstance(leaf, np.ndarray):
+            return arr
+        return jax.device_put(arr, target_sharding(name, leaf, indivisible))
+
+    return get
+
+
+def _array_as_value(
+    name: str, got: dict[str, np.ndarray], leaf: Any, options: AdapterOptions
+) -> Callable[[], Any]:
+    """A plain-value target (``step = 0`` of a fresh ``TrainState``) whose checkpoint entry is an array:
+    a 0-d array as a value of the target's type (exactly, unless ``allow_cast``), anything else as the
+    numpy array saved."""
+
+    def get() -> Any:
+        if "full" not in got:
+            return _NOT_LOADED
+        arr = np.asarray(got["full"])
+        if not (isinstance(leaf, (bool, int, float)) and arr.ndim == 0):
+            return arr
+        value = type(leaf)(arr.item())
+        if not options.allow_cast and not _same_values(np.asarray(value), arr):
+            raise ArrayCheckpointError(
+                f"{name!r}: the stored {arr.dtype} value {arr.item()!r} is not exactly a {type(leaf).__name__} "
+                "(pass allow_cast=True to convert)"
+            )
+        return value
+
+    return get
+
+
+def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` holds exactly the values of ``b`` (NaN equal to NaN)."""
+    with np.errstate(invalid="ignore"):
+        same = a == b
+    if a.dtype.kind in "fc" or b.dtype.kind in "fc":
+        same = same | (np.isnan(a.astype(np.complex128)) & np.isnan(b.astype(np.complex128)))
+    return bool(np.all(same))
 
 
 def _object_getter(

@@ -76,6 +76,29 @@ def is_array_target(x: Any) -> bool:
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
 
 
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array (``jax.random.key``; flax ``nnx.Rngs`` streams), concrete or
+    abstract: stored as its key data (``jax.random.key_data``: uint32, one trailing dimension more)."""
+    dtype = getattr(x, "dtype", None)
+    try:
+        return dtype is not None and bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:
+        return False
+
+
+def key_data_target(name: str, leaf: Any) -> tuple[Any, str]:
+    """The target a typed key leaf loads through: its key data's shape, dtype and sharding, and the name of
+    its PRNG implementation (to wrap the loaded data back into keys)."""
+    if isinstance(leaf, jax.Array):
+        return jax.random.key_data(leaf), str(jax.random.key_impl(leaf))
+    impl = getattr(getattr(leaf.dtype, "_impl", None), "name", None)  # jax.random.key_impl takes arrays only
+    if impl is None:
+        raise ArrayCheckpointError(f"{name}: cannot tell the PRNG implementation of the key target {leaf}")
+    data = jax.eval_shape(jax.random.key_data, leaf)
+    # the key's own sharding: a NamedSharding's spec leaves the trailing key dimension whole
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None)), impl
+
+
 def box_of(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
     """The global box of a shard index (a tuple of slices, possibly open-ended)."""
     offsets, lengths = [], []

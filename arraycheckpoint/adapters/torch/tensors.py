@@ -78,8 +78,8 @@ _EXOTIC: dict[np.dtype, bool] = {}
 
 
 def as_torch(arr: np.ndarray) -> torch.Tensor:
-    """A torch view of a host numpy array (bfloat16/float8 through an integer view)."""
-    arr = np.ascontiguousarray(arr)
+    """A torch view of a host numpy array (bfloat16/float8 through an integer view), of the same shape."""
+    arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # ascontiguousarray makes a 0-d array 1-d
     if _exotic(arr.dtype):
         np_int, _ = _BITS[arr.dtype.itemsize]
         return torch.from_numpy(arr.view(np_int)).view(torch_dtype(arr.dtype))
