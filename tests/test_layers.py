@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("arraycheckpoint",)),  # the package's top-level modules (errors aside)
     ("tools", ("arraycheckpoint.tools",)),
     ("cli", ("arraycheckpoint.cli",)),
+    ("main", ("arraycheckpoint.__main__",)),  # ``python -m arraycheckpoint``: the command line, nothing else
     ("testing", ("arraycheckpoint.testing",)),
 ]
 
