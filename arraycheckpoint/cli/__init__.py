@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -292,6 +293,30 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------- parser
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a training step)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; a step is 0 or more")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    """argparse type: a finite number >= 0 (an absolute tolerance)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the command (one sub-parser per subcommand, each with ``--help``)."""
     parser = argparse.ArgumentParser(
@@ -386,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="new checkpoint path or URL")
     p.add_argument("--namespace", default="model", help="namespace of the imported tensors (default: model)")
     p.add_argument("--strip-prefix", help="remove this prefix from source keys (e.g. 'module.')")
-    p.add_argument("--step", type=int, help="training step to record")
+    p.add_argument("--step", type=_non_negative_int, help="training step to record")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at PATH")
     p.add_argument(
         "--allow-pickle",
@@ -411,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("diff", cmd_diff, "compare two checkpoints tensor by tensor (exit 1 when they differ)")
     p.add_argument("a", help="first checkpoint")
     p.add_argument("b", help="second checkpoint")
-    p.add_argument("--atol", type=float, default=0.0, help="treat max abs differences <= ATOL as equal")
+    p.add_argument("--atol", type=_tolerance, default=0.0, help="treat max abs differences <= ATOL as equal")
     p.add_argument("--all", action="store_true", help="also list equal tensors")
     p.add_argument(
         "--tensors-only", action="store_true", help="ignore JSON objects (param groups, extra state)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,19 @@ def test_export_that_cannot_write_names_the_file_and_leaves_nothing(ckpt, tmp_pa
 def test_export_refuses_a_shard_size_that_is_no_byte_count(ckpt, tmp_path, capsys, size):
     code, _, err = _run(capsys, "export", ckpt, tmp_path / "hf", "--max-shard-size", size)
     assert code == EXIT_USAGE and "cannot parse size" in err
+
+
+def test_negative_step_and_non_finite_tolerance_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``import --step -5`` and ``diff --atol nan`` (or a negative one) were accepted; now exit 2, one line."""
+    for args in (
+        ["import", tmp_path / "x.safetensors", tmp_path / "out", "--step", "-5"],
+        ["diff", tmp_path / "a", tmp_path / "b", "--atol", "nan"],
+        ["diff", tmp_path / "a", tmp_path / "b", "--atol", "-1"],
+        ["diff", tmp_path / "a", tmp_path / "b", "--atol", "inf"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            run_main(capsys, *args)
+        err = capsys.readouterr().err
+        assert exited.value.code == EXIT_USAGE and ("negative" in err or "finite" in err), (args, err)
