@@ -36,6 +36,7 @@ class SimWorld:
         self.mail: list[list[np.ndarray | None]] = [[None] * size for _ in range(size)]
         self.session = uuid.uuid4().hex[:12]
         self.calls = 0  # collectives run (counted by rank 0)
+        self.received = [0] * size  # payload bytes each rank received from the other ranks
 
     def communicators(self) -> list[SimCommunicator]:
         return [SimCommunicator(self, r) for r in range(self.size)]
@@ -71,7 +72,9 @@ class SimCommunicator(Communicator):
         return out
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        return [bytes(d) for d in self._exchange(bytes(data))]
+        out = [bytes(d) for d in self._exchange(bytes(data))]
+        self._w.received[self._rank] += sum(len(d) for r, d in enumerate(out) if r != self._rank)
+        return out
 
     def all_reduce_min(self, values: Sequence[int]) -> list[int]:
         got = self._exchange([int(v) for v in values])
@@ -87,6 +90,7 @@ class SimCommunicator(Communicator):
             got = w.mail[src][me]
             assert got is not None and got.size == recv_sizes[src], (src, me, recv_sizes[src])
             out.append(got)
+            w.received[me] += got.size if src != me else 0
         w.barrier.wait()
         return out
 
@@ -118,11 +122,14 @@ def _import_frameworks() -> None:
         pass
 
 
-def run_ranks(size: int, fn: Callable[[SimCommunicator], T], timeout: float = 120.0) -> list[T]:
-    """Run ``fn(comm)`` for every rank of a fresh world of ``size`` ranks, one thread each, and return the
-    results in rank order. The first rank's error is re-raised (the barrier is aborted so no rank hangs)."""
+def run_ranks(
+    size: int, fn: Callable[[SimCommunicator], T], timeout: float = 120.0, world: SimWorld | None = None
+) -> list[T]:
+    """Run ``fn(comm)`` for every rank of ``world`` (default: a fresh world of ``size`` ranks), one thread
+    each, and return the results in rank order. The first rank's error is re-raised (the barrier is aborted
+    so no rank hangs)."""
     _import_frameworks()
-    world = SimWorld(size, timeout)
+    world = world or SimWorld(size, timeout)
     results: list[Any] = [None] * size
     errors: list[BaseException | None] = [None] * size
 
