@@ -8,6 +8,7 @@ process allowed fewer descriptors than the checkpoint has packs.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from simworld import SimCommunicator, run_ranks
+from simworld import SimCommunicator, SimWorld, run_ranks
 
 import arraycheckpoint as acp
 from arraycheckpoint.planning.plan import PlanOptions
@@ -116,3 +117,20 @@ def test_store_and_load_with_fewer_descriptors_than_packs(saved: tuple[Path, dic
 def test_saved_by_256_ranks_loads_at_1_and_64(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     _round_trip(path, _save(path, 256), 64)
+
+
+def test_shared_reads_send_each_distinct_request_list_once(saved: tuple[Path, dict[str, np.ndarray]]) -> None:
+    """``dedup_reads=True`` at 32 ranks: bit-exact, and a rank receives the bytes others read for it plus
+    the replicas' (equal) request list once. Every rank received every rank's list (world size x regions)."""
+    path, want = saved
+    world = SimWorld(32)
+
+    def load(comm: SimCommunicator) -> bool:
+        mine = _zeros(want)
+        acp.load(path, {"model": mine}, comm=comm, dedup_reads=True)
+        return all(np.array_equal(mine[k], v) for k, v in want.items())
+
+    assert all(run_ranks(world.size, load, world=world))
+    requests = len(json.dumps([[f"model/{k}", [0] * v.ndim, list(v.shape)] for k, v in want.items()]))
+    state = sum(v.nbytes for v in want.values())
+    assert max(world.received) <= state + 2 * requests + 64 * world.size, (world.received[:4], requests)
