@@ -412,46 +412,19 @@ def load_jax(
 
 def _check_unexpected_across_ranks(meta: CheckpointMetadata, job: LoadJob, comm: Communicator) -> None:
     """Stored keys of split namespaces (megatron pipeline stages) that no rank loads: a strict error."""
-    wanted = sorted(job.stored_names())
+    wanted = job.stored_names()
     if comm.world_size > 1:
         engine().wait_idle()  # the checkpoint group must be idle before this collective
-        count, shown = _unloaded_judged_on_rank0(meta, job, wanted, comm)
-    else:
-        extra = unexpected_names(meta, set(wanted), job.global_namespaces)
-        count, shown = len(extra), extra[:_SHOWN]
-    if count:
+        # the ranks of a stage want the same names: each distinct list travels once, not once per rank
+        distinct = {id(w): w for w in comm.all_gather_distinct_json(sorted(wanted))}
+        wanted = set().union(*distinct.values())
+    extra = unexpected_names(meta, wanted, job.global_namespaces)
+    if extra:
         raise StateMismatchError(
-            f"checkpoint keys no rank loads ({count}): "
-            + ", ".join(shown)
+            f"checkpoint keys no rank loads ({len(extra)}): "
+            + ", ".join(extra[:50])
             + "\n(pass strict=False to load the intersection)"
         )
-
-
-_SHOWN = 50  # unexpected keys an error lists
-
-
-def _unloaded_judged_on_rank0(
-    meta: CheckpointMetadata, job: LoadJob, wanted: list[str], comm: Communicator
-) -> tuple[int, list[str]]:
-    """How many stored keys no rank wants and the first of them, judged on rank 0 and broadcast. The ranks of a
-    pipeline stage want the same names: only the first rank holding each distinct list sends it (a 16-byte
-    digest per rank tells which), so rank 0 receives about the checkpoint's names once, not world size x a
-    stage's names, and the others only the verdict."""
-    import hashlib
-    import json
-
-    text = json.dumps(wanted, separators=(",", ":")).encode()
-    digest = hashlib.blake2b(text, digest_size=16).digest()
-    first = comm.all_gather_bytes(digest).index(digest) == comm.rank
-    lists = comm.gather_bytes(text if first else b"", 0)
-    verdict = None
-    if lists is not None:
-        extra = unexpected_names(
-            meta, set().union(*(json.loads(b) for b in lists if b)), job.global_namespaces
-        )
-        verdict = [len(extra), extra[:_SHOWN]]
-    count, shown = comm.broadcast_json(verdict)
-    return int(count), list(shown)
 
 
 def read_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:

@@ -63,7 +63,7 @@ def test_strict_pipeline_load_receives_each_stage_once(saved: Path) -> None:
 
     assert all(run_ranks(WORLD, load, world=world))
     every_name = len(json.dumps([n for s in range(STAGES) for n in _names(s)]))
-    # each stage's names once (rank 0 and the result), plus a fixed-size record per rank: not WORLD x names
+    # each stage's names once, plus a fixed-size record per rank (digest, sizes): not WORLD x a stage's names
     assert max(world.received) <= 2 * every_name + 64 * WORLD, world.received[:4]
 
 
