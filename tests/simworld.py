@@ -130,6 +130,7 @@ def run_ranks(
     so no rank hangs)."""
     _import_frameworks()
     world = world or SimWorld(size, timeout)
+    size = world.size
     results: list[Any] = [None] * size
     errors: list[BaseException | None] = [None] * size
 
