@@ -3,7 +3,8 @@
 A strict load of pipeline-split state judges "unexpected" stored keys on the union of every rank's names. It
 all-gathered every rank's name list, so each rank received world size x its stage's names (at 1,000 ranks
 and a few thousand names, hundreds of MB per rank). Ranks of one stage hold the same list: the check now
-sends each distinct list once. Counted, not timed: the payload bytes each simulated rank receives.
+sends each distinct list once. Counted, not timed: the payload bytes each simulated rank receives. And an
+array split 64 ways (a pack per saving rank) loads resharded at 16 ranks and whole at one, bit-exactly.
 """
 
 from __future__ import annotations
@@ -79,3 +80,34 @@ def test_strict_pipeline_load_names_keys_no_rank_loads(saved: Path) -> None:
     assert all(f"model/{_names(3)[0]}" in m and "no rank loads" in m for m in messages)
     assert not any(f"model/{_names(0)[0]}," in m for m in messages)
     assert np.unique(messages).size == 1
+
+
+def _split(full: np.ndarray, rank: int, world: int, filled: bool) -> dict:
+    """This rank's rows of ``full`` as a ShardedTensor split ``world`` ways along dim 0."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    rows = full.shape[0] // world
+    data = torch.from_numpy(full[rank * rows : (rank + 1) * rows].copy()) if filled else torch.zeros(rows, 8)
+    return {"w": ShardedTensor.from_rank_offsets("w", data, (0, rank, world), replica_id=0)}
+
+
+def test_sharded_64_ways_loads_at_16_and_1(tmp_path: Path) -> None:
+    """Every one of 64 ranks writes its rows (its own pack); 16 ranks load 4 savers' rows each, one rank
+    loads the whole array into numpy: bit-exact."""
+    full = np.random.default_rng(3).standard_normal((WORLD * 4, 8)).astype(np.float32)
+    path = tmp_path / "ck"
+    run_ranks(WORLD, lambda c: acp.save(path, {"model": _split(full, c.rank, WORLD, True)}, comm=c))
+    assert len(list((path / ".acp" / "packs").glob("*.zip"))) == WORLD
+
+    def load(comm: SimCommunicator) -> bool:
+        state = _split(full, comm.rank, comm.world_size, False)
+        acp.load(path, {"model": state}, comm=comm)
+        return np.array_equal(
+            state["w"].data.numpy(), _split(full, comm.rank, comm.world_size, True)["w"].data
+        )
+
+    assert all(run_ranks(16, load))
+    whole = {"w": np.zeros_like(full)}
+    acp.load(path, {"model": whole})
+    assert np.array_equal(whole["w"], full)
