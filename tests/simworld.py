@@ -36,7 +36,9 @@ class SimWorld:
         self.mail: list[list[np.ndarray | None]] = [[None] * size for _ in range(size)]
         self.session = uuid.uuid4().hex[:12]
         self.calls = 0  # collectives run (counted by rank 0)
-        self.received = [0] * size  # payload bytes each rank received from the other ranks
+        self.received = [
+            0
+        ] * size  # payload bytes each rank received from the other ranks (as gloo moves them)
 
     def communicators(self) -> list[SimCommunicator]:
         return [SimCommunicator(self, r) for r in range(self.size)]
@@ -73,7 +75,13 @@ class SimCommunicator(Communicator):
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         out = [bytes(d) for d in self._exchange(bytes(data))]
-        self._w.received[self._rank] += sum(len(d) for r, d in enumerate(out) if r != self._rank)
+        # counted as TorchCommunicator's all-gather moves them: every payload padded to the longest
+        self._w.received[self._rank] += (self._w.size - 1) * max(len(d) for d in out)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        out = bytes(self._exchange(bytes(data or b"") if self._rank == src else b"")[src])
+        self._w.received[self._rank] += len(out) if self._rank != src else 0
         return out
 
     def all_reduce_min(self, values: Sequence[int]) -> list[int]:

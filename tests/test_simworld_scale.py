@@ -134,3 +134,15 @@ def test_shared_reads_send_each_distinct_request_list_once(saved: tuple[Path, di
     requests = len(json.dumps([[f"model/{k}", [0] * v.ndim, list(v.shape)] for k, v in want.items()]))
     state = sum(v.nbytes for v in want.values())
     assert max(world.received) <= state + 2 * requests + 64 * world.size, (world.received[:4], requests)
+
+
+def test_all_gather_distinct_json_sends_each_value_once() -> None:
+    """16 ranks holding 2 distinct values: every rank gets every rank's value, equal ones as one object, and
+    receives each distinct value once (plus a digest and a size per rank), not 16 values."""
+    world = SimWorld(16)
+    values = [{"v": [r % 2] * 100} for r in range(16)]
+    got = run_ranks(16, lambda c: c.all_gather_distinct_json(values[c.rank]), world=world)
+    assert all(g == values for g in got)
+    assert all(g[0] is g[2] is g[14] and g[1] is g[15] and g[1] is not g[0] for g in got)
+    distinct = 2 * len(json.dumps(values[0], separators=(",", ":")))
+    assert max(world.received) <= 2 * distinct + 32 * 16, world.received

@@ -111,15 +111,18 @@ class Communicator(ABC):
 
     def all_gather_distinct_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank, as :meth:`all_gather_json`, but each distinct value travels
-        once: every rank sends a 16-byte digest, the first rank holding each value sends it. Ranks that hold
-        equal values (replicas) come back as one shared object. A rank receives 24 bytes per rank plus the
-        distinct values, not world size x its value."""
+        once: every rank sends a 16-byte digest, the first rank holding each value sends it to rank 0, which
+        broadcasts the distinct values. Ranks that hold equal values (replicas) come back as one shared
+        object. A rank receives a digest and a size per rank plus the distinct values, not world size x its
+        value (an all-gather pads every payload to the longest)."""
         text = _dumps(obj)
         mine = hashlib.blake2b(text, digest_size=16).digest()
         first: dict[bytes, int] = {}
         holder = [first.setdefault(d, r) for r, d in enumerate(self.all_gather_bytes(mine))]
-        sent = self.all_gather_bytes(text if holder[self.rank] == self.rank else b"")
-        parsed = {r: json.loads(sent[r]) for r in set(holder)}
+        holders = sorted(set(holder))
+        sent = self.gather_bytes(text if holder[self.rank] == self.rank else b"", 0)
+        blob = None if sent is None else b"[" + b",".join(sent[h] for h in holders) + b"]"
+        parsed = dict(zip(holders, json.loads(self.broadcast_bytes(blob, 0)), strict=True))
         return [parsed[h] for h in holder]
 
     def broadcast_json(self, obj: Any, src: int = 0) -> Any:
