@@ -415,7 +415,9 @@ def _check_unexpected_across_ranks(meta: CheckpointMetadata, job: LoadJob, comm:
     wanted = job.stored_names()
     if comm.world_size > 1:
         engine().wait_idle()  # the checkpoint group must be idle before this collective
-        wanted = set().union(*(set(names) for names in comm.all_gather_json(sorted(wanted))))
+        # the ranks of a stage want the same names: each distinct list travels once, not once per rank
+        distinct = {id(w): w for w in comm.all_gather_distinct_json(sorted(wanted))}
+        wanted = set().union(*distinct.values())
     extra = unexpected_names(meta, wanted, job.global_namespaces)
     if extra:
         raise StateMismatchError(

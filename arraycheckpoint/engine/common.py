@@ -16,6 +16,7 @@ from ..codecs import array_metadata, numpy_dtype
 from ..errors import CorruptCheckpointError, StorageError
 from ..planning.plan import PlanOptions
 from ..planning.regions import Box
+from ..runtime.descriptors import descriptor_share
 from ..storage import Storage
 
 log = logging.getLogger("arraycheckpoint")
@@ -33,15 +34,7 @@ MAX_OPEN_PACKS = 1024
 def open_packs_allowed() -> int:
     """:data:`MAX_OPEN_PACKS`, or an eighth of the descriptors this process may open where that is fewer
     (at least 2): the rest stay for the storage library, the process group's sockets and the user's files."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no such limit here
-        return MAX_OPEN_PACKS
-    if soft == resource.RLIM_INFINITY or soft <= 0:
-        return MAX_OPEN_PACKS
-    return max(2, min(MAX_OPEN_PACKS, soft // 8))
+    return descriptor_share(MAX_OPEN_PACKS)
 
 
 def write_sidecar(storage: Storage, root: str, key: str, doc: dict[str, Any]) -> None:

@@ -158,8 +158,12 @@ class LoadPipeline:
         from ..planning.plan import assign_shared_reads
 
         mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
-        wanted = comm.all_gather_json([[n, list(b.offsets), list(b.lengths)] for n, b in mine])
-        requests = [[(n, Box(tuple(o), tuple(ln))) for n, o, ln in w] for w in wanted]
+        # replicas want the same regions: each distinct list travels once, and is parsed once
+        wanted = comm.all_gather_distinct_json([[n, list(b.offsets), list(b.lengths)] for n, b in mine])
+        parsed: dict[int, list[tuple[str, Box]]] = {}
+        requests = [
+            parsed.setdefault(id(w), [(n, Box(tuple(o), tuple(ln))) for n, o, ln in w]) for w in wanted
+        ]
         itemsize = {
             n: numpy_dtype(meta.tensors[n].dtype).itemsize
             for w in requests
@@ -168,7 +172,8 @@ class LoadPipeline:
         }
         readers = assign_shared_reads(requests, itemsize)  # (name, box) -> reader, only for shared regions
         me = comm.rank
-        asked = [set(w) for w in requests]
+        sets: dict[int, set[tuple[str, Box]]] = {}
+        asked = [sets.setdefault(id(w), set(w)) for w in requests]
         got: dict[tuple[str, Box], np.ndarray] = {}
         reads = [
             LoadTensor(n, [LoadShard(b, lambda a, k=(n, b): got.__setitem__(k, a))])

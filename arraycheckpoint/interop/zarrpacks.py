@@ -39,6 +39,7 @@ from ..planning.packing import (
     group_keys,
     stored_bytes,
 )
+from ..runtime.descriptors import descriptor_share
 from . import zarrfiles
 from .zarrfiles import _grid, _pread_fd, _span
 
@@ -74,14 +75,16 @@ class _Pack:
 class _PackFiles:
     """Open descriptors of a local checkpoint's packs: each pack is opened once (below the root, never through
     a link, a regular file: :func:`_open_pack`) and read with ``pread`` from then on, so reading the chunks of
-    a pack costs one open, not one per chunk. At most :data:`MAX_OPEN_PACKS` stay open (least recently used
-    closed first, never one a read is using); thread-safe (reads run in worker threads)."""
+    a pack costs one open, not one per chunk. At most :data:`MAX_OPEN_PACKS` stay open (an eighth of the
+    process's descriptor limit where that is fewer; least recently used closed first, never one a read is
+    using); thread-safe (reads run in worker threads)."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._lock = threading.Lock()
         self._open: OrderedDict[str, list[int]] = OrderedDict()  # key -> [fd, reads in progress]
         self.opens = 0  # packs opened so far (what the scale tests count)
+        self._max_open = descriptor_share(MAX_OPEN_PACKS)  # fewer where the process may open few descriptors
 
     def _acquire(self, key: str) -> list[int]:
         with self._lock:  # opened under the lock: concurrent first reads of a pack open it once, not each
@@ -94,7 +97,7 @@ class _PackFiles:
             self.opens += 1
             entry = self._open[key] = [fd, 1]
             idle = [k for k, (_fd, busy) in self._open.items() if not busy]  # least recently used first
-            for other in idle[: max(0, len(self._open) - MAX_OPEN_PACKS)]:
+            for other in idle[: max(0, len(self._open) - self._max_open)]:
                 os.close(self._open.pop(other)[0])
             return entry
 

@@ -11,6 +11,7 @@ Only the engine calls these, from one thread per process, in the same order on e
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -41,8 +42,8 @@ class Communicator(ABC):
     @abstractmethod
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order, on every rank. Every rank receives the sum of all payloads:
-        used only where that is bounded (opt-in load read sharing, cross-rank strict checks), never on the
-        save path."""
+        used only for fixed-size records (sizes, digests) and values most ranks leave empty; lists that
+        replicas share go through :meth:`all_gather_distinct_json`."""
 
     @abstractmethod
     def all_to_all_bytes(self, send: Sequence[np.ndarray], recv_sizes: Sequence[int]) -> list[np.ndarray]:
@@ -107,6 +108,22 @@ class Communicator(ABC):
     def gather_json(self, obj: Any, dst: int = 0) -> list[Any] | None:
         out = self.gather_bytes(_dumps(obj), dst)
         return None if out is None else [json.loads(b) for b in out]
+
+    def all_gather_distinct_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank, as :meth:`all_gather_json`, but each distinct value travels
+        once: every rank sends a 16-byte digest, the first rank holding each value sends it to rank 0, which
+        broadcasts the distinct values. Ranks that hold equal values (replicas) come back as one shared
+        object. A rank receives a digest and a size per rank plus the distinct values, not world size x its
+        value (an all-gather pads every payload to the longest)."""
+        text = _dumps(obj)
+        mine = hashlib.blake2b(text, digest_size=16).digest()
+        first: dict[bytes, int] = {}
+        holder = [first.setdefault(d, r) for r, d in enumerate(self.all_gather_bytes(mine))]
+        holders = sorted(set(holder))
+        sent = self.gather_bytes(text if holder[self.rank] == self.rank else b"", 0)
+        blob = None if sent is None else b"[" + b",".join(sent[h] for h in holders) + b"]"
+        parsed = dict(zip(holders, json.loads(self.broadcast_bytes(blob, 0)), strict=True))
+        return [parsed[h] for h in holder]
 
     def broadcast_json(self, obj: Any, src: int = 0) -> Any:
         return json.loads(self.broadcast_bytes(_dumps(obj) if self.rank == src else None, src))
