@@ -31,11 +31,13 @@ Files honour the umask like any other file the user creates.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -373,17 +375,27 @@ def export_safetensors(
             f"{out_dir} already holds safetensors files ({os.path.basename(stale[0])}, ...); export into an empty "
             "directory or pass --overwrite to replace them"
         )
+    for f in stale:  # refused before anything is written: the commit below could not replace it
+        mode = os.lstat(f).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            raise ArrayCheckpointError(
+                f"{f} is in the way of the export and is not a file (a directory, a FIFO, ...); remove it or "
+                "export elsewhere"
+            )
     groups = plan_files(entries, max_shard_size)
     result = ExportResult()
     weight_map: dict[str, str] = {}
-    written: dict[str, str] = {}  # final name -> its temporary file
+    written: dict[str, tuple[int, str]] = {}  # final name -> its temporary file (descriptor, path)
     try:
         for i, group in enumerate(groups, start=1):
             fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
             arrays = _materialize(ckpt, group)
-            written[fname] = tmp = _fresh_file(out_dir, fname)
+            fd, tmp = _fresh_file(out_dir, fname)
+            os.close(fd)  # safetensors writes its own temporary file and renames it onto ``tmp``
+            written[fname] = (-1, tmp)
             with _writing(tmp):
                 save_file(arrays, tmp, metadata={"format": "pt"})
+                written[fname] = (_open_written(tmp), tmp)
             for e in group:
                 weight_map[e.key] = fname
             size = sum(a.nbytes for a in arrays.values())
@@ -403,20 +415,26 @@ def export_safetensors(
             "weight_map": dict(sorted(weight_map.items())),
         }
         for name, doc in ((INDEX_FILE, index), *(extra_files or {}).items()):
-            written[name] = tmp = _fresh_file(out_dir, name)
-            with _writing(tmp), open(tmp, "w") as f:
-                json.dump(doc, f, indent=2)
-                f.write("\n")
+            fd, tmp = written[name] = _fresh_file(out_dir, name)
+            with _writing(tmp):
+                _write_all(fd, (json.dumps(doc, indent=2) + "\n").encode())
+        # commit: no index names a mix of old and new shards (the old index goes first, the new one last,
+        # then the old shards the new index does not list)
+        index_path = os.path.join(out_dir, INDEX_FILE)
+        _unlink(index_path)
+        for name, (fd, tmp) in sorted(written.items(), key=lambda kv: kv[0] == INDEX_FILE):
+            _install(fd, tmp, os.path.join(out_dir, name))
+            written[name] = (-1, "")
+        for f in stale:
+            if os.path.basename(f) not in written:
+                _unlink(f)
     except BaseException:
-        for tmp in written.values():
-            _unlink(tmp)
+        for fd, tmp in written.values():
+            if fd >= 0:
+                os.close(fd)
+            if tmp:
+                _unlink(tmp)
         raise
-    # commit: no index names a mix of old and new shards (the old index goes first, the new one comes last)
-    for f in stale:  # a previous export with another file count would leave files the new index does not list
-        _unlink(f)
-    for name, tmp in sorted(written.items(), key=lambda kv: kv[0] == INDEX_FILE):
-        _honour_umask(tmp)
-        os.replace(tmp, os.path.join(out_dir, name))
     result.index = os.path.join(out_dir, INDEX_FILE)
     return result
 
@@ -448,12 +466,43 @@ def _writing(path: str) -> Iterator[None]:
         raise ArrayCheckpointError(f"cannot write {path}: {str(e).splitlines()[0] if str(e) else e!r}") from e
 
 
-def _fresh_file(directory: str, name: str) -> str:
+def _fresh_file(directory: str, name: str) -> tuple[int, str]:
     """A new empty file for ``name`` in ``directory``, created with ``O_EXCL`` (a link planted there is never
-    written through); renamed onto ``name`` when complete."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    written through): its descriptor and path. Written through the descriptor, never reopened by its path
+    (which another user of ``directory`` could have swapped for a link), and renamed onto ``name`` when
+    complete (:func:`_install`)."""
+    return tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+
+
+def _open_written(path: str) -> int:
+    """A descriptor of the regular file a writer just put at ``path`` (never through a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise ArrayCheckpointError(f"{path} was replaced while exporting (a link?): {e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ArrayCheckpointError(f"{path} was replaced while exporting by something that is not a file")
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _install(fd: int, tmp: str, final: str) -> None:
+    """Give the file ``fd`` (written at ``tmp``) the mode a plain ``open()`` would (``mkstemp`` and
+    safetensors make 0600), check that ``tmp`` still names it, rename it onto ``final`` and close it."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)  # through the descriptor: a link put at ``tmp`` changes nothing elsewhere
+    ours, now = os.fstat(fd), os.lstat(tmp)
+    if (ours.st_dev, ours.st_ino) != (now.st_dev, now.st_ino):
+        raise ArrayCheckpointError(f"{tmp} was replaced while exporting; nothing was installed from it")
+    os.replace(tmp, final)
     os.close(fd)
-    return tmp
 
 
 def _unlink(path: str) -> None:
@@ -461,13 +510,6 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _honour_umask(path: str) -> None:
-    """Give ``path`` the mode a plain ``open()`` would (safetensors and ``mkstemp`` write files 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
 
 
 def export_torch(
@@ -499,13 +541,14 @@ def export_torch(
         result.total_size += arr.nbytes
         if progress is not None:
             progress(arr.nbytes)
-    tmp = _fresh_file(parent, os.path.basename(out))
+    fd, tmp = _fresh_file(parent, os.path.basename(out))
     try:
-        with _writing(tmp), open(tmp, "wb") as f:
+        with _writing(tmp), open(os.dup(fd), "wb") as f:  # through the descriptor, not the path
             torch.save(state, f)
-        _honour_umask(tmp)
-        os.replace(tmp, out)
+        _install(fd, tmp, out)
     except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
         _unlink(tmp)
         raise
     result.files.append(out)

@@ -186,3 +186,63 @@ def test_negative_step_and_non_finite_tolerance_are_usage_errors(
             run_main(capsys, *args)
         err = capsys.readouterr().err
         assert exited.value.code == EXIT_USAGE and ("negative" in err or "finite" in err), (args, err)
+
+
+def test_export_never_touches_a_file_linked_in_place_of_its_temporary(tmp_path: Path) -> None:
+    """Another user of a shared output directory swaps the export's temporary file for a link to their
+    victim's file while the export runs: the victim's mode stays, nothing of it is installed as the output
+    (the temporary was reopened by path: chmod followed the link, and the link became the output)."""
+    import glob
+    import stat
+
+    import numpy as np
+
+    from arraycheckpoint.errors import ArrayCheckpointError
+    from arraycheckpoint.tools import export as E
+    from arraycheckpoint.tools.common import open_checkpoint
+
+    acp.save(tmp_path / "ck", {"model": {"a": np.ones(4, np.float32)}})
+    victim = tmp_path / "victim"
+    victim.write_text("SECRET")
+    victim.chmod(0o600)
+    out = tmp_path / "shared"
+    out.mkdir()
+    ck = open_checkpoint(str(tmp_path / "ck"))
+
+    def attacker(_size: int) -> None:
+        for tmp in glob.glob(str(out / ".model-*.tmp")):
+            os.unlink(tmp)
+            os.symlink(victim, tmp)
+
+    with pytest.raises(ArrayCheckpointError, match="replaced while exporting"):
+        E.export_safetensors(ck, str(out), E.select(ck), 1 << 20, progress=attacker)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600 and victim.read_text() == "SECRET"
+    assert not any(p.is_symlink() for p in out.iterdir() if not p.name.startswith("."))
+    assert not list(out.glob("*.safetensors")) and not (out / "model.safetensors.index.json").exists()
+
+
+def test_export_refuses_a_directory_in_the_way_before_writing(tmp_path: Path) -> None:
+    """With --overwrite, a directory where a file of the export goes is refused before anything is written:
+    the old export stays whole (the commit failed half-way with IsADirectoryError, the old files gone)."""
+    import numpy as np
+
+    from arraycheckpoint.errors import ArrayCheckpointError
+    from arraycheckpoint.tools import export as E
+    from arraycheckpoint.tools.common import open_checkpoint
+
+    acp.save(tmp_path / "ck", {"model": {"a": np.ones(4, np.float32)}})
+    out = tmp_path / "out"
+    (out / "config.json").mkdir(parents=True)
+    (out / "model-00001-of-00002.safetensors").write_text("old export")
+    (out / "model.safetensors.index.json").write_text("{}")
+    ck = open_checkpoint(str(tmp_path / "ck"))
+    with pytest.raises(ArrayCheckpointError, match="in the way"):
+        E.export_safetensors(
+            ck, str(out), E.select(ck), 1 << 20, overwrite=True, extra_files={"config.json": {"a": 1}}
+        )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert (out / "model-00001-of-00002.safetensors").read_text() == "old export"
