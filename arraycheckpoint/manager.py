@@ -354,10 +354,19 @@ class CheckpointManager:
         if not isinstance(self.storage, LocalStorage):
             return [k for k in self.storage.list(path) if not is_checkpoint_key(k)][:limit]
         found: list[str] = []
-        for top, dirs, files in os.walk(path):  # never into a linked directory (followlinks=False)
+
+        def unreadable(e: OSError) -> None:  # what cannot be looked at is not known to be a save's
+            found.append(f"{os.path.relpath(e.filename or path, path)} (unreadable: {e.strerror})")
+
+        for top, dirs, files in os.walk(path, onerror=unreadable):  # never into a linked directory
+            if len(found) >= limit:
+                return found
             for name in dirs + files:
                 full = os.path.join(top, name)
-                mode = os.lstat(full).st_mode
+                try:
+                    mode = os.lstat(full).st_mode
+                except FileNotFoundError:  # gone since the listing
+                    continue
                 rel = os.path.relpath(full, path).replace(os.sep, "/")
                 if not stat.S_ISDIR(mode) and not (stat.S_ISREG(mode) and is_checkpoint_key(rel)):
                     found.append(rel + ("" if stat.S_ISREG(mode) else " (a link or special file)"))

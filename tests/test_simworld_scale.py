@@ -119,11 +119,27 @@ def test_saved_by_256_ranks_loads_at_1_and_64(tmp_path: Path) -> None:
     _round_trip(path, _save(path, 256), 64)
 
 
-def test_shared_reads_send_each_distinct_request_list_once(saved: tuple[Path, dict[str, np.ndarray]]) -> None:
+def test_shared_reads_send_each_distinct_request_list_once(
+    saved: tuple[Path, dict[str, np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``dedup_reads=True`` at 32 ranks: bit-exact, and a rank receives the bytes others read for it plus
-    the replicas' (equal) request list once. Every rank received every rank's list (world size x regions)."""
+    the replicas' (equal) request list once, and parses it once. Every rank received every rank's list (world
+    size x regions), and then parsed each of the 32 equal lists again."""
+    import threading
+
+    from arraycheckpoint.engine import load as engine_load
+
     path, want = saved
     world = SimWorld(32)
+    lock, made = threading.Lock(), [0]
+
+    class CountedBox(engine_load.Box):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            with lock:
+                made[0] += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_load, "Box", CountedBox)
 
     def load(comm: SimCommunicator) -> bool:
         mine = _zeros(want)
@@ -134,6 +150,7 @@ def test_shared_reads_send_each_distinct_request_list_once(saved: tuple[Path, di
     requests = len(json.dumps([[f"model/{k}", [0] * v.ndim, list(v.shape)] for k, v in want.items()]))
     state = sum(v.nbytes for v in want.values())
     assert max(world.received) <= state + 2 * requests + 64 * world.size, (world.received[:4], requests)
+    assert made[0] <= 2 * world.size * len(want), made  # each rank parses the one distinct list once
 
 
 def test_all_gather_distinct_json_sends_each_value_once() -> None:

@@ -160,10 +160,11 @@ class LoadPipeline:
         mine = sorted({(t.name, s.box) for t in targets for s in t.shards})
         # replicas want the same regions: each distinct list travels once, and is parsed once
         wanted = comm.all_gather_distinct_json([[n, list(b.offsets), list(b.lengths)] for n, b in mine])
-        parsed: dict[int, list[tuple[str, Box]]] = {}
-        requests = [
-            parsed.setdefault(id(w), [(n, Box(tuple(o), tuple(ln))) for n, o, ln in w]) for w in wanted
-        ]
+        parsed: dict[int, list[tuple[str, Box]]] = {}  # each distinct list (one object) parsed once
+        for w in wanted:
+            if id(w) not in parsed:
+                parsed[id(w)] = [(n, Box(tuple(o), tuple(ln))) for n, o, ln in w]
+        requests = [parsed[id(w)] for w in wanted]
         itemsize = {
             n: numpy_dtype(meta.tensors[n].dtype).itemsize
             for w in requests
@@ -173,7 +174,10 @@ class LoadPipeline:
         readers = assign_shared_reads(requests, itemsize)  # (name, box) -> reader, only for shared regions
         me = comm.rank
         sets: dict[int, set[tuple[str, Box]]] = {}
-        asked = [sets.setdefault(id(w), set(w)) for w in requests]
+        for w in requests:
+            if id(w) not in sets:
+                sets[id(w)] = set(w)
+        asked = [sets[id(w)] for w in requests]
         got: dict[tuple[str, Box], np.ndarray] = {}
         reads = [
             LoadTensor(n, [LoadShard(b, lambda a, k=(n, b): got.__setitem__(k, a))])

@@ -483,6 +483,26 @@ def body_scalar_saved_as_array_or_value(tmp):
             assert "model/" in str(e) and what in str(e), e
         else:
             raise AssertionError(f"{bad} loaded")
+    # a plain number given an array of another shape, or a value it cannot hold exactly, under either strict
+    # (the array came back as itself; 2**53 + 1 came back as 2**53 in a float)
+    acp.save(f"{tmp}/big", {"model": {"w": w, "n": np.asarray(2**53 + 1, np.int64), "v": np.arange(3)}})
+    for target, what in (
+        ({"n": 0, "v": 0}, "shape [3]"),
+        ({"n": 0.0, "v": np.zeros(3, np.int64)}, "exactly"),
+    ):
+        for strict in (True, False):
+            try:
+                acp.load(f"{tmp}/big", {"model": {"w": w, **target}}, strict=strict)
+            except acp.ArrayCheckpointError as e:
+                assert what in str(e), e
+            else:
+                raise AssertionError(f"{target} loaded (strict={strict})")
+    # a key the checkpoint does not hold, strict=False: the target's key stays (it crashed in wrap_key_data)
+    key = jax.random.key(7)
+    got = acp.load(f"{tmp}/value", {"model": {"w": w, "step": 0, "lr": 0.0, "rng": key}}, strict=False)[
+        "model"
+    ]
+    assert jnp.array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(key)) and got["step"] == 3
     return {"ok": True}
 
 

@@ -186,7 +186,13 @@ class JaxAdapter(Adapter):
 
 
 def _wrapped_keys(build: Callable[[], Any], impl: str) -> Callable[[], Any]:
-    return lambda: jax.random.wrap_key_data(build(), impl=impl)
+    """``build``'s key data as keys of ``impl`` (a key the checkpoint does not hold stays the target's)."""
+
+    def get() -> Any:
+        data = build()
+        return data if data is _NOT_LOADED else jax.random.wrap_key_data(data, impl=impl)
+
+    return get
 
 
 @dataclass
@@ -329,19 +335,32 @@ def _array_as_value(
     name: str, got: dict[str, np.ndarray], leaf: Any, options: AdapterOptions
 ) -> Callable[[], Any]:
     """A plain-value target (``step = 0`` of a fresh ``TrainState``) whose checkpoint entry is an array:
-    a 0-d array as a value of the target's type (exactly, unless ``allow_cast``), anything else as the
-    numpy array saved."""
+    for a ``bool``, ``int`` or ``float`` target a 0-d array as a value of the target's type (exactly, unless
+    ``allow_cast``; any other shape is an error), for any other target the numpy array saved."""
 
     def get() -> Any:
         if "full" not in got:
             return _NOT_LOADED
         arr = np.asarray(got["full"])
-        if not (isinstance(leaf, (bool, int, float)) and arr.ndim == 0):
+        if not isinstance(leaf, (bool, int, float)):
             return arr
-        value = type(leaf)(arr.item())
-        if not options.allow_cast and not _same_values(np.asarray(value), arr):
+        kind = type(leaf).__name__
+        if arr.ndim != 0:
             raise ArrayCheckpointError(
-                f"{name!r}: the stored {arr.dtype} value {arr.item()!r} is not exactly a {type(leaf).__name__} "
+                f"{name!r}: the checkpoint holds a {arr.dtype} array of shape {list(arr.shape)}, which does not "
+                f"fit the target's plain {kind}"
+            )
+        stored = arr.item()  # a Python number: compared with the converted value exactly (int to float too)
+        try:
+            value = type(leaf)(stored)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ArrayCheckpointError(
+                f"{name!r}: the stored {arr.dtype} value {stored!r} is no {kind}: {e}"
+            ) from None
+        same = value == stored or (value != value and stored != stored)  # NaN is NaN
+        if not options.allow_cast and not same:
+            raise ArrayCheckpointError(
+                f"{name!r}: the stored {arr.dtype} value {stored!r} is not exactly a {kind} "
                 "(pass allow_cast=True to convert)"
             )
         return value
