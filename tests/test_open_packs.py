@@ -76,11 +76,24 @@ def test_packs_closed_and_opened_again(many_packs: Path, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(packread.PackFile, "__init__", init)
     monkeypatch.setattr(packread.PackFile, "close", close)
+    from arraycheckpoint.checks import files
+
+    calls = {"open_directory": 0, "open_regular_at": 0}
+    for name in calls:
+        real = getattr(files, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name, **kwargs: object) -> object:
+            calls[_name] += 1
+            return _real(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(files, name, counted)
     state = _state(False)
     acp.load(many_packs, state)
     assert all((state["model"][f"t{i}"] == i).all() for i in range(TENSORS))
     packs = len(list((many_packs / ".acp" / "packs").glob("*.zip")))
     assert opened["opens"] >= packs and opened["most"] == 2 and opened["now"] == 0
+    # the packs' directory is opened once; each pack (again) with one openat below it, not a walk from the root
+    assert calls == {"open_directory": 1, "open_regular_at": opened["opens"]}, calls
 
 
 def test_limit_follows_the_process_limit() -> None:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 
 from ..errors import CorruptCheckpointError, StorageError
 
-__all__ = ["open_below", "open_regular", "pread_exact", "read_below"]
+__all__ = ["open_below", "open_directory", "open_regular", "open_regular_at", "pread_exact", "read_below"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -45,6 +46,28 @@ def _check_key(root: str, key: str) -> list[str]:
     return parts
 
 
+def _open_component(fd: int, part: str, last: bool, where: Callable[[], str], full: str) -> int | None:
+    """``part`` opened relative to the directory ``fd`` with ``O_NOFOLLOW`` (a directory on the way, or
+    non-blocking when ``last``); None when absent. ``where()``: its path, ``full``: the whole path (errors)."""
+    flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+    try:
+        return os.open(part, flags, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise StorageError(f"storage read of {full} failed: {e}") from e
+        if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+            raise CorruptCheckpointError(
+                f"{where()} is a symlink; nothing in a checkpoint is read through a link (replace it "
+                "with the file itself, or re-save the checkpoint)"
+            ) from None
+        raise CorruptCheckpointError(
+            f"{where()} is not a directory; the checkpoint is damaged (a checkpoint holds only regular "
+            "files and directories)"
+        ) from None
+
+
 def open_below(root: str, key: str) -> int | None:
     """A descriptor of ``root/key``, opened component by component below ``root`` with ``O_NOFOLLOW``
     (``root`` itself may be a link), so neither the file nor a directory on the way (``.acp``) can be a
@@ -56,33 +79,20 @@ def open_below(root: str, key: str) -> int | None:
         StorageError: any other failure, naming the path.
     """
     parts = _check_key(root, key)
+    full = os.path.join(root, key)
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        raise StorageError(f"storage read of {os.path.join(root, key)} failed: {e}") from e
+        raise StorageError(f"storage read of {full} failed: {e}") from e
     try:
         for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
-            where = os.path.join(root, *parts[: i + 1])
-            try:
-                child = os.open(part, flags, dir_fd=fd)
-            except FileNotFoundError:
+            child = _open_component(
+                fd, part, i == len(parts) - 1, lambda i=i: os.path.join(root, *parts[: i + 1]), full
+            )
+            if child is None:
                 return None
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise StorageError(f"storage read of {os.path.join(root, key)} failed: {e}") from e
-                if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
-                    raise CorruptCheckpointError(
-                        f"{where} is a symlink; nothing in a checkpoint is read through a link (replace it "
-                        "with the file itself, or re-save the checkpoint)"
-                    ) from None
-                raise CorruptCheckpointError(
-                    f"{where} is not a directory; the checkpoint is damaged (a checkpoint holds only regular "
-                    "files and directories)"
-                ) from None
             os.close(fd)
             fd = child
         child, fd = fd, -1
@@ -104,8 +114,44 @@ def open_regular(root: str, key: str, *, limit: int | None = None, what: str = "
     Raises:
         CorruptCheckpointError: a link, a FIFO, socket, device or directory, or a file above ``limit``.
     """
+    return _regular(lambda: open_below(root, key), os.path.join(root, key), limit, what)
+
+
+def open_regular_at(dir_fd: int, name: str, path: str, *, what: str = "") -> tuple[int, int] | None:
+    """:func:`open_regular` of the file ``name`` in the directory open as ``dir_fd`` (``path``: its path, for
+    the errors): one ``openat`` (``O_NOFOLLOW``, non-blocking) and one ``fstat``, not a walk from the root.
+    A reader opening many files of one directory (a load's packs) opens the directory once this way; the
+    directory it reads is the one it opened, whatever is renamed over its path since."""
+    if "/" in name or name in ("", ".", ".."):
+        raise CorruptCheckpointError(f"{what}{path}: {name!r} is not a plain file name")
+    return _regular(lambda: _open_component(dir_fd, name, True, lambda: path, path), path, None, what)
+
+
+def open_directory(root: str, key: str) -> int | None:
+    """A descriptor of the directory ``root/key`` (see :func:`open_below`), None when absent.
+
+    Raises:
+        CorruptCheckpointError: a link on the way, or ``root/key`` is not a directory.
+    """
+    fd = open_below(root, key)
+    if fd is None:
+        return None
+    if not stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"{os.path.join(root, key)} is not a directory; the checkpoint is damaged (a checkpoint holds only "
+            "regular files and directories)"
+        )
+    return fd
+
+
+def _regular(
+    opener: Callable[[], int | None], path: str, limit: int | None, what: str
+) -> tuple[int, int] | None:
+    """``(fd, size)`` of what ``opener()`` opens (None: absent) once it is known to be a regular file of at
+    most ``limit`` bytes (else closed and refused); ``what`` prefixes the errors."""
     try:
-        fd = open_below(root, key)
+        fd = opener()
     except CorruptCheckpointError as e:
         if not what:
             raise
@@ -114,7 +160,6 @@ def open_regular(root: str, key: str, *, limit: int | None = None, what: str = "
         return None
     try:
         st = os.fstat(fd)
-        path = os.path.join(root, key)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(
                 f"{what}{path} is not a regular file (a FIFO, socket, device or directory); a checkpoint holds "

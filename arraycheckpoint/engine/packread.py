@@ -54,7 +54,13 @@ class PackFile:
     or ranged reads (``kvstore``: an object store's key-value store of the pack directory)."""
 
     def __init__(
-        self, root: str, key: str, members: dict[str, Any], kvstore: Any = None, unchecked: Any = None
+        self,
+        root: str,
+        key: str,
+        members: dict[str, Any],
+        kvstore: Any = None,
+        unchecked: Any = None,
+        dir_fd: int | None = None,
     ) -> None:
         self.path = f"{root.rstrip('/')}/{key}"
         self.key = key
@@ -73,9 +79,14 @@ class PackFile:
         if kvstore is None:
             # below the root one component at a time, no link, non-blocking, a regular file: the pack may have
             # been swapped since the load's checks (a FIFO, a directory, a link to ``.acp``)
-            from ..checks.files import open_regular
+            from ..checks.files import open_regular, open_regular_at
 
-            opened = open_regular(root.rstrip("/"), key, what=f"pack {key!r}: ")
+            what = f"pack {key!r}: "
+            opened = (
+                open_regular(root.rstrip("/"), key, what=what)
+                if dir_fd is None  # else ``dir_fd`` is the pack's directory, opened so by the reader
+                else open_regular_at(dir_fd, self._leaf, self.path, what=what)
+            )
             if opened is None:
                 raise InconsistentCheckpointError(f"{self.path} is missing; the checkpoint is damaged")
             self._fd = opened[0]
@@ -289,6 +300,9 @@ class PackedReader:
         #: open packs, least recently used first: at most :data:`MAX_OPEN_PACKS` (a resharded load reads from
         #: the packs of every saving rank: thousands, more than a process may hold descriptors for)
         self._packs: OrderedDict[str, PackFile] = OrderedDict()
+        self._dirs: dict[
+            str, int
+        ] = {}  # open directories of local packs (``.acp/packs``): :meth:`_directory`
         self._max_open = open_packs_allowed()  # packs open at once (least recently used closed first)
         self._members: dict[str, dict[str, Any]] = {}  # pack key -> its members by name (once per pack)
         self._where: dict[str, str] = {}  # member -> pack key (format 6, from the directories)
@@ -327,8 +341,31 @@ class PackedReader:
                 members = self._members[key] = {e.filename: e for e in entries}
             if len(self._packs) >= self._max_open:
                 self._packs.popitem(last=False)[1].close()
-            pack = self._packs[key] = PackFile(self._root, key, members, kv, self._unchecked.get(key))
+            pack = self._packs[key] = PackFile(
+                self._root, key, members, kv, self._unchecked.get(key), self._directory(key)
+            )
         return pack
+
+    def _directory(self, key: str) -> int | None:
+        """The open directory holding the local pack ``key`` (opened once, below the root without a link:
+        a pack opened again costs one ``openat``), or None (object stores; a key without a directory)."""
+        parent = key.rpartition("/")[0]
+        if not self._local or not parent:
+            return None
+        fd = self._dirs.get(parent)
+        if fd is None:
+            from ..checks.files import open_directory
+
+            try:
+                fd = open_directory(self._root.rstrip("/"), parent)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"pack {key!r}: {e}") from None
+            if fd is None:
+                raise InconsistentCheckpointError(
+                    f"{self._root.rstrip('/')}/{key} is missing; the checkpoint is damaged"
+                )
+            self._dirs[parent] = fd
+        return fd
 
     def _pack_of(self, tm: Any, v6: bool, member: str) -> PackFile:
         key = self._where.get(member) if v6 else tm.pack
@@ -417,6 +454,9 @@ class PackedReader:
         for pack in self._packs.values():
             pack.close()
         self._packs.clear()
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
 
 
 #: bytes a local pack is read ahead by, for its small members (:meth:`PackFile._near`; members up to a
