@@ -385,3 +385,15 @@ def test_param_groups_and_plain_state_values_round_trip_exactly(tmp_path):
     assert group["clip"] == float("inf") and group["schedule"] == {"warmup": (10, 0.5)}
     note = opt2.state[m2[0].weight]["note"]
     assert note["seen"] == (1, 2) and np.isnan(note["ratio"])
+
+
+def test_a_namespace_saved_as_tensors_and_loaded_with_a_plain_value_says_why(tmp_path):
+    """A dict holding a plain value among its tensors is stored as one object; saved as tensors and loaded
+    into such a dict (or the reverse), strict refused with 'missing: model / unexpected: model/n, model/w' and
+    no word of why. The error now says which side holds the plain value."""
+    acp.save(tmp_path / "a", {"model": {"w": torch.ones(2), "n": torch.tensor(3)}})
+    with pytest.raises(acp.StateMismatchError, match=r"(?s)unexpected.*hint: model holds a plain"):
+        acp.load(tmp_path / "a", {"model": {"w": torch.zeros(2), "n": 0}})
+    acp.save(tmp_path / "b", {"model": {"w": torch.ones(2), "n": 3}})
+    with pytest.raises(acp.StateMismatchError, match="hint: the checkpoint stores model as one object"):
+        acp.load(tmp_path / "b", {"model": {"w": torch.zeros(2), "n": torch.tensor(0)}})

@@ -114,6 +114,29 @@ def unexpected_names(
     )
 
 
+def _kind_hints(missing: list[str], unexpected: list[str], meta: CheckpointMetadata) -> list[str]:
+    """Why a name is missing while entries below it are unexpected (or the reverse): one side stores that
+    name as one object (a dict holding a plain value among its tensors) and the other as separate tensors."""
+    hints = []
+    for name in missing:
+        below = [u for u in unexpected if u.startswith(name + "/")]
+        if below:
+            hints.append(
+                f"hint: {name} holds a plain (non-tensor) value in the target, so it is loaded as one object, "
+                f"but the checkpoint stores it as tensors ({', '.join(below[:5])}{' ...' if len(below) > 5 else ''}): "
+                "make the target's entries tensors too (strict=False would leave all of it unloaded)"
+            )
+    for name in unexpected:
+        below = [m for m in missing if m.startswith(name + "/")]
+        if below and name in meta.objects:
+            hints.append(
+                f"hint: the checkpoint stores {name} as one object (it held a plain value among its tensors when "
+                f"saved), but the target holds its entries as tensors ({', '.join(below[:5])}"
+                f"{' ...' if len(below) > 5 else ''}): load it into the same kind of values"
+            )
+    return hints
+
+
 def check_expected(meta: CheckpointMetadata, job: LoadJob, options: AdapterOptions) -> dict[str, list[str]]:
     """Compare what the target expects with what is stored.
 
@@ -159,7 +182,7 @@ def check_expected(meta: CheckpointMetadata, job: LoadJob, options: AdapterOptio
         ]
         raise StateMismatchError(
             "checkpoint does not match the load target:\n  "
-            + "\n  ".join(lines)
+            + "\n  ".join(lines + _kind_hints(missing, unexpected, meta))
             + "\n(pass strict=False to load the intersection)"
         )
     report["skipped"] = _skip_dependents(job.expected, bad)
