@@ -53,27 +53,18 @@ def test_dotdot_paths_save_load_and_verify(tmp_path: Path, monkeypatch: pytest.M
     assert (tmp_path / "ckpts" / "ok").is_dir()
     _assert_loaded("../ckpts/ok")
     _assert_loaded("./../work/../ckpts/ok")
-    proc = subprocess.run(
-        [sys.executable, "-m", "arraycheckpoint.cli", "verify", "../ckpts/ok"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=work,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "BAD" not in proc.stdout
-    # the package itself runs the command line too (``python -m arraycheckpoint``: "No module named
-    # arraycheckpoint.__main__" before)
-    proc = subprocess.run(
-        [sys.executable, "-m", "arraycheckpoint", "verify", "../ckpts/ok"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=work,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    assert proc.returncode == 0 and "BAD" not in proc.stdout, proc.stdout + proc.stderr
+    # the command line, as its module and as the package itself (``python -m arraycheckpoint`` was "No module
+    # named arraycheckpoint.__main__")
+    for module in ("arraycheckpoint.cli", "arraycheckpoint"):
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "verify", "../ckpts/ok"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=work,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
+        assert proc.returncode == 0 and "BAD" not in proc.stdout, (module, proc.stdout + proc.stderr)
 
 
 # -- a save pending at interpreter exit -----------------------------------------------------------------------

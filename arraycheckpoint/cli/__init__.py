@@ -295,26 +295,23 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------- parser
 
 
-def _non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (a training step)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; a step is 0 or more")
-    return value
+def _at_least_zero(convert: Callable[[str], Any], kind: str) -> Callable[[str], Any]:
+    """An argparse type: ``convert(text)``, a finite number >= 0 (``kind`` names it in the errors)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind}") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: it must be a finite {kind} >= 0")
+        return value
+
+    return parse
 
 
-def _tolerance(text: str) -> float:
-    """argparse type: a finite number >= 0 (an absolute tolerance)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
-    return value
+_non_negative_int = _at_least_zero(int, "whole number")  # a training step
+_tolerance = _at_least_zero(float, "number")  # an absolute tolerance
 
 
 def build_parser() -> argparse.ArgumentParser:
