@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from arraycheckpoint import storage
 from arraycheckpoint.storage import LocalStorage
@@ -32,6 +33,9 @@ def register_stalling_scheme(scheme: str) -> dict[str, bool]:
             if stall["armed"]:
                 stall["armed"] = False
                 os.kill(os.getpid(), signal.SIGSTOP)
+                # the stop may take effect a moment after kill() returns: this thread must not go on into the
+                # commit meanwhile (its status would reach rank 0, which then rightly commits)
+                time.sleep(1.0)
 
     storage.register_scheme(scheme, StallingLocal)
     return stall

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..codecs import CODEC_PRESET, zarr_dtype_name
-from ..errors import ArrayCheckpointError, SaveFailedError
+from ..errors import ArrayCheckpointError, SaveFailedError, StalledRankError
 from ..format.hierarchy import hierarchy_documents
 from ..format.metadata import (
     METRICS_FILE,
@@ -142,38 +142,43 @@ class Coordinator:
         return cached
 
     def commit(self, job: SaveJob) -> CheckpointMetadata | None:
-        """Gather statuses; the coordinator writes metadata and commits; the outcome reaches every rank."""
+        """Gather statuses; the coordinator writes metadata and commits; the outcome reaches every rank.
+
+        Two collectives when the save succeeds: one gather of each rank's verdict, executed plan id and
+        status (:meth:`Communicator.gather_with_values`), and one broadcast of the outcome: its length alone
+        (0) when the checkpoint was committed, the error text otherwise."""
         comm = job.comm
-        # fixed size for everyone: did every rank succeed, and did all execute the same plan?
+        # did every rank succeed, and did all execute the same plan? (fixed size, beside each status)
         pid = job.cached.plan_hash if job.cached else -1
-        ok, pmin, pmax_neg = comm.all_reduce_min([int(job.error is None), pid, -pid])
         payload = status_payload(job.request, job.error, job.recorder.to_json(), comm.rank, comm.world_size)
-        raw = comm.gather_bytes(payload, dst=0)
-        outcome: dict[str, Any] = {"error": None}
+        try:
+            gathered = comm.gather_with_values([int(job.error is None), pid], payload, dst=0)
+        except StalledRankError as e:  # rank 0 commits only with every rank's status in hand
+            raise StalledRankError(f"{e}; {_not_committed(job) if comm.rank == 0 else _unknown(job)}") from e
+        error = ""
         meta = None
         if comm.rank == 0:
-            assert raw is not None
+            assert gathered is not None
+            rows, raw = gathered
             statuses = [json.loads(b) if b else {} for b in raw]
             errors = [s["error"] for s in statuses if s.get("error")]
-            if not errors and not ok:
+            if not errors and not rows[:, 0].all():
                 errors = ["a rank failed without saying why"]
-            if not errors and pmin != -pmax_neg:
+            if not errors and rows[:, 1].min() != rows[:, 1].max():
                 errors = [
                     "ranks executed different save plans: the state structure changed on some ranks but not "
                     "others between saves"
                 ]
             if errors:
-                outcome["error"] = "; ".join(
-                    dict.fromkeys(str(e) for e in errors)
-                )  # one line per distinct error
+                error = "; ".join(dict.fromkeys(str(e) for e in errors))  # one line per distinct error
             else:
                 try:
                     with job.recorder.phase("commit"):
                         meta = self._write_metadata(job, statuses)
                         job.storage.commit(job.staging, job.final, job.options.overwrite)
                 except Exception as e:  # noqa: BLE001
-                    outcome["error"] = describe(e, 0)
-            if outcome["error"]:
+                    error = describe(e, 0)
+            if error:
                 _cleanup("abort", lambda: job.storage.abort(job.staging, job.final), job.final)
             else:
                 # the metadata was written inside the commit phase, so the complete record (commit included)
@@ -183,9 +188,21 @@ class Coordinator:
                 write_sidecar(job.storage, job.final, METRICS_FILE, {"save": save})
             # a failed release must not skip the broadcast: every rank waits for the outcome
             _cleanup("release", lambda: job.storage.release(job.final, job.token), job.final)
-        outcome = comm.broadcast_json(outcome, src=0)
-        if outcome["error"]:
-            raise SaveFailedError(f"save to {job.final} failed and was not committed: {outcome['error']}")
+        try:
+            outcome = comm.broadcast_bytes(error.encode() if comm.rank == 0 else None, src=0)
+        except StalledRankError as e:
+            if comm.rank != 0:
+                raise StalledRankError(f"{e}; {_unknown(job)}") from e
+            if error:
+                raise StalledRankError(f"{e}; {_not_committed(job)}: {error}") from e
+            raise StalledRankError(
+                f"save to {job.final} was committed (every rank had written its part and reported success), "
+                f"but its outcome did not reach every rank: {e}"
+            ) from e
+        if outcome:
+            raise SaveFailedError(
+                f"save to {job.final} failed and was not committed: {outcome.decode(errors='replace')}"
+            )
         return meta
 
     def _write_metadata(self, job: SaveJob, statuses: list[dict[str, Any]]) -> CheckpointMetadata:
@@ -195,6 +212,18 @@ class Coordinator:
         shardfile.write_documents(job.storage, job.staging, hierarchy_documents(meta))
         job.storage.flush(job.staging)
         return meta
+
+
+def _not_committed(job: SaveJob) -> str:
+    return f"save to {job.final} was not committed"
+
+
+def _unknown(job: SaveJob) -> str:
+    """A rank other than the coordinator that lost the commit's collectives cannot know the outcome."""
+    return (
+        f"this rank did not learn whether rank 0 committed the save to {job.final} (it commits once every "
+        "rank reported success): it was committed only if it loads"
+    )
 
 
 def _cleanup(what: str, fn: Any, final: str) -> None:

@@ -70,6 +70,20 @@ class Communicator(ABC):
         got = self.all_to_all_bytes(send, recv)
         return [g.tobytes() for g in got] if self.rank == dst else None
 
+    def gather_with_values(
+        self, values: Sequence[int], data: bytes, dst: int = 0
+    ) -> tuple[np.ndarray, list[bytes]] | None:
+        """Every rank's few int64 ``values`` (the same count on every rank) and its ``data`` on ``dst``: a
+        (world size, len(values)) array and the payloads in rank order; None on the other ranks. One
+        gather where the payloads are small (:meth:`TorchCommunicator.gather_with_values`); here the
+        values ride in front of each payload."""
+        k = len(values)
+        raw = self.gather_bytes(np.asarray(values, dtype=np.int64).tobytes() + data, dst)
+        if raw is None:
+            return None
+        rows = np.stack([np.frombuffer(b[: 8 * k], dtype=np.int64) for b in raw]).reshape(len(raw), k)
+        return rows, [b[8 * k :] for b in raw]
+
     def gather_sizes(self, size: int, dst: int = 0) -> list[int] | None:
         """Every rank's ``size`` on ``dst`` (a fixed-size gather; 8 bytes per rank arrive at ``dst``)."""
         out = self.all_gather_bytes(int(size).to_bytes(8, "little"))
@@ -347,6 +361,51 @@ class TorchCommunicator(Communicator):
         )
         return [int(v) for v in t.tolist()]
 
+    def gather_with_values(
+        self, values: Sequence[int], data: bytes, dst: int = 0
+    ) -> tuple[np.ndarray, list[bytes]] | None:
+        """See :meth:`Communicator.gather_with_values`: one ``gather`` of a fixed-size record per rank (the
+        values, the payload's length and, in worlds of up to :data:`INLINE_WORLD` ranks, its first
+        :data:`INLINE_BYTES` bytes), then point-to-point messages from the ranks whose payload did not fit
+        (none in a save's commit at most sizes: a status is a few KB). ``dst`` receives at most
+        world size x (8 x (len(values) + 1) + :data:`INLINE_BYTES`) bytes in the gather; the others nothing."""
+        torch, dist = self._torch, self._dist
+        k = len(values)
+        inline = INLINE_BYTES if self._world <= INLINE_WORLD else 0  # the same on every rank
+        record = np.zeros(8 * (k + 1) + inline, dtype=np.uint8)
+        record[: 8 * (k + 1)] = np.frombuffer(
+            np.asarray([*values, len(data)], dtype=np.int64).tobytes(), dtype=np.uint8
+        )
+        head = data[:inline] if len(data) <= inline else b""
+        record[8 * (k + 1) : 8 * (k + 1) + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        t = torch.from_numpy(record)
+        out = [torch.empty_like(t) for _ in range(self._world)] if self._rank == dst else None
+        self._call(
+            lambda: dist.gather(t, out, group=self._group, group_dst=dst, async_op=True),
+            "the checkpoint status gather",
+        )
+        recs = np.stack([o.numpy() for o in out]) if out is not None else None
+        rows = recs[:, : 8 * (k + 1)].copy().view(np.int64) if recs is not None else None
+        # the payloads longer than the inline room travel point to point (both sides know which)
+        send = [np.empty(0, np.uint8)] * self._world
+        if self._rank != dst and len(data) > inline:
+            send[dst] = np.frombuffer(bytearray(data), dtype=np.uint8)
+        recv = [0] * self._world
+        if rows is not None:
+            recv = [int(n) if r != dst and n > inline else 0 for r, n in enumerate(rows[:, k])]
+        big = self.all_to_all_bytes(send, recv)
+        if rows is None or recs is None:
+            return None
+        payloads = []
+        for r, n in enumerate(rows[:, k].tolist()):
+            if r == dst:
+                payloads.append(bytes(data))
+            elif n > inline:
+                payloads.append(big[r].tobytes())
+            else:
+                payloads.append(recs[r, 8 * (k + 1) : 8 * (k + 1) + n].tobytes())
+        return rows[:, :k], payloads
+
     def gather_sizes(self, size: int, dst: int = 0) -> list[int] | None:
         torch, dist = self._torch, self._dist
         t = torch.tensor([int(size)], dtype=torch.int64)
@@ -450,6 +509,11 @@ def _end_abandoned() -> None:
     for a in pending:
         a.join(max(0.0, deadline - time.monotonic()))
 
+
+#: :meth:`TorchCommunicator.gather_with_values` carries payloads of up to INLINE_BYTES in its one gather in
+#: worlds of up to INLINE_WORLD ranks (the coordinator receives at most 1 MiB of padding); beyond, the
+#: sampled ranks' statuses travel point to point after the fixed-size records
+INLINE_BYTES, INLINE_WORLD = 16 << 10, 64
 
 _TORCH_COMMS: dict[int, TorchCommunicator] = {}
 

@@ -203,7 +203,7 @@ class Liveness:
             verdict = (
                 f"{names} stalled during {what}: alive but not progressing, or gone; the liveness timeout is "
                 f"{self.timeout:g} s (timeout= of save/load, or ACP_LIVENESS_TIMEOUT). Check that rank's host and "
-                "logs; the checkpoint was not committed"
+                "logs"
             )
         elif absent:
             names = ", ".join(f"rank {r} ({calls} calls, {age:.0f} s)" for r, calls, age in absent[:8])
@@ -212,7 +212,7 @@ class Liveness:
                 f"{names}{more} alive but never entered this checkpoint call ({what}; this rank's call "
                 f"{self.calls}): every rank must call acp.save/save_async/load at the same point, e.g. not only "
                 f"under `if rank == 0:` as with torch.save; the liveness timeout is {self.timeout:g} s (timeout= "
-                "of save/load, or ACP_LIVENESS_TIMEOUT); the checkpoint was not committed"
+                "of save/load, or ACP_LIVENESS_TIMEOUT)"
             )
         if stalled or absent:
             if publish:
