@@ -14,7 +14,11 @@ plan, commit statuses and outcome), payload bytes only.
 Layouts (transformer-like tensors: qkv, out, fc1, fc2 in bf16 with two fp32 optimizer states each, norms):
 ``fsdp2`` every tensor Shard(0) over all ranks (DTensor rule); ``ddp`` every tensor replicated;
 ``megatron`` TP=8 x PP=16 x DP (ranks rounded down to a multiple of 128), column/row parallel splits, every
-DP replica of a (TP, PP) position declares its regions, as the megatron adapter does;
+rank declaring mesh rules on megatron's process grids, as the megatron adapter does (``planning.grids``);
+``megatron-boxes`` the same layout declared as boxes (the adapter before grids: one declaration per (TP, PP)
+position, every DP replica declaring its regions); ``moe`` / ``moe-boxes`` a mixture-of-experts model
+(:func:`moe_tensors`: 256 experts, each local expert its own box) on TP=8 x PP=16 x DP with expert
+parallelism EP (:func:`moe_world`), as rules on the grids / as boxes;
 ``fsdp1`` one FSDP1 flat parameter per layer over all ranks (bf16 alignment padding between parameters,
 world-size padding at the end): parameters and Adam states as range rules, a state declared only by the
 ranks whose range touches its parameter (as torch's optimizer holds it), so ranks differ by which states
@@ -209,12 +213,16 @@ def moe_grids(rank: int, world: int, ep: int) -> list:
     return [g for g in (Grid.from_groups(rank, world, dense), Grid.from_groups(rank, world, expert)) if g]
 
 
-def moe_groups(ranks: int, tensors, rules: bool) -> tuple[list[tuple[Decl, list[int]]], int]:
+def moe_groups(
+    ranks: int, tensors, rules: bool, dense: bool = False
+) -> tuple[list[tuple[Decl, list[int]]], int]:
     """MoE over TP=8 x PP=16 x DP with EP (:func:`moe_world`). ``rules=False``: boxes, as the megatron adapter
     declared them before grids (one declaration per (PP, TP, EP) position); ``rules=True``: the adapter's
     mesh rules on megatron's grids (``planning.grids``), declared by ``declare()`` for one rank per stage,
     and a sample of other ranks checked to produce the same digest."""
     world, ep = moe_world(ranks)
+    if dense:  # no experts: TP=8 x PP=16 x DP, ranks rounded down to a multiple of 128
+        world, ep = max(1, ranks // (MOE_TP * MOE_PP)) * MOE_TP * MOE_PP, MOE_TP
     stage = world // MOE_PP
     stage_of = {n: (k * MOE_PP) // len(tensors) for k, (n, *_r) in enumerate(tensors)}
     if not rules:
@@ -266,6 +274,8 @@ def groups_for(layout: str, ranks: int, tensors) -> tuple[list[tuple[Decl, list[
     """The distinct declarations of ``layout`` and which ranks made each; returns (groups, world)."""
     if layout in ("moe", "moe-boxes"):
         return moe_groups(ranks, tensors, rules=layout == "moe")
+    if layout == "megatron":  # as the adapter declares now: mesh rules on megatron's grids
+        return moe_groups(ranks, tensors, rules=True, dense=True)
     if layout == "ddp":
         decl = Decl((), tuple(TensorRule(n, s, d, i, ("replica",)) for n, s, d, i, _ in tensors))
         return [(decl, list(range(ranks)))], ranks
@@ -732,7 +742,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=512)
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument(
-        "--layout", choices=["fsdp2", "megatron", "ddp", "fsdp1", "jax", "moe", "moe-boxes"], default="fsdp2"
+        "--layout",
+        choices=["fsdp2", "megatron", "megatron-boxes", "ddp", "fsdp1", "jax", "moe", "moe-boxes"],
+        default="fsdp2",
     )
     ap.add_argument("--min-chunk-mib", type=float, default=16.0, help="PlanOptions.min_chunk_bytes in MiB")
     ap.add_argument("--ranks-per-host", type=int, default=8, help="hosts are blocks of this many ranks")

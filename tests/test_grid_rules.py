@@ -161,3 +161,22 @@ def test_grid_refuses_groups_that_do_not_tile_the_world() -> None:
     assert Grid.from_groups(0, 4, {"tp": [0, 2, 1]}) is None
     assert Grid.from_groups(0, 4, {"tp": [1, 2]}) is None  # the rank is not in its own group
     assert Grid.from_groups(0, 6, {"tp": [0, 1], "dp": [0, 2]}) is None  # 4 positions for 6 ranks
+
+
+def test_meshes_a_reader_would_refuse_are_never_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers accept MAX_MESH_RANKS mesh positions over all layout groups: the planner refuses more before
+    anything is written, and a rank's grid rules keep to a budget (boxes past it)."""
+    from arraycheckpoint.errors import PlanError
+    from arraycheckpoint.planning import grids, groupplan
+
+    world = 64
+    decl = _declaration(0, world, True)
+    positions = sum(len(m.ranks) for m in decl.meshes)
+    monkeypatch.setattr(groupplan, "MAX_MESH_RANKS", positions - 1)
+    with pytest.raises(PlanError, match="rank positions in all"):
+        build_compact_plan([(decl, tuple(range(world)))], world, OPTIONS)
+    monkeypatch.setattr(
+        grids, "MESH_POSITIONS_BUDGET", world * 2
+    )  # room for the dense mesh, not the experts'
+    kinds = {t.name: t.rule[0] for t in _declaration(0, world, True).tensors}
+    assert kinds["model/qkv"] == "mesh" and kinds["model/fc1"] == "boxes", kinds

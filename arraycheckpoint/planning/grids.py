@@ -34,7 +34,9 @@ from .rules import MAX_MESH_RANKS, Mesh
 PREFERENCE = ("tp", "etp", "cp", "pp", "ep", "dp", "edp")
 PREFER_LEADING = ("pp", "ep", "tp", "etp", "cp", "dp", "edp")  # prepended (stacked layer, expert) axes
 DATA_PARALLEL = ("dp", "edp")
-MAX_REPEAT_POSITIONS = 1 << 22  # a rule's mesh (positions, repeats included): rules.MAX_MESH_RANKS
+# positions of all distinct meshes one rank's rules use (repeats included): a reader accepts MAX_MESH_RANKS
+# over every layout group of a checkpoint, so one declaration keeps to a quarter; past it, boxes
+MESH_POSITIONS_BUDGET = MAX_MESH_RANKS // 4
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ class GridRules:
     def __init__(self, grids: Sequence[Grid]) -> None:
         self.grids = tuple(grids)
         self._meshes: dict[tuple[Any, ...], Mesh] = {}
+        self._positions = 0  # of the meshes made (MESH_POSITIONS_BUDGET)
 
     def rule(
         self, shape: Sequence[int], boxes: Sequence[Box], leading: int = 0
@@ -192,11 +195,12 @@ class GridRules:
                 sizes.append(grid.sizes[g])
                 strides.append(grid.strides[g])
                 placements.append(-1)
-        if math.prod(sizes) > MAX_REPEAT_POSITIONS:
-            return None
         key = (tuple(sizes), tuple(strides), grid.base)
         mesh = self._meshes.get(key)
         if mesh is None:
+            if self._positions + math.prod(sizes) > MESH_POSITIONS_BUDGET:
+                return None
+            self._positions += math.prod(sizes)
             ranks = grid_ranks(sizes, strides, grid.base)
             mesh = self._meshes[key] = Mesh(tuple(sizes), tuple(ranks.tolist()))
         return ("mesh", mesh, tuple(placements))
