@@ -164,11 +164,14 @@ def moe_tensors(count: int) -> list[tuple[str, tuple[int, ...], str, int, str]]:
     return out[:count]
 
 
+MOE_EP: int | None = None  # --ep: expert parallelism instead of moe_world's choice
+
+
 def moe_world(ranks: int) -> tuple[int, int]:
-    """(world, EP) of the MoE layout: TP=8 x PP=16 x DP, experts over EP = the largest of 64, 32, 16, 8
-    dividing a stage's ranks (expert TP 1), ranks rounded down to a multiple of PP x max(TP, EP)."""
+    """(world, EP) of the MoE layout: TP=8 x PP=16 x DP, experts over EP (``--ep``, else the largest of 64,
+    32, 16, 8 up to a stage's ranks; expert TP 1), ranks rounded down to a multiple of PP x max(TP, EP)."""
     stage = max(MOE_TP, ranks // MOE_PP)
-    ep = next((e for e in (64, 32, 16, 8) if stage >= e), MOE_TP)
+    ep = MOE_EP or next((e for e in (64, 32, 16, 8) if stage >= e), MOE_TP)
     stage -= stage % max(MOE_TP, ep)
     return stage * MOE_PP, ep
 
@@ -766,8 +769,11 @@ def main() -> None:
     ap.add_argument(
         "--write-balance", type=float, default=None, help="PlanOptions.write_balance (default: the library's)"
     )
+    ap.add_argument("--ep", type=int, default=None, help="moe layouts: expert parallelism (divides 256)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    global MOE_EP
+    MOE_EP = a.ep
     opts = PlanOptions(
         min_chunk_bytes=int(a.min_chunk_mib * (1 << 20)), max_chunk_bytes=int(a.max_chunk_mib * (1 << 20))
     )
