@@ -287,6 +287,8 @@ def test_expert_parallel_layout_saves_as_rules_and_loads_under_another(tmp_path:
         )
 
     assert all(run_ranks(8, load))
+    report = verify(ruled)
+    assert report.ok and report.tensors == 4, report.problems[:3]
     state, _grids = _moe_layout(0, 1, tp=1, pp=1, ep=1)
     for st in state.values():
         st.data.fill_(-1)
