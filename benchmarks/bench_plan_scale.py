@@ -14,7 +14,11 @@ plan, commit statuses and outcome), payload bytes only.
 Layouts (transformer-like tensors: qkv, out, fc1, fc2 in bf16 with two fp32 optimizer states each, norms):
 ``fsdp2`` every tensor Shard(0) over all ranks (DTensor rule); ``ddp`` every tensor replicated;
 ``megatron`` TP=8 x PP=16 x DP (ranks rounded down to a multiple of 128), column/row parallel splits, every
-DP replica of a (TP, PP) position declares its regions, as the megatron adapter does;
+rank declaring mesh rules on megatron's process grids, as the megatron adapter does (``planning.grids``);
+``megatron-boxes`` the same layout declared as boxes (the adapter before grids: one declaration per (TP, PP)
+position, every DP replica declaring its regions); ``moe`` / ``moe-boxes`` a mixture-of-experts model
+(:func:`moe_tensors`: 256 experts, each local expert its own box) on TP=8 x PP=16 x DP with expert
+parallelism EP (:func:`moe_world`), as rules on the grids / as boxes;
 ``fsdp1`` one FSDP1 flat parameter per layer over all ranks (bf16 alignment padding between parameters,
 world-size padding at the end): parameters and Adam states as range rules, a state declared only by the
 ranks whose range touches its parameter (as torch's optimizer holds it), so ranks differ by which states
@@ -133,8 +137,148 @@ def model_tensors(count: int) -> list[tuple[str, tuple[int, ...], str, int, str]
     return out[:count]
 
 
+EXPERTS, FFN_E = 256, 2048  # mixture of experts (DeepSeek-V3-like counts, hidden size H)
+MOE_TP, MOE_PP = 8, 16
+
+
+def moe_tensors(count: int) -> list[tuple[str, tuple[int, ...], str, int, str]]:
+    """Like :func:`model_tensors` for a mixture-of-experts transformer: per layer qkv, out, norm, the router
+    (replicated) and the experts' fc1 (gated: ``2 * FFN_E`` rows) and fc2, the expert index first."""
+    kinds = [
+        ("qkv", (HEADS_KV, H), "col"),
+        ("out", (H, H), "row"),
+        ("norm", (H,), "rep"),
+        ("router", (EXPERTS, H), "rep"),
+        ("experts.fc1", (EXPERTS, 2 * FFN_E, H), "efc1"),
+        ("experts.fc2", (EXPERTS, H, FFN_E), "efc2"),
+    ]
+    out = []
+    layer = 0
+    while len(out) < count:
+        for kind, shape, split in kinds:
+            base = f"layers.{layer}.{kind}"
+            out.append((f"model/{base}", shape, "bfloat16", 2, split))
+            out.append((f"optimizer/{base}/exp_avg", shape, "float32", 4, split))
+            out.append((f"optimizer/{base}/exp_avg_sq", shape, "float32", 4, split))
+        layer += 1
+    return out[:count]
+
+
+MOE_EP: int | None = None  # --ep: expert parallelism instead of moe_world's choice
+
+
+def moe_world(ranks: int) -> tuple[int, int]:
+    """(world, EP) of the MoE layout: TP=8 x PP=16 x DP, experts over EP (``--ep``, else the largest of 64,
+    32, 16, 8 up to a stage's ranks; expert TP 1), ranks rounded down to a multiple of PP x max(TP, EP)."""
+    stage = max(MOE_TP, ranks // MOE_PP)
+    ep = MOE_EP or next((e for e in (64, 32, 16, 8) if stage >= e), MOE_TP)
+    stage -= stage % max(MOE_TP, ep)
+    return stage * MOE_PP, ep
+
+
+def moe_boxes(rank: int, world: int, ep: int, s: tuple[int, ...], split: str) -> list[Box]:
+    """The boxes megatron gives ``rank`` of a tensor: dense rank generator (tp-cp-dp-pp: tp = rank % TP),
+    expert one (etp-ep-edp-pp with expert TP 1: ep = rank in stage % EP); each local expert is its own
+    ShardedTensor (box), as megatron's SequentialMLP declares them."""
+    stage = world // MOE_PP
+    t, e = rank % MOE_TP, (rank % stage) % ep
+    if split == "rep":
+        return [Box.full(s)]
+    if split in ("col", "row"):
+        dim = 0 if split == "col" else 1
+        off, length = chunk_bounds(s[dim], MOE_TP)[t]
+        offs, lens = [0, 0], list(s)
+        offs[dim], lens[dim] = off, length
+        return [Box(tuple(offs), tuple(lens))]
+    local = EXPERTS // ep
+    return [Box((x,) + (0,) * (len(s) - 1), (1, *s[1:])) for x in range(e * local, (e + 1) * local)]
+
+
+def moe_grids(rank: int, world: int, ep: int) -> list:
+    """The dense and expert grids of ``rank`` as :func:`megatron_grid.process_grids` rebuilds them from
+    megatron's process groups (here from the same rank generators as :func:`moe_boxes`)."""
+    from arraycheckpoint.planning.grids import Grid
+
+    stage = world // MOE_PP
+    p, q = divmod(rank, stage)
+    t, d = q % MOE_TP, q // MOE_TP
+    e, ed = q % ep, q // ep
+    dense = {
+        "tp": [p * stage + d * MOE_TP + i for i in range(MOE_TP)],
+        "dp": [p * stage + i * MOE_TP + t for i in range(stage // MOE_TP)],
+        "pp": [i * stage + q for i in range(MOE_PP)],
+    }
+    expert = {
+        "ep": [p * stage + ed * ep + i for i in range(ep)],
+        "edp": [p * stage + i * ep + e for i in range(stage // ep)],
+        "pp": dense["pp"],
+    }
+    return [g for g in (Grid.from_groups(rank, world, dense), Grid.from_groups(rank, world, expert)) if g]
+
+
+def moe_groups(
+    ranks: int, tensors, rules: bool, dense: bool = False
+) -> tuple[list[tuple[Decl, list[int]]], int]:
+    """MoE over TP=8 x PP=16 x DP with EP (:func:`moe_world`). ``rules=False``: boxes, as the megatron adapter
+    declared them before grids (one declaration per (PP, TP, EP) position); ``rules=True``: the adapter's
+    mesh rules on megatron's grids (``planning.grids``), declared by ``declare()`` for one rank per stage,
+    and a sample of other ranks checked to produce the same digest."""
+    world, ep = moe_world(ranks)
+    if dense:  # no experts: TP=8 x PP=16 x DP, ranks rounded down to a multiple of 128
+        world, ep = max(1, ranks // (MOE_TP * MOE_PP)) * MOE_TP * MOE_PP, MOE_TP
+    stage = world // MOE_PP
+    stage_of = {n: (k * MOE_PP) // len(tensors) for k, (n, *_r) in enumerate(tensors)}
+    if not rules:
+        groups: dict[tuple[int, ...], tuple[Decl, list[int]]] = {}
+        for r in range(world):
+            key = (r // stage, r % MOE_TP, (r % stage) % ep)
+            if key not in groups:
+                own = [
+                    TensorRule(
+                        n,
+                        s,
+                        d,
+                        i,
+                        ("replica",)
+                        if split == "rep"
+                        else ("boxes", tuple(moe_boxes(r, world, ep, s, split))),
+                    )
+                    for n, s, d, i, split in tensors
+                    if stage_of[n] == r // stage
+                ]
+                groups[key] = (Decl((), tuple(own)), [])
+            groups[key][1].append(r)
+        return list(groups.values()), world
+    from arraycheckpoint.planning.grids import GridRules
+
+    def build(rank: int) -> Decl:
+        finder = GridRules(moe_grids(rank, world, ep))
+        items = []
+        for n, s, d, _i, split in tensors:
+            if stage_of[n] != rank // stage:
+                continue
+            boxes = moe_boxes(rank, world, ep, s, split)
+            dt = np.dtype("float32") if d == "float32" else _BF16
+            items.append(SaveTensor(n, s, dt, [SaveShard(b, None) for b in boxes], finder.rule(s, boxes)))
+        return declare(items, rank)
+
+    out = []
+    rng = random.Random(3)
+    for p in range(MOE_PP):
+        members = list(range(p * stage, (p + 1) * stage))
+        decl = build(members[0])
+        for r in rng.sample(members[1:], min(3, len(members) - 1)):
+            _same_digest(decl, r, build)
+        out.append((decl, members))
+    return out, world
+
+
 def groups_for(layout: str, ranks: int, tensors) -> tuple[list[tuple[Decl, list[int]]], int]:
     """The distinct declarations of ``layout`` and which ranks made each; returns (groups, world)."""
+    if layout in ("moe", "moe-boxes"):
+        return moe_groups(ranks, tensors, rules=layout == "moe")
+    if layout == "megatron":  # as the adapter declares now: mesh rules on megatron's grids
+        return moe_groups(ranks, tensors, rules=True, dense=True)
     if layout == "ddp":
         decl = Decl((), tuple(TensorRule(n, s, d, i, ("replica",)) for n, s, d, i, _ in tensors))
         return [(decl, list(range(ranks)))], ranks
@@ -397,7 +541,7 @@ def run(
     perrank: str = "none",
     dataloader: str = "none",
 ) -> dict:
-    tensors = model_tensors(count)
+    tensors = moe_tensors(count) if layout.startswith("moe") else model_tensors(count)
     groups, world = groups_for(layout, ranks, tensors)
     rank0_tensors: list = []
     rank0_objects: list = []
@@ -600,7 +744,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=512)
     ap.add_argument("--tensors", type=int, default=1000)
-    ap.add_argument("--layout", choices=["fsdp2", "megatron", "ddp", "fsdp1", "jax"], default="fsdp2")
+    ap.add_argument(
+        "--layout",
+        choices=["fsdp2", "megatron", "megatron-boxes", "ddp", "fsdp1", "jax", "moe", "moe-boxes"],
+        default="fsdp2",
+    )
     ap.add_argument("--min-chunk-mib", type=float, default=16.0, help="PlanOptions.min_chunk_bytes in MiB")
     ap.add_argument("--ranks-per-host", type=int, default=8, help="hosts are blocks of this many ranks")
     ap.add_argument("--max-chunk-mib", type=float, default=64.0, help="PlanOptions.max_chunk_bytes in MiB")
@@ -621,8 +769,11 @@ def main() -> None:
     ap.add_argument(
         "--write-balance", type=float, default=None, help="PlanOptions.write_balance (default: the library's)"
     )
+    ap.add_argument("--ep", type=int, default=None, help="moe layouts: expert parallelism (divides 256)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    global MOE_EP
+    MOE_EP = a.ep
     opts = PlanOptions(
         min_chunk_bytes=int(a.min_chunk_mib * (1 << 20)), max_chunk_bytes=int(a.max_chunk_mib * (1 << 20))
     )

@@ -46,7 +46,7 @@ from .plan import (
     check_loadable,
 )
 from .regions import Box
-from .rules import Mesh, check_rule, mesh_regions, range_regions, rule_visits
+from .rules import MAX_MESH_RANKS, Mesh, check_rule, mesh_regions, range_regions, rule_visits
 
 
 @dataclass(frozen=True)
@@ -342,6 +342,12 @@ def build_compact_plan(
     """
     options = options or PlanOptions()
     groups = tuple((d, tuple(sorted(r))) for d, r in groups)
+    positions = sum(len(m.ranks) for d, _r in groups for m in d.meshes)
+    if positions > MAX_MESH_RANKS:  # readers refuse such metadata (format.metadata): never commit it
+        raise PlanError(
+            f"the layouts' meshes name {positions} rank positions in all, above the {MAX_MESH_RANKS} a reader "
+            "accepts; declare fewer distinct meshes (or boxes)"
+        )
     contribs: dict[str, list[tuple[Decl, tuple[int, ...], TensorRule]]] = defaultdict(list)
     first: dict[str, TensorRule] = {}
     for decl, ranks in groups:

@@ -200,3 +200,33 @@ def save_tp2(rank: int, world: int, path: str) -> tuple:
     fill_model(model)
     acp.save(path, {"model": model, "optimizer": opt, "extra_state": {"iteration": 7}}, framework="megatron")
     return local_shards(model), optimizer_shards(model, opt), optimizer_steps(opt)
+
+
+def build_moe(tp: int, ep: int, seed: int, num_layers: int = 2, experts: int = 4) -> Any:
+    """A small megatron-core mixture-of-experts GPTModel (SequentialMLP experts, SwiGLU, no biases) for this
+    rank's TP/EP position (PP 1; the rest of the world is data-parallel)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        num_moe_experts=experts,
+        moe_router_topk=2,
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        pipeline_dtype=torch.float32,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True, post_process=True)

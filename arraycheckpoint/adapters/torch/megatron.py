@@ -16,6 +16,8 @@ whose leaves are
 Every replica of a region is declared on save; the planner writes each region once, choosing its writer among
 all replicas by worst fit (so writes spread over the data-parallel ranks), and once the plan is cached the
 snapshot copies only what this rank writes or sends. On load every rank asks for all of its regions.
+Where megatron's process grids are known (:mod:`.megatron_grid`: its ``parallel_state``), each tensor's boxes
+are declared as a mesh rule on a grid, so TP/PP/DP/EP ranks declare alike and nothing is gathered to plan.
 
 Names in the checkpoint: ``<ns>/<ShardedTensor.key>`` (``model/decoder.layers.mlp.linear_fc2.weight``, with
 the stacked layer axis first), ``<ns>/<key>/shard_<offset>_<shape>`` for sharded objects, and

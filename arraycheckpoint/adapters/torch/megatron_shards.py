@@ -17,6 +17,7 @@ from ...format.metadata import CheckpointMetadata
 from ...planning.items import LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
 from ...planning.regions import Box, flat_range_to_boxes, intersect
 from ..base import AdapterOptions, Expected
+from .megatron_grid import grid_rules
 from .tensors import TorchSource, as_torch, load_shard, numpy_dtype
 
 Path = tuple[Any, ...]
@@ -202,6 +203,7 @@ class SaveBuilder:
         self.tensors: dict[str, SaveTensor] = {}
         self.objects: list[SaveObject] = []
         self.stacked: dict[str, dict[str, int]] = {}  # ns -> {name: prepended (stacked-layer) axes}
+        self.leading: dict[str, int] = {}  # name -> prepended axes (their splits prefer pipeline / experts)
 
     def tensor(
         self,
@@ -232,6 +234,7 @@ class SaveBuilder:
         shape = tuple(int(s) for s in st.global_shape)
         pieces = sharded_tensor_pieces(st)
         main = is_main_replica(st.replica_id)
+        self.leading[name] = int(st.prepend_axis_num)
         self.tensor(name, shape, st.data.dtype, pieces, main)
         if (
             st.prepend_axis_num
@@ -241,7 +244,17 @@ class SaveBuilder:
             self.stacked.setdefault(name.split("/", 1)[0], {})[name] = int(st.prepend_axis_num)
 
     def finish(self) -> tuple[list[SaveTensor], list[SaveObject]]:
-        """The collected items, plus one ``<ns>/~stacked`` object per namespace (used to unstack layers)."""
+        """The collected items, plus one ``<ns>/~stacked`` object per namespace (used to unstack layers).
+
+        On megatron's process grids (:mod:`.megatron_grid`) each tensor's boxes become a mesh rule where they
+        are one (the engine checks it against the boxes), so TP/PP/DP/EP ranks declare alike."""
+        rules = grid_rules()
+        if rules is not None:
+            for item in self.tensors.values():
+                if item.rule is None and item.shards:
+                    item.rule = rules.rule(
+                        item.shape, [s.box for s in item.shards], self.leading.get(item.name, 0)
+                    )
         stacked = [
             SaveObject(f"{ns}/{STACKED}", dict(sorted(v.items())), scope="rank")
             for ns, v in self.stacked.items()

@@ -1,0 +1,236 @@
+"""Mesh rules for layouts declared as boxes on a regular process grid (megatron-core TP/PP/DP/EP).
+
+megatron-core gives each rank its part of a tensor as boxes (``ShardedTensor`` global offsets), never as a
+rule: with pipeline, tensor and expert parallelism every (TP, PP, EP) position declares different boxes, and
+at 10,000 ranks a mixture-of-experts model has thousands of distinct declarations. Yet the ranks sit on a
+regular grid (megatron's ``RankGenerator``: ``rank = base + sum(coord[i] * stride[i])``) and each box is a
+cell of a regular split of the tensor whose index is one grid coordinate. :func:`grid_rule` recognises that
+and states the boxes as a ``["mesh", m, placements]`` rule (:mod:`arraycheckpoint.planning.rules`), the same
+on every rank of the grid, so the declarations of all ranks agree (one group: each rank plans alone) and the
+metadata stores a few affine meshes instead of one box per rank.
+
+A rank holding several cells of one axis (the layers of its pipeline stage, the local experts of its
+expert-parallel rank, the two halves of a gated MLP's ``linear_fc1``) occupies several positions of a
+*repeat* mesh dimension (stride 0): the rank holds the box of every position it occupies. The rule is only
+a claim about this rank's own boxes (the engine checks it and falls back to boxes when it does not match);
+a rank reaching a different rule (coordinates that coincide) declares differently but still correctly.
+This module is pure: no framework import, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .regions import Box
+from .rules import MAX_MESH_RANKS, Mesh
+
+# which grid dimension explains a split when several have its size and coordinate: model-parallel ones
+# first (their coordinate is what a split follows), data-parallel ones (replicas) last
+PREFERENCE = ("tp", "etp", "cp", "pp", "ep", "dp", "edp")
+PREFER_LEADING = ("pp", "ep", "tp", "etp", "cp", "dp", "edp")  # prepended (stacked layer, expert) axes
+DATA_PARALLEL = ("dp", "edp")
+# positions of all distinct meshes one rank's rules use (repeats included): a reader accepts MAX_MESH_RANKS
+# over every layout group of a checkpoint, so one declaration keeps to a quarter; past it, boxes
+MESH_POSITIONS_BUDGET = MAX_MESH_RANKS // 4
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A regular process grid: ``rank = base + sum(coord[i] * strides[i])`` over named dimensions.
+
+    Built identically on every rank (it names no rank-specific value); ``coords`` (compared by nothing) is
+    this rank's position. Dimensions of size 1 are dropped.
+    """
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    base: int
+    coords: tuple[int, ...] = field(default=(), compare=False)
+
+    @staticmethod
+    def from_groups(rank: int, world: int, groups: Mapping[str, Sequence[int]]) -> Grid | None:
+        """The grid of ``rank``'s process groups (each listed in coordinate order, as megatron lists them),
+        or None when they are not arithmetic progressions that tile ``range(world)`` exactly once."""
+        names, sizes, strides, coords = [], [], [], []
+        base = rank
+        for name, members in groups.items():
+            g = [int(r) for r in members]
+            if len(g) <= 1:
+                continue
+            if rank not in g:
+                return None
+            step = g[1] - g[0]
+            if step <= 0 or g != list(range(g[0], g[0] + step * len(g), step)):
+                return None
+            idx = g.index(rank)
+            names.append(name)
+            sizes.append(len(g))
+            strides.append(step)
+            coords.append(idx)
+            base -= idx * step
+        order = sorted(range(len(names)), key=lambda i: -strides[i])  # outermost first
+        grid = Grid(
+            tuple(names[i] for i in order),
+            tuple(sizes[i] for i in order),
+            tuple(strides[i] for i in order),
+            base,
+            tuple(coords[i] for i in order),
+        )
+        if math.prod(grid.sizes) != world or world > MAX_MESH_RANKS:
+            return None
+        ranks = grid_ranks(grid.sizes, grid.strides, grid.base)
+        if len(ranks) != world or not np.array_equal(np.sort(ranks), np.arange(world)):
+            return None
+        return grid
+
+
+def grid_ranks(sizes: Sequence[int], strides: Sequence[int], base: int) -> np.ndarray:
+    """Every position's rank of an affine grid (row-major), as int64."""
+    total = np.full(tuple(sizes), base, dtype=np.int64)
+    for i, (n, s) in enumerate(zip(sizes, strides)):
+        total += (np.arange(n, dtype=np.int64) * s).reshape([-1 if j == i else 1 for j in range(len(sizes))])
+    return total.reshape(-1)
+
+
+# one split step of a tensor axis: ("grid", parts, coordinate) or ("repeat", parts)
+Step = tuple[Any, ...]
+
+
+def axis_steps(extent: int, cells: Sequence[tuple[int, int]]) -> list[Step] | None:
+    """The nested splits of one tensor axis that give exactly ``cells`` (sorted ``(offset, length)``) to one
+    rank: a grid split (``parts`` even parts, this rank's coordinate) and/or a repeat (the rank holds every
+    part), in mesh order; None when the cells are no such pattern."""
+    if cells == [(0, extent)]:
+        return []
+    length = cells[0][1]
+    if length <= 0 or extent % length or any(n != length for _o, n in cells):
+        return None
+    k, first = len(cells), cells[0][0]
+    if k == 1:
+        return [("grid", extent // length, first // length)]
+    run = k * length
+    if (
+        all(o == first + i * length for i, (o, _n) in enumerate(cells))
+        and not first % run
+        and not extent % run
+    ):
+        # consecutive cells (a stage's layers, a rank's local experts): the grid picks a run, a repeat its cells
+        return ([("grid", extent // run, first // run)] if extent > run else []) + [("repeat", k)]
+    spacing = extent // k
+    if (
+        not extent % k
+        and all(o == first + i * spacing for i, (o, _n) in enumerate(cells))
+        and first < spacing
+    ):
+        # one cell per equal part (the two halves of a gated fc1): the repeat splits first, the grid within
+        return [("repeat", k)] + ([("grid", spacing // length, first // length)] if spacing > length else [])
+    return None
+
+
+def box_axes(shape: Sequence[int], boxes: Sequence[Box]) -> list[list[tuple[int, int]]] | None:
+    """Per axis, the sorted cells of ``boxes`` when the boxes are exactly their product; else None."""
+    if not boxes:
+        return None
+    axes = [sorted({(b.offsets[d], b.lengths[d]) for b in boxes}) for d in range(len(shape))]
+    if math.prod(len(a) for a in axes) != len(set(boxes)):
+        return None
+    return axes  # every box is in the product and the counts agree: the boxes are the product
+
+
+class GridRules:
+    """Finds mesh rules on a rank's grids; meshes are shared between tensors (one object per distinct mesh,
+    so the engine's checks of a rule expand each mesh once)."""
+
+    def __init__(self, grids: Sequence[Grid]) -> None:
+        self.grids = tuple(grids)
+        self._meshes: dict[tuple[Any, ...], Mesh] = {}
+        self._positions = 0  # of the meshes made (MESH_POSITIONS_BUDGET)
+
+    def rule(
+        self, shape: Sequence[int], boxes: Sequence[Box], leading: int = 0
+    ) -> tuple[str, Mesh, tuple[int, ...]] | None:
+        """``("mesh", mesh, placements)`` stating ``boxes`` on one of the grids, or None. Where several grid
+        dimensions fit a split (equal sizes and coordinates on this rank), model-parallel ones win, and the
+        first ``leading`` axes (megatron's prepended ones) prefer pipeline and expert parallelism."""
+        shape = tuple(int(s) for s in shape)
+        axes = box_axes(shape, boxes)
+        if axes is None:
+            return None
+        steps = [axis_steps(n, cells) for n, cells in zip(shape, axes)]
+        if any(s is None for s in steps) or not any(steps):
+            return None  # no pattern, or the whole tensor (a replica: the engine says so itself)
+        best = None
+        for grid in self.grids:
+            found = _assign(grid, [s for s in steps if s is not None], leading)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = (found[0], grid, found[1])
+        if best is None:
+            return None
+        _score, grid, dims = best
+        return self._mesh_rule(grid, [s for s in steps if s is not None], dims)
+
+    def _mesh_rule(
+        self, grid: Grid, steps: list[list[Step]], dims: list[list[int]]
+    ) -> tuple[str, Mesh, tuple[int, ...]] | None:
+        sizes, strides, placements = [], [], []
+        used = set()
+        for axis, (axis_steps_, axis_dims) in enumerate(zip(steps, dims)):
+            for step, g in zip(axis_steps_, axis_dims):
+                if step[0] == "repeat":
+                    sizes.append(step[1])
+                    strides.append(0)
+                else:
+                    sizes.append(grid.sizes[g])
+                    strides.append(grid.strides[g])
+                    used.add(g)
+                placements.append(axis)
+        for g in range(len(grid.sizes)):  # the rest: replicated over these dimensions
+            if g not in used:
+                sizes.append(grid.sizes[g])
+                strides.append(grid.strides[g])
+                placements.append(-1)
+        key = (tuple(sizes), tuple(strides), grid.base)
+        mesh = self._meshes.get(key)
+        if mesh is None:
+            if self._positions + math.prod(sizes) > MESH_POSITIONS_BUDGET:
+                return None
+            self._positions += math.prod(sizes)
+            ranks = grid_ranks(sizes, strides, grid.base)
+            mesh = self._meshes[key] = Mesh(tuple(sizes), tuple(ranks.tolist()))
+        return ("mesh", mesh, tuple(placements))
+
+
+def _assign(
+    grid: Grid, steps: list[list[Step]], leading: int
+) -> tuple[tuple[int, int], list[list[int]]] | None:
+    """Grid dimensions for every grid step (size and this rank's coordinate equal, each dimension once):
+    the assignment using the fewest data-parallel dimensions, then the most preferred ones (the first
+    ``leading`` axes, megatron's prepended layer and expert axes, prefer :data:`PREFER_LEADING`, the others
+    :data:`PREFERENCE`); returns (score, dims per axis) or None."""
+    wanted = [(a, i, s) for a, ss in enumerate(steps) for i, s in enumerate(ss) if s[0] == "grid"]
+    best: list[Any] = [None, None]
+    out: list[list[int]] = [[-1] * len(ss) for ss in steps]
+
+    def cost(axis: int, name: str) -> int:
+        order = PREFER_LEADING if axis < leading else PREFERENCE
+        return order.index(name) if name in order else len(order)
+
+    def search(k: int, taken: frozenset[int], replicas: int, pref: int) -> None:
+        if k == len(wanted):
+            if best[0] is None or (replicas, pref) < best[0]:
+                best[0], best[1] = (replicas, pref), [list(x) for x in out]
+            return
+        a, i, (_kind, parts, coord) = wanted[k]
+        for g, name in enumerate(grid.names):
+            if g not in taken and grid.sizes[g] == parts and grid.coords[g] == coord:
+                out[a][i] = g
+                search(k + 1, taken | {g}, replicas + (name in DATA_PARALLEL), pref + cost(a, name))
+
+    search(0, frozenset(), 0, 0)
+    return None if best[0] is None else (best[0], best[1])

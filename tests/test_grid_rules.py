@@ -1,0 +1,182 @@
+"""Mesh rules on megatron's process grids (:mod:`arraycheckpoint.planning.grids`): pattern recognition, and
+the control plane of an expert-parallel layout counted in bytes as the world grows.
+
+An expert-parallel megatron layout gives every (PP, TP, EP) position different boxes: declared as boxes the
+distinct declarations grow with the world and every one of them travels to every rank and into the metadata.
+Declared as rules on the grids every rank of a stage declares the same thing, so what travels and what the
+metadata holds stay flat as ranks grow (counted in bytes here, never timed).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import numpy as np
+import pytest
+
+from arraycheckpoint.engine.coordinate import build_metadata, declare
+from arraycheckpoint.planning.grids import Grid, GridRules, axis_steps
+from arraycheckpoint.planning.groupplan import build_compact_plan
+from arraycheckpoint.planning.items import SaveRequest, SaveShard, SaveTensor
+from arraycheckpoint.planning.plan import PlanOptions
+from arraycheckpoint.planning.regions import Box
+from arraycheckpoint.planning.rules import digest, rule_boxes
+
+TP, PP, EP, LAYERS, EXPERTS = 2, 2, 4, 4, 8
+SHAPES = {  # stacked: the layer axis first, the experts' index second
+    "qkv": (LAYERS, 12, 4),
+    "router": (LAYERS, EXPERTS, 4),
+    "fc1": (LAYERS, EXPERTS, 8, 4),
+    "fc2": (LAYERS, EXPERTS, 4, 4),
+}
+OPTIONS = PlanOptions(min_chunk_bytes=1 << 10, max_chunk_bytes=4 << 10)
+
+
+def _position(rank: int, world: int) -> tuple[int, ...]:
+    stage = world // PP
+    p, q = divmod(rank, stage)
+    return p, q, stage, q % TP, q // TP, q % EP, q // EP
+
+
+def _grids(rank: int, world: int) -> list[Grid]:
+    """megatron's dense (tp-dp-pp) and expert (ep-edp-pp, expert TP 1) grids, as its process groups say."""
+    p, q, stage, t, d, e, ed = _position(rank, world)
+    pp = [i * stage + q for i in range(PP)]
+    dense = {
+        "tp": [p * stage + d * TP + i for i in range(TP)],
+        "dp": [p * stage + i * TP + t for i in range(stage // TP)],
+    }
+    expert = {
+        "ep": [p * stage + ed * EP + i for i in range(EP)],
+        "edp": [p * stage + i * EP + e for i in range(stage // EP)],
+    }
+    grids = [
+        Grid.from_groups(rank, world, {**dense, "pp": pp}),
+        Grid.from_groups(rank, world, {**expert, "pp": pp}),
+    ]
+    assert all(g is not None for g in grids)
+    return grids  # type: ignore[return-value]
+
+
+def _boxes(rank: int, world: int, kind: str) -> list[Box]:
+    """Rank ``rank``'s boxes of ``kind`` as megatron declares them: one per layer of its stage (and per local
+    expert), the TP slice of qkv."""
+    p, _q, _stage, t, _d, e, _ed = _position(rank, world)
+    shape = SHAPES[kind]
+    layers = range(p * LAYERS // PP, (p + 1) * LAYERS // PP)
+    if kind == "qkv":
+        rows = shape[1] // TP
+        return [Box((x, t * rows, 0), (1, rows, shape[2])) for x in layers]
+    if kind == "router":
+        return [Box((x, 0, 0), (1, *shape[1:])) for x in layers]
+    local = EXPERTS // EP
+    rest = (0,) * (len(shape) - 2)
+    return [Box((x, y, *rest), (1, 1, *shape[2:])) for x in layers for y in range(e * local, (e + 1) * local)]
+
+
+def _declaration(rank: int, world: int, rules: bool):
+    finder = GridRules(_grids(rank, world))
+    items = []
+    for kind, shape in SHAPES.items():
+        boxes = _boxes(rank, world, kind)
+        rule = finder.rule(shape, boxes, leading=2 if kind.startswith("fc") else 1) if rules else None
+        items.append(
+            SaveTensor(f"model/{kind}", shape, np.dtype("float32"), [SaveShard(b, None) for b in boxes], rule)
+        )
+    return declare(items, rank)
+
+
+def _control(world: int, rules: bool) -> dict[str, int]:
+    """Bytes of one save's declarations and metadata: the distinct declarations (what the coordinator
+    broadcasts, compressed, when ranks differ; nothing when all agree) and the metadata JSON."""
+    groups: dict[bytes, tuple] = {}
+    for r in range(world):
+        decl = _declaration(r, world, rules)
+        key = digest(decl.to_json())
+        groups.setdefault(key, (decl, []))[1].append(r)
+    broadcast = 0
+    if len(groups) > 1:
+        text = json.dumps([d.to_json() for d, _r in groups.values()], separators=(",", ":")).encode()
+        broadcast = len(zlib.compress(text))
+    plan = build_compact_plan([(d, tuple(r)) for d, r in groups.values()], world, OPTIONS)
+    meta = build_metadata(plan, SaveRequest([], [], framework="megatron"), [{} for _ in range(world)])
+    return {"groups": len(groups), "broadcast": broadcast, "metadata": len(meta.to_json()), "plan": plan}
+
+
+def test_rules_keep_control_bytes_flat_as_ranks_grow() -> None:
+    small, large = _control(32, rules=True), _control(256, rules=True)
+    assert small["groups"] == large["groups"] == 1 and large["broadcast"] == 0
+    assert large["metadata"] <= small["metadata"] + 256  # a few digits longer, not per rank
+    boxed_small, boxed_large = _control(32, rules=False), _control(256, rules=False)
+    assert boxed_small["groups"] == boxed_large["groups"] == PP * EP  # (TP, EP) pairs x stages
+    # as boxes the metadata names every group's ranks and boxes: it grows with the world
+    assert boxed_large["metadata"] > large["metadata"] * 2 and boxed_large["broadcast"] > 0
+    for name, d in large["plan"].tensors.items():  # rules and boxes: the same chunks by the same writers
+        assert np.array_equal(np.asarray(d.writers), np.asarray(boxed_large["plan"].tensors[name].writers)), (
+            name
+        )
+
+
+def test_every_rank_declares_the_same_rules() -> None:
+    world = 64
+    first = digest(_declaration(0, world, True).to_json())
+    assert all(digest(_declaration(r, world, True).to_json()) == first for r in range(world))
+    assert all(t.rule[0] in ("mesh", "replica") for t in _declaration(5, world, True).tensors)
+
+
+@pytest.mark.parametrize(
+    ("extent", "cells", "steps"),
+    [
+        (8, [(0, 8)], []),
+        (8, [(2, 2)], [("grid", 4, 1)]),
+        (8, [(4, 1), (5, 1), (6, 1), (7, 1)], [("grid", 2, 1), ("repeat", 4)]),
+        (8, [(1, 1), (5, 1)], [("repeat", 2), ("grid", 4, 1)]),  # a gated fc1's two halves at TP 4
+        (8, [(0, 1), (1, 1)], [("grid", 4, 0), ("repeat", 2)]),
+        (8, [(0, 1), (3, 1)], None),
+        (9, [(0, 2)], None),
+    ],
+)
+def test_axis_patterns(extent: int, cells: list, steps: list | None) -> None:
+    assert axis_steps(extent, cells) == steps
+
+
+def test_rule_states_exactly_the_boxes_and_refuses_other_patterns() -> None:
+    grid = Grid.from_groups(5, 8, {"tp": [4, 5, 6, 7], "dp": [1, 5]})
+    assert grid is not None and grid.names == ("dp", "tp") and grid.coords == (1, 1)
+    rules = GridRules([grid])
+    glu = [Box((2, 0), (2, 4)), Box((10, 0), (2, 4))]  # tp 1 of 4, both halves
+    rule = rules.rule((16, 4), glu)
+    assert rule is not None and set(rule_boxes((16, 4), ("mesh", 0, rule[2]), [rule[1]], 5)) == set(glu)
+    assert rules.rule((16, 4), [Box((0, 0), (16, 4))]) is None  # the whole tensor: a replica
+    assert rules.rule((16, 4), [Box((0, 0), (3, 4))]) is None  # no even split
+    # 2 parts: dp has 2, but this rank is at dp 1, not 0 (a claim about itself that would be false)
+    assert rules.rule((16, 4), [Box((0, 0), (8, 4))]) is None
+    half = rules.rule((16, 4), [Box((8, 0), (8, 4))])
+    assert half is not None and half[2] == (0, -1)  # split over dp, replicated over tp
+    assert Grid.from_groups(0, 8, {"tp": [0, 1], "dp": [0, 3]}) is None  # does not tile the world
+
+
+def test_grid_refuses_groups_that_do_not_tile_the_world() -> None:
+    assert Grid.from_groups(0, 4, {"tp": [0, 2, 1]}) is None
+    assert Grid.from_groups(0, 4, {"tp": [1, 2]}) is None  # the rank is not in its own group
+    assert Grid.from_groups(0, 6, {"tp": [0, 1], "dp": [0, 2]}) is None  # 4 positions for 6 ranks
+
+
+def test_meshes_a_reader_would_refuse_are_never_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers accept MAX_MESH_RANKS mesh positions over all layout groups: the planner refuses more before
+    anything is written, and a rank's grid rules keep to a budget (boxes past it)."""
+    from arraycheckpoint.errors import PlanError
+    from arraycheckpoint.planning import grids, groupplan
+
+    world = 64
+    decl = _declaration(0, world, True)
+    positions = sum(len(m.ranks) for m in decl.meshes)
+    monkeypatch.setattr(groupplan, "MAX_MESH_RANKS", positions - 1)
+    with pytest.raises(PlanError, match="rank positions in all"):
+        build_compact_plan([(decl, tuple(range(world)))], world, OPTIONS)
+    monkeypatch.setattr(
+        grids, "MESH_POSITIONS_BUDGET", world * 2
+    )  # room for the dense mesh, not the experts'
+    kinds = {t.name: t.rule[0] for t in _declaration(0, world, True).tensors}
+    assert kinds["model/qkv"] == "mesh" and kinds["model/fc1"] == "boxes", kinds
