@@ -208,8 +208,8 @@ class SavePipeline:
             try:
                 if job.error is None and plan is not None and claimed:
                     self._write(job, plan.rank_plan, exchange.received)
-                    with job.recorder.phase("flush"):
-                        job.storage.flush(job.staging)
+                    with job.recorder.phase("flush"), busy(f"{job.staging} (its flush)"):
+                        job.storage.flush(job.staging)  # a syncfs stalled at exit is named too
             finally:
                 if exchange is not None:
                     exchange.join()  # the collective is over on this rank before the commit's start
