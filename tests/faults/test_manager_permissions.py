@@ -110,6 +110,8 @@ SCRIPT = textwrap.dedent(
         f.write("mine")
     os.makedirs(os.path.join(root, ".step_00000009.acp-staging-x-1", "sub"))
     os.chmod(os.path.join(root, ".step_00000009.acp-staging-x-1"), 0)  # a leftover it cannot remove
+    os.makedirs(os.path.join(step(10), "sub"))
+    os.chmod(os.path.join(step(10), "sub"), 0)  # an uncommitted step holding what it cannot look at
     attempt("replaced: construct", lambda: acp.CheckpointManager(root, keep_last=1).removed)
     m = acp.CheckpointManager(root, keep_last=1, cleanup=False)
     attempt("replaced: all_steps", m.all_steps)
@@ -121,6 +123,7 @@ SCRIPT = textwrap.dedent(
         loads(step(4), 4),
     ])
     os.chmod(os.path.join(root, ".step_00000009.acp-staging-x-1"), 0o755)
+    os.chmod(os.path.join(step(10), "sub"), 0o755)
     print(json.dumps({"base": base, "results": out}))
     """
 )
@@ -174,8 +177,9 @@ def test_manager_on_a_root_it_may_only_partly_read_or_write(tmp_path: Path) -> N
         assert r["replaced: retention"]["value"] == []
         assert "CheckpointExistsError" in r["replaced: save over the file"]["error"]
         assert f"{root}/step_00000002" in r["replaced: save over the file"]["error"]
+        assert any(f"kept {root}/step_00000010" in w and "unreadable" in w for w in kept["warnings"]), kept
         listing, text, link, linked_loads, step4_loads = r["replaced: intact"]["value"]
-        assert ".step_00000009.acp-staging-x-1" in listing and "step_00000004" in listing
+        assert {".step_00000009.acp-staging-x-1", "step_00000004", "step_00000010"} <= set(listing)
         assert (text, link, linked_loads, step4_loads) == ("mine", f"{base}/elsewhere", True, True)
     finally:
         import shutil
