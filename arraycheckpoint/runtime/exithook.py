@@ -96,7 +96,10 @@ WATCH_INTERVAL = 0.2
 
 
 def _start_watchdog() -> None:
-    """Start (once) the daemon thread that ends the process when a save's write stalls at exit."""
+    """Start (once) the daemon thread that ends the process when a save's write stalls at exit (only at
+    exit: not when a test runs the hooks itself)."""
+    if not getattr(threading, "_SHUTTING_DOWN", True):
+        return
     with _lock:
         if _watching[0]:
             return
