@@ -105,15 +105,16 @@ class DescriptorShare:
         self.cap = max(1, cap)
         #: what this share was last told (its holder may still hold that many): kept from the others
         self.granted = 0
-        _BUDGET.join(self)
+        self._budget = _BUDGET  # kept: a holder's __del__ may release it while the interpreter finalizes
+        self._budget.join(self)
 
     def limit(self) -> int:
         """The packs the holder may keep open now (it closes its least recently used ones down to that)."""
-        return _BUDGET.limit(self)
+        return self._budget.limit(self)
 
     def release(self) -> None:
         """Give the share back (its holder closed its packs); reading it again joins the budget again."""
-        _BUDGET.leave(self)
+        self._budget.leave(self)
 
     def __index__(self) -> int:
         return self.limit()
