@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .runtime.future import CheckpointFuture
 from .storage import storage_for
 from .storage.base import being_read, is_checkpoint_key
@@ -142,7 +142,7 @@ class CheckpointManager:
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
         self._step_re = re.compile(re.escape(step_prefix) + r"([0-9]+)", re.ASCII)
-        if self._committed(self.root):  # every rank, before anything collective: all raise alike
+        if self._root_committed(url):  # every rank, before anything collective: all raise alike
             raise ValueError(
                 f"{url} is itself a committed checkpoint, not a directory of steps: pass the directory holding "
                 f"the steps (its parent, {self.storage.parent(self.root)[0]}), or load it with acp.load(path, "
@@ -196,13 +196,37 @@ class CheckpointManager:
 
     def _committed(self, path: str) -> bool | None:
         """Whether the step directory ``path`` is committed; None when its commit marker cannot be read as
-        one (a FIFO, a link on the way: ``.acp`` a symlink): such a step is damaged, neither listed nor
-        deleted (a warning names it), so one damaged step stops neither a resume nor retention."""
+        one (a FIFO, a link on the way: ``.acp`` a symlink) or this process may not look (a directory of
+        another user's, mode 000): such a step is damaged or not ours, neither listed nor deleted (a warning
+        names it), so one such step stops neither a resume nor retention."""
         try:
             return self.storage.is_committed(path)
         except CorruptCheckpointError as e:
             log.warning("skipping step directory %s: its commit marker is damaged (%s); it is kept", path, e)
             return None
+        except StorageError as e:
+            if not isinstance(e.__cause__, PermissionError):
+                raise
+            log.warning(
+                "skipping step directory %s: this process may not read it (%s); it is neither listed nor "
+                "deleted", path, e.__cause__,
+            )  # fmt: skip
+            return None
+
+    def _root_committed(self, url: str) -> bool | None:
+        """Whether the root itself is a committed checkpoint (:meth:`_committed`); a root this process may
+        not read is an error naming it (its steps could be neither listed nor kept apart from the rest)."""
+        try:
+            return self.storage.is_committed(self.root)
+        except CorruptCheckpointError:
+            return None
+        except StorageError as e:
+            if not isinstance(e.__cause__, PermissionError):
+                raise
+            raise StorageError(
+                f"{url}: this process may not read the checkpoint root ({e.__cause__}); the manager lists, "
+                "saves and removes steps there: give it read, write and search permission"
+            ) from e
 
     def all_steps(self) -> list[int]:
         """Every step with a committed checkpoint, ascending (a step whose marker is damaged is skipped)."""

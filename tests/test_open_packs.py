@@ -96,12 +96,18 @@ def test_packs_closed_and_opened_again(many_packs: Path, monkeypatch: pytest.Mon
     assert calls == {"open_directory": 1, "open_regular_at": opened["opens"]}, calls
 
 
-def test_limit_follows_the_process_limit() -> None:
-    """An eighth of the process's descriptor limit where that is below MAX_OPEN_PACKS, at least two."""
+def test_limit_follows_the_process_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eighth of the process's descriptor limit where that is below MAX_OPEN_PACKS, at least two (for a
+    reader alone: :mod:`arraycheckpoint.runtime.descriptors` splits it among the live ones)."""
     resource = pytest.importorskip("resource")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if not os.path.isdir("/proc/self/fd") or len(os.listdir("/proc/self/fd")) > 80:
         pytest.skip("no /proc/self/fd, or too many descriptors held to lower the limit to 100")
+    from arraycheckpoint.runtime import descriptors
+
+    monkeypatch.setattr(
+        descriptors, "_BUDGET", descriptors._Budget()
+    )  # no share a test left open to split with
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
         assert common.open_packs_allowed() == 12

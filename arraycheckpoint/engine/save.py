@@ -32,6 +32,7 @@ from ..runtime.future import CheckpointFuture
 from ..runtime.hostpool import HostBufferPool
 from ..runtime.monitoring import PhaseRecorder
 from ..runtime.tscontext import context
+from ..runtime.workers import busy
 from ..storage import storage_for
 from . import shardfile
 from .common import array_spec, describe, wait_write
@@ -207,8 +208,8 @@ class SavePipeline:
             try:
                 if job.error is None and plan is not None and claimed:
                     self._write(job, plan.rank_plan, exchange.received)
-                    with job.recorder.phase("flush"):
-                        job.storage.flush(job.staging)
+                    with job.recorder.phase("flush"), busy(f"{job.staging} (its flush)"):
+                        job.storage.flush(job.staging)  # a syncfs stalled at exit is named too
             finally:
                 if exchange is not None:
                     exchange.join()  # the collective is over on this rank before the commit's start
@@ -284,7 +285,7 @@ class SavePipeline:
                         writer.flush()
                     while inflight and pending + nbytes > job.options.max_inflight_bytes:
                         fut, n, name = inflight.popleft()
-                        wait_write(fut, name)
+                        _wait(job, fut, name)
                         pending -= n
 
                 for fut, nbytes, label in packs.start():  # the zarr.json documents in packs
@@ -317,9 +318,9 @@ class SavePipeline:
                 packs.check_done()
                 writer.flush()
                 for fut, _n, name in inflight:
-                    wait_write(fut, name)
+                    _wait(job, fut, name)
                 for name, fut in created:
-                    wait_write(fut, name)
+                    _wait(job, fut, name)
             finally:
                 writer.close()
             rec["bytes"] = total + packs.written  # packed members counted by the packs (batched writes too)
@@ -333,6 +334,14 @@ class SavePipeline:
             src = local_view(job, w.name, p.box) if p.src == me else received[(w.name, p.box)]
             out[p.box.slices(w.chunk)] = src
         return out
+
+
+def _wait(job: SaveJob, fut: Any, name: str) -> None:
+    """Wait for the write of ``name``, marked as waiting for it: at interpreter exit a write that never
+    completes (a tensorstore write to a stalled backend: no pool thread of ours to name) is given up on after
+    a bound, naming it (:mod:`arraycheckpoint.runtime.workers`)."""
+    with busy(f"{job.staging}/{name}"):
+        wait_write(fut, name)
 
 
 def _target_claimed(job: SaveJob) -> bool:

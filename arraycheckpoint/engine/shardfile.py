@@ -33,6 +33,7 @@ import numpy as np
 from ..codecs import crc
 from ..errors import StorageError
 from ..planning.regions import Box
+from ..runtime.workers import busy
 from . import summed
 
 
@@ -269,13 +270,13 @@ class FileWriter:
         path = f"{self._root}/{key}"
 
         def submit(task: Any, nbytes: int) -> None:
-            (self._pool if nbytes >= BATCH_BYTES else self._small).submit(task)
+            (self._pool if nbytes >= BATCH_BYTES else self._small).submit(_labelled(path, task))
 
         pack = packstream.StreamedPack(
             path,
             members,
             submit,
-            self._later,
+            lambda task: self._later(_labelled(path, task)),
             functools.partial(self._release, path=path),
             start_writeback,
             WRITEBACK_BYTES,
@@ -337,9 +338,10 @@ class FileWriter:
 
     def _write_files(self, files: list[tuple[str, list[Buffer]]]) -> None:
         for key, parts in files:
-            self._make_parents(key)
             path = f"{self._root}/{key}"
-            _write_file(path, parts, functools.partial(self._release, path=path))
+            with busy(path):  # a write that never returns is named at exit (runtime.workers)
+                self._make_parents(key)
+                _write_file(path, parts, functools.partial(self._release, path=path))
 
     def _release(self, fd: int, nbytes: int, path: str) -> None:
         """Close written file ``fd`` (``path``); files of at least :data:`WRITEBACK_BYTES` start their device
@@ -348,6 +350,7 @@ class FileWriter:
             _close(fd)  # a failure is raised to the writing thread, and so to the file's future
             return
 
+        @_labelled(path)
         def run() -> None:
             try:
                 start_writeback(fd)
@@ -394,6 +397,20 @@ class FileWriter:
                 except FileExistsError:
                     pass
                 self._dirs.add(sub)
+
+
+def _labelled(path: str, task: Any = None) -> Any:
+    """``task`` run as writing ``path`` (:func:`~arraycheckpoint.runtime.workers.busy`: named at exit when it
+    never returns); without ``task``, a decorator."""
+    if task is None:
+        return functools.partial(_labelled, path)
+
+    @functools.wraps(task)
+    def run() -> None:
+        with busy(path):
+            task()
+
+    return run
 
 
 #: ``sync_file_range(2)`` flag: start writing the range's dirty pages back, do not wait for it.

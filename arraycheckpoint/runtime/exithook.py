@@ -9,6 +9,10 @@ Three hooks exist, and their order matters whatever order they were registered i
    the process group's connections: only once no save needs them);
 3. :data:`STOP_HEARTBEATS`: heartbeat threads are stopped (last: a save finishing at exit is judged by its
    peers through them).
+
+While they run, and then while the interpreter joins its threads, a watchdog thread ends the process (status
+1, after saying why on stderr) once a save's write has stalled (:func:`.workers.exit_stall`): a write stuck
+in the kernel would otherwise hold the first hook, and then the join of the pools' threads, forever.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 FINISH_SAVES = 0
@@ -25,6 +30,7 @@ STOP_HEARTBEATS = 20
 _hooks: list[tuple[int, int, Callable[[], None]]] = []
 _lock = threading.Lock()
 _registered = [False]
+_watching = [False]  # the exit watchdog runs
 
 
 def _forget_in_child() -> None:
@@ -35,6 +41,7 @@ def _forget_in_child() -> None:
     _lock = threading.Lock()  # possibly held by another of the parent's threads at the fork
     _hooks.clear()
     _registered[0] = False
+    _watching[0] = False
 
 
 if hasattr(os, "register_at_fork"):
@@ -70,7 +77,9 @@ def at_thread_shutdown(fn: Callable[[], None], order: int = FINISH_SAVES) -> Non
 
 
 def run_hooks() -> None:
-    """Run (and forget) the registered hooks in their order (the registered exit hook itself)."""
+    """Run (and forget) the registered hooks in their order (the registered exit hook itself); the exit
+    watchdog starts first."""
+    _start_watchdog()
     with _lock:
         hooks = sorted(_hooks)
         _hooks.clear()
@@ -80,3 +89,37 @@ def run_hooks() -> None:
             fn()
         except Exception as e:  # noqa: BLE001 - every hook runs; the interpreter is exiting
             print(f"arraycheckpoint: exit hook {getattr(fn, '__name__', fn)} failed: {e}", file=sys.stderr)
+
+
+#: how often the exit watchdog looks for a stalled write (seconds)
+WATCH_INTERVAL = 0.2
+
+
+def _start_watchdog() -> None:
+    """Start (once) the daemon thread that ends the process when a save's write stalls at exit (only at
+    exit: not when a test runs the hooks itself)."""
+    if not getattr(threading, "_SHUTTING_DOWN", True):
+        return
+    with _lock:
+        if _watching[0]:
+            return
+        _watching[0] = True
+    threading.Thread(target=_watch, name="acp-exit-watchdog", daemon=True).start()
+
+
+def _watch() -> None:
+    from .workers import exit_stall
+
+    while True:
+        time.sleep(WATCH_INTERVAL)
+        try:
+            message = exit_stall()
+        except Exception:  # noqa: BLE001 - the interpreter is finalizing (modules torn down): nothing to watch
+            return
+        if message is None:
+            continue
+        try:
+            print(message, file=sys.stderr, flush=True)
+            sys.stdout.flush()
+        finally:
+            os._exit(1)  # the stalled thread cannot be ended; what it was writing was never committed

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
 from .base import Storage
+
+log = logging.getLogger("arraycheckpoint")
 
 _open_below = open_below  # the shared check of every reader (arraycheckpoint.checks.files)
 #: Root entries that only a checkpoint (committed or left by a crashed save) holds: its control files.
@@ -132,7 +135,12 @@ class LocalStorage(Storage):
             if old is not None:
                 os.rename(old, final)
             raise StorageError(f"storage commit (rename {staging} -> {final}) failed: {e}") from e
-        fsync_path(os.path.dirname(final))
+        try:  # committed now: a failure from here on must not report it as not committed
+            fsync_path(os.path.dirname(final))
+        except PermissionError as e:  # a parent this process may write to but not open (mode 0300)
+            log.warning(
+                "%s is committed, but its parent could not be opened to make that durable: %s", final, e
+            )
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -220,20 +228,51 @@ class LocalStorage(Storage):
         shutil.rmtree(trash, ignore_errors=True)
 
     def cleanup_leftovers(self, parent: str) -> list[str]:
-        """Remove staging directories, lock files, ``.acp-old-`` and ``.acp-trash-`` leftovers in ``parent``."""
+        """Remove staging directories, lock files, ``.acp-old-`` and ``.acp-trash-`` leftovers in ``parent``;
+        returns what was removed.
+
+        A committed ``<step>.acp-old-*`` whose ``<step>`` is gone is put back instead: a save replacing a
+        committed step (``overwrite``) renames the old one aside before moving its own in, and a crash between
+        the two renames leaves the old one the step's only committed copy. What cannot be removed (another
+        user's directory) is kept, with a warning naming it, and not reported removed.
+        """
         removed = []
         for name in self.children(parent):
-            if _LEFTOVER.match(name):
-                path = os.path.join(parent, name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    try:
-                        os.remove(path)
-                    except FileNotFoundError:
-                        continue
-                removed.append(path)
+            m = _LEFTOVER.match(name)
+            if not m:
+                continue
+            path = os.path.join(parent, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                if m.group("c") and self._restored(path, os.path.join(parent, m.group("c"))):
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    log.warning("cleanup: could not remove %s (%s); it is kept", path, e)
+                    continue
+            if os.path.lexists(path):
+                log.warning("cleanup: could not remove all of %s (not ours to delete?); it is kept", path)
+                continue
+            removed.append(path)
         return removed
+
+    def _restored(self, old: str, final: str) -> bool:
+        """Put the committed ``old`` back at ``final`` when nothing is there (a save that replaced it crashed
+        between its two renames); whether it was."""
+        try:
+            if os.path.lexists(final) or not self.is_committed(old):
+                return False
+            os.rename(old, final)
+        except (OSError, StorageError, CorruptCheckpointError) as e:
+            log.warning("cleanup: kept %s, which may be the only committed copy of %s: %s", old, final, e)
+            return True  # never deleted when it might be the one copy
+        log.warning("cleanup: restored %s from %s (a save replacing it did not finish)", final, old)
+        fsync_path(os.path.dirname(final))
+        return True
 
 
 def _refuse_foreign(final: str, is_committed: Any) -> bool:
