@@ -49,6 +49,7 @@ from ..planning.groupplan import rank_plan as rank_plan_of
 from ..planning.items import SaveRequest, SaveTensor
 from ..planning.rules import Mesh, digest, encode_ranks, rule_boxes
 from ..runtime.collectives import Communicator
+from ..runtime.workers import busy
 from . import saveargs, shardfile
 from .common import describe, local_ranks_per_host, plan_options, write_sidecar
 from .job import CachedPlan, SaveJob, SaveOptions
@@ -173,9 +174,12 @@ class Coordinator:
                 error = "; ".join(dict.fromkeys(str(e) for e in errors))  # one line per distinct error
             else:
                 try:
+                    # named at interpreter exit if the file system stalls here (runtime.workers)
                     with job.recorder.phase("commit"):
-                        meta = self._write_metadata(job, statuses)
-                        job.storage.commit(job.staging, job.final, job.options.overwrite)
+                        with busy(f"{job.staging}/.acp (the metadata)"):
+                            meta = self._write_metadata(job, statuses)
+                        with busy(f"{job.final} (its commit)", committing=True):
+                            job.storage.commit(job.staging, job.final, job.options.overwrite)
                 except Exception as e:  # noqa: BLE001
                     error = describe(e, 0)
             if error:

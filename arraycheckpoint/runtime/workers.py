@@ -3,10 +3,16 @@
 At exit the library finishes the saves still in flight (:mod:`.future`, :mod:`.exithook`). A write stuck in
 the kernel (a stalled network file system, a close that never returns, a FIFO without a reader) or in a
 storage callback would hold that wait, and after it the interpreter's join of the pools' threads, forever.
-Each write (and each wait of the save's thread for one) runs inside :func:`busy`, naming the path; at exit a
-watchdog (:func:`exit_stall`, run by :mod:`.exithook`) ends the process with status 1 once one has been
-running for :func:`stall_seconds` while none finished meanwhile, saying on stderr which path it was writing
-and which saves were not committed (nothing was: the commit comes after every write).
+Each write (and each wait of the save's thread for one, the flush, the coordinator's metadata and commit)
+runs inside :func:`busy`, naming the path; at exit a watchdog (:func:`exit_stall`, run by :mod:`.exithook`)
+ends the process with status 1 once one has been running for :func:`stall_seconds` while nothing progressed
+meanwhile, saying on stderr which path it was writing and what became of the save.
+
+Progress is any :func:`busy` block that finished, or a change of the machine's write counters (the pages it
+dirtied and wrote back, the bytes its network interfaces sent: :func:`machine_counters`): a healthy flush of
+gigabytes to a slow disk or NFS, or a long upload, moves them, so only a save whose machine writes nothing at
+all for the whole bound is given up on. Losing a healthy checkpoint is worse than a hang, so the signal errs
+towards waiting.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ DEFAULT_STALL_SECONDS = 300.0
 STALL_ENV = "ARRAYCHECKPOINT_EXIT_STALL_SECONDS"
 
 _lock = threading.Lock()
-_running: dict[int, tuple[float, str]] = {}  # token -> (started, path)
+_running: dict[int, tuple[float, str, bool]] = {}  # token -> (started, path, committing)
 _last_done = [time.monotonic()]
+_last_counters: list[tuple[int, ...] | None] = [None]
 _tokens = itertools.count()
 
 
@@ -41,11 +48,12 @@ if hasattr(os, "register_at_fork"):
 
 
 @contextlib.contextmanager
-def busy(path: str) -> Iterator[None]:
-    """Mark the calling thread as writing (or waiting for the write of) ``path`` until the block ends."""
+def busy(path: str, committing: bool = False) -> Iterator[None]:
+    """Mark the calling thread as writing (or waiting for the write of) ``path`` until the block ends;
+    ``committing``: the block commits the save (given up on, the save may or may not be committed)."""
     token = next(_tokens)
     with _lock:
-        _running[token] = (time.monotonic(), path)
+        _running[token] = (time.monotonic(), path, committing)
     try:
         yield
     finally:
@@ -63,32 +71,70 @@ def stall_seconds() -> float:
     return value if value > 0 else DEFAULT_STALL_SECONDS
 
 
-def stalled(bound: float) -> tuple[str, float] | None:
-    """The path of the oldest write running for more than ``bound`` seconds and for how long, when none
-    finished within the last ``bound`` seconds (writes queued behind a slow one still progress); else None."""
+def machine_counters() -> tuple[int, ...]:
+    """Counters that move while this machine writes anywhere: the pages it dirtied and wrote back since boot
+    (a flush in progress, NFS) and the bytes its network interfaces sent (an object store upload); () where
+    the system does not say (not Linux)."""
+    out: list[int] = []
+    try:
+        with open("/proc/vmstat", "rb") as f:  # pages dirtied and written back since boot
+            out += [int(line.split()[1]) for line in f if line.startswith((b"nr_dirtied ", b"nr_written "))]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/net/dev", "rb") as f:
+            out.append(sum(int(line.split(b":", 1)[1].split()[8]) for line in f.readlines()[2:]))
+    except (OSError, ValueError, IndexError):
+        pass
+    return tuple(out)
+
+
+def _note_machine_progress() -> None:
+    """A change of :func:`machine_counters` since the last look counts as progress."""
+    now = machine_counters()
+    if now and _last_counters[0] is not None and now != _last_counters[0]:
+        _last_done[0] = time.monotonic()
+    _last_counters[0] = now
+
+
+def stalled(bound: float) -> tuple[str, float, bool] | None:
+    """The oldest write running for more than ``bound`` seconds (its path, for how long, whether it commits),
+    when nothing progressed within the last ``bound`` seconds (writes queued behind a slow one still finish;
+    a slow flush still moves the machine's counters); else None."""
     now = time.monotonic()
     with _lock:
         if not _running or now - _last_done[0] <= bound:
             return None
-        started, path = min(_running.values())
-    return (path, now - started) if now - started > bound else None
+        started, path, committing = min(_running.values())
+    return (path, now - started, committing) if now - started > bound else None
 
 
 def exit_stall() -> str | None:
-    """The exit watchdog's probe: what to say on stderr before the process gives up on a stalled write,
-    naming its path and the saves still in flight; None while nothing is stalled."""
+    """The exit watchdog's probe (called every fraction of a second at exit): what to say on stderr before
+    the process gives up on a stalled write, naming its path and the saves still in flight; None while
+    nothing is stalled."""
+    _note_machine_progress()
     found = stalled(stall_seconds())
     if found is None:
         return None
-    path, seconds = found
+    path, seconds, committing = found
     from .future import _pending, _pending_lock  # the saves still in flight (read only)
 
     with _pending_lock:
         saves = sorted(f.path for f in _pending)
     which = f"the save to {', '.join(saves)}" if saves else "the save in flight"
+    if committing:
+        outcome = (
+            f"{which} may or may not have been committed (it was being committed: it is if its "
+            "`.acp/committed` marker exists and it loads)"
+        )
+    else:
+        outcome = (
+            f"{which} was NOT committed (CheckpointManager removes its leftovers on its next start; committed "
+            "checkpoints are untouched)"
+        )
     return (
         f"arraycheckpoint: exiting without waiting for a write of {path} that has not returned for "
-        f"{seconds:.0f} s (a stalled file system or storage backend; bound: ${STALL_ENV}, "
-        f"{stall_seconds():g} s): {which} was NOT committed (CheckpointManager removes its leftovers on its "
-        "next start; committed checkpoints are untouched)"
+        f"{seconds:.0f} s while this machine wrote nothing (a stalled file system or storage backend; bound: "
+        f"${STALL_ENV}, {stall_seconds():g} s): {outcome}"
     )
