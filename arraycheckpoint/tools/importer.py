@@ -108,8 +108,9 @@ def _refuse_own_format(src: str) -> None:
         )
 
 
-def _safetensors_files(src: str, kind: str) -> list[str]:
-    """The safetensors files of ``src``: itself, the files its index names, or its ``*.safetensors``.
+def _safetensors_files(src: str, kind: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of ``src`` (itself, the files its index names, or its ``*.safetensors``) and,
+    with an index, its ``weight_map`` (tensor -> the file's path).
 
     The index is read like checkpoint metadata (a regular file, never through a link, at most 256 MiB, JSON
     nested at most 100 levels); the files it names must be plain ``*.safetensors`` names inside ``src`` (no
@@ -117,12 +118,11 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
     a link inside the directory. Raises :class:`ArrayCheckpointError` naming the file.
     """
     if kind == "safetensors":
-        return [_regular(src, follow=True)]
+        return [_regular(src, follow=True)], None
     index = os.path.join(src, _INDEX)
     if not os.path.lexists(index):
-        return [
-            _in_dir(src, os.path.basename(p)) for p in sorted(glob.glob(os.path.join(src, "*.safetensors")))
-        ]
+        found = sorted(glob.glob(os.path.join(src, "*.safetensors")))
+        return [_in_dir(src, os.path.basename(p)) for p in found], None
     from ..checks.files import read_below
 
     raw = read_below(
@@ -140,7 +140,8 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
             or not name.isprintable()
         ):
             raise MetadataError(f"{index} names an unsafe file {name!r}: a plain *.safetensors name in {src}")
-    return [_in_dir(src, name) for name in sorted(set(weight_map.values()))]
+    paths = {name: _in_dir(src, name) for name in sorted(set(weight_map.values()))}
+    return list(paths.values()), {key: paths[name] for key, name in weight_map.items()}
 
 
 def _in_dir(src: str, name: str) -> str:
@@ -163,8 +164,12 @@ def _regular(path: str, follow: bool, what: str = "safetensors") -> str:
     return path
 
 
-def _tensors_safetensors(files: list[str]) -> dict[str, tuple[Any, Callable[[], Any]]]:
-    """key -> (meta tensor: shape and dtype, loader)."""
+def _tensors_safetensors(
+    files: list[str], listed: dict[str, str] | None = None
+) -> dict[str, tuple[Any, Callable[[], Any]]]:
+    """key -> (meta tensor: shape and dtype, loader). ``listed`` (the index's tensor -> file) must agree
+    with the files: a tensor it places in a file that does not hold it is refused, as ``acp.load`` of the
+    directory refuses it (the import used to drop the tensor silently)."""
     import torch
     from safetensors import safe_open
 
@@ -187,6 +192,14 @@ def _tensors_safetensors(files: list[str]) -> dict[str, tuple[Any, Callable[[], 
             if key in out:
                 raise ArrayCheckpointError(f"tensor {key!r} appears in two safetensors files ({path})")
             out[key] = (meta, load)
+        held = {key for key, _shape, _dtype in shapes}
+        lost = sorted(k for k, p in (listed or {}).items() if p == path and k not in held)
+        if lost:
+            more = f" (+{len(lost) - 8} more)" if len(lost) > 8 else ""
+            raise MetadataError(
+                f"{_INDEX} lists tensor(s) {', '.join(map(repr, lost[:8]))}{more} in {path}, which does not "
+                "hold them: the directory is incomplete or its index is damaged"
+            )
     return out
 
 
@@ -334,7 +347,8 @@ def import_checkpoint(
     result = ImportResult(kind)
     tensors: dict[str, tuple[Any, Any]] = {}
     if kind in ("safetensors", "hf"):
-        for key, (meta, load) in _tensors_safetensors(_safetensors_files(src, kind)).items():
+        files, listed = _safetensors_files(src, kind)
+        for key, (meta, load) in _tensors_safetensors(files, listed).items():
             tensors[key] = (meta, _LazySource(load, progress))
     elif kind == "dcp":
         tensors.update(_tensors_dcp(src, result.skipped, progress))

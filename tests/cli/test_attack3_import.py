@@ -1,0 +1,62 @@
+"""``arraycheckpoint import`` of a Hugging Face directory agrees with ``acp.load`` of it (attack3 review)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from cli_helpers import run_main
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import arraycheckpoint as acp  # noqa: E402
+
+
+def test_an_index_listing_a_tensor_its_file_lacks_is_refused_not_dropped(tmp_path: Path, capsys) -> None:
+    """The index names ``b`` in ``s1.safetensors``, which holds only ``a``: ``acp.load`` refuses the
+    directory; the import used to store ``a`` alone, exit 0, and the tensor was lost without a word."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    safetensors_torch.save_file({"a": torch.arange(6.0).reshape(2, 3)}, str(src / "s1.safetensors"))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}})
+    )
+    with pytest.raises(acp.MetadataError, match="do not hold: b"):
+        acp.load(str(src), {"model": {"a": torch.zeros(2, 3), "b": torch.zeros(1)}})
+    out = tmp_path / "out"
+    code, _out, err = run_main(capsys, "import", src, out)
+    assert code == 2, err
+    assert "'b'" in err and "s1.safetensors" in err
+    assert not os.path.exists(out)
+
+
+def test_an_index_placing_a_tensor_in_the_wrong_file_is_refused(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "hf"
+    src.mkdir()
+    safetensors_torch.save_file({"a": torch.ones(2)}, str(src / "s1.safetensors"))
+    safetensors_torch.save_file({"b": torch.zeros(2)}, str(src / "s2.safetensors"))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s2.safetensors", "b": "s1.safetensors"}})
+    )
+    code, _out, err = run_main(capsys, "import", src, tmp_path / "out")
+    assert code == 2 and "does not hold" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_consistent_sharded_directory_still_imports_bit_exactly(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "hf"
+    src.mkdir()
+    a, b = torch.arange(6.0).reshape(2, 3), torch.arange(4, dtype=torch.bfloat16)
+    safetensors_torch.save_file({"a": a}, str(src / "s1.safetensors"))
+    safetensors_torch.save_file({"b": b}, str(src / "s2.safetensors"))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}})
+    )
+    code, _out, err = run_main(capsys, "import", src, tmp_path / "out")
+    assert code == 0, err
+    target = {"model": {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}}
+    acp.load(str(tmp_path / "out"), target)
+    assert torch.equal(target["model"]["a"], a) and torch.equal(target["model"]["b"], b)
