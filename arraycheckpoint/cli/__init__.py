@@ -263,10 +263,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from ..tools.common import open_checkpoint
+    from ..tools.common import open_checkpoint, refuse_inside
     from ..tools.metrics import format_table, phase_table, plot, recorded_metrics
 
     ckpt = open_checkpoint(args.path)
+    if args.plot:  # before anything is printed: a plot would add to or replace a file of the checkpoint
+        refuse_inside(ckpt, args.plot, "read")
     if not hasattr(ckpt.storage, "control_files"):  # a foreign checkpoint opens as its load source
         kind = getattr(ckpt.storage, "kind", "foreign")
         raise UsageError(
@@ -454,7 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="save",
         help="save (default), or load: the last acp.load(..., record_metrics=True)",
     )
-    p.add_argument("--plot", metavar="PNG", help="draw the heat-map and timeline into this PNG")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw the heat-map and timeline into this PNG (or .svg, .pdf, ...), outside the checkpoint",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
 

@@ -50,7 +50,7 @@ from ..codecs import ML_DTYPE_NAMES, SUPPORTED_DTYPES, numpy_dtype
 from ..errors import ArrayCheckpointError
 from ..format.metadata import SAFETENSORS_FRAMEWORK
 from ..planning.regions import Box
-from .common import Checkpoint, read_boxes, read_tensors
+from .common import Checkpoint, read_boxes, read_tensors, refuse_inside
 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = frozenset(n for n in SUPPORTED_DTYPES if n in ML_DTYPE_NAMES or n.startswith("float"))
@@ -359,7 +359,7 @@ def export_safetensors(
     from safetensors.numpy import save_file
 
     out_dir = os.fspath(out_dir)
-    _refuse_inside(ckpt, out_dir)
+    refuse_inside(ckpt, out_dir)
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):  # a file, a FIFO, a broken link
         raise ArrayCheckpointError(
             f"{out_dir} exists and is not a directory; safetensors are exported into a directory (or pass "
@@ -439,21 +439,6 @@ def export_safetensors(
     return result
 
 
-def _refuse_inside(ckpt: Checkpoint, out: str) -> None:
-    """Refuse an output at or below the root of the (local) checkpoint read: its files would become part of
-    a committed checkpoint (which ``save(..., overwrite=True)`` deletes whole), or replace the source files
-    of a Hugging Face directory before they are read."""
-    root = ckpt.root
-    if "://" in root or not os.path.isdir(root):
-        return
-    real_root, real_out = os.path.realpath(root), os.path.realpath(out)
-    if os.path.commonpath([real_root, real_out]) == real_root:
-        raise ArrayCheckpointError(
-            f"{out} is inside the checkpoint {root} being exported; export outside it (a checkpoint holds only "
-            "what a save wrote)"
-        )
-
-
 @contextmanager
 def _writing(path: str) -> Iterator[None]:
     """Turn a failed write of ``path`` (disk full, file too large, read-only file system: safetensors raises
@@ -528,7 +513,7 @@ def export_torch(
     out = os.fspath(out)
     if os.path.isdir(out):
         out = os.path.join(out, "model.pt")
-    _refuse_inside(ckpt, out)
+    refuse_inside(ckpt, out)
     if os.path.lexists(out) and not overwrite:
         raise ArrayCheckpointError(f"{out} exists; pass --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(out))

@@ -1,0 +1,66 @@
+"""``arraycheckpoint metrics --plot`` never writes into the checkpoint, and a bad image name is a usage error
+(attack3 review: ``--plot CKPT/model/w/c/0`` replaced a chunk file with a PNG; ``--plot out.json`` was an
+internal error, exit 3)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from cli_helpers import run_main
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+import arraycheckpoint as acp  # noqa: E402
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    acp.save(str(path), {"model": {"w": torch.arange(6.0).reshape(2, 3)}})
+    return path
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        os.path.relpath(os.path.join(d, f), root): Path(d, f).read_bytes()
+        for d, _dirs, files in os.walk(root)
+        for f in files
+    }
+
+
+@pytest.mark.parametrize("inside", ["model/w/c/0", "metrics.png", ".acp/committed"])
+def test_a_plot_inside_the_checkpoint_is_refused_and_changes_nothing(ckpt: Path, capsys, inside: str) -> None:
+    before = _files(ckpt)
+    code, _out, err = run_main(capsys, "metrics", ckpt, "--plot", ckpt / inside)
+    assert code == 2 and "inside the checkpoint" in err, err
+    assert _files(ckpt) == before
+    assert run_main(capsys, "verify", ckpt)[0] == 0
+
+
+def test_an_image_format_matplotlib_lacks_is_a_usage_error(ckpt: Path, tmp_path: Path, capsys) -> None:
+    code, _out, err = run_main(capsys, "metrics", ckpt, "--plot", tmp_path / "out.json")
+    assert code == 2 and "'json'" in err and "out.json" in err, err
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_plot_replaces_a_link_without_writing_through_it(ckpt: Path, tmp_path: Path, capsys) -> None:
+    victim = tmp_path / "victim.png"
+    victim.write_bytes(b"keep")
+    link = tmp_path / "plot.png"
+    link.symlink_to(victim)
+    code, _out, err = run_main(capsys, "metrics", ckpt, "--plot", link)
+    assert code == 0, err
+    assert victim.read_bytes() == b"keep"
+    assert not link.is_symlink() and link.read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_diff_of_a_namespace_neither_checkpoint_holds_is_an_error_not_identical(ckpt: Path, capsys) -> None:
+    """``diff A B --namespace modle`` compared 0 tensors and said "identical" (exit 0)."""
+    code, out, err = run_main(capsys, "diff", ckpt, ckpt, "--namespace", "modle")
+    assert code == 2 and "'modle'" in err and "model" in err, (out, err)
+    code, out, err = run_main(capsys, "diff", ckpt, ckpt, "--namespace", "model")
+    assert code == 0 and "identical (1 tensors compared)" in out, (out, err)
