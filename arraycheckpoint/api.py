@@ -6,10 +6,11 @@ hand the result to the engine. ``save`` is ``save_async(...).result()``: one cod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ._validate import (
@@ -28,9 +29,10 @@ from ._validate import (
     key_map_function,
 )
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
+from .checks.bounds import MAX_JSON_DEPTH
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
 from .engine.load import gc_paused
-from .errors import CheckpointNotFoundError, InvalidArgumentError, StateMismatchError
+from .errors import CheckpointNotFoundError, InvalidArgumentError, InvalidStateError, StateMismatchError
 from .format.metadata import CheckpointMetadata
 from .planning.plan import PlanOptions
 from .runtime.collectives import Communicator, default_communicator
@@ -133,16 +135,17 @@ def save_async(
     step = check_step(step)
     check_inflight(max_inflight_bytes)
     path = stateful.role_path(path, role)
-    special, state = stateful.split(state)
-    # --
-    framework = framework or detect_framework(state)
-    adapter = _adapter(framework)
-    request = adapter.save_request(state, AdapterOptions(allow_pickle=allow_pickle, step=step))
-    request.framework = framework
-    comm = _communicator(comm, framework, liveness_timeout)
-    stateful.extend_request(
-        request, special, comm, AdapterOptions(allow_pickle=allow_pickle, step=step), role
-    )
+    with _nesting_checked():
+        special, state = stateful.split(state)
+        # --
+        framework = framework or detect_framework(state)
+        adapter = _adapter(framework)
+        request = adapter.save_request(state, AdapterOptions(allow_pickle=allow_pickle, step=step))
+        request.framework = framework
+        comm = _communicator(comm, framework, liveness_timeout)
+        stateful.extend_request(
+            request, special, comm, AdapterOptions(allow_pickle=allow_pickle, step=step), role
+        )
     request.topology = {"world_size": comm.world_size, "framework": framework, **request.topology}
     plan = plan_options or PlanOptions()
     if compression is not None:
@@ -157,6 +160,21 @@ def save_async(
         liveness_timeout=liveness_timeout,
     )
     return engine().save_async(os.fspath(path), request, comm, options)
+
+
+@contextlib.contextmanager
+def _nesting_checked() -> Iterator[None]:
+    """A state nested ~1,000 deep (or a dict or list that holds itself) is an :class:`InvalidStateError`
+    before anything is written, not a ``RecursionError`` from deep inside the adapters."""
+    from .stateful import METADATA_WRAPPING
+
+    try:
+        yield
+    except RecursionError as e:
+        raise InvalidStateError(
+            "the state nests too deep to save, or holds a dict or list that contains itself: a saved value "
+            f"may nest at most {MAX_JSON_DEPTH - METADATA_WRAPPING} levels; flatten it"
+        ) from e
 
 
 def save(path: str | os.PathLike[str], state: Mapping[str, Any], **kwargs: Any) -> CheckpointMetadata:

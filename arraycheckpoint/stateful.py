@@ -206,6 +206,37 @@ def save_items(
     return tensors, objects
 
 
+#: Levels of ``.acp/metadata.json`` around an object's value (the document, ``objects``, its record, a
+#: per-rank object's ranks and template): a value may nest this much less than the load's JSON limit.
+METADATA_WRAPPING = 6
+
+
+def check_json_depth(objects: Sequence[SaveObject]) -> None:
+    """Refuse, before anything is written, an object whose value nests so deep that the metadata holding it
+    would pass :data:`~arraycheckpoint.checks.bounds.MAX_JSON_DEPTH` (every load refuses such metadata as
+    hostile: the save committed a checkpoint that could not load). Iterative, so no ``RecursionError``."""
+    from .checks.bounds import MAX_JSON_DEPTH
+
+    limit = MAX_JSON_DEPTH - METADATA_WRAPPING
+    for obj in objects:
+        deepest, stack = 0, [(obj.value, 0)]
+        while stack and deepest <= limit:
+            v, level = stack.pop()
+            if isinstance(v, Mapping):
+                stack.extend((x, level + 1) for x in v.values())
+            elif isinstance(v, list | tuple):
+                stack.extend((x, level + 1) for x in v)
+            else:
+                continue
+            deepest = max(deepest, level + 1)
+        if deepest > limit:
+            raise ArrayCheckpointError(
+                f"{obj.name}: its value nests more than {limit} levels of dicts and lists (as stored); a "
+                "checkpoint's metadata may nest at most "
+                f"{MAX_JSON_DEPTH} and every load refuses deeper metadata: flatten it, or store it as an array"
+            )
+
+
 def extend_request(
     request: SaveRequest,
     special: Mapping[str, Any],
@@ -220,6 +251,7 @@ def extend_request(
         request.objects.extend(objects)
     if role is not None:
         request.roles = (role,)
+    check_json_depth(request.objects)
     return request
 
 

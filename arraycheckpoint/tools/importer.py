@@ -38,6 +38,7 @@ from ..planning.items import SaveObject, SaveRequest, SaveShard, SaveTensor
 from ..planning.regions import Box
 from ..runtime.collectives import SingleProcessCommunicator
 from ..sources.hubcache import locate
+from ..stateful import check_json_depth
 
 
 @dataclass
@@ -385,6 +386,7 @@ def import_checkpoint(
         step=step,
         topology={"world_size": 1, "framework": "torch", "imported_from": kind},
     )
+    check_json_depth(request.objects)  # a config.json nested ~95 deep: no checkpoint a load refuses
     engine().save_async(
         os.fspath(path), request, SingleProcessCommunicator(), SaveOptions(overwrite=overwrite)
     ).result()

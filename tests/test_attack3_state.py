@@ -1,0 +1,82 @@
+"""A save never commits a checkpoint whose metadata every load refuses, and a self-containing or ~1,000-deep
+state is a clear error before anything is written (attack3 review: extra state nested 95-1,000 levels saved,
+then every load said the metadata "nests JSON 104 levels deep ... (extra state this deep cannot be saved
+either)"; deeper, or a dict holding itself, was a bare RecursionError)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import arraycheckpoint as acp
+
+
+def _nest(n: int, leaf: Any = 1) -> Any:
+    for _ in range(n):
+        leaf = [leaf]
+    return leaf
+
+
+FORMS = {
+    "plain": lambda n: {"x": _nest(n)},
+    "dicts": lambda n: {"x": _nest(n, {"k": 1})},
+    "per_rank": lambda n: {"x": acp.PerRank(_nest(n))},
+    "per_rank_with_array": lambda n: {"x": acp.PerRank({"a": _nest(n), "b": np.arange(3)})},
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_the_deepest_state_a_save_accepts_loads_and_one_deeper_is_refused(tmp_path: Path, form: str) -> None:
+    make = FORMS[form]
+    deepest = None
+    for n in range(86, 100):  # the load refuses metadata nested over 100
+        path = tmp_path / f"n{n}"
+        try:
+            acp.save(str(path), {"extra_state": make(n)})
+        except acp.ArrayCheckpointError as e:
+            assert "extra_state" in str(e) and "nests" in str(e)
+            assert not path.exists()
+            break
+        deepest = n
+    else:
+        pytest.fail("a state nested 99 levels was saved: no load accepts its metadata")
+    assert deepest is not None
+    loaded = acp.load(str(tmp_path / f"n{deepest}"), {"extra_state": {}})["extra_state"]
+    value = loaded["x"].value if isinstance(loaded["x"], acp.PerRank) else loaded["x"]
+    expected = make(deepest)["x"]
+    expected = expected.value if isinstance(expected, acp.PerRank) else expected
+    if isinstance(expected, dict):
+        assert np.array_equal(value["b"], expected["b"])
+        value, expected = value["a"], expected["a"]
+    assert json.dumps(value) == json.dumps(expected)
+
+
+@pytest.mark.parametrize("how", ["cycle", "thousands"])
+def test_a_state_too_deep_for_python_is_an_error_naming_the_fix(tmp_path: Path, how: str) -> None:
+    if how == "cycle":
+        value: Any = {}
+        value["self"] = value
+    else:
+        value = _nest(5000)
+    with pytest.raises(acp.InvalidStateError, match="nests too deep"):
+        acp.save(str(tmp_path / "c"), {"extra_state": {"x": value}})
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_import_of_a_directory_whose_config_nests_too_deep_commits_nothing(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    from arraycheckpoint.tools.importer import import_checkpoint
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    st.save_file({"w": torch.ones(2)}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"a": _nest(97)}))
+    with pytest.raises(acp.ArrayCheckpointError, match="hf_config"):
+        import_checkpoint(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
