@@ -146,6 +146,10 @@ def hf_files(ckpt: Checkpoint, config: str | os.PathLike[str] | None = None) -> 
     return {keys[k]: v for k, v in doc.items() if k in keys and isinstance(v, dict)}
 
 
+#: The safetensors header entry that holds string metadata, never a tensor.
+SAFETENSORS_RESERVED = "__metadata__"
+
+
 class Renamer:
     """Output key renaming: exact keys, ``{name}`` patterns and ``re:`` regular expressions (module doc)."""
 
@@ -244,6 +248,12 @@ def select(
         stored, key = pair[0], pair[1]
         index, rows = pair[2:] if len(pair) == 4 else ((), ())
         key = renamer(key)
+        if key in ("", SAFETENSORS_RESERVED):  # "": no name; "__metadata__": the header's own entry
+            raise ArrayCheckpointError(
+                f"export key {key!r} (from {stored!r}) cannot name a tensor: safetensors reserves "
+                f"{SAFETENSORS_RESERVED!r} for the header's metadata and a key must not be empty (the file "
+                "written would not load); fix the rename map"
+            )
         if key in seen:
             raise ArrayCheckpointError(
                 f"export key {key!r} would come from both {seen[key]!r} and {stored!r}; fix the rename map"

@@ -60,3 +60,16 @@ def test_a_consistent_sharded_directory_still_imports_bit_exactly(tmp_path: Path
     target = {"model": {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}}
     acp.load(str(tmp_path / "out"), target)
     assert torch.equal(target["model"]["a"], a) and torch.equal(target["model"]["b"], b)
+
+
+@pytest.mark.parametrize("bad", ["", "__metadata__"])
+def test_export_refuses_a_key_no_safetensors_reader_accepts(tmp_path: Path, capsys, bad: str) -> None:
+    """``--rename`` onto ``__metadata__`` wrote a file that neither safetensors nor ``import`` could read
+    ("duplicate field `__metadata__`"), onto ``""`` one that ``import`` refused: both exit 0."""
+    ckpt = tmp_path / "ckpt"
+    acp.save(str(ckpt), {"model": {"w": torch.ones(2), "b": torch.zeros(3)}})
+    mapping = tmp_path / "map.json"
+    mapping.write_text(json.dumps({"w": bad}))
+    code, _out, err = run_main(capsys, "export", ckpt, tmp_path / "out", "--rename", mapping)
+    assert code == 2 and repr(bad) in err and "'model/w'" in err, err
+    assert not (tmp_path / "out").exists()
