@@ -33,7 +33,7 @@ import numpy as np
 from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..engine import SaveOptions, engine
 from ..errors import ArrayCheckpointError, MetadataError, PickleNotAllowedError
-from ..format.metadata import check_name
+from ..format.metadata import MAX_NDIM, check_name
 from ..planning.items import SaveObject, SaveRequest, SaveShard, SaveTensor
 from ..planning.regions import Box
 from ..runtime.collectives import SingleProcessCommunicator
@@ -184,6 +184,10 @@ def _tensors_safetensors(
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ArrayCheckpointError(f"{path} is not a readable safetensors file: {why}") from None
         for key, shape, dtype in shapes:
+            if len(shape) > MAX_NDIM:  # the safetensors library accepts any; numpy, zarr and the load take 64
+                raise MetadataError(
+                    f"tensor {key!r} of {path} has {len(shape)} dimensions; a checkpoint holds at most {MAX_NDIM}"
+                )
             meta = torch.empty(shape, dtype=_st_dtype(dtype), device="meta")
 
             def load(path: str = path, key: str = key) -> Any:

@@ -73,3 +73,19 @@ def test_export_refuses_a_key_no_safetensors_reader_accepts(tmp_path: Path, caps
     code, _out, err = run_main(capsys, "export", ckpt, tmp_path / "out", "--rename", mapping)
     assert code == 2 and repr(bad) in err and "'model/w'" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_import_of_a_tensor_with_more_dimensions_than_a_checkpoint_holds_names_it(
+    tmp_path: Path, capsys
+) -> None:
+    """A header with a 100-dimensional tensor (the safetensors library reads it) was an internal error (exit 3,
+    numpy's "maximum supported dimension ... 64")."""
+    import struct
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    header = json.dumps({"deep": {"dtype": "F32", "shape": [1] * 100, "data_offsets": [0, 4]}}).encode()
+    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    code, _out, err = run_main(capsys, "import", src, tmp_path / "out")
+    assert code == 2 and "'deep'" in err and "100 dimensions" in err, err
+    assert not (tmp_path / "out").exists()
