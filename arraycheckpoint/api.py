@@ -33,7 +33,7 @@ from .checks.bounds import MAX_JSON_DEPTH
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
 from .engine.load import gc_paused
 from .errors import CheckpointNotFoundError, InvalidArgumentError, InvalidStateError, StateMismatchError
-from .format.metadata import CheckpointMetadata
+from .format.metadata import SAFETENSORS_FRAMEWORK, CheckpointMetadata
 from .planning.plan import PlanOptions
 from .runtime.collectives import Communicator, default_communicator
 from .runtime.future import CheckpointFuture
@@ -346,7 +346,13 @@ def _load(
     if strict:
         check_namespaces_stored(meta, job, state, key_map)
     check_key_map_used(key_map, strict, report)
-    found = check_expected(meta, job, options)
+    try:
+        found = check_expected(meta, job, options)
+    except StateMismatchError as e:
+        hint = _conversion_hint(meta, state)
+        if not hint:
+            raise
+        raise StateMismatchError(f"{e}\n{hint}") from None
     needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
     communicator = _communicator(comm, framework, liveness_timeout) if needs_comm else None
     if communicator is not None:
@@ -373,6 +379,33 @@ def _load(
 
         record_load_metrics(root, recorder, communicator)
     return job.finish()
+
+
+def _conversion_hint(meta: CheckpointMetadata, state: Mapping[str, Any]) -> str:
+    """Why a Hugging Face directory's keys miss a transformers model's names, where transformers itself
+    converts them at load (transformers 5 renames and fuses weights per model type: Mixtral's per-expert
+    ``block_sparse_moe.experts.0.w1.weight`` become one ``mlp.experts.gate_up_proj``), else ``""``."""
+    transformers = sys.modules.get("transformers")
+    if meta.framework != SAFETENSORS_FRAMEWORK or transformers is None:
+        return ""
+    for ns, value in state.items():
+        model_type = getattr(getattr(value, "config", None), "model_type", None)
+        if not isinstance(value, getattr(transformers, "PreTrainedModel", ())) or not model_type:
+            continue
+        try:
+            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+            rules = get_checkpoint_conversion_mapping(model_type)
+        except Exception:  # noqa: BLE001 - a transformers without the mapping: no hint
+            return ""
+        if rules:
+            return (
+                f"transformers renames or fuses {model_type!r} weights when it loads a Hugging Face directory "
+                f"({len(rules)} conversion rules), so the files' keys are not the names of {ns!r}: load the "
+                f"directory once with {type(value).__name__}.from_pretrained(path), acp.save the model, and "
+                "load that checkpoint"
+            )
+    return ""
 
 
 def load_jax(
