@@ -70,12 +70,29 @@ def _load_map(path: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------- commands
+def _dumps(doc: Any, indent: int | None = None) -> str:
+    """``doc`` as strict JSON: an infinite or NaN number (``diff``'s ``max_abs_diff`` of NaN against a number)
+    becomes the string ``"inf"``, ``"-inf"`` or ``"nan"`` (``json.dumps`` wrote ``Infinity``, which jq and
+    every strict parser refuse)."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(doc), indent=indent, allow_nan=False)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..tools.common import open_checkpoint
     from ..tools.summary import format_summary, summarize
 
     summary = summarize(open_checkpoint(args.path))
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    print(_dumps(summary, indent=2) if args.json else format_summary(summary))
     return EXIT_OK
 
 
@@ -87,7 +104,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = verify(args.path, progress=bar.update, read_data=not args.no_data)
     if args.json:
         print(
-            json.dumps(
+            _dumps(
                 {
                     "path": report.path,
                     "ok": report.ok,
@@ -237,7 +254,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         )
     if args.json:
         print(
-            json.dumps(
+            _dumps(
                 {
                     "same": report.same,
                     "objects": report.objects,
@@ -278,7 +295,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         table = phase_table(recorded_metrics(ckpt.storage, ckpt.root, ckpt.meta), args.kind)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
-    print(json.dumps(table.to_json(), indent=2) if args.json else format_table(table))
+    print(_dumps(table.to_json(), indent=2) if args.json else format_table(table))
     if args.plot:
         try:
             import matplotlib  # noqa: F401

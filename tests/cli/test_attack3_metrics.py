@@ -64,3 +64,20 @@ def test_diff_of_a_namespace_neither_checkpoint_holds_is_an_error_not_identical(
     assert code == 2 and "'modle'" in err and "model" in err, (out, err)
     code, out, err = run_main(capsys, "diff", ckpt, ckpt, "--namespace", "model")
     assert code == 0 and "identical (1 tensors compared)" in out, (out, err)
+
+
+def test_diff_json_is_strict_json_when_a_difference_is_infinite(tmp_path: Path, capsys) -> None:
+    """NaN against a number counts as an infinite difference; ``--json`` printed ``Infinity`` (jq: parse error)."""
+    import json
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    acp.save(str(a), {"model": {"w": torch.ones(2)}})
+    acp.save(str(b), {"model": {"w": torch.tensor([float("nan"), 1.0])}})
+    code, out, err = run_main(capsys, "diff", a, b, "--json")
+    assert code == 1, err
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"not JSON: {name}")
+
+    doc = json.loads(out, parse_constant=refuse)
+    assert doc["tensors"][0]["max_abs_diff"] == "inf" and doc["tensors"][0]["differing"] == 1
