@@ -26,15 +26,16 @@ a root's committed roles.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .adapters.base import AdapterOptions, Expected, LoadJob
-from .errors import ArrayCheckpointError
+from .errors import ArrayCheckpointError, InconsistentCheckpointError
 from .format import extras, perrank, rankdoc
 from .format.metadata import CheckpointMetadata
 from .format.perrank import PerRank
@@ -317,6 +318,10 @@ def _apply(target: Any, loaded: Any, rank: int) -> Any:
         target.value = _apply(target.value, loaded, rank)
         return target
     if is_stateful(target) and not _is_array(target):
+        if not isinstance(loaded, Mapping):  # a state dict is a dict; the object's own code would fail on it
+            raise InconsistentCheckpointError(
+                f"the saved state of {type(target).__name__} is a {type(loaded).__name__}, not a state dict"
+            )
         target.load_state_dict(loaded)
         return target
     if isinstance(loaded, dict):
@@ -358,7 +363,34 @@ def load_job(
     obj = meta.objects.get(ns)
     if obj is None:
         return LoadJob([], expected, {ns}, lambda: None)
-    head = obj.value
+    with _damaged(ns):
+        return _plan_load(ns, value, obj.value, meta, comm, options, result, expected)
+
+
+@contextlib.contextmanager
+def _damaged(ns: str) -> Iterator[None]:
+    """Anything of the wrong shape in ``ns``'s stored documents (they are untrusted) is an
+    :class:`InconsistentCheckpointError` naming ``ns``, not a bare ``KeyError`` or ``IndexError``."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        why = f"{e.args[0]!r} is missing" if isinstance(e, KeyError) and e.args else str(e)
+        raise InconsistentCheckpointError(f"{ns}: its saved state is damaged: {why}") from None
+    except InconsistentCheckpointError as e:
+        raise InconsistentCheckpointError(f"{ns}: {e}") from None
+
+
+def _plan_load(
+    ns: str,
+    value: Any,
+    head: Any,
+    meta: CheckpointMetadata,
+    comm: Callable[[], Communicator],
+    options: AdapterOptions,
+    result: dict[str, Any],
+    expected: dict[str, Expected],
+) -> LoadJob:
+    """:func:`load_job` of a namespace of plain values, PerRank values and state_dict objects."""
     if _saved_marker(meta, ns) == MARKER:
         doc, kinds = head["doc"], dict(head.get("arrays", {}))
     else:  # saved by the framework adapter as plain extra state (numpy arrays listed in <ns>/~arrays)
@@ -405,9 +437,13 @@ def load_job(
         default = "torch" if "torch" in sys.modules else "numpy"
         arrays = {n: _as_kind(b, kinds.get(n, default)) for n, b in bufs.items()}
         values = rankdoc.join(docs, leaves.get("int", ()), leaves.get("float", ())) if leaves else docs
-        per_rank = [extras.decode(d, arrays, options.allow_pickle, where=ns) for d in values]
-        loaded = _restore(extras.decode(doc, arrays, options.allow_pickle, where=ns), per_rank, src)
-        result[ns] = _apply(value, loaded, rank)
+        with _damaged(ns):
+            per_rank = [extras.decode(d, arrays, options.allow_pickle, where=ns) for d in values]
+            loaded = _restore(extras.decode(doc, arrays, options.allow_pickle, where=ns), per_rank, src)
+        try:
+            result[ns] = _apply(value, loaded, rank)
+        except InconsistentCheckpointError as e:
+            raise InconsistentCheckpointError(f"{ns}: {e}") from None
 
     return LoadJob(targets, expected, {ns}, finish)
 

@@ -80,3 +80,48 @@ def test_import_of_a_directory_whose_config_nests_too_deep_commits_nothing(tmp_p
     with pytest.raises(acp.ArrayCheckpointError, match="hf_config"):
         import_checkpoint(str(src), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+class _Counter:
+    """A stateful object (state_dict / load_state_dict) as schedulers are."""
+
+    def __init__(self) -> None:
+        self.n = 3
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = sd["n"]
+
+
+def _extra_edits() -> dict[str, Any]:
+    es, pr = "extra_state", "extra_state/~per_rank"
+    return {
+        "no document": lambda o: o[es]["value"].pop("doc"),
+        "a per-rank slot past the end": lambda o: o[es]["value"]["doc"]["a"].__setitem__(
+            "__acp_per_rank__", 7
+        ),
+        "array kinds a list": lambda o: o[es]["value"].__setitem__("arrays", [1]),
+        "no per-rank object": lambda o: o.pop(pr),
+        "a state dict that is a number": lambda o: o[es]["value"]["doc"].__setitem__("s", 5),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_extra_edits()))
+def test_damaged_extra_state_is_named_not_a_bare_python_error(tmp_path: Path, case: str) -> None:
+    """Each was a bare KeyError / IndexError / TypeError (the last from the object's own load_state_dict)."""
+    import shutil
+
+    root = tmp_path / "ck"
+    acp.save(str(root), {"extra_state": {"a": acp.PerRank({"x": 1}), "s": _Counter(), "g": 5}})
+    good = acp.load(str(root), {"extra_state": {"a": acp.PerRank(None), "s": _Counter(), "g": 0}})
+    assert good["extra_state"]["a"].value == {"x": 1} and good["extra_state"]["g"] == 5
+    path = tmp_path / "bad"
+    shutil.copytree(root, path)
+    meta = path / ".acp" / "metadata.json"
+    doc = json.loads(meta.read_text())
+    _extra_edits()[case](doc["objects"])
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(acp.InconsistentCheckpointError, match="^extra_state: "):
+        acp.load(str(path), {"extra_state": {"a": acp.PerRank(None), "s": _Counter(), "g": 0}})
