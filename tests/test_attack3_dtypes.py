@@ -31,3 +31,17 @@ def test_load_into_an_unsupported_target_dtype_names_it(tmp_path: Path) -> None:
     with pytest.raises(acp.UnsupportedDTypeError, match=r"scales.*float8_e8m0fnu"):
         acp.load(str(tmp_path / "c"), target)
     assert torch.equal(target["model"]["w"], torch.zeros(2))  # refused before anything was read
+
+
+@pytest.mark.parametrize("bad", [-5, "x", 1.5, True])
+def test_prepare_refuses_a_pinned_budget_that_is_not_a_byte_count(bad: object) -> None:
+    """``pinned_bytes="x"`` was a bare ValueError from int(); -5 and 1.5 were taken as given."""
+    with pytest.raises(acp.InvalidArgumentError, match="pinned_bytes"):
+        acp.prepare({"model": torch.nn.Linear(2, 2)}, pinned_bytes=bad)
+
+
+@pytest.mark.parametrize("bad", [None, [1]])
+def test_prepare_refuses_a_state_that_is_not_a_mapping(bad: object) -> None:
+    """Was AttributeError: 'NoneType' object has no attribute 'items'."""
+    with pytest.raises(acp.InvalidStateError, match="mapping"):
+        acp.prepare(bad)  # type: ignore[arg-type]
