@@ -60,8 +60,9 @@ def _load_map(path: str) -> dict[str, str]:
         mapping = load_json_bounded(raw, max_bytes=MAX_METADATA_BYTES, what=f"mapping file {path}")
     except OSError as e:
         raise UsageError(f"cannot read the mapping file {path}: {e}") from None
-    except MetadataError as e:
-        raise UsageError(f"cannot read the mapping file {path}: {e}") from None
+    except MetadataError as e:  # its wording blames a checkpoint; the map is the user's own file
+        why = str(e).split("; the checkpoint is damaged")[0]
+        raise UsageError(f"cannot read the mapping file {path}: {why}") from None
     if not isinstance(mapping, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
     ):

@@ -81,3 +81,16 @@ def test_diff_json_is_strict_json_when_a_difference_is_infinite(tmp_path: Path, 
 
     doc = json.loads(out, parse_constant=refuse)
     assert doc["tensors"][0]["max_abs_diff"] == "inf" and doc["tensors"][0]["differing"] == 1
+
+
+@pytest.mark.parametrize("text", ["[1", "[" * 200 + "]" * 200])
+def test_a_bad_mapping_file_does_not_blame_the_checkpoint(
+    ckpt: Path, tmp_path: Path, capsys, text: str
+) -> None:
+    """The error said "...; the checkpoint is damaged" about the user's own --map file."""
+    mapping = tmp_path / "map.json"
+    mapping.write_text(text)
+    before = _files(ckpt)
+    code, _out, err = run_main(capsys, "rename", ckpt, "--map", mapping)
+    assert code == 2 and str(mapping) in err and "checkpoint is damaged" not in err, err
+    assert _files(ckpt) == before
