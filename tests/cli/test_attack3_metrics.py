@@ -83,7 +83,7 @@ def test_diff_json_is_strict_json_when_a_difference_is_infinite(tmp_path: Path, 
     assert doc["tensors"][0]["max_abs_diff"] == "inf" and doc["tensors"][0]["differing"] == 1
 
 
-@pytest.mark.parametrize("text", ["[1", "[" * 200 + "]" * 200])
+@pytest.mark.parametrize("text", ["[1", "[" * 200 + "]" * 200], ids=["cut short", "200 deep"])
 def test_a_bad_mapping_file_does_not_blame_the_checkpoint(
     ckpt: Path, tmp_path: Path, capsys, text: str
 ) -> None:
