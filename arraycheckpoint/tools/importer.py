@@ -188,7 +188,10 @@ def _tensors_safetensors(
                 raise MetadataError(
                     f"tensor {key!r} of {path} has {len(shape)} dimensions; a checkpoint holds at most {MAX_NDIM}"
                 )
-            meta = torch.empty(shape, dtype=_st_dtype(dtype), device="meta")
+            try:
+                meta = torch.empty(shape, dtype=_st_dtype(dtype), device="meta")
+            except ArrayCheckpointError as e:
+                raise ArrayCheckpointError(f"tensor {key!r} of {path}: {e}") from None
 
             def load(path: str = path, key: str = key) -> Any:
                 with safe_open(path, framework="pt") as g:
@@ -221,6 +224,9 @@ def _st_dtype(name: str) -> Any:
         "I16": torch.int16,
         "I8": torch.int8,
         "U8": torch.uint8,
+        "U16": torch.uint16,
+        "U32": torch.uint32,
+        "U64": torch.uint64,
         "BOOL": torch.bool,
         "F8_E4M3": torch.float8_e4m3fn,
         "F8_E5M2": torch.float8_e5m2,

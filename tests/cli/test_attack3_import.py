@@ -89,3 +89,26 @@ def test_import_of_a_tensor_with_more_dimensions_than_a_checkpoint_holds_names_i
     code, _out, err = run_main(capsys, "import", src, tmp_path / "out")
     assert code == 2 and "'deep'" in err and "100 dimensions" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_import_reads_unsigned_dtypes_acp_load_reads(tmp_path: Path, capsys) -> None:
+    """U16/U32/U64 tensors loaded through ``acp.load`` of the directory but ``import`` refused them, and its
+    message for a dtype it lacks named neither the tensor nor the file."""
+    import struct
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    tensors = {n: torch.arange(5).to(getattr(torch, n)) for n in ("uint16", "uint32", "uint64")}
+    safetensors_torch.save_file(tensors, str(src / "model.safetensors"))
+    code, _out, err = run_main(capsys, "import", src, tmp_path / "out")
+    assert code == 0, err
+    target = {"model": {n: torch.zeros(5, dtype=t.dtype) for n, t in tensors.items()}}
+    acp.load(str(tmp_path / "out"), target)
+    assert all(torch.equal(target["model"][n], t) for n, t in tensors.items())
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    header = json.dumps({"scales": {"dtype": "F8_E8M0", "shape": [4], "data_offsets": [0, 4]}}).encode()
+    (odd / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    code, _out, err = run_main(capsys, "import", odd, tmp_path / "out2")
+    assert code == 2 and "'scales'" in err and "model.safetensors" in err and "F8_E8M0" in err, err
