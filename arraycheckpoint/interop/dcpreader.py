@@ -75,8 +75,14 @@ class Reader(StorageReader):
         for entry, tm in meta.tensors.items():
             key = by_entry.get(entry) or dcp_key(entry)
             self._keys[key] = entry
+            try:
+                dtype = torch_dtype(numpy_dtype(tm.dtype))
+            except ArrayCheckpointError as e:  # a JAX checkpoint's float8_e3m4: name the tensor
+                raise ArrayCheckpointError(
+                    f"{self.path}: tensor {entry!r}: {e}; DCP cannot describe it"
+                ) from None
             md[key] = TensorStorageMetadata(
-                TensorProperties(dtype=torch_dtype(numpy_dtype(tm.dtype))),
+                TensorProperties(dtype=dtype),
                 torch.Size(tm.shape),
                 [ChunkStorageMetadata(offsets=torch.Size([0] * len(tm.shape)), sizes=torch.Size(tm.shape))],
             )

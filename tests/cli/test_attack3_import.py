@@ -112,3 +112,34 @@ def test_import_reads_unsigned_dtypes_acp_load_reads(tmp_path: Path, capsys) -> 
     (odd / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
     code, _out, err = run_main(capsys, "import", odd, tmp_path / "out2")
     assert code == 2 and "'scales'" in err and "model.safetensors" in err and "F8_E8M0" in err, err
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_export_of_a_dtype_the_output_lacks_names_the_tensor_before_reading(
+    tmp_path: Path, capsys, fmt: str
+) -> None:
+    """float8_e3m4 (JAX checkpoints hold it): safetensors failed after reading everything, naming only its
+    temporary file ("cannot write .model-00001-of-00001.safetensors.x.tmp: Unknown dtype"); torch was an
+    internal error (KeyError: dtype(float8_e3m4))."""
+    import ml_dtypes
+    import numpy as np
+
+    ckpt = tmp_path / "ckpt"
+    acp.save(str(ckpt), {"model": {"w": np.zeros(4, dtype=ml_dtypes.float8_e3m4), "b": torch.ones(2)}})
+    out = tmp_path / ("out" if fmt == "safetensors" else "out.pt")
+    code, _out, err = run_main(capsys, "export", ckpt, out, "--format", fmt)
+    assert code == 2 and "'model/w'" in err and "float8_e3m4" in err, err
+    assert not out.exists() or not any(out.iterdir())
+    code, _out, err = run_main(
+        capsys, "export", ckpt, out, "--format", fmt, "--dtype", "float16", "--overwrite"
+    )
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool"])
+def test_export_dtype_must_be_floating_point(tmp_path: Path, capsys, dtype: str) -> None:
+    """``--dtype int8`` truncated every float weight to an integer, exit 0."""
+    ckpt = tmp_path / "ckpt"
+    acp.save(str(ckpt), {"model": {"w": torch.full((2,), 0.7)}})
+    code, _out, err = run_main(capsys, "export", ckpt, tmp_path / "out", "--dtype", dtype)
+    assert code == 2 and f"--dtype {dtype}" in err, err

@@ -97,3 +97,14 @@ def test_a_value_that_is_not_base64_names_it(tmp_path: Path) -> None:
             storage_reader=acp.dcp.Reader(str(path)),
         )
     assert os.path.exists(path / ".acp" / "committed")
+
+
+def test_a_tensor_torch_has_no_dtype_for_is_named(tmp_path: Path) -> None:
+    """A JAX-saved float8_e3m4 made Reader.read_metadata fail with a bare KeyError: dtype(float8_e3m4)."""
+    import ml_dtypes
+    import numpy as np
+
+    path = tmp_path / "ckpt"
+    acp.save(str(path), {"model": {"w": np.zeros(4, dtype=ml_dtypes.float8_e3m4), "b": torch.ones(2)}})
+    with pytest.raises(BaseException, match="'model/w'.*float8_e3m4"):
+        dcp.load({"model.b": torch.zeros(2)}, storage_reader=acp.dcp.Reader(str(path)))
