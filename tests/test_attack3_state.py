@@ -125,3 +125,34 @@ def test_damaged_extra_state_is_named_not_a_bare_python_error(tmp_path: Path, ca
     meta.write_text(json.dumps(doc))
     with pytest.raises(acp.InconsistentCheckpointError, match="^extra_state: "):
         acp.load(str(path), {"extra_state": {"a": acp.PerRank(None), "s": _Counter(), "g": 0}})
+
+
+@pytest.mark.parametrize("part", ["numpy", "torch"])
+def test_rng_restore_of_a_damaged_state_changes_no_generator(part: str) -> None:
+    """A loaded RNG state is untrusted: python's generator was set before numpy's (or torch's) failed, leaving
+    the process half-restored, with a bare IndexError / RuntimeError."""
+    import copy
+    import random
+
+    torch = pytest.importorskip("torch")
+    from arraycheckpoint import rng
+
+    good = rng.capture()
+    bad = copy.deepcopy(good)
+    if part == "numpy":
+        bad["numpy"]["key"] = bad["numpy"]["key"][:5]
+    else:
+        bad["torch"] = bad["torch"][:10]
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    with pytest.raises(ValueError, match="no generator was changed"):
+        rng.restore(bad)
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+    rng.restore(good)
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    rng.restore(good)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
