@@ -108,3 +108,12 @@ def test_a_tensor_torch_has_no_dtype_for_is_named(tmp_path: Path) -> None:
     acp.save(str(path), {"model": {"w": np.zeros(4, dtype=ml_dtypes.float8_e3m4), "b": torch.ones(2)}})
     with pytest.raises(BaseException, match="'model/w'.*float8_e3m4"):
         dcp.load({"model.b": torch.zeros(2)}, storage_reader=acp.dcp.Reader(str(path)))
+
+
+def test_two_keys_escaped_to_one_entry_are_named(tmp_path: Path) -> None:
+    """``w:1`` is stored escaped as ``w~c1``, which a literal key ``w~c1`` also is: the error named neither."""
+    with pytest.raises(BaseException, match=r"'w:1' and 'w~c1' would both be stored as 'w~c1'"):
+        dcp.save(
+            {"w:1": torch.ones(2), "w~c1": torch.zeros(2)}, storage_writer=acp.dcp.Writer(str(tmp_path / "c"))
+        )
+    assert not (tmp_path / "c" / ".acp" / "committed").exists()
