@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -241,6 +242,11 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any], skipped: list[str]) -> 
     import torch
 
     if isinstance(obj, torch.Tensor):
+        if prefix in out:  # {"b": {"a": t}} and {"b.a": t} both flatten to "b.a": one would be lost
+            raise ArrayCheckpointError(
+                f"two tensors of the torch.save file flatten to the key {prefix!r} (a nested dict and a dotted "
+                "key); rename one of them before importing"
+            )
         out[prefix] = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
@@ -255,9 +261,14 @@ def _tensors_torch(src: str, skipped: list[str]) -> dict[str, Any]:
     try:
         obj = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds (UnpicklingError, RuntimeError)
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in str(e).splitlines()]
+        lines = [ln for ln in lines if ln] or [type(e).__name__]
+        why = next(
+            (ln for ln in lines if "GLOBAL" in ln), lines[0]
+        )  # what the file holds, not torch's advice
         raise ArrayCheckpointError(
-            f"cannot read {src} as a torch.save file with weights_only=True: {str(e).splitlines()[0]}; "
-            "only tensors and plain containers are imported"
+            f"cannot read {src} as a torch.save file with weights_only=True: {why}; only tensors and plain "
+            "containers are imported (a whole pickled model is not: save its state_dict())"
         ) from None
     flat: dict[str, Any] = {}
     _flatten(obj, "", flat, skipped)

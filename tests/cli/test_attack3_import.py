@@ -143,3 +143,20 @@ def test_export_dtype_must_be_floating_point(tmp_path: Path, capsys, dtype: str)
     acp.save(str(ckpt), {"model": {"w": torch.full((2,), 0.7)}})
     code, _out, err = run_main(capsys, "export", ckpt, tmp_path / "out", "--dtype", dtype)
     assert code == 2 and f"--dtype {dtype}" in err, err
+
+
+def test_import_of_a_torch_file_whose_keys_flatten_to_one_name_is_refused(tmp_path: Path, capsys) -> None:
+    """``{"b": {"a": t1}, "b.a": t2}`` imported 2 of its 3 tensors, exit 0: one was overwritten."""
+    src = tmp_path / "sd.pt"
+    torch.save({"a": torch.ones(2), "b": {"a": torch.zeros(1)}, "b.a": torch.ones(1)}, str(src))
+    code, _out, err = run_main(capsys, "import", src, tmp_path / "out")
+    assert code == 2 and "'b.a'" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_of_a_pickled_module_says_what_the_file_holds(tmp_path: Path, capsys) -> None:
+    """The message was torch's first line, with terminal escapes, and no word of what was in the file."""
+    src = tmp_path / "whole.pt"
+    torch.save(torch.nn.Linear(2, 2), str(src))
+    code, _out, err = run_main(capsys, "import", src, tmp_path / "out")
+    assert code == 2 and "torch.nn.modules.linear.Linear" in err and "\x1b[" not in err, err
