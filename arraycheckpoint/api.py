@@ -6,10 +6,11 @@ hand the result to the engine. ``save`` is ``save_async(...).result()``: one cod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ._validate import (
@@ -28,10 +29,11 @@ from ._validate import (
     key_map_function,
 )
 from .adapters.base import Adapter, AdapterOptions, LoadJob, check_expected, unexpected_names
+from .checks.bounds import MAX_JSON_DEPTH
 from .engine import DEFAULT_INFLIGHT_BYTES, SaveOptions, engine
 from .engine.load import gc_paused
-from .errors import CheckpointNotFoundError, InvalidArgumentError, StateMismatchError
-from .format.metadata import CheckpointMetadata
+from .errors import CheckpointNotFoundError, InvalidArgumentError, InvalidStateError, StateMismatchError
+from .format.metadata import SAFETENSORS_FRAMEWORK, CheckpointMetadata
 from .planning.plan import PlanOptions
 from .runtime.collectives import Communicator, default_communicator
 from .runtime.future import CheckpointFuture
@@ -133,16 +135,17 @@ def save_async(
     step = check_step(step)
     check_inflight(max_inflight_bytes)
     path = stateful.role_path(path, role)
-    special, state = stateful.split(state)
-    # --
-    framework = framework or detect_framework(state)
-    adapter = _adapter(framework)
-    request = adapter.save_request(state, AdapterOptions(allow_pickle=allow_pickle, step=step))
-    request.framework = framework
-    comm = _communicator(comm, framework, liveness_timeout)
-    stateful.extend_request(
-        request, special, comm, AdapterOptions(allow_pickle=allow_pickle, step=step), role
-    )
+    with _nesting_checked():
+        special, state = stateful.split(state)
+        # --
+        framework = framework or detect_framework(state)
+        adapter = _adapter(framework)
+        request = adapter.save_request(state, AdapterOptions(allow_pickle=allow_pickle, step=step))
+        request.framework = framework
+        comm = _communicator(comm, framework, liveness_timeout)
+        stateful.extend_request(
+            request, special, comm, AdapterOptions(allow_pickle=allow_pickle, step=step), role
+        )
     request.topology = {"world_size": comm.world_size, "framework": framework, **request.topology}
     plan = plan_options or PlanOptions()
     if compression is not None:
@@ -157,6 +160,21 @@ def save_async(
         liveness_timeout=liveness_timeout,
     )
     return engine().save_async(os.fspath(path), request, comm, options)
+
+
+@contextlib.contextmanager
+def _nesting_checked() -> Iterator[None]:
+    """A state nested ~1,000 deep (or a dict or list that holds itself) is an :class:`InvalidStateError`
+    before anything is written, not a ``RecursionError`` from deep inside the adapters."""
+    from .stateful import METADATA_WRAPPING
+
+    try:
+        yield
+    except RecursionError as e:
+        raise InvalidStateError(
+            "the state nests too deep to save, or holds a dict or list that contains itself: a saved value "
+            f"may nest at most {MAX_JSON_DEPTH - METADATA_WRAPPING} levels; flatten it"
+        ) from e
 
 
 def save(path: str | os.PathLike[str], state: Mapping[str, Any], **kwargs: Any) -> CheckpointMetadata:
@@ -328,7 +346,13 @@ def _load(
     if strict:
         check_namespaces_stored(meta, job, state, key_map)
     check_key_map_used(key_map, strict, report)
-    found = check_expected(meta, job, options)
+    try:
+        found = check_expected(meta, job, options)
+    except StateMismatchError as e:
+        hint = _conversion_hint(meta, state)
+        if not hint:
+            raise
+        raise StateMismatchError(f"{e}\n{hint}") from None
     needs_comm = dedup_reads or record_metrics or (strict and job.global_namespaces)
     communicator = _communicator(comm, framework, liveness_timeout) if needs_comm else None
     if communicator is not None:
@@ -355,6 +379,33 @@ def _load(
 
         record_load_metrics(root, recorder, communicator)
     return job.finish()
+
+
+def _conversion_hint(meta: CheckpointMetadata, state: Mapping[str, Any]) -> str:
+    """Why a Hugging Face directory's keys miss a transformers model's names, where transformers itself
+    converts them at load (transformers 5 renames and fuses weights per model type: Mixtral's per-expert
+    ``block_sparse_moe.experts.0.w1.weight`` become one ``mlp.experts.gate_up_proj``), else ``""``."""
+    transformers = sys.modules.get("transformers")
+    if meta.framework != SAFETENSORS_FRAMEWORK or transformers is None:
+        return ""
+    for ns, value in state.items():
+        model_type = getattr(getattr(value, "config", None), "model_type", None)
+        if not isinstance(value, getattr(transformers, "PreTrainedModel", ())) or not model_type:
+            continue
+        try:
+            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+            rules = get_checkpoint_conversion_mapping(model_type)
+        except Exception:  # noqa: BLE001 - a transformers without the mapping: no hint
+            return ""
+        if rules:
+            return (
+                f"transformers renames or fuses {model_type!r} weights when it loads a Hugging Face directory "
+                f"({len(rules)} conversion rules), so the files' keys are not the names of {ns!r}: load the "
+                f"directory once with {type(value).__name__}.from_pretrained(path), acp.save the model, and "
+                "load that checkpoint"
+            )
+    return ""
 
 
 def load_jax(

@@ -8,11 +8,14 @@ buffer pool; it writes nothing and runs no collective, so ranks may call it inde
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from .errors import InvalidArgumentError
 
 
 def prepare(
@@ -41,12 +44,20 @@ def prepare(
         >>> fut = acp.save_async("ckpt/step_100", {"model": model, "optimizer": opt}, step=100)
     """
     from . import stateful
+    from ._validate import check_state
     from .adapters.base import AdapterOptions
     from .api import _adapter, detect_framework
     from .engine import engine
     from .runtime.hostpool import shared_pool
     from .runtime.tscontext import context
 
+    check_state(state, framework)
+    if pinned_bytes is not None and (
+        isinstance(pinned_bytes, bool) or not isinstance(pinned_bytes, numbers.Integral) or pinned_bytes < 0
+    ):
+        raise InvalidArgumentError(
+            f"pinned_bytes must be a number of bytes >= 0 or None, got {pinned_bytes!r}"
+        )
     start = time.perf_counter()
     pool = shared_pool()
     if pinned_bytes is not None:

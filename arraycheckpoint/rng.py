@@ -83,29 +83,51 @@ def restore(state: Mapping[str, Any]) -> dict[str, Any]:
         state = state.value
     if not is_rng_state(state):
         raise ValueError("not an RNG state captured by arraycheckpoint.rng.capture()")
+    try:  # everything is checked on throwaway generators first: a damaged part leaves every generator as it was
+        staged = _staged(state)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        why = f"{e.args[0]!r} is missing" if isinstance(e, KeyError) and e.args else str(e).splitlines()[0]
+        raise ValueError(f"the RNG state cannot be restored ({why}); no generator was changed") from None
+    py_state, np_state, torch_state, cuda_states, cuda_seed, keys = staged
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    if torch_state is not None or cuda_states is not None or cuda_seed is not None:
+        import torch
+
+        if torch_state is not None:
+            torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        if cuda_seed is not None:
+            torch.cuda.manual_seed_all(cuda_seed)
+    return keys
+
+
+def _staged(state: Mapping[str, Any]) -> tuple[Any, Any, Any, Any, Any, dict[str, Any]]:
+    """Every generator's new state of :func:`restore`, each tried on a throwaway generator of its kind."""
     py = state["python"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in _np(py["state"], np.uint32)), py["gauss"]))
+    py_state = (int(py["version"]), tuple(int(x) for x in _np(py["state"], np.uint32)), py["gauss"])
+    random.Random().setstate(py_state)
     n = state["numpy"]
-    np.random.set_state(
-        (
-            n["bit_generator"],
-            _np(n["key"], np.uint32),
-            int(n["pos"]),
-            int(n["has_gauss"]),
-            float(n["cached_gaussian"]),
-        )
+    np_state = (
+        n["bit_generator"],
+        _np(n["key"], np.uint32),
+        int(n["pos"]),
+        int(n["has_gauss"]),
+        float(n["cached_gaussian"]),
     )
+    np.random.RandomState().set_state(np_state)
+    torch_state = cuda_states = cuda_seed = None
     if "torch" in state or "torch_cuda" in state or "torch_cuda_seed" in state:
         import torch
 
         if "torch" in state:
-            torch.set_rng_state(torch.from_numpy(_np(state["torch"], np.uint8).copy()))
+            torch_state = torch.from_numpy(_np(state["torch"], np.uint8).copy())
+            torch.Generator().set_state(torch_state)
         if "torch_cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(
-                [torch.from_numpy(_np(s, np.uint8).copy()) for s in state["torch_cuda"]]
-            )
+            cuda_states = [torch.from_numpy(_np(s, np.uint8).copy()) for s in state["torch_cuda"]]
         if "torch_cuda_seed" in state and torch.cuda.is_available():
-            torch.cuda.manual_seed_all(int(state["torch_cuda_seed"]))
+            cuda_seed = int(state["torch_cuda_seed"])
     keys: dict[str, Any] = {}
     if state.get("jax"):
         import jax
@@ -113,7 +135,7 @@ def restore(state: Mapping[str, Any]) -> dict[str, Any]:
         for k, v in state["jax"].items():
             key = jax.random.wrap_key_data(np.asarray(_np(v["data"], np.uint32)), impl=v["impl"])
             keys[k] = key if v.get("typed", True) else jax.random.key_data(key)
-    return keys
+    return py_state, np_state, torch_state, cuda_states, cuda_seed, keys
 
 
 def _seed(state: Mapping[str, Any], rank: int) -> int:

@@ -26,15 +26,16 @@ a root's committed roles.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .adapters.base import AdapterOptions, Expected, LoadJob
-from .errors import ArrayCheckpointError
+from .errors import ArrayCheckpointError, InconsistentCheckpointError
 from .format import extras, perrank, rankdoc
 from .format.metadata import CheckpointMetadata
 from .format.perrank import PerRank
@@ -206,6 +207,37 @@ def save_items(
     return tensors, objects
 
 
+#: Levels of ``.acp/metadata.json`` around an object's value (the document, ``objects``, its record, a
+#: per-rank object's ranks and template): a value may nest this much less than the load's JSON limit.
+METADATA_WRAPPING = 6
+
+
+def check_json_depth(objects: Sequence[SaveObject]) -> None:
+    """Refuse, before anything is written, an object whose value nests so deep that the metadata holding it
+    would pass :data:`~arraycheckpoint.checks.bounds.MAX_JSON_DEPTH` (every load refuses such metadata as
+    hostile: the save committed a checkpoint that could not load). Iterative, so no ``RecursionError``."""
+    from .checks.bounds import MAX_JSON_DEPTH
+
+    limit = MAX_JSON_DEPTH - METADATA_WRAPPING
+    for obj in objects:
+        deepest, stack = 0, [(obj.value, 0)]
+        while stack and deepest <= limit:
+            v, level = stack.pop()
+            if isinstance(v, Mapping):
+                stack.extend((x, level + 1) for x in v.values())
+            elif isinstance(v, list | tuple):
+                stack.extend((x, level + 1) for x in v)
+            else:
+                continue
+            deepest = max(deepest, level + 1)
+        if deepest > limit:
+            raise ArrayCheckpointError(
+                f"{obj.name}: its value nests more than {limit} levels of dicts and lists (as stored); a "
+                "checkpoint's metadata may nest at most "
+                f"{MAX_JSON_DEPTH} and every load refuses deeper metadata: flatten it, or store it as an array"
+            )
+
+
 def extend_request(
     request: SaveRequest,
     special: Mapping[str, Any],
@@ -220,6 +252,7 @@ def extend_request(
         request.objects.extend(objects)
     if role is not None:
         request.roles = (role,)
+    check_json_depth(request.objects)
     return request
 
 
@@ -285,6 +318,10 @@ def _apply(target: Any, loaded: Any, rank: int) -> Any:
         target.value = _apply(target.value, loaded, rank)
         return target
     if is_stateful(target) and not _is_array(target):
+        if not isinstance(loaded, Mapping):  # a state dict is a dict; the object's own code would fail on it
+            raise InconsistentCheckpointError(
+                f"the saved state of {type(target).__name__} is a {type(loaded).__name__}, not a state dict"
+            )
         target.load_state_dict(loaded)
         return target
     if isinstance(loaded, dict):
@@ -326,7 +363,34 @@ def load_job(
     obj = meta.objects.get(ns)
     if obj is None:
         return LoadJob([], expected, {ns}, lambda: None)
-    head = obj.value
+    with _damaged(ns):
+        return _plan_load(ns, value, obj.value, meta, comm, options, result, expected)
+
+
+@contextlib.contextmanager
+def _damaged(ns: str) -> Iterator[None]:
+    """Anything of the wrong shape in ``ns``'s stored documents (they are untrusted) is an
+    :class:`InconsistentCheckpointError` naming ``ns``, not a bare ``KeyError`` or ``IndexError``."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        why = f"{e.args[0]!r} is missing" if isinstance(e, KeyError) and e.args else str(e)
+        raise InconsistentCheckpointError(f"{ns}: its saved state is damaged: {why}") from None
+    except InconsistentCheckpointError as e:
+        raise InconsistentCheckpointError(f"{ns}: {e}") from None
+
+
+def _plan_load(
+    ns: str,
+    value: Any,
+    head: Any,
+    meta: CheckpointMetadata,
+    comm: Callable[[], Communicator],
+    options: AdapterOptions,
+    result: dict[str, Any],
+    expected: dict[str, Expected],
+) -> LoadJob:
+    """:func:`load_job` of a namespace of plain values, PerRank values and state_dict objects."""
     if _saved_marker(meta, ns) == MARKER:
         doc, kinds = head["doc"], dict(head.get("arrays", {}))
     else:  # saved by the framework adapter as plain extra state (numpy arrays listed in <ns>/~arrays)
@@ -373,9 +437,13 @@ def load_job(
         default = "torch" if "torch" in sys.modules else "numpy"
         arrays = {n: _as_kind(b, kinds.get(n, default)) for n, b in bufs.items()}
         values = rankdoc.join(docs, leaves.get("int", ()), leaves.get("float", ())) if leaves else docs
-        per_rank = [extras.decode(d, arrays, options.allow_pickle, where=ns) for d in values]
-        loaded = _restore(extras.decode(doc, arrays, options.allow_pickle, where=ns), per_rank, src)
-        result[ns] = _apply(value, loaded, rank)
+        with _damaged(ns):
+            per_rank = [extras.decode(d, arrays, options.allow_pickle, where=ns) for d in values]
+            loaded = _restore(extras.decode(doc, arrays, options.allow_pickle, where=ns), per_rank, src)
+        try:
+            result[ns] = _apply(value, loaded, rank)
+        except InconsistentCheckpointError as e:
+            raise InconsistentCheckpointError(f"{ns}: {e}") from None
 
     return LoadJob(targets, expected, {ns}, finish)
 

@@ -60,8 +60,9 @@ def _load_map(path: str) -> dict[str, str]:
         mapping = load_json_bounded(raw, max_bytes=MAX_METADATA_BYTES, what=f"mapping file {path}")
     except OSError as e:
         raise UsageError(f"cannot read the mapping file {path}: {e}") from None
-    except MetadataError as e:
-        raise UsageError(f"cannot read the mapping file {path}: {e}") from None
+    except MetadataError as e:  # its wording blames a checkpoint; the map is the user's own file
+        why = str(e).split("; the checkpoint is damaged")[0]
+        raise UsageError(f"cannot read the mapping file {path}: {why}") from None
     if not isinstance(mapping, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
     ):
@@ -70,12 +71,29 @@ def _load_map(path: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------- commands
+def _dumps(doc: Any, indent: int | None = None) -> str:
+    """``doc`` as strict JSON: an infinite or NaN number (``diff``'s ``max_abs_diff`` of NaN against a number)
+    becomes the string ``"inf"``, ``"-inf"`` or ``"nan"`` (``json.dumps`` wrote ``Infinity``, which jq and
+    every strict parser refuse)."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(doc), indent=indent, allow_nan=False)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..tools.common import open_checkpoint
     from ..tools.summary import format_summary, summarize
 
     summary = summarize(open_checkpoint(args.path))
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    print(_dumps(summary, indent=2) if args.json else format_summary(summary))
     return EXIT_OK
 
 
@@ -87,7 +105,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = verify(args.path, progress=bar.update, read_data=not args.no_data)
     if args.json:
         print(
-            json.dumps(
+            _dumps(
                 {
                     "path": report.path,
                     "ok": report.ok,
@@ -237,7 +255,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         )
     if args.json:
         print(
-            json.dumps(
+            _dumps(
                 {
                     "same": report.same,
                     "objects": report.objects,
@@ -263,10 +281,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from ..tools.common import open_checkpoint
+    from ..tools.common import open_checkpoint, refuse_inside
     from ..tools.metrics import format_table, phase_table, plot, recorded_metrics
 
     ckpt = open_checkpoint(args.path)
+    if args.plot:  # before anything is printed: a plot would add to or replace a file of the checkpoint
+        refuse_inside(ckpt, args.plot, "read")
     if not hasattr(ckpt.storage, "control_files"):  # a foreign checkpoint opens as its load source
         kind = getattr(ckpt.storage, "kind", "foreign")
         raise UsageError(
@@ -276,7 +296,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         table = phase_table(recorded_metrics(ckpt.storage, ckpt.root, ckpt.meta), args.kind)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
-    print(json.dumps(table.to_json(), indent=2) if args.json else format_table(table))
+    print(_dumps(table.to_json(), indent=2) if args.json else format_table(table))
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -454,7 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="save",
         help="save (default), or load: the last acp.load(..., record_metrics=True)",
     )
-    p.add_argument("--plot", metavar="PNG", help="draw the heat-map and timeline into this PNG")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw the heat-map and timeline into this PNG (or .svg, .pdf, ...), outside the checkpoint",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
 

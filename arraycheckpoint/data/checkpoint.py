@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..adapters.base import Expected, LoadJob
-from ..errors import ArrayCheckpointError
+from ..errors import ArrayCheckpointError, InconsistentCheckpointError
 from ..format import perrank, rankdoc
 from ..format.metadata import CheckpointMetadata, check_name
 from ..planning.items import ArraySource, LoadShard, LoadTensor, SaveObject, SaveShard, SaveTensor
@@ -172,15 +172,45 @@ def _documents(
 def _entries(ns: str, doc: dict[str, Any]) -> dict[ShardKey, dict[str, Any]]:
     """One saved rank's index entries by shard key, from either form (module docstring)."""
     if "workers" not in doc:
-        return {(int(k.split("_")[0]), int(k.split("_")[1])): e for k, e in doc["shards"].items()}
-    d = int(doc["dp_rank"])
+        return {_key(k.split("_", 1)): e for k, e in doc["shards"].items()}
+    d = _count(doc["dp_rank"], "dp_rank")
     return {
-        (d, int(w)): {**e, "arrays": {a: shard_array(ns, d, int(w), a) for a in e["arrays"]}}
+        (d, _count(w, "worker")): {**e, "arrays": {a: shard_array(ns, d, int(w), a) for a in e["arrays"]}}
         for w, e in doc["workers"].items()
     }
 
 
+def _count(v: Any, what: str, least: int = 0) -> int:
+    """An index or count of the index, at least ``least``: an ``int`` (not a bool) or its canonical decimal
+    text."""
+    if isinstance(v, str) and v.isascii() and v.isdigit() and str(int(v)) == v:
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not least <= v < 1 << 31:
+        raise ValueError(f"{what} {v!r} is not a count")
+    return v
+
+
+def _key(parts: list[str]) -> ShardKey:
+    if len(parts) != 2:
+        raise ValueError(f"shard key {'_'.join(parts)!r} is not <dp rank>_<worker>")
+    return _count(parts[0], "dp rank"), _count(parts[1], "worker")
+
+
 def _saved(
+    meta: CheckpointMetadata, ns: str, docs: dict[int, Any]
+) -> tuple[SavedLoaderState, dict[ShardKey, dict[str, _Stored]]]:
+    """The saved layout and where each shard's arrays are. The index is untrusted: anything in it of the
+    wrong shape is an :class:`InconsistentCheckpointError` naming ``ns`` (not a bare ``KeyError``)."""
+    try:
+        return _saved_unchecked(meta, ns, docs)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        why = f"{e.args[0]!r} is missing" if isinstance(e, KeyError) and e.args else str(e)
+        raise InconsistentCheckpointError(
+            f"dataloader {ns!r}: its saved state ({ns}, {ns}/~shards) is damaged: {why}"
+        ) from None
+
+
+def _saved_unchecked(
     meta: CheckpointMetadata, ns: str, docs: dict[int, Any]
 ) -> tuple[SavedLoaderState, dict[ShardKey, dict[str, _Stored]]]:
     head = meta.objects[ns].value
@@ -191,13 +221,24 @@ def _saved(
         for key, entry in _entries(ns, doc).items():
             if key in shards:
                 continue  # a TP/PP peer of the same DP rank saved the same shard
-            shards[key] = ShardState(meta=entry["meta"], arrays={})
+            shards[key] = ShardState(meta=_mapping(entry["meta"], f"shard {key}'s meta"), arrays={})
             names[key] = {a: _where(meta, a, entry, rank) for a in entry["arrays"]}
             shapes[key] = {a: x.shape for a, x in names[key].items() if x.tm is not None}
     saved = SavedLoaderState(
-        head["replicated"], int(head["dp_size"]), int(head["num_workers"]), shards, shapes, head.get("step")
+        _mapping(head["replicated"], "replicated"),
+        _count(head["dp_size"], "dp_size", least=1),
+        _count(head["num_workers"], "num_workers"),
+        shards,
+        shapes,
+        head.get("step"),
     )
     return saved, names
+
+
+def _mapping(v: Any, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise TypeError(f"{what} is a {type(v).__name__}, not an object")
+    return v
 
 
 def load_job(

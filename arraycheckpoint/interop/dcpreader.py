@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from ..codecs import numpy_dtype
-from ..errors import ArrayCheckpointError
+from ..errors import ArrayCheckpointError, CorruptCheckpointError, PickleNotAllowedError
 from ..format.metadata import CheckpointMetadata
 from ..planning.regions import Box
 from ..sources.dcpkeys import DCP_OBJECT, dcp_key
@@ -75,8 +75,14 @@ class Reader(StorageReader):
         for entry, tm in meta.tensors.items():
             key = by_entry.get(entry) or dcp_key(entry)
             self._keys[key] = entry
+            try:
+                dtype = torch_dtype(numpy_dtype(tm.dtype))
+            except ArrayCheckpointError as e:  # a JAX checkpoint's float8_e3m4: name the tensor
+                raise ArrayCheckpointError(
+                    f"{self.path}: tensor {entry!r}: {e}; DCP cannot describe it"
+                ) from None
             md[key] = TensorStorageMetadata(
-                TensorProperties(dtype=torch_dtype(numpy_dtype(tm.dtype))),
+                TensorProperties(dtype=dtype),
                 torch.Size(tm.shape),
                 [ChunkStorageMetadata(offsets=torch.Size([0] * len(tm.shape)), sizes=torch.Size(tm.shape))],
             )
@@ -110,7 +116,7 @@ class Reader(StorageReader):
         for item in plan.items:
             key = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(base64.b64decode(self._bytes[key])))
+                planner.load_bytes(item, self._value(key))
                 continue
             entry = self._keys[key]
             box = Box(tuple(item.storage_offsets), tuple(item.lengths))
@@ -131,6 +137,40 @@ class Reader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _value(self, key: str) -> io.BytesIO:
+        """The stored non-tensor value ``key`` as the bytes DCP's planner unpickles.
+
+        DCP's ``load_bytes`` runs ``torch.load(weights_only=False)``: handing it the stored bytes would run
+        any code a hostile checkpoint put there. Unless ``allow_pickle=True``, the value is first read with
+        ``torch.load(weights_only=True)`` (plain values, containers and tensors only: what ``step``,
+        ``param_groups`` and a scheduler's state are) and the planner gets that value pickled afresh.
+        """
+        import binascii
+
+        import torch
+
+        where = f"non-tensor value {key!r} of {self.path}"
+        try:
+            raw = base64.b64decode(self._bytes[key], validate=True)
+        except (binascii.Error, ValueError):
+            raise CorruptCheckpointError(f"{where} is not base64; the checkpoint is damaged") from None
+        if self.allow_pickle:
+            return io.BytesIO(raw)
+        try:
+            value = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+            lines = [ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+            why = next((ln for ln in lines if "GLOBAL" in ln), lines[0])
+            raise PickleNotAllowedError(
+                f"{where} is not a plain value (torch.load(weights_only=True) refused it: {why}); unpickling it "
+                "could run code stored in the checkpoint. Pass Reader(path, allow_pickle=True) only for a "
+                "checkpoint you trust"
+            ) from None
+        out = io.BytesIO()
+        torch.save(value, out)
+        out.seek(0)
+        return out
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -156,7 +156,14 @@ class Writer(StorageWriter):
                 )
                 t["items"].append((Box(tuple(td.chunk.offsets), tuple(td.chunk.sizes)), rank))
         if len(set(names.values())) != len(names):
-            raise PlanError("two DCP keys map to one arraycheckpoint entry; rename a state dict key")
+            seen: dict[str, str] = {}
+            for key, entry in sorted(names.items()):
+                if entry in seen:
+                    raise PlanError(
+                        f"DCP keys {seen[entry]!r} and {key!r} would both be stored as {entry!r}; rename one of "
+                        "the state dict keys"
+                    )
+                seen[entry] = key
         options = PlanOptions()
         for fqn, t in tensors.items():
             per_item = fit_chunk_grid(names[fqn], t["shape"], [b for b, _ in t["items"]])

@@ -17,7 +17,7 @@ import numpy as np
 from .._validate import explain_not_found
 from ..codecs import numpy_dtype
 from ..engine import engine
-from ..errors import CheckpointNotFoundError
+from ..errors import ArrayCheckpointError, CheckpointNotFoundError
 from ..format.metadata import CheckpointMetadata, TensorMeta
 from ..planning.items import LoadShard, LoadTensor
 from ..planning.regions import Box
@@ -138,3 +138,19 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     return value
+
+
+def refuse_inside(ckpt: Checkpoint, out: str, doing: str = "exported") -> None:
+    """Refuse an output at or below the root of the (local) checkpoint read: its files would become part of
+    a committed checkpoint (which ``save(..., overwrite=True)`` deletes whole), replace one of its files
+    (a chunk, the commit marker), or replace the source files of a Hugging Face directory before they are
+    read. ``doing`` says what is done to the checkpoint, for the message."""
+    root = ckpt.root
+    if "://" in root or not os.path.isdir(root):
+        return
+    real_root, real_out = os.path.realpath(root), os.path.realpath(out)
+    if os.path.commonpath([real_root, real_out]) == real_root:
+        raise ArrayCheckpointError(
+            f"{out} is inside the checkpoint {root} being {doing}; write it outside (a checkpoint holds only "
+            "what a save wrote)"
+        )

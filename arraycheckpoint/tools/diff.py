@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ArrayCheckpointError
 from ..format import rankdoc
 from ..planning.regions import Box
 from .common import BLOCK_BYTES, Checkpoint, read_boxes, row_blocks
@@ -146,6 +147,14 @@ def diff_checkpoints(
             ones in batches of whole tensors up to this size.
     """
     report = DiffReport()
+    if namespaces is not None:
+        held_ns = {n.split("/", 1)[0] for m in (a.meta, b.meta) for n in (*m.tensors, *m.objects)}
+        unknown = sorted(set(namespaces) - held_ns)
+        if unknown:  # a typo (``--namespace modle``) compared nothing and said "identical"
+            raise ArrayCheckpointError(
+                f"namespace(s) {', '.join(map(repr, unknown))} in neither checkpoint; they hold "
+                f"{', '.join(sorted(held_ns)) or 'nothing'}"
+            )
 
     def wanted(name: str) -> bool:
         return namespaces is None or name.split("/", 1)[0] in namespaces

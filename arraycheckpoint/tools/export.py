@@ -47,10 +47,10 @@ from typing import Any
 import numpy as np
 
 from ..codecs import ML_DTYPE_NAMES, SUPPORTED_DTYPES, numpy_dtype
-from ..errors import ArrayCheckpointError
+from ..errors import ArrayCheckpointError, UnsupportedDTypeError
 from ..format.metadata import SAFETENSORS_FRAMEWORK
 from ..planning.regions import Box
-from .common import Checkpoint, read_boxes, read_tensors
+from .common import Checkpoint, read_boxes, read_tensors, refuse_inside
 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = frozenset(n for n in SUPPORTED_DTYPES if n in ML_DTYPE_NAMES or n.startswith("float"))
@@ -146,6 +146,19 @@ def hf_files(ckpt: Checkpoint, config: str | os.PathLike[str] | None = None) -> 
     return {keys[k]: v for k, v in doc.items() if k in keys and isinstance(v, dict)}
 
 
+#: The dtypes (zarr names) a safetensors file stores (what ``safetensors.numpy.save_file`` accepts).
+SAFETENSORS_DTYPES = frozenset(
+    (
+        "bool",
+        *(f"{k}{b}" for k in ("int", "uint") for b in (8, 16, 32, 64)),
+        *("float16", "float32", "float64", "bfloat16", "complex64"),
+        *("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"),
+    )
+)
+#: The safetensors header entry that holds string metadata, never a tensor.
+SAFETENSORS_RESERVED = "__metadata__"
+
+
 class Renamer:
     """Output key renaming: exact keys, ``{name}`` patterns and ``re:`` regular expressions (module doc)."""
 
@@ -215,6 +228,13 @@ def select(
         raise ArrayCheckpointError(f"--what must be 'model' or 'all', not {what!r}")
     if dtype is not None:
         numpy_dtype(dtype)  # raises naming the dtype when unsupported
+        if (
+            dtype not in FLOAT_DTYPES
+        ):  # float weights cast to int8 or bool: truncated values, not quantization
+            raise ArrayCheckpointError(
+                f"--dtype {dtype} is not a floating-point type: it casts floating-point tensors (to "
+                f"{', '.join(sorted(d for d in FLOAT_DTYPES if not d.startswith('float8')))}, or a float8 type)"
+            )
     meta = ckpt.meta
     pairs: list[tuple[str, str] | tuple[str, str, tuple[int, ...], tuple[tuple[int, int], ...]]] = []
     for name in sorted(meta.tensors):
@@ -244,6 +264,12 @@ def select(
         stored, key = pair[0], pair[1]
         index, rows = pair[2:] if len(pair) == 4 else ((), ())
         key = renamer(key)
+        if key in ("", SAFETENSORS_RESERVED):  # "": no name; "__metadata__": the header's own entry
+            raise ArrayCheckpointError(
+                f"export key {key!r} (from {stored!r}) cannot name a tensor: safetensors reserves "
+                f"{SAFETENSORS_RESERVED!r} for the header's metadata and a key must not be empty (the file "
+                "written would not load); fix the rename map"
+            )
         if key in seen:
             raise ArrayCheckpointError(
                 f"export key {key!r} would come from both {seen[key]!r} and {stored!r}; fix the rename map"
@@ -359,7 +385,15 @@ def export_safetensors(
     from safetensors.numpy import save_file
 
     out_dir = os.fspath(out_dir)
-    _refuse_inside(ckpt, out_dir)
+    refuse_inside(ckpt, out_dir)
+    lacking = [e for e in entries if e.dtype not in SAFETENSORS_DTYPES]
+    if lacking:  # found after every tensor was read, as "cannot write <temporary>: Unknown dtype"
+        e = lacking[0]
+        raise ArrayCheckpointError(
+            f"tensor {e.stored!r} would be exported as {e.dtype}, which safetensors cannot store"
+            + (f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else "")
+            + "; pass --dtype with a type it stores (bfloat16, float16, float32, ...), or --format torch"
+        )
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):  # a file, a FIFO, a broken link
         raise ArrayCheckpointError(
             f"{out_dir} exists and is not a directory; safetensors are exported into a directory (or pass "
@@ -439,21 +473,6 @@ def export_safetensors(
     return result
 
 
-def _refuse_inside(ckpt: Checkpoint, out: str) -> None:
-    """Refuse an output at or below the root of the (local) checkpoint read: its files would become part of
-    a committed checkpoint (which ``save(..., overwrite=True)`` deletes whole), or replace the source files
-    of a Hugging Face directory before they are read."""
-    root = ckpt.root
-    if "://" in root or not os.path.isdir(root):
-        return
-    real_root, real_out = os.path.realpath(root), os.path.realpath(out)
-    if os.path.commonpath([real_root, real_out]) == real_root:
-        raise ArrayCheckpointError(
-            f"{out} is inside the checkpoint {root} being exported; export outside it (a checkpoint holds only "
-            "what a save wrote)"
-        )
-
-
 @contextmanager
 def _writing(path: str) -> Iterator[None]:
     """Turn a failed write of ``path`` (disk full, file too large, read-only file system: safetensors raises
@@ -523,12 +542,20 @@ def export_torch(
     fresh temporary file renamed into place (a link planted at ``out`` is replaced, never written through)."""
     import torch
 
-    from ..adapters.torch.tensors import as_torch
+    from ..adapters.torch.tensors import as_torch, torch_dtype
 
     out = os.fspath(out)
     if os.path.isdir(out):
         out = os.path.join(out, "model.pt")
-    _refuse_inside(ckpt, out)
+    refuse_inside(ckpt, out)
+    for e in entries:  # before anything is read: torch lacks some of the format's dtypes
+        try:
+            torch_dtype(numpy_dtype(e.dtype))
+        except UnsupportedDTypeError as err:
+            raise ArrayCheckpointError(
+                f"tensor {e.stored!r} would be exported as {e.dtype}: {err}; pass --dtype with a type torch has "
+                "(bfloat16, float16, float32, ...)"
+            ) from None
     if os.path.lexists(out) and not overwrite:
         raise ArrayCheckpointError(f"{out} exists; pass --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(out))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,11 +34,12 @@ import numpy as np
 from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..engine import SaveOptions, engine
 from ..errors import ArrayCheckpointError, MetadataError, PickleNotAllowedError
-from ..format.metadata import check_name
+from ..format.metadata import MAX_NDIM, check_name
 from ..planning.items import SaveObject, SaveRequest, SaveShard, SaveTensor
 from ..planning.regions import Box
 from ..runtime.collectives import SingleProcessCommunicator
 from ..sources.hubcache import locate
+from ..stateful import check_json_depth
 
 
 @dataclass
@@ -108,8 +110,9 @@ def _refuse_own_format(src: str) -> None:
         )
 
 
-def _safetensors_files(src: str, kind: str) -> list[str]:
-    """The safetensors files of ``src``: itself, the files its index names, or its ``*.safetensors``.
+def _safetensors_files(src: str, kind: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of ``src`` (itself, the files its index names, or its ``*.safetensors``) and,
+    with an index, its ``weight_map`` (tensor -> the file's path).
 
     The index is read like checkpoint metadata (a regular file, never through a link, at most 256 MiB, JSON
     nested at most 100 levels); the files it names must be plain ``*.safetensors`` names inside ``src`` (no
@@ -117,12 +120,11 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
     a link inside the directory. Raises :class:`ArrayCheckpointError` naming the file.
     """
     if kind == "safetensors":
-        return [_regular(src, follow=True)]
+        return [_regular(src, follow=True)], None
     index = os.path.join(src, _INDEX)
     if not os.path.lexists(index):
-        return [
-            _in_dir(src, os.path.basename(p)) for p in sorted(glob.glob(os.path.join(src, "*.safetensors")))
-        ]
+        found = sorted(glob.glob(os.path.join(src, "*.safetensors")))
+        return [_in_dir(src, os.path.basename(p)) for p in found], None
     from ..checks.files import read_below
 
     raw = read_below(
@@ -140,7 +142,8 @@ def _safetensors_files(src: str, kind: str) -> list[str]:
             or not name.isprintable()
         ):
             raise MetadataError(f"{index} names an unsafe file {name!r}: a plain *.safetensors name in {src}")
-    return [_in_dir(src, name) for name in sorted(set(weight_map.values()))]
+    paths = {name: _in_dir(src, name) for name in sorted(set(weight_map.values()))}
+    return list(paths.values()), {key: paths[name] for key, name in weight_map.items()}
 
 
 def _in_dir(src: str, name: str) -> str:
@@ -163,8 +166,12 @@ def _regular(path: str, follow: bool, what: str = "safetensors") -> str:
     return path
 
 
-def _tensors_safetensors(files: list[str]) -> dict[str, tuple[Any, Callable[[], Any]]]:
-    """key -> (meta tensor: shape and dtype, loader)."""
+def _tensors_safetensors(
+    files: list[str], listed: dict[str, str] | None = None
+) -> dict[str, tuple[Any, Callable[[], Any]]]:
+    """key -> (meta tensor: shape and dtype, loader). ``listed`` (the index's tensor -> file) must agree
+    with the files: a tensor it places in a file that does not hold it is refused, as ``acp.load`` of the
+    directory refuses it (the import used to drop the tensor silently)."""
     import torch
     from safetensors import safe_open
 
@@ -178,7 +185,14 @@ def _tensors_safetensors(files: list[str]) -> dict[str, tuple[Any, Callable[[], 
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ArrayCheckpointError(f"{path} is not a readable safetensors file: {why}") from None
         for key, shape, dtype in shapes:
-            meta = torch.empty(shape, dtype=_st_dtype(dtype), device="meta")
+            if len(shape) > MAX_NDIM:  # the safetensors library accepts any; numpy, zarr and the load take 64
+                raise MetadataError(
+                    f"tensor {key!r} of {path} has {len(shape)} dimensions; a checkpoint holds at most {MAX_NDIM}"
+                )
+            try:
+                meta = torch.empty(shape, dtype=_st_dtype(dtype), device="meta")
+            except ArrayCheckpointError as e:
+                raise ArrayCheckpointError(f"tensor {key!r} of {path}: {e}") from None
 
             def load(path: str = path, key: str = key) -> Any:
                 with safe_open(path, framework="pt") as g:
@@ -187,6 +201,14 @@ def _tensors_safetensors(files: list[str]) -> dict[str, tuple[Any, Callable[[], 
             if key in out:
                 raise ArrayCheckpointError(f"tensor {key!r} appears in two safetensors files ({path})")
             out[key] = (meta, load)
+        held = {key for key, _shape, _dtype in shapes}
+        lost = sorted(k for k, p in (listed or {}).items() if p == path and k not in held)
+        if lost:
+            more = f" (+{len(lost) - 8} more)" if len(lost) > 8 else ""
+            raise MetadataError(
+                f"{_INDEX} lists tensor(s) {', '.join(map(repr, lost[:8]))}{more} in {path}, which does not "
+                "hold them: the directory is incomplete or its index is damaged"
+            )
     return out
 
 
@@ -203,6 +225,9 @@ def _st_dtype(name: str) -> Any:
         "I16": torch.int16,
         "I8": torch.int8,
         "U8": torch.uint8,
+        "U16": torch.uint16,
+        "U32": torch.uint32,
+        "U64": torch.uint64,
         "BOOL": torch.bool,
         "F8_E4M3": torch.float8_e4m3fn,
         "F8_E5M2": torch.float8_e5m2,
@@ -217,6 +242,11 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any], skipped: list[str]) -> 
     import torch
 
     if isinstance(obj, torch.Tensor):
+        if prefix in out:  # {"b": {"a": t}} and {"b.a": t} both flatten to "b.a": one would be lost
+            raise ArrayCheckpointError(
+                f"two tensors of the torch.save file flatten to the key {prefix!r} (a nested dict and a dotted "
+                "key); rename one of them before importing"
+            )
         out[prefix] = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
@@ -231,9 +261,14 @@ def _tensors_torch(src: str, skipped: list[str]) -> dict[str, Any]:
     try:
         obj = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds (UnpicklingError, RuntimeError)
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in str(e).splitlines()]
+        lines = [ln for ln in lines if ln] or [type(e).__name__]
+        why = next(
+            (ln for ln in lines if "GLOBAL" in ln), lines[0]
+        )  # what the file holds, not torch's advice
         raise ArrayCheckpointError(
-            f"cannot read {src} as a torch.save file with weights_only=True: {str(e).splitlines()[0]}; "
-            "only tensors and plain containers are imported"
+            f"cannot read {src} as a torch.save file with weights_only=True: {why}; only tensors and plain "
+            "containers are imported (a whole pickled model is not: save its state_dict())"
         ) from None
     flat: dict[str, Any] = {}
     _flatten(obj, "", flat, skipped)
@@ -334,7 +369,8 @@ def import_checkpoint(
     result = ImportResult(kind)
     tensors: dict[str, tuple[Any, Any]] = {}
     if kind in ("safetensors", "hf"):
-        for key, (meta, load) in _tensors_safetensors(_safetensors_files(src, kind)).items():
+        files, listed = _safetensors_files(src, kind)
+        for key, (meta, load) in _tensors_safetensors(files, listed).items():
             tensors[key] = (meta, _LazySource(load, progress))
     elif kind == "dcp":
         tensors.update(_tensors_dcp(src, result.skipped, progress))
@@ -371,6 +407,7 @@ def import_checkpoint(
         step=step,
         topology={"world_size": 1, "framework": "torch", "imported_from": kind},
     )
+    check_json_depth(request.objects)  # a config.json nested ~95 deep: no checkpoint a load refuses
     engine().save_async(
         os.fspath(path), request, SingleProcessCommunicator(), SaveOptions(overwrite=overwrite)
     ).result()

@@ -8,12 +8,14 @@ plus a per-rank timeline on one wall clock (matplotlib, Agg backend; install the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
-from ..errors import CorruptCheckpointError, MetadataError
+from ..errors import ArrayCheckpointError, CorruptCheckpointError, MetadataError
 from ..format.metadata import CheckpointMetadata
 from ..storage import Storage
 from .common import human_bytes
@@ -207,12 +209,26 @@ def phase_color(phase: str) -> tuple[float, float, float, float]:
 
 
 def plot(t: PhaseTable, out: str | os.PathLike[str], title: str = "") -> str:
-    """Draw the heat-map and the timeline into the PNG ``out``; returns its path."""
+    """Draw the heat-map and the timeline into the image ``out`` (PNG, or the format its extension names:
+    ``.svg``, ``.pdf``, ...); returns its path. The image is written under a temporary name beside ``out``
+    and renamed onto it when complete (an interrupted plot leaves no partial file, a link at ``out`` is
+    replaced, never written through). Raises :class:`ArrayCheckpointError` for a format matplotlib cannot
+    write or a file that cannot be written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+
+    out = os.fspath(out)
+    ext = os.path.splitext(out)[1][1:].lower() or "png"
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if ext not in formats:
+        raise ArrayCheckpointError(
+            f"cannot plot into {out}: matplotlib writes no '{ext}' images; name a file ending in "
+            f"{', '.join('.' + f for f in sorted(formats))}"
+        )
 
     data = np.array(t.seconds, dtype=float) * 1000.0  # milliseconds read better at checkpoint scale
     n_ranks, n_phases = data.shape
@@ -261,7 +277,25 @@ def plot(t: PhaseTable, out: str | os.PathLike[str], title: str = "") -> str:
     )
     fig.suptitle(title or f"arraycheckpoint {t.kind}: {n_ranks} rank(s)")
     fig.tight_layout()
-    out = os.fspath(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    directory = os.path.dirname(os.path.abspath(out))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        plt.close(fig)
+        raise ArrayCheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+    try:
+        with open(fd, "wb") as f:
+            fig.savefig(f, dpi=110, format=ext)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.fchmod(f.fileno(), 0o666 & ~mask)  # mkstemp makes 0600; through the descriptor
+        os.replace(tmp, out)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise ArrayCheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+        raise
+    finally:
+        plt.close(fig)
     return out

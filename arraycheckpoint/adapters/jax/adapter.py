@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...codecs import numpy_dtype, zarr_dtype_name
+from ...codecs import numpy_dtype
 from ...errors import ArrayCheckpointError
 from ...format import extras
 from ...format.metadata import CheckpointMetadata
@@ -46,6 +46,7 @@ from .arrays import (
     leaf_names,
     local_boxes,
     save_tensor,
+    stored_dtype_name,
     target_sharding,
 )
 
@@ -217,7 +218,7 @@ class _ArrayLoad:
     def expected(self) -> Expected:
         if self.transform is not None:
             return Expected()  # shape/dtype are checked after the transform
-        return Expected(self.shape, zarr_dtype_name(self.dtype))
+        return Expected(self.shape, stored_dtype_name(f"{self.name} (the load target)", self.dtype))
 
     def target(self, meta: CheckpointMetadata) -> LoadTensor:
         tm = meta.tensors.get(self.stored)

@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...errors import ArrayCheckpointError
+from ...codecs import zarr_dtype_name
+from ...errors import ArrayCheckpointError, UnsupportedDTypeError
 from ...planning.items import ArraySource, SaveShard, SaveTensor
 from ...planning.regions import Box
 from .sharding_rule import sharding_rule
@@ -126,6 +127,15 @@ class JaxShardSource(ArraySource):
         return np.asarray(self.array)
 
 
+def stored_dtype_name(name: str, dtype: np.dtype) -> str:
+    """The zarr v3 data type name of ``dtype``; raises :class:`UnsupportedDTypeError` naming the array
+    ``name`` when the format has none (``int4``, ``float4_e2m1fn``, ``float8_e8m0fnu``)."""
+    try:
+        return zarr_dtype_name(dtype)
+    except UnsupportedDTypeError as e:
+        raise UnsupportedDTypeError(f"{name}: {e}") from None
+
+
 def save_tensor(name: str, value: Any) -> SaveTensor:
     """A :class:`SaveTensor` for a jax or numpy array: one shard per distinct addressable region.
 
@@ -135,6 +145,7 @@ def save_tensor(name: str, value: Any) -> SaveTensor:
     """
     shape = tuple(int(s) for s in value.shape)
     dtype = np.dtype(value.dtype)
+    stored_dtype_name(name, dtype)  # int4, float4, ...: refused here, naming the array
     if isinstance(value, np.ndarray):
         return SaveTensor(name, shape, dtype, [SaveShard(Box.full(shape), ArraySource(value))])
     shards: list[SaveShard] = []

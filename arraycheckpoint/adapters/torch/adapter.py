@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import MetaDeviceError, StateMismatchError
+from ...errors import MetaDeviceError, StateMismatchError, UnsupportedDTypeError
 from ...format.metadata import CheckpointMetadata
 from ...planning.items import LoadTensor, SaveObject, SaveRequest, SaveTensor
 from ..base import Adapter, AdapterOptions, Expected, LoadJob
@@ -163,9 +163,12 @@ def _expect_tensor(
     if stored is None:
         return None
     shape, pieces = placed
-    read = LoadTensor(stored, [load_shard(box, v) for box, v in pieces])
+    try:
+        read = LoadTensor(stored, [load_shard(box, v) for box, v in pieces])
+        expected[name] = Expected(shape, dtype_name(t), stored=stored, reads=[read])
+    except UnsupportedDTypeError as e:  # the dtype alone did not say which target tensor it was
+        raise UnsupportedDTypeError(f"{name} (the load target): {e}") from None
     targets.append(read)
-    expected[name] = Expected(shape, dtype_name(t), stored=stored, reads=[read])
     return read
 
 

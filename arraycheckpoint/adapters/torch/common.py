@@ -29,12 +29,18 @@ def tensor_item(
         )
     if isinstance(t, np.ndarray):
         t = as_torch(t)
+    try:
+        dtype = numpy_dtype(t.dtype)
+    except UnsupportedDTypeError as e:  # the dtype alone did not say which of a model's tensors it was
+        raise UnsupportedDTypeError(
+            f"{name}: {e} (convert it, e.g. .view(torch.uint8), before saving)"
+        ) from None
     if pieces is None:
         shape, pieces = layout(t)
     return SaveTensor(
         name=name,
         shape=shape,
-        dtype=numpy_dtype(t.dtype),
+        dtype=dtype,
         shards=[SaveShard(box, TorchSource(view)) for box, view in pieces],
         rule=rule if rule is not None else dtensor_rule(t),
     )

@@ -108,6 +108,15 @@ def is_fsdp1(model: torch.nn.Module) -> bool:
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
+def _is_extra_state(fqn: str) -> bool:
+    """Whether ``fqn`` is a module's ``get_extra_state()`` (``state_dict`` names it ``<module>._extra_state``).
+
+    Extra state may be a tensor (Transformer Engine serialises its FP8 metadata into a ``uint8`` tensor); it is
+    still no parameter: ``get_extra_state`` builds it afresh on every call, so a load that filled the target's
+    copy in place filled a temporary and never called ``set_extra_state`` (the saved state was lost)."""
+    return fqn.rsplit(".", 1)[-1] == "_extra_state"
+
+
 class ModuleView:
     """Named tensors of a module (params and persistent buffers), deduplicated, with their layouts."""
 
@@ -120,7 +129,7 @@ class ModuleView:
         seen: dict[int, str] = {}
         for raw, t in self._named_state():
             fqn = clean_fqn(raw)
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not _is_extra_state(fqn):
                 if id(t) in seen:
                     self.aliases[fqn] = seen[id(t)]
                     continue

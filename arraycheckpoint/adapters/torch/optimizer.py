@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...errors import InvalidStateError
+from ...errors import InconsistentCheckpointError, InvalidStateError, StateMismatchError
 from ...format import extras
 from ...format.metadata import CheckpointMetadata
 from ...planning.items import LoadTensor, SaveObject, SaveTensor
@@ -119,6 +119,7 @@ def load_optimizer(
     }
     stored_groups = meta.objects.get(f"{ns}/{GROUPS}")
     saved_groups = extras.decode(stored_groups.value, {}, options.allow_pickle) if stored_groups else []
+    _check_groups(f"{ns}/{GROUPS}", saved_groups)
     if stored_groups is not None:
         expected[f"{ns}/{GROUPS}"] = Expected()
     plan: list[tuple[torch.Tensor, str, torch.Tensor | None, str]] = []
@@ -167,6 +168,9 @@ def load_optimizer(
                 expected,
             )
         if saved:
+            saved = _matching_hyper(
+                f"{ns}/{GROUPS}[{saved_groups.index(saved)}]", group, saved, options.strict
+            )
             restore.append((group, saved, entry_groups))
     _account_untied(ns, model_ns, view, names, by_stored_prefix, expected)
 
@@ -313,6 +317,55 @@ def _plain(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _plain(x) for k, x in v.items()}
     return v
+
+
+def _check_groups(name: str, groups: Any) -> None:
+    """The stored param groups are a list of objects whose ``params`` (where given) are names: anything else
+    is damage, named (it was a bare ``KeyError: 0``, or silently nothing restored)."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise InconsistentCheckpointError(
+            f"{name} is not a list of param groups (objects); the checkpoint is damaged"
+        )
+    for i, g in enumerate(groups):
+        params = g.get("params", [])
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise InconsistentCheckpointError(f"{name}[{i}]: 'params' is not a list of parameter names")
+
+
+def _like(current: Any, saved: Any) -> bool:
+    """Whether hyper-parameter value ``saved`` can stand where the optimizer holds ``current``: a number for a
+    number (or a 0-d tensor), a bool for a bool, a string for a string, a sequence of as many for a tuple;
+    anything where either is None or of a type not known here."""
+    if current is None or saved is None:
+        return True
+    if isinstance(current, bool):
+        return isinstance(saved, bool)
+    if isinstance(current, int | float) or (isinstance(current, torch.Tensor) and current.dim() == 0):
+        return isinstance(saved, int | float) and not isinstance(saved, bool)
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    if isinstance(current, tuple | list):
+        return (
+            isinstance(saved, tuple | list)
+            and len(saved) == len(current)
+            and all(_like(c, v) for c, v in zip(current, saved, strict=True))
+        )
+    return True
+
+
+def _matching_hyper(name: str, group: dict[str, Any], saved: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """``saved`` without hyper-parameters of another kind than the optimizer's own (``lr: "fast"`` loaded,
+    then the first ``step()`` failed far from the load): strict, a :class:`StateMismatchError` naming them;
+    otherwise they keep the optimizer's values."""
+    bad = sorted(k for k, v in saved.items() if k != "params" and k in group and not _like(group[k], v))
+    if bad and strict:
+        raise StateMismatchError(
+            f"{name}: hyper-parameter(s) of another kind than the optimizer's: "
+            + ", ".join(f"{k}={saved[k]!r} (the optimizer has {group[k]!r})" for k in bad)
+            + "; the checkpoint was saved from another optimizer or is damaged (pass strict=False to keep the "
+            "optimizer's values for these)"
+        )
+    return {k: v for k, v in saved.items() if k not in bad}
 
 
 def _restore_like(current: Any, saved: Any) -> Any:

@@ -63,7 +63,12 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return _NUMPY_TO_TORCH[np.dtype(dtype)]
+    """The torch dtype of a numpy (ml_dtypes) dtype; raises :class:`UnsupportedDTypeError` naming it when torch
+    has none (``float8_e3m4``, ``float8_e4m3b11fnuz``: a JAX checkpoint may hold them)."""
+    try:
+        return _NUMPY_TO_TORCH[np.dtype(dtype)]
+    except KeyError:
+        raise UnsupportedDTypeError(f"torch has no dtype for {np.dtype(dtype).name}") from None
 
 
 def _exotic(dtype: np.dtype) -> bool:
