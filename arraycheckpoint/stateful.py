@@ -420,7 +420,7 @@ def _plan_load(
             raise ArrayCheckpointError(f"{ns}: {e} (rank {rank})") from None
         targets.extend(reads)
         expected.update({n: Expected(tm.shape, tm.dtype) for n, tm in stored.items()})
-    for ref in extras.array_refs(doc) + extras.array_refs(docs):
+    for ref in extras.array_refs(doc, where=ns) + extras.array_refs(docs, where=ns):
         # a per-rank array may be a row of a stacked array, or stored per rank (arraycheckpoint.format.perrank)
         found = perrank.resolve(meta, ns, src, ref)
         if found is None:

@@ -1,7 +1,7 @@
-"""Defects the attack3 review found in modules other engineers own now (format/): each test fails today and is
-marked ``xfail(strict=True)``; the fix belongs in ``arraycheckpoint/format/extras.py`` (``decode``), which every
-reader of stored JSON values goes through (torch and JAX extra state, optimizer param groups, stateful objects,
-megatron extra state, DCP values)."""
+"""Stored JSON values with a malformed type tag are refused naming the entry: ``format/extras.decode``, which
+every reader of stored JSON values goes through (torch and JAX extra state, optimizer param groups, stateful
+objects, megatron extra state, DCP values), trusted its tags ({'__tuple__': 5} was a bare TypeError,
+{'__array__': 5} a bare KeyError) and decoded '__bytes__' without validation ('!!!' loaded as b'')."""
 
 from __future__ import annotations
 
@@ -30,20 +30,16 @@ def _saved_with(tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
     return path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="format/extras.decode trusts its tags: {'__tuple__': 5} is a bare TypeError, {'__array__': 5} a bare "
-    "KeyError (not an InconsistentCheckpointError naming the entry)",
-)
 @pytest.mark.parametrize(
     "edit",
     [
         lambda v: v["tup"].__setitem__("__tuple__", 5),
         lambda v: v["t"].__setitem__("__array__", 5),
+        lambda v: v["t"].__setitem__("__array__", "extra_state/not_stored"),
         lambda v: v.__setitem__("d", {"__dict__": 7}),
         lambda v: v.__setitem__("f", {"__float__": "x"}),
     ],
-    ids=["tuple of a number", "array ref a number", "dict of a number", "float of a word"],
+    ids=["tuple of a number", "array ref a number", "array ref not stored", "dict of a number", "float of a word"],
 )
 def test_a_malformed_tag_in_extra_state_is_named(
     tmp_path: Path, edit: Callable[[dict[str, Any]], None]
@@ -53,11 +49,6 @@ def test_a_malformed_tag_in_extra_state_is_named(
         acp.load(str(path), {"model": {"w": torch.zeros(2)}, "extra_state": {}})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="format/extras.decode decodes __bytes__ with base64.b64decode(validate=False): '!!!' loads as b'' "
-    "without a word (a damaged bytes value is silently replaced)",
-)
 def test_bytes_that_are_not_base64_are_refused(tmp_path: Path) -> None:
     path = _saved_with(tmp_path, lambda v: v.__setitem__("b", {"__bytes__": "!!!"}))
     with pytest.raises(acp.InconsistentCheckpointError, match="extra_state"):

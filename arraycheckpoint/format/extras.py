@@ -14,7 +14,7 @@ import pickle  # only behind allow_pickle=True
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import PickleNotAllowedError, UnpicklingError, UnsafeNameError
+from ..errors import InconsistentCheckpointError, PickleNotAllowedError, UnpicklingError, UnsafeNameError
 from .metadata import check_name
 
 # "__leaf__" is no tag of this module's: it marks the numeric leaves of per-rank templates (rankdoc.py), so a
@@ -147,15 +147,19 @@ def decode(
             return v
         if len(v) == 1:
             ((tag, body),) = v.items()
+            if tag in _TAG_BODIES and not _TAG_BODIES[tag](body):
+                raise _malformed(path, tag, body)
             if tag == "__tuple__":
                 return tuple(dec(x, f"{path}/{i}") for i, x in enumerate(body))
             if tag == "__dict__":
                 return {_hashable(dec(k, path)): dec(x, f"{path}/{k}") for k, x in body}
             if tag == "__bytes__":
-                return base64.b64decode(body)
+                return _b64(body, path, tag)
             if tag == "__float__":
                 return float(body)
             if tag == "__array__":
+                if body not in arrays:
+                    raise _malformed(path, tag, body, "no such stored array")
                 return arrays[body]
             if tag == "__module__" and modules is not None and isinstance(body, str) and body in modules:
                 return modules[body]
@@ -165,8 +169,9 @@ def decode(
                         f"{path or 'a value'}: the checkpoint holds a pickled value; pass allow_pickle=True to "
                         "load it (only for checkpoints you trust: unpickling runs code)"
                     )
+                data = _b64(body, path, tag)
                 try:
-                    return pickle.loads(base64.b64decode(body))  # noqa: S301 - explicit opt-in
+                    return pickle.loads(data)  # noqa: S301 - explicit opt-in
                 except Exception as e:  # noqa: BLE001 - any failure of user code run by pickle
                     raise UnpicklingError(
                         f"{path or 'a value'}: the pickled value could not be restored "
@@ -178,12 +183,56 @@ def decode(
     return dec(doc)
 
 
+#: what each tag's body must be (the tags :func:`encode` writes); a stored value is untrusted input
+_TAG_BODIES: dict[str, Callable[[Any], bool]] = {
+    "__tuple__": lambda b: isinstance(b, list),
+    "__dict__": lambda b: isinstance(b, list) and all(isinstance(p, list) and len(p) == 2 for p in b),
+    "__bytes__": lambda b: isinstance(b, str),
+    "__float__": lambda b: isinstance(b, str) and b in ("nan", "inf", "-inf"),
+    "__array__": lambda b: isinstance(b, str),
+    "__pickle__": lambda b: isinstance(b, str),
+}
+
+
+def _malformed(path: str, tag: str, body: Any, why: str = "") -> InconsistentCheckpointError:
+    shown = repr(body)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return InconsistentCheckpointError(
+        f"{path or 'a value'}: malformed stored value {{{tag!r}: {shown}}}{f' ({why})' if why else ''}: the "
+        "checkpoint's metadata is damaged or was edited"
+    )
+
+
+def referenced(tensors: Mapping[str, Any], ref: str, where: str) -> Any:
+    """The stored array ``ref`` a document of entry ``where`` refers to.
+
+    Raises:
+        InconsistentCheckpointError: no such array is stored (a damaged or edited document)."""
+    found = tensors.get(ref)
+    if found is None:
+        raise InconsistentCheckpointError(
+            f"{where or 'a value'}: refers to the stored array {ref!r}, which the checkpoint does not hold"
+        )
+    return found
+
+
+def _b64(body: str, path: str, tag: str) -> bytes:
+    try:
+        return base64.b64decode(body, validate=True)
+    except ValueError as e:  # binascii.Error
+        raise _malformed(path, tag, body, "not base64") from e
+
+
 def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
 
 
-def array_refs(doc: Any, tag: str = "__array__") -> list[str]:
-    """Names of every array (or, with ``tag="__module__"``, nested namespace) a document refers to."""
+def array_refs(doc: Any, tag: str = "__array__", where: str = "") -> list[str]:
+    """Names of every array (or, with ``tag="__module__"``, nested namespace) a document refers to.
+
+    Raises:
+        InconsistentCheckpointError: a reference is not a name (a damaged or edited document; ``where``,
+            the entry, is named)."""
     out: list[str] = []
 
     def walk(v: Any) -> None:
@@ -192,6 +241,8 @@ def array_refs(doc: Any, tag: str = "__array__") -> list[str]:
                 walk(x)
         elif isinstance(v, dict):
             if len(v) == 1 and tag in v:
+                if not isinstance(v[tag], str):
+                    raise _malformed(where, tag, v[tag])
                 out.append(v[tag])
             else:
                 for x in v.values():

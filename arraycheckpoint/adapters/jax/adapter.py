@@ -173,8 +173,8 @@ class JaxAdapter(Adapter):
         if obj is None:
             return lambda: None
         buffers: dict[str, dict[str, np.ndarray]] = {}
-        for ref in extras.array_refs(obj.value):
-            tm = meta.tensors[ref]
+        for ref in extras.array_refs(obj.value, where=ns):
+            tm = extras.referenced(meta.tensors, ref, ns)
             expected[ref] = Expected(tm.shape, tm.dtype)
             got = buffers[ref] = {}
             targets.append(LoadTensor(ref, [LoadShard(Box.full(tm.shape), _keep(got, "full"))]))

@@ -297,8 +297,8 @@ def load_extra(
     as_numpy: set[str] = (
         set()
     )  # come back as numpy: a numpy target's, or stored from numpy and not loaded in place
-    for ref in extras.array_refs(document):
-        tm = meta.tensors[ref]
+    for ref in extras.array_refs(document, where=ns):
+        tm = extras.referenced(meta.tensors, ref, ns)
         t = in_place.get(ref)
         if isinstance(t, np.ndarray):
             as_numpy.add(ref)

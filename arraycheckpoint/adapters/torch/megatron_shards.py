@@ -347,7 +347,7 @@ class LoadBuilder:
             return lambda: default
         doc = obj.value if obj.scope == "global" else obj.per_rank[min(obj.per_rank)]
         buffers: dict[str, np.ndarray] = {}
-        for ref in extras.array_refs(doc):
+        for ref in extras.array_refs(doc, where=stored):
             tm = self.meta.tensors.get(ref)
             if tm is None:
                 continue
