@@ -1,5 +1,5 @@
 """A damaged or hostile dataloader index is an InconsistentCheckpointError naming the namespace, never a bare
-KeyError / ValueError / TypeError from deep in the load (attack3 review)."""
+KeyError / ValueError / TypeError from deep in the load (session 20 review)."""
 
 from __future__ import annotations
 

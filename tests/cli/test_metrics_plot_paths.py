@@ -1,5 +1,5 @@
 """``arraycheckpoint metrics --plot`` never writes into the checkpoint, and a bad image name is a usage error
-(attack3 review: ``--plot CKPT/model/w/c/0`` replaced a chunk file with a PNG; ``--plot out.json`` was an
+(session 20 review: ``--plot CKPT/model/w/c/0`` replaced a chunk file with a PNG; ``--plot out.json`` was an
 internal error, exit 3)."""
 
 from __future__ import annotations

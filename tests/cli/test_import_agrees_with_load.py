@@ -1,4 +1,4 @@
-"""``arraycheckpoint import`` of a Hugging Face directory agrees with ``acp.load`` of it (attack3 review)."""
+"""``arraycheckpoint import`` of a Hugging Face directory agrees with ``acp.load`` of it (session 20 review)."""
 
 from __future__ import annotations
 

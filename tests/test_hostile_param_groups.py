@@ -1,5 +1,5 @@
 """Stored optimizer param groups are untrusted: a damaged list is named, and a hyper-parameter of another kind
-than the optimizer's (``lr: "fast"``) is refused at load, not at the first ``step()`` (attack3 review: a bare
+than the optimizer's (``lr: "fast"``) is refused at load, not at the first ``step()`` (session 20 review: a bare
 ``KeyError: 0``; ``lr="fast"`` loaded and ``step()`` failed with "can't multiply sequence by non-int")."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A torch dtype the format lacks is refused naming the tensor, on save and on load (attack3 review: the
+"""A torch dtype the format lacks is refused naming the tensor, on save and on load (session 20 review: the
 message named only the dtype, "torch dtype torch.float8_e8m0fnu has no checkpoint representation", and a
 model holds hundreds of tensors)."""
 

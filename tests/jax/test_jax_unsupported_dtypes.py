@@ -1,5 +1,5 @@
 """A JAX dtype the format lacks (int4, float4_e2m1fn) is refused naming the array, on save before anything is
-written and for a load target (attack3 review: the message named only the dtype, raised deep in the save's
+written and for a load target (session 20 review: the message named only the dtype, raised deep in the save's
 coordination)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A save never commits a checkpoint whose metadata every load refuses, and a self-containing or ~1,000-deep
-state is a clear error before anything is written (attack3 review: extra state nested 95-1,000 levels saved,
+state is a clear error before anything is written (session 20 review: extra state nested 95-1,000 levels saved,
 then every load said the metadata "nests JSON 104 levels deep ... (extra state this deep cannot be saved
 either)"; deeper, or a dict holding itself, was a bare RecursionError)."""
 

@@ -1,5 +1,5 @@
 """A module whose ``get_extra_state()`` is a tensor (Transformer Engine serialises its FP8 metadata into a
-``uint8`` tensor) gets its saved state back through ``set_extra_state`` (attack3 review: the load filled the
+``uint8`` tensor) gets its saved state back through ``set_extra_state`` (session 20 review: the load filled the
 fresh tensor ``state_dict()`` had just built, never called ``set_extra_state``, and the state was lost without
 a word)."""
 

@@ -1,7 +1,7 @@
 """acp.dcp.Reader never lets DCP's planner unpickle a checkpoint's stored value unless allow_pickle=True.
 
 DCP's ``DefaultLoadPlanner.load_bytes`` runs ``torch.load(weights_only=False)`` on what the reader hands it;
-a hostile ``.acp/metadata.json`` could put any pickle there (found by the attack3 review: a planted
+a hostile ``.acp/metadata.json`` could put any pickle there (found by the session 20 review: a planted
 ``os.system`` ran on ``dcp.load(state, storage_reader=acp.dcp.Reader(path))``).
 """
 

@@ -1,5 +1,5 @@
 """A Hugging Face directory whose keys transformers converts at load (Mixtral's per-expert weights, fused in
-transformers 5) is refused with the reason and the way through, not only a list of 16 keys (attack3 review)."""
+transformers 5) is refused with the reason and the way through, not only a list of 16 keys (session 20 review)."""
 
 from __future__ import annotations
 
