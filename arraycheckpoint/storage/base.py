@@ -62,6 +62,10 @@ class Storage(ABC):
     commit_strategy: str = "marker"
     #: Bounded retries of the small-object operations.
     retry_policy: RetryPolicy = DEFAULT_POLICY
+    #: Seconds one small-object request may go unanswered, and after which an operation starts no new attempt
+    #: (so one operation ends within about twice this); a save sets it from its ``timeout=``. None: the
+    #: liveness default (``ACP_LIVENESS_TIMEOUT``, else 300 s).
+    stall_timeout: float | None = None
     #: ``(final, state)`` found by the last :meth:`check_target` (marker strategy), for :meth:`acquire`.
     _checked_target: tuple[str, str] | None = None
 
@@ -96,30 +100,45 @@ class Storage(ABC):
 
         from ..runtime.tscontext import context
 
-        return ts.KvStore.open(self.kvstore_spec(root), context=context()).result()
+        return self._wait(ts.KvStore.open(self.kvstore_spec(root), context=context()))
+
+    def stall_bound(self) -> float:
+        """Seconds one request may go unanswered (:attr:`stall_timeout`, else the liveness default)."""
+        from ..runtime.liveness import default_timeout
+
+        return float(self.stall_timeout or default_timeout())
+
+    def _wait(self, future: Any) -> Any:
+        """``future.result()`` within :meth:`stall_bound` seconds: a request a stalled store never answers
+        raises ``TimeoutError`` (transient: retried while the operation's time lasts) instead of hanging."""
+        bound = self.stall_bound()
+        try:
+            return future.result(timeout=bound)
+        except TimeoutError as e:
+            raise TimeoutError(f"no answer from the store within {bound:.3g} s (it stalls)") from e
 
     def _retry(self, operation: str, path: str, fn: Any) -> Any:
-        return retry_call(operation, path, fn, self.retry_policy)
+        return retry_call(operation, path, fn, self.retry_policy, deadline=self.stall_bound())
 
     def read(self, root: str, key: str) -> bytes | None:
         """The bytes stored at ``root/key``, or None when absent."""
 
         def op() -> bytes | None:
-            result = self._kv(root).read(key).result()
+            result = self._wait(self._kv(root).read(key))
             return bytes(result.value) if result.state == "value" else None
 
         return self._retry("read", f"{root}/{key}", op)
 
     def write(self, root: str, key: str, data: bytes) -> None:
         """Store ``data`` at ``root/key`` (overwriting)."""
-        self._retry("write", f"{root}/{key}", lambda: self._kv(root).write(key, data).result())
+        self._retry("write", f"{root}/{key}", lambda: self._wait(self._kv(root).write(key, data)))
 
     def exists(self, root: str, key: str) -> bool:
         """Whether ``root/key`` holds a value, without reading it: an empty byte range, which tensorstore's
         object-store drivers (s3, gcs, http) send as a HEAD request and its file driver as a stat."""
 
         def op() -> bool:
-            return bool(self._kv(root).read(key, byte_range=slice(0, 0)).result().state == "value")
+            return bool(self._wait(self._kv(root).read(key, byte_range=slice(0, 0))).state == "value")
 
         return bool(self._retry("exists", f"{root}/{key}", op))
 
@@ -127,7 +146,7 @@ class Storage(ABC):
         """Every key below ``root`` (relative, sorted)."""
 
         def op() -> list[str]:
-            keys = self._kv(root).list().result()
+            keys = self._wait(self._kv(root).list())
             return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
         return self._retry("list", root, op)
@@ -136,11 +155,11 @@ class Storage(ABC):
         """Remove everything below ``root`` (nothing outside it; a missing root is not an error)."""
         import tensorstore as ts
 
-        self._retry("delete", root, lambda: self._kv(root).delete_range(ts.KvStore.KeyRange()).result())
+        self._retry("delete", root, lambda: self._wait(self._kv(root).delete_range(ts.KvStore.KeyRange())))
 
     def delete_key(self, root: str, key: str) -> None:
         """Remove the single object ``root/key`` (absent is fine)."""
-        self._retry("delete", f"{root}/{key}", lambda: self._kv(root).write(key, None).result())
+        self._retry("delete", f"{root}/{key}", lambda: self._wait(self._kv(root).write(key, None)))
 
     def is_committed(self, root: str) -> bool:
         """Whether ``root`` holds a committed checkpoint (its commit marker exists, in any format's layout)."""
@@ -270,7 +289,7 @@ class Storage(ABC):
 
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
-        stamp = self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE).result()
+        stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE))
         return bool(stamp.generation)
 
     def _lock_token(self, final: str) -> str | None:

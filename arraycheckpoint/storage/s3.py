@@ -12,6 +12,10 @@ usual environment variables (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, ``AWS
 tensorstore cannot take keys inline, so keys given as options are written to a private (0600) credentials
 file for the process.
 
+A stalled server (a request that is never answered) fails within bounds: every small-object request waits at
+most :meth:`~.base.Storage.stall_bound` seconds (the save's ``timeout=``), and tensorstore's transport aborts a
+bulk transfer that moves no byte for ``low_speed_seconds`` (60) seconds, then retries it as below.
+
 tensorstore retries each HTTP request itself (``s3_request_retries``: ``max_retries`` attempts with
 exponential backoff from ``initial_delay`` to ``max_delay``); the small-object operations (metadata,
 marker, lock, listing) are additionally wrapped in :func:`~.retry.retry_call`.
@@ -46,8 +50,10 @@ class S3Storage(Storage):
         initial_delay: str = "100ms",
         max_delay: str = "10s",
         request_concurrency: int | None = None,
+        low_speed_seconds: int = 60,
     ) -> None:
         env = os.environ
+        _watch_stalled_transfers(low_speed_seconds)
         self.endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         # A custom endpoint (MinIO, moto, ...) rarely answers region discovery: default to us-east-1 there.
         self.region = (
@@ -133,8 +139,12 @@ class S3Storage(Storage):
                 session = botocore.session.Session(profile=self.profile)
                 if not keys and session.get_credentials() is None:
                     raise LookupError("botocore finds no credentials")
+                from botocore.config import Config
+
+                bound = self.stall_bound()  # botocore's defaults: 60 s per read, 5 attempts, per call
+                config = Config(connect_timeout=bound, read_timeout=bound, retries={"max_attempts": 1})
                 self._client = session.create_client(
-                    "s3", endpoint_url=self.endpoint, region_name=self.region, **keys
+                    "s3", endpoint_url=self.endpoint, region_name=self.region, config=config, **keys
                 )
             except Exception:  # noqa: BLE001 - no usable botocore setup (anonymous access, a profile only
                 self._client = False  # tensorstore knows): tensorstore's own listing, unbounded but right
@@ -148,6 +158,16 @@ class S3Storage(Storage):
         if head in ("s3:", "s3:/"):
             raise StorageError(f"{root} is a bucket; checkpoints live under a prefix (s3://bucket/prefix)")
         return head, name
+
+
+def _watch_stalled_transfers(seconds: int) -> None:
+    """Have tensorstore's HTTP transport abort a transfer that moves no byte for ``seconds`` seconds (curl's
+    low-speed watchdog, off by default: a request a stalled server never answers hung the save forever).
+    tensorstore reads the variables when it creates its transport (the first HTTP request of the process),
+    so the first S3 backend of a process sets them; values the user set are kept."""
+    if seconds > 0:
+        os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(int(seconds)))
+        os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 
 
 _cred_files: dict[str, str] = {}
