@@ -260,8 +260,9 @@ class Storage(ABC):
                 "for it, or, if no save is running, a crashed run left the lock: remove it or let "
                 "CheckpointManager clean up on start"
             )
-        if state == "empty" and self.is_committed(final):
-            # another save committed here between the check and this claim: never write into it in place
+        if state != "committed" and self.is_committed(final):
+            # another save committed here between the check and this claim (the target was empty, or held that
+            # save's lock, which looked like a crashed save's): never write into it, nor delete it
             self.release(final, token)
             raise CheckpointExistsError(
                 f"another save committed a checkpoint at {final} while this one was starting; save to a new "
