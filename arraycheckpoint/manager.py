@@ -350,7 +350,8 @@ class CheckpointManager:
     def cleanup(self) -> list[str]:
         """Remove uncommitted leftovers under ``root`` (staging directories, stale locks, step directories
         without a commit marker holding only what a save writes, half-deleted steps). Call only while no save
-        to ``root`` runs; returns what was removed."""
+        to ``root`` runs; returns what was removed. What cannot be removed (a read-only mount or credentials)
+        is kept with a warning naming it: a manager that only restores works there."""
         with self._lock:
             removed = self.storage.cleanup_leftovers(self.root)
             for step, path in sorted(self._step_dirs().items()):
@@ -363,7 +364,11 @@ class CheckpointManager:
                         )  # fmt: skip
                         continue
                     log.info("cleanup: removing uncommitted checkpoint of step %d at %s", step, path)
-                    self.storage.delete(path)
+                    try:
+                        self.storage.delete(path)
+                    except StorageError as e:  # a read-only mount, read-only credentials: a reader's manager
+                        log.warning("cleanup: could not remove %s (%s); it is kept", path, e)
+                        continue
                     removed.append(path)
             if removed:
                 log.info("cleanup under %s removed %d leftover(s) of crashed saves", self.root, len(removed))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import threading
 import time
@@ -39,9 +40,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
 from .retry import DEFAULT_POLICY, RetryPolicy, retry_call
+
+log = logging.getLogger("arraycheckpoint")
 
 #: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
 LOCK_KEY = ".acp-lock"
@@ -347,7 +350,11 @@ class Storage(ABC):
         for name in self.children(parent):
             child = self.join(parent, name)
             if self.exists(child, LOCK_KEY):
-                self.delete_key(child, LOCK_KEY)
+                try:
+                    self.delete_key(child, LOCK_KEY)
+                except StorageError as e:  # read-only credentials: kept, as a local leftover is
+                    log.warning("cleanup: could not remove %s/%s (%s); it is kept", child, LOCK_KEY, e)
+                    continue
                 removed.append(f"{child}/{LOCK_KEY}")
         return removed
 
