@@ -142,6 +142,8 @@ class CheckpointManager:
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
         self._step_re = re.compile(re.escape(step_prefix) + r"([0-9]+)", re.ASCII)
+        # listings, retention and cleanup are bounded as the saves are (a store that stops answering)
+        self.storage.stall_timeout = self.save_options.get("timeout")
         if self._root_committed(url):  # every rank, before anything collective: all raise alike
             raise ValueError(
                 f"{url} is itself a committed checkpoint, not a directory of steps: pass the directory holding "

@@ -142,3 +142,31 @@ def test_a_store_stalling_mid_save_fails_the_save_within_bounds_and_commits_noth
     assert result["seconds"] < 60, result
     time.sleep(0.5)  # requests the stopped server had queued are answered now
     assert "mid/.acp/committed" not in _keys(server, "mid/")
+
+
+def test_retention_on_a_store_that_stalls_after_the_commit_is_bounded(server: S3Process) -> None:
+    """The store stops answering right after a managed save committed: the retention pass (and so the save's
+    ``result()``) waited ACP_LIVENESS_TIMEOUT (300 s) per request; the manager's storage now takes the bound
+    of its saves' ``timeout=``. The committed step is reported committed; retention is retried later."""
+
+    class StallsAfterCommit(S3Storage):
+        armed = False
+
+        def commit(self, staging: str, final: str, overwrite: bool) -> None:
+            super().commit(staging, final, overwrite)
+            if StallsAfterCommit.armed:
+                os.kill(server.proc.pid, signal.SIGSTOP)
+
+    storage.register_scheme("s3", lambda: StallsAfterCommit(endpoint=server.endpoint, max_retries=0))
+    root = f"s3://{server.bucket}/run"
+    try:
+        mgr = acp.CheckpointManager(root, keep_last=1, save_options={"timeout": 2})
+        mgr.save(1, {"w": np.arange(8.0)}).result()
+        StallsAfterCommit.armed = True
+        handle = mgr.save(2, {"w": np.arange(8.0) + 1})
+        handle.result(timeout=30)  # raised TimeoutError: retention still waiting on the stalled store
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        storage.register_scheme("s3", None)
+    assert "run/step_00000002/.acp/committed" in _keys(server, "run/")
+    mgr.close()
