@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
-from .retry import DEFAULT_POLICY, RetryPolicy, retry_call
+from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -71,6 +71,8 @@ class Storage(ABC):
     stall_timeout: float | None = None
     #: ``(final, state)`` found by the last :meth:`check_target` (marker strategy), for :meth:`acquire`.
     _checked_target: tuple[str, str] | None = None
+    #: The commit marker's write failed without an answer (it may land later); :meth:`abort` keeps the objects.
+    _marker_in_doubt: bool = False
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -318,10 +320,32 @@ class Storage(ABC):
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         """Make the checkpoint visible: the marker is written last."""
-        self.write(final, COMMIT_MARKER, b"committed\n")
+        self._write_marker(final)
+
+    def _write_marker(self, final: str) -> None:
+        """Write the commit marker. A write that failed without an answer (timed out, connection dropped,
+        5xx) may still land later: :meth:`abort` then keeps the save's objects (see there)."""
+        try:
+            self.write(final, COMMIT_MARKER, b"committed\n")
+        except StorageError as e:
+            cause = e.__cause__
+            self._marker_in_doubt = cause is not None and is_transient(cause)
+            raise
 
     def abort(self, staging: str, final: str) -> None:
-        """Remove what a failed save wrote (best effort; never raises)."""
+        """Remove what a failed save wrote (best effort; never raises).
+
+        Not after a commit marker write whose outcome is unknown: the request may still be stored after this
+        abort (a server answering late), and a marker landing on a prefix whose objects were deleted made a
+        committed checkpoint without its metadata (``latest_step()`` chose it, ``restore()`` failed). The
+        complete objects are kept: a late marker commits a whole checkpoint; otherwise they are an uncommitted
+        leftover that the next save to the path, or a manager's start-up cleanup, removes."""
+        if self._marker_in_doubt:
+            log.warning(
+                "the commit marker of %s was sent but not acknowledged and may still be stored: the save's "
+                "objects are kept whole (a manager's cleanup removes them if it never lands)", final,
+            )  # fmt: skip
+            return
         try:
             for key in self.list(staging):
                 if key != LOCK_KEY:

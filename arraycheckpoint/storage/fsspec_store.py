@@ -30,7 +30,6 @@ from typing import Any
 
 from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
-from ..format.metadata import COMMIT_MARKER
 from .base import LOCK_KEY, Storage
 from .retry import is_transient
 
@@ -216,7 +215,7 @@ class FsspecStorage(Storage):
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         self.flush(staging)  # anything the coordinator wrote after its last flush
-        self.write(final, COMMIT_MARKER, b"committed\n")
+        self._write_marker(final)
 
     def abort(self, staging: str, final: str) -> None:
         staged = self._split_staging(staging)
