@@ -46,6 +46,8 @@ from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
 
 log = logging.getLogger("arraycheckpoint")
 
+#: No request counts as stalled sooner (a tiny ``timeout=`` must not fail a healthy store's requests).
+_MIN_STALL_SECONDS = 1.0
 #: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
 LOCK_KEY = ".acp-lock"
 #: tensorstore's storage generation meaning "no value": a conditional write with it creates only if absent.
@@ -108,10 +110,11 @@ class Storage(ABC):
         return self._wait(ts.KvStore.open(self.kvstore_spec(root), context=context()))
 
     def stall_bound(self) -> float:
-        """Seconds one request may go unanswered (:attr:`stall_timeout`, else the liveness default)."""
+        """Seconds one request may go unanswered (:attr:`stall_timeout`, else the liveness default; 1 s at
+        least)."""
         from ..runtime.liveness import default_timeout
 
-        return float(self.stall_timeout or default_timeout())
+        return max(_MIN_STALL_SECONDS, float(self.stall_timeout or default_timeout()))
 
     def _wait(self, future: Any) -> Any:
         """``future.result()`` within :meth:`stall_bound` seconds: a request a stalled store never answers

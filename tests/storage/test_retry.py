@@ -120,3 +120,18 @@ def test_retries_are_bounded_in_time_naming_the_path() -> None:
     ):
         retry_call("read", "s3://b/p/k", stalls, policy, sleep=time.sleep, deadline=0.1)
     assert 2 <= len(calls) <= 10
+
+
+def test_a_tiny_save_timeout_does_not_fail_a_healthy_stores_requests() -> None:
+    """The save's ``timeout=`` bounds each storage request; no request counts as stalled before 1 s."""
+    import numpy as np
+
+    import arraycheckpoint as acp
+    from arraycheckpoint.storage import MemoryStorage
+
+    backend = MemoryStorage()
+    backend.stall_timeout = 1e-6
+    assert backend.stall_bound() == 1.0
+    url = "memory://retry-tests/tiny-timeout"
+    acp.save(url, {"w": np.arange(5.0)}, timeout=1e-6)
+    assert np.array_equal(acp.load(url, {"w": np.zeros(5)})["w"], np.arange(5.0))
