@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ._validate import check_timeout
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .runtime.future import CheckpointFuture
 from .storage import storage_for
@@ -143,7 +144,7 @@ class CheckpointManager:
         self.load_options = dict(load_options or {})
         self._step_re = re.compile(re.escape(step_prefix) + r"([0-9]+)", re.ASCII)
         # listings, retention and cleanup are bounded as the saves are (a store that stops answering)
-        self.storage.stall_timeout = self.save_options.get("timeout")
+        self.storage.stall_timeout = check_timeout(self.save_options.get("timeout"))
         if self._root_committed(url):  # every rank, before anything collective: all raise alike
             raise ValueError(
                 f"{url} is itself a committed checkpoint, not a directory of steps: pass the directory holding "
