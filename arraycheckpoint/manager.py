@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ._validate import check_timeout
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .runtime.future import CheckpointFuture
 from .storage import storage_for
@@ -142,6 +143,8 @@ class CheckpointManager:
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
         self._step_re = re.compile(re.escape(step_prefix) + r"([0-9]+)", re.ASCII)
+        # listings, retention and cleanup are bounded as the saves are (a store that stops answering)
+        self.storage.stall_timeout = check_timeout(self.save_options.get("timeout"))
         if self._root_committed(url):  # every rank, before anything collective: all raise alike
             raise ValueError(
                 f"{url} is itself a committed checkpoint, not a directory of steps: pass the directory holding "
@@ -350,7 +353,8 @@ class CheckpointManager:
     def cleanup(self) -> list[str]:
         """Remove uncommitted leftovers under ``root`` (staging directories, stale locks, step directories
         without a commit marker holding only what a save writes, half-deleted steps). Call only while no save
-        to ``root`` runs; returns what was removed."""
+        to ``root`` runs; returns what was removed. What cannot be removed (a read-only mount or credentials)
+        is kept with a warning naming it: a manager that only restores works there."""
         with self._lock:
             removed = self.storage.cleanup_leftovers(self.root)
             for step, path in sorted(self._step_dirs().items()):
@@ -363,7 +367,11 @@ class CheckpointManager:
                         )  # fmt: skip
                         continue
                     log.info("cleanup: removing uncommitted checkpoint of step %d at %s", step, path)
-                    self.storage.delete(path)
+                    try:
+                        self.storage.delete(path)
+                    except StorageError as e:  # a read-only mount, read-only credentials: a reader's manager
+                        log.warning("cleanup: could not remove %s (%s); it is kept", path, e)
+                        continue
                     removed.append(path)
             if removed:
                 log.info("cleanup under %s removed %d leftover(s) of crashed saves", self.root, len(removed))

@@ -66,6 +66,7 @@ class SavePipeline:
         """Snapshot ``request`` and write it in the background; returns once the snapshot is taken."""
         options = options or SaveOptions()
         storage, final = storage_for(url)
+        storage.stall_timeout = options.liveness_timeout  # a request the store never answers: this bound
         future = CheckpointFuture(final)
         self.wait_idle()  # buffers and the checkpoint group are reused
         comm.set_liveness_timeout(options.liveness_timeout)  # before this save's first collective

@@ -23,8 +23,11 @@ way. A rank inside the same call, however slow, is never blamed.
 The heartbeat threads are stopped and joined when the interpreter exits, before it finalizes: a daemon thread
 still inside a store call then would abort the process (see :func:`_stop_heartbeats`).
 
-What it deliberately does not do: judge progress inside a rank. A rank whose writes are slow (or whose
-storage hangs) keeps beating and is waited for; bound storage with the backends' retry policies instead.
+What it deliberately does not do: judge progress inside a rank. A rank whose writes are slow keeps beating
+and is waited for. Storage that stops answering is bounded by the storage layer itself: each small-object
+request waits at most the save's ``timeout=`` (:meth:`arraycheckpoint.storage.base.Storage.stall_bound`), and
+the S3 backend's transfers abort when no byte moves for ``low_speed_seconds``; the rank then fails the save
+with an error naming the path, and every rank learns it through the commit.
 The store master is the process that created the store (usually rank 0's); if that process stalls, the store
 itself stops answering and torch's store timeout applies.
 """

@@ -65,7 +65,7 @@ def configure(scheme: str, **options: Any) -> None:
     """Set default options of the backend for ``scheme`` (merged over earlier calls; None removes a key).
 
     ``s3``: ``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ``session_token``,
-    ``profile``, ``requester_pays``, ``max_retries``, ``request_concurrency``; unset ones come from
+    ``profile``, ``requester_pays``, ``max_retries``, ``request_concurrency``, ``low_speed_seconds``; unset ones come from
     ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
     ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN`` and ``AWS_PROFILE``.
     Other fsspec schemes: keyword arguments of ``fsspec.filesystem(scheme, **options)``.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import threading
 import time
@@ -39,10 +40,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
-from .retry import DEFAULT_POLICY, RetryPolicy, retry_call
+from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
 
+log = logging.getLogger("arraycheckpoint")
+
+#: No request counts as stalled sooner (a tiny ``timeout=`` must not fail a healthy store's requests).
+_MIN_STALL_SECONDS = 1.0
 #: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
 LOCK_KEY = ".acp-lock"
 #: tensorstore's storage generation meaning "no value": a conditional write with it creates only if absent.
@@ -62,8 +67,14 @@ class Storage(ABC):
     commit_strategy: str = "marker"
     #: Bounded retries of the small-object operations.
     retry_policy: RetryPolicy = DEFAULT_POLICY
+    #: Seconds one small-object request may go unanswered, and after which an operation starts no new attempt
+    #: (so one operation ends within about twice this); a save sets it from its ``timeout=``. None: the
+    #: liveness default (``ACP_LIVENESS_TIMEOUT``, else 300 s).
+    stall_timeout: float | None = None
     #: ``(final, state)`` found by the last :meth:`check_target` (marker strategy), for :meth:`acquire`.
     _checked_target: tuple[str, str] | None = None
+    #: The commit marker's write failed without an answer (it may land later); :meth:`abort` keeps the objects.
+    _marker_in_doubt: bool = False
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -96,30 +107,46 @@ class Storage(ABC):
 
         from ..runtime.tscontext import context
 
-        return ts.KvStore.open(self.kvstore_spec(root), context=context()).result()
+        return self._wait(ts.KvStore.open(self.kvstore_spec(root), context=context()))
+
+    def stall_bound(self) -> float:
+        """Seconds one request may go unanswered (:attr:`stall_timeout`, else the liveness default; 1 s at
+        least)."""
+        from ..runtime.liveness import default_timeout
+
+        return max(_MIN_STALL_SECONDS, float(self.stall_timeout or default_timeout()))
+
+    def _wait(self, future: Any) -> Any:
+        """``future.result()`` within :meth:`stall_bound` seconds: a request a stalled store never answers
+        raises ``TimeoutError`` (transient: retried while the operation's time lasts) instead of hanging."""
+        bound = self.stall_bound()
+        try:
+            return future.result(timeout=bound)
+        except TimeoutError as e:
+            raise TimeoutError(f"no answer from the store within {bound:.3g} s (it stalls)") from e
 
     def _retry(self, operation: str, path: str, fn: Any) -> Any:
-        return retry_call(operation, path, fn, self.retry_policy)
+        return retry_call(operation, path, fn, self.retry_policy, deadline=self.stall_bound())
 
     def read(self, root: str, key: str) -> bytes | None:
         """The bytes stored at ``root/key``, or None when absent."""
 
         def op() -> bytes | None:
-            result = self._kv(root).read(key).result()
+            result = self._wait(self._kv(root).read(key))
             return bytes(result.value) if result.state == "value" else None
 
         return self._retry("read", f"{root}/{key}", op)
 
     def write(self, root: str, key: str, data: bytes) -> None:
         """Store ``data`` at ``root/key`` (overwriting)."""
-        self._retry("write", f"{root}/{key}", lambda: self._kv(root).write(key, data).result())
+        self._retry("write", f"{root}/{key}", lambda: self._wait(self._kv(root).write(key, data)))
 
     def exists(self, root: str, key: str) -> bool:
         """Whether ``root/key`` holds a value, without reading it: an empty byte range, which tensorstore's
         object-store drivers (s3, gcs, http) send as a HEAD request and its file driver as a stat."""
 
         def op() -> bool:
-            return bool(self._kv(root).read(key, byte_range=slice(0, 0)).result().state == "value")
+            return bool(self._wait(self._kv(root).read(key, byte_range=slice(0, 0))).state == "value")
 
         return bool(self._retry("exists", f"{root}/{key}", op))
 
@@ -127,7 +154,7 @@ class Storage(ABC):
         """Every key below ``root`` (relative, sorted)."""
 
         def op() -> list[str]:
-            keys = self._kv(root).list().result()
+            keys = self._wait(self._kv(root).list())
             return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
         return self._retry("list", root, op)
@@ -136,11 +163,11 @@ class Storage(ABC):
         """Remove everything below ``root`` (nothing outside it; a missing root is not an error)."""
         import tensorstore as ts
 
-        self._retry("delete", root, lambda: self._kv(root).delete_range(ts.KvStore.KeyRange()).result())
+        self._retry("delete", root, lambda: self._wait(self._kv(root).delete_range(ts.KvStore.KeyRange())))
 
     def delete_key(self, root: str, key: str) -> None:
         """Remove the single object ``root/key`` (absent is fine)."""
-        self._retry("delete", f"{root}/{key}", lambda: self._kv(root).write(key, None).result())
+        self._retry("delete", f"{root}/{key}", lambda: self._wait(self._kv(root).write(key, None)))
 
     def is_committed(self, root: str) -> bool:
         """Whether ``root`` holds a committed checkpoint (its commit marker exists, in any format's layout)."""
@@ -241,8 +268,9 @@ class Storage(ABC):
                 "for it, or, if no save is running, a crashed run left the lock: remove it or let "
                 "CheckpointManager clean up on start"
             )
-        if state == "empty" and self.is_committed(final):
-            # another save committed here between the check and this claim: never write into it in place
+        if state != "committed" and self.is_committed(final):
+            # another save committed here between the check and this claim (the target was empty, or held that
+            # save's lock, which looked like a crashed save's): never write into it, nor delete it
             self.release(final, token)
             raise CheckpointExistsError(
                 f"another save committed a checkpoint at {final} while this one was starting; save to a new "
@@ -270,7 +298,7 @@ class Storage(ABC):
 
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
-        stamp = self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE).result()
+        stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE))
         return bool(stamp.generation)
 
     def _lock_token(self, final: str) -> str | None:
@@ -295,10 +323,32 @@ class Storage(ABC):
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         """Make the checkpoint visible: the marker is written last."""
-        self.write(final, COMMIT_MARKER, b"committed\n")
+        self._write_marker(final)
+
+    def _write_marker(self, final: str) -> None:
+        """Write the commit marker. A write that failed without an answer (timed out, connection dropped,
+        5xx) may still land later: :meth:`abort` then keeps the save's objects (see there)."""
+        try:
+            self.write(final, COMMIT_MARKER, b"committed\n")
+        except StorageError as e:
+            cause = e.__cause__
+            self._marker_in_doubt = cause is not None and is_transient(cause)
+            raise
 
     def abort(self, staging: str, final: str) -> None:
-        """Remove what a failed save wrote (best effort; never raises)."""
+        """Remove what a failed save wrote (best effort; never raises).
+
+        Not after a commit marker write whose outcome is unknown: the request may still be stored after this
+        abort (a server answering late), and a marker landing on a prefix whose objects were deleted made a
+        committed checkpoint without its metadata (``latest_step()`` chose it, ``restore()`` failed). The
+        complete objects are kept: a late marker commits a whole checkpoint; otherwise they are an uncommitted
+        leftover that the next save to the path, or a manager's start-up cleanup, removes."""
+        if self._marker_in_doubt:
+            log.warning(
+                "the commit marker of %s was sent but not acknowledged and may still be stored: the save's "
+                "objects are kept whole (a manager's cleanup removes them if it never lands)", final,
+            )  # fmt: skip
+            return
         try:
             for key in self.list(staging):
                 if key != LOCK_KEY:
@@ -327,7 +377,11 @@ class Storage(ABC):
         for name in self.children(parent):
             child = self.join(parent, name)
             if self.exists(child, LOCK_KEY):
-                self.delete_key(child, LOCK_KEY)
+                try:
+                    self.delete_key(child, LOCK_KEY)
+                except StorageError as e:  # read-only credentials: kept, as a local leftover is
+                    log.warning("cleanup: could not remove %s/%s (%s); it is kept", child, LOCK_KEY, e)
+                    continue
                 removed.append(f"{child}/{LOCK_KEY}")
         return removed
 

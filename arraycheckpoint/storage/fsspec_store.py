@@ -30,7 +30,6 @@ from typing import Any
 
 from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
-from ..format.metadata import COMMIT_MARKER
 from .base import LOCK_KEY, Storage
 from .retry import is_transient
 
@@ -133,6 +132,7 @@ class FsspecStorage(Storage):
 
     def _find_sizes(self, base: str) -> dict[str, int | None]:
         """Every file below ``base`` (fsspec paths) with its listed size (None where the file system has none)."""
+        self._forget(base)
         if not self.fs.exists(base):
             return {}
         found = self.fs.find(base, detail=True)
@@ -146,6 +146,20 @@ class FsspecStorage(Storage):
         return {
             p: (info.get("size") if isinstance(info, dict) else None) for p, info in sorted(found.items())
         }
+
+    def _forget(self, path: str) -> None:
+        """Drop what the file system cached about ``path``, its parents and everything below it. Other jobs
+        write and delete here; a cached listing (s3fs and gcsfs keep them for the life of the process) hid a
+        step committed since from ``latest_step()``, or showed one deleted since."""
+        try:
+            self.fs.invalidate_cache(path)
+            cache = getattr(self.fs, "dircache", None)
+            if cache:
+                below = path.rstrip("/") + "/"
+                for key in [k for k in list(cache) if isinstance(k, str) and k.startswith(below)]:
+                    cache.pop(key, None)
+        except Exception:  # noqa: BLE001 - a file system without a cache, or one that cannot drop it
+            pass
 
     def list_sizes(self, root: str) -> dict[str, int | None]:
         """Every object below ``root``: relative key -> size (one listing; for the load-time checks)."""
@@ -201,7 +215,7 @@ class FsspecStorage(Storage):
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         self.flush(staging)  # anything the coordinator wrote after its last flush
-        self.write(final, COMMIT_MARKER, b"committed\n")
+        self._write_marker(final)
 
     def abort(self, staging: str, final: str) -> None:
         staged = self._split_staging(staging)
@@ -248,7 +262,12 @@ class FsspecStorage(Storage):
 
     def exists(self, root: str, key: str) -> bool:
         path = self._rpath(root, key)
-        return bool(self._retry("exists", path, lambda: self.fs.isfile(path)))
+
+        def op() -> bool:
+            self._forget(path)
+            return bool(self.fs.isfile(path))
+
+        return bool(self._retry("exists", path, op))
 
     def list(self, root: str) -> list[str]:
         if self._split_staging(root):
@@ -256,6 +275,7 @@ class FsspecStorage(Storage):
         base = self._rpath(root)
 
         def op() -> list[str]:
+            self._forget(base)
             if not self.fs.exists(base):
                 return []
             prefix = base.rstrip("/") + "/"
@@ -269,6 +289,7 @@ class FsspecStorage(Storage):
         base = self._rpath(root)
 
         def op() -> list[str]:
+            self._forget(base)
             if not self.fs.isdir(base):
                 return ["(a file at this path, not a directory)"] if self.fs.isfile(base) else []
             entries = self.fs.ls(base, detail=True)
@@ -284,6 +305,7 @@ class FsspecStorage(Storage):
         base = self._rpath(root)
 
         def op() -> list[str]:
+            self._forget(base)
             if not self.fs.isdir(base):
                 return []
             return sorted(self._strip(p).rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
@@ -294,6 +316,7 @@ class FsspecStorage(Storage):
         base = self._rpath(root)
 
         def op() -> None:
+            self._forget(base)
             if self.fs.exists(base):
                 self.fs.rm(base, recursive=True)
 

@@ -95,6 +95,7 @@ def retry_call(
     fn: Callable[[], T],
     policy: RetryPolicy = DEFAULT_POLICY,
     sleep: Callable[[float], None] = time.sleep,
+    deadline: float | None = None,
 ) -> T:
     """Run ``fn`` and retry it on transient failures according to ``policy``.
 
@@ -104,6 +105,8 @@ def retry_call(
         fn: the operation; it must be idempotent.
         policy: attempts and backoff.
         sleep: the sleep function (a test may pass a recorder).
+        deadline: seconds after the first attempt's start past which no new attempt starts (a retry loop over
+            a store whose requests time out is bounded in time, not only in attempts); None: attempts only.
 
     Returns:
         ``fn()``'s result.
@@ -114,6 +117,7 @@ def retry_call(
             (:class:`ArrayCheckpointError`) pass through unchanged.
     """
     attempt = 1
+    start = time.monotonic()
     while True:
         try:
             return fn()
@@ -125,6 +129,12 @@ def retry_call(
             if attempt >= policy.max_attempts:
                 raise _storage_error(operation, path, e, f"gave up after {attempt} attempts") from e
             wait = policy.delay(attempt)
+            elapsed = time.monotonic() - start
+            if deadline is not None and elapsed + wait > deadline:
+                why = (
+                    f"gave up after {attempt} attempts in {elapsed:.1f} s, past its bound of {deadline:.3g} s"
+                )
+                raise _storage_error(operation, path, e, why) from e
             log.warning(
                 "storage %s of %s failed (attempt %d/%d, retrying in %.2fs): %s",
                 operation, path, attempt, policy.max_attempts, wait, e,

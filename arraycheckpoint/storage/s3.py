@@ -12,6 +12,10 @@ usual environment variables (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, ``AWS
 tensorstore cannot take keys inline, so keys given as options are written to a private (0600) credentials
 file for the process.
 
+A stalled server (a request that is never answered) fails within bounds: every small-object request waits at
+most :meth:`~.base.Storage.stall_bound` seconds (the save's ``timeout=``), and tensorstore's transport aborts a
+bulk transfer that moves no byte for ``low_speed_seconds`` (60) seconds, then retries it as below.
+
 tensorstore retries each HTTP request itself (``s3_request_retries``: ``max_retries`` attempts with
 exponential backoff from ``initial_delay`` to ``max_delay``); the small-object operations (metadata,
 marker, lock, listing) are additionally wrapped in :func:`~.retry.retry_call`.
@@ -46,8 +50,10 @@ class S3Storage(Storage):
         initial_delay: str = "100ms",
         max_delay: str = "10s",
         request_concurrency: int | None = None,
+        low_speed_seconds: int = 60,
     ) -> None:
         env = os.environ
+        _watch_stalled_transfers(low_speed_seconds)
         self.endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         # A custom endpoint (MinIO, moto, ...) rarely answers region discovery: default to us-east-1 there.
         self.region = (
@@ -113,41 +119,82 @@ class S3Storage(Storage):
             spec["requester_pays"] = True
         return spec
 
+    def _botocore(self) -> Any:
+        """A botocore S3 client for bounded listings (timeouts of :meth:`stall_bound`, no retries of its own:
+        :func:`~.retry.retry_call` retries), or None without botocore or a setup it can use (anonymous
+        access, a profile only tensorstore knows): then tensorstore's own listing, unbounded but right."""
+        if self._client is None:
+            self._client = False
+            try:
+                import botocore.session
+                from botocore.config import Config
+
+                names = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+                keys = dict(zip(names, self._keys or ()))
+                session = botocore.session.Session(profile=self.profile)
+                if not keys and session.get_credentials() is None:
+                    raise LookupError("botocore finds no credentials")
+                bound = self.stall_bound()  # botocore's defaults: 60 s per read, 5 attempts, per call
+                config = Config(connect_timeout=bound, read_timeout=bound, retries={"max_attempts": 1})
+                self._client = session.create_client(
+                    "s3", endpoint_url=self.endpoint, region_name=self.region, config=config, **keys
+                )
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+        return self._client or None
+
+    def _list_args(self, root: str, **extra: Any) -> tuple[str, dict[str, Any]]:
+        bucket, _, prefix = root[len("s3://") :].partition("/")
+        prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, **extra}
+        if self.requester_pays:
+            args["RequestPayer"] = "requester"
+        return prefix, args
+
     def sample(self, root: str, limit: int) -> list[str]:
         """Up to ``limit`` keys below ``root``: one ``ListObjectsV2`` request with ``MaxKeys`` through botocore
         (tensorstore's listing has no limit and would walk a huge prefix to the end); without botocore
         installed, tensorstore's full listing."""
-        try:
-            import botocore.session
-        except ImportError:
+        client = self._botocore()
+        if client is None:
             return super().sample(root, limit)
-        bucket, _, prefix = root[len("s3://") :].partition("/")
-        prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": limit}
-        if self.requester_pays:
-            args["RequestPayer"] = "requester"
-        if self._client is None:
-            names = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-            keys = dict(zip(names, self._keys or ()))
-            try:
-                session = botocore.session.Session(profile=self.profile)
-                if not keys and session.get_credentials() is None:
-                    raise LookupError("botocore finds no credentials")
-                self._client = session.create_client(
-                    "s3", endpoint_url=self.endpoint, region_name=self.region, **keys
-                )
-            except Exception:  # noqa: BLE001 - no usable botocore setup (anonymous access, a profile only
-                self._client = False  # tensorstore knows): tensorstore's own listing, unbounded but right
-        if self._client is False:
-            return super().sample(root, limit)
-        listed = self._retry("list", root, lambda: self._client.list_objects_v2(**args))
+        prefix, args = self._list_args(root, MaxKeys=limit)
+        listed = self._retry("list", root, lambda: client.list_objects_v2(**args))
         return sorted(o["Key"][len(prefix) :] for o in listed.get("Contents", []))[:limit]
+
+    def children(self, root: str) -> list[str]:
+        """Names of the immediate children of ``root``: a delimited ``ListObjectsV2`` (one entry per step
+        prefix, pages of 1,000 followed to the end) through botocore. tensorstore's listing has no delimiter:
+        the manager's every ``latest_step()`` walked every object of every step kept."""
+        client = self._botocore()
+        if client is None:
+            return super().children(root)
+        prefix, args = self._list_args(root, Delimiter="/")
+        names: set[str] = set()
+        while True:
+            page = self._retry("list", root, lambda a=dict(args): client.list_objects_v2(**a))
+            names.update(p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+            names.update(o["Key"][len(prefix) :] for o in page.get("Contents", []))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return sorted(n for n in names if n)
+            args["ContinuationToken"] = token
 
     def parent(self, root: str) -> tuple[str, str]:
         head, _, name = root.rstrip("/").rpartition("/")
         if head in ("s3:", "s3:/"):
             raise StorageError(f"{root} is a bucket; checkpoints live under a prefix (s3://bucket/prefix)")
         return head, name
+
+
+def _watch_stalled_transfers(seconds: int) -> None:
+    """Have tensorstore's HTTP transport abort a transfer that moves no byte for ``seconds`` seconds (curl's
+    low-speed watchdog, off by default: a request a stalled server never answers hung the save forever).
+    tensorstore reads the variables when it creates its transport (the first HTTP request of the process),
+    so the first S3 backend of a process sets them; values the user set are kept."""
+    if seconds > 0:
+        os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(int(seconds)))
+        os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 
 
 _cred_files: dict[str, str] = {}

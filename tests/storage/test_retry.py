@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 
 import pytest
 
@@ -101,3 +102,36 @@ def test_jitter_stays_within_bounds() -> None:
         d = policy.delay(attempt)
         cap = min(8.0, 2.0 ** (attempt - 1))
         assert cap * 0.5 <= d <= cap
+
+
+def test_retries_are_bounded_in_time_naming_the_path() -> None:
+    """Attempts that each time out (a stalled store) stop once the operation's time bound is spent, however
+    many attempts the policy would allow; the error names the operation, the path and the bound."""
+    calls = []
+
+    def stalls() -> None:
+        calls.append(1)
+        raise TimeoutError("no answer from the store within 0.05 s (it stalls)")
+
+    policy = RetryPolicy(max_attempts=1000, initial_delay=0.02, max_delay=0.02, jitter=0.0)
+    with pytest.raises(
+        StorageError,
+        match=r"storage read of s3://b/p/k failed \(gave up after \d+ attempts in .*past its bound of 0.1 s\)",
+    ):
+        retry_call("read", "s3://b/p/k", stalls, policy, sleep=time.sleep, deadline=0.1)
+    assert 2 <= len(calls) <= 10
+
+
+def test_a_tiny_save_timeout_does_not_fail_a_healthy_stores_requests() -> None:
+    """The save's ``timeout=`` bounds each storage request; no request counts as stalled before 1 s."""
+    import numpy as np
+
+    import arraycheckpoint as acp
+    from arraycheckpoint.storage import MemoryStorage
+
+    backend = MemoryStorage()
+    backend.stall_timeout = 1e-6
+    assert backend.stall_bound() == 1.0
+    url = "memory://retry-tests/tiny-timeout"
+    acp.save(url, {"w": np.arange(5.0)}, timeout=1e-6)
+    assert np.array_equal(acp.load(url, {"w": np.zeros(5)})["w"], np.arange(5.0))
