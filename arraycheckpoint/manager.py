@@ -24,8 +24,9 @@ Rules:
   (by another job) makes that load raise ``CheckpointNotFoundError``.
 * On start (``cleanup=True``) the coordinator removes staging directories, stale locks, half-deleted steps
   and step directories without a commit marker that hold only what a save writes (one holding anything
-  else is kept, with a warning); the other ranks wait for it. Do not run two managers (two
-  jobs) on one root at the same time: each treats the other's saves in flight as leftovers.
+  else is kept, with a warning); the other ranks wait for it. On a local or network file system a save in flight of another
+  job (its lock's ``flock`` is held) is left alone; on object stores do not run two managers (two jobs) on one
+  root at the same time: each treats the other's saves in flight as leftovers.
 """
 
 from __future__ import annotations

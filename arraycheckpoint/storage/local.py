@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import re
 import shutil
+import socket
 import stat
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -70,30 +73,47 @@ class LocalStorage(Storage):
         return p.parent / f".{p.name}.acp-lock"
 
     def acquire(self, final: str, token: str) -> None:
+        """Take ``final``'s lock file for this save (``O_EXCL``), and hold an ``flock`` on it until
+        :meth:`release`: the kernel drops that lock when the process ends however it ends, so a lock file
+        nobody holds is a crashed save's and is taken over (with a warning naming it), not refused. Where the
+        file system has no ``flock`` a lock file present is refused, as before."""
         lock = self._lock(final)
         _check_parents(lock.parent)
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644)
         except FileExistsError:
-            holder = lock.read_text(errors="replace").strip() if lock.exists() else "?"
-            raise CheckpointExistsError(
-                f"another save to {final} is in progress (lock {lock} held by save {holder}); wait for it, or, "
-                "if no save is running, a crashed run left the lock: remove it or let CheckpointManager clean "
-                "up on start"
-            ) from None
+            fd = _take_stale(lock)
+            if fd is None:
+                raise CheckpointExistsError(
+                    f"another save to {final} is in progress (lock {lock} held by save {_holder(lock)}); wait "
+                    "for it, or, if no save is running (a file system without flock, where a crashed run's "
+                    "lock cannot be told from a live one), remove it or let CheckpointManager clean up on start"
+                ) from None
         except OSError as e:
             raise StorageError(f"storage lock of {lock} failed: {e}") from e
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
+        try:
+            _flock(fd, blocking_ok=True)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{token} pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except OSError as e:
+            os.close(fd)
+            raise StorageError(f"storage lock of {lock} failed: {e}") from e
+        with _HELD_LOCK:
+            _HELD[(str(lock), token)] = fd
 
     def release(self, final: str, token: str) -> None:
         lock = self._lock(final)
+        with _HELD_LOCK:
+            fd = _HELD.pop((str(lock), token), None)
         try:
-            if lock.read_text().strip() == token:
+            if _token_of(lock.read_text()) == token:
                 lock.unlink()
         except FileNotFoundError:
             pass
+        finally:
+            if fd is not None:
+                os.close(fd)  # drops the flock, after the file is gone
 
     def flush(self, root: str) -> None:
         path = root if os.path.isdir(root) else os.path.dirname(root)
@@ -102,7 +122,12 @@ class LocalStorage(Storage):
         fd = os.open(path, os.O_RDONLY)
         try:
             if _syncfs(fd) != 0:
-                os.sync()
+                err = ctypes.get_errno()
+                if err not in (0, errno.ENOSYS, errno.EINVAL, errno.EPERM):  # EIO, ENOSPC: a write was lost
+                    raise StorageError(
+                        f"flush of {path} failed: {os.strerror(err)} (a write did not reach the disk)"
+                    )
+                os.sync()  # no syncfs here
         finally:
             os.close(fd)
 
@@ -237,9 +262,12 @@ class LocalStorage(Storage):
         user's directory) is kept, with a warning naming it, and not reported removed.
         """
         removed = []
-        for name in self.children(parent):
+        names = self.children(parent)
+        live = _live_tokens(parent, names)  # saves in flight (another job's): their lock and staging stay
+        # a step's replaced copies newest first: the newest committed one is put back, the older are removed
+        for name in sorted(names, key=lambda n: -_replaced_time(parent, n)):
             m = _LEFTOVER.match(name)
-            if not m:
+            if not m or name.rsplit("-", 1)[-1] in live or name in live.values():
                 continue
             path = os.path.join(parent, name)
             if os.path.isdir(path) and not os.path.islink(path):
@@ -273,6 +301,96 @@ class LocalStorage(Storage):
         log.warning("cleanup: restored %s from %s (a save replacing it did not finish)", final, old)
         fsync_path(os.path.dirname(final))
         return True
+
+
+#: lock files held by this process's saves: (lock path, token) -> the descriptor holding its flock
+_HELD: dict[tuple[str, str], int] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _token_of(text: str) -> str:
+    """The save token a lock file's text (``<token> pid <pid> on <host>``) or a staging name's tail starts with."""
+    parts = text.split()
+    return parts[0] if parts else ""
+
+
+def _holder(lock: Path) -> str:
+    try:
+        return lock.read_text(errors="replace").strip()[:200] or "?"
+    except OSError:
+        return "?"
+
+
+def _flock(fd: int, blocking_ok: bool = False) -> bool:
+    """Try an exclusive ``flock`` on ``fd`` without waiting: True when taken, False when another open file
+    holds it. A file system without ``flock`` counts as taken where ``blocking_ok`` (a lock this save just
+    created: nothing to tell apart), else as held (a lock file of unknown liveness is never taken over)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return blocking_ok
+        raise
+
+
+def _take_stale(lock: Path) -> int | None:
+    """The descriptor of ``lock`` with its flock held when no process holds it (a crashed save's; warned);
+    None when a save in flight holds it (or liveness cannot be told)."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None  # released meanwhile: the caller's message says to retry; a rare race
+    if not _flock(fd):
+        os.close(fd)
+        return None
+    try:  # the file may have been released (unlinked) between the open and the flock
+        same = os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        return None
+    log.warning("taking over %s, left by a save that is no longer running (%s)", lock, _holder(lock))
+    return fd
+
+
+def _live_tokens(parent: str, names: list[str]) -> dict[str, str]:
+    """The tokens of the saves in flight under ``parent`` (their lock's flock is held), mapped to their lock
+    file's name."""
+    live = {}
+    for name in names:
+        m = _LEFTOVER.match(name)
+        if not m or not m.group("b"):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode) and not _flock(fd):
+                live[_token_of(os.read(fd, 512).decode(errors="replace"))] = name
+        finally:
+            os.close(fd)  # a flock taken here (a stale lock) ends with it
+    return live
+
+
+def _replaced_time(parent: str, name: str) -> int:
+    """When the replaced step copy ``name`` (``<step>.acp-old-...``) was committed (its marker's mtime, ns);
+    0 for anything else or an uncommitted copy."""
+    m = _LEFTOVER.match(name)
+    if not m or not m.group("c"):
+        return 0
+    path = os.path.join(parent, name)
+    for files in CONTROL_LAYOUTS:
+        try:
+            return os.stat(os.path.join(path, files.committed)).st_mtime_ns
+        except OSError:
+            continue
+    return 0
 
 
 def _refuse_foreign(final: str, is_committed: Any) -> bool:

@@ -21,6 +21,7 @@ and an ``acp.save``/``acp.load`` round trip (bit-exact, torch tensors) through :
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -165,6 +166,7 @@ class StorageTests:
     def test_cleanup_removes_stale_lock(self, base_url: str) -> None:
         backend, final = storage_for(f"{base_url}/step_1")
         backend.acquire(final, "crashed")
+        _crash(backend, final, "crashed")
         parent, _ = backend.parent(final)
         removed = backend.cleanup_leftovers(parent)
         assert removed, "the stale lock was not reported"
@@ -310,3 +312,14 @@ class StorageTests:
         assert w.shape == (33, 17)
         assert np.array_equal(w[...], saved["model"]["w"].numpy())
         assert np.array_equal(group["model/i"][...], saved["model"]["i"].numpy())
+
+
+def _crash(backend: Storage, final: str, token: str) -> None:
+    """What a crash of the saving process does to its lock: a local file system's lock file stays, its flock
+    goes (the kernel drops it when the process ends); other backends' locks just stay."""
+    from ..storage import local
+
+    if isinstance(backend, local.LocalStorage):
+        with local._HELD_LOCK:
+            fd = local._HELD.pop((str(backend._lock(final)), token))
+        os.close(fd)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import logging
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from arraycheckpoint.errors import CheckpointExistsError
+import arraycheckpoint as acp
+from arraycheckpoint.errors import CheckpointExistsError, StorageError
 from arraycheckpoint.storage import LocalStorage, storage_for
 from arraycheckpoint.testing.storage import StorageTests
 
@@ -44,7 +52,7 @@ def test_staging_is_a_hidden_sibling_and_rename_is_atomic(tmp_path: Path) -> Non
         ".step_1.acp-staging-"
     )
     backend.acquire(final, "tok")
-    assert (tmp_path / ".step_1.acp-lock").read_text() == "tok"
+    assert (tmp_path / ".step_1.acp-lock").read_text().split()[:3] == ["tok", "pid", str(os.getpid())]
     backend.write(staging, "x", b"1")
     inode = os.stat(staging).st_ino
     backend.commit(staging, final, overwrite=False)
@@ -78,3 +86,79 @@ def test_cleanup_leftovers_keeps_checkpoints(tmp_path: Path) -> None:
     removed = backend.cleanup_leftovers(str(tmp_path))
     assert len(removed) == 4
     assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step_1"]
+
+
+HOLD = """
+import os, sys, time
+from arraycheckpoint.storage import storage_for
+backend, final = storage_for(sys.argv[1])
+backend.acquire(final, "inflight")
+backend.write(backend.staging_root(final, "inflight"), "x", b"1")  # a save in flight writes here
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(tmp_path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "step_2")], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_save_keeps_its_lock_and_a_crashed_ones_is_taken_over(tmp_path: Path, caplog) -> None:
+    """Another process's save in flight: a second save is refused and a CheckpointManager starting on the
+    root (an evaluation job) leaves its lock and staging alone (it deleted both: the save then failed). Once
+    that process is killed (SIGKILL: no cleanup ran), its lock is a crashed save's: the next save takes it
+    over with a warning (it was refused until someone removed the lock by hand)."""
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(acp.CheckpointExistsError, match="in progress"):
+            acp.save(str(tmp_path / "step_2"), {"w": np.arange(3)})
+        mgr = acp.CheckpointManager(str(tmp_path))
+        assert mgr.removed == []
+        left = sorted(os.listdir(tmp_path))
+        assert left == [".step_2.acp-lock", ".step_2.acp-staging-inflight"], left
+    finally:
+        proc.kill()
+        proc.wait()
+    with caplog.at_level(logging.WARNING, logger="arraycheckpoint"):
+        acp.save(str(tmp_path / "step_2"), {"w": np.arange(3)})
+    assert "taking over" in caplog.text and "inflight pid" in caplog.text
+    back = {"w": np.zeros(3, dtype=np.int64)}
+    acp.load(str(tmp_path / "step_2"), back)
+    assert np.array_equal(back["w"], np.arange(3))
+    mgr = acp.CheckpointManager(str(tmp_path))  # the crashed save's staging goes now
+    assert sorted(os.listdir(tmp_path)) == ["step_2"], mgr.removed
+
+
+def test_cleanup_puts_back_the_newest_of_two_replaced_copies(tmp_path: Path) -> None:
+    """Two overwrites of one step that each crashed between their renames left two committed copies aside
+    and no step: cleanup restores the newer (it restored whichever name sorted first, then deleted the
+    other: the newer one, half the time)."""
+    for value in (1, 2):
+        acp.save(str(tmp_path / "s"), {"w": np.full(3, value)}, overwrite=True)
+        os.rename(tmp_path / "s", tmp_path / f"s.acp-old-.s.acp-staging-{'ab'[value - 1]}{value}")
+        time.sleep(0.01)  # distinct commit times
+    LocalStorage().cleanup_leftovers(str(tmp_path))
+    back = {"w": np.zeros(3, dtype=np.int64)}
+    acp.load(str(tmp_path / "s"), back)
+    assert np.array_equal(back["w"], np.full(3, 2))
+    assert sorted(os.listdir(tmp_path)) == ["s"]
+
+
+def test_a_write_error_reported_by_the_flush_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """syncfs(2) reporting EIO (a write the disk never took) fails the flush naming the path; it was dropped
+    (the flush fell back to sync(2), which reports nothing)."""
+    from arraycheckpoint.storage import local
+
+    def failing(fd: int) -> int:
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(local, "_syncfs", failing)
+    with pytest.raises(StorageError, match="Input/output error"):
+        LocalStorage().flush(str(tmp_path))
