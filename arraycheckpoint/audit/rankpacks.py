@@ -333,17 +333,27 @@ class RankPacks:
         reading: Mapping[str, tuple[str, int]],
         directories: dict[str, list[Any]] | None = None,
         deferred: dict[str, dict[str, int]] | None = None,
+        *,
+        seen: set[str] | None = None,
+        opened: set[int] | None = None,
+        to_end: bool = False,
     ) -> dict[str, int | None]:
         """Read and check ``rank``'s packs holding the members ``reading`` (see the class docstring and
-        :func:`check_rank_packs` for ``directories`` and ``deferred``); ``pack key -> size`` of those read."""
+        :func:`check_rank_packs` for ``directories`` and ``deferred``); ``pack key -> size`` of those read.
+
+        A reader checking a rank pack by pack over several calls (the zarr store) passes the same ``seen``
+        (members found in the packs read so far: none twice across them) and ``opened`` (the indices of those
+        packs, not read again) to each, and ``to_end`` with the last: the packs up to the first absent one
+        are read too, as when every member is read at once."""
         from ..planning.packing import pack_key
 
         meta, base = self.meta, self.base
         docs, chunks = self.holds.get(rank, ([], {}))
         limits, grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks, self.per_layout)
-        seen: set[str] = set()
+        seen = set() if seen is None else seen
         wanted = set(reading)
-        whole = len(wanted) >= members  # every member the rank holds: every pack up to the first absent
+        # every member the rank holds: every pack up to the first absent
+        whole = to_end or len(wanted) >= members
         check = functools.partial(
             _check_rank_pack_members,
             meta,
@@ -362,7 +372,7 @@ class RankPacks:
             ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
         )
         out: dict[str, int | None] = {}
-        opened: set[int] = set()
+        opened = set() if opened is None else opened
         for k, probing in probe:
             if k in opened:
                 continue
