@@ -7,10 +7,12 @@ sizes of a rank's packs must be those its save could have produced.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -159,12 +161,32 @@ def _remote_capacity_problem(
     )
 
 
+#: inside :func:`counted_once`: the directories an object store's capacity counts read, kept for the checks
+#: that read them next (each is then read once, whichever call counts and whichever checks)
+_counted: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("acp_counted", default=None)
+
+
+@contextlib.contextmanager
+def counted_once() -> Iterator[None]:
+    """Inside, a pack directory an object store's capacity count read (:func:`check_capacity`) is checked by
+    a later :func:`check_rank_packs` (a load's) without being read again: ``verify`` counts before it builds
+    a key per chunk, then reads the data through the load, which counted and read every big directory again
+    (9 MB read twice for one rank of 70,000 chunks). What a check takes is dropped; the rest when it ends."""
+    token = _counted.set({})
+    try:
+        yield
+    finally:
+        _counted.reset(token)
+
+
 def check_capacity(
     storage: Any, base: str, meta: Any, names: Collection[str], parsed: dict[Any, Any] | None = None
 ) -> Any:
     """:func:`rank_capacity` for every rank writing chunks of the arrays ``names`` (the chunks per rank
-    counted from the writers at once, not listed; ``parsed``: see :func:`rank_capacity`). Returns what
-    every rank holds (:func:`_rank_members`)."""
+    counted from the writers at once, not listed; ``parsed``: see :func:`rank_capacity`, by default the
+    directories kept by :func:`counted_once`). Returns what every rank holds (:func:`_rank_members`)."""
+    if parsed is None:
+        parsed = _counted.get()
     holds = _rank_members(meta)
     per_rank: dict[int, dict[str, int]] = {}
     for name in names:
@@ -248,7 +270,11 @@ def check_rank_packs(
         return {}
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
-    parsed: dict[Any, Any] = {}  # the directories counted, checked by the walk below without a second read
+    # the directories counted, checked by the walk below without a second read (and any counted before,
+    # inside counted_once)
+    parsed = _counted.get()
+    if parsed is None:
+        parsed = {}
     holds = check_capacity(storage, base, meta, names, parsed)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 under an array

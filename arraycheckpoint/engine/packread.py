@@ -34,7 +34,7 @@ import numpy as np
 
 from ..checks import zipdir  # zipdir.check_local_header: looked up at call time (tests count its calls)
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
-from ..planning.regions import Box, intersect
+from ..planning.regions import Box
 from . import chunkread, shardfile
 from .common import open_packs_allowed
 from .packdoc import DocCheck as _DocCheck
@@ -450,13 +450,9 @@ class PackedReader:
                 and not any(dests[0][0].offsets)
                 else _CHUNK
             )
-            for idx in _chunks_met(dests, tm.chunk_shape):
+            for idx, near in _chunks_met(dests, tm.chunk_shape):
                 member = f"{tm.name}/" + self._sep.join(["c", *map(str, idx)])
                 origin = tuple(k * c for k, c in zip(idx, tm.chunk_shape))
-                near = dests
-                if len(dests) > 1:
-                    chunk = Box(origin, tuple(tm.chunk_shape))
-                    near = [(b, a) for b, a in dests if intersect(chunk, b) is not None]
                 key, at = self._place(tm, v6, member)
                 reads.setdefault(key, []).append((at, i, member, origin, near, kind))
         left: set[int] = set()  # format-5 arrays with a member not as a save writes it: tensorstore's
@@ -525,17 +521,35 @@ def _first(read: tuple[Any, ...]) -> Any:
     return read[0]
 
 
-def _chunks_met(dests: list[chunkread.Dest], chunk_shape: Any) -> list[tuple[int, ...]]:
-    """Grid indices of the chunks the (non-empty) regions of ``dests`` meet, in C order, each once."""
-    found: list[tuple[int, ...]] = []
-    for box, _arr in dests:
+def _chunks_met(
+    dests: list[chunkread.Dest], chunk_shape: Any
+) -> list[tuple[tuple[int, ...], list[chunkread.Dest]]]:
+    """Grid indices of the chunks the (non-empty) regions of ``dests`` meet, in C order, each once, with the
+    destinations each meets (in their order): one pass over the chunks of each region, not one over the
+    regions per chunk (a region per chunk, as ``verify`` reads: 70,000 chunks made 4.9e9 intersections)."""
+    if len(dests) == 1:
+        box = dests[0][0]
+        if box.volume == 0:
+            return []
+        ranges = [
+            range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(box.offsets, box.lengths, chunk_shape)
+        ]
+        return [(idx, dests) for idx in itertools.product(*ranges)]
+    met: dict[tuple[int, ...], list[chunkread.Dest]] = {}
+    for dest in dests:
+        box = dest[0]
         if box.volume == 0:
             continue
         ranges = [
             range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(box.offsets, box.lengths, chunk_shape)
         ]
-        found.extend(itertools.product(*ranges))
-    return sorted(set(found)) if len(dests) > 1 else found
+        for idx in itertools.product(*ranges):
+            near = met.get(idx)
+            if near is None:
+                met[idx] = [dest]
+            else:
+                near.append(dest)
+    return sorted(met.items(), key=_first)
 
 
 def _corrupt(tm: Any, pack: PackFile, key: str, why: str) -> CorruptCheckpointError:
