@@ -199,7 +199,7 @@ class PackReading:
     async def _rank_member(self, rank: int, key: str) -> tuple[_Pack, _Member] | None:
         """Format 6: the member ``key`` of ``rank``'s packs, with the other members of the pack holding it:
         only that pack's directory is read and checked (the pack the metadata predicts, as a save fills its
-        packs: :func:`arraycheckpoint.audit.rankpacks._predicted_packs`, as the load finds it), by the
+        packs: :func:`arraycheckpoint.audit.predict.predicted_packs`, as the load finds it), by the
         enumeration every reader shares (:class:`arraycheckpoint.audit.rankpacks.RankPacks`: the load and
         ``verify`` accept and refuse what this store does), after the packs' capacity is checked (before a
         key is built per chunk). A member not where predicted, or a checkpoint that records no fill target:
@@ -259,14 +259,14 @@ class PackReading:
     def _walk_pack(self, walk: Any, rank: int, key: str) -> None:
         """:meth:`_rank_member` in the walks' thread: the members of ``rank``'s pack predicted to hold
         ``key`` read and checked, and kept."""
-        from ..audit.rankpacks import _predicted_packs
+        from ..audit.predict import predicted_packs
 
         plans = self.__dict__.setdefault("_rank_plans", {})
         plan = plans.get(rank)
         if plan is None:  # every member of the rank, by the pack predicted to hold it (None: no prediction)
             whole = walk.whole_rank(rank, lambda name: self._chunks_of(name, rank))
             docs, chunks = walk.holds.get(rank, ([], {}))
-            where = _predicted_packs(self._meta, rank, whole, docs, chunks, walk.target)
+            where = predicted_packs(self._meta, rank, whole, docs, chunks, walk.target)
             groups: dict[int | None, dict[str, tuple[str, int]]] = {}
             for member, place in whole.items():
                 groups.setdefault(where.get(member), {})[member] = place
