@@ -474,9 +474,11 @@ class _DirectRead:
 
 def _allocated(t: LoadTensor, stored: np.dtype) -> int:
     """Bytes of the buffers a read of ``t`` allocates: its regions without a target of the stored dtype."""
-    return sum(
-        s.box.volume * stored.itemsize for s in t.shards if s.target is None or s.target.dtype != stored
-    )
+    n = 0
+    for s in t.shards:
+        if s.target is None or s.target.dtype != stored:
+            n += s.box.volume * stored.itemsize
+    return n
 
 
 def _read_threads() -> int:

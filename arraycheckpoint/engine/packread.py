@@ -378,21 +378,6 @@ class PackedReader:
         except (CorruptCheckpointError, InconsistentCheckpointError) as e:  # swapped since the checks
             raise type(e)(f"tensor {tm.name!r}: {e}") from None
 
-    def _place(self, tm: Any, v6: bool, member: str) -> tuple[str, int]:
-        """The pack holding ``member`` of array ``tm`` and the member's offset in it (0 where its directory
-        does not list it: :meth:`PackFile.read_chunk` then says so)."""
-        key = self._where.get(member) if v6 else tm.pack
-        if key is None:
-            raise InconsistentCheckpointError(
-                f"tensor {tm.name!r}: {member} is in none of its writer's packs in {self._root}; the "
-                "checkpoint is damaged"
-            )
-        try:
-            info = self._entries(key).get(member)
-        except (CorruptCheckpointError, InconsistentCheckpointError) as e:
-            raise type(e)(f"tensor {tm.name!r}: {e}") from None
-        return key, 0 if info is None else info.header_offset
-
     def deliver(self, t: Any) -> int | None:
         """:meth:`deliver_many` of the one load tensor ``t``: the bytes delivered, or None (format 5 only) when
         a member is not in the layout a save writes (read it through tensorstore then)."""
@@ -415,20 +400,68 @@ class PackedReader:
         Raises:
             CorruptCheckpointError: a checksum that does not match; a format-6 member not as a save writes it.
         """
-        # pack -> (offset, tensor, member, chunk origin, destinations, _DOC | _CHUNK | _SMALL)
-        reads: dict[str, list[tuple[int, int, str, tuple[int, ...], list[chunkread.Dest], int]]] = {}
-        plans: list[tuple[Any, bool, chunkread.ShardLayout, list[chunkread.Dest]]] = []
+        # pack -> (offset, tensor, member, chunk origin, destinations, _DOC | _CHUNK | _SMALL, array, layout)
+        reads: dict[str, list[tuple[Any, ...]]] = {}
+        sinks: list[int] = []  # tensors with a destination that is not its target: handed over at the end
+        small: dict[int, int] = {}  # tensor -> bytes, of those read whole into their target
+        tensors_meta, layouts, sep, local = self._meta.tensors, self._layouts, self._sep, self._local
+        first_chunk: dict[int, tuple[str, tuple[int, ...]]] = {}  # ndim -> chunk 0's key and origin
+        where = self._where
+
+        def place(tm: Any, v6: bool, member: str) -> tuple[str, int]:
+            """The pack holding ``member`` of ``tm`` and its offset there (0 where its directory lacks it:
+            :meth:`PackFile.read_chunk` then says so)."""
+            key = where.get(member) if v6 else tm.pack
+            if key is None:
+                raise InconsistentCheckpointError(
+                    f"tensor {tm.name!r}: {member} is in none of its writer's packs in {self._root}; the "
+                    "checkpoint is damaged"
+                )
+            entries = self._members.get(key)
+            if entries is None:
+                try:
+                    entries = self._entries(key)
+                except (CorruptCheckpointError, InconsistentCheckpointError) as e:
+                    raise type(e)(f"tensor {tm.name!r}: {e}") from None
+            info = entries.get(member)
+            return key, 0 if info is None else info.header_offset
+
+        dests_of: list[list[chunkread.Dest]] = []
         for i, t in enumerate(tensors):
-            tm = self._meta.tensors[t.name]
+            tm = tensors_meta[t.name]
             v6 = tm.pack_rank is not None
-            lay = chunkread.layout_of(tm, self._layouts)
+            lay = chunkread.layout_of(tm, layouts)
             dests: list[chunkread.Dest] = []
-            plans.append((tm, v6, lay, dests))
+            dests_of.append(dests)
             if v6:
                 doc = f"{tm.name}/zarr.json"
-                key, at = self._place(tm, v6, doc)
-                reads.setdefault(key, []).append((at, i, doc, (), dests, _DOC))
-            for shard in t.shards:
+                key, at = place(tm, v6, doc)
+                reads.setdefault(key, []).append((at, i, doc, (), dests, _DOC, tm, lay))
+            shards = t.shards
+            if local and len(shards) == 1 and lay.n_inner == 1:
+                # a small array of one chunk read whole into its target (100,000 small tensors): one slice of
+                # the pack's read-ahead window, checked and copied; anything unusual takes the general path
+                shard = shards[0]
+                arr, box = shard.target, shard.box
+                if (
+                    arr is not None
+                    and box.lengths == lay.chunk
+                    and not any(box.offsets)
+                    and arr.dtype == lay.dtype
+                    and arr.flags.c_contiguous
+                    and tuple(tm.shape) == lay.chunk
+                ):
+                    dests.append((box, arr))
+                    known = first_chunk.get(len(lay.chunk))
+                    if known is None:
+                        ndim = len(lay.chunk)
+                        known = first_chunk[ndim] = (sep.join(["c", *("0" * ndim)]), (0,) * ndim)
+                    member = f"{tm.name}/{known[0]}"
+                    key, at = place(tm, v6, member)
+                    reads.setdefault(key, []).append((at, i, member, known[1], dests, _SMALL, tm, lay))
+                    small[i] = arr.nbytes
+                    continue
+            for shard in shards:
                 if shard.target is not None and shard.target.dtype == lay.dtype:
                     arr = shard.target
                 elif shard.staging is not None:  # e.g. a pinned buffer on its way to a device
@@ -436,43 +469,31 @@ class PackedReader:
                 else:
                     arr = np.empty(shard.box.lengths, dtype=lay.dtype)
                 dests.append((shard.box, arr))
-            # a small array of one chunk read whole into its target (100,000 small tensors): one slice of the
-            # pack's read-ahead window, checked and copied; anything unusual takes the general path
-            kind = (
-                _SMALL
-                if self._local
-                and len(dests) == 1
-                and lay.n_inner == 1
-                and dests[0][1] is t.shards[0].target
-                and dests[0][1].flags.c_contiguous
-                and tuple(tm.shape) == lay.chunk
-                and dests[0][0].lengths == lay.chunk
-                and not any(dests[0][0].offsets)
-                else _CHUNK
-            )
+            sinks.append(i)
             for idx, near in _chunks_met(dests, tm.chunk_shape):
-                member = f"{tm.name}/" + self._sep.join(["c", *map(str, idx)])
+                member = f"{tm.name}/" + sep.join(["c", *map(str, idx)])
                 origin = tuple(k * c for k, c in zip(idx, tm.chunk_shape))
-                key, at = self._place(tm, v6, member)
-                reads.setdefault(key, []).append((at, i, member, origin, near, kind))
+                key, at = place(tm, v6, member)
+                reads.setdefault(key, []).append((at, i, member, origin, near, _CHUNK, tm, lay))
         left: set[int] = set()  # format-5 arrays with a member not as a save writes it: tensorstore's
+        direct = scratch = 0
+        doc_kind, small_kind = _DOC, _SMALL
         for key, members in reads.items():
-            members.sort(key=_first)
+            members.sort()  # by offset (unique in a pack: the rest of the tuple is never compared)
             pack: PackFile | None = None
-            for _at, i, member, origin, near, kind in members:
-                if i in left:
+            for _at, i, member, origin, near, kind, tm, lay in members:
+                if left and i in left:
                     continue
-                tm, v6, lay, _dests = plans[i]
                 if pack is None:
                     pack = self._open(tm, key)
-                if kind == _DOC:  # a format-6 array's document
+                if kind == doc_kind:  # a format-6 array's document
                     raw = pack.doc(member)
                     if raw is None:
                         raise _corrupt(tm, pack, member, "its local header is not as a save writes it")
                     self._docs.check(tm, raw, pack.path)
                     continue
-                if kind == _SMALL and pack.read_small_chunk(member, lay, near[0][1]):
-                    self.direct_bytes += near[0][1].nbytes
+                if kind == small_kind and pack.read_small_chunk(member, lay, near[0][1]):
+                    direct += near[0][1].nbytes
                     continue
 
                 def damaged(why: str, tm: Any = tm, pack: PackFile = pack, member: str = member) -> Exception:
@@ -480,17 +501,21 @@ class PackedReader:
 
                 got = pack.read_chunk(member, lay, origin, near, self._staging, damaged)
                 if got is None:
-                    if v6:
+                    if tm.pack_rank is not None:
                         raise damaged("it is not the chunk file a save writes (size or layout)")
                     left.add(i)
                     continue
-                self.direct_bytes += got[0]
-                self.scratch_bytes += got[1]
-        total = 0
-        for i, t in enumerate(tensors):
-            if i in left:
+                direct += got[0]
+                scratch += got[1]
+        self.direct_bytes += direct
+        self.scratch_bytes += scratch
+        total = sum(small.values())
+        for i in left:
+            total -= small.get(i, 0)
+        for i in sinks:
+            if left and i in left:
                 continue
-            for shard, (_box, arr) in zip(t.shards, plans[i][3]):
+            for shard, (_box, arr) in zip(tensors[i].shards, dests_of[i]):
                 if arr is not shard.target:
                     shard.sink(arr)
                 total += arr.nbytes
