@@ -148,3 +148,38 @@ def test_verify_with_data_reads_the_directories_once_from_memory(
     assert report.ok and report.chunks == N, report.problems[:3]
     assert tails == {PACK: 1, ".acp/packs/0.1.zip": 1}, tails
     assert ranges == {PACK: 1}, ranges
+
+
+def test_the_zarr_store_reads_only_the_packs_holding_what_is_read_over_s3(
+    tmp_path: Path, s3_server: Any, fault_proxy: Any
+) -> None:
+    """A rank of a dozen packs on S3: reading three rows through ``checkpoint_store`` sends requests for the
+    three packs holding them (and the array's ``zarr.json``, in the first) and none for the others; it read
+    the tail of every pack of the rank for the first row. Bit-exact."""
+    pytest.importorskip("s3fs", reason="s3fs is not installed (the 'dev' extra lists it)")
+    rows = 3000
+    ck = tmp_path / "ck"
+    w = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)
+    opts = acp.PlanOptions(max_chunk_bytes=16, inner_chunk_bytes=16, min_chunk_bytes=16 << 10)
+    acp.save(ck, {"model": {"w": w}}, plan_options=opts)
+    packs = sorted(os.listdir(ck / ".acp" / "packs"))
+    assert len(packs) >= 8, packs
+    prefix = f"packs-{uuid.uuid4().hex[:8]}/ck"
+    for key, body in _files(ck).items():
+        s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}", Body=body)
+    store = checkpoint_store(
+        f"s3://{s3_server.bucket}/{prefix}", storage_options={"endpoint_url": fault_proxy.endpoint}
+    )
+    array = zarr.open_array(store, path="model/w", mode="r")
+    picked = [5, rows // 2, rows - 2]
+    assert np.array_equal(array[picked], w.numpy()[picked])
+    import zipfile
+
+    wanted = {"model/w/zarr.json", *(f"model/w/c.{r}.0" for r in picked)}
+    holding = set()
+    for name in packs:
+        with zipfile.ZipFile(ck / ".acp" / "packs" / name) as zf:
+            if wanted & set(zf.namelist()):
+                holding.add(name)
+    asked = {p.rpartition("/")[2] for _m, p, _r, _n in fault_proxy.requests if "/.acp/packs/" in p}
+    assert len(holding) == 3 and asked == holding, (sorted(asked), sorted(holding))
