@@ -211,3 +211,119 @@ def test_save_counts_packs_the_write_back_thread_has_yet_to_close(
     back = {"model": {k: np.zeros_like(v) for k, v in state["model"].items()}}
     acp.load(tmp_path / "ck", back)
     assert all(np.array_equal(back["model"][k], v) for k, v in state["model"].items())
+
+
+#: saving ranks (a pack each) and arrays split over all of them, for the pack-order tests
+SAVERS, SPLIT = 16, 6
+
+
+def _rows(full: dict[str, np.ndarray], rank: int, world: int, filled: bool) -> dict:
+    """Rank ``rank``'s rows of every array of ``full`` as megatron ShardedTensors split ``world`` ways."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for name, f in full.items():
+        rows = f.shape[0] // world
+        mine = f[rank * rows : (rank + 1) * rows]
+        data = torch.from_numpy(mine.copy()) if filled else torch.full(mine.shape, -1.0)
+        out[name] = ShardedTensor.from_rank_offsets(name, data, (0, rank, world), replica_id=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def split_arrays(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    """``SPLIT`` arrays, each split by rows over ``SAVERS`` simulated saving ranks: every array has a chunk in
+    every rank's pack."""
+    pytest.importorskip("megatron.core")
+    from simworld import run_ranks
+
+    rng = np.random.default_rng(5)
+    full = {f"w{i}": rng.standard_normal((SAVERS * 3, 5)).astype(np.float32) for i in range(SPLIT)}
+    path = tmp_path_factory.mktemp("pack_order") / "ck"
+    run_ranks(SAVERS, lambda c: acp.save(path, {"model": _rows(full, c.rank, SAVERS, True)}, comm=c))
+    assert len(list((path / ".acp" / "packs").glob("*.zip"))) == SAVERS
+    return path, full
+
+
+def _count_opens(monkeypatch: pytest.MonkeyPatch, room: int, by: list | None = None) -> dict[str, int]:
+    """Pack opens (``PackFile``) counted from now on, and the most open at once, with room for ``room``;
+    ``by`` gets (thread, pack) of each open."""
+    import threading
+
+    monkeypatch.setattr(packread, "open_packs_allowed", lambda: room)
+    count = {"opens": 0, "now": 0, "most": 0}
+    by = [] if by is None else by
+    lock = threading.Lock()
+    real_init, real_close = packread.PackFile.__init__, packread.PackFile.close
+
+    def init(self: packread.PackFile, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        with lock:
+            count["opens"] += 1
+            count["now"] += 1
+            count["most"] = max(count["most"], count["now"])
+            by.append((threading.current_thread().name, self.key))
+
+    def close(self: packread.PackFile) -> None:
+        if self._fd >= 0:
+            with lock:
+                count["now"] -= 1
+        real_close(self)
+
+    monkeypatch.setattr(packread.PackFile, "__init__", init)
+    monkeypatch.setattr(packread.PackFile, "close", close)
+    return count
+
+
+def test_arrays_over_more_packs_than_open_room_open_each_pack_once(
+    split_arrays: tuple[Path, dict[str, np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load of 6 arrays each spread over 16 packs, with room for 4 open packs, opens each pack once (it
+    read array by array and opened every pack again for every array: 96 opens), bit-exactly; so does a
+    resharded load at 4 simulated ranks (each reading 4 savers' packs with room for 2)."""
+    from simworld import run_ranks
+
+    path, full = split_arrays
+    count = _count_opens(monkeypatch, 4)
+    whole = {name: np.full_like(f, -1) for name, f in full.items()}
+    acp.load(path, {"model": whole})
+    assert all(np.array_equal(whole[n], f) for n, f in full.items())
+    assert count == {"opens": SAVERS, "now": 0, "most": 4}, count
+
+    opened: list[tuple[str, str]] = []
+    count = _count_opens(monkeypatch, 2, opened)
+
+    def load(comm: object) -> bool:
+        mine = _rows(full, comm.rank, comm.world_size, False)  # type: ignore[attr-defined]
+        acp.load(path, {"model": mine}, comm=comm)
+        want = _rows(full, comm.rank, comm.world_size, True)  # type: ignore[attr-defined]
+        return all(np.array_equal(mine[n].data.numpy(), want[n].data.numpy()) for n in full)
+
+    assert all(run_ranks(4, load))
+    # each loader opens each pack it reads once: its savers' packs (every pack is some loader's), and the
+    # packs holding the arrays' zarr.json documents
+    assert len(set(opened)) == len(opened) == count["opens"] and count["now"] == 0, opened
+    assert {key for _, key in opened} == {f".acp/packs/{p.name}" for p in (path / ".acp" / "packs").iterdir()}
+
+
+def test_new_buffers_of_packed_reads_stay_within_the_bound(
+    split_arrays: tuple[Path, dict[str, np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regions read into new buffers (cast on delivery) are read in batches of at most the in-flight bound:
+    with a bound of two arrays, 3 batches, each pack opened once per batch; bit-exact."""
+    path, full = split_arrays
+    batches: list[int] = []
+    real = packread.PackedReader.deliver_many
+
+    def deliver_many(self: packread.PackedReader, tensors: list) -> tuple[int, list]:
+        batches.append(sum(s.box.volume * 4 for t in tensors for s in t.shards))
+        return real(self, tensors)
+
+    monkeypatch.setattr(packread.PackedReader, "deliver_many", deliver_many)
+    count = _count_opens(monkeypatch, 4)
+    bound = 2 * next(iter(full.values())).nbytes
+    cast = {name: np.zeros(f.shape, np.float64) for name, f in full.items()}
+    acp.load(path, {"model": cast}, allow_cast=True, max_inflight_bytes=bound)
+    assert all(np.array_equal(cast[n], f.astype(np.float64)) for n, f in full.items())
+    assert batches == [bound] * (SPLIT // 2) and count["opens"] == SAVERS * (SPLIT // 2), (batches, count)

@@ -68,9 +68,11 @@ def _read_phase(report: dict) -> dict:
 def test_packed_arrays_are_decoded_by_the_engine_bit_exactly(tmp_path, monkeypatch) -> None:
     ck = _save(tmp_path)
     calls = []
-    real = packread.PackedReader.deliver
+    real = packread.PackedReader.deliver_many
     monkeypatch.setattr(
-        packread.PackedReader, "deliver", lambda self, t: calls.append(t.name) or real(self, t)
+        packread.PackedReader,
+        "deliver_many",
+        lambda self, ts: calls.extend(t.name for t in ts) or real(self, ts),
     )
     _same(_load(ck), _state())
     assert {"extra_state/w", "extra_state/b", "extra_state/i", "extra_state/flag"} <= set(calls)

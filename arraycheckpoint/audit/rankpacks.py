@@ -7,10 +7,12 @@ sizes of a rank's packs must be those its save could have produced.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,6 +26,7 @@ from ..errors import (
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
 from .packdir import _chunk_grid, _longest_chunk_key, _packed_chunk_bytes
 from .packs import chunk_place, chunks_wanted
+from .predict import predicted_packs as _predicted_packs
 
 
 def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
@@ -159,12 +162,32 @@ def _remote_capacity_problem(
     )
 
 
+#: inside :func:`counted_once`: the directories an object store's capacity counts read, kept for the checks
+#: that read them next (each is then read once, whichever call counts and whichever checks)
+_counted: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("acp_counted", default=None)
+
+
+@contextlib.contextmanager
+def counted_once() -> Iterator[None]:
+    """Inside, a pack directory an object store's capacity count read (:func:`check_capacity`) is checked by
+    a later :func:`check_rank_packs` (a load's) without being read again: ``verify`` counts before it builds
+    a key per chunk, then reads the data through the load, which counted and read every big directory again
+    (9 MB read twice for one rank of 70,000 chunks). What a check takes is dropped; the rest when it ends."""
+    token = _counted.set({})
+    try:
+        yield
+    finally:
+        _counted.reset(token)
+
+
 def check_capacity(
     storage: Any, base: str, meta: Any, names: Collection[str], parsed: dict[Any, Any] | None = None
 ) -> Any:
     """:func:`rank_capacity` for every rank writing chunks of the arrays ``names`` (the chunks per rank
-    counted from the writers at once, not listed; ``parsed``: see :func:`rank_capacity`). Returns what
-    every rank holds (:func:`_rank_members`)."""
+    counted from the writers at once, not listed; ``parsed``: see :func:`rank_capacity`, by default the
+    directories kept by :func:`counted_once`). Returns what every rank holds (:func:`_rank_members`)."""
+    if parsed is None:
+        parsed = _counted.get()
     holds = _rank_members(meta)
     per_rank: dict[int, dict[str, int]] = {}
     for name in names:
@@ -248,7 +271,11 @@ def check_rank_packs(
         return {}
     separator = chunk_key_separator(meta.format_version)
     base = root.rstrip("/")
-    parsed: dict[Any, Any] = {}  # the directories counted, checked by the walk below without a second read
+    # the directories counted, checked by the walk below without a second read (and any counted before,
+    # inside counted_once)
+    parsed = _counted.get()
+    if parsed is None:
+        parsed = {}
     holds = check_capacity(storage, base, meta, names, parsed)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 under an array
@@ -333,17 +360,27 @@ class RankPacks:
         reading: Mapping[str, tuple[str, int]],
         directories: dict[str, list[Any]] | None = None,
         deferred: dict[str, dict[str, int]] | None = None,
+        *,
+        seen: set[str] | None = None,
+        opened: set[int] | None = None,
+        to_end: bool = False,
     ) -> dict[str, int | None]:
         """Read and check ``rank``'s packs holding the members ``reading`` (see the class docstring and
-        :func:`check_rank_packs` for ``directories`` and ``deferred``); ``pack key -> size`` of those read."""
+        :func:`check_rank_packs` for ``directories`` and ``deferred``); ``pack key -> size`` of those read.
+
+        A reader checking a rank pack by pack over several calls (the zarr store) passes the same ``seen``
+        (members found in the packs read so far: none twice across them) and ``opened`` (the indices of those
+        packs, not read again) to each, and ``to_end`` with the last: the packs up to the first absent one
+        are read too, as when every member is read at once."""
         from ..planning.packing import pack_key
 
         meta, base = self.meta, self.base
         docs, chunks = self.holds.get(rank, ([], {}))
         limits, grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks, self.per_layout)
-        seen: set[str] = set()
+        seen = set() if seen is None else seen
         wanted = set(reading)
-        whole = len(wanted) >= members  # every member the rank holds: every pack up to the first absent
+        # every member the rank holds: every pack up to the first absent
+        whole = to_end or len(wanted) >= members
         check = functools.partial(
             _check_rank_pack_members,
             meta,
@@ -362,7 +399,7 @@ class RankPacks:
             ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
         )
         out: dict[str, int | None] = {}
-        opened: set[int] = set()
+        opened = set() if opened is None else opened
         for k, probing in probe:
             if k in opened:
                 continue
@@ -420,69 +457,6 @@ class RankPacks:
                 )
             raise err
         return out
-
-
-def _predicted_packs(
-    meta: Any,
-    rank: int,
-    reading: Mapping[str, tuple[str, int]],
-    docs: Collection[str],
-    chunks: Mapping[str, int],
-    target: int,
-) -> dict[str, int]:
-    """Format 6: the index of the pack of ``rank`` holding each member of ``reading`` (``member -> (array,
-    chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.planning.packing.PackFill`)
-    from the arrays whose ``zarr.json`` the rank holds (``docs``) and its chunks of each (``chunks``); empty
-    when the metadata records no fill target (``target`` 0: none, or not one for every array)."""
-    from ..planning.packing import DOC_BYTES, PackFill
-
-    if not target:
-        return {}
-    fill = PackFill(target)
-    by_array: dict[str, list[tuple[str, int]]] = {}
-    for member, (name, flat) in reading.items():
-        by_array.setdefault(name, []).append((member, flat))
-    created_here = set(docs)
-    out: dict[str, int] = {}
-    for name in sorted(created_here | set(chunks)):  # by name: its document (where created), then its chunks
-        count = chunks.get(name, 0)
-        created = name in created_here
-        if created and not count:  # the document alone
-            for member, _flat in by_array.get(name, ()):
-                out[member] = fill.where(0, DOC_BYTES)
-            fill.add(1, DOC_BYTES)
-            continue
-        size = _packed_chunk_bytes(meta.tensors[name])
-        first = (
-            size + DOC_BYTES if created else size
-        )  # the document counted with (and kept by) the first chunk
-        reads = by_array.get(name)
-        if reads:
-            writers = meta.tensors[name].writers
-            if len(writers) == 1:  # one chunk (every small tensor), written by this rank: the first
-                at = fill.where(0, first)
-                for member, _flat in reads:
-                    out[member] = at
-                fill.add(1, first)
-                fill.add(count - 1, size)
-                continue
-            mine = np.flatnonzero(np.asarray(getattr(writers, "array", writers)) == rank)
-            for member, flat in reads:
-                j = int(np.searchsorted(mine, flat))  # this rank's chunks of the array before ``flat``
-                out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)
-        fill.add(1, first)
-        fill.add(count - 1, size)
-    return out
-
-
-def _after_first(fill: Any, first: int, j: int, size: int) -> int:
-    """The pack of the ``j``-th member of a run of ``size`` bytes that follows one member of ``first``."""
-    from ..planning.packing import PackFill
-
-    probe = PackFill(fill.target)
-    probe.index, probe.held = fill.index, fill.held
-    probe.add(1, first)
-    return probe.where(j, size)
 
 
 #: an error type :func:`_naming` builds

@@ -306,10 +306,31 @@ class LoadPipeline:
                     sink(result)
                 return n
 
-            # in name order: the order of the members in packs, whose small members are then read ahead
-            ordered = sorted(targets, key=lambda t: t.name) if packed is not None else targets
+            # packed tensors are read together, in pack order (:meth:`packread.PackedReader.deliver_many`),
+            # after the other reads started: a batch holds at most the in-flight bound of buffers it allocates
+            batch: list[LoadTensor] = []
+            batch_bytes = 0
+
+            def read_batch() -> None:
+                nonlocal pending, total, batch_bytes
+                while inflight and pending + batch_bytes > max_inflight_bytes:
+                    pending -= drain_one()
+                assert packed is not None
+                delivered, left = packed.deliver_many(batch)
+                total += delivered
+                for t in left:  # format 5: a member not in the layout a save writes
+                    stores[t.name] = ts.open(
+                        spec_of(t.name), open=True, assume_metadata=True, context=context()
+                    ).result()
+                    stored = numpy_dtype(meta.tensors[t.name].dtype)
+                    pending, total = self._read_tensor(
+                        t, stored, stores[t.name], inflight, pending, total, max_inflight_bytes, drain_one
+                    )
+                batch.clear()
+                batch_bytes = 0
+
             try:
-                for t in ordered:
+                for t in targets:
                     if not t.shards:
                         continue
                     stored = numpy_dtype(meta.tensors[t.name].dtype)
@@ -334,18 +355,18 @@ class LoadPipeline:
                             drain_one,
                         )
                         continue
-                    if t.name not in stores:  # packed: decoded here, or opened now
-                        assert packed is not None
-                        delivered = packed.deliver(t)
-                        if delivered is not None:
-                            total += delivered
-                            continue
-                        stores[t.name] = ts.open(
-                            spec_of(t.name), open=True, assume_metadata=True, context=context()
-                        ).result()
+                    if t.name not in stores:  # packed: decoded here, with the other packed tensors
+                        n = _allocated(t, stored)
+                        if batch and batch_bytes + n > max_inflight_bytes:
+                            read_batch()
+                        batch.append(t)
+                        batch_bytes += n
+                        continue
                     pending, total = self._read_tensor(
                         t, stored, stores[t.name], inflight, pending, total, max_inflight_bytes, drain_one
                     )
+                if batch:
+                    read_batch()
                 while inflight:
                     drain_one()
             finally:
@@ -449,6 +470,15 @@ class _DirectRead:
         if not all(done):
             ts.array(self._out, copy=False, write=True).write(self._store_of()[self._box.slices()]).result()
         return self._out
+
+
+def _allocated(t: LoadTensor, stored: np.dtype) -> int:
+    """Bytes of the buffers a read of ``t`` allocates: its regions without a target of the stored dtype."""
+    n = 0
+    for s in t.shards:
+        if s.target is None or s.target.dtype != stored:
+            n += s.box.volume * stored.itemsize
+    return n
 
 
 def _read_threads() -> int:

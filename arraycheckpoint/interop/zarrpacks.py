@@ -4,10 +4,12 @@ Every pack is read as the native load reads it, by the same code, so that the st
 ``acp.load`` accept and refuse the same checkpoints: a pack's central directory is read once (its tail,
 ranged) and parsed by :func:`arraycheckpoint.checks.zipdir._parse_zip_directory` (the layout a save writes),
 and each member's local header is checked on first use by
-:func:`arraycheckpoint.checks.zipdir.check_local_header`. Format 6: a rank's packs are enumerated by
-:class:`arraycheckpoint.audit.rankpacks.RankPacks` (every pack up to the first absent one, each entry a member
-that rank holds, none twice, the packs' capacity counted before a key is built per chunk), on a thread of its
-own (object stores: each read run on the store's event loop, :class:`_StoreRanges`). Format 5: the members
+:func:`arraycheckpoint.checks.zipdir.check_local_header`. Format 6: a member is looked for in the pack of
+its rank that the metadata predicts holds it, as the load looks for it, and only that pack's directory is read
+(:class:`arraycheckpoint.audit.rankpacks.RankPacks`: each entry a member that rank holds, none twice, the
+packs' capacity counted before a key is built per chunk; the rank's packs in order only when a member is not
+where predicted), on a thread of its own (object stores: each read run on the store's event loop,
+:class:`_StoreRanges`). Format 5: the members
 the metadata puts in the pack, and nothing else. A member's bytes are read by range, and on a local path
 through one descriptor per pack (:class:`_PackFiles`, opened below the root without following links, at most
 :data:`MAX_OPEN_PACKS` at once)"""
@@ -194,23 +196,27 @@ class PackReading:
         order, ranks = grouped
         return order[np.searchsorted(ranks, rank, "left") : np.searchsorted(ranks, rank, "right")]
 
-    async def _rank(self, rank: int) -> dict[str, tuple[_Pack, _Member]]:
-        """Format 6: every member of ``rank``'s packs, each pack's directory read and checked once by the
+    async def _rank_member(self, rank: int, key: str) -> tuple[_Pack, _Member] | None:
+        """Format 6: the member ``key`` of ``rank``'s packs, with the other members of the pack holding it:
+        only that pack's directory is read and checked (the pack the metadata predicts, as a save fills its
+        packs: :func:`arraycheckpoint.audit.predict.predicted_packs`, as the load finds it), by the
         enumeration every reader shares (:class:`arraycheckpoint.audit.rankpacks.RankPacks`: the load and
         ``verify`` accept and refuse what this store does), after the packs' capacity is checked (before a
-        key is built per chunk)."""
-        found = self._ranks.get(rank)
+        key is built per chunk). A member not where predicted, or a checkpoint that records no fill target:
+        the rank's packs in order, up to the one holding it (every pack when none predicts a member)."""
+        found = self._ranks.get(rank, {}).get(key)
         if found is None:
-            found = await self._walking(lambda walk: self._walk_rank(walk, rank), rank)
-            self._ranks[rank] = found
+            await self._walking(
+                lambda walk: self._walk_pack(walk, rank, key), lambda: key in self._ranks.get(rank, {})
+            )
+            found = self._ranks.get(rank, {}).get(key)
         return found
 
     async def _capacity(self, name: str) -> None:
         """Format 6: the packs of the ranks writing chunks of ``name`` can hold what they hold
         (:meth:`arraycheckpoint.audit.rankpacks.RankPacks.capacity`: a local path's file sizes, an object
-        store's directory entries), before its keys are listed one per chunk; each rank checked once. On an
-        object store, where counting reads the directories, each rank's packs are walked instead
-        (:meth:`_rank`, which counts first): what a read of the keys listed needs, each directory read once."""
+        store's directory entries, counted only for a rank of very many members and kept for the check that
+        reads them next), before its keys are listed one per chunk; each rank checked once."""
         writers = self._meta.tensors[name].writers
         checked = self.__dict__.setdefault("_capacity_checked", set())
         if len(writers) <= 1:
@@ -218,18 +224,15 @@ class PackReading:
         ranks = [
             r for r in np.unique(np.asarray(getattr(writers, "array", writers))).tolist() if r not in checked
         ]
-        if ranks and self._local is None:
-            for r in ranks:
-                await self._rank(r)
-        elif ranks:
+        if ranks:
             await self._walking(lambda walk: [walk.capacity(r) for r in ranks], None)
         checked.update(ranks)
 
-    async def _walking(self, work: Callable[[Any], Any], rank: int | None) -> Any:
+    async def _walking(self, work: Callable[[Any], Any], done: Callable[[], bool] | None) -> Any:
         """``work(walk)`` with a :class:`arraycheckpoint.audit.rankpacks.RankPacks` of the checkpoint, run on
         a thread of its own, one at a time (a walk waits on reads run on this loop, which may need the
         default executor's threads, as fsspec's wrapped file systems do: walks there could take them all);
-        ``rank``: a rank whose packs a finished walk may have read already (:meth:`_rank`)."""
+        ``done()``: whether a finished walk already did the work (:meth:`_rank_member`)."""
         from ..audit.rankpacks import RankPacks, _rank_members
         from ..storage.local import LocalStorage
 
@@ -237,37 +240,66 @@ class PackReading:
         locks = self.__dict__.setdefault("_walk_locks", weakref.WeakKeyDictionary())
         lock = locks.setdefault(loop, asyncio.Lock())  # a lock belongs to one event loop
         async with lock:
-            if rank is not None and rank in self._ranks:
-                return self._ranks[rank]
+            if done is not None and done():
+                return None
             pool = self.__dict__.get("_walk_pool")
             if pool is None:
                 pool = self.__dict__["_walk_pool"] = ThreadPoolExecutor(1, thread_name_prefix="acp-store")
             holds = self.__dict__.get("_holds")
             if holds is None:
                 holds = self.__dict__["_holds"] = _rank_members(self._meta)
+            # directories an object store's capacity count read, checked later without a second read
+            parsed = self.__dict__.setdefault("_parsed", {})
             if self._local is not None:
-                walk = RankPacks(LocalStorage(), self._local, self._meta, holds)
+                walk = RankPacks(LocalStorage(), self._local, self._meta, holds, parsed)
             else:
-                walk = RankPacks(_StoreRanges(self, loop), self._name, self._meta, holds)
+                walk = RankPacks(_StoreRanges(self, loop), self._name, self._meta, holds, parsed)
             return await loop.run_in_executor(pool, work, walk)
 
-    def _walk_rank(self, walk: Any, rank: int) -> dict[str, tuple[_Pack, _Member]]:
-        """:meth:`_rank` in the walks' thread."""
-        reading = walk.whole_rank(rank, lambda name: self._chunks_of(name, rank))
+    def _walk_pack(self, walk: Any, rank: int, key: str) -> None:
+        """:meth:`_rank_member` in the walks' thread: the members of ``rank``'s pack predicted to hold
+        ``key`` read and checked, and kept."""
+        from ..audit.predict import predicted_packs
+
+        plans = self.__dict__.setdefault("_rank_plans", {})
+        plan = plans.get(rank)
+        if plan is None:  # every member of the rank, by the pack predicted to hold it (None: no prediction)
+            whole = walk.whole_rank(rank, lambda name: self._chunks_of(name, rank))
+            docs, chunks = walk.holds.get(rank, ([], {}))
+            where = predicted_packs(self._meta, rank, whole, docs, chunks, walk.target)
+            groups: dict[int | None, dict[str, tuple[str, int]]] = {}
+            for member, place in whole.items():
+                groups.setdefault(where.get(member), {})[member] = place
+            plan = plans[rank] = (whole, where, groups, set(groups), set(), set())
+        whole, where, groups, left, seen, opened = plan
+        at = where.get(key)
+        reading = groups[at] if at is not None else whole
+        left.discard(at)
         directories: dict[str, list[Any]] = {}
         deferred: dict[str, dict[str, int]] = {}
-        walk.check(rank, reading, directories, deferred)
-        found: dict[str, tuple[_Pack, _Member]] = {}
-        for key, entries in directories.items():
-            following = deferred.get(key, {})
+        # the last pack of the rank read: on to the first absent one, as a reader of every member goes (a
+        # pack after the last one a save wrote, or a member in two packs, is refused by every reader alike)
+        walk.check(rank, reading, directories, deferred, seen=seen, opened=opened, to_end=not left)
+        self._keep(rank, directories, deferred)
+        if key not in self._ranks[rank]:  # not where predicted, in a pack read before for another member:
+            directories, deferred = {}, {}  # every pack of the rank read again (a damaged or foreign layout)
+            walk.check(rank, whole, directories, deferred)
+            self._keep(rank, directories, deferred)
+
+    def _keep(
+        self, rank: int, directories: dict[str, list[Any]], deferred: dict[str, dict[str, int]]
+    ) -> None:
+        """The members of ``rank``'s packs just checked (:meth:`_walk_pack`), exposed."""
+        found = self._ranks.setdefault(rank, {})
+        for pkey, entries in directories.items():
+            following = deferred.get(pkey, {})
             members = {
                 e.filename: _Member(e, e.file_size, following[e.filename])
                 for e in entries
                 if e.filename in following
             }
-            pack = _Pack(key, members)
-            found.update((name, (pack, m)) for name, m in members.items())
-        return found
+            pack = _Pack(pkey, members)
+            found.update((name, (pack, m)) for name, m in members.items() if name not in found)
 
     # Packs ------------------------------------------------------------------------------------------------
     async def _pack(self, key: str) -> _Pack:

@@ -239,7 +239,7 @@ class CheckpointStore(PackReading, Store):
             rank = self._rank_of(name, key)
             if rank is None:
                 return None
-            found = (await self._rank(rank)).get(key)
+            found = await self._rank_member(rank, key)
             if found is None:  # every chunk has its member (all-zero ones too): a missing one is damage
                 raise CorruptCheckpointError(
                     f"tensor {name!r}: {key} is in none of rank {rank}'s packs ({self._where(PACK_DIR)}/"

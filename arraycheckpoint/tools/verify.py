@@ -226,6 +226,13 @@ def verify(
     Raises :class:`CheckpointNotFoundError` when nothing (neither metadata nor marker) is at ``path``; every
     other defect is reported in the returned :class:`VerifyReport`.
     """
+    with rankpacks.counted_once():  # the packs' capacity counted here, their directories read once
+        return _verify(path, progress, read_data)
+
+
+def _verify(
+    path: str | os.PathLike[str], progress: Callable[[int], None] | None, read_data: bool
+) -> VerifyReport:
     storage, root = storage_for(os.fspath(path))
     report = VerifyReport(root)
     files = storage.control_files(root)  # format 3's .acp/, or an older checkpoint's root

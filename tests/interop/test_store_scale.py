@@ -81,3 +81,75 @@ def test_open_packs_are_bounded(chunky: tuple[Path, np.ndarray], monkeypatch: py
         store.close()
     assert np.array_equal(got, expected)
     assert store._fds is not None and not store._fds._open  # closed with the store
+
+
+def _count_directories(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Pack directories read (and checked) from now on, by key (the probe past a rank's last pack left out)."""
+    directories: list[str] = []
+    real_directory = packdir._pack_directory
+
+    def counted_directory(storage: object, base: str, key: str, *args: object, **kwargs: object) -> object:
+        entries, size = real_directory(storage, base, key, *args, **kwargs)
+        if size is not None:
+            directories.append(key)
+        return entries, size
+
+    monkeypatch.setattr(packdir, "_pack_directory", counted_directory)
+    return directories
+
+
+def test_a_few_chunks_read_only_the_packs_holding_them(
+    chunky: tuple[Path, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of three chunks far apart read the directories of the three packs that hold them, each once (the
+    store read every pack of the writing rank for its first chunk: dozens); then the whole array, every pack
+    once more at most once, bit-exactly."""
+    path, expected = chunky
+    packs = len(list((path / ".acp" / "packs").glob("*.zip")))
+    directories = _count_directories(monkeypatch)
+    store = checkpoint_store(path)
+    try:
+        array = zarr.open_group(store, mode="r")["model/w"]
+        rows = [10, ROWS // 2, ROWS - 3]
+        assert all(np.array_equal(array[r], expected[r]) for r in rows)
+        assert len(directories) == len(set(directories)) == 3, directories
+        assert np.array_equal(array[...], expected)
+    finally:
+        store.close()
+    assert len(directories) == len(set(directories)) == packs, directories
+
+
+def test_a_pack_after_the_last_is_refused_once_every_pack_is_read(
+    chunky: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    """A pack after the writing rank's last, holding a second copy of a chunk: a read of a few rows reads
+    only their packs (as a partial load does), a read of the whole array goes on past the last pack, as
+    ``verify`` and a whole load do, and refuses it naming the pack and the member."""
+    import re
+    import shutil
+    import zipfile
+
+    from arraycheckpoint.errors import CorruptCheckpointError
+
+    path, expected = chunky
+    ck = tmp_path / "ck"
+    shutil.copytree(path, ck)
+    packs = len(list((ck / ".acp" / "packs").glob("*.zip")))
+    with zipfile.ZipFile(ck / ".acp" / "packs" / "0.0.zip") as zf:
+        member = next(n for n in zf.namelist() if "/c." in n)
+        body = zf.read(member)
+    with zipfile.ZipFile(ck / ".acp" / "packs" / f"0.{packs}.zip", "w") as zf:
+        zf.writestr(member, body)
+    store = checkpoint_store(ck)
+    try:
+        array = zarr.open_group(store, mode="r")["model/w"]
+        assert np.array_equal(array[ROWS // 2], expected[ROWS // 2])
+        # one row after the other (a pack holds hundreds of rows: every pack is read), not concurrently: no
+        # read is left running after the error
+        with pytest.raises(
+            CorruptCheckpointError, match=re.escape(f"0.{packs}.zip holds the member {member!r}")
+        ):
+            for row in range(0, ROWS, 50):
+                assert np.array_equal(array[row], expected[row])
+    finally:
+        store.close()

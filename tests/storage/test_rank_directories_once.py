@@ -87,13 +87,30 @@ def test_the_load_reads_the_directories_once_from_memory(many: Path, monkeypatch
     """``acp.load`` from ``memory://`` (tensorstore's key-value store: the object-store branch) counts the
     rank's members before it builds a key per chunk, then checks them: one read of the pack's tail and one of
     the rest of its directory (were two of each), bit-exact."""
+    url = _in_memory(many)
+    tails, ranges = _count_directory_reads(monkeypatch)
+    w = torch.zeros(N)
+    acp.load(url, {"model": {"w": w}})
+    assert torch.equal(w, torch.arange(N, dtype=torch.float32))
+    assert tails == {PACK: 1, ".acp/packs/0.1.zip": 1}, tails
+    assert ranges == {PACK: 1}, ranges  # the directory beyond the tail, once
+
+
+def _in_memory(ck: Path) -> str:
+    """Every file of ``ck`` copied to a fresh ``memory://`` location (tensorstore's key-value store: the
+    object-store branch of every reader); its URL."""
     import arraycheckpoint.storage.memory  # noqa: F401 - registers memory://
     from arraycheckpoint.storage import storage_for
 
     url = f"memory://many/{uuid.uuid4().hex[:8]}"
     storage, root = storage_for(url)
-    for key, body in _files(many).items():
+    for key, body in _files(ck).items():
         storage.write(root, key, body)
+    return url
+
+
+def _count_directory_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[Counter[str], Counter[str]]:
+    """From now on: per pack, the reads of its tail, and of the rest of its directory (``packdir._kv_ranges``)."""
     tails: Counter[str] = Counter()
     ranges: Counter[str] = Counter()
     real = packdir._kv_ranges
@@ -112,8 +129,57 @@ def test_the_load_reads_the_directories_once_from_memory(many: Path, monkeypatch
         return tail, size, read_counted
 
     monkeypatch.setattr(packdir, "_kv_ranges", counted)
-    w = torch.zeros(N)
-    acp.load(url, {"model": {"w": w}})
-    assert torch.equal(w, torch.arange(N, dtype=torch.float32))
+    return tails, ranges
+
+
+def test_verify_with_data_reads_the_directories_once_from_memory(
+    many: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify`` (reading the data) of the same checkpoint on ``memory://``: it counts the rank's members
+    before it builds a key per chunk, then reads every chunk through the load, which counted and read the
+    4.5 MB directory a second time (two reads of the tail and two of the rest); now once. And it reads the
+    70,000 chunks, one region each, in seconds: matching each chunk to its region was a scan of every
+    region (4.9e9 box intersections: it did not finish in 10 minutes)."""
+    from arraycheckpoint.tools.verify import verify
+
+    url = _in_memory(many)
+    tails, ranges = _count_directory_reads(monkeypatch)
+    report = verify(url)
+    assert report.ok and report.chunks == N, report.problems[:3]
     assert tails == {PACK: 1, ".acp/packs/0.1.zip": 1}, tails
-    assert ranges == {PACK: 1}, ranges  # the directory beyond the tail, once
+    assert ranges == {PACK: 1}, ranges
+
+
+def test_the_zarr_store_reads_only_the_packs_holding_what_is_read_over_s3(
+    tmp_path: Path, s3_server: Any, fault_proxy: Any
+) -> None:
+    """A rank of a dozen packs on S3: reading three rows through ``checkpoint_store`` sends requests for the
+    three packs holding them (and the array's ``zarr.json``, in the first) and none for the others; it read
+    the tail of every pack of the rank for the first row. Bit-exact."""
+    pytest.importorskip("s3fs", reason="s3fs is not installed (the 'dev' extra lists it)")
+    rows = 3000
+    ck = tmp_path / "ck"
+    w = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)
+    opts = acp.PlanOptions(max_chunk_bytes=16, inner_chunk_bytes=16, min_chunk_bytes=16 << 10)
+    acp.save(ck, {"model": {"w": w}}, plan_options=opts)
+    packs = sorted(os.listdir(ck / ".acp" / "packs"))
+    assert len(packs) >= 8, packs
+    prefix = f"packs-{uuid.uuid4().hex[:8]}/ck"
+    for key, body in _files(ck).items():
+        s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}", Body=body)
+    store = checkpoint_store(
+        f"s3://{s3_server.bucket}/{prefix}", storage_options={"endpoint_url": fault_proxy.endpoint}
+    )
+    array = zarr.open_array(store, path="model/w", mode="r")
+    picked = [5, rows // 2, rows - 2]
+    assert np.array_equal(array[picked], w.numpy()[picked])
+    import zipfile
+
+    wanted = {"model/w/zarr.json", *(f"model/w/c.{r}.0" for r in picked)}
+    holding = set()
+    for name in packs:
+        with zipfile.ZipFile(ck / ".acp" / "packs" / name) as zf:
+            if wanted & set(zf.namelist()):
+                holding.add(name)
+    asked = {p.rpartition("/")[2] for _m, p, _r, _n in fault_proxy.requests if "/.acp/packs/" in p}
+    assert len(holding) == 3 and asked == holding, (sorted(asked), sorted(holding))
