@@ -318,7 +318,9 @@ def _load(
 
     eng = engine()
     try:
-        storage, root, meta = eng.read_metadata(os.fspath(path), allow_pickle=allow_pickle)
+        storage, root, meta = eng.read_metadata(
+            os.fspath(path), allow_pickle=allow_pickle, timeout=liveness_timeout
+        )
     except CheckpointNotFoundError as e:
         raise explain_not_found(os.fspath(path), e) from None
     special, state = stateful.split(state, meta)

@@ -110,10 +110,10 @@ def test_limit_follows_the_process_limit(monkeypatch: pytest.MonkeyPatch) -> Non
     )  # no share a test left open to split with
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
-        assert common.open_packs_allowed() == 12
+        assert int(common.open_packs_allowed()) == 12
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert common.open_packs_allowed() == min(common.MAX_OPEN_PACKS, max(2, soft // 8))
+    assert int(common.open_packs_allowed()) == min(common.MAX_OPEN_PACKS, max(2, soft // 8))
 
 
 def _save_script(path: Path) -> str:

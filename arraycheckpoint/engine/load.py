@@ -59,14 +59,17 @@ class LoadPipeline:
 
     @gc_paused()
     def read_metadata(
-        self, url: str, *, allow_pickle: bool = False
+        self, url: str, *, allow_pickle: bool = False, timeout: float | None = None
     ) -> tuple[Storage, str, CheckpointMetadata]:
         """Open a committed checkpoint's metadata; raises if it is absent or uncommitted.
 
         A path holding a foreign checkpoint (Hugging Face safetensors, DCP) returns its load source in place
-        of the storage (:mod:`arraycheckpoint.sources`); :meth:`_read` then delegates to it.
+        of the storage (:mod:`arraycheckpoint.sources`); :meth:`_read` then delegates to it. ``timeout``: the
+        load's liveness bound, also the longest one storage request may go unanswered (a store that stops
+        answering fails the load within it; default the liveness default).
         """
         storage, root = storage_for(url)
+        storage.stall_timeout = timeout
         files = storage.committed_layout(root)  # format 3's .acp/, or an older checkpoint's root
         if files is None:
             from ..sources import open_source  # hook: foreign formats

@@ -344,7 +344,8 @@ class PackedReader:
 
                     self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
                 kv = self._kv
-            if len(self._packs) >= self._max_open:
+            limit = int(self._max_open)  # this load's part of the process's descriptor budget, now
+            while self._packs and len(self._packs) >= limit:
                 self._packs.popitem(last=False)[1].close()
             pack = self._packs[key] = PackFile(
                 self._root, key, members, kv, self._unchecked.get(key), self._directory(key)

@@ -166,18 +166,18 @@ class Packs:
         pack still waiting for members (a plan whose order interleaves packs) is not waited for: the save
         then holds more."""
         closing = getattr(self._writer, "closing", 0)
-        if len(self._unfinished) + closing < self._max_open:
+        if len(self._unfinished) + closing < int(self._max_open):
             return
         self._unfinished = [k for k in self._unfinished if not _finished(self._open[k])]
         for key in list(self._unfinished):
-            if len(self._unfinished) + closing < self._max_open:
+            if len(self._unfinished) + closing < int(self._max_open):
                 break
             pack, last = self._open[key], self._last.get(key)
             if not pack.complete or last is None:
                 continue
             wait_write(last, f"pack {key}")  # a complete pack's last batch is on its way (StreamedPack.add)
             self._unfinished.remove(key)
-        if len(self._unfinished) + getattr(self._writer, "closing", 0) >= self._max_open:
+        if len(self._unfinished) + getattr(self._writer, "closing", 0) >= int(self._max_open):
             getattr(self._writer, "settle", lambda: None)()  # the write-back thread's closes
 
     def check_done(self) -> None:

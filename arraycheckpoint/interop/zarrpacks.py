@@ -86,7 +86,8 @@ class _PackFiles:
         self._lock = threading.Lock()
         self._open: OrderedDict[str, list[int]] = OrderedDict()  # key -> [fd, reads in progress]
         self.opens = 0  # packs opened so far (what the scale tests count)
-        self._max_open = descriptor_share(MAX_OPEN_PACKS)  # fewer where the process may open few descriptors
+        # this store's part of the process's descriptor budget; an idle store gives packs back to newcomers
+        self._max_open = descriptor_share(MAX_OPEN_PACKS, trim=self._trim)
 
     def _acquire(self, key: str) -> list[int]:
         with self._lock:  # opened under the lock: concurrent first reads of a pack open it once, not each
@@ -98,10 +99,25 @@ class _PackFiles:
             fd = zarrfiles._open_pack(self.root, key)  # looked up at call time (tests count the opens)
             self.opens += 1
             entry = self._open[key] = [fd, 1]
-            idle = [k for k, (_fd, busy) in self._open.items() if not busy]  # least recently used first
-            for other in idle[: max(0, len(self._open) - self._max_open)]:
-                os.close(self._open.pop(other)[0])
+            self._close_idle(int(self._max_open))
             return entry
+
+    def _close_idle(self, keep: int) -> None:
+        """Close the least recently used packs no read is using until at most ``keep`` are open (lock held)."""
+        idle = [k for k, (_fd, busy) in self._open.items() if not busy]  # least recently used first
+        for other in idle[: max(0, len(self._open) - keep)]:
+            os.close(self._open.pop(other)[0])
+
+    def _trim(self, keep: int) -> int:
+        """The descriptor budget's request (another reader needs room): close idle packs down to ``keep``
+        unless a read holds the lock now (then it shrinks at its next open); the packs still open."""
+        if not self._lock.acquire(blocking=False):
+            return len(self._open)
+        try:
+            self._close_idle(keep)
+            return len(self._open)
+        finally:
+            self._lock.release()
 
     def _release(self, entry: list[int]) -> None:
         with self._lock:
@@ -134,6 +150,7 @@ class _PackFiles:
             for fd, _busy in self._open.values():
                 self._close_fd(fd)
             self._open.clear()
+        self._max_open.release()  # its part of the process's descriptor budget goes back to the others
 
     def __del__(self) -> None:
         self.close()

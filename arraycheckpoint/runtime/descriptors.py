@@ -6,15 +6,18 @@ packs (a load, a save, each open ``acp.checkpoint_store``) holds a :class:`Descr
 an eighth of its own before, so eight of them (several open stores, a store beside an async save and a load)
 could together exhaust the process's descriptors.
 
-A share reads as an ``int``: the number of packs its holder may keep open *now*, re-computed at each read
-(a holder reads it before each open, and closes its least recently used packs down to it):
+A share's :meth:`~DescriptorShare.limit` (also ``int(share)``) is the number of packs its holder may keep
+open *now*, re-computed at each read (a holder reads it before each open, and closes its least recently
+used packs down to it):
 
 * the budget is split evenly among the live shares, a share's ``cap`` (its own most) given up to the others
   (water-filling), so one user alone gets ``min(cap, budget)`` as before;
 * a share never gets more than the others leave: the budget less what each of them was granted at its
-  last read (what it may still hold). A user joining while the others hold the whole budget gets 1 until
-  their next opens shrink them to their share; so the packs open at once stay within the budget, plus
-  one per user that joined since the others last opened a pack.
+  last read (what it may still hold). Holders above their part that can give packs back at once (a zarr
+  store, which may sit idle with packs open: its ``trim``) close idle packs first; the others (a load or a
+  save in progress) shrink at their next open. A user joining while those hold the whole budget gets 1
+  until then; so the packs open at once stay within the budget, plus one per user that joined since the
+  others last opened a pack.
 
 A share leaves the budget when its holder is garbage-collected or calls :meth:`DescriptorShare.release`
 (reading it again joins again).
@@ -22,9 +25,10 @@ A share leaves the budget when its holder is garbage-collected or calls :meth:`D
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
 
 
 def process_budget() -> int | None:
@@ -73,13 +77,28 @@ class _Budget:
             return share.cap
         self.join(share)
         with self.lock:
-            live = self.live()
-            fair = _water_fill(total, [s.cap for s in live])[
-                next(i for i, s in enumerate(live) if s is share)
-            ]
-            left = total - sum(s.granted for s in live if s is not share)
+            fair, over = self._fair(total, share)
+        # holders over their part that can close packs nobody reads (idle stores) do so now, outside the
+        # budget's lock (a holder's trim takes its own lock, never waiting for it)
+        for other, part in over:
+            held = other.trim(part)
+            with self.lock:
+                other.granted = min(other.granted, max(held, part))
+        with self.lock:
+            left = total - sum(s.granted for s in self.live() if s is not share)
             share.granted = max(1, min(fair, left))
             return share.granted
+
+    def _fair(self, total: int, share: DescriptorShare) -> tuple[int, list[tuple[DescriptorShare, int]]]:
+        """``share``'s even part of ``total``, and, when the others leave it less, those of them above their
+        own part that can give packs back (a trim)."""
+        live = self.live()
+        fairs = _water_fill(total, [s.cap for s in live])
+        fair = fairs[next(i for i, s in enumerate(live) if s is share)]
+        if total - sum(s.granted for s in live if s is not share) >= fair:
+            return fair, []
+        over = [(s, f) for s, f in zip(live, fairs) if s is not share and s.granted > f and s.can_trim]
+        return fair, over
 
 
 def _water_fill(total: int, caps: list[int]) -> list[int]:
@@ -98,15 +117,32 @@ _BUDGET = _Budget()
 
 
 class DescriptorShare:
-    """One reader's or writer's part of the process's descriptor budget (module docstring). Reads as an
-    ``int`` (``int()``, comparisons, arithmetic): the packs its holder may keep open now, at most ``cap``."""
+    """One reader's or writer's part of the process's descriptor budget (module docstring). Its holder
+    reads :meth:`limit` (or ``int(share)``) before each pack it opens: the packs it may keep open now, at
+    most ``cap``."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, trim: Callable[[int], int] | None = None) -> None:
+        """Args:
+        cap: the most packs the holder ever keeps open.
+        trim: for a holder that may sit idle with packs open (a zarr store): closes packs nobody reads down
+            to the given count, without waiting for its own lock, and returns how many it still holds; the
+            budget calls it when a newcomer would otherwise get less than its part. Held weakly (a bound
+            method does not keep its holder alive)."""
         self.cap = max(1, cap)
         #: what this share was last told (its holder may still hold that many): kept from the others
         self.granted = 0
+        self._trim = weakref.WeakMethod(trim) if inspect.ismethod(trim) else trim
         self._budget = _BUDGET  # kept: a holder's __del__ may release it while the interpreter finalizes
         self._budget.join(self)
+
+    @property
+    def can_trim(self) -> bool:
+        return self._trim is not None
+
+    def trim(self, count: int) -> int:
+        """Ask the holder to close packs nobody reads down to ``count``; how many it still holds."""
+        fn = self._trim() if isinstance(self._trim, weakref.WeakMethod) else self._trim
+        return self.granted if fn is None else int(fn(count))
 
     def limit(self) -> int:
         """The packs the holder may keep open now (it closes its least recently used ones down to that)."""
@@ -120,43 +156,16 @@ class DescriptorShare:
         return self.limit()
 
     __int__ = __index__
-    __hash__ = object.__hash__  # by identity (a share is one holder's, whatever its value now)
-
-    def __eq__(self, other: Any) -> bool:
-        return self.limit() == other if isinstance(other, int) else self is other
-
-    def __lt__(self, other: int) -> bool:
-        return self.limit() < other
-
-    def __le__(self, other: int) -> bool:
-        return self.limit() <= other
-
-    def __gt__(self, other: int) -> bool:
-        return self.limit() > other
-
-    def __ge__(self, other: int) -> bool:
-        return self.limit() >= other
-
-    def __sub__(self, other: int) -> int:
-        return self.limit() - other
-
-    def __rsub__(self, other: int) -> int:
-        return other - self.limit()
-
-    def __add__(self, other: int) -> int:
-        return self.limit() + other
-
-    __radd__ = __add__
 
     def __repr__(self) -> str:
         return f"DescriptorShare(cap={self.cap}, granted={self.granted})"
 
 
-def descriptor_share(cap: int) -> DescriptorShare:
+def descriptor_share(cap: int, trim: Callable[[int], int] | None = None) -> DescriptorShare:
     """A new share of the process's descriptor budget for one reader or writer of packs, keeping at most
     ``cap`` open (module docstring): it reads as an ``int``, the packs its holder may keep open now (an
     eighth of ``RLIMIT_NOFILE`` split among the live shares; ``cap`` where the process has no limit)."""
-    return DescriptorShare(cap)
+    return DescriptorShare(cap, trim)
 
 
 def live_shares() -> int:
