@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .regions import Box
-from .rules import MAX_MESH_RANKS, Mesh
+from .rules import MAX_MESH_RANKS, Mesh, chunk_part
 
 # which grid dimension explains a split when several have its size and coordinate: model-parallel ones
 # first (their coordinate is what a split follows), data-parallel ones (replicas) last
@@ -272,3 +272,30 @@ def _assign(
 
     search(0, frozenset(), 0, 0)
     return None if best[0] is None else (best[0], best[1])
+
+
+_WORLD_MESHES: dict[int, Mesh] = {}  # per world size: one mesh object (its rank positions expanded once)
+
+
+def world_mesh(world: int) -> Mesh:
+    """The 1-D grid of the whole world (``arange``), one object per world size."""
+    mesh = _WORLD_MESHES.get(world)
+    if mesh is None:
+        while len(_WORLD_MESHES) >= 4:
+            _WORLD_MESHES.pop(next(iter(_WORLD_MESHES)))
+        mesh = _WORLD_MESHES[world] = Mesh((world,), tuple(range(world)))
+    return mesh
+
+
+def world_split(shape: Sequence[int], boxes: Sequence[Box], rank: int, world: int) -> int | None:
+    """The axis along which ``boxes`` is ``rank``'s ``torch.chunk`` part of a ``world``-way split (the whole
+    tensor along every other axis), or None: a sharded dict built by hand with no process grid, one block per
+    rank, then declares ``["mesh", world, [axis]]`` like every other rank instead of its own box."""
+    if len(boxes) != 1 or world < 2 or world > MAX_MESH_RANKS or not 0 <= rank < world:
+        return None
+    box = boxes[0]
+    split = [d for d in range(len(shape)) if (box.offsets[d], box.lengths[d]) != (0, shape[d])]
+    if len(split) != 1:
+        return None
+    d = split[0]
+    return d if (box.offsets[d], box.lengths[d]) == chunk_part(int(shape[d]), world, rank) else None
