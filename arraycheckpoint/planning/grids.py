@@ -231,9 +231,10 @@ def _assign(
     grid: Grid, steps: list[list[Step]], leading: int
 ) -> tuple[tuple[int, int], list[list[tuple[int, ...]]]] | None:
     """Grid dimensions for every grid step, each dimension used once: one dimension (its size and this rank's
-    coordinate equal the step's), or an ordered pair of them (an axis split over the product of two grid
-    dimensions, e.g. TP x DP: sizes multiply to the step's parts, ``outer * inner_size + inner`` is its
-    coordinate). The assignment using the fewest data-parallel dimensions, then single dimensions, then the
+    coordinate equal the step's), or a pair of them that flattens into one dimension (``outer``'s stride
+    is ``inner``'s times its size: a combined process group such as megatron's TP x DP group, in its rank
+    order), for an axis split over their product (sizes multiply to the step's parts, ``outer * inner_size +
+    inner`` is its coordinate). The assignment using the fewest data-parallel dimensions, then single dimensions, then the
     most preferred ones (the first ``leading`` axes, megatron's prepended layer and expert axes, prefer
     :data:`PREFER_LEADING`, the others :data:`PREFERENCE`); returns (score, dims per step) or None."""
     wanted = [(a, i, s) for a, ss in enumerate(steps) for i, s in enumerate(ss) if s[0] == "grid"]
@@ -252,7 +253,7 @@ def _assign(
             (g, h)
             for g in range(n)
             for h in range(n)
-            if g != h
+            if grid.strides[g] == grid.strides[h] * grid.sizes[h]  # they flatten into one dimension
             and grid.sizes[g] * grid.sizes[h] == parts
             and grid.coords[g] * grid.sizes[h] + grid.coords[h] == coord
         ]
