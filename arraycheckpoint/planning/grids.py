@@ -135,10 +135,10 @@ def axis_steps(extent: int, cells: Sequence[tuple[int, int]]) -> list[Step] | No
     ):
         return None
     period = runs * spacing  # the cells repeat within one period of the axis; the outer grid picks the period
-    if total % period or index[0] % period + (runs - 1) * spacing + run > period:
+    if total % period:
         return None
-    inner = index[0] % period
-    if inner >= spacing:
+    inner = index[0] % period  # the first run's place in its period: a whole part of the spacing
+    if inner >= spacing or inner % run:
         return None
     out: list[Step] = []
     if total > period:
