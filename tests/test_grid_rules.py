@@ -238,3 +238,9 @@ def test_hand_built_blocks_declare_a_rule_on_the_world() -> None:
     assert decl(2, Box((6, 0), (2, 3))).tensors[0].rule[0] == "boxes"  # array_split's part: not the rule's
     assert decl(1, Box((3, 0), (3, 2))).tensors[0].rule[0] == "boxes"  # split along two axes
     assert decl(1, Box((3, 0), (3, 3)), with_world=False).tensors[0].rule[0] == "boxes"
+    # a split into fewer parts than ranks: the rank holding nothing declares the same rule
+    small = [
+        SaveTensor("s", (3, 2), f32, [SaveShard(Box((r, 0), (1, 2)), None)] if r < 3 else [])
+        for r in range(4)
+    ]
+    assert len({digest(declare([t], r, world).to_json()) for r, t in enumerate(small)}) == 1

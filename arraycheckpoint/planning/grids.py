@@ -291,9 +291,17 @@ def world_mesh(world: int) -> Mesh:
 def world_split(shape: Sequence[int], boxes: Sequence[Box], rank: int, world: int) -> int | None:
     """The axis along which ``boxes`` is ``rank``'s ``torch.chunk`` part of a ``world``-way split (the whole
     tensor along every other axis), or None: a sharded dict built by hand with no process grid, one block per
-    rank, then declares ``["mesh", world, [axis]]`` like every other rank instead of its own box."""
-    if len(boxes) != 1 or world < 2 or world > MAX_MESH_RANKS or not 0 <= rank < world:
+    rank, then declares ``["mesh", world, [axis]]`` like every other rank instead of its own box. A rank
+    holding nothing of a non-empty tensor takes the first axis whose part is empty here (the trailing ranks of
+    a split into fewer parts than ranks); a wrong guess only makes its declaration differ, never wrong."""
+    if len(boxes) > 1 or world < 2 or world > MAX_MESH_RANKS or not 0 <= rank < world:
         return None
+    if (
+        not boxes
+    ):  # nothing here: the first axis whose part here is empty (a split into fewer parts than ranks)
+        if not math.prod(shape):
+            return None
+        return next((d for d, n in enumerate(shape) if not chunk_part(int(n), world, rank)[1]), None)
     box = boxes[0]
     split = [d for d in range(len(shape)) if (box.offsets[d], box.lengths[d]) != (0, shape[d])]
     if len(split) != 1:
