@@ -165,6 +165,7 @@ def moe_tensors(count: int) -> list[tuple[str, tuple[int, ...], str, int, str]]:
 
 
 MOE_EP: int | None = None  # --ep: expert parallelism instead of moe_world's choice
+VP = 2  # --vp: virtual pipeline stages of the vpp layout
 
 
 def moe_world(ranks: int) -> tuple[int, int]:
@@ -176,7 +177,9 @@ def moe_world(ranks: int) -> tuple[int, int]:
     return stage * MOE_PP, ep
 
 
-def moe_boxes(rank: int, world: int, ep: int, s: tuple[int, ...], split: str) -> list[Box]:
+def moe_boxes(
+    rank: int, world: int, ep: int, s: tuple[int, ...], split: str, experts: int = EXPERTS
+) -> list[Box]:
     """The boxes megatron gives ``rank`` of a tensor: dense rank generator (tp-cp-dp-pp: tp = rank % TP),
     expert one (etp-ep-edp-pp with expert TP 1: ep = rank in stage % EP); each local expert is its own
     ShardedTensor (box), as megatron's SequentialMLP declares them."""
@@ -190,7 +193,7 @@ def moe_boxes(rank: int, world: int, ep: int, s: tuple[int, ...], split: str) ->
         offs, lens = [0, 0], list(s)
         offs[dim], lens[dim] = off, length
         return [Box(tuple(offs), tuple(lens))]
-    local = EXPERTS // ep
+    local = experts // ep
     return [Box((x,) + (0,) * (len(s) - 1), (1, *s[1:])) for x in range(e * local, (e + 1) * local)]
 
 
@@ -273,10 +276,121 @@ def moe_groups(
     return out, world
 
 
+STACK_H, STACK_F, STACK_KV, STACK_E = 2048, 1024, 2560, 64  # stacked layouts: per-layer sizes, experts
+STACK_CHUNK = 2  # layers per (virtual) pipeline chunk
+
+
+def stacked_tensors(count: int, vp: int) -> list[tuple[str, tuple[int, ...], str, int, str]]:
+    """A stacked-layer MoE transformer as megatron's ``sharded_state_dict`` declares it: every tensor has the
+    layer axis first (``MOE_PP * vp * STACK_CHUNK`` layers, every stage holding some), the experts' index
+    second (``STACK_E`` experts: every stacked tensor holds layers x experts boxes, so the chunks a plan
+    makes grow with both); ``count`` tensors as towers of the six kinds (param and two Adam states each)."""
+    layers = MOE_PP * vp * STACK_CHUNK
+    kinds = [
+        ("qkv", (layers, STACK_KV, STACK_H), "col"),
+        ("out", (layers, STACK_H, STACK_H), "row"),
+        ("norm", (layers, STACK_H), "rep"),
+        ("router", (layers, STACK_E, STACK_H), "rep"),
+        ("experts.fc1", (layers, STACK_E, 2 * STACK_F, STACK_H), "efc1"),
+        ("experts.fc2", (layers, STACK_E, STACK_H, STACK_F), "efc2"),
+    ]
+    out = []
+    tower = 0
+    while len(out) < count:
+        for kind, shape, split in kinds:
+            base = f"tower{tower}.layers.{kind}"
+            out.append((f"model/{base}", shape, "bfloat16", 2, split))
+            out.append((f"optimizer/{base}/exp_avg", shape, "float32", 4, split))
+            out.append((f"optimizer/{base}/exp_avg_sq", shape, "float32", 4, split))
+        tower += 1
+    return out[:count]
+
+
+def stacked_boxes(rank: int, world: int, ep: int, vp: int, s: tuple[int, ...], split: str) -> list[Box]:
+    """``rank``'s boxes of a stacked tensor: one per layer it holds (stage ``p`` holds chunk ``v * PP + p`` of
+    every virtual stage ``v``: interleaved, non-contiguous) times its per-layer boxes (:func:`moe_boxes`)."""
+    p = rank // (world // MOE_PP)
+    layers = [(v * MOE_PP + p) * STACK_CHUNK + j for v in range(vp) for j in range(STACK_CHUNK)]
+    per_layer = moe_boxes(rank, world, ep, s[1:], split, STACK_E)
+    return [Box((x, *b.offsets), (1, *b.lengths)) for x in layers for b in per_layer]
+
+
+def stacked_groups(ranks: int, tensors, vp: int) -> tuple[list[tuple[Decl, list[int]]], int]:
+    """Stacked MoE (``vp`` interleaved virtual stages) as the megatron adapter declares it: its boxes, as
+    mesh rules on the grids where :class:`GridRules` finds them (``declare()`` keeps a rule only when it
+    states the rank's boxes). Ranks with the same (PP, TP, EP) coordinates hold the same boxes: one
+    declaration is built per such position (a sample of other ranks checked to match) and equal ones are
+    merged; when a sample of the whole world agrees with rank 0, one declaration stands for all."""
+    from arraycheckpoint.planning.grids import GridRules
+
+    world, ep = moe_world(ranks)
+    stage = world // MOE_PP
+
+    def build(rank: int) -> Decl:
+        finder = GridRules(moe_grids(rank, world, ep))
+        items = []
+        for n, s, d, _i, split in tensors:
+            boxes = stacked_boxes(rank, world, ep, vp, s, split)
+            dt = np.dtype("float32") if d == "float32" else _BF16
+            rule = finder.rule(s, boxes, 2 if split.startswith("e") else 1)
+            items.append(SaveTensor(n, s, dt, [SaveShard(b, None) for b in boxes], rule))
+        return declare(items, rank)
+
+    rng = random.Random(5)
+    first = build(0)
+    try:
+        for r in rng.sample(range(1, world), min(8, world - 1)):
+            _same_digest(first, r, build)
+        return [(first, list(range(world)))], world
+    except AssertionError:
+        pass
+    keys: dict[tuple[int, int, int], list[int]] = {}
+    for r in range(world):
+        keys.setdefault((r // stage, r % MOE_TP, (r % stage) % ep), []).append(r)
+    merged: dict[bytes, tuple[Decl, list[int]]] = {}
+    for members in keys.values():
+        decl = build(members[0])
+        if len(members) > 1:
+            _same_digest(decl, rng.choice(members[1:]), build)
+        merged.setdefault(digest(decl.to_json()), (decl, []))[1].extend(members)
+    return [(d, sorted(rs)) for d, rs in merged.values()], world
+
+
+def blocks_groups(ranks: int, tensors) -> tuple[list[tuple[Decl, list[int]]], int]:
+    """A sharded dict built by hand, no process grid: every rank holds its ``torch.chunk`` part of every
+    tensor's first axis (a different box per rank), declared by ``declare()`` with the world size (a mesh
+    rule on the world's 1-D grid where the box is the rank's part; boxes before that). Declarations are
+    built for a sample of ranks; when they all agree one stands for every rank, else each rank's own."""
+    import inspect
+
+    world_arg = "world" in inspect.signature(declare).parameters
+
+    def build(rank: int) -> Decl:
+        items = []
+        for n, s, d, _i, _split in tensors:
+            off, length = chunk_bounds(s[0], ranks)[rank]
+            box = Box((off,) + (0,) * (len(s) - 1), (length, *s[1:]))
+            dt = np.dtype("float32") if d == "float32" else _BF16
+            items.append(SaveTensor(n, s, dt, [SaveShard(box, None)] if length else [], None))
+        return declare(items, rank, ranks) if world_arg else declare(items, rank)
+
+    first = build(0)
+    try:
+        for r in random.Random(6).sample(range(1, ranks), min(8, ranks - 1)):
+            _same_digest(first, r, build)
+        return [(first, list(range(ranks)))], ranks
+    except AssertionError:
+        return [(build(r), [r]) for r in range(ranks)], ranks
+
+
 def groups_for(layout: str, ranks: int, tensors) -> tuple[list[tuple[Decl, list[int]]], int]:
     """The distinct declarations of ``layout`` and which ranks made each; returns (groups, world)."""
     if layout in ("moe", "moe-boxes"):
         return moe_groups(ranks, tensors, rules=layout == "moe")
+    if layout in ("moe-stacked", "vpp"):
+        return stacked_groups(ranks, tensors, VP if layout == "vpp" else 1)
+    if layout == "blocks":
+        return blocks_groups(ranks, tensors)
     if layout == "megatron":  # as the adapter declares now: mesh rules on megatron's grids
         return moe_groups(ranks, tensors, rules=True, dense=True)
     if layout == "ddp":
@@ -541,7 +655,10 @@ def run(
     perrank: str = "none",
     dataloader: str = "none",
 ) -> dict:
-    tensors = moe_tensors(count) if layout.startswith("moe") else model_tensors(count)
+    if layout in ("moe-stacked", "vpp"):
+        tensors = stacked_tensors(count, VP if layout == "vpp" else 1)
+    else:
+        tensors = moe_tensors(count) if layout.startswith("moe") else model_tensors(count)
     groups, world = groups_for(layout, ranks, tensors)
     rank0_tensors: list = []
     rank0_objects: list = []
@@ -746,7 +863,19 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument(
         "--layout",
-        choices=["fsdp2", "megatron", "megatron-boxes", "ddp", "fsdp1", "jax", "moe", "moe-boxes"],
+        choices=[
+            "fsdp2",
+            "megatron",
+            "megatron-boxes",
+            "ddp",
+            "fsdp1",
+            "jax",
+            "moe",
+            "moe-boxes",
+            "moe-stacked",
+            "vpp",
+            "blocks",
+        ],
         default="fsdp2",
     )
     ap.add_argument("--min-chunk-mib", type=float, default=16.0, help="PlanOptions.min_chunk_bytes in MiB")
@@ -770,10 +899,11 @@ def main() -> None:
         "--write-balance", type=float, default=None, help="PlanOptions.write_balance (default: the library's)"
     )
     ap.add_argument("--ep", type=int, default=None, help="moe layouts: expert parallelism (divides 256)")
+    ap.add_argument("--vp", type=int, default=2, help="vpp layout: virtual pipeline stages")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    global MOE_EP
-    MOE_EP = a.ep
+    global MOE_EP, VP
+    MOE_EP, VP = a.ep, a.vp
     opts = PlanOptions(
         min_chunk_bytes=int(a.min_chunk_mib * (1 << 20)), max_chunk_bytes=int(a.max_chunk_mib * (1 << 20))
     )

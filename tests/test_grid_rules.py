@@ -135,6 +135,11 @@ def test_every_rank_declares_the_same_rules() -> None:
         (8, [(0, 1), (1, 1)], [("grid", 4, 0), ("repeat", 2)]),
         (8, [(0, 1), (3, 1)], None),
         (9, [(0, 2)], None),
+        # interleaved virtual pipeline: PP 2 x VP 2, two layers a chunk; stage 1 holds layers 2, 3, 6, 7
+        (8, [(2, 1), (3, 1), (6, 1), (7, 1)], [("repeat", 2), ("grid", 2, 1), ("repeat", 2)]),
+        (16, [(9, 1), (13, 1)], [("grid", 2, 1), ("repeat", 2), ("grid", 4, 1)]),
+        (8, [(1, 1), (2, 1), (5, 1), (6, 1)], None),  # runs that straddle their parts
+        (8, [(0, 1), (1, 1), (4, 1)], None),  # runs of different lengths
     ],
 )
 def test_axis_patterns(extent: int, cells: list, steps: list | None) -> None:
@@ -180,3 +185,62 @@ def test_meshes_a_reader_would_refuse_are_never_planned(monkeypatch: pytest.Monk
     )  # room for the dense mesh, not the experts'
     kinds = {t.name: t.rule[0] for t in _declaration(0, world, True).tensors}
     assert kinds["model/qkv"] == "mesh" and kinds["model/fc1"] == "boxes", kinds
+
+
+def test_split_over_two_grid_dimensions_that_flatten() -> None:
+    """An axis split over TP x DP (megatron's TP-DP group order: ``dp * tp_size + tp``) is a mesh rule with both
+    dimensions on that axis, the same on every rank; dimensions that do not flatten into one are refused."""
+    world, tp, dp = 16, 2, 4  # pp 2 outermost
+
+    def grid(rank: int) -> Grid:
+        p, q = divmod(rank, tp * dp)
+        t, d = q % tp, q // tp
+        got = Grid.from_groups(
+            rank,
+            world,
+            {
+                "tp": [p * 8 + d * tp + i for i in range(tp)],
+                "dp": [p * 8 + i * tp + t for i in range(dp)],
+                "pp": [i * 8 + q for i in range(2)],
+            },
+        )
+        assert got is not None
+        return got
+
+    shape = (32, 4)
+    rules = set()
+    for rank in range(world):
+        q = rank % 8
+        box = Box((4 * q, 0), (4, 4))
+        rule = GridRules([grid(rank)]).rule(shape, [box])
+        assert rule is not None, rank
+        assert rule_boxes(shape, ("mesh", 0, rule[2]), [rule[1]], rank) == [box]
+        rules.add((rule[1], rule[2]))
+    assert len(rules) == 1 and next(iter(rules))[1] == (0, 0, -1)  # dp then tp on axis 0, pp replicated
+    # over pp x tp (strides 8 and 1: no flattening) there is no rule, even where the coordinates fit
+    assert GridRules([grid(9)]).rule(shape, [Box((12, 0), (4, 4))]) is None
+
+
+def test_hand_built_blocks_declare_a_rule_on_the_world() -> None:
+    """No grid: a block that is the rank's ``torch.chunk`` part of the world along one axis is declared as a
+    mesh rule on the world's 1-D grid (the same on every rank); any other block stays boxes."""
+    world, shape = 4, (10, 3)
+    f32 = np.dtype("float32")
+
+    def decl(rank: int, box: Box, with_world: bool = True):
+        item = SaveTensor("w", shape, f32, [SaveShard(box, None)])
+        return declare([item], rank, world if with_world else None)
+
+    parts = [(0, 3), (3, 3), (6, 3), (9, 1)]  # torch.chunk(10, 4): the last part short
+    decls = [decl(r, Box((o, 0), (n, 3))) for r, (o, n) in enumerate(parts)]
+    assert len({digest(d.to_json()) for d in decls}) == 1 and decls[0].tensors[0].rule == ("mesh", 0, (0,))
+    assert decls[0].meshes[0].ranks == tuple(range(world))
+    assert decl(2, Box((6, 0), (2, 3))).tensors[0].rule[0] == "boxes"  # array_split's part: not the rule's
+    assert decl(1, Box((3, 0), (3, 2))).tensors[0].rule[0] == "boxes"  # split along two axes
+    assert decl(1, Box((3, 0), (3, 3)), with_world=False).tensors[0].rule[0] == "boxes"
+    # a split into fewer parts than ranks: the rank holding nothing declares the same rule
+    small = [
+        SaveTensor("s", (3, 2), f32, [SaveShard(Box((r, 0), (1, 2)), None)] if r < 3 else [])
+        for r in range(4)
+    ]
+    assert len({digest(declare([t], r, world).to_json()) for r, t in enumerate(small)}) == 1

@@ -167,12 +167,7 @@ def test_all_gather_distinct_json_sends_each_value_once() -> None:
 
 
 # ------------------------------------------------------------------ megatron expert parallelism, simulated
-MOE_L, MOE_E, MOE_H, MOE_F = (
-    4,
-    8,
-    8,
-    4,
-)  # stacked layers, experts, hidden, expert ffn (tiny: bytes are not the point)
+MOE_L, MOE_E, MOE_H, MOE_F, MOE_V = 8, 8, 8, 4, 16  # stacked layers, experts, hidden, expert ffn, vocab
 
 
 def _moe_value(key: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -181,10 +176,15 @@ def _moe_value(key: str, shape: tuple[int, ...]) -> np.ndarray:
     return (base + np.arange(int(np.prod(shape)))).astype(np.float32).reshape(shape)
 
 
-def _moe_layout(rank: int, world: int, tp: int, pp: int, ep: int) -> tuple[dict[str, Any], list[Any]]:
+def _moe_layout(
+    rank: int, world: int, tp: int, pp: int, ep: int, vp: int = 1
+) -> tuple[dict[str, Any], list[Any]]:
     """Rank ``rank``'s megatron sharded state dict of a stacked-layer MoE transformer, as megatron-core lays it
     out (dense ranks tp-dp-pp, expert ranks ep-edp-pp, expert TP 1, local experts one ShardedTensor each, the
-    layer axis and the expert axis prepended), and the grids megatron's process groups give that rank."""
+    layer axis and the expert axis prepended; with ``vp`` virtual stages a stage holds ``vp`` interleaved
+    chunks of layers), and the grids megatron's process groups give that rank. ``embed`` is split over the
+    product TP x DP (rows ``d * tp + t``: the rank order of megatron's TP-DP group), a split megatron-core 0.16
+    itself does not make but sharded dicts may."""
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -193,18 +193,23 @@ def _moe_layout(rank: int, world: int, tp: int, pp: int, ep: int) -> tuple[dict[
     stage = world // pp
     p, q = divmod(rank, stage)
     t, d, e, ed = q % tp, q // tp, q % ep, q // ep
-    per_stage, local = MOE_L // pp, MOE_E // ep
+    chunk, local = MOE_L // (pp * vp), MOE_E // ep
+    layers = [(v * pp + p) * chunk + j for v in range(vp) for j in range(chunk)]
     shapes = {
         "qkv": (MOE_L, 3 * MOE_H, MOE_H),
         "router": (MOE_L, MOE_E, MOE_H),
         "fc1": (MOE_L, MOE_E, 2 * MOE_F, MOE_H),
         "fc2": (MOE_L, MOE_E, MOE_H, MOE_F),
     }
-    state: dict[str, Any] = {}
+    dps = stage // tp
+    rows = MOE_V // (tp * dps)
+    embed = torch.from_numpy(_moe_value("embed", (MOE_V, MOE_H)))[(d * tp + t) * rows :][:rows].clone()
+    state: dict[str, Any] = {
+        "embed": ShardedTensor.from_rank_offsets("embed", embed, (0, d * tp + t, tp * dps), replica_id=p)
+    }
     for kind, shape in shapes.items():
         full = torch.from_numpy(_moe_value(kind, shape))
-        for j in range(per_stage):
-            layer = p * per_stage + j
+        for layer in layers:
             if kind == "qkv":
                 rows = shape[1] // tp
                 data = full[layer, t * rows : (t + 1) * rows].clone()
@@ -247,7 +252,7 @@ def _save_moe(path: Path, world: int, with_grids: bool) -> SimWorld:
     sim = SimWorld(world)
 
     def save(comm: SimCommunicator) -> None:
-        state, grids = _moe_layout(comm.rank, world, tp=2, pp=2, ep=4)
+        state, grids = _moe_layout(comm.rank, world, tp=2, pp=2, ep=4, vp=2)
         with use_grids(grids if with_grids else []):
             acp.save(path, {"model": state}, comm=comm, framework="megatron", plan_options=OPTIONS)
 
@@ -256,17 +261,18 @@ def _save_moe(path: Path, world: int, with_grids: bool) -> SimWorld:
 
 
 def test_expert_parallel_layout_saves_as_rules_and_loads_under_another(tmp_path: Path) -> None:
-    """16 simulated ranks, TP 2 x PP 2 x DP 4 with EP 4: the expert weights' boxes depend on the EP rank, the
-    dense ones on TP and PP, so without rules the ranks make 8 distinct declarations (each gathered and
-    broadcast); on megatron's grids they make one, nothing is gathered, the metadata holds rules, and the
-    checkpoint loads bit-exactly under TP 1 x PP 4 x EP 2 (8 ranks) and at 1 rank."""
+    """16 simulated ranks, TP 2 x PP 2 (2 interleaved virtual stages) x DP 4 with EP 4: the expert weights'
+    boxes depend on the EP rank, the dense ones on TP and PP, the layers of a stage are two non-contiguous
+    chunks and ``embed`` is split over TP x DP, so without rules every rank makes its own declaration (each
+    gathered and broadcast); on megatron's grids they make one, nothing is gathered, the metadata holds
+    rules, and the checkpoint loads bit-exactly under TP 1 x PP 4 x EP 2 (8 ranks) and at 1 rank."""
     pytest.importorskip("megatron.core")
     world = 16
     ruled, boxed = tmp_path / "ruled", tmp_path / "boxed"
     with_rules = _save_moe(ruled, world, True)
     without = _save_moe(boxed, world, False)
     meta, before = acp.read_metadata(ruled), acp.read_metadata(boxed)
-    assert len(meta.layout_groups) == 1 and len(before.layout_groups) == 8  # PP 2 x (TP, EP) pairs 4
+    assert len(meta.layout_groups) == 1 and len(before.layout_groups) == world  # embed: (TP, DP) per rank
     assert {r[0] for t in meta.tensors.values() for _g, r in t.regions} <= {"mesh", "replica"}
     # the same plan either way: every chunk written by the same rank
     for name, t in meta.tensors.items():
@@ -288,7 +294,7 @@ def test_expert_parallel_layout_saves_as_rules_and_loads_under_another(tmp_path:
 
     assert all(run_ranks(8, load))
     report = verify(ruled)
-    assert report.ok and report.tensors == 4, report.problems[:3]
+    assert report.ok and report.tensors == 5, report.problems[:3]
     state, _grids = _moe_layout(0, 1, tp=1, pp=1, ep=1)
     for st in state.values():
         st.data.fill_(-1)
@@ -297,3 +303,67 @@ def test_expert_parallel_layout_saves_as_rules_and_loads_under_another(tmp_path:
         np.array_equal(st.data.numpy(), _moe_value(st.key, st.global_shape)[st.global_slice()])
         for st in state.values()
     )
+
+
+# ------------------------------------------------------------------ hand-built blocks, no process grid
+def _blocks(rank: int, parts: int, world: int, fill: float | None = None) -> dict[str, Any]:
+    """A sharded dict built by hand (no parallel_state, no grids), shapes as a save by ``world`` ranks makes
+    them: this rank holds its ``torch.chunk`` part of ``parts`` of ``w`` (rows) and ``v`` (columns), and all
+    of ``b`` (every element ``fill`` if given, else the source values)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    full = {
+        "w": _moe_value("w", (2 * world, 8)),
+        "v": _moe_value("v", (4, 3 * world)),
+        "b": _moe_value("b", (5,)),
+    }
+    if fill is not None:
+        full = {k: np.full_like(a, fill) for k, a in full.items()}
+    rows, cols = 2 * world // parts, 3 * world // parts
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", _torch(full["w"][rows * rank :][:rows]), (0, rank, parts)),
+        "v": ShardedTensor.from_rank_offsets(
+            "v", _torch(full["v"][:, cols * rank :][:, :cols]), (1, rank, parts)
+        ),
+        "b": ShardedTensor.from_rank_offsets("b", _torch(full["b"])),
+    }
+
+
+def _torch(a: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def test_hand_built_blocks_declare_one_rule_and_control_bytes_stay_flat(tmp_path: Path) -> None:
+    """Every rank's block is its part of the world along one axis: declared as a mesh rule on the world's 1-D
+    grid, so all ranks declare the same (one layout group, nothing gathered) and what a rank receives stays
+    flat from 16 to 64 ranks; the checkpoint loads bit-exactly at 4 ranks (other blocks)."""
+    pytest.importorskip("megatron.core")
+    received = {}
+    for world in (16, 64):
+        sim, path = SimWorld(world), tmp_path / f"w{world}"
+
+        def save(comm: SimCommunicator, world: int = world, path: Path = path) -> None:
+            acp.save(path, {"model": _blocks(comm.rank, world, world)}, comm=comm, framework="megatron")
+
+        run_ranks(world, save, world=sim)
+        meta = acp.read_metadata(path)
+        assert len(meta.layout_groups) == 1
+        assert {n: {r[0] for _g, r in t.regions} for n, t in meta.tensors.items()} == {
+            "model/w": {"mesh"},
+            "model/v": {"mesh"},
+            "model/b": {"replica"},
+        }
+        received[world] = sim.received
+    # what grows is the gathers' 8-byte size per rank (Communicator.gather_sizes, an all-gather), not the
+    # declarations: declared as boxes every rank would receive every rank's declaration
+    assert max(received[64][1:]) - max(received[16][1:]) <= 8 * (64 - 16), received
+
+    def load(comm: SimCommunicator) -> bool:
+        state = _blocks(comm.rank, 4, 64, fill=-1)
+        acp.load(tmp_path / "w64", {"model": state}, comm=comm)
+        want = _blocks(comm.rank, 4, 64)
+        return all(np.array_equal(state[k].data.numpy(), want[k].data.numpy()) for k in want)
+
+    assert all(run_ranks(4, load))

@@ -44,6 +44,7 @@ from ..format.metadata import (
     check_name_tree,
 )
 from ..format.version import __version__
+from ..planning.grids import world_mesh, world_split
 from ..planning.groupplan import CompactPlan, Decl, TensorRule, build_compact_plan, rule_json
 from ..planning.groupplan import rank_plan as rank_plan_of
 from ..planning.items import SaveRequest, SaveTensor
@@ -327,10 +328,13 @@ def _writers_of(td: Any, shared: dict[tuple[int, bool], Any]) -> Any:
     return got
 
 
-def declare(tensors: list[SaveTensor], rank: int) -> Decl:
+def declare(tensors: list[SaveTensor], rank: int, world: int | None = None) -> Decl:
     """This rank's declaration: one rule per tensor (a checked mesh or range rule, replica, or boxes).
 
-    Bad input (unsafe or duplicate names) raises here; the caller reports it through the agreement.
+    With ``world``, a tensor given as one box that is this rank's ``torch.chunk`` part of a ``world``-way
+    split along one axis (a sharded dict built by hand, no process grid) is declared as a mesh rule on the
+    world's 1-D grid (:func:`~arraycheckpoint.planning.grids.world_split`): every such rank then declares the
+    same. Bad input (unsafe or duplicate names) raises here; the caller reports it through the agreement.
     """
     meshes: list[Mesh] = []
     out = []
@@ -358,6 +362,11 @@ def declare(tensors: list[SaveTensor], rank: int) -> Decl:
                 rule = ("boxes", boxes)  # the rule does not describe what this rank holds: say it plainly
         elif len(boxes) == 1 and boxes[0].lengths == shape and not any(boxes[0].offsets):
             rule = ("replica",)  # the whole (non-empty) tensor
+        elif world is not None and (axis := world_split(shape, boxes, rank, world)) is not None:
+            mesh = world_mesh(world)  # the box is exactly this rank's part (checked): no check of the rule
+            if mesh not in meshes:
+                meshes.append(mesh)
+            rule = ("mesh", meshes.index(mesh), (axis,))
         else:
             rule = ("boxes", boxes)
         out.append(TensorRule(t.name, shape, known[0], known[1], rule))

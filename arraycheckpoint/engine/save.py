@@ -72,7 +72,7 @@ class SavePipeline:
         comm.set_liveness_timeout(options.liveness_timeout)  # before this save's first collective
         decl, decl_error, decl_digest = None, None, b""
         try:
-            decl = declare(request.tensors, comm.rank)
+            decl = declare(request.tensors, comm.rank, comm.world_size)
             decl_digest = declaration_digest(decl, comm, options)
         except Exception as e:  # noqa: BLE001 - every rank must still reach the agreement
             decl_error = e
@@ -374,7 +374,7 @@ def _unstack(job: SaveJob) -> None:
         job.request.tensors, job.request.objects = rankdoc.fall_back(job.request.tensors, job.request.objects)
     job.dtypes = {t.name: np.dtype(t.dtype) for t in job.request.tensors}
     try:
-        job.decl = declare(job.request.tensors, job.comm.rank)
+        job.decl = declare(job.request.tensors, job.comm.rank, job.comm.world_size)
         job.decl_digest = declaration_digest(job.decl, job.comm, job.options)
     except Exception as e:  # noqa: BLE001 - keep the agreed collectives; the save fails at commit
         job.error = job.error or describe(e, job.comm.rank)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .regions import Box
-from .rules import MAX_MESH_RANKS, Mesh
+from .rules import MAX_MESH_RANKS, Mesh, chunk_part
 
 # which grid dimension explains a split when several have its size and coordinate: model-parallel ones
 # first (their coordinate is what a split follows), data-parallel ones (replicas) last
@@ -104,33 +104,52 @@ Step = tuple[Any, ...]
 
 def axis_steps(extent: int, cells: Sequence[tuple[int, int]]) -> list[Step] | None:
     """The nested splits of one tensor axis that give exactly ``cells`` (sorted ``(offset, length)``) to one
-    rank: a grid split (``parts`` even parts, this rank's coordinate) and/or a repeat (the rank holds every
-    part), in mesh order; None when the cells are no such pattern."""
-    if cells == [(0, extent)]:
+    rank, in mesh order; None when the cells are no such pattern.
+
+    Cells of equal length, in ``runs`` runs of ``run`` consecutive cells each, the runs ``spacing`` cells
+    apart: ``[grid, repeat runs, grid, repeat run]`` (each step only where it splits anything). A grid step
+    (``("grid", parts, coordinate)``) picks this rank's part, a repeat (``("repeat", parts)``) gives it every
+    part. This covers one block (a TP slice), a stage's consecutive layers or a rank's local experts (grid,
+    repeat), the two halves of a gated fc1 (repeat, grid) and the layer chunks of interleaved (virtual)
+    pipeline stages (repeat over the virtual stages, grid over the stages, repeat over a chunk's layers).
+    """
+    if list(cells) == [(0, extent)]:
         return []
     length = cells[0][1]
     if length <= 0 or extent % length or any(n != length for _o, n in cells):
         return None
-    k, first = len(cells), cells[0][0]
-    if k == 1:
-        return [("grid", extent // length, first // length)]
-    run = k * length
+    index = [o // length for o, _n in cells]
+    if any(o % length for o, _n in cells):
+        return None
+    total = extent // length  # cells of this length along the axis
+    run = 1
+    while run < len(index) and index[run] == index[0] + run:
+        run += 1
+    runs = len(index) // run
+    spacing = index[run] - index[0] if runs > 1 else run
     if (
-        all(o == first + i * length for i, (o, _n) in enumerate(cells))
-        and not first % run
-        and not extent % run
+        runs * run != len(index)
+        or spacing < run
+        or spacing % run
+        or any(index[v * run + j] != index[0] + v * spacing + j for v in range(runs) for j in range(run))
     ):
-        # consecutive cells (a stage's layers, a rank's local experts): the grid picks a run, a repeat its cells
-        return ([("grid", extent // run, first // run)] if extent > run else []) + [("repeat", k)]
-    spacing = extent // k
-    if (
-        not extent % k
-        and all(o == first + i * spacing for i, (o, _n) in enumerate(cells))
-        and first < spacing
-    ):
-        # one cell per equal part (the two halves of a gated fc1): the repeat splits first, the grid within
-        return [("repeat", k)] + ([("grid", spacing // length, first // length)] if spacing > length else [])
-    return None
+        return None
+    period = runs * spacing  # the cells repeat within one period of the axis; the outer grid picks the period
+    if total % period:
+        return None
+    inner = index[0] % period  # the first run's place in its period: a whole part of the spacing
+    if inner >= spacing or inner % run:
+        return None
+    out: list[Step] = []
+    if total > period:
+        out.append(("grid", total // period, index[0] // period))
+    if runs > 1:
+        out.append(("repeat", runs))
+    if spacing > run:
+        out.append(("grid", spacing // run, inner // run))
+    if run > 1:
+        out.append(("repeat", run))
+    return out
 
 
 def box_axes(shape: Sequence[int], boxes: Sequence[Box]) -> list[list[tuple[int, int]]] | None:
@@ -176,7 +195,7 @@ class GridRules:
         return self._mesh_rule(grid, [s for s in steps if s is not None], dims)
 
     def _mesh_rule(
-        self, grid: Grid, steps: list[list[Step]], dims: list[list[int]]
+        self, grid: Grid, steps: list[list[Step]], dims: list[list[tuple[int, ...]]]
     ) -> tuple[str, Mesh, tuple[int, ...]] | None:
         sizes, strides, placements = [], [], []
         used = set()
@@ -185,11 +204,13 @@ class GridRules:
                 if step[0] == "repeat":
                     sizes.append(step[1])
                     strides.append(0)
-                else:
-                    sizes.append(grid.sizes[g])
-                    strides.append(grid.strides[g])
-                    used.add(g)
-                placements.append(axis)
+                    placements.append(axis)
+                    continue
+                for d in g:  # one grid dimension, or two splitting the axis over their product (outer first)
+                    sizes.append(grid.sizes[d])
+                    strides.append(grid.strides[d])
+                    placements.append(axis)
+                    used.add(d)
         for g in range(len(grid.sizes)):  # the rest: replicated over these dimensions
             if g not in used:
                 sizes.append(grid.sizes[g])
@@ -208,18 +229,35 @@ class GridRules:
 
 def _assign(
     grid: Grid, steps: list[list[Step]], leading: int
-) -> tuple[tuple[int, int], list[list[int]]] | None:
-    """Grid dimensions for every grid step (size and this rank's coordinate equal, each dimension once):
-    the assignment using the fewest data-parallel dimensions, then the most preferred ones (the first
-    ``leading`` axes, megatron's prepended layer and expert axes, prefer :data:`PREFER_LEADING`, the others
-    :data:`PREFERENCE`); returns (score, dims per axis) or None."""
+) -> tuple[tuple[int, int], list[list[tuple[int, ...]]]] | None:
+    """Grid dimensions for every grid step, each dimension used once: one dimension (its size and this rank's
+    coordinate equal the step's), or a pair of them that flattens into one dimension (``outer``'s stride
+    is ``inner``'s times its size: a combined process group such as megatron's TP x DP group, in its rank
+    order), for an axis split over their product (sizes multiply to the step's parts, ``outer * inner_size +
+    inner`` is its coordinate). The assignment using the fewest data-parallel dimensions, then single dimensions, then the
+    most preferred ones (the first ``leading`` axes, megatron's prepended layer and expert axes, prefer
+    :data:`PREFER_LEADING`, the others :data:`PREFERENCE`); returns (score, dims per step) or None."""
     wanted = [(a, i, s) for a, ss in enumerate(steps) for i, s in enumerate(ss) if s[0] == "grid"]
     best: list[Any] = [None, None]
-    out: list[list[int]] = [[-1] * len(ss) for ss in steps]
+    out: list[list[tuple[int, ...]]] = [[()] * len(ss) for ss in steps]
+    n = len(grid.names)
 
-    def cost(axis: int, name: str) -> int:
+    def cost(axis: int, dims: tuple[int, ...]) -> tuple[int, int]:
         order = PREFER_LEADING if axis < leading else PREFERENCE
-        return order.index(name) if name in order else len(order)
+        pref = sum(order.index(grid.names[g]) if grid.names[g] in order else len(order) for g in dims)
+        return sum(grid.names[g] in DATA_PARALLEL for g in dims), pref + (len(dims) - 1) * 4 * len(order)
+
+    def fits(parts: int, coord: int) -> list[tuple[int, ...]]:
+        single = [(g,) for g in range(n) if grid.sizes[g] == parts and grid.coords[g] == coord]
+        pairs = [
+            (g, h)
+            for g in range(n)
+            for h in range(n)
+            if grid.strides[g] == grid.strides[h] * grid.sizes[h]  # they flatten into one dimension
+            and grid.sizes[g] * grid.sizes[h] == parts
+            and grid.coords[g] * grid.sizes[h] + grid.coords[h] == coord
+        ]
+        return single + pairs
 
     def search(k: int, taken: frozenset[int], replicas: int, pref: int) -> None:
         if k == len(wanted):
@@ -227,10 +265,46 @@ def _assign(
                 best[0], best[1] = (replicas, pref), [list(x) for x in out]
             return
         a, i, (_kind, parts, coord) = wanted[k]
-        for g, name in enumerate(grid.names):
-            if g not in taken and grid.sizes[g] == parts and grid.coords[g] == coord:
-                out[a][i] = g
-                search(k + 1, taken | {g}, replicas + (name in DATA_PARALLEL), pref + cost(a, name))
+        for dims in fits(parts, coord):
+            if not taken.intersection(dims):
+                out[a][i] = dims
+                more, extra = cost(a, dims)
+                search(k + 1, taken | set(dims), replicas + more, pref + extra)
 
     search(0, frozenset(), 0, 0)
     return None if best[0] is None else (best[0], best[1])
+
+
+_WORLD_MESHES: dict[int, Mesh] = {}  # per world size: one mesh object (its rank positions expanded once)
+
+
+def world_mesh(world: int) -> Mesh:
+    """The 1-D grid of the whole world (``arange``), one object per world size."""
+    mesh = _WORLD_MESHES.get(world)
+    if mesh is None:
+        while len(_WORLD_MESHES) >= 4:
+            _WORLD_MESHES.pop(next(iter(_WORLD_MESHES)))
+        mesh = _WORLD_MESHES[world] = Mesh((world,), tuple(range(world)))
+    return mesh
+
+
+def world_split(shape: Sequence[int], boxes: Sequence[Box], rank: int, world: int) -> int | None:
+    """The axis along which ``boxes`` is ``rank``'s ``torch.chunk`` part of a ``world``-way split (the whole
+    tensor along every other axis), or None: a sharded dict built by hand with no process grid, one block per
+    rank, then declares ``["mesh", world, [axis]]`` like every other rank instead of its own box. A rank
+    holding nothing of a non-empty tensor takes the first axis whose part is empty here (the trailing ranks of
+    a split into fewer parts than ranks); a wrong guess only makes its declaration differ, never wrong."""
+    if len(boxes) > 1 or world < 2 or world > MAX_MESH_RANKS or not 0 <= rank < world:
+        return None
+    if (
+        not boxes
+    ):  # nothing here: the first axis whose part here is empty (a split into fewer parts than ranks)
+        if not math.prod(shape):
+            return None
+        return next((d for d, n in enumerate(shape) if not chunk_part(int(n), world, rank)[1]), None)
+    box = boxes[0]
+    split = [d for d in range(len(shape)) if (box.offsets[d], box.lengths[d]) != (0, shape[d])]
+    if len(split) != 1:
+        return None
+    d = split[0]
+    return d if (box.offsets[d], box.lengths[d]) == chunk_part(int(shape[d]), world, rank) else None

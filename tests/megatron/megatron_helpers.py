@@ -230,3 +230,39 @@ def build_moe(tp: int, ep: int, seed: int, num_layers: int = 2, experts: int = 4
     )
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
     return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True, post_process=True)
+
+
+def build_vpp(pp: int, vp: int, seed: int, num_layers: int = 8) -> list[Any]:
+    """A small megatron-core GPTModel as interleaved (virtual) pipeline chunks: this rank's ``vp`` model
+    chunks (each ``sharded_state_dict`` holds the layers of its chunk, at their global layer numbers)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        pipeline_dtype=torch.float32,
+    )
+    return [
+        GPTModel(
+            cfg,
+            get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+            vp_stage=v,
+        )
+        for v in range(vp)
+    ]

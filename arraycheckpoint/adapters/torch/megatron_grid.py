@@ -9,8 +9,9 @@ of a TP/PP/DP/EP job then declares the same rules, the save plans without gather
 metadata holds a few affine meshes instead of every rank's boxes.
 
 Without ``parallel_state`` (a sharded dict built by hand), :func:`use_grids` says the grids for the current
-thread (also how the simulated-world tests give each simulated rank its own); with neither, boxes are
-declared as before.
+thread (also how the simulated-world tests give each simulated rank its own); with neither, the engine's
+``declare()`` still states a block that is the rank's ``torch.chunk`` part of the world along one axis as a
+rule on the world's 1-D grid, and other boxes as boxes.
 """
 
 from __future__ import annotations
