@@ -244,3 +244,18 @@ def test_hand_built_blocks_declare_a_rule_on_the_world() -> None:
         for r in range(4)
     ]
     assert len({digest(declare([t], r, world).to_json()) for r, t in enumerate(small)}) == 1
+
+
+def test_the_positions_budget_is_per_declaration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grids' rule finder is kept across saves (megatron_grid): the meshes an earlier save used counted
+    against every later save's budget, so a later small declaration got no rule at all (session 20 review)."""
+    from arraycheckpoint.planning import grids as grids_mod
+
+    monkeypatch.setattr(grids_mod, "MESH_POSITIONS_BUDGET", 64)
+    grid = Grid.from_groups(1, 16, {"tp": [0, 1, 2, 3], "dp": [1, 5, 9, 13]})  # rank 1 of TP 4 x DP 4
+    rules = GridRules([grid])
+    rules.begin()  # save 1: a 4-layer stacked weight, a mesh of 16 x 4 = 64 positions (the whole budget)
+    assert rules.rule((4, 8, 8), [Box((layer, 2, 0), (1, 2, 8)) for layer in range(4)], leading=1)
+    assert rules.rule((8, 8), [Box((2, 0), (2, 8))]) is None  # within one declaration the budget holds
+    rules.begin()  # save 2: a TP-split weight alone (16 positions)
+    assert rules.rule((8, 8), [Box((2, 0), (2, 8))]) is not None

@@ -168,8 +168,14 @@ class GridRules:
 
     def __init__(self, grids: Sequence[Grid]) -> None:
         self.grids = tuple(grids)
-        self._meshes: dict[tuple[Any, ...], Mesh] = {}
-        self._positions = 0  # of the meshes made (MESH_POSITIONS_BUDGET)
+        self._meshes: dict[tuple[Any, ...], Mesh] = {}  # kept across declarations (made and expanded once)
+        self._used: set[tuple[Any, ...]] = set()  # meshes of the current declaration
+        self._positions = 0  # their rank positions (MESH_POSITIONS_BUDGET, per declaration)
+
+    def begin(self) -> None:
+        """Start a declaration (one save's tensors): the positions budget counts its meshes only."""
+        self._used.clear()
+        self._positions = 0
 
     def rule(
         self, shape: Sequence[int], boxes: Sequence[Box], leading: int = 0
@@ -217,11 +223,13 @@ class GridRules:
                 strides.append(grid.strides[g])
                 placements.append(-1)
         key = (tuple(sizes), tuple(strides), grid.base)
-        mesh = self._meshes.get(key)
-        if mesh is None:
+        if key not in self._used:
             if self._positions + math.prod(sizes) > MESH_POSITIONS_BUDGET:
                 return None
             self._positions += math.prod(sizes)
+            self._used.add(key)
+        mesh = self._meshes.get(key)
+        if mesh is None:
             ranks = grid_ranks(sizes, strides, grid.base)
             mesh = self._meshes[key] = Mesh(tuple(sizes), tuple(ranks.tolist()))
         return ("mesh", mesh, tuple(placements))

@@ -250,6 +250,7 @@ class SaveBuilder:
         are one (the engine checks it against the boxes), so TP/PP/DP/EP ranks declare alike."""
         rules = grid_rules()
         if rules is not None:
+            rules.begin()  # the budget of mesh positions is per save
             for item in self.tensors.values():
                 if item.rule is None and item.shards:
                     item.rule = rules.rule(
