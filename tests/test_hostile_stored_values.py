@@ -53,3 +53,11 @@ def test_bytes_that_are_not_base64_are_refused(tmp_path: Path) -> None:
     path = _saved_with(tmp_path, lambda v: v.__setitem__("b", {"__bytes__": "!!!"}))
     with pytest.raises(acp.InconsistentCheckpointError, match="extra_state"):
         acp.load(str(path), {"model": {"w": torch.zeros(2)}, "extra_state": {}})
+
+
+def test_a_stored_dict_key_that_cannot_be_one_is_named() -> None:
+    """A ``__dict__`` pair whose key decodes to a dict: a clear error, not a bare ``unhashable type``."""
+    from arraycheckpoint.format import extras
+
+    with pytest.raises(acp.InconsistentCheckpointError, match="malformed"):
+        extras.decode({"__dict__": [[{"a": 1}, 2]]}, {}, where="extra_state")

@@ -152,7 +152,10 @@ def decode(
             if tag == "__tuple__":
                 return tuple(dec(x, f"{path}/{i}") for i, x in enumerate(body))
             if tag == "__dict__":
-                return {_hashable(dec(k, path)): dec(x, f"{path}/{k}") for k, x in body}
+                try:
+                    return {_hashable(dec(k, path)): dec(x, f"{path}/{k}") for k, x in body}
+                except TypeError as e:  # a key that cannot be one (a dict)
+                    raise _malformed(path, tag, body, str(e)) from None
             if tag == "__bytes__":
                 return _b64(body, path, tag)
             if tag == "__float__":

@@ -251,6 +251,7 @@ class Storage(ABC):
         being overwritten, or left by a crashed save: :meth:`target_state`, checked before the lock is
         taken); objects of anyone else are refused, never deleted.
         """
+        self._marker_in_doubt = False  # a new save: an earlier one's doubt is not its own
         body = json.dumps({"token": token, "time": time.time()}).encode()
         checked, self._checked_target = getattr(self, "_checked_target", None), None
         if self.commit_strategy != "marker":
@@ -328,6 +329,7 @@ class Storage(ABC):
     def _write_marker(self, final: str) -> None:
         """Write the commit marker. A write that failed without an answer (timed out, connection dropped,
         5xx) may still land later: :meth:`abort` then keeps the save's objects (see there)."""
+        self._marker_in_doubt = False  # this save's marker (an instance may serve several saves)
         try:
             self.write(final, COMMIT_MARKER, b"committed\n")
         except StorageError as e:

@@ -79,21 +79,31 @@ class LocalStorage(Storage):
         file system has no ``flock`` a lock file present is refused, as before."""
         lock = self._lock(final)
         _check_parents(lock.parent)
+        with _HELD_LOCK:
+            held_here = any(path == str(lock) for path, _t in _HELD)
+        if held_here:  # a save of this process holds it (an async save in flight): never a takeover
+            raise CheckpointExistsError(
+                f"another save to {final} is in progress in this process (lock {lock}); wait for it"
+            )
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            taken = _flock(fd, blocking_ok=True)  # False: a newcomer took the fresh file as stale meanwhile
+            if not taken:
+                os.close(fd)
         except FileExistsError:
-            fd = _take_stale(lock)
+            fd, taken = _take_stale(lock), True
             if fd is None:
-                raise CheckpointExistsError(
-                    f"another save to {final} is in progress (lock {lock} held by save {_holder(lock)}); wait "
-                    "for it, or, if no save is running (a file system without flock, where a crashed run's "
-                    "lock cannot be told from a live one), remove it or let CheckpointManager clean up on start"
-                ) from None
+                taken = False
         except OSError as e:
             raise StorageError(f"storage lock of {lock} failed: {e}") from e
+        if not taken or fd is None:
+            raise CheckpointExistsError(
+                f"another save to {final} is in progress (lock {lock} held by save {_holder(lock)}); wait "
+                "for it, or, if no save is running and the file system has no flock (so a crashed run's lock "
+                "cannot be told from a live one), remove the lock file"
+            )
         try:
-            _flock(fd, blocking_ok=True)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{token} pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         except OSError as e:
@@ -141,8 +151,21 @@ class LocalStorage(Storage):
         _refuse_foreign(final, self.is_committed)
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
-        self.write(staging, COMMIT_MARKER, b"committed\n")
+        # into the save's own staging: never recreated around a marker (a staging removed under this save
+        # would otherwise commit as a checkpoint of nothing)
         marker = os.path.join(staging, COMMIT_MARKER)
+        try:
+            try:
+                os.mkdir(os.path.dirname(marker))
+            except FileExistsError:
+                pass
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise StorageError(f"storage commit of {final} failed: its marker {marker}: {e}") from e
+        try:
+            os.write(fd, b"committed\n")
+        finally:
+            os.close(fd)
         fsync_path(marker)
         fsync_path(os.path.dirname(marker))  # the control directory's entry of the marker
         old = None
@@ -267,9 +290,13 @@ class LocalStorage(Storage):
         # a step's replaced copies newest first: the newest committed one is put back, the older are removed
         for name in sorted(names, key=lambda n: -_replaced_time(parent, n)):
             m = _LEFTOVER.match(name)
-            if not m or name.rsplit("-", 1)[-1] in live or name in live.values():
+            if not m or _staging_token(name) in live or name in live.values():
                 continue
             path = os.path.join(parent, name)
+            if m.group("b"):  # a crashed save's lock: removed holding its flock (a newcomer may take it over)
+                if _remove_stale_lock(path):
+                    removed.append(path)
+                continue
             if os.path.isdir(path) and not os.path.islink(path):
                 if m.group("c") and self._restored(path, os.path.join(parent, m.group("c"))):
                     continue
@@ -321,60 +348,83 @@ def _holder(lock: Path) -> str:
         return "?"
 
 
+def _staging_token(name: str) -> str | None:
+    """The save token in a staging directory's name (``.<step>.acp-staging-<token>``), also inside a
+    replaced copy's (``<step>.acp-old-.<step>.acp-staging-<token>``); None for other names."""
+    return name.split(".acp-staging-", 1)[1] if ".acp-staging-" in name else None
+
+
 def _flock(fd: int, blocking_ok: bool = False) -> bool:
-    """Try an exclusive ``flock`` on ``fd`` without waiting: True when taken, False when another open file
-    holds it. A file system without ``flock`` counts as taken where ``blocking_ok`` (a lock this save just
-    created: nothing to tell apart), else as held (a lock file of unknown liveness is never taken over)."""
+    """Try an exclusive ``flock`` on ``fd`` (open for writing: NFS emulates it with a POSIX write lock)
+    without waiting: True when taken, False when another open file holds it. A file system without
+    ``flock`` counts as taken where ``blocking_ok`` (a lock this save just created: nothing to tell apart),
+    else as held (a lock file of unknown liveness is never taken over); so does any other error."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
     except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return blocking_ok
-        raise
+        return blocking_ok and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def _open_stale(lock: str | Path) -> int | None:
+    """``lock`` opened with its flock held when no process holds it and it is still the file at that path
+    (a crashed save's lock); None when a save in flight holds it, it is gone, or this process may not
+    open it (never judged stale then)."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode) and _flock(fd):
+            # the file may have been released (unlinked) or replaced between the open and the flock
+            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
+                return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def _take_stale(lock: Path) -> int | None:
-    """The descriptor of ``lock`` with its flock held when no process holds it (a crashed save's; warned);
-    None when a save in flight holds it (or liveness cannot be told)."""
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None  # released meanwhile: the caller's message says to retry; a rare race
-    if not _flock(fd):
-        os.close(fd)
-        return None
-    try:  # the file may have been released (unlinked) between the open and the flock
-        same = os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino
-    except FileNotFoundError:
-        same = False
-    if not same:
-        os.close(fd)
-        return None
-    log.warning("taking over %s, left by a save that is no longer running (%s)", lock, _holder(lock))
+    """The descriptor of ``lock`` with its flock held when it is a crashed save's (warned); None else."""
+    fd = _open_stale(lock)
+    if fd is not None:
+        log.warning("taking over %s, left by a save that is no longer running (%s)", lock, _holder(lock))
     return fd
 
 
+def _remove_stale_lock(path: str) -> bool:
+    """Remove a crashed save's lock file, holding its flock meanwhile (a save taking it over between a probe
+    and the removal would lose its lock); whether it was removed."""
+    fd = _open_stale(path)
+    if fd is None:
+        return False
+    try:
+        os.remove(path)
+        return True
+    except OSError as e:
+        log.warning("cleanup: could not remove %s (%s); it is kept", path, e)
+        return False
+    finally:
+        os.close(fd)
+
+
 def _live_tokens(parent: str, names: list[str]) -> dict[str, str]:
-    """The tokens of the saves in flight under ``parent`` (their lock's flock is held), mapped to their lock
-    file's name."""
+    """The tokens of the saves in flight under ``parent`` (a lock file whose flock is held, or that this
+    process may not open), mapped to their lock file's name: their staging and replaced copies stay."""
     live = {}
     for name in names:
         m = _LEFTOVER.match(name)
         if not m or not m.group("b"):
             continue
         path = os.path.join(parent, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
+        fd = _open_stale(path)
+        if fd is not None:
+            os.close(fd)  # a crashed save's: its lock and staging are leftovers
             continue
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode) and not _flock(fd):
-                live[_token_of(os.read(fd, 512).decode(errors="replace"))] = name
-        finally:
-            os.close(fd)  # a flock taken here (a stale lock) ends with it
+        live[_token_of(_holder(Path(path)))] = name
     return live
 
 

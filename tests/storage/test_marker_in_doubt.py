@@ -63,3 +63,28 @@ def test_a_marker_write_in_doubt_never_commits_a_partial_checkpoint(root: str, l
         mgr.close()
     finally:
         storage.register_scheme(scheme, None)
+
+
+def test_the_doubt_is_one_saves_not_the_storage_objects(monkeypatch) -> None:
+    """A storage object that served a save whose marker was in doubt kept every later save's objects on
+    abort (session 20 review): the doubt now belongs to the save whose marker it was."""
+    from arraycheckpoint.errors import StorageError
+    from arraycheckpoint.storage import storage_for
+
+    storage, root = storage_for("memory://doubt-per-save/ck")
+    real = type(storage).write
+    calls = {"n": 0}
+
+    def flaky(self, r, key, data):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise StorageError("write failed") from TimeoutError("no answer")
+        return real(self, r, key, data)
+
+    monkeypatch.setattr(type(storage), "write", flaky)
+    with pytest.raises(StorageError):
+        storage.commit(root + "/a", root + "/a", False)  # save A: its marker in doubt
+    storage.acquire(root + "/c", "c-0")  # save C starts, writes, fails before its commit
+    storage.write(root + "/c", "w/c/0", b"partial")
+    storage.abort(root + "/c", root + "/c")
+    assert [k for k in storage.list(root + "/c") if not k.endswith("acp-lock")] == []
