@@ -125,6 +125,13 @@ def model_tensors(count: int) -> list[tuple[str, tuple[int, ...], str, int, str]
         ("fc2", (H, FFN), "row"),
         ("norm", (H,), "rep"),
     ]
+    return _layers(kinds, count)
+
+
+def _layers(
+    kinds: list[tuple[str, tuple[int, ...], str]], count: int
+) -> list[tuple[str, tuple[int, ...], str, int, str]]:
+    """``count`` tensors of layers made of ``kinds``: each a bfloat16 parameter and its two Adam states."""
     out = []
     layer = 0
     while len(out) < count:
@@ -152,16 +159,7 @@ def moe_tensors(count: int) -> list[tuple[str, tuple[int, ...], str, int, str]]:
         ("experts.fc1", (EXPERTS, 2 * FFN_E, H), "efc1"),
         ("experts.fc2", (EXPERTS, H, FFN_E), "efc2"),
     ]
-    out = []
-    layer = 0
-    while len(out) < count:
-        for kind, shape, split in kinds:
-            base = f"layers.{layer}.{kind}"
-            out.append((f"model/{base}", shape, "bfloat16", 2, split))
-            out.append((f"optimizer/{base}/exp_avg", shape, "float32", 4, split))
-            out.append((f"optimizer/{base}/exp_avg_sq", shape, "float32", 4, split))
-        layer += 1
-    return out[:count]
+    return _layers(kinds, count)
 
 
 MOE_EP: int | None = None  # --ep: expert parallelism instead of moe_world's choice
