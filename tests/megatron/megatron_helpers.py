@@ -202,19 +202,26 @@ def save_tp2(rank: int, world: int, path: str) -> tuple:
     return local_shards(model), optimizer_shards(model, opt), optimizer_steps(opt)
 
 
+def _fresh_parallel(seed: int, **sizes: int) -> None:
+    """megatron's parallel state initialised anew with ``sizes``, and the torch seed set."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(**sizes)
+    torch.manual_seed(seed)
+
+
 def build_moe(tp: int, ep: int, seed: int, num_layers: int = 2, experts: int = 4) -> Any:
     """A small megatron-core mixture-of-experts GPTModel (SequentialMLP experts, SwiGLU, no biases) for this
     rank's TP/EP position (PP 1; the rest of the world is data-parallel)."""
     import torch
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    torch.manual_seed(seed)
+    _fresh_parallel(seed, tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     cfg = TransformerConfig(
         num_layers=num_layers,
         hidden_size=32,
@@ -241,10 +248,7 @@ def build_vpp(pp: int, vp: int, seed: int, num_layers: int = 8) -> list[Any]:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
-    torch.manual_seed(seed)
+    _fresh_parallel(seed, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
     cfg = TransformerConfig(
         num_layers=num_layers,
         hidden_size=32,
