@@ -15,8 +15,9 @@ checkpoint of format 1 or 2 keeps them in its root (:data:`~arraycheckpoint.form
 :meth:`Storage.control_files` tells which layout a checkpoint uses.
 
 Call order (the engine's): ``check_target`` and ``acquire`` on the coordinator at snapshot time, then every rank
-writes under ``staging_root``, calls ``flush`` on what it wrote, then the coordinator writes metadata and calls
-``commit`` (or ``abort`` on failure) and finally ``release``. One :class:`Storage` instance serves one save or
+calls ``open_flush`` before its first write under ``staging_root``, writes, calls ``flush`` on what it wrote and
+``close_flush`` once the save ended (on every path), while the coordinator writes metadata and calls ``commit``
+(or ``abort`` on failure) and finally ``release``. One :class:`Storage` instance serves one save or
 one load (``storage_for`` makes a fresh one), so a backend may keep per-save state on ``self``.
 
 The checkpoint manager additionally uses :meth:`children`, :meth:`remove_checkpoint` and
@@ -317,6 +318,17 @@ class Storage(ABC):
         """Drop the claim taken by :meth:`acquire` (idempotent; a lock held by another token stays)."""
         if self._lock_token(final) == token:
             self.delete_key(final, LOCK_KEY)
+
+    def open_flush(self, root: str) -> None:
+        """Called on every rank before its first write under ``root``: a backend whose :meth:`flush` can only
+        report errors that happened after some point (Linux ``syncfs(2)`` reports a write-back error only to a
+        descriptor opened before it) takes that point now. Paired with :meth:`close_flush`. No-op here."""
+        return None
+
+    def close_flush(self, root: str) -> None:
+        """Release what :meth:`open_flush` took for ``root`` (idempotent; called on every path once the save
+        ended, after the coordinator's last :meth:`flush`). No-op here."""
+        return None
 
     def flush(self, root: str) -> None:
         """Make this rank's writes under ``root`` durable (one batched flush; a no-op where writes are)."""

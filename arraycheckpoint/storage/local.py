@@ -48,6 +48,12 @@ class LocalStorage(Storage):
 
     commit_strategy = "rename"
 
+    @property
+    def _sync_fds(self) -> dict[str, int]:
+        """Per staging root, the descriptor :meth:`flush` syncs on (:meth:`open_flush`); per instance (a
+        subclass need not call ``__init__``)."""
+        return self.__dict__.setdefault("_sync_fds_", {})
+
     def normalize(self, url: str) -> str:
         if url.startswith("file://"):
             url = url[len("file://") :]
@@ -125,11 +131,46 @@ class LocalStorage(Storage):
             if fd is not None:
                 os.close(fd)  # drops the flock, after the file is gone
 
-    def flush(self, root: str) -> None:
-        path = root if os.path.isdir(root) else os.path.dirname(root)
-        if not os.path.isdir(path):
+    def open_flush(self, root: str) -> None:
+        """Open the descriptor :meth:`flush` will ``syncfs`` on, now, before this rank writes under ``root``
+        (created here if absent, as the first write would): Linux reports a write-back error to ``syncfs(2)``
+        only when it happened after the descriptor was opened (the file system's error sequence is sampled at
+        ``open``), so a descriptor opened at the flush misses an error from write-back started earlier (the
+        writer starts it per large file) and the save would commit data the disk never took. One descriptor
+        per save and rank, closed by :meth:`close_flush`."""
+        if root in self._sync_fds:
             return
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise StorageError(f"cannot open {root} to flush it later: {e}") from e
+        self._sync_fds[root] = fd
+
+    def close_flush(self, root: str) -> None:
+        fd = self._sync_fds.pop(root, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:  # nothing to report: the flush already reported what it could
+                pass
+
+    def flush(self, root: str) -> None:
+        """``syncfs`` the file system holding ``root`` on the descriptor :meth:`open_flush` opened (errors of
+        every write-back since then, of any file there); a caller that did not call it gets one opened now
+        (errors from before are not seen then).
+
+        Raises:
+            StorageError: a write did not reach the disk (``EIO``, ``ENOSPC``, ...), naming ``root``.
+        """
+        own = self._sync_fds.get(root)
+        if own is None:
+            path = root if os.path.isdir(root) else os.path.dirname(root)
+            if not os.path.isdir(path):
+                return
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            path, fd = root, own
         try:
             if _syncfs(fd) != 0:
                 err = ctypes.get_errno()
@@ -139,7 +180,8 @@ class LocalStorage(Storage):
                     )
                 os.sync()  # no syncfs here
         finally:
-            os.close(fd)
+            if own is None:
+                os.close(fd)
 
     def check_target(self, final: str, overwrite: bool) -> None:
         """Refuse a target that is not a directory, or that holds anything but a committed checkpoint.
