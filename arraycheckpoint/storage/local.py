@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import os
 import re
 import shutil
-import socket
 import stat
-import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from typing import Any
 from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
+from . import locks
 from .base import Storage
 
 log = logging.getLogger("arraycheckpoint")
@@ -79,52 +77,55 @@ class LocalStorage(Storage):
         return p.parent / f".{p.name}.acp-lock"
 
     def acquire(self, final: str, token: str) -> None:
-        """Take ``final``'s lock file for this save (``O_EXCL``), and hold an ``flock`` on it until
-        :meth:`release`: the kernel drops that lock when the process ends however it ends, so a lock file
-        nobody holds is a crashed save's and is taken over (with a warning naming it), not refused. Where the
-        file system has no ``flock`` a lock file present is refused, as before."""
+        """Take ``final``'s lock file for this save (``O_EXCL``), and hold it until :meth:`release`: an
+        ``flock`` the kernel drops when the process ends however it ends, so a lock nobody holds is a crashed
+        save's and is taken over with a warning naming it and its owner; where the file system has no flock,
+        the owner its file names and its lease decide (:mod:`.locks`)."""
         lock = self._lock(final)
         _check_parents(lock.parent)
-        with _HELD_LOCK:
-            held_here = any(path == str(lock) for path, _t in _HELD)
+        with locks._HELD_LOCK:
+            held_here = any(path == str(lock) for path, _t in locks._HELD)
         if held_here:  # a save of this process holds it (an async save in flight): never a takeover
             raise CheckpointExistsError(
                 f"another save to {final} is in progress in this process (lock {lock}); wait for it"
             )
+        fd: int | None
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644)
-            taken = _flock(fd, blocking_ok=True)  # False: a newcomer took the fresh file as stale meanwhile
-            if not taken:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            if locks.flock_state(fd) == "held":  # a newcomer took the fresh file as stale meanwhile
                 os.close(fd)
+                fd = None
         except FileExistsError:
-            fd, taken = _take_stale(lock), True
-            if fd is None:
-                taken = False
+            fd = locks.take_crashed(lock)
         except OSError as e:
             raise StorageError(f"storage lock of {lock} failed: {e}") from e
-        if not taken or fd is None:
+        if fd is None:
             raise CheckpointExistsError(
-                f"another save to {final} is in progress (lock {lock} held by save {_holder(lock)}); wait "
-                "for it, or, if no save is running and the file system has no flock (so a crashed run's lock "
-                "cannot be told from a live one), remove the lock file"
+                f"another save to {final} is in progress (lock {lock} held by {locks.holder(lock)}); wait for "
+                "it. A crashed save's lock is taken over: with flock at once, without flock once its process "
+                f"is gone (same host) or its lease ran out ({locks.LEASE_ENV} x {locks.HEARTBEAT_ENV})"
             )
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{token} pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            os.pwrite(fd, locks.owner_document(locks.this_owner(token)), 0)
         except OSError as e:
             os.close(fd)
             raise StorageError(f"storage lock of {lock} failed: {e}") from e
-        with _HELD_LOCK:
-            _HELD[(str(lock), token)] = fd
+        locks.hold(lock, token, fd)
 
     def release(self, final: str, token: str) -> None:
         lock = self._lock(final)
-        with _HELD_LOCK:
-            fd = _HELD.pop((str(lock), token), None)
+        fd = locks.unhold(lock, token)
         try:
-            if _token_of(lock.read_text()) == token:
-                lock.unlink()
+            probe = locks.open_lock(lock)
+            if probe is not None:
+                try:
+                    ours = locks.token_of(locks.read_lock(probe)) == token
+                finally:
+                    os.close(probe)
+                if ours:
+                    lock.unlink()
         except FileNotFoundError:
             pass
         finally:
@@ -193,6 +194,12 @@ class LocalStorage(Storage):
         _refuse_foreign(final, self.is_committed)
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
+        token = _staging_token(os.path.basename(staging))
+        if token is not None and not locks.still_held(self._lock(final), token):
+            raise StorageError(
+                f"storage commit of {final} refused: this save's lock {self._lock(final)} was taken over by "
+                f"{locks.holder(self._lock(final))} (this process was stopped past the lock's lease?)"
+            )
         # into the save's own staging: never recreated around a marker (a staging removed under this save
         # would otherwise commit as a checkpoint of nothing)
         marker = os.path.join(staging, COMMIT_MARKER)
@@ -336,7 +343,7 @@ class LocalStorage(Storage):
                 continue
             path = os.path.join(parent, name)
             if m.group("b"):  # a crashed save's lock: removed holding its flock (a newcomer may take it over)
-                if _remove_stale_lock(path):
+                if locks.remove_crashed(path):
                     removed.append(path)
                 continue
             if os.path.isdir(path) and not os.path.islink(path):
@@ -372,22 +379,7 @@ class LocalStorage(Storage):
         return True
 
 
-#: lock files held by this process's saves: (lock path, token) -> the descriptor holding its flock
-_HELD: dict[tuple[str, str], int] = {}
-_HELD_LOCK = threading.Lock()
-
-
-def _token_of(text: str) -> str:
-    """The save token a lock file's text (``<token> pid <pid> on <host>``) or a staging name's tail starts with."""
-    parts = text.split()
-    return parts[0] if parts else ""
-
-
-def _holder(lock: Path) -> str:
-    try:
-        return lock.read_text(errors="replace").strip()[:200] or "?"
-    except OSError:
-        return "?"
+_HELD, _HELD_LOCK = locks._HELD, locks._HELD_LOCK  # this process's held locks (for the conformance suite)
 
 
 def _staging_token(name: str) -> str | None:
@@ -396,77 +388,28 @@ def _staging_token(name: str) -> str | None:
     return name.split(".acp-staging-", 1)[1] if ".acp-staging-" in name else None
 
 
-def _flock(fd: int, blocking_ok: bool = False) -> bool:
-    """Try an exclusive ``flock`` on ``fd`` (open for writing: NFS emulates it with a POSIX write lock)
-    without waiting: True when taken, False when another open file holds it. A file system without
-    ``flock`` counts as taken where ``blocking_ok`` (a lock this save just created: nothing to tell apart),
-    else as held (a lock file of unknown liveness is never taken over); so does any other error."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    except OSError as e:
-        return blocking_ok and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-
-
-def _open_stale(lock: str | Path) -> int | None:
-    """``lock`` opened with its flock held when no process holds it and it is still the file at that path
-    (a crashed save's lock); None when a save in flight holds it, it is gone, or this process may not
-    open it (never judged stale then)."""
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if stat.S_ISREG(os.fstat(fd).st_mode) and _flock(fd):
-            # the file may have been released (unlinked) or replaced between the open and the flock
-            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
-                return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
-def _take_stale(lock: Path) -> int | None:
-    """The descriptor of ``lock`` with its flock held when it is a crashed save's (warned); None else."""
-    fd = _open_stale(lock)
-    if fd is not None:
-        log.warning("taking over %s, left by a save that is no longer running (%s)", lock, _holder(lock))
-    return fd
-
-
-def _remove_stale_lock(path: str) -> bool:
-    """Remove a crashed save's lock file, holding its flock meanwhile (a save taking it over between a probe
-    and the removal would lose its lock); whether it was removed."""
-    fd = _open_stale(path)
-    if fd is None:
-        return False
-    try:
-        os.remove(path)
-        return True
-    except OSError as e:
-        log.warning("cleanup: could not remove %s (%s); it is kept", path, e)
-        return False
-    finally:
-        os.close(fd)
-
-
 def _live_tokens(parent: str, names: list[str]) -> dict[str, str]:
-    """The tokens of the saves in flight under ``parent`` (a lock file whose flock is held, or that this
-    process may not open), mapped to their lock file's name: their staging and replaced copies stay."""
+    """The tokens of the saves in flight under ``parent`` (a lock file not judged crashed: :mod:`.locks`, or
+    that this process may not open), mapped to their lock file's name: their staging and replaced copies
+    stay."""
     live = {}
     for name in names:
         m = _LEFTOVER.match(name)
         if not m or not m.group("b"):
             continue
         path = os.path.join(parent, name)
-        fd = _open_stale(path)
+        if not locks.is_live(path):
+            continue  # a crashed save's: its lock and staging are leftovers
+        fd = locks.open_lock(path)
+        raw = b""
         if fd is not None:
-            os.close(fd)  # a crashed save's: its lock and staging are leftovers
-            continue
-        live[_token_of(_holder(Path(path)))] = name
+            try:
+                raw = locks.read_lock(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        live[locks.token_of(raw)] = name
     return live
 
 
