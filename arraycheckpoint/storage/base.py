@@ -30,11 +30,9 @@ I/O (tensorstore does that per request where the transport needs it).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
@@ -43,6 +41,7 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
+from . import lease
 from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
 
 log = logging.getLogger("arraycheckpoint")
@@ -76,6 +75,8 @@ class Storage(ABC):
     _checked_target: tuple[str, str] | None = None
     #: The commit marker's write failed without an answer (it may land later); :meth:`abort` keeps the objects.
     _marker_in_doubt: bool = False
+    #: The token of the save holding this backend's lock (:meth:`acquire`), checked again before the commit.
+    _lease_token: str | None = None
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -253,7 +254,7 @@ class Storage(ABC):
         taken); objects of anyone else are refused, never deleted.
         """
         self._marker_in_doubt = False  # a new save: an earlier one's doubt is not its own
-        body = json.dumps({"token": token, "time": time.time()}).encode()
+        body = lease.body(token)
         checked, self._checked_target = getattr(self, "_checked_target", None), None
         if self.commit_strategy != "marker":
             state = "empty"
@@ -265,11 +266,10 @@ class Storage(ABC):
         # reports "exists" although the lock is ours.
         holder = self._lock_token(final)
         if holder != token:
-            raise CheckpointExistsError(
-                f"another save to {final} is in progress (lock {final}/{LOCK_KEY} held by save {holder}); wait "
-                "for it, or, if no save is running, a crashed run left the lock: remove it or let "
-                "CheckpointManager clean up on start"
-            )
+            self._take_stale_lock(final, token, body)
+        self._lease_token = token
+        if self._leases():
+            lease.keep(self, final, token, self._lock_state(final)[1])
         if state != "committed" and self.is_committed(final):
             # another save committed here between the check and this claim (the target was empty, or held that
             # save's lock, which looked like a crashed save's): never write into it, nor delete it
@@ -298,6 +298,72 @@ class Storage(ABC):
             for key in keys:
                 self.delete_key(final, key)
 
+    def _leases(self) -> bool:
+        """Whether this backend's lock is a lease (:mod:`.lease`): its lock object is created, refreshed and
+        taken over by conditional writes (tensorstore's key-value stores: S3, memory). A backend with its own
+        lock creation (fsspec: check-then-write) has no lease."""
+        return type(self)._create_lock is Storage._create_lock
+
+    def _lock_state(self, final: str) -> tuple[bytes | None, bytes]:
+        """The lock object's bytes (None when absent) and its storage generation."""
+
+        def op() -> tuple[bytes | None, bytes]:
+            result = self._wait(self._kv(final).read(LOCK_KEY))
+            value = bytes(result.value) if result.state == "value" else None
+            return value, bytes(result.stamp.generation)
+
+        return self._retry("lock", f"{final}/{LOCK_KEY}", op)
+
+    def _refresh_lock(self, final: str, body: bytes, generation: bytes) -> bytes:
+        """Replace the lock object with ``body`` only if it is still ``generation``: the new generation, or
+        b"" when it is not (another save took it over)."""
+        stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=generation))
+        return bytes(stamp.generation)
+
+    def _take_stale_lock(self, final: str, token: str, body: bytes) -> None:
+        """Take over the lock of ``final`` when it is a crashed save's lease (not refreshed for its lease; one
+        conditional write: of several takers one wins), with a warning naming it and its holder.
+
+        Raises:
+            CheckpointExistsError: a live save holds it (or this backend has no lease), naming the target and
+                the holder.
+        """
+        raw, generation = self._lock_state(final) if self._leases() else (self.read(final, LOCK_KEY), b"")
+        doc = lease.parse(raw)
+        why = lease.stale_reason(doc) if self._leases() else None
+        who = lease.describe(doc, raw)
+        if why is not None and raw is not None:
+            if self._refresh_lock(final, body, generation) and self._lock_token(final) == token:
+                log.warning(
+                    "taking over %s/%s, left by a save that is no longer running (%s: %s)",
+                    final,
+                    LOCK_KEY,
+                    who,
+                    why,
+                )
+                return
+            who = "another save taking over a crashed one's lock"
+        bound = lease.lease_intervals() * lease.heartbeat_seconds()
+        raise CheckpointExistsError(
+            f"another save to {final} is in progress (lock {final}/{LOCK_KEY} held by {who}); wait for it, or "
+            "point each job at its own root. "
+            + (
+                f"A crashed save's lock is taken over once it was not refreshed for its lease ({bound:.0f} s)"
+                if self._leases()
+                else "If no save is running, a crashed run left the lock: remove it or let CheckpointManager "
+                "clean up on start"
+            )
+        )
+
+    def save_in_flight(self, root: str) -> bool:
+        """Whether a save holding a live lease writes ``root`` now (marker strategy): its lock object is there
+        and was refreshed within its lease. A manager's cleanup leaves such a step alone."""
+        if self.commit_strategy != "marker" or not self._leases():
+            return False
+        raw = self.read(root, LOCK_KEY)
+        doc = lease.parse(raw)
+        return raw is not None and doc is not None and lease.stale_reason(doc) is None
+
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
         stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE))
@@ -316,6 +382,8 @@ class Storage(ABC):
 
     def release(self, final: str, token: str) -> None:
         """Drop the claim taken by :meth:`acquire` (idempotent; a lock held by another token stays)."""
+        lease.drop(self, final, token)
+        self._lease_token = None
         if self._lock_token(final) == token:
             self.delete_key(final, LOCK_KEY)
 
@@ -335,7 +403,16 @@ class Storage(ABC):
         return None
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
-        """Make the checkpoint visible: the marker is written last."""
+        """Make the checkpoint visible: the marker is written last, and only while this save still holds its
+        lock (a save whose lease ran out, and was taken over, never commits)."""
+        token = self._lease_token
+        if token is not None and self._leases():
+            holder = self._lock_token(final)
+            if holder != token:
+                raise StorageError(
+                    f"storage commit of {final} refused: this save's lock {final}/{LOCK_KEY} is held by save "
+                    f"{holder} now (it was taken over: this save did not refresh it for its lease)"
+                )
         self._write_marker(final)
 
     def _write_marker(self, final: str) -> None:
@@ -390,6 +467,9 @@ class Storage(ABC):
         removed = []
         for name in self.children(parent):
             child = self.join(parent, name)
+            if self.save_in_flight(child):  # a live lease: another job's save writes there now
+                log.info("cleanup: kept %s: a save holding a live lock writes there", child)
+                continue
             if self.exists(child, LOCK_KEY):
                 try:
                     self.delete_key(child, LOCK_KEY)
