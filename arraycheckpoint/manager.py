@@ -360,9 +360,6 @@ class CheckpointManager:
             removed = self.storage.cleanup_leftovers(self.root)
             for step, path in sorted(self._step_dirs().items()):
                 if self._committed(path) is False:
-                    if self.storage.save_in_flight(path):  # another job's save holds a live lease there
-                        log.info("cleanup: kept %s: a save in flight holds its lock", path)
-                        continue
                     foreign = self._foreign_entries(path)
                     if foreign:
                         log.warning(

@@ -355,15 +355,6 @@ class Storage(ABC):
             )
         )
 
-    def save_in_flight(self, root: str) -> bool:
-        """Whether a save holding a live lease writes ``root`` now (marker strategy): its lock object is there
-        and was refreshed within its lease. A manager's cleanup leaves such a step alone."""
-        if self.commit_strategy != "marker" or not self._leases():
-            return False
-        raw = self.read(root, LOCK_KEY)
-        doc = lease.parse(raw)
-        return raw is not None and doc is not None and lease.stale_reason(doc) is None
-
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
         stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE))
@@ -467,9 +458,6 @@ class Storage(ABC):
         removed = []
         for name in self.children(parent):
             child = self.join(parent, name)
-            if self.save_in_flight(child):  # a live lease: another job's save writes there now
-                log.info("cleanup: kept %s: a save holding a live lock writes there", child)
-                continue
             if self.exists(child, LOCK_KEY):
                 try:
                     self.delete_key(child, LOCK_KEY)
