@@ -85,6 +85,7 @@ def stale_reason(doc: dict[str, Any] | None, now: float | None = None) -> str | 
 _held: dict[tuple[int, str, str], tuple[weakref.ref[Any], bytes]] = {}
 _guard = threading.Lock()
 _thread: threading.Thread | None = None
+_wake = threading.Event()
 
 
 def keep(storage: Any, final: str, token: str, generation: bytes) -> None:
@@ -93,6 +94,7 @@ def keep(storage: Any, final: str, token: str, generation: bytes) -> None:
     global _thread
     with _guard:
         _held[(id(storage), final, token)] = (weakref.ref(storage), generation)
+        _wake.set()
         if _thread is None:
             _thread = threading.Thread(target=_refresh_all, name="acp-lease-heartbeat", daemon=True)
             _thread.start()
@@ -106,7 +108,8 @@ def drop(storage: Any, final: str, token: str) -> None:
 def _refresh_all() -> None:
     global _thread
     while True:
-        time.sleep(heartbeat_seconds())
+        _wake.wait(heartbeat_seconds())  # woken by a new holder: its interval may differ
+        _wake.clear()
         with _guard:
             if not _held:
                 _thread = None

@@ -417,6 +417,7 @@ def still_held(lock: Path, token: str) -> bool:
 
 # The heartbeat: one thread per process while it holds a lock ------------------------------------------------
 _beat: threading.Thread | None = None
+_wake = threading.Event()
 
 
 def hold(lock: Path, token: str, fd: int) -> None:
@@ -424,6 +425,7 @@ def hold(lock: Path, token: str, fd: int) -> None:
     global _beat
     with _HELD_LOCK:
         _HELD[(str(lock), token)] = fd
+        _wake.set()
         if _beat is None:
             _beat = threading.Thread(target=_heartbeat, name="acp-lock-heartbeat", daemon=True)
             _beat.start()
@@ -440,7 +442,8 @@ def _heartbeat() -> None:
     closed, and its number reused, meanwhile); end when none is held."""
     global _beat
     while True:
-        time.sleep(heartbeat_seconds())
+        _wake.wait(heartbeat_seconds())  # woken by a new holder: its interval may differ
+        _wake.clear()
         with _HELD_LOCK:
             if not _HELD:
                 _beat = None
