@@ -117,9 +117,8 @@ def test_a_writeback_error_before_the_flush_fails_the_save(tmp_path: Path, monke
         assert np.array_equal(back["w"], small["w"])
 
 
-def test_the_flush_syncs_on_a_descriptor_opened_before_the_first_write(tmp_path: Path, monkeypatch) -> None:
-    """Every ``os.open`` and every ``syncfs`` of a save in order: the descriptor synced was opened on the
-    staging directory before the first chunk file, and stayed open until then; none is left open after."""
+def _recorded_save(path: str, state: dict, options: acp.PlanOptions) -> list[tuple[str, str, int]]:
+    """Every ``os.open``, ``os.close`` and ``syncfs`` of ``acp.save(path, state)``, in order."""
     events: list[tuple[str, str, int]] = []
     real_open, real_close, real_syncfs = os.open, os.close, local._syncfs
 
@@ -136,28 +135,62 @@ def test_the_flush_syncs_on_a_descriptor_opened_before_the_first_write(tmp_path:
         events.append(("syncfs", os.readlink(f"/proc/self/fd/{fd}"), fd))
         return real_syncfs(fd)
 
-    monkeypatch.setattr(os, "open", opening)
-    monkeypatch.setattr(os, "close", closing)
-    monkeypatch.setattr(local, "_syncfs", syncing)
-    state = {"model": {"w": np.arange(1 << 19, dtype=np.float32), "v": np.ones(7, np.float32)}}
-    acp.save(str(tmp_path / "step"), state, plan_options=acp.PlanOptions(pack_array_bytes=0))
-    monkeypatch.undo()
+    os.open, os.close, local._syncfs = opening, closing, syncing
+    try:
+        acp.save(path, state, plan_options=options)
+    finally:
+        os.open, os.close, local._syncfs = real_open, real_close, real_syncfs
+    return events
 
+
+def _check_order(events: list[tuple[str, str, int]]) -> int:
+    """The descriptor each ``syncfs`` ran on was opened on the staging directory before the first chunk file
+    was, stayed open until then, and was closed after; returns how many chunk files were written."""
     syncs = [i for i, e in enumerate(events) if e[0] == "syncfs"]
-    first_chunk = next(i for i, e in enumerate(events) if e[0] == "open" and e[1].endswith("/model/w/c.0"))
-    assert syncs and first_chunk < syncs[0]
+    chunks = [i for i, e in enumerate(events) if e[0] == "open" and "/model/" in e[1] and "/c." in e[1]]
+    assert syncs and chunks and chunks[0] < syncs[0], events
     for i in syncs:
         fd = events[i][2]
         opened = max(j for j in range(i) if events[j][0] == "open" and events[j][2] == fd)
-        assert opened < first_chunk, (
+        assert opened < chunks[0], (
             f"the flush's descriptor was opened after the first write: {events[opened]}"
         )
         assert ".acp-staging-" in events[opened][1], events[opened]
         assert not any(e[0] == "close" and e[2] == fd for e in events[opened:i]), "closed before its syncfs"
-    synced = {events[i][2] for i in syncs}
-    last_open = {fd: max(j for j, e in enumerate(events) if e[0] == "open" and e[2] == fd) for fd in synced}
-    for fd, j in last_open.items():
-        assert any(e[0] == "close" and e[2] == fd for e in events[j:]), "the flush's descriptor leaked"
+        assert any(e[0] == "close" and e[2] == fd for e in events[i:]), "the flush's descriptor leaked"
+    return len(chunks)
+
+
+OWN_FILES = acp.PlanOptions(pack_array_bytes=0)
+
+
+def test_the_flush_syncs_on_a_descriptor_opened_before_the_first_write(tmp_path: Path) -> None:
+    state = {"model": {"w": np.arange(1 << 19, dtype=np.float32), "v": np.ones(7, np.float32)}}
+    assert _check_order(_recorded_save(str(tmp_path / "step"), state, OWN_FILES)) == 2
+
+
+def _replicated() -> dict:
+    import torch
+
+    return {"a": torch.arange(1 << 18, dtype=torch.float32), "b": torch.ones(1 << 18)}
+
+
+def _two_rank_body(rank: int, world: int, path: str) -> int:
+    return _check_order(_recorded_save(path, {"model": _replicated()}, OWN_FILES))
+
+
+def test_every_rank_that_writes_syncs_on_its_early_descriptor(tmp_path: Path) -> None:
+    """2 real gloo ranks, each writing one of two replicated arrays: each rank's own flush ran on a
+    descriptor it opened before its first write."""
+    from dist import run_distributed
+
+    path = str(tmp_path / "step")
+    assert run_distributed(_two_rank_body, world=2, args=(path,)) == [1, 1]
+    back = {"model": {k: v * 0 for k, v in _replicated().items()}}
+    acp.load(path, back)
+    import torch
+
+    assert all(torch.equal(back["model"][k], v) for k, v in _replicated().items())
 
 
 def test_an_errno_from_syncfs_fails_the_save_naming_the_path(tmp_path: Path, monkeypatch) -> None:
