@@ -2,7 +2,9 @@
 
 Layout of one save of ``<dir>/<name>``:
 
-* ``<dir>/.<name>.acp-lock``: created with ``O_EXCL`` by the coordinator; holds the save's token;
+* ``<dir>/.<name>.acp-lock``: created with ``O_EXCL`` by the coordinator, held until the save ends; names its
+  owner (the save's token, host, pid, ...: :mod:`.locks`, which also says when a crashed save's is taken over);
+* ``<dir>/.<name>.acp-lock.takeover``: while a crashed save's lock is taken over without ``flock``;
 * ``<dir>/.<name>.acp-staging-<token>/``: every rank writes here; the coordinator adds the metadata and the
   commit marker (``.acp/metadata.json``, ``.acp/committed``) and renames it onto ``<dir>/<name>`` (one
   atomic ``rename(2)``);
