@@ -264,12 +264,12 @@ class Storage(ABC):
         self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
         # Decide by what is stored, not by the create call: a retried create whose first attempt landed
         # reports "exists" although the lock is ours.
-        holder = self._lock_token(final)
-        if holder != token:
-            self._take_stale_lock(final, token, body)
+        raw, generation = self._lock_state(final) if self._leases() else (self.read(final, LOCK_KEY), b"")
+        if self._token_in(final, raw) != token:
+            generation = self._take_stale_lock(final, token, body, raw, generation)
         self._lease_token = token
         if self._leases():
-            lease.keep(self, final, token, self._lock_state(final)[1])
+            lease.keep(self, final, token, generation)
         if state != "committed" and self.is_committed(final):
             # another save committed here between the check and this claim (the target was empty, or held that
             # save's lock, which looked like a crashed save's): never write into it, nor delete it
@@ -320,20 +320,23 @@ class Storage(ABC):
         stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=generation))
         return bytes(stamp.generation)
 
-    def _take_stale_lock(self, final: str, token: str, body: bytes) -> None:
-        """Take over the lock of ``final`` when it is a crashed save's lease (not refreshed for its lease; one
-        conditional write: of several takers one wins), with a warning naming it and its holder.
+    def _take_stale_lock(
+        self, final: str, token: str, body: bytes, raw: bytes | None, generation: bytes
+    ) -> bytes:
+        """Take over the lock of ``final`` (``raw`` as stored, at ``generation``) when it is a crashed save's
+        lease (not refreshed for its lease; one conditional write: of several takers one wins), with a warning
+        naming it and its holder; the lock's new generation.
 
         Raises:
             CheckpointExistsError: a live save holds it (or this backend has no lease), naming the target and
                 the holder.
         """
-        raw, generation = self._lock_state(final) if self._leases() else (self.read(final, LOCK_KEY), b"")
         doc = lease.parse(raw)
         why = lease.stale_reason(doc) if self._leases() else None
         who = lease.describe(doc, raw)
         if why is not None and raw is not None:
-            if self._refresh_lock(final, body, generation) and self._lock_token(final) == token:
+            new = self._refresh_lock(final, body, generation)
+            if new and self._lock_token(final) == token:
                 log.warning(
                     "taking over %s/%s, left by a save that is no longer running (%s: %s)",
                     final,
@@ -341,7 +344,7 @@ class Storage(ABC):
                     who,
                     why,
                 )
-                return
+                return new
             who = "another save taking over a crashed one's lock"
         bound = lease.lease_intervals() * lease.heartbeat_seconds()
         raise CheckpointExistsError(
@@ -361,7 +364,10 @@ class Storage(ABC):
         return bool(stamp.generation)
 
     def _lock_token(self, final: str) -> str | None:
-        raw = self.read(final, LOCK_KEY)
+        return self._token_in(final, self.read(final, LOCK_KEY))
+
+    def _token_in(self, final: str, raw: bytes | None) -> str | None:
+        """The save token the lock object ``raw`` names (None when absent)."""
         if raw is None:
             return None
         from ..checks.bounds import load_json_bounded

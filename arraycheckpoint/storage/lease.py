@@ -86,6 +86,7 @@ _held: dict[tuple[int, str, str], tuple[weakref.ref[Any], bytes]] = {}
 _guard = threading.Lock()
 _thread: threading.Thread | None = None
 _wake = threading.Event()
+_sleeping = [0.0]  # the interval the thread sleeps for now
 
 
 def keep(storage: Any, final: str, token: str, generation: bytes) -> None:
@@ -94,7 +95,8 @@ def keep(storage: Any, final: str, token: str, generation: bytes) -> None:
     global _thread
     with _guard:
         _held[(id(storage), final, token)] = (weakref.ref(storage), generation)
-        _wake.set()
+        if heartbeat_seconds() < _sleeping[0]:  # the thread sleeps for longer than the interval now is
+            _wake.set()
         if _thread is None:
             _thread = threading.Thread(target=_refresh_all, name="acp-lease-heartbeat", daemon=True)
             _thread.start()
@@ -108,7 +110,8 @@ def drop(storage: Any, final: str, token: str) -> None:
 def _refresh_all() -> None:
     global _thread
     while True:
-        _wake.wait(heartbeat_seconds())  # woken by a new holder: its interval may differ
+        _sleeping[0] = heartbeat_seconds()
+        _wake.wait(_sleeping[0])  # or woken by a holder whose interval is shorter
         _wake.clear()
         with _guard:
             if not _held:

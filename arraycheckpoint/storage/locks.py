@@ -418,6 +418,7 @@ def still_held(lock: Path, token: str) -> bool:
 # The heartbeat: one thread per process while it holds a lock ------------------------------------------------
 _beat: threading.Thread | None = None
 _wake = threading.Event()
+_sleeping = [0.0]  # the interval the thread sleeps for now
 
 
 def hold(lock: Path, token: str, fd: int) -> None:
@@ -425,7 +426,8 @@ def hold(lock: Path, token: str, fd: int) -> None:
     global _beat
     with _HELD_LOCK:
         _HELD[(str(lock), token)] = fd
-        _wake.set()
+        if heartbeat_seconds() < _sleeping[0]:  # the thread sleeps for longer than the interval now is
+            _wake.set()
         if _beat is None:
             _beat = threading.Thread(target=_heartbeat, name="acp-lock-heartbeat", daemon=True)
             _beat.start()
@@ -442,7 +444,8 @@ def _heartbeat() -> None:
     closed, and its number reused, meanwhile); end when none is held."""
     global _beat
     while True:
-        _wake.wait(heartbeat_seconds())  # woken by a new holder: its interval may differ
+        _sleeping[0] = heartbeat_seconds()
+        _wake.wait(_sleeping[0])  # or woken by a holder whose interval is shorter
         _wake.clear()
         with _HELD_LOCK:
             if not _HELD:
