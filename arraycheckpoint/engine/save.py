@@ -208,6 +208,8 @@ class SavePipeline:
             exchange = FragmentExchange(job, plan.rank_plan) if plan is not None else None
             try:
                 if job.error is None and plan is not None and claimed:
+                    # before the first write: a flush reports only errors from after this (syncfs)
+                    job.storage.open_flush(job.staging)
                     self._write(job, plan.rank_plan, exchange.received)
                     with job.recorder.phase("flush"), busy(f"{job.staging} (its flush)"):
                         job.storage.flush(job.staging)  # a syncfs stalled at exit is named too
@@ -223,7 +225,7 @@ class SavePipeline:
             job.local.clear()
         meta, error = None, None
         try:
-            meta = self._coordinator.commit(job)
+            meta = self._coordinator.commit(job)  # the coordinator's last flush is in there
         except ArrayCheckpointError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - a collective failed: a peer died or the group broke
@@ -232,6 +234,8 @@ class SavePipeline:
                 f"during commit ({type(e).__name__}: {e}); unless the path loads, it was not committed and "
                 "CheckpointManager removes its leftovers on the next start"
             )
+        finally:
+            job.storage.close_flush(job.staging)  # on every path: no descriptor outlives the save
         # this save's hold on the request's tensors (with the views the adapter made of them: 5-8 objects per
         # tensor) ends before the caller wakes: a blocking save's caller resumes the cyclic collector, whose
         # first pass would otherwise walk them (this thread still holding them) only to find them garbage.

@@ -15,8 +15,9 @@ checkpoint of format 1 or 2 keeps them in its root (:data:`~arraycheckpoint.form
 :meth:`Storage.control_files` tells which layout a checkpoint uses.
 
 Call order (the engine's): ``check_target`` and ``acquire`` on the coordinator at snapshot time, then every rank
-writes under ``staging_root``, calls ``flush`` on what it wrote, then the coordinator writes metadata and calls
-``commit`` (or ``abort`` on failure) and finally ``release``. One :class:`Storage` instance serves one save or
+calls ``open_flush`` before its first write under ``staging_root``, writes, calls ``flush`` on what it wrote and
+``close_flush`` once the save ended (on every path), while the coordinator writes metadata and calls ``commit``
+(or ``abort`` on failure) and finally ``release``. One :class:`Storage` instance serves one save or
 one load (``storage_for`` makes a fresh one), so a backend may keep per-save state on ``self``.
 
 The checkpoint manager additionally uses :meth:`children`, :meth:`remove_checkpoint` and
@@ -29,11 +30,9 @@ I/O (tensorstore does that per request where the transport needs it).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
+from . import lease
 from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
 
 log = logging.getLogger("arraycheckpoint")
@@ -75,6 +75,8 @@ class Storage(ABC):
     _checked_target: tuple[str, str] | None = None
     #: The commit marker's write failed without an answer (it may land later); :meth:`abort` keeps the objects.
     _marker_in_doubt: bool = False
+    #: The token of the save holding this backend's lock (:meth:`acquire`), checked again before the commit.
+    _lease_token: str | None = None
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -252,7 +254,7 @@ class Storage(ABC):
         taken); objects of anyone else are refused, never deleted.
         """
         self._marker_in_doubt = False  # a new save: an earlier one's doubt is not its own
-        body = json.dumps({"token": token, "time": time.time()}).encode()
+        body = lease.body(token)
         checked, self._checked_target = getattr(self, "_checked_target", None), None
         if self.commit_strategy != "marker":
             state = "empty"
@@ -262,13 +264,12 @@ class Storage(ABC):
         self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
         # Decide by what is stored, not by the create call: a retried create whose first attempt landed
         # reports "exists" although the lock is ours.
-        holder = self._lock_token(final)
-        if holder != token:
-            raise CheckpointExistsError(
-                f"another save to {final} is in progress (lock {final}/{LOCK_KEY} held by save {holder}); wait "
-                "for it, or, if no save is running, a crashed run left the lock: remove it or let "
-                "CheckpointManager clean up on start"
-            )
+        raw, generation = self._lock_state(final) if self._leases() else (self.read(final, LOCK_KEY), b"")
+        if self._token_in(final, raw) != token:
+            generation = self._take_stale_lock(final, token, body, raw, generation)
+        self._lease_token = token
+        if self._leases():
+            lease.keep(self, final, token, generation)
         if state != "committed" and self.is_committed(final):
             # another save committed here between the check and this claim (the target was empty, or held that
             # save's lock, which looked like a crashed save's): never write into it, nor delete it
@@ -297,13 +298,76 @@ class Storage(ABC):
             for key in keys:
                 self.delete_key(final, key)
 
+    def _leases(self) -> bool:
+        """Whether this backend's lock is a lease (:mod:`.lease`): its lock object is created, refreshed and
+        taken over by conditional writes (tensorstore's key-value stores: S3, memory). A backend with its own
+        lock creation (fsspec: check-then-write) has no lease."""
+        return type(self)._create_lock is Storage._create_lock
+
+    def _lock_state(self, final: str) -> tuple[bytes | None, bytes]:
+        """The lock object's bytes (None when absent) and its storage generation."""
+
+        def op() -> tuple[bytes | None, bytes]:
+            result = self._wait(self._kv(final).read(LOCK_KEY))
+            value = bytes(result.value) if result.state == "value" else None
+            return value, bytes(result.stamp.generation)
+
+        return self._retry("lock", f"{final}/{LOCK_KEY}", op)
+
+    def _refresh_lock(self, final: str, body: bytes, generation: bytes) -> bytes:
+        """Replace the lock object with ``body`` only if it is still ``generation``: the new generation, or
+        b"" when it is not (another save took it over)."""
+        stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=generation))
+        return bytes(stamp.generation)
+
+    def _take_stale_lock(
+        self, final: str, token: str, body: bytes, raw: bytes | None, generation: bytes
+    ) -> bytes:
+        """Take over the lock of ``final`` (``raw`` as stored, at ``generation``) when it is a crashed save's
+        lease (not refreshed for its lease; one conditional write: of several takers one wins), with a warning
+        naming it and its holder; the lock's new generation.
+
+        Raises:
+            CheckpointExistsError: a live save holds it (or this backend has no lease), naming the target and
+                the holder.
+        """
+        doc = lease.parse(raw)
+        why = lease.stale_reason(doc) if self._leases() else None
+        who = lease.describe(doc, raw)
+        if why is not None and raw is not None:
+            new = self._refresh_lock(final, body, generation)
+            if new and self._lock_token(final) == token:
+                log.warning(
+                    "taking over %s/%s, left by a save that is no longer running (%s: %s)",
+                    final,
+                    LOCK_KEY,
+                    who,
+                    why,
+                )
+                return new
+            who = "another save taking over a crashed one's lock"
+        bound = lease.lease_intervals() * lease.heartbeat_seconds()
+        raise CheckpointExistsError(
+            f"another save to {final} is in progress (lock {final}/{LOCK_KEY} held by {who}); wait for it, or "
+            "point each job at its own root. "
+            + (
+                f"A crashed save's lock is taken over once it was not refreshed for its lease ({bound:.0f} s)"
+                if self._leases()
+                else "If no save is running, a crashed run left the lock: remove it or let CheckpointManager "
+                "clean up on start"
+            )
+        )
+
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
         stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE))
         return bool(stamp.generation)
 
     def _lock_token(self, final: str) -> str | None:
-        raw = self.read(final, LOCK_KEY)
+        return self._token_in(final, self.read(final, LOCK_KEY))
+
+    def _token_in(self, final: str, raw: bytes | None) -> str | None:
+        """The save token the lock object ``raw`` names (None when absent)."""
         if raw is None:
             return None
         from ..checks.bounds import load_json_bounded
@@ -315,15 +379,37 @@ class Storage(ABC):
 
     def release(self, final: str, token: str) -> None:
         """Drop the claim taken by :meth:`acquire` (idempotent; a lock held by another token stays)."""
+        lease.drop(self, final, token)
+        self._lease_token = None
         if self._lock_token(final) == token:
             self.delete_key(final, LOCK_KEY)
+
+    def open_flush(self, root: str) -> None:
+        """Called on every rank before its first write under ``root``: a backend whose :meth:`flush` can only
+        report errors that happened after some point (Linux ``syncfs(2)`` reports a write-back error only to a
+        descriptor opened before it) takes that point now. Paired with :meth:`close_flush`. No-op here."""
+        return None
+
+    def close_flush(self, root: str) -> None:
+        """Release what :meth:`open_flush` took for ``root`` (idempotent; called on every path once the save
+        ended, after the coordinator's last :meth:`flush`). No-op here."""
+        return None
 
     def flush(self, root: str) -> None:
         """Make this rank's writes under ``root`` durable (one batched flush; a no-op where writes are)."""
         return None
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
-        """Make the checkpoint visible: the marker is written last."""
+        """Make the checkpoint visible: the marker is written last, and only while this save still holds its
+        lock (a save whose lease ran out, and was taken over, never commits)."""
+        token = self._lease_token
+        if token is not None and self._leases():
+            holder = self._lock_token(final)
+            if holder != token:
+                raise StorageError(
+                    f"storage commit of {final} refused: this save's lock {final}/{LOCK_KEY} is held by save "
+                    f"{holder} now (it was taken over: this save did not refresh it for its lease)"
+                )
         self._write_marker(final)
 
     def _write_marker(self, final: str) -> None:

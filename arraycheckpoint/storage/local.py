@@ -2,7 +2,9 @@
 
 Layout of one save of ``<dir>/<name>``:
 
-* ``<dir>/.<name>.acp-lock``: created with ``O_EXCL`` by the coordinator; holds the save's token;
+* ``<dir>/.<name>.acp-lock``: created with ``O_EXCL`` by the coordinator, held until the save ends; names its
+  owner (the save's token, host, pid, ...: :mod:`.locks`, which also says when a crashed save's is taken over);
+* ``<dir>/.<name>.acp-lock.takeover``: while a crashed save's lock is taken over without ``flock``;
 * ``<dir>/.<name>.acp-staging-<token>/``: every rank writes here; the coordinator adds the metadata and the
   commit marker (``.acp/metadata.json``, ``.acp/committed``) and renames it onto ``<dir>/<name>`` (one
   atomic ``rename(2)``);
@@ -17,14 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import os
 import re
 import shutil
-import socket
 import stat
-import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
+from . import locks
 from .base import Storage
 
 log = logging.getLogger("arraycheckpoint")
@@ -47,6 +47,12 @@ class LocalStorage(Storage):
     """A local or shared POSIX file system (``/path`` or ``file:///path``)."""
 
     commit_strategy = "rename"
+
+    @property
+    def _sync_fds(self) -> dict[str, int]:
+        """Per staging root, the descriptor :meth:`flush` syncs on (:meth:`open_flush`); per instance (a
+        subclass need not call ``__init__``)."""
+        return self.__dict__.setdefault("_sync_fds_", {})
 
     def normalize(self, url: str) -> str:
         if url.startswith("file://"):
@@ -73,63 +79,101 @@ class LocalStorage(Storage):
         return p.parent / f".{p.name}.acp-lock"
 
     def acquire(self, final: str, token: str) -> None:
-        """Take ``final``'s lock file for this save (``O_EXCL``), and hold an ``flock`` on it until
-        :meth:`release`: the kernel drops that lock when the process ends however it ends, so a lock file
-        nobody holds is a crashed save's and is taken over (with a warning naming it), not refused. Where the
-        file system has no ``flock`` a lock file present is refused, as before."""
+        """Take ``final``'s lock file for this save (``O_EXCL``), and hold it until :meth:`release`: an
+        ``flock`` the kernel drops when the process ends however it ends, so a lock nobody holds is a crashed
+        save's and is taken over with a warning naming it and its owner; where the file system has no flock,
+        the owner its file names and its lease decide (:mod:`.locks`)."""
         lock = self._lock(final)
         _check_parents(lock.parent)
-        with _HELD_LOCK:
-            held_here = any(path == str(lock) for path, _t in _HELD)
+        with locks._HELD_LOCK:
+            held_here = any(path == str(lock) for path, _t in locks._HELD)
         if held_here:  # a save of this process holds it (an async save in flight): never a takeover
             raise CheckpointExistsError(
                 f"another save to {final} is in progress in this process (lock {lock}); wait for it"
             )
+        fd: int | None
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644)
-            taken = _flock(fd, blocking_ok=True)  # False: a newcomer took the fresh file as stale meanwhile
-            if not taken:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            if locks.flock_state(fd) == "held":  # a newcomer took the fresh file as stale meanwhile
                 os.close(fd)
+                fd = None
         except FileExistsError:
-            fd, taken = _take_stale(lock), True
-            if fd is None:
-                taken = False
+            fd = locks.take_crashed(lock)
         except OSError as e:
             raise StorageError(f"storage lock of {lock} failed: {e}") from e
-        if not taken or fd is None:
+        if fd is None:
             raise CheckpointExistsError(
-                f"another save to {final} is in progress (lock {lock} held by save {_holder(lock)}); wait "
-                "for it, or, if no save is running and the file system has no flock (so a crashed run's lock "
-                "cannot be told from a live one), remove the lock file"
+                f"another save to {final} is in progress (lock {lock} held by {locks.holder(lock)}); wait for "
+                "it. A crashed save's lock is taken over: with flock at once, without flock once its process "
+                f"is gone (same host) or its lease ran out ({locks.LEASE_ENV} x {locks.HEARTBEAT_ENV})"
             )
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{token} pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            os.pwrite(fd, locks.owner_document(locks.this_owner(token)), 0)
         except OSError as e:
             os.close(fd)
             raise StorageError(f"storage lock of {lock} failed: {e}") from e
-        with _HELD_LOCK:
-            _HELD[(str(lock), token)] = fd
+        locks.hold(lock, token, fd)
 
     def release(self, final: str, token: str) -> None:
         lock = self._lock(final)
-        with _HELD_LOCK:
-            fd = _HELD.pop((str(lock), token), None)
+        fd = locks.unhold(lock, token)
         try:
-            if _token_of(lock.read_text()) == token:
-                lock.unlink()
+            probe = locks.open_lock(lock)
+            if probe is not None:
+                try:
+                    ours = locks.token_of(locks.read_lock(probe)) == token
+                finally:
+                    os.close(probe)
+                if ours:
+                    lock.unlink()
         except FileNotFoundError:
             pass
         finally:
             if fd is not None:
                 os.close(fd)  # drops the flock, after the file is gone
 
-    def flush(self, root: str) -> None:
-        path = root if os.path.isdir(root) else os.path.dirname(root)
-        if not os.path.isdir(path):
+    def open_flush(self, root: str) -> None:
+        """Open the descriptor :meth:`flush` will ``syncfs`` on, now, before this rank writes under ``root``
+        (created here if absent, as the first write would): Linux reports a write-back error to ``syncfs(2)``
+        only when it happened after the descriptor was opened (the file system's error sequence is sampled at
+        ``open``), so a descriptor opened at the flush misses an error from write-back started earlier (the
+        writer starts it per large file) and the save would commit data the disk never took. One descriptor
+        per save and rank, closed by :meth:`close_flush`."""
+        if root in self._sync_fds:
             return
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.makedirs(root, exist_ok=True)
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise StorageError(f"cannot open {root} to flush it later: {e}") from e
+        self._sync_fds[root] = fd
+
+    def close_flush(self, root: str) -> None:
+        fd = self._sync_fds.pop(root, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:  # nothing to report: the flush already reported what it could
+                pass
+
+    def flush(self, root: str) -> None:
+        """``syncfs`` the file system holding ``root`` on the descriptor :meth:`open_flush` opened (errors of
+        every write-back since then, of any file there); a caller that did not call it gets one opened now
+        (errors from before are not seen then).
+
+        Raises:
+            StorageError: a write did not reach the disk (``EIO``, ``ENOSPC``, ...), naming ``root``.
+        """
+        own = self._sync_fds.get(root)
+        if own is None:
+            path = root if os.path.isdir(root) else os.path.dirname(root)
+            if not os.path.isdir(path):
+                return
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            path, fd = root, own
         try:
             if _syncfs(fd) != 0:
                 err = ctypes.get_errno()
@@ -139,7 +183,8 @@ class LocalStorage(Storage):
                     )
                 os.sync()  # no syncfs here
         finally:
-            os.close(fd)
+            if own is None:
+                os.close(fd)
 
     def check_target(self, final: str, overwrite: bool) -> None:
         """Refuse a target that is not a directory, or that holds anything but a committed checkpoint.
@@ -151,6 +196,12 @@ class LocalStorage(Storage):
         _refuse_foreign(final, self.is_committed)
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
+        token = _staging_token(os.path.basename(staging))
+        if token is not None and not locks.still_held(self._lock(final), token):
+            raise StorageError(
+                f"storage commit of {final} refused: this save's lock {self._lock(final)} was taken over by "
+                f"{locks.holder(self._lock(final))} (this process was stopped past the lock's lease?)"
+            )
         # into the save's own staging: never recreated around a marker (a staging removed under this save
         # would otherwise commit as a checkpoint of nothing)
         marker = os.path.join(staging, COMMIT_MARKER)
@@ -294,7 +345,7 @@ class LocalStorage(Storage):
                 continue
             path = os.path.join(parent, name)
             if m.group("b"):  # a crashed save's lock: removed holding its flock (a newcomer may take it over)
-                if _remove_stale_lock(path):
+                if locks.remove_crashed(path):
                     removed.append(path)
                 continue
             if os.path.isdir(path) and not os.path.islink(path):
@@ -330,22 +381,7 @@ class LocalStorage(Storage):
         return True
 
 
-#: lock files held by this process's saves: (lock path, token) -> the descriptor holding its flock
-_HELD: dict[tuple[str, str], int] = {}
-_HELD_LOCK = threading.Lock()
-
-
-def _token_of(text: str) -> str:
-    """The save token a lock file's text (``<token> pid <pid> on <host>``) or a staging name's tail starts with."""
-    parts = text.split()
-    return parts[0] if parts else ""
-
-
-def _holder(lock: Path) -> str:
-    try:
-        return lock.read_text(errors="replace").strip()[:200] or "?"
-    except OSError:
-        return "?"
+_HELD, _HELD_LOCK = locks._HELD, locks._HELD_LOCK  # this process's held locks (for the conformance suite)
 
 
 def _staging_token(name: str) -> str | None:
@@ -354,77 +390,28 @@ def _staging_token(name: str) -> str | None:
     return name.split(".acp-staging-", 1)[1] if ".acp-staging-" in name else None
 
 
-def _flock(fd: int, blocking_ok: bool = False) -> bool:
-    """Try an exclusive ``flock`` on ``fd`` (open for writing: NFS emulates it with a POSIX write lock)
-    without waiting: True when taken, False when another open file holds it. A file system without
-    ``flock`` counts as taken where ``blocking_ok`` (a lock this save just created: nothing to tell apart),
-    else as held (a lock file of unknown liveness is never taken over); so does any other error."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    except OSError as e:
-        return blocking_ok and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-
-
-def _open_stale(lock: str | Path) -> int | None:
-    """``lock`` opened with its flock held when no process holds it and it is still the file at that path
-    (a crashed save's lock); None when a save in flight holds it, it is gone, or this process may not
-    open it (never judged stale then)."""
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if stat.S_ISREG(os.fstat(fd).st_mode) and _flock(fd):
-            # the file may have been released (unlinked) or replaced between the open and the flock
-            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
-                return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
-def _take_stale(lock: Path) -> int | None:
-    """The descriptor of ``lock`` with its flock held when it is a crashed save's (warned); None else."""
-    fd = _open_stale(lock)
-    if fd is not None:
-        log.warning("taking over %s, left by a save that is no longer running (%s)", lock, _holder(lock))
-    return fd
-
-
-def _remove_stale_lock(path: str) -> bool:
-    """Remove a crashed save's lock file, holding its flock meanwhile (a save taking it over between a probe
-    and the removal would lose its lock); whether it was removed."""
-    fd = _open_stale(path)
-    if fd is None:
-        return False
-    try:
-        os.remove(path)
-        return True
-    except OSError as e:
-        log.warning("cleanup: could not remove %s (%s); it is kept", path, e)
-        return False
-    finally:
-        os.close(fd)
-
-
 def _live_tokens(parent: str, names: list[str]) -> dict[str, str]:
-    """The tokens of the saves in flight under ``parent`` (a lock file whose flock is held, or that this
-    process may not open), mapped to their lock file's name: their staging and replaced copies stay."""
+    """The tokens of the saves in flight under ``parent`` (a lock file not judged crashed: :mod:`.locks`, or
+    that this process may not open), mapped to their lock file's name: their staging and replaced copies
+    stay."""
     live = {}
     for name in names:
         m = _LEFTOVER.match(name)
         if not m or not m.group("b"):
             continue
         path = os.path.join(parent, name)
-        fd = _open_stale(path)
+        if not locks.is_live(path):
+            continue  # a crashed save's: its lock and staging are leftovers
+        fd = locks.open_lock(path)
+        raw = b""
         if fd is not None:
-            os.close(fd)  # a crashed save's: its lock and staging are leftovers
-            continue
-        live[_token_of(_holder(Path(path)))] = name
+            try:
+                raw = locks.read_lock(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        live[locks.token_of(raw)] = name
     return live
 
 

@@ -316,10 +316,12 @@ class StorageTests:
 
 def _crash(backend: Storage, final: str, token: str) -> None:
     """What a crash of the saving process does to its lock: a local file system's lock file stays, its flock
-    goes (the kernel drops it when the process ends); other backends' locks just stay."""
-    from ..storage import local
+    goes (the kernel drops it when the process ends); other backends' locks stay, no longer refreshed."""
+    from ..storage import lease, local
 
     if isinstance(backend, local.LocalStorage):
         with local._HELD_LOCK:
             fd = local._HELD.pop((str(backend._lock(final)), token))
         os.close(fd)
+        return
+    lease.drop(backend, final, token)

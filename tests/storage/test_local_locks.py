@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import arraycheckpoint as acp
-from arraycheckpoint.storage import local
+from arraycheckpoint.storage import local, locks
 from arraycheckpoint.storage.local import LocalStorage
 
 
@@ -37,17 +37,17 @@ def test_acquire_refuses_when_its_own_flock_is_taken(tmp_path: Path, monkeypatch
     but acquire ignores _flock's False and both hold the lock."""
     a, b = LocalStorage(), LocalStorage()
     final = str(tmp_path / "step")
-    real = local._flock
+    real = locks.flock_state
     calls = {"n": 0}
 
-    def flock_after_b(fd: int, blocking_ok: bool = False) -> bool:
+    def flock_after_b(fd: int) -> str:
         calls["n"] += 1
         if calls["n"] == 1:  # A, between its O_EXCL open and its flock: B arrives
-            monkeypatch.setattr(local, "_flock", real)
+            monkeypatch.setattr(locks, "flock_state", real)
             b.acquire(final, "bbbb-0")
-        return real(fd, blocking_ok)
+        return real(fd)
 
-    monkeypatch.setattr(local, "_flock", flock_after_b)
+    monkeypatch.setattr(locks, "flock_state", flock_after_b)
     try:
         a.acquire(final, "aaaa-0")
         raise AssertionError("both A and B hold the lock of one target")
@@ -96,7 +96,7 @@ def test_cleanup_probe_on_nfs_style_flock(tmp_path: Path, monkeypatch) -> None:
 
         return f.fcntl(fd, f.F_GETFL)
 
-    monkeypatch.setattr(local.fcntl, "flock", nfs_flock)
+    monkeypatch.setattr(locks.fcntl, "flock", nfs_flock)
     LocalStorage().cleanup_leftovers(str(tmp_path))  # raises OSError EBADF
 
 
