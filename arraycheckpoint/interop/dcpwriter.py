@@ -216,13 +216,24 @@ class Writer(StorageWriter):
         return fut
 
     def _write(self, plan: Any, planner: Any, writes: list[tuple[str, Any]]) -> list[Any]:
+
+
+        storage, _ = storage_for(self._require_path())
+        staging = plan.storage_data["staging"]
+        storage.open_flush(staging)  # before the first write: the flush then sees every write-back error
+        try:
+            return self._write_items(plan, planner, writes, storage, staging)
+        finally:
+            storage.close_flush(staging)
+
+    def _write_items(
+        self, plan: Any, planner: Any, writes: list[tuple[str, Any]], storage: Any, staging: str
+    ) -> list[Any]:
         from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
 
         from ..engine.shardfile import file_writer
 
-        storage, _ = storage_for(self._require_path())
-        staging = plan.storage_data["staging"]
         writer = file_writer(storage, staging)
         chunks = _ChunkWriter(storage, staging, plan.storage_data["arrays"], writer, writes)
         results = []
@@ -336,8 +347,12 @@ class Writer(StorageWriter):
                 "read it with arraycheckpoint.dcp.Reader or arraycheckpoint.load, not FileSystemReader",
             }
         ).encode()
-        write_documents(storage, staging, dict(sorted(docs.items())))
-        storage.flush(staging)
+        storage.open_flush(staging)
+        try:
+            write_documents(storage, staging, dict(sorted(docs.items())))
+            storage.flush(staging)
+        finally:
+            storage.close_flush(staging)
         storage.commit(staging, final, self.overwrite)
 
     @classmethod

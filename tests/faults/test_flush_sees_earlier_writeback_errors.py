@@ -119,6 +119,11 @@ def test_a_writeback_error_before_the_flush_fails_the_save(tmp_path: Path, monke
 
 def _recorded_save(path: str, state: dict, options: acp.PlanOptions) -> list[tuple[str, str, int]]:
     """Every ``os.open``, ``os.close`` and ``syncfs`` of ``acp.save(path, state)``, in order."""
+    return _recorded(lambda: acp.save(path, state, plan_options=options))
+
+
+def _recorded(save) -> list[tuple[str, str, int]]:
+    """Every ``os.open``, ``os.close`` and ``syncfs`` of ``save()``, in order."""
     events: list[tuple[str, str, int]] = []
     real_open, real_close, real_syncfs = os.open, os.close, local._syncfs
 
@@ -137,7 +142,7 @@ def _recorded_save(path: str, state: dict, options: acp.PlanOptions) -> list[tup
 
     os.open, os.close, local._syncfs = opening, closing, syncing
     try:
-        acp.save(path, state, plan_options=options)
+        save()
     finally:
         os.open, os.close, local._syncfs = real_open, real_close, real_syncfs
     return events
@@ -167,6 +172,38 @@ OWN_FILES = acp.PlanOptions(pack_array_bytes=0)
 def test_the_flush_syncs_on_a_descriptor_opened_before_the_first_write(tmp_path: Path) -> None:
     state = {"model": {"w": np.arange(1 << 19, dtype=np.float32), "v": np.ones(7, np.float32)}}
     assert _check_order(_recorded_save(str(tmp_path / "step"), state, OWN_FILES)) == 2
+
+
+def test_the_dcp_writer_syncs_on_a_descriptor_opened_before_the_first_write(tmp_path: Path) -> None:
+    """``dcp.save`` through ``acp.dcp.Writer``: its ranks' flush and the coordinator's (after the metadata) sync
+    on descriptors opened before what they cover was written."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "step")
+    state = {"model": {"w": torch.arange(1 << 16, dtype=torch.float32)}}
+    events = _recorded(lambda: dcp.save(state, storage_writer=acp.dcp.Writer(path), no_dist=True))
+    syncs = [i for i, e in enumerate(events) if e[0] == "syncfs"]
+    assert len(syncs) == 2, events  # the rank's data, then the coordinator's metadata
+    previous = -1
+    for i in syncs:
+        fd = events[i][2]
+        opened = max(j for j in range(i) if events[j][0] == "open" and events[j][2] == fd)
+        staging = events[opened][1]
+        assert ".acp-staging-" in staging, events[opened]
+        written = [
+            j
+            for j in range(previous + 1, i)
+            if events[j][0] == "open" and events[j][1].startswith(staging + "/")
+        ]
+        assert written and opened < written[0], (
+            f"the flush's descriptor was opened after a write it covers: {events}"
+        )
+        assert any(e[0] == "close" and e[2] == fd for e in events[i:]), "the flush's descriptor leaked"
+        previous = i
+    back = {"model": {"w": torch.zeros(1 << 16)}}
+    dcp.load(back, storage_reader=acp.dcp.Reader(path), no_dist=True)
+    assert torch.equal(back["model"]["w"], state["model"]["w"])
 
 
 def _replicated() -> dict:
