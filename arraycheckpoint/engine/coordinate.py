@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..codecs import CODEC_PRESET, zarr_dtype_name
-from ..errors import ArrayCheckpointError, SaveFailedError, StalledRankError
+from ..errors import ArrayCheckpointError, MetadataError, SaveFailedError, StalledRankError
 from ..format.hierarchy import hierarchy_documents
 from ..format.metadata import (
     METRICS_FILE,
@@ -249,9 +250,9 @@ def _read_statuses(raw: list[bytes]) -> tuple[list[dict[str, Any]], list[str]]:
     statuses: list[dict[str, Any]] = []
     errors: list[str] = []
     for rank, b in enumerate(raw):
-        try:
-            s = json.loads(b) if b else {}
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        try:  # bounded like the metadata it becomes part of (a deep one raised RecursionError)
+            s = load_json_bounded(b, max_bytes=MAX_METADATA_BYTES, what=f"rank {rank}'s status") if b else {}
+        except MetadataError:
             s = None
         if not (
             isinstance(s, dict)

@@ -1,7 +1,7 @@
 """A rank whose commit status is not what a rank sends (simulated through the Communicator seam) fails the save
 on every rank, naming that rank, with nothing committed: rank 0 still aborts and broadcasts the outcome.
 
-Rank 0 used to raise a bare JSONDecodeError/AttributeError out of the commit before the outcome broadcast: the
+Rank 0 used to raise a bare JSONDecodeError/AttributeError/RecursionError out of the commit before the outcome broadcast: the
 other ranks waited for it until their liveness timeout, the save's lock and staging were left behind, and a
 status whose metrics were not an object was committed into the metrics sidecar."""
 
@@ -32,8 +32,24 @@ class _LyingRank(SimCommunicator):
 
 @pytest.mark.parametrize(
     "bad",
-    [b"{not json", b"\xff\xfe", b"[1,2]", b'{"error": 5}', b'{"objects": 5}', b'{"metrics": 5}'],
-    ids=["not-json", "not-utf8", "a-list", "error-number", "objects-number", "metrics-number"],
+    [
+        b"{not json",
+        b"\xff\xfe",
+        b"[1,2]",
+        b'{"error": 5}',
+        b'{"objects": 5}',
+        b'{"metrics": 5}',
+        b'{"objects": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+    ],
+    ids=[
+        "not-json",
+        "not-utf8",
+        "a-list",
+        "error-number",
+        "objects-number",
+        "metrics-number",
+        "nested-100000",
+    ],
 )
 def test_malformed_status_fails_every_rank_naming_it(tmp_path: Path, bad: bytes) -> None:
     world = SimWorld(2, timeout=60)
