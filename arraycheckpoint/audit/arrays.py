@@ -90,18 +90,20 @@ def check_arrays(
     return docs
 
 
-def check_packed_doc(tm: Any, raw: bytes, where: str, separator: str) -> None:
+def check_packed_doc(tm: Any, raw: bytes, where: str, separator: str) -> bytes:
     """The ``zarr.json`` bytes ``raw`` of the packed array ``tm`` (read from ``where``) agree with the checkpoint
-    metadata (:func:`check_arrays`' check, for the readers of format-6 packs).
+    metadata (:func:`check_arrays`' check, for the readers of format-6 packs); returns the document this
+    release writes for ``tm``, which a reader is given in its place (as the load opens arrays with it).
 
     Raises:
         MetadataError: a malformed document, or one that disagrees with the metadata or lacks crc32c.
     """
     doc, exact = _generated(tm, separator)
-    if raw == exact:
-        return
-    stored = load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{where}/zarr.json")
-    _cross_check(tm, stored, doc, where)
+    if raw != exact:
+        _cross_check(
+            tm, load_json_bounded(raw, max_bytes=MAX_ARRAY_JSON_BYTES, what=f"{where}/zarr.json"), doc, where
+        )
+    return exact
 
 
 def _generated(tm: Any, separator: str) -> tuple[dict[str, Any], bytes]:
@@ -195,6 +197,12 @@ def _cross_check(tm: Any, stored: Any, generated: Mapping[str, Any], where: str)
         )
     if names != [c["name"] for c in want["codecs"]]:
         raise bad(f"has inner codecs {names}, not {[c['name'] for c in want['codecs']]}")
+    if config.get("index_location", "end") != "end" or any(  # zarr-python reads what it says: other values
+        not isinstance(c.get("configuration", {}), dict)
+        or c.get("configuration", {}).get("endian", "little") != "little"
+        for c in inner + index
+    ):
+        raise bad("is not little-endian with its shard index at the end, as the chunks were written")
 
 
 def _check_zstd_chunks(kv: Any, tm: Any, where: str, boxes: list[Any] | None, separator: str) -> None:

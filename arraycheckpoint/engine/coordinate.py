@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from ..checks.bounds import MAX_METADATA_BYTES, load_json_bounded
 from ..codecs import CODEC_PRESET, zarr_dtype_name
-from ..errors import ArrayCheckpointError, SaveFailedError, StalledRankError
+from ..errors import ArrayCheckpointError, MetadataError, SaveFailedError, StalledRankError
 from ..format.hierarchy import hierarchy_documents
 from ..format.metadata import (
     METRICS_FILE,
@@ -162,8 +163,7 @@ class Coordinator:
         if comm.rank == 0:
             assert gathered is not None
             rows, raw = gathered
-            statuses = [json.loads(b) if b else {} for b in raw]
-            errors = [s["error"] for s in statuses if s.get("error")]
+            statuses, errors = _read_statuses(raw)
             if not errors and not rows[:, 0].all():
                 errors = ["a rank failed without saying why"]
             if not errors and rows[:, 1].min() != rows[:, 1].max():
@@ -240,6 +240,32 @@ def _cleanup(what: str, fn: Any, final: str) -> None:
         log.warning(
             "storage %s of %s failed after the save's outcome was decided", what, final, exc_info=True
         )
+
+
+def _read_statuses(raw: list[bytes]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every rank's status (:func:`status_payload`) as rank 0 received it, and the errors they report. A
+    status that is not what a rank sends (not JSON, not an object, an error that is not text, objects or
+    metrics that are not objects) is an error naming the rank, never an exception out of the commit: rank 0
+    must still abort and broadcast the outcome, or the other ranks wait for it until their timeout."""
+    statuses: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for rank, b in enumerate(raw):
+        try:  # bounded like the metadata it becomes part of (a deep one raised RecursionError)
+            s = load_json_bounded(b, max_bytes=MAX_METADATA_BYTES, what=f"rank {rank}'s status") if b else {}
+        except MetadataError:
+            s = None
+        if not (
+            isinstance(s, dict)
+            and (s.get("error") is None or isinstance(s["error"], str))
+            and isinstance(s.get("objects", {}), dict)
+            and isinstance(s.get("metrics", {}), dict)
+        ):
+            errors.append(f"rank {rank} sent a malformed commit status ({len(b)} bytes: {bytes(b[:80])!r})")
+            s = {}
+        elif s.get("error"):
+            errors.append(s["error"])
+        statuses.append(s)
+    return statuses, errors
 
 
 def status_payload(

@@ -493,12 +493,40 @@ def _parse_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
     out = []
     for i, g in enumerate(raw):
         try:
+            for m in g["meshes"]:
+                _check_mesh_json(m)
             decl = Decl.from_json({"meshes": g["meshes"], "tensors": []})
             ranks = decode_ranks(g["ranks"], world_size)
         except Exception as e:  # noqa: BLE001 - any malformed field is the same damage
             raise MetadataError(f"metadata: layout_groups[{i}] is malformed ({e})") from None
+        if not ranks:  # every group is a declaration some rank made; its regions name their holders
+            raise MetadataError(f"metadata: layout_groups[{i}] lists no rank")
         out.append((decl, ranks))
     return tuple(out)
+
+
+#: Dimensions of a stored mesh: a process grid has a handful (megatron: TP, CP, DP, PP, EP and a few repeat
+#: axes); numpy cannot index more than 64, which a reader's expansion of a mesh rule does.
+MAX_MESH_DIMS = 32
+
+
+def _check_mesh_json(m: Any) -> None:
+    """The exact JSON types of a stored mesh, before :meth:`Mesh.from_json` (which converts with ``int()``:
+    ``"2"``, ``1.5`` and ``true`` would pass as sizes or ranks) builds it: sizes and ranks are JSON
+    integers, at most :data:`MAX_MESH_DIMS` dimensions."""
+
+    def ints(v: Any) -> bool:
+        return isinstance(v, list) and all(type(x) is int for x in v)
+
+    if not (isinstance(m, list) and len(m) == 2 and ints(m[0]) and isinstance(m[1], list) and m[1]):
+        raise ValueError(f"a mesh must be [sizes, ranks] with integer sizes, not {str(m)[:80]}")
+    if len(m[0]) > MAX_MESH_DIMS:
+        raise ValueError(f"a mesh of {len(m[0])} dimensions (at most {MAX_MESH_DIMS})")
+    kind, rest = m[1][0], m[1][1:]
+    if kind == "list" and not (len(rest) == 1 and ints(rest[0])):
+        raise ValueError("a mesh's rank list must hold integers")
+    if kind == "arange" and not (len(rest) == 1 and type(rest[0]) is int):
+        raise ValueError("a mesh's first rank must be an integer")
 
 
 def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[Any, ...]) -> tuple:

@@ -93,7 +93,7 @@ class Mesh:
         :meth:`from_json`). Lets a reader bound the total of many meshes before building any."""
         try:
             return math.prod(max(int(s), 0) for s in j[0])
-        except (TypeError, ValueError, IndexError, KeyError):
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError):  # Infinity: refused later
             return 0
 
     @cached_property

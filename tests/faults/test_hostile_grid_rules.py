@@ -1,0 +1,84 @@
+"""Hostile process grids in a checkpoint's metadata (the meshes that megatron and MoE mesh rules are declared on):
+sizes or ranks of the wrong JSON type, infinite sizes, a mesh of thousands of dimensions, a layout group that
+lists no rank. Each is refused as damaged metadata naming the layout group, by the load, the zarr store,
+``inspect`` (exit 2) and ``verify`` (exit 1): never an OverflowError or a numpy ValueError from deep inside the
+expansion (exit 3 from the tools), and never silently read as another mesh (``"2"``, ``1.5`` and ``true`` were
+taken through ``int()``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import arraycheckpoint as acp
+from arraycheckpoint.cli import main
+from arraycheckpoint.errors import MetadataError
+
+W = "model/weight"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("grid") / "ck"
+    acp.save(path, {"model": {"weight": np.arange(32, dtype=np.float32).reshape(4, 8)}})
+    return path
+
+
+def _hostile(saved: Path, tmp_path: Path, meshes: list, rule: list, ranks: list | None = None) -> Path:
+    import shutil
+
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    meta = path / ".acp" / "metadata.json"
+    doc = json.loads(meta.read_text())
+    doc["layout_groups"][0]["meshes"] = meshes
+    if ranks is not None:
+        doc["layout_groups"][0]["ranks"] = ranks
+    doc["tensors"][W]["regions"] = [[0, rule]]
+    # Python's json writes Infinity for float("inf"), and reads it back: what an attacker's file may hold
+    meta.write_text(json.dumps(doc))
+    return path
+
+
+CASES = {
+    "size-infinity": ([[[float("inf")], ["arange", 0]]], ["mesh", 0, [0]], None),
+    "size-string": ([[["2"], ["affine", 0, [[1, 0]]]]], ["mesh", 0, [0]], None),
+    "size-float": ([[[1.5], ["arange", 0]]], ["mesh", 0, [0]], None),
+    "size-bool": ([[[True], ["arange", 0]]], ["mesh", 0, [0]], None),
+    "rank-float": ([[[2], ["list", [0.0, 0.9]]]], ["mesh", 0, [0]], None),
+    "rank-string": ([[[1], ["list", ["0"]]]], ["mesh", 0, [0]], None),
+    "start-bool": ([[[1], ["arange", False]]], ["mesh", 0, [0]], None),
+    "5000-dimensions": ([[[1] * 5000, ["arange", 0]]], ["mesh", 0, [-1] * 5000], None),
+    "group-without-ranks": ([], ["replica"], []),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_grid_is_refused_by_every_reader(
+    saved: Path, tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _hostile(saved, tmp_path, *CASES[case])
+    with pytest.raises(MetadataError, match=r"layout_groups\[0\]"):
+        acp.read_metadata(path)
+    with pytest.raises(MetadataError, match=r"layout_groups\[0\]"):
+        acp.load(path, {"model": {"weight": np.zeros((4, 8), np.float32)}})
+    from arraycheckpoint.zarr import checkpoint_store
+
+    with pytest.raises(MetadataError, match=r"layout_groups\[0\]"):
+        checkpoint_store(path)
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 2
+    assert "layout_groups[0]" in capsys.readouterr().err
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr()
+    assert "layout_groups[0]" in out.out + out.err and "internal error" not in out.err
+
+
+def test_the_same_grid_written_as_a_save_writes_it_loads(saved: Path, tmp_path: Path) -> None:
+    """The control: a rank at both positions of a 2-position mesh (a repeat axis), as integers, loads."""
+    path = _hostile(saved, tmp_path, [[[2], ["affine", 0, [[1, 0]]]]], ["mesh", 0, [0]])
+    got = acp.load(path, {"model": {"weight": np.zeros((4, 8), np.float32)}})
+    assert np.array_equal(got["model"]["weight"], np.arange(32, dtype=np.float32).reshape(4, 8))
