@@ -259,3 +259,42 @@ def test_the_positions_budget_is_per_declaration(monkeypatch: pytest.MonkeyPatch
     assert rules.rule((8, 8), [Box((2, 0), (2, 8))]) is None  # within one declaration the budget holds
     rules.begin()  # save 2: a TP-split weight alone (16 positions)
     assert rules.rule((8, 8), [Box((2, 0), (2, 8))]) is not None
+
+
+def _replicated_experts(layers: int) -> tuple:
+    """A stacked expert weight ``(layers, 8 experts, 4, 4)`` on 16 ranks: EP 4 splits the experts, each
+    expert-parallel position replicated over 4 expert data-parallel ranks (mesh rule), and its plan."""
+    from arraycheckpoint.planning.groupplan import Decl, TensorRule
+    from arraycheckpoint.planning.rules import Mesh
+
+    mesh = Mesh((4, 4), tuple(range(16)))
+    shape = (layers, 8, 4, 4)
+    decl = Decl((mesh,), (TensorRule("model/fc1", shape, "float32", 4, ("mesh", 0, (1, -1))),))
+    opts = PlanOptions(min_chunk_bytes=1 << 8, max_chunk_bytes=1 << 8, inner_chunk_bytes=1 << 6)
+    return build_compact_plan([(decl, tuple(range(16)))], 16, opts)
+
+
+def test_replicated_writers_follow_the_cyclic_rule_and_metadata_stays_flat() -> None:
+    """Format 8: a tensor with more than CYCLIC_MIN_CHUNKS replicated chunks stores ``["cyclic", shift]``
+    instead of one writer per chunk; a reader derives the same writers, each a holder of its chunk, and every
+    replica set's chunks are spread evenly over its holders. Four times the chunks: the same metadata size."""
+    from arraycheckpoint.format.metadata import CheckpointMetadata
+    from arraycheckpoint.planning.owners import CYCLIC_MIN_CHUNKS
+
+    sizes = {}
+    for layers in (16, 64):
+        plan = _replicated_experts(layers)
+        d, c = plan.tensors["model/fc1"], plan._classes["model/fc1"]
+        assert len(d.writers) > CYCLIC_MIN_CHUNKS and d.derived and d.shift is not None
+        meta = build_metadata(plan, SaveRequest([], [], framework="megatron"), [{} for _ in range(16)])
+        text = meta.to_json()
+        assert json.loads(text)["tensors"]["model/fc1"]["writers"] == ["cyclic", d.shift]
+        sizes[layers] = len(text)
+        got = CheckpointMetadata.from_json(text).tensors["model/fc1"].writers
+        assert np.array_equal(got.array, d.writers)
+        per_rank = np.zeros(16, dtype=np.int64)
+        for ci, w in enumerate(d.writers):
+            assert w in c.holders[int(c.choice[ci])], ci  # written where it is held: nothing moves
+            per_rank[w] += 1
+        assert per_rank.max() - per_rank.min() <= 1, per_rank  # each replica set's chunks spread evenly
+    assert abs(sizes[64] - sizes[16]) < 16, sizes  # listed: about 3 bytes more per chunk
