@@ -298,3 +298,44 @@ def test_replicated_writers_follow_the_cyclic_rule_and_metadata_stays_flat() -> 
             per_rank[w] += 1
         assert per_rank.max() - per_rank.min() <= 1, per_rank  # each replica set's chunks spread evenly
     assert abs(sizes[64] - sizes[16]) < 16, sizes  # listed: about 3 bytes more per chunk
+
+
+def test_split_over_three_grid_dimensions_that_flatten() -> None:
+    """An axis split over TP x CP x DP (megatron's dense grid order tp-cp-dp-pp: the combined TP-CP-DP group's
+    rank order ``(dp * cp_size + cp) * tp_size + tp``), replicated over PP: one mesh rule with the three
+    dimensions on that axis (dp, cp, tp), the same on all 16 ranks, stating exactly each rank's box; a chain
+    with a gap (dp x tp without cp) is no rule."""
+    world, tp, cp, dp, pp = 16, 2, 2, 2, 2
+
+    def grid(rank: int) -> Grid:
+        p, q = divmod(rank, tp * cp * dp)
+        t, c, d = q % tp, (q // tp) % cp, q // (tp * cp)
+        base = p * tp * cp * dp
+        got = Grid.from_groups(
+            rank,
+            world,
+            {
+                "tp": [base + d * tp * cp + c * tp + i for i in range(tp)],
+                "cp": [base + d * tp * cp + i * tp + t for i in range(cp)],
+                "dp": [base + i * tp * cp + c * tp + t for i in range(dp)],
+                "pp": [i * tp * cp * dp + q for i in range(pp)],
+            },
+        )
+        assert got is not None
+        return got
+
+    shape = (16, 3)
+    rules = set()
+    for rank in range(world):
+        q = rank % 8
+        box = Box((2 * q, 0), (2, 3))
+        rule = GridRules([grid(rank)]).rule(shape, [box])
+        assert rule is not None, rank
+        assert rule_boxes(shape, ("mesh", 0, rule[2]), [rule[1]], rank) == [box]
+        rules.add((rule[1], rule[2]))
+    assert len(rules) == 1
+    mesh, placements = next(iter(rules))
+    assert placements == (0, 0, 0, -1) and mesh.shape == (dp, cp, tp, pp), (mesh.shape, placements)
+    # rows over dp x tp only (cp replicated): dp's stride is not tp's times its size, so no chain, and no
+    # other dimensions give rank 5 (t 1, c 0, d 1) the part d * tp + t = 3 of 4
+    assert GridRules([grid(5)]).rule((8, 3), [Box((6, 0), (2, 3))]) is None
