@@ -339,3 +339,18 @@ def test_split_over_three_grid_dimensions_that_flatten() -> None:
     # rows over dp x tp only (cp replicated): dp's stride is not tp's times its size, so no chain, and no
     # other dimensions give rank 5 (t 1, c 0, d 1) the part d * tp + t = 3 of 4
     assert GridRules([grid(5)]).rule((8, 3), [Box((6, 0), (2, 3))]) is None
+
+
+def test_wide_replica_sets_with_few_chunks_keep_the_worst_fit() -> None:
+    """400 replicas of a tensor of 320 chunks: a shift cannot place each chunk on the least loaded of 400
+    holders as the worst fit does (and not every shift is tried), so its writers stay listed; with 40
+    replicas each holder gets eight chunks of it, and the rule keeps them balanced."""
+    from arraycheckpoint.planning.groupplan import Decl, TensorRule
+
+    opts = PlanOptions(min_chunk_bytes=1 << 8, max_chunk_bytes=1 << 8, inner_chunk_bytes=1 << 6)
+    for world, ruled in ((400, False), (40, True)):
+        decl = Decl((), (TensorRule("model/w", (80, 64), "float32", 4, ("replica",)),))
+        d = build_compact_plan([(decl, tuple(range(world)))], world, opts).tensors["model/w"]
+        assert len(d.writers) == 320 and (d.shift is not None) == ruled, (world, d.shift)
+        counts = np.bincount(np.asarray(d.writers), minlength=world)
+        assert counts.max() - counts.min() <= 1, counts

@@ -293,6 +293,7 @@ class _TensorMemo:
         self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
         self.packs: set[tuple[Any, ...]] = set()
         self.writers: dict[tuple[Any, ...], Writers] = {}
+        self.cycles: dict[tuple[Any, ...], Any] = {}  # per layout: its cyclic writers' tables (format 8)
         self.pack_ranks: dict[str | None, int | None] = {}  # pack entry -> TensorMeta.pack_rank
         self.budget = ReaderBudget()  # what deriving the distinct writers above costs, bounded
 
@@ -354,7 +355,9 @@ def _parse_tensor(
         writers = memo.writers.get(wkey)
         if writers is None:
             memo.budget.charge(where, nchunks, shape, regions, groups)
-            writers = memo.writers[wkey] = Writers.derive(name, shape, chunk, regions, groups, nchunks, shift)
+            writers = memo.writers[wkey] = Writers.derive(
+                name, shape, chunk, regions, groups, nchunks, shift, memo.cycles
+            )
     else:
         listed = _ints(raw, 0, nchunks)
         writers = listed if listed is not None else _int_list(raw, f"{where}.writers", limit=nchunks)

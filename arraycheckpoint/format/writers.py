@@ -57,18 +57,22 @@ class Writers(Sequence):
         groups: tuple,
         nchunks: int,
         shift: int | None = None,
+        cycles: dict[Any, Any] | None = None,
     ) -> Writers:
         """The derived writers of a format-7 tensor (``shift`` None: ``"held"``) or of a format-8 one under
         the cyclic rule (computed on first use; :class:`MetadataError` naming the tensor when its regions do
-        not determine them)."""
+        not determine them). ``cycles`` keeps each layout's cyclic tables for its other shifts (one metadata's
+        tensors of one layout differ only by their shift)."""
 
         def compute() -> Any:
-            import numpy as np
-
             from ..planning.flatgrid import held_writers
             from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
-            from ..planning.owners import cyclic_writers
+            from ..planning.owners import cycle_of
 
+            key = (shape, chunk, id(regions))  # parsed regions are kept by the parse: one object per value
+            cycle = cycles.get(key) if cycles is not None and shift is not None else None
+            if cycle is not None:
+                return _frozen(cycle.writers(shift), name, nchunks)
             contribs = [
                 (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
                 for g, rule in regions
@@ -80,18 +84,15 @@ class Writers(Sequence):
                 if shift is None:
                     out = held_writers(shape, chunk, unique, holders)
                 else:
-                    out = cyclic_writers(shape, chunk, unique, holders, shift)
+                    cycle = cycle_of(shape, chunk, unique, holders)
+                    if cycles is not None:
+                        cycles[key] = cycle
+                    out = cycle.writers(shift)
             except (ArrayCheckpointError, ValueError) as e:
                 raise MetadataError(
                     f"metadata: tensor {name!r}: its writers are derived from its regions, but {e}"
                 ) from None
-            if len(out) != nchunks:
-                raise MetadataError(
-                    f"metadata: tensor {name!r}: {len(out)} derived writers for {nchunks} chunks"
-                )
-            out = np.ascontiguousarray(out, dtype=np.int64)
-            out.flags.writeable = False
-            return out
+            return _frozen(out, name, nchunks)
 
         return Writers(None, True, nchunks, compute, shift)
 
@@ -127,6 +128,18 @@ class Writers(Sequence):
     def __repr__(self) -> str:
         kind = "" if not self.derived else "derived, " if self.shift is None else f"cyclic {self.shift}, "
         return f"Writers({kind}{self._len} chunks)"
+
+
+def _frozen(out: Any, name: str, nchunks: int) -> Any:
+    """Derived writers as a read-only int64 array; :class:`MetadataError` naming the tensor when their count is
+    not its chunks'."""
+    import numpy as np
+
+    if len(out) != nchunks:
+        raise MetadataError(f"metadata: tensor {name!r}: {len(out)} derived writers for {nchunks} chunks")
+    out = np.ascontiguousarray(out, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 class ReaderBudget:

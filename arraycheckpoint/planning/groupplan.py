@@ -443,7 +443,7 @@ def build_compact_plan(
             )
         uses_of[id(c)] = uses_of.get(id(c), 0) + 1
         free = got[1]
-        if free and c.cyclable and len(c.nbytes) > CYCLIC_MIN_CHUNKS:
+        if free and c.cyclable and len(c.nbytes) > CYCLIC_MIN_CHUNKS and c.cycle.balances:
             cyclic.append(name)
             continue
         writers[name] = c.forced.copy() if free else c.forced  # all forced: the class's array, shared

@@ -13,7 +13,8 @@ The one exception, a chunk of a flat-run grid over flat ranges (FSDP1), is writt
 piece; each piece it lacks comes from :func:`fragment_source`.
 
 A tensor with many replicated chunks (more than :data:`CYCLIC_MIN_CHUNKS`: a stacked mixture-of-experts
-weight at thousands of ranks has thousands) takes its writers from a rule instead (:class:`Cycle`, format 8:
+weight at thousands of ranks has thousands) whose holder sets are small (every shift is tried) or each hold
+at least one of its chunks per holder takes its writers from a rule instead (:class:`Cycle`, format 8:
 ``"writers": ["cyclic", shift]``): the chunks of each holder set, in row-major order, go round its holders
 starting ``shift`` places on, so the metadata stores one number instead of one rank per chunk and a reader
 derives them (:func:`cyclic_writers`). The planner picks each such tensor's shift for balance, largest tensors
@@ -30,9 +31,10 @@ import numpy as np
 from .flatgrid import partition_problem, region_choice
 from .regions import Box
 
-#: A tensor whose replicated chunks are more than this takes its writers from a rule (:class:`Cycle`),
-#: not a list: what listing them would cost the metadata (a few bytes per chunk) stays below a few hundred
-#: bytes per tensor, and the small tensors every test and small save has keep the worst fit.
+#: A tensor with replicated chunks and more chunks than this takes its writers from a rule (:class:`Cycle`),
+#: not a list, where the rule balances (:attr:`Cycle.balances`): what listing them would cost the metadata (a
+#: few bytes per chunk) stays below a few hundred bytes per tensor, and the small tensors every test and
+#: small save has keep the worst fit.
 CYCLIC_MIN_CHUNKS = 64
 #: Shifts the planner tries per tensor (all of them when the largest holder set is no larger).
 SHIFT_CANDIDATES = 32
@@ -118,6 +120,10 @@ class Cycle:
         self.base = offsets[sid]  # where they start in ``flat``
         self.free = np.flatnonzero(self.size > 1)  # chunks with a choice of writer
         self.widest = int(sizes.max()) if len(sizes) else 1
+        multi = sizes > 1
+        # the rule balances as well as a worst fit would: every shift is tried, or every holder set with a
+        # choice has a chunk for each of its holders (a tensor spreads over all of them by itself)
+        self.balances = self.widest <= SHIFT_CANDIDATES or bool((counts[multi] >= sizes[multi]).all())
 
     def writers(self, shift: int, chunks: np.ndarray | None = None) -> np.ndarray:
         """The writer of every chunk (or of ``chunks``) under ``shift``."""
@@ -187,8 +193,16 @@ def cyclic_writers(
         ValueError: the regions (untrusted: read from a checkpoint) do not cut the tensor exactly, or the grid
             is neither nested nor flat runs.
     """
+    return cycle_of(shape, chunk, boxes, holders).writers(shift)
+
+
+def cycle_of(
+    shape: tuple[int, ...], chunk: tuple[int, ...], boxes: Sequence[Box], holders: Sequence[Sequence[int]]
+) -> Cycle:
+    """The :class:`Cycle` of a layout read from a checkpoint (any shift's writers follow from it), after the
+    checks of :func:`cyclic_writers` (ValueError)."""
     problem = partition_problem(shape, chunk, boxes)
     if problem is not None:
         raise ValueError(problem)
     choice, _s, _k = region_choice(shape, chunk, boxes, holders, generic=False)
-    return Cycle(choice, holders).writers(shift)
+    return Cycle(choice, holders)
