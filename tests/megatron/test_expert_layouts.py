@@ -5,7 +5,8 @@ and loads, one thread per rank, megatron ``ShardedTensor``s built by hand on meg
   weight as megatron-core lays it out (layer and expert axes prepended, one ``ShardedTensor`` per layer and
   local expert, EP 4 x expert DP 2): 128 chunks, each held by its two expert data-parallel replicas. The
   metadata stores ``["cyclic", shift]`` instead of 128 writers, every rank writes 16 chunks, and the
-  checkpoint loads bit-exactly at EP 2 (4 ranks) and at 1 rank, and ``verify`` passes it.
+  checkpoint loads bit-exactly at EP 2 (4 ranks) and at 1 rank, ``verify`` passes it and zarr-python reads it
+  through ``checkpoint_store``.
 * A tensor split over three grid dimensions at once (expert TP x EP x expert DP, the flattened rank order of
   the expert grid, as a distributed optimizer shards an expert's state; replicated over PP): 16 ranks declare
   one mesh rule, the metadata holds no boxes, and it loads bit-exactly at 4 ranks in another split.
@@ -90,6 +91,12 @@ def test_replicated_expert_chunks_are_written_by_rule_and_load_bit_exactly(tmp_p
     assert len(writers) == LAYERS * EXPERTS  # one chunk per (layer, expert) box
     assert np.bincount(np.asarray(list(writers)), minlength=8).tolist() == [16] * 8
     assert verify(path).ok
+    import zarr
+
+    from arraycheckpoint.zarr import checkpoint_store
+
+    # zarr-python finds each packed chunk in its derived writer's packs
+    assert np.array_equal(zarr.open_group(checkpoint_store(path), mode="r")["model/fc1"][...], _full())
 
     def load(comm: SimCommunicator) -> bool:
         state, _grids = _experts(comm.rank, 4, ep=2, fill=-1.0)
