@@ -259,3 +259,98 @@ def test_the_positions_budget_is_per_declaration(monkeypatch: pytest.MonkeyPatch
     assert rules.rule((8, 8), [Box((2, 0), (2, 8))]) is None  # within one declaration the budget holds
     rules.begin()  # save 2: a TP-split weight alone (16 positions)
     assert rules.rule((8, 8), [Box((2, 0), (2, 8))]) is not None
+
+
+def _replicated_experts(layers: int) -> tuple:
+    """A stacked expert weight ``(layers, 8 experts, 4, 4)`` on 16 ranks: EP 4 splits the experts, each
+    expert-parallel position replicated over 4 expert data-parallel ranks (mesh rule), and its plan."""
+    from arraycheckpoint.planning.groupplan import Decl, TensorRule
+    from arraycheckpoint.planning.rules import Mesh
+
+    mesh = Mesh((4, 4), tuple(range(16)))
+    shape = (layers, 8, 4, 4)
+    decl = Decl((mesh,), (TensorRule("model/fc1", shape, "float32", 4, ("mesh", 0, (1, -1))),))
+    opts = PlanOptions(min_chunk_bytes=1 << 8, max_chunk_bytes=1 << 8, inner_chunk_bytes=1 << 6)
+    return build_compact_plan([(decl, tuple(range(16)))], 16, opts)
+
+
+def test_replicated_writers_follow_the_cyclic_rule_and_metadata_stays_flat() -> None:
+    """Format 8: a tensor with more than CYCLIC_MIN_CHUNKS replicated chunks stores ``["cyclic", shift]``
+    instead of one writer per chunk; a reader derives the same writers, each a holder of its chunk, and every
+    replica set's chunks are spread evenly over its holders. Four times the chunks: the same metadata size."""
+    from arraycheckpoint.format.metadata import CheckpointMetadata
+    from arraycheckpoint.planning.owners import CYCLIC_MIN_CHUNKS
+
+    sizes = {}
+    for layers in (16, 64):
+        plan = _replicated_experts(layers)
+        d, c = plan.tensors["model/fc1"], plan._classes["model/fc1"]
+        assert len(d.writers) > CYCLIC_MIN_CHUNKS and d.derived and d.shift is not None
+        meta = build_metadata(plan, SaveRequest([], [], framework="megatron"), [{} for _ in range(16)])
+        text = meta.to_json()
+        assert json.loads(text)["tensors"]["model/fc1"]["writers"] == ["cyclic", d.shift]
+        sizes[layers] = len(text)
+        got = CheckpointMetadata.from_json(text).tensors["model/fc1"].writers
+        assert np.array_equal(got.array, d.writers)
+        per_rank = np.zeros(16, dtype=np.int64)
+        for ci, w in enumerate(d.writers):
+            assert w in c.holders[int(c.choice[ci])], ci  # written where it is held: nothing moves
+            per_rank[w] += 1
+        assert per_rank.max() - per_rank.min() <= 1, per_rank  # each replica set's chunks spread evenly
+    assert abs(sizes[64] - sizes[16]) < 16, sizes  # listed: about 3 bytes more per chunk
+
+
+def test_split_over_three_grid_dimensions_that_flatten() -> None:
+    """An axis split over TP x CP x DP (megatron's dense grid order tp-cp-dp-pp: the combined TP-CP-DP group's
+    rank order ``(dp * cp_size + cp) * tp_size + tp``), replicated over PP: one mesh rule with the three
+    dimensions on that axis (dp, cp, tp), the same on all 16 ranks, stating exactly each rank's box; a chain
+    with a gap (dp x tp without cp) is no rule."""
+    world, tp, cp, dp, pp = 16, 2, 2, 2, 2
+
+    def grid(rank: int) -> Grid:
+        p, q = divmod(rank, tp * cp * dp)
+        t, c, d = q % tp, (q // tp) % cp, q // (tp * cp)
+        base = p * tp * cp * dp
+        got = Grid.from_groups(
+            rank,
+            world,
+            {
+                "tp": [base + d * tp * cp + c * tp + i for i in range(tp)],
+                "cp": [base + d * tp * cp + i * tp + t for i in range(cp)],
+                "dp": [base + i * tp * cp + c * tp + t for i in range(dp)],
+                "pp": [i * tp * cp * dp + q for i in range(pp)],
+            },
+        )
+        assert got is not None
+        return got
+
+    shape = (16, 3)
+    rules = set()
+    for rank in range(world):
+        q = rank % 8
+        box = Box((2 * q, 0), (2, 3))
+        rule = GridRules([grid(rank)]).rule(shape, [box])
+        assert rule is not None, rank
+        assert rule_boxes(shape, ("mesh", 0, rule[2]), [rule[1]], rank) == [box]
+        rules.add((rule[1], rule[2]))
+    assert len(rules) == 1
+    mesh, placements = next(iter(rules))
+    assert placements == (0, 0, 0, -1) and mesh.shape == (dp, cp, tp, pp), (mesh.shape, placements)
+    # rows over dp x tp only (cp replicated): dp's stride is not tp's times its size, so no chain, and no
+    # other dimensions give rank 5 (t 1, c 0, d 1) the part d * tp + t = 3 of 4
+    assert GridRules([grid(5)]).rule((8, 3), [Box((6, 0), (2, 3))]) is None
+
+
+def test_wide_replica_sets_with_few_chunks_keep_the_worst_fit() -> None:
+    """400 replicas of a tensor of 320 chunks: a shift cannot place each chunk on the least loaded of 400
+    holders as the worst fit does (and not every shift is tried), so its writers stay listed; with 40
+    replicas each holder gets eight chunks of it, and the rule keeps them balanced."""
+    from arraycheckpoint.planning.groupplan import Decl, TensorRule
+
+    opts = PlanOptions(min_chunk_bytes=1 << 8, max_chunk_bytes=1 << 8, inner_chunk_bytes=1 << 6)
+    for world, ruled in ((400, False), (40, True)):
+        decl = Decl((), (TensorRule("model/w", (80, 64), "float32", 4, ("replica",)),))
+        d = build_compact_plan([(decl, tuple(range(world)))], world, opts).tensors["model/w"]
+        assert len(d.writers) == 320 and (d.shift is not None) == ruled, (world, d.shift)
+        counts = np.bincount(np.asarray(d.writers), minlength=world)
+        assert counts.max() - counts.min() <= 1, counts

@@ -290,7 +290,7 @@ def build_metadata(
     stacked.update(n for o in request.objects if o.rows is not None for n in o.rows.values())
     tensors = {}
     rules: dict[tuple[int, Any], tuple[int, list[Any]]] = {}  # (group, rule) -> its JSON form, made once
-    shared: dict[tuple[int, bool], Any] = {}  # a writer array shared by tensors (a class): one Writers
+    shared: dict[tuple[Any, ...], Any] = {}  # a writer array shared by tensors (a class): one Writers
     for name, td in plan.tensors.items():
         layout = td.layout
         found = []
@@ -344,13 +344,15 @@ def build_metadata(
     )
 
 
-def _writers_of(td: Any, shared: dict[tuple[int, bool], Any]) -> Any:
+def _writers_of(td: Any, shared: dict[tuple[Any, ...], Any]) -> Any:
     """The metadata's writers of a tensor decision: derived (format 7: one shared array per class, never a
     list per chunk) or listed; one object per writer array the plan shares between tensors (immutable)."""
-    key = (id(td.writers), td.derived)
+    key = (id(td.writers), td.derived, td.shift)
     got = shared.get(key)
     if got is None:
-        got = shared[key] = Writers(td.writers, derived=True) if td.derived else tuple(td.writers.tolist())
+        got = shared[key] = (
+            Writers(td.writers, derived=True, shift=td.shift) if td.derived else tuple(td.writers.tolist())
+        )
     return got
 
 

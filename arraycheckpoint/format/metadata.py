@@ -20,8 +20,11 @@ from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
 from ..planning.packing import PACK_KEY, RANK_PACKS, packs_rank
 from ..planning.regions import Box
-from .writers import HELD, ReaderBudget, Writers
+from .writers import CYCLIC, HELD, ReaderBudget, Writers
 
+#: 8: a tensor with many replicated chunks stores ``"writers": ["cyclic", shift]``: the chunks of each holder
+#: set, in row-major order, go round its sorted holders starting ``shift`` places on
+#: (:func:`arraycheckpoint.planning.owners.cyclic_writers`), one number instead of one rank per chunk.
 #: 7: a tensor whose every chunk is written by the one rank holding the region that holds most of it stores
 #: ``"writers": "held"`` instead of a list: readers derive the writers from its regions and chunk grid
 #: (:class:`Writers`, :func:`arraycheckpoint.planning.flatgrid.held_writers`), so the metadata grows with
@@ -35,8 +38,8 @@ from .writers import HELD, ReaderBudget, Writers
 #: (:mod:`arraycheckpoint.format.rankdoc`); 3: control files in the ``.acp/`` node (:data:`CONTROL`) and chunk keys
 #: ``c.i.j``; 2: regions stored as layout rules (format 1 listed every rank's region). Versions 1 and 2 keep
 #: their control files in the root (:data:`LEGACY_CONTROL`) and chunk keys ``c/i/j``.
-FORMAT_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+FORMAT_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def chunk_key_separator(format_version: int) -> str:
@@ -290,6 +293,7 @@ class _TensorMemo:
         self.regions: dict[tuple[tuple[int, ...], str], tuple[tuple[int, Any], ...]] = {}
         self.packs: set[tuple[Any, ...]] = set()
         self.writers: dict[tuple[Any, ...], Writers] = {}
+        self.cycles: dict[tuple[Any, ...], Any] = {}  # per layout: its cyclic writers' tables (format 8)
         self.pack_ranks: dict[str | None, int | None] = {}  # pack entry -> TensorMeta.pack_rank
         self.budget = ReaderBudget()  # what deriving the distinct writers above costs, bounded
 
@@ -344,12 +348,16 @@ def _parse_tensor(
         shards = LazyShards(name, shape, regions, groups, memo.budget)
     raw = t.get("writers", [])
     writers: Sequence[int]
-    if raw == HELD and version >= 7:
-        wkey = (shape, chunk, id(regions))  # parsed regions are kept (memo.regions): one object per value
+    shift = _cyclic_shift(raw, where, world_size) if version >= 8 and type(raw) is list else None
+    if (raw == HELD and version >= 7) or shift is not None:
+        # parsed regions are kept (memo.regions): one object per value
+        wkey = (shape, chunk, id(regions), shift)
         writers = memo.writers.get(wkey)
         if writers is None:
             memo.budget.charge(where, nchunks, shape, regions, groups)
-            writers = memo.writers[wkey] = Writers.derive(name, shape, chunk, regions, groups, nchunks)
+            writers = memo.writers[wkey] = Writers.derive(
+                name, shape, chunk, regions, groups, nchunks, shift, memo.cycles
+            )
     else:
         listed = _ints(raw, 0, nchunks)
         writers = listed if listed is not None else _int_list(raw, f"{where}.writers", limit=nchunks)
@@ -385,6 +393,20 @@ def _parse_tensor(
 
 
 _UNSET = object()
+
+
+def _cyclic_shift(raw: list, where: str, world_size: int) -> int | None:
+    """The shift of a format-8 ``["cyclic", shift]`` writers entry (an int in ``[0, world_size)``), None for
+    a list of ranks; :class:`MetadataError` naming the tensor for any other list starting with the tag."""
+    if not raw or raw[0] != CYCLIC:
+        return None
+    shift = raw[1] if len(raw) == 2 else None
+    if type(shift) is not int or not 0 <= shift < max(1, world_size):
+        raise MetadataError(
+            f"metadata: {where}.writers must be ['cyclic', shift] with an integer shift in [0, {world_size}), "
+            f"not {str(raw)[:80]}"
+        )
+    return shift
 
 
 def _parse_pack(

@@ -12,7 +12,7 @@ import json
 from json.encoder import encode_basestring_ascii as _json_string
 from typing import TYPE_CHECKING, Any
 
-from .writers import HELD
+from .writers import Writers
 
 if TYPE_CHECKING:
     from .metadata import CheckpointMetadata, ObjectMeta, TensorMeta
@@ -51,7 +51,11 @@ def metadata_text(meta: CheckpointMetadata) -> str:
                 t.rank_rows,
                 t.pack,
             )
-            key = (layout, tuple(map(id, t.regions)), derived or tuple(t.writers))
+            key = (
+                layout,
+                tuple(map(id, t.regions)),
+                (True, t.writers.shift) if derived else tuple(t.writers),  # type: ignore[attr-defined]
+            )
         try:
             text = entries.get(key) if key is not None else None
         except TypeError:  # a field that cannot be hashed (a list): encoded on its own
@@ -81,7 +85,7 @@ def tensor_json(t: TensorMeta, format_version: int) -> dict[str, Any]:
             if format_version == 1  # tools rewriting an old checkpoint keep its format
             else {"regions": [[g, r] for g, r in t.regions]}
         ),
-        "writers": HELD if getattr(t.writers, "derived", False) else list(t.writers),
+        "writers": t.writers.json if isinstance(t.writers, Writers) else list(t.writers),
         **({"rank_rows": True} if t.rank_rows else {}),
         **({"pack": t.pack} if t.pack is not None else {}),
     }

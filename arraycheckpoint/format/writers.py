@@ -3,7 +3,10 @@
 A save plans one writer per chunk; where every chunk is written by the one rank holding the region that holds
 most of it (sharded layouts, flat ranges), the metadata stores ``"writers": "held"`` instead of a list and a
 reader derives them with the planner's own code (:func:`arraycheckpoint.planning.flatgrid.held_writers`), so
-the metadata grows with ranks and tensors, not with chunks. Replicated chunks' writers (worst fit) are listed.
+the metadata grows with ranks and tensors, not with chunks. Format 8: a tensor with many replicated chunks
+stores ``"writers": ["cyclic", shift]``: each holder set's chunks go round its holders
+(:func:`arraycheckpoint.planning.owners.cyclic_writers`). Other replicated chunks' writers (worst fit) are
+listed.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from ..errors import ArrayCheckpointError, MetadataError
 
 #: The ``writers`` value of a tensor whose writers are derived from its layout (format 7).
 HELD = "held"
+#: The first item of ``["cyclic", shift]``, the ``writers`` of a tensor whose writers follow the cyclic rule
+#: (format 8).
+CYCLIC = "cyclic"
 
 
 class Writers(Sequence):
@@ -24,24 +30,49 @@ class Writers(Sequence):
     metadata stores no list for it."""
 
     def __init__(
-        self, array: Any = None, derived: bool = False, length: int | None = None, derive: Any = None
+        self,
+        array: Any = None,
+        derived: bool = False,
+        length: int | None = None,
+        derive: Any = None,
+        shift: int | None = None,
     ):
         self._array, self.derived, self._derive = array, derived, derive
+        self.shift = shift  # derived by the cyclic rule with this shift (format 8); None: "held"
         self._len = len(array) if array is not None else int(length or 0)
+
+    @property
+    def json(self) -> Any:
+        """The metadata's ``writers`` value: ``"held"``, ``["cyclic", shift]`` or the list."""
+        if not self.derived:
+            return list(self)
+        return HELD if self.shift is None else [CYCLIC, self.shift]
 
     @staticmethod
     def derive(
-        name: str, shape: tuple[int, ...], chunk: tuple[int, ...], regions: tuple, groups: tuple, nchunks: int
+        name: str,
+        shape: tuple[int, ...],
+        chunk: tuple[int, ...],
+        regions: tuple,
+        groups: tuple,
+        nchunks: int,
+        shift: int | None = None,
+        cycles: dict[Any, Any] | None = None,
     ) -> Writers:
-        """The derived writers of a format-7 tensor (computed on first use; :class:`MetadataError` naming the
-        tensor when its regions do not determine them)."""
+        """The derived writers of a format-7 tensor (``shift`` None: ``"held"``) or of a format-8 one under
+        the cyclic rule (computed on first use; :class:`MetadataError` naming the tensor when its regions do
+        not determine them). ``cycles`` keeps each layout's cyclic tables for its other shifts (one metadata's
+        tensors of one layout differ only by their shift)."""
 
         def compute() -> Any:
-            import numpy as np
-
             from ..planning.flatgrid import held_writers
             from ..planning.groupplan import TensorRule, _regions_of, _rule_tuple
+            from ..planning.owners import cycle_of
 
+            key = (shape, chunk, id(regions))  # parsed regions are kept by the parse: one object per value
+            cycle = cycles.get(key) if cycles is not None and shift is not None else None
+            if cycle is not None:
+                return _frozen(cycle.writers(shift), name, nchunks)
             contribs = [
                 (groups[g][0], groups[g][1], TensorRule(name, shape, "", 0, _rule_tuple(rule)))
                 for g, rule in regions
@@ -49,20 +80,21 @@ class Writers(Sequence):
             try:
                 held = _regions_of(name, contribs)
                 unique = sorted(held)  # held_writers checks that they cut the tensor exactly, in linear time
-                out = held_writers(shape, chunk, unique, [sorted(held[b]) for b in unique])
+                holders = [sorted(held[b]) for b in unique]
+                if shift is None:
+                    out = held_writers(shape, chunk, unique, holders)
+                else:
+                    cycle = cycle_of(shape, chunk, unique, holders)
+                    if cycles is not None:
+                        cycles[key] = cycle
+                    out = cycle.writers(shift)
             except (ArrayCheckpointError, ValueError) as e:
                 raise MetadataError(
                     f"metadata: tensor {name!r}: its writers are derived from its regions, but {e}"
                 ) from None
-            if len(out) != nchunks:
-                raise MetadataError(
-                    f"metadata: tensor {name!r}: {len(out)} derived writers for {nchunks} chunks"
-                )
-            out = np.ascontiguousarray(out, dtype=np.int64)
-            out.flags.writeable = False
-            return out
+            return _frozen(out, name, nchunks)
 
-        return Writers(None, True, nchunks, compute)
+        return Writers(None, True, nchunks, compute, shift)
 
     @property
     def array(self) -> Any:
@@ -94,7 +126,20 @@ class Writers(Sequence):
         return hash(tuple(self))  # equal to the tuple of the same writers, as __eq__ says
 
     def __repr__(self) -> str:
-        return f"Writers({'derived, ' if self.derived else ''}{self._len} chunks)"
+        kind = "" if not self.derived else "derived, " if self.shift is None else f"cyclic {self.shift}, "
+        return f"Writers({kind}{self._len} chunks)"
+
+
+def _frozen(out: Any, name: str, nchunks: int) -> Any:
+    """Derived writers as a read-only int64 array; :class:`MetadataError` naming the tensor when their count is
+    not its chunks'."""
+    import numpy as np
+
+    if len(out) != nchunks:
+        raise MetadataError(f"metadata: tensor {name!r}: {len(out)} derived writers for {nchunks} chunks")
+    out = np.ascontiguousarray(out, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 class ReaderBudget:

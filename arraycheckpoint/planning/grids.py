@@ -19,6 +19,7 @@ This module is pure: no framework import, no I/O.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -212,7 +213,9 @@ class GridRules:
                     strides.append(0)
                     placements.append(axis)
                     continue
-                for d in g:  # one grid dimension, or two splitting the axis over their product (outer first)
+                for (
+                    d
+                ) in g:  # one grid dimension, or a chain splitting the axis over their product (outer first)
                     sizes.append(grid.sizes[d])
                     strides.append(grid.strides[d])
                     placements.append(axis)
@@ -239,10 +242,11 @@ def _assign(
     grid: Grid, steps: list[list[Step]], leading: int
 ) -> tuple[tuple[int, int], list[list[tuple[int, ...]]]] | None:
     """Grid dimensions for every grid step, each dimension used once: one dimension (its size and this rank's
-    coordinate equal the step's), or a pair of them that flattens into one dimension (``outer``'s stride
-    is ``inner``'s times its size: a combined process group such as megatron's TP x DP group, in its rank
-    order), for an axis split over their product (sizes multiply to the step's parts, ``outer * inner_size +
-    inner`` is its coordinate). The assignment using the fewest data-parallel dimensions, then single dimensions, then the
+    coordinate equal the step's), or a chain of two or more that flattens into one dimension (each one's
+    stride is the next one's times its size: a combined process group such as megatron's TP x DP or
+    TP x CP x DP group, or the expert grid's ETP x EP x EDP, in its rank order), for an axis split over their
+    product (sizes multiply to the step's parts, their coordinates in mixed radix, outer first, are its
+    coordinate). The assignment using the fewest data-parallel dimensions, then single dimensions, then the
     most preferred ones (the first ``leading`` axes, megatron's prepended layer and expert axes, prefer
     :data:`PREFER_LEADING`, the others :data:`PREFERENCE`); returns (score, dims per step) or None."""
     wanted = [(a, i, s) for a, ss in enumerate(steps) for i, s in enumerate(ss) if s[0] == "grid"]
@@ -256,16 +260,19 @@ def _assign(
         return sum(grid.names[g] in DATA_PARALLEL for g in dims), pref + (len(dims) - 1) * 4 * len(order)
 
     def fits(parts: int, coord: int) -> list[tuple[int, ...]]:
-        single = [(g,) for g in range(n) if grid.sizes[g] == parts and grid.coords[g] == coord]
-        pairs = [
-            (g, h)
-            for g in range(n)
-            for h in range(n)
-            if grid.strides[g] == grid.strides[h] * grid.sizes[h]  # they flatten into one dimension
-            and grid.sizes[g] * grid.sizes[h] == parts
-            and grid.coords[g] * grid.sizes[h] + grid.coords[h] == coord
-        ]
-        return single + pairs
+        out = []
+        for k in range(1, n + 1):  # one dimension, or a chain of them flattening into one, outer first
+            for dims in itertools.permutations(range(n), k):
+                if any(grid.strides[g] != grid.strides[h] * grid.sizes[h] for g, h in zip(dims, dims[1:])):
+                    continue
+                if math.prod(grid.sizes[g] for g in dims) != parts:
+                    continue
+                at = 0
+                for g in dims:  # this rank's coordinate on the flattened dimension
+                    at = at * grid.sizes[g] + grid.coords[g]
+                if at == coord:
+                    out.append(dims)
+        return out
 
     def search(k: int, taken: frozenset[int], replicas: int, pref: int) -> None:
         if k == len(wanted):

@@ -33,7 +33,7 @@ from ..checks.names import check_name_tree
 from ..errors import PlanError
 from .chunking import RunOption, choose_runs, run_options, split_chunk, tensor_chunk_shape
 from .flatgrid import GENERIC, chunk_box, flat_interval, holder_cuts, region_choice
-from .owners import WorstFit, fragment_source, replica_caps
+from .owners import CYCLIC_MIN_CHUNKS, Cycle, WorstFit, cycle_shifts, fragment_source, replica_caps
 from .packing import assign_packs, by_pack
 from .plan import (
     ArrayLayout,
@@ -118,6 +118,7 @@ class TensorDecision:
         None  # the pack holding the array (arraycheckpoint.planning.packing), None: its own directory
     )
     derived: bool = False  # the writers follow from the layout (flatgrid.held_writers): not stored
+    shift: int | None = None  # derived by the cyclic rule with this shift (owners.Cycle), not "held"
 
 
 @dataclass
@@ -165,7 +166,9 @@ class _Class:
     forced: np.ndarray  # per chunk: its writer when it has one candidate, else -1 (worst fit decides)
     straddles: bool  # some chunk lies in several regions (flat runs over flat ranges): fragments travel
     derived: bool  # every writer is the one holder of its chunk's region (flatgrid.held_writers)
+    cyclable: bool = False  # replicated chunks may follow the cyclic rule (nested or flat runs, no straddle)
     _held: dict[int, list[int]] | None = None  # rank -> regions it holds (built on first use)
+    _cycle: Cycle | None = None
     _arrays: list[np.ndarray] | None = None
 
     @property
@@ -195,6 +198,13 @@ class _Class:
         if self._arrays is None:
             self._arrays = [np.asarray(h, dtype=np.int64) for h in self.holders]
         return self._arrays[int(self.choice[ci])]
+
+    @property
+    def cycle(self) -> Cycle:
+        """The cyclic rule's tables of this class (built on first use)."""
+        if self._cycle is None:
+            self._cycle = Cycle(self.choice, self.holders)
+        return self._cycle
 
     def held_by(self, rank: int) -> list[int]:
         """Indices of the regions ``rank`` holds."""
@@ -284,6 +294,7 @@ def _analyse(
         forced,
         bool(straddle),
         bool(derived),
+        kind != GENERIC and not straddle and len(forced) <= MAX_DERIVED_WRITERS,
     )
 
 
@@ -411,9 +422,12 @@ def build_compact_plan(
             )
         classes[name] = c
 
-    # forced chunks (one holder) first, then the replicated ones by worst fit: largest first, ties by
-    # (name, index) (arraycheckpoint.planning.owners)
+    # forced chunks (one holder) first, then the tensors with many replicated chunks by the cyclic rule
+    # (largest first, each its best shift), then the other replicated chunks by worst fit: largest first,
+    # ties by (name, index) (arraycheckpoint.planning.owners)
     load = np.zeros(world, dtype=np.int64)
+    cyclic: list[str] = []
+    shifts: dict[str, int] = {}
     class_load: dict[int, tuple[np.ndarray, list[int]]] = {}  # per class: bytes per rank, its free chunks
     writers: dict[str, np.ndarray] = {}
     uses_of: dict[int, int] = {}  # tensors per class
@@ -429,25 +443,33 @@ def build_compact_plan(
             )
         uses_of[id(c)] = uses_of.get(id(c), 0) + 1
         free = got[1]
+        if free and c.cyclable and len(c.nbytes) > CYCLIC_MIN_CHUNKS and c.cycle.balances:
+            cyclic.append(name)
+            continue
         writers[name] = c.forced.copy() if free else c.forced  # all forced: the class's array, shared
         if free:
             order.extend((-int(c.nbytes[ci]), name, ci) for ci in free)
     for cid, n in uses_of.items():  # each class's bytes per rank, once per tensor of the class
         load += class_load[cid][0] * n
+    for name, (shift, ws) in cycle_shifts(
+        [(n, classes[n].cycle, classes[n].nbytes) for n in cyclic], load
+    ).items():
+        shifts[name], writers[name] = shift, ws
     order.sort()
     fit = WorstFit(load)
     for neg, name, ci in order:
         writers[name][ci] = fit.pick(-neg, classes[name].candidates(ci))
 
     files = [0] * world
-    decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool]] = {}
+    decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool, int | None]] = {}
     firsts: dict[int, int] = {}  # writer array -> its first chunk's writer
     # readers bound the derived writers of a checkpoint and the ranks visited deriving them: list the rest
     derived_total, visits_total, counted = 0, 0, set()
     for name in names:
         t, c = first[name], classes[name]
-        derived = c.derived
-        if derived and id(c) not in counted:
+        shift = shifts.get(name)
+        derived = c.derived or shift is not None
+        if derived and (id(c), shift) not in counted:
             visits = sum(rule_visits(t.shape, x.rule, d.meshes, len(r)) for d, r, x in contribs[name])
             derived = (
                 derived_total + len(c.forced) <= MAX_DERIVED_WRITERS_TOTAL
@@ -456,7 +478,7 @@ def build_compact_plan(
             if derived:
                 derived_total += len(c.forced)
                 visits_total += visits
-                counted.add(id(c))
+                counted.add((id(c), shift))
         ws = writers[name]
         if len(ws):
             first_writer = firsts.get(id(ws))
@@ -471,16 +493,16 @@ def build_compact_plan(
         layout = ArrayLayout(
             name, t.shape, t.dtype, c.layout_shape[0], c.layout_shape[1], options.compression
         )
-        decided[name] = (layout, ws, creator, derived)
+        decided[name] = (layout, ws, creator, derived, shift if derived else None)
     packs = assign_packs(
-        {n: (d[0], d[1], d[2]) for n, d in decided.items()},
+        {n: d[:3] for n, d in decided.items()},
         {n: first[n].itemsize for n in names},
         options.pack_array_bytes,
         options.min_chunk_bytes,
     )
     tensors = {
-        n: TensorDecision(layout, ws, creator, packs.get(n), derived)
-        for n, (layout, ws, creator, derived) in decided.items()
+        n: TensorDecision(layout, ws, creator, packs.get(n), derived, shift)
+        for n, (layout, ws, creator, derived, shift) in decided.items()
     }
     # a class's regions, an array's writers and a layout but its name, hashed once for all sharers; the
     # digest of every tensor's lines, hashed in one update (the same digest as one update per line)
@@ -501,7 +523,7 @@ def build_compact_plan(
         if fields not in digests:
             digests[fields] = repr(fields).encode()
         lines += (
-            f"{name}\0{d.creator}\0{d.pack}\0{d.derived}\0".encode(),
+            f"{name}\0{d.creator}\0{d.pack}\0{d.derived}\0{d.shift}\0".encode(),
             digests[fields],
             digests[id(ws)],
             digests[id(c)],

@@ -11,6 +11,14 @@ so no tensor byte travels.
 
 The one exception, a chunk of a flat-run grid over flat ranges (FSDP1), is written by a holder of its largest
 piece; each piece it lacks comes from :func:`fragment_source`.
+
+A tensor with many replicated chunks (more than :data:`CYCLIC_MIN_CHUNKS`: a stacked mixture-of-experts
+weight at thousands of ranks has thousands) whose holder sets are small (every shift is tried) or each hold
+at least one of its chunks per holder takes its writers from a rule instead (:class:`Cycle`, format 8:
+``"writers": ["cyclic", shift]``): the chunks of each holder set, in row-major order, go round its holders
+starting ``shift`` places on, so the metadata stores one number instead of one rank per chunk and a reader
+derives them (:func:`cyclic_writers`). The planner picks each such tensor's shift for balance, largest tensors
+first (:func:`best_shift`); listed tensors then fill in by worst fit.
 """
 
 from __future__ import annotations
@@ -19,6 +27,17 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from .flatgrid import partition_problem, region_choice
+from .regions import Box
+
+#: A tensor with replicated chunks and more chunks than this takes its writers from a rule (:class:`Cycle`),
+#: not a list, where the rule balances (:attr:`Cycle.balances`): what listing them would cost the metadata (a
+#: few bytes per chunk) stays below a few hundred bytes per tensor, and the small tensors every test and
+#: small save has keep the worst fit.
+CYCLIC_MIN_CHUNKS = 64
+#: Shifts the planner tries per tensor (all of them when the largest holder set is no larger).
+SHIFT_CANDIDATES = 32
 
 
 def fragment_source(holders: Sequence[int], owner: int) -> int:
@@ -73,3 +92,117 @@ class WorstFit:
             r = int(holders[np.argmin(self.load[holders])])
         self.load[r] += nbytes  # its heap entry is now stale: _least refreshes it when it reaches the top
         return r
+
+
+class Cycle:
+    """The writers of a chunk grid under the cyclic rule: chunk ``ci`` lies in region ``choice[ci]`` whose
+    sorted holders are ``H``; among the chunks whose region has the same holder set, in row-major order, the
+    ``j``-th is written by ``H[(j + shift) % len(H)]`` (a region with one holder: that holder, as
+    ``"writers": "held"`` says). Every array is per chunk, built once per layout; :meth:`writers` per shift."""
+
+    def __init__(self, choice: np.ndarray, holders: Sequence[Sequence[int]]) -> None:
+        keys: dict[tuple[int, ...], int] = {}
+        set_of_region = np.asarray(
+            [keys.setdefault(tuple(int(r) for r in h), len(keys)) for h in holders], dtype=np.int64
+        )
+        sizes = np.asarray([len(k) for k in keys], dtype=np.int64)
+        offsets = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        self.flat = np.fromiter((r for k in keys for r in k), dtype=np.int64, count=int(sizes.sum()))
+        sid = set_of_region[choice] if len(choice) else np.zeros(0, dtype=np.int64)
+        counts = np.bincount(sid, minlength=len(sizes))
+        starts = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        order = np.argsort(sid, kind="stable")
+        self.ordinal = np.empty(len(sid), dtype=np.int64)
+        self.ordinal[order] = np.arange(len(sid), dtype=np.int64) - np.repeat(starts, counts)
+        self.size = sizes[sid]  # holders of each chunk's set
+        self.base = offsets[sid]  # where they start in ``flat``
+        self.free = np.flatnonzero(self.size > 1)  # chunks with a choice of writer
+        self.widest = int(sizes.max()) if len(sizes) else 1
+        multi = sizes > 1
+        # the rule balances as well as a worst fit would: every shift is tried, or every holder set with a
+        # choice has a chunk for each of its holders (a tensor spreads over all of them by itself)
+        self.balances = self.widest <= SHIFT_CANDIDATES or bool((counts[multi] >= sizes[multi]).all())
+
+    def writers(self, shift: int, chunks: np.ndarray | None = None) -> np.ndarray:
+        """The writer of every chunk (or of ``chunks``) under ``shift``."""
+        if chunks is None:
+            return self.flat[self.base + (self.ordinal + shift) % self.size]
+        return self.flat[self.base[chunks] + (self.ordinal[chunks] + shift) % self.size[chunks]]
+
+
+def best_shift(cycle: Cycle, nbytes: np.ndarray, load: np.ndarray) -> int:
+    """The shift whose writers leave the least loaded ranks: the smallest largest load over the ranks that
+    write a chunk with a choice, then the smallest sum of squares (ties: the smallest shift). Tried: every
+    shift up to :data:`SHIFT_CANDIDATES`, and the one giving the first free chunk the least loaded holder of
+    its set."""
+    free = cycle.free
+    if not len(free):
+        return 0
+    candidates = list(range(min(cycle.widest, SHIFT_CANDIDATES)))
+    if cycle.widest > SHIFT_CANDIDATES:
+        first = int(free[0])
+        members = cycle.flat[cycle.base[first] : cycle.base[first] + cycle.size[first]]
+        least = int(np.argmin(load[members]))
+        candidates.append(int((least - cycle.ordinal[first]) % cycle.size[first]))
+    nb = nbytes[free].astype(np.float64)
+    best: tuple[float, float, int] | None = None
+    for shift in candidates:
+        w = cycle.writers(shift, free)
+        ranks, inverse = np.unique(w, return_inverse=True)
+        new = load[ranks] + np.bincount(inverse, weights=nb, minlength=len(ranks))
+        score = (float(new.max()), float(np.square(new).sum()), shift)
+        if best is None or score < best:
+            best = score
+    assert best is not None
+    return best[2]
+
+
+def cycle_shifts(
+    tensors: Sequence[tuple[str, Cycle, np.ndarray]], load: np.ndarray
+) -> dict[str, tuple[int, np.ndarray]]:
+    """Each tensor's shift and writers under the cyclic rule (``tensors``: name, its class's :class:`Cycle`,
+    bytes per chunk), largest tensors first (ties by name), each the :func:`best_shift` over ``load`` (bytes
+    each rank writes already; updated). Tensors of one class and shift share one read-only writer array."""
+    weight = {id(cy): int(nb[cy.free].sum()) for _n, cy, nb in tensors}
+    shared: dict[tuple[int, int], np.ndarray] = {}
+    out = {}
+    for name, cy, nb in sorted(tensors, key=lambda x: (-weight[id(x[1])], x[0])):
+        shift = best_shift(cy, nb, load)
+        ws = shared.get((id(cy), shift))
+        if ws is None:
+            ws = shared[(id(cy), shift)] = cy.writers(shift)
+        out[name] = (shift, ws)
+        load += np.bincount(ws[cy.free], weights=nb[cy.free], minlength=len(load)).astype(np.int64)
+    return out
+
+
+def cyclic_writers(
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    boxes: Sequence[Box],
+    holders: Sequence[Sequence[int]],
+    shift: int,
+) -> np.ndarray:
+    """The writers a reader derives for ``"writers": ["cyclic", shift]`` (format 8): :class:`Cycle` over the
+    region :func:`~arraycheckpoint.planning.flatgrid.region_choice` picks for each chunk (nested or flat-run
+    grids only), the code the planner ran.
+
+    Raises:
+        ValueError: the regions (untrusted: read from a checkpoint) do not cut the tensor exactly, or the grid
+            is neither nested nor flat runs.
+    """
+    return cycle_of(shape, chunk, boxes, holders).writers(shift)
+
+
+def cycle_of(
+    shape: tuple[int, ...], chunk: tuple[int, ...], boxes: Sequence[Box], holders: Sequence[Sequence[int]]
+) -> Cycle:
+    """The :class:`Cycle` of a layout read from a checkpoint (any shift's writers follow from it), after the
+    checks of :func:`cyclic_writers` (ValueError)."""
+    problem = partition_problem(shape, chunk, boxes)
+    if problem is not None:
+        raise ValueError(problem)
+    choice, _s, _k = region_choice(shape, chunk, boxes, holders, generic=False)
+    return Cycle(choice, holders)

@@ -19,6 +19,7 @@ import pytest
 from arraycheckpoint.errors import PlanError
 from arraycheckpoint.planning.flatgrid import held_writers
 from arraycheckpoint.planning.groupplan import Decl, TensorRule, build_compact_plan, rank_plan
+from arraycheckpoint.planning.owners import cyclic_writers
 from arraycheckpoint.planning.plan import PlanOptions, TensorDecl, build_global_plan
 from arraycheckpoint.planning.regions import Box, flat_range_to_boxes
 from arraycheckpoint.planning.rules import Mesh, rule_boxes
@@ -38,10 +39,12 @@ def check_plan(plan, options, flat=False):
     moved = 0
     for name, d in plan.tensors.items():
         c = plan._classes[name]
-        if d.derived:  # format 7: a reader derives these writers from the layout alone, with the same result
-            assert np.array_equal(
-                held_writers(d.layout.shape, d.layout.chunk_shape, c.boxes, c.holders), d.writers
-            )
+        if (
+            d.derived
+        ):  # formats 7-8: a reader derives these writers from the layout alone, with the same result
+            args = (d.layout.shape, d.layout.chunk_shape, c.boxes, c.holders)
+            got = held_writers(*args) if d.shift is None else cyclic_writers(*args, d.shift)
+            assert np.array_equal(got, d.writers)
         itemsize = int(c.nbytes[0] // c.chunks[0].volume) if len(c.chunks) and c.chunks[0].volume else 0
         assert len(d.writers) == len(c.chunks)
         assert all(int(n) <= max(options.max_chunk_bytes, itemsize) for n in c.nbytes), name

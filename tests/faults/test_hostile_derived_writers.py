@@ -235,3 +235,47 @@ def test_a_world_beyond_any_mesh_is_refused_before_anything_sized_by_it(tmp_path
     with pytest.raises(MetadataError, match="world_size 1099511627776"):
         acp.load(path, {"extra_state": {"counter": PerRank()}})
     assert source_rank(5, range(4)) == 1 and source_rank(2, range(1 << 22)) == 2  # no list of the world
+
+
+@pytest.mark.parametrize(
+    "writers, why",
+    [
+        (["cyclic", -1], "integer shift in"),
+        (["cyclic", 4], "integer shift in"),
+        (["cyclic", True], "integer shift in"),
+        (["cyclic", 1.0], "integer shift in"),
+        (["cyclic", "1"], "integer shift in"),
+        (["cyclic"], "integer shift in"),
+        (["cyclic", 1, 2], "integer shift in"),
+    ],
+)
+def test_malformed_cyclic_writers_are_refused_naming_the_tensor(writers, why):
+    """Format 8's ``["cyclic", shift]``: the shift is an integer in [0, world_size); anything else is refused
+    while the metadata is parsed, naming the tensor."""
+    doc = _doc(4, {"model/w": {**_held([8, 4], [2, 4], [[0, ["replica"]]]), "writers": writers}})
+    doc["format_version"] = 8
+    with pytest.raises(MetadataError, match=why) as e:
+        CheckpointMetadata.from_json(json.dumps(doc))
+    assert "model/w" in str(e.value)
+
+
+def test_cyclic_writers_are_derived_and_need_format_8():
+    """A replicated tensor's chunks go round its holders from ``shift`` on; the same entry in a format-7
+    document is no list of ranks: refused. Regions that do not cut the tensor exactly are refused on use."""
+    entry = {**_held([8, 4], [2, 4], [[0, ["replica"]]]), "writers": ["cyclic", 3]}
+    doc = _doc(4, {"model/w": entry})
+    doc["format_version"] = 8
+    writers = CheckpointMetadata.from_json(json.dumps(doc)).tensors["model/w"].writers
+    assert list(writers) == [3, 0, 1, 2]
+    doc["format_version"] = 7
+    with pytest.raises(MetadataError, match="model/w"):
+        CheckpointMetadata.from_json(json.dumps(doc))
+    bad = {
+        **_held([8, 4], [2, 4], [[0, ["boxes", [[[0, 0], [4, 4]], [[2, 0], [6, 4]]]]]]),
+        "writers": entry["writers"],
+    }
+    doc = _doc(4, {"model/w": bad})
+    doc["format_version"] = 8
+    meta = CheckpointMetadata.from_json(json.dumps(doc))
+    with pytest.raises(MetadataError, match="model/w.*overlap or do not cover"):
+        _ = meta.tensors["model/w"].writers.array

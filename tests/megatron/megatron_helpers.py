@@ -71,12 +71,15 @@ def value_of(key: str, shape: Sequence[int], salt: int = 0) -> np.ndarray:
 
 def sharded_tensors(model: Any) -> list[Any]:
     """Every ShardedTensor of the model's sharded_state_dict, factories built (views of the parameters)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     out = []
     for v in model.sharded_state_dict().values():
-        if isinstance(v, ShardedTensorFactory):
-            out.extend(x for x in v.build() if isinstance(x, ShardedTensor))
+        if isinstance(v, ShardedTensorFactory):  # a list, or (GroupedMLP) a tensor or nested dicts of them
+            built = v.build()
+            built = [built] if isinstance(built, ShardedTensor) else nested_values(built)
+            out.extend(x for x in built if isinstance(x, ShardedTensor))
         elif isinstance(v, ShardedTensor):
             out.append(v)
     return out
@@ -213,14 +216,29 @@ def _fresh_parallel(seed: int, **sizes: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_moe(tp: int, ep: int, seed: int, num_layers: int = 2, experts: int = 4) -> Any:
-    """A small megatron-core mixture-of-experts GPTModel (SequentialMLP experts, SwiGLU, no biases) for this
-    rank's TP/EP position (PP 1; the rest of the world is data-parallel)."""
+def build_moe(
+    tp: int, ep: int, seed: int, num_layers: int = 2, experts: int = 4, grouped: bool = False
+) -> Any:
+    """A small megatron-core mixture-of-experts GPTModel (SequentialMLP experts, or with ``grouped``
+    megatron's GroupedMLP; SwiGLU, no biases) for this rank's TP/EP position (PP 1; the rest of the world is
+    data-parallel).
+
+    GroupedMLP's weights, ``sharded_state_dict`` and factories are megatron-core's CPU code, but its
+    constructor refuses to run without the ``grouped_gemm`` package (CUDA kernels used only by its forward,
+    which no test runs; it does not build without CUDA): ``grouped`` marks the package available to that
+    check (``grouped_gemm_util.grouped_gemm``), nothing else."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if grouped:
+        import types
+
+        from megatron.core.transformer.moe import grouped_gemm_util
+
+        if grouped_gemm_util.grouped_gemm is None:  # the availability check only: no kernel is ever called
+            grouped_gemm_util.grouped_gemm = types.ModuleType("grouped_gemm")
     _fresh_parallel(seed, tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     cfg = TransformerConfig(
         num_layers=num_layers,
@@ -234,8 +252,9 @@ def build_moe(tp: int, ep: int, seed: int, num_layers: int = 2, experts: int = 4
         gated_linear_unit=True,
         add_bias_linear=False,
         pipeline_dtype=torch.float32,
+        moe_grouped_gemm=grouped,
     )
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped)
     return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True, post_process=True)
 
 

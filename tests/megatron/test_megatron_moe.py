@@ -49,3 +49,45 @@ def test_moe_saved_at_tp2_ep2_loads_at_ep4_with_rules(tmp_path) -> None:
     got = run_distributed(load_moe, 4, (path,))
     assert assemble([b for b, _a in got], replicas_agree=False).keys() == want.keys()
     assert_equal_tensors(assemble([a for _b, a in got]), want)
+
+
+def save_many_experts(rank: int, world: int, path: str) -> list:
+    import arraycheckpoint as acp
+
+    model = build_moe(1, 2, seed=rank, num_layers=8, experts=16)
+    fill_model(model)
+    acp.save(path, {"model": model}, framework="megatron")
+    return local_shards(model)
+
+
+def load_many_experts(rank: int, world: int, path: str) -> list:
+    import arraycheckpoint as acp
+
+    model = build_moe(2, 2, seed=50 + rank, num_layers=8, experts=16)
+    acp.load(path, {"model": model})
+    return local_shards(model)
+
+
+def test_replicated_expert_writers_by_rule_load_bit_exactly(tmp_path) -> None:
+    """8 layers x 16 experts at EP 2 over 4 ranks (expert DP 2): each stacked expert weight has 128 chunks,
+    (fc1: 256, its SwiGLU halves) each held by two expert data-parallel replicas; the metadata stores their writers as the cyclic rule
+    (format 8), each rank writes a quarter of them, and the checkpoint loads bit-exactly at TP 2 x EP 2
+    (expert TP 2: every expert weight cut in halves, no expert replicas)."""
+    import json
+    import os
+
+    import numpy as np
+
+    import arraycheckpoint as acp
+
+    path = str(tmp_path / "moe")
+    want = assemble(run_distributed(save_many_experts, 4, (path,)))
+    with open(os.path.join(path, ".acp", "metadata.json")) as f:
+        doc = json.load(f)
+    experts = [n for n in doc["tensors"] if "experts.experts" in n]
+    assert experts and all(doc["tensors"][n]["writers"][0] == "cyclic" for n in experts), experts
+    meta = acp.read_metadata(path)
+    for n in experts:
+        counts = np.bincount(np.asarray(list(meta.tensors[n].writers)), minlength=4)
+        assert counts.sum() >= 128 and counts.max() - counts.min() <= 1, (n, counts)  # fc1: two halves
+    assert_equal_tensors(assemble(run_distributed(load_many_experts, 4, (path,))), want)
