@@ -186,7 +186,27 @@ def _pack_directory(
     if keep:
         parsed[held_at] = (entries, size, cd_offset, read_remote)  # type: ignore[index]
     _check_entries(path, entries, cd_offset, reader, check_members, deferred)
+    start = size - len(tail)
+    if deferred is not None and cd_offset > start:  # a load: its members in the bytes read, served from them
+        return PackDirectory(entries, start, memoryview(tail)[: cd_offset - start]), size
     return entries, size
+
+
+class PackDirectory(list):  # type: ignore[type-arg]
+    """A pack's directory entries (a list of :class:`PackMember`) with the bytes of the pack before its
+    directory that the read of its end fetched: ``held`` is bytes ``[at, at + len(held))`` of the pack. A load
+    from an object store serves the members there from them instead of fetching them again (a pack smaller
+    than :data:`_PACK_TAIL_BYTES` is then read once, whole); a reader keeping many drops what is over its
+    budget (:data:`KEEP_HELD_BYTES`) by setting ``held`` empty."""
+
+    def __init__(self, entries: list[PackMember], at: int, held: memoryview) -> None:
+        super().__init__(entries)
+        self.at = at
+        self.held: memoryview | bytes = held
+
+
+#: the most bytes of its packs' ends a load keeps to serve members from (:class:`PackDirectory`)
+KEEP_HELD_BYTES = 64 << 20
 
 
 #: What an object store's reader of a pack returns: its last bytes, its size when known, and a reader of
