@@ -8,8 +8,9 @@ read by :func:`arraycheckpoint.engine.chunkread.read_shard` at its offset in the
 its own: on a local file, the member read whole in order (its local header, each inner chunk into the
 destination that holds it whole and contiguously, else into one staging buffer reused for every member, the
 checksums and the index; ``preadv`` calls of about 256 KiB, each block checksummed as it lands), the index
-first for a part of a member; on an object store, one ranged read of the
-member (tensorstore's key-value store of the pack object) whose bytes are the only staging. The index and
+first for a part of a member; on an object store, the member's bytes in a merged ranged read of the members
+the load reads of that pack (:mod:`.coalesce`: tensorstore's key-value store of the pack object, issued
+ahead), or the pack's end its directory check read, whose bytes are the only staging. The index and
 every inner chunk that meets a region are checked with ``google_crc32c``; staged bytes are copied once into
 the destination of each region (the tensor itself, or the staging buffer a sink asked for).
 
@@ -220,12 +221,12 @@ class PackFile:
     ) -> tuple[int, int] | None:
         """Read the chunk file stored as member ``name`` (the chunk at ``origin``) into ``dests``
         (:func:`.chunkread.read_shard`): on a local file with its local header in the same ``preadv``; from an
-        object store with one ranged read (header and member) whose bytes are the only staging. None: not
-        in the layout a save writes (local header included)."""
+        object store with its ranged read (header and member; merged with its neighbours: :mod:`.coalesce`), the
+        only staging. None: not in the layout a save writes (local header included)."""
         info = self._members.get(name)
         if info is None:
             return None
-        if self._fd < 0:  # one ranged read of the member (and its local header): the only staging
+        if self._fd < 0:  # the ranged read of the member (and its local header): the only staging
             raw = self.member_view(name)
             if raw is None:
                 return None
