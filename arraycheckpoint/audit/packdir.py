@@ -223,16 +223,29 @@ def _kv_ranges(storage: Any, base: str, key: str, want: int) -> RangesRead | Non
     kv = _kvstore(storage, f"{base}/{PACK_DIR}")
     leaf = key[len(PACK_DIR) + 1 :]
     size: int | None = None
-    try:
-        result = kv.read(leaf, byte_range=slice(-want, None)).result()
-    except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the suffix asked for: read it whole
-        if "OUT_OF_RANGE" not in str(e):
-            raise
-        result = kv.read(leaf).result()
-        if result.state == "value":
-            size = len(result.value)
-    if result.state != "value":
-        return None
+    value: bytes | None = None
+    suffix = getattr(storage, "read_suffix", None)  # S3: the end and the size in one GET, however small
+    if suffix is not None:
+        try:
+            got = suffix(base, key, want)
+        except NotImplementedError:
+            pass
+        else:
+            if got is None:
+                return None
+            value, size = got
+    if value is None:
+        try:
+            result = kv.read(leaf, byte_range=slice(-want, None)).result()
+        except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the suffix asked: read it whole
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            result = kv.read(leaf).result()
+            if result.state == "value":
+                size = len(result.value)
+        if result.state != "value":
+            return None
+        value = bytes(result.value)
 
     def read_remote(ranges: list[tuple[int, int | None]]) -> list[bytes]:
         futures = [kv.read(leaf, byte_range=slice(o, o + n) if n is not None else None) for o, n in ranges]
@@ -249,7 +262,7 @@ def _kv_ranges(storage: Any, base: str, key: str, want: int) -> RangesRead | Non
             out.append(bytes(r.value))
         return out
 
-    return bytes(result.value), size, read_remote
+    return value, size, read_remote
 
 
 class _PackReader:

@@ -76,6 +76,28 @@ def test_a_load_reads_each_pack_in_merged_ranged_gets(s3_server: Any, fault_prox
     assert sum(n for _r, n in merged) <= sum(sizes.values()) + packdir._PACK_TAIL_BYTES * len(packs)
 
 
+def test_a_small_pack_is_read_once_whole_by_its_first_ranged_get(s3_server: Any, fault_proxy: Any) -> None:
+    """A pack smaller than its first read (256 KiB from its end): that GET holds every member, which are
+    served from it. It was 2 GETs of the whole pack (tensorstore refuses a suffix longer than the object after
+    fetching it, then the pack was read whole) and one per member."""
+    prefix = f"small-{uuid.uuid4().hex[:8]}/ck"
+    url = f"s3://{s3_server.bucket}/{prefix}"
+    state = {"model": {f"w{i}": torch.full((4,), float(i)) for i in range(20)}}
+    acp.save(url, state)
+    packs = [k for k in s3_server.keys(prefix) if "/.acp/packs/" in k]
+    configure("s3", endpoint=fault_proxy.endpoint)
+    try:
+        target = {"model": {k: torch.zeros(4) for k in state["model"]}}
+        acp.load(url, target)
+    finally:
+        configure("s3", endpoint=None)
+    assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+    size = s3_server.client.head_object(Bucket=s3_server.bucket, Key=packs[0])["ContentLength"]
+    assert len(packs) == 1 and _pack_gets(fault_proxy, packs) == [
+        (f"bytes=-{packdir._PACK_TAIL_BYTES}", size)
+    ]
+
+
 def test_a_flipped_byte_in_a_merged_read_is_refused_naming_tensor_and_pack(
     s3_server: Any, s3_prefix: str
 ) -> None:
