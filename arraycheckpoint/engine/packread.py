@@ -381,9 +381,8 @@ class PackedReader:
                 for m in members
                 if (info := entries.get(m[2])) is not None
             ]
-            checked = self._directories.get(
-                key
-            )  # audit.packdir.PackDirectory: the pack's end, read by the checks
+            # audit.packdir.PackDirectory: the pack's end, which the check of its directory read
+            checked = self._directories.get(key)
             held = getattr(checked, "held", None)
             plan.append((key.rpartition("/")[2], ranges, end, (checked.at, held) if held else None))
         return SpanReader(self._remote_kv(), plan)
