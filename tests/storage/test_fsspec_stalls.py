@@ -132,3 +132,25 @@ def test_a_save_whose_upload_stalls_fails_within_its_timeout_and_commits_nothing
     os.kill(pid, signal.SIGCONT)
     listed = server.client.list_objects_v2(Bucket=server.bucket, Prefix="save/")
     assert not [o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith("/.acp/committed")]
+
+
+def test_call_within_returns_raises_or_gives_up_in_time() -> None:
+    from arraycheckpoint.storage.retry import call_within, is_transient
+
+    assert call_within(5, lambda: 42, "read of x") == 42
+    with pytest.raises(KeyError):
+        call_within(5, lambda: {}["k"], "read of x")
+    stuck = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no answer from the store within 0.2 s") as info:
+        call_within(0.2, stuck.wait, "read of x")
+    assert time.monotonic() - start < 2 and is_transient(info.value)
+    stuck.set()
+
+
+def test_bulk_batches_stay_within_their_size() -> None:
+    from arraycheckpoint.storage import fsspec_store
+
+    cap = fsspec_store._BATCH_BYTES
+    sizes = {"a": cap // 2, "b": cap // 2, "c": 1, "d": 2 * cap, "e": None, "f": 5}
+    assert fsspec_store._batches(sizes) == [["a", "b"], ["c"], ["d"], ["e"], ["f"]]
