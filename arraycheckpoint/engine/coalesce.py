@@ -73,9 +73,9 @@ class SpanReader:
 
     ``plan`` lists, in consumption order, each object (``leaf``) with the byte ranges a load will read of it,
     the object's size as checked (``limit``, or None), and ``(offset, bytes)`` of it already read (or None):
-    the ranges those bytes hold are served from them, without a request. :meth:`read` returns a view of the bytes of a range
-    a span holds, or None when no span holds it (the caller reads it alone). Spans before the one asked for
-    are dropped (the reads go forward), so at most :data:`AHEAD_BYTES` are held."""
+    the ranges those bytes hold are served from them, without a request. :meth:`read` returns a view of the
+    bytes of a range a span holds, or None when no span holds it (the caller reads it alone). Spans before the
+    one asked for are dropped (the reads go forward), so at most :data:`AHEAD_BYTES` are held."""
 
     def __init__(
         self,
@@ -153,6 +153,8 @@ class SpanReader:
         while self._live and self._live[0][0] < index:  # consumed: reads go forward
             dropped, _ = self._live.popleft()
             self._live_bytes -= self._span_bytes(dropped)
+        if not self._live:  # every span issued is behind this one: those between them are never read
+            self._next = max(self._next, index)
         self._issue(index)
         _, held = self._live[0]
         if not isinstance(held, np.ndarray):

@@ -186,3 +186,14 @@ def test_a_span_the_pack_no_longer_holds_serves_nothing() -> None:
     assert kv.asked == [("a.zip", 0, 60)]
     short = coalesce.SpanReader(_Counted({"a.zip": b"x" * 50}), [("a.zip", [(0, 10), (40, 10)], 1_000, None)])
     assert np.array_equal(short.read("a.zip", 0, 10), np.frombuffer(b"x" * 10, np.uint8))
+
+
+def test_a_read_past_spans_never_asked_for_skips_them() -> None:
+    """Reads that skip spans (members served otherwise): the span asked for is read, those skipped never."""
+    data = bytes(range(256)) * 4
+    kv = _Counted({"a.zip": data})
+    plan = [("a.zip", [(0, 10), (100, 10), (200, 10), (300, 10)], len(data), None)]
+    reader = coalesce.SpanReader(kv, plan, gap=5, ahead_spans=1)
+    assert reader.read("a.zip", 300, 10).tobytes() == data[300:310]  # type: ignore[union-attr]
+    assert kv.asked == [("a.zip", 0, 10), ("a.zip", 300, 310)]
+    assert reader.read("a.zip", 100, 10) is None  # behind: read alone
