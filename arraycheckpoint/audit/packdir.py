@@ -186,7 +186,27 @@ def _pack_directory(
     if keep:
         parsed[held_at] = (entries, size, cd_offset, read_remote)  # type: ignore[index]
     _check_entries(path, entries, cd_offset, reader, check_members, deferred)
+    start = size - len(tail)
+    if deferred is not None and cd_offset > start:  # a load: its members in the bytes read, served from them
+        return PackDirectory(entries, start, memoryview(tail)[: cd_offset - start]), size
     return entries, size
+
+
+class PackDirectory(list):  # type: ignore[type-arg]
+    """A pack's directory entries (a list of :class:`PackMember`) with the bytes of the pack before its
+    directory that the read of its end fetched: ``held`` is bytes ``[at, at + len(held))`` of the pack. A load
+    from an object store serves the members there from them instead of fetching them again (a pack smaller
+    than :data:`_PACK_TAIL_BYTES` is then read once, whole); a reader keeping many drops what is over its
+    budget (:data:`KEEP_HELD_BYTES`) by setting ``held`` empty."""
+
+    def __init__(self, entries: list[PackMember], at: int, held: memoryview) -> None:
+        super().__init__(entries)
+        self.at = at
+        self.held: memoryview | bytes = held
+
+
+#: the most bytes of its packs' ends a load keeps to serve members from (:class:`PackDirectory`)
+KEEP_HELD_BYTES = 64 << 20
 
 
 #: What an object store's reader of a pack returns: its last bytes, its size when known, and a reader of
@@ -203,16 +223,29 @@ def _kv_ranges(storage: Any, base: str, key: str, want: int) -> RangesRead | Non
     kv = _kvstore(storage, f"{base}/{PACK_DIR}")
     leaf = key[len(PACK_DIR) + 1 :]
     size: int | None = None
-    try:
-        result = kv.read(leaf, byte_range=slice(-want, None)).result()
-    except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the suffix asked for: read it whole
-        if "OUT_OF_RANGE" not in str(e):
-            raise
-        result = kv.read(leaf).result()
-        if result.state == "value":
-            size = len(result.value)
-    if result.state != "value":
-        return None
+    value: bytes | None = None
+    suffix = getattr(storage, "read_suffix", None)  # S3: the end and the size in one GET, however small
+    if suffix is not None:
+        try:
+            got = suffix(base, key, want)
+        except NotImplementedError:
+            pass
+        else:
+            if got is None:
+                return None
+            value, size = got
+    if value is None:
+        try:
+            result = kv.read(leaf, byte_range=slice(-want, None)).result()
+        except ValueError as e:  # OUT_OF_RANGE: the object is shorter than the suffix asked: read it whole
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            result = kv.read(leaf).result()
+            if result.state == "value":
+                size = len(result.value)
+        if result.state != "value":
+            return None
+        value = bytes(result.value)
 
     def read_remote(ranges: list[tuple[int, int | None]]) -> list[bytes]:
         futures = [kv.read(leaf, byte_range=slice(o, o + n) if n is not None else None) for o, n in ranges]
@@ -229,7 +262,7 @@ def _kv_ranges(storage: Any, base: str, key: str, want: int) -> RangesRead | Non
             out.append(bytes(r.value))
         return out
 
-    return bytes(result.value), size, read_remote
+    return value, size, read_remote
 
 
 class _PackReader:

@@ -333,6 +333,7 @@ class RankPacks:
         self.target = targets.pop() if len(targets) == 1 else 0
         # chunk file bytes, grid, longest chunk key per distinct layout
         self.per_layout: dict[Any, tuple[int, tuple[int, ...], int]] = {}
+        self.held_bytes = 0  # pack bytes kept for a load's reader (packdir.PackDirectory)
 
     def whole_rank(self, rank: int, chunks_of: Callable[[str], np.ndarray]) -> dict[str, tuple[str, int]]:
         """Every member of ``rank``'s packs (``member -> (array, chunk or -1 for its zarr.json)``), after its
@@ -438,6 +439,10 @@ class RankPacks:
                 )
             out[key] = size
             if directories is not None:
+                if isinstance(entries, packdir.PackDirectory):  # a load keeps what its budget allows
+                    self.held_bytes += len(entries.held)
+                    if self.held_bytes > packdir.KEEP_HELD_BYTES:
+                        entries.held = b""
                 directories[key] = entries
         missing = sorted(wanted - seen)
         if missing:

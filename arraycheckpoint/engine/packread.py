@@ -8,8 +8,9 @@ read by :func:`arraycheckpoint.engine.chunkread.read_shard` at its offset in the
 its own: on a local file, the member read whole in order (its local header, each inner chunk into the
 destination that holds it whole and contiguously, else into one staging buffer reused for every member, the
 checksums and the index; ``preadv`` calls of about 256 KiB, each block checksummed as it lands), the index
-first for a part of a member; on an object store, one ranged read of the
-member (tensorstore's key-value store of the pack object) whose bytes are the only staging. The index and
+first for a part of a member; on an object store, the member's bytes in a merged ranged read of the members
+the load reads of that pack (:mod:`.coalesce`: tensorstore's key-value store of the pack object, issued
+ahead), or the pack's end its directory check read, whose bytes are the only staging. The index and
 every inner chunk that meets a region are checked with ``google_crc32c``; staged bytes are copied once into
 the destination of each region (the tensor itself, or the staging buffer a sink asked for).
 
@@ -23,7 +24,6 @@ A checksum that does not match raises :class:`CorruptCheckpointError` naming the
 
 from __future__ import annotations
 
-import itertools
 import os
 import struct
 from collections import OrderedDict
@@ -36,6 +36,8 @@ from ..checks import zipdir  # zipdir.check_local_header: looked up at call time
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
 from ..planning.regions import Box
 from . import chunkread, shardfile
+from .chunksmet import chunks_met, first
+from .coalesce import SpanReader
 from .common import open_packs_allowed
 from .packdoc import DocCheck as _DocCheck
 
@@ -70,6 +72,8 @@ class PackFile:
         self._kv = kvstore
         self._leaf = key.rpartition("/")[2]
         self._fd = -1
+        #: an object store's merged reads of this load's members (:class:`.coalesce.SpanReader`), or None
+        self.ahead: Any = None
         #: the last :data:`_WINDOW` bytes read ahead from a local pack (offset, bytes): small members a load
         #: reads one after the other (the document and chunk of each small tensor, in pack order) come from
         #: it, not from a ``pread`` each
@@ -97,6 +101,9 @@ class PackFile:
 
     def _read(self, offset: int, nbytes: int, staging: np.ndarray | None) -> np.ndarray:
         if self._fd < 0:
+            held = None if self.ahead is None else self.ahead.read(self._leaf, offset, nbytes)
+            if held is not None:  # a view of a merged read's bytes (the only staging, as a read alone)
+                return held
             try:
                 result = self._kv.read(self._leaf, byte_range=slice(offset, offset + nbytes)).result()
             except ValueError as e:  # tensorstore's errors; a range past the end: the pack was cut since
@@ -214,12 +221,12 @@ class PackFile:
     ) -> tuple[int, int] | None:
         """Read the chunk file stored as member ``name`` (the chunk at ``origin``) into ``dests``
         (:func:`.chunkread.read_shard`): on a local file with its local header in the same ``preadv``; from an
-        object store with one ranged read (header and member) whose bytes are the only staging. None: not
-        in the layout a save writes (local header included)."""
+        object store with its ranged read (header and member; merged with its neighbours: :mod:`.coalesce`), the
+        only staging. None: not in the layout a save writes (local header included)."""
         info = self._members.get(name)
         if info is None:
             return None
-        if self._fd < 0:  # one ranged read of the member (and its local header): the only staging
+        if self._fd < 0:  # the ranged read of the member (and its local header): the only staging
             raw = self.member_view(name)
             if raw is None:
                 return None
@@ -304,6 +311,7 @@ class PackedReader:
         ] = {}  # open directories of local packs (``.acp/packs``): :meth:`_directory`
         self._max_open = open_packs_allowed()  # packs open at once (least recently used closed first)
         self._members: dict[str, dict[str, Any]] = {}  # pack key -> its members by name (once per pack)
+        self._ends: dict[str, int] = {}  # pack key -> where its last member ends (object stores)
         self._where: dict[str, str] = {}  # member -> pack key (format 6, from the directories)
         for key, entries in directories.items():
             for e in entries:
@@ -336,14 +344,7 @@ class PackedReader:
             self._packs.move_to_end(key)
         else:
             members = self._entries(key)
-            kv = None
-            if not self._local:
-                if self._kv is None:
-                    from ..audit.packdir import _kvstore
-                    from ..planning.packing import PACK_DIR
-
-                    self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
-                kv = self._kv
+            kv = None if self._local else self._remote_kv()
             limit = int(self._max_open)  # this load's part of the process's descriptor budget, now
             while self._packs and len(self._packs) >= limit:
                 self._packs.popitem(last=False)[1].close()
@@ -351,6 +352,40 @@ class PackedReader:
                 self._root, key, members, kv, self._unchecked.get(key), self._directory(key)
             )
         return pack
+
+    def _remote_kv(self) -> Any:
+        """The object store's key-value store of the packs' directory (opened once per load)."""
+        if self._kv is None:
+            from ..audit.packdir import _kvstore
+            from ..planning.packing import PACK_DIR
+
+            self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
+        return self._kv
+
+    def _ahead(self, reads: dict[str, list[tuple[Any, ...]]]) -> SpanReader:
+        """Merged ranged reads of the members ``reads`` lists (each pack's in offset order: a member's local
+        header and data, as :meth:`PackFile.member_view` reads them), issued ahead (:mod:`.coalesce`). Each
+        pack's spans end at its last member's end, which the checks found before its directory, within its
+        size."""
+        plan = []
+        for key, members in reads.items():
+            entries = self._members[key]  # indexed by ``place``
+            end = self._ends.get(key)
+            if end is None:
+                end = self._ends[key] = max(
+                    (e.header_offset + _LOCAL.size + len(e.raw_name) + e.file_size for e in entries.values()),
+                    default=0,
+                )
+            ranges = [
+                (info.header_offset, _LOCAL.size + len(m[2].encode()) + info.file_size)
+                for m in members
+                if (info := entries.get(m[2])) is not None
+            ]
+            # audit.packdir.PackDirectory: the pack's end, which the check of its directory read
+            checked = self._directories.get(key)
+            held = getattr(checked, "held", None)
+            plan.append((key.rpartition("/")[2], ranges, end, (checked.at, held) if held else None))
+        return SpanReader(self._remote_kv(), plan)
 
     def _directory(self, key: str) -> int | None:
         """The open directory holding the local pack ``key`` (opened once, below the root without a link:
@@ -471,7 +506,7 @@ class PackedReader:
                     arr = np.empty(shard.box.lengths, dtype=lay.dtype)
                 dests.append((shard.box, arr))
             sinks.append(i)
-            for idx, near in _chunks_met(dests, tm.chunk_shape):
+            for idx, near in chunks_met(dests, tm.chunk_shape):
                 member = f"{tm.name}/" + sep.join(["c", *map(str, idx)])
                 origin = tuple(k * c for k, c in zip(idx, tm.chunk_shape))
                 key, at = place(tm, v6, member)
@@ -479,14 +514,18 @@ class PackedReader:
         left: set[int] = set()  # format-5 arrays with a member not as a save writes it: tensorstore's
         direct = scratch = 0
         doc_kind, small_kind = _DOC, _SMALL
+        for members in reads.values():
+            members.sort(key=first)  # by offset (unique in a pack)
+        # an object store: each pack's members in merged ranged reads, issued ahead (local files: pread)
+        ahead = None if local else self._ahead(reads)
         for key, members in reads.items():
-            members.sort()  # by offset (unique in a pack: the rest of the tuple is never compared)
             pack: PackFile | None = None
             for _at, i, member, origin, near, kind, tm, lay in members:
                 if left and i in left:
                     continue
                 if pack is None:
                     pack = self._open(tm, key)
+                    pack.ahead = ahead
                 if kind == doc_kind:  # a format-6 array's document
                     raw = pack.doc(member)
                     if raw is None:
@@ -508,6 +547,8 @@ class PackedReader:
                     continue
                 direct += got[0]
                 scratch += got[1]
+        for pack in self._packs.values():
+            pack.ahead = None  # the merged reads' bytes are freed with this batch
         self.direct_bytes += direct
         self.scratch_bytes += scratch
         total = sum(small.values())
@@ -541,41 +582,6 @@ _WINDOW_START = 16 << 10
 #: what :meth:`PackedReader.deliver_many` reads of a member: a format-6 array's ``zarr.json``, a chunk, a
 #: chunk that is a whole small array (read from the read-ahead window where it can)
 _DOC, _CHUNK, _SMALL = 0, 1, 2
-
-
-def _first(read: tuple[Any, ...]) -> Any:
-    return read[0]
-
-
-def _chunks_met(
-    dests: list[chunkread.Dest], chunk_shape: Any
-) -> list[tuple[tuple[int, ...], list[chunkread.Dest]]]:
-    """Grid indices of the chunks the (non-empty) regions of ``dests`` meet, in C order, each once, with the
-    destinations each meets (in their order): one pass over the chunks of each region, not one over the
-    regions per chunk (a region per chunk, as ``verify`` reads: 70,000 chunks made 4.9e9 intersections)."""
-    if len(dests) == 1:
-        box = dests[0][0]
-        if box.volume == 0:
-            return []
-        ranges = [
-            range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(box.offsets, box.lengths, chunk_shape)
-        ]
-        return [(idx, dests) for idx in itertools.product(*ranges)]
-    met: dict[tuple[int, ...], list[chunkread.Dest]] = {}
-    for dest in dests:
-        box = dest[0]
-        if box.volume == 0:
-            continue
-        ranges = [
-            range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(box.offsets, box.lengths, chunk_shape)
-        ]
-        for idx in itertools.product(*ranges):
-            near = met.get(idx)
-            if near is None:
-                met[idx] = [dest]
-            else:
-                near.append(dest)
-    return sorted(met.items(), key=_first)
 
 
 def _corrupt(tm: Any, pack: PackFile, key: str, why: str) -> CorruptCheckpointError:

@@ -16,6 +16,15 @@ arrays it reads from (load), and a load fetches whole arrays even when the rank 
 Backends that tensorstore drives natively (local files, ``s3://``) avoid both and should be preferred; the
 fsspec path is for file systems nothing else reaches (HDFS through pyarrow, vendor object stores).
 
+A store that stops answering fails the save or load, naming the path: fsspec's calls have no timeout of
+their own (s3fs waits 60 s per attempt and retries; a local or FUSE mount can block for ever), so each runs on
+a thread of its own (:func:`~.retry.call_within`) and is waited for at most :meth:`~.base.Storage.stall_bound`
+seconds (the save's or load's ``timeout=``), plus a second per MiB it moves (:data:`_MIN_BYTES_PER_SECOND`):
+bulk transfers go in batches of at most :data:`_BATCH_BYTES` (64 MiB), so a stalled batch fails within the
+stall bound and about a minute, as curl's low-speed watchdog (60 s) bounds a bulk transfer on ``s3://``. A
+stalled bulk batch is not retried object by object (a store that stops answering would make that one stall
+bound per object).
+
 Commit is the marker strategy. fsspec has no portable create-if-absent, so the save lock is
 check-write-verify (best effort: two saves starting within one round trip of each other may both proceed).
 """
@@ -31,10 +40,13 @@ from typing import Any
 from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
 from .base import LOCK_KEY, Storage
-from .retry import is_transient
+from .retry import call_within, is_transient
 
 _STAGING = "#acp-staging-"
-_UPLOAD_BATCH_BYTES = 256 << 20
+#: the most bytes one batched upload (``fs.pipe``) or download (``fs.cat``) moves
+_BATCH_BYTES = 64 << 20
+#: the slowest rate a healthy store moves a bulk batch at: a call may take the stall bound plus a second per MiB
+_MIN_BYTES_PER_SECOND = 1 << 20
 
 
 class FsspecStorage(Storage):
@@ -101,32 +113,60 @@ class FsspecStorage(Storage):
             self._hydrated.add(root)
         return self._memory_spec(area, "")
 
+    # Every call into the file system, bounded in time ------------------------------------------------------
+    def _bounded(self, operation: str, path: str, fn: Any, nbytes: int = 0) -> Any:
+        """``fn()`` waited for at most the stall bound plus a second per MiB of ``nbytes`` (see the module
+        docstring); a ``TimeoutError`` naming ``operation`` and ``path`` when it does not return by then."""
+        bound = self.stall_bound() + nbytes / _MIN_BYTES_PER_SECOND
+        return call_within(bound, fn, f"{operation} of {path}")
+
+    def _retry(self, operation: str, path: str, fn: Any, nbytes: int = 0) -> Any:
+        return super()._retry(operation, path, lambda: self._bounded(operation, path, fn, nbytes))
+
+    def _batch(self, operation: str, where: str, fn: Any, nbytes: int) -> Any:
+        """One batched bulk call (:meth:`_bounded`); a stall is a :class:`StorageError` naming ``where`` at
+        once (not retried object by object), any other error is raised as it is."""
+        try:
+            return self._bounded(operation, where, fn, nbytes)
+        except TimeoutError as e:
+            raise StorageError(f"storage {operation} of {where} failed: {e}") from e
+
     # Bulk transfer between the memory buffer and the file system -------------------------------------
     def _download(self, root: str, spec: dict[str, Any]) -> None:
         """Fetch every object below ``root`` into the memory area ``spec``: sizes checked before the bytes
-        are fetched, one batched ``cat``, then per-object retries of only the objects that failed."""
+        are fetched, batched ``cat`` calls of up to :data:`_BATCH_BYTES`, then per-object retries of only the
+        objects that failed."""
         base = self._rpath(root)
         sizes = self._retry("list", root, lambda: self._find_sizes(base))
         if not sizes:
             return
         for path, size in sizes.items():
             _check_object_size(path, size)
-        try:
-            blobs = dict(self.fs.cat(list(sizes), on_error="return"))
-        except Exception as e:  # noqa: BLE001 - a failed batch: every object is fetched on its own below
-            if not is_transient(e):
-                raise self._permanent("read", root, e) from e
-            blobs = {}
         kv = _memory_kv(spec)
         prefix = base.rstrip("/") + "/"
         writes = []
-        for path in sizes:
-            data = blobs.get(path)
-            if not isinstance(data, (bytes, bytearray, memoryview)):
-                data = self._retry("read", path, lambda p=path: _bounded_cat(self.fs, p))
-            _check_object_size(path, len(data))
-            rel = self._strip(path)[len(prefix) :]
-            writes.append(kv.write(rel, bytes(data)))
+        for batch in _batches(sizes):
+            nbytes = sum(sizes[p] or _BATCH_BYTES for p in batch)
+            where = f"{root} ({len(batch)} objects, {nbytes} bytes)"
+            try:
+                blobs = dict(
+                    self._batch("read", where, lambda b=batch: self.fs.cat(b, on_error="return"), nbytes)
+                )
+            except StorageError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failed batch: every object is fetched on its own below
+                if not is_transient(e):
+                    raise self._permanent("read", root, e) from e
+                blobs = {}
+            for path in batch:
+                data = blobs.get(path)
+                if not isinstance(data, (bytes, bytearray, memoryview)):
+                    data = self._retry(
+                        "read", path, lambda p=path: _bounded_cat(self.fs, p), sizes[path] or _BATCH_BYTES
+                    )
+                _check_object_size(path, len(data))
+                rel = self._strip(path)[len(prefix) :]
+                writes.append(kv.write(rel, bytes(data)))
         for w in writes:
             w.result()
 
@@ -187,7 +227,7 @@ class FsspecStorage(Storage):
             batch[self._rpath(target, key)] = data
             uploaded.append(key)
             size += len(data)
-            if size >= _UPLOAD_BATCH_BYTES:
+            if size >= _BATCH_BYTES:
                 self._upload(final, batch)
                 for done in uploaded:  # free each batch once it is stored: peak stays ~one batch above
                     kv.write(done, None).result()
@@ -204,14 +244,18 @@ class FsspecStorage(Storage):
         percent of requests failing, a batch of hundreds of objects practically never does. Overwriting an
         object that the failed batch already stored is harmless (same bytes).
         """
+        nbytes = sum(len(d) for d in batch.values())
+        where = f"{final} ({len(batch)} objects, {nbytes} bytes)"
         try:
-            self.fs.pipe(batch)
+            self._batch("upload", where, lambda: self.fs.pipe(batch), nbytes)
             return
+        except StorageError:  # the store stalls
+            raise
         except Exception as e:  # noqa: BLE001 - classified: permanent fails now, transient goes per object
             if not is_transient(e):
-                raise self._permanent("upload", f"{final} ({len(batch)} objects)", e) from e
+                raise self._permanent("upload", where, e) from e
         for path, data in batch.items():
-            self._retry("upload", path, lambda p=path, d=data: self.fs.pipe_file(p, d))
+            self._retry("upload", path, lambda p=path, d=data: self.fs.pipe_file(p, d), len(data))
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         self.flush(staging)  # anything the coordinator wrote after its last flush
@@ -226,15 +270,19 @@ class FsspecStorage(Storage):
 
     def _prune_empty_dirs(self, root: str) -> None:
         """Remove the directories an aborted save left empty (file systems with real directories), deepest
-        first, so the next save's target check does not take them for the user's (best effort)."""
+        first, so the next save's target check does not take them for the user's (best effort, each call
+        bounded: a stalled store does not hold the abort)."""
+        base = self._rpath(root)
         try:
-            found = self.fs.find(self._rpath(root), withdirs=True, detail=True)
+            found = self._bounded("list", base, lambda: self.fs.find(base, withdirs=True, detail=True))
             dirs = [
                 p for p, info in found.items() if isinstance(info, dict) and info.get("type") == "directory"
             ]
             for path in sorted(dirs, key=len, reverse=True):
                 try:
-                    self.fs.rmdir(path)
+                    self._bounded("delete", path, lambda p=path: self.fs.rmdir(p))
+                except TimeoutError:
+                    return
                 except Exception:  # noqa: BLE001 - not empty (the lock's directory) or no directories at all
                     pass
         except Exception:  # noqa: BLE001 - cleanup must not mask the save's own error
@@ -258,7 +306,7 @@ class FsspecStorage(Storage):
         if self._split_staging(root):
             return super().write(root, key, data)
         path = self._rpath(root, key)
-        self._retry("write", path, lambda: self.fs.pipe_file(path, data))
+        self._retry("write", path, lambda: self.fs.pipe_file(path, data), len(data))
 
     def exists(self, root: str, key: str) -> bool:
         path = self._rpath(root, key)
@@ -353,6 +401,21 @@ class FsspecStorage(Storage):
         self.write(final, LOCK_KEY, body)
         stored = self.read(final, LOCK_KEY) or b"{}"
         return load_json_bounded(stored, max_bytes=1 << 16, what=f"{final}/{LOCK_KEY}") == json.loads(body)
+
+
+def _batches(sizes: dict[str, int | None]) -> list[list[str]]:
+    """The paths of ``sizes`` in batches of at most :data:`_BATCH_BYTES` (an object larger alone; an unknown
+    size, which few file systems leave, counted as a whole batch)."""
+    out: list[list[str]] = []
+    held = _BATCH_BYTES
+    for path, size in sizes.items():
+        n = _BATCH_BYTES if size is None else size
+        if not out or held + n > _BATCH_BYTES:
+            out.append([])
+            held = 0
+        out[-1].append(path)
+        held += n
+    return out
 
 
 def _bounded_cat(fs: Any, path: str, limit: int = MAX_OBJECT_BYTES) -> bytes:

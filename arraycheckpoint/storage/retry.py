@@ -15,10 +15,11 @@ import errno
 import logging
 import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import ArrayCheckpointError, StorageError
 
@@ -151,3 +152,32 @@ def _storage_error(operation: str, path: str, error: BaseException, why: str) ->
     out = StorageError(msg)
     out.errno = code
     return out
+
+
+def call_within(seconds: float, fn: Callable[[], T], what: str) -> T:
+    """``fn()``, run on a daemon thread and waited for at most ``seconds``: a call into a library that has no
+    timeout of its own (a Python file system of fsspec) cannot hang its caller on a store that stops
+    answering. The call itself cannot be stopped: it is left to finish or fail on its thread.
+
+    Raises:
+        TimeoutError: ``fn`` did not return within ``seconds`` (transient: :func:`retry_call` retries it while
+            its deadline allows). ``what`` (the operation and its path) names the thread; the caller's
+            error names them.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"acp-store-call {what}"[:64], daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError(f"no answer from the store within {seconds:.3g} s (it stalls)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]

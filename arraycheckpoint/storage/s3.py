@@ -180,6 +180,48 @@ class S3Storage(Storage):
                 return sorted(n for n in names if n)
             args["ContinuationToken"] = token
 
+    def read_suffix(self, root: str, key: str, want: int) -> tuple[bytes, int] | None:
+        """The last ``want`` bytes of ``root/key`` (all of it when it is shorter) and its size, in one ranged
+        GET through botocore (bounded by :meth:`stall_bound`, retried by :func:`~.retry.retry_call`); None
+        when it is absent. tensorstore refuses a suffix longer than the object after fetching it (a pack's
+        first read then cost two GETs of the whole pack).
+
+        Raises:
+            NotImplementedError: no botocore client (not installed, or a setup only tensorstore knows): read
+                it through tensorstore.
+        """
+        client = self._botocore()
+        if client is None or want <= 0:
+            raise NotImplementedError("no botocore client")
+        bucket, _, prefix = root[len("s3://") :].partition("/")
+        name = f"{prefix.strip('/')}/{key}" if prefix.strip("/") else key
+        args: dict[str, Any] = {"Bucket": bucket, "Key": name, "Range": f"bytes=-{int(want)}"}
+        if self.requester_pays:
+            args["RequestPayer"] = "requester"
+
+        def get() -> tuple[bytes, int] | None:
+            try:
+                answer = client.get_object(**args)
+            except client.exceptions.NoSuchKey:
+                return None
+            except client.exceptions.ClientError as e:  # an empty object has no last bytes to range over
+                if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                    return b"", 0
+                raise
+            # "bytes <first>-<last>/<size>" (206), or no range at all (200: the whole object)
+            total = str(answer.get("ContentRange", "")).rpartition("/")[2]
+            body = answer["Body"]
+            try:
+                data = body.read(want + 1)
+            finally:
+                body.close()
+            size = int(total) if total.isdigit() else len(data)
+            if len(data) != min(want, size):  # not the answer asked for: tensorstore reads it
+                raise NotImplementedError(f"{len(data)} bytes of {size} for the last {want}")
+            return data, size
+
+        return self._retry("read", f"{root}/{key}", get)
+
     def parent(self, root: str) -> tuple[str, str]:
         head, _, name = root.rstrip("/").rpartition("/")
         if head in ("s3:", "s3:/"):

@@ -288,9 +288,12 @@ def _verify(
     # format 6: reading the data checks every pack read (the load's own check_rank_packs, once); the packs are
     # checked here beforehand only without the data read, and after a failed read to name what is wrong
     packed = {n for n, t in meta.tensors.items() if t.pack_rank is not None}
+    # before a key is built per chunk: the packs can hold the chunks the metadata puts in them (without the
+    # data read, the checks of the packs counted them: counting again read a big directory a second time)
     by_rank = packed if read_data else _check_rank_packs(storage, root, meta, report, packed)
-    try:  # before a key is built per chunk: the packs can hold the chunks the metadata puts in them
-        rankpacks.check_capacity(storage, root, meta, sorted(by_rank))
+    try:
+        if read_data:
+            rankpacks.check_capacity(storage, root, meta, sorted(by_rank))
     except ArrayCheckpointError as e:
         named = getattr(e, "tensors", {})
         report.problems.extend(Problem(n, None, f"stored in packs: {named[n]}") for n in sorted(named))

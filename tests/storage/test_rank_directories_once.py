@@ -183,3 +183,21 @@ def test_the_zarr_store_reads_only_the_packs_holding_what_is_read_over_s3(
                 holding.add(name)
     asked = {p.rpartition("/")[2] for _m, p, _r, _n in fault_proxy.requests if "/.acp/packs/" in p}
     assert len(holding) == 3 and asked == holding, (sorted(asked), sorted(holding))
+
+
+def test_verify_without_data_reads_the_directories_once_from_memory(
+    many: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify --no-data`` of the same checkpoint on ``memory://``: it checked the rank's packs (counting its
+    members, then reading each directory with its checks), then counted the members once more before building
+    a key per chunk, reading the 4.5 MB directory a second time (two reads of the tail and two of the rest);
+    now once: one read of its tail, one of the rest of its directory, and one of its members' local headers
+    (the pack whole: cheaper than 70,000 ranges; the checks without the data read them, the load does not)."""
+    from arraycheckpoint.tools.verify import verify
+
+    url = _in_memory(many)
+    tails, ranges = _count_directory_reads(monkeypatch)
+    report = verify(url, read_data=False)
+    assert report.ok and report.tensors == 1, report.problems[:3]
+    assert tails == {PACK: 1, ".acp/packs/0.1.zip": 1}, tails
+    assert ranges == {PACK: 2}, ranges
