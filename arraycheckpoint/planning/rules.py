@@ -217,11 +217,10 @@ def mesh_regions(
     if not len(keep):
         return {}
     held = ranks[flat[keep]]
-    offs, lens = offsets[keep].tolist(), lengths[keep].tolist()
     out: dict[Box, list[int]] = {}
     if not mesh.repeats and all(mesh.shape[i] == 1 for i, d in enumerate(placements) if d < 0):
         # no replicated mesh dimension and no rank at two positions: one holder per box, in mesh order
-        for o, n, r in zip(offs, lens, held.tolist()):
+        for o, n, r in zip(offsets[keep].tolist(), lengths[keep].tolist(), held.tolist()):
             out[Box(tuple(o), tuple(n))] = [r]
         return out
     # positions with equal split coordinates hold the same box: group them (stable: mesh order kept)
@@ -233,12 +232,13 @@ def mesh_regions(
     order = np.argsort(key, kind="stable")
     heads = np.flatnonzero(np.r_[True, key[order][1:] != key[order][:-1]])
     bounds = np.r_[heads, len(order)].tolist()
-    rows, who_all = order.tolist(), held[order].tolist()
+    who_all = held[order].tolist()
+    firsts = keep[order[heads]]  # each box's first mesh position: only those boxes are listed
+    offs, lens = offsets[firsts].tolist(), lengths[firsts].tolist()
     repeated = mesh.repeats
     for g in np.argsort(order[heads], kind="stable").tolist():  # boxes by first mesh position
-        first = rows[bounds[g]]
         who = who_all[bounds[g] : bounds[g + 1]]
-        holders = out.setdefault(Box(tuple(offs[first]), tuple(lens[first])), [])
+        holders = out.setdefault(Box(tuple(offs[g]), tuple(lens[g])), [])
         if repeated:  # a rank at several positions holding this box: listed once
             have = set(holders)
             who = [r for r in dict.fromkeys(who) if r not in have]
