@@ -20,6 +20,7 @@ from ..checks.names import check_name_tree
 from ..errors import ArrayCheckpointError, MetadataError
 from ..planning.packing import PACK_KEY, RANK_PACKS, packs_rank
 from ..planning.regions import Box
+from .layoutgroups import parse_layout_groups
 from .writers import CYCLIC, HELD, ReaderBudget, Writers
 
 #: 8: a tensor with many replicated chunks stores ``"writers": ["cyclic", shift]``: the chunks of each holder
@@ -251,7 +252,7 @@ def _parse(doc: Any) -> CheckpointMetadata:
 
     if not 1 <= world_size <= MAX_MESH_RANKS:  # a larger world could not describe its meshes
         raise MetadataError(f"metadata: world_size {world_size} must be between 1 and {MAX_MESH_RANKS}")
-    groups = _parse_groups(doc.get("layout_groups", []), world_size) if version >= 2 else ()
+    groups = parse_layout_groups(doc.get("layout_groups", []), world_size) if version >= 2 else ()
     tensors: dict[str, TensorMeta] = {}
     memo = _TensorMemo()
     for name, t in _req(doc, "tensors", dict, "metadata").items():
@@ -489,66 +490,6 @@ def _parse_shards(t: Any, where: str, shape: tuple[int, ...], world_size: int) -
             raise MetadataError(f"metadata: {where} has a shard {s} outside shape {shape} or world")
         shards.append(ShardMeta(box.offsets, box.lengths, s[2]))
     return tuple(shards)
-
-
-def _parse_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
-    """Format 2 layout groups: each a declaration's meshes and the ranks that made it."""
-    from ..planning.groupplan import Decl
-    from ..planning.rules import MAX_MESH_RANKS, Mesh, decode_ranks
-
-    if not isinstance(raw, list):
-        raise MetadataError("metadata: layout_groups must be a list")
-    # every mesh is expanded to its rank list: bound the sum over all groups, not only each mesh, before any
-    # is built (a few hundred bytes of JSON could otherwise ask for gigabytes); a valid checkpoint holds one
-    # mesh per distinct declaration, each at most the world (Megatron at 10,000 ranks: about 1.3M in all)
-    total = sum(
-        Mesh.json_size(m)
-        for g in raw
-        if isinstance(g, dict) and isinstance(g.get("meshes"), list)
-        for m in g["meshes"]
-    )
-    if total > MAX_MESH_RANKS:
-        raise MetadataError(
-            f"metadata: layout_groups' meshes list {total} ranks in all, above the limit of {MAX_MESH_RANKS}; "
-            "the checkpoint is damaged or hostile"
-        )
-    out = []
-    for i, g in enumerate(raw):
-        try:
-            for m in g["meshes"]:
-                _check_mesh_json(m)
-            decl = Decl.from_json({"meshes": g["meshes"], "tensors": []})
-            ranks = decode_ranks(g["ranks"], world_size)
-        except Exception as e:  # noqa: BLE001 - any malformed field is the same damage
-            raise MetadataError(f"metadata: layout_groups[{i}] is malformed ({e})") from None
-        if not ranks:  # every group is a declaration some rank made; its regions name their holders
-            raise MetadataError(f"metadata: layout_groups[{i}] lists no rank")
-        out.append((decl, ranks))
-    return tuple(out)
-
-
-#: Dimensions of a stored mesh: a process grid has a handful (megatron: TP, CP, DP, PP, EP and a few repeat
-#: axes); numpy cannot index more than 64, which a reader's expansion of a mesh rule does.
-MAX_MESH_DIMS = 32
-
-
-def _check_mesh_json(m: Any) -> None:
-    """The exact JSON types of a stored mesh, before :meth:`Mesh.from_json` (which converts with ``int()``:
-    ``"2"``, ``1.5`` and ``true`` would pass as sizes or ranks) builds it: sizes and ranks are JSON
-    integers, at most :data:`MAX_MESH_DIMS` dimensions."""
-
-    def ints(v: Any) -> bool:
-        return isinstance(v, list) and all(type(x) is int for x in v)
-
-    if not (isinstance(m, list) and len(m) == 2 and ints(m[0]) and isinstance(m[1], list) and m[1]):
-        raise ValueError(f"a mesh must be [sizes, ranks] with integer sizes, not {str(m)[:80]}")
-    if len(m[0]) > MAX_MESH_DIMS:
-        raise ValueError(f"a mesh of {len(m[0])} dimensions (at most {MAX_MESH_DIMS})")
-    kind, rest = m[1][0], m[1][1:]
-    if kind == "list" and not (len(rest) == 1 and ints(rest[0])):
-        raise ValueError("a mesh's rank list must hold integers")
-    if kind == "arange" and not (len(rest) == 1 and type(rest[0]) is int):
-        raise ValueError("a mesh's first rank must be an integer")
 
 
 def _parse_regions(raw: list, where: str, shape: tuple[int, ...], groups: tuple[Any, ...]) -> tuple:

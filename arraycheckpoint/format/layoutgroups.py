@@ -1,0 +1,72 @@
+"""The metadata's layout groups (format 2 and later): the process grids (meshes) of each declaration and the
+ranks that made it, checked as untrusted input before any mesh is expanded to its ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import MetadataError
+
+
+def parse_layout_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
+    """Format 2+ layout groups: each a declaration's meshes and the ranks that made it, as ``(Decl, ranks)``.
+
+    Raises:
+        MetadataError: a malformed group or mesh, or meshes naming more ranks in all than the limit.
+    """
+    from ..planning.groupplan import Decl
+    from ..planning.rules import MAX_MESH_RANKS, Mesh, decode_ranks
+
+    if not isinstance(raw, list):
+        raise MetadataError("metadata: layout_groups must be a list")
+    # every mesh is expanded to its rank list: bound the sum over all groups, not only each mesh, before any
+    # is built (a few hundred bytes of JSON could otherwise ask for gigabytes); a valid checkpoint holds one
+    # mesh per distinct declaration, each at most the world (Megatron at 10,000 ranks: about 1.3M in all)
+    total = sum(
+        Mesh.json_size(m)
+        for g in raw
+        if isinstance(g, dict) and isinstance(g.get("meshes"), list)
+        for m in g["meshes"]
+    )
+    if total > MAX_MESH_RANKS:
+        raise MetadataError(
+            f"metadata: layout_groups' meshes list {total} ranks in all, above the limit of {MAX_MESH_RANKS}; "
+            "the checkpoint is damaged or hostile"
+        )
+    out = []
+    for i, g in enumerate(raw):
+        try:
+            for m in g["meshes"]:
+                _check_mesh_json(m)
+            decl = Decl.from_json({"meshes": g["meshes"], "tensors": []})
+            ranks = decode_ranks(g["ranks"], world_size)
+        except Exception as e:  # noqa: BLE001 - any malformed field is the same damage
+            raise MetadataError(f"metadata: layout_groups[{i}] is malformed ({e})") from None
+        if not ranks:  # every group is a declaration some rank made; its regions name their holders
+            raise MetadataError(f"metadata: layout_groups[{i}] lists no rank")
+        out.append((decl, ranks))
+    return tuple(out)
+
+
+#: Dimensions of a stored mesh: a process grid has a handful (megatron: TP, CP, DP, PP, EP and a few repeat
+#: axes); numpy cannot index more than 64, which a reader's expansion of a mesh rule does.
+MAX_MESH_DIMS = 32
+
+
+def _check_mesh_json(m: Any) -> None:
+    """The exact JSON types of a stored mesh, before :meth:`Mesh.from_json` (which converts with ``int()``:
+    ``"2"``, ``1.5`` and ``true`` would pass as sizes or ranks) builds it: sizes and ranks are JSON
+    integers, at most :data:`MAX_MESH_DIMS` dimensions."""
+
+    def ints(v: Any) -> bool:
+        return isinstance(v, list) and all(type(x) is int for x in v)
+
+    if not (isinstance(m, list) and len(m) == 2 and ints(m[0]) and isinstance(m[1], list) and m[1]):
+        raise ValueError(f"a mesh must be [sizes, ranks] with integer sizes, not {str(m)[:80]}")
+    if len(m[0]) > MAX_MESH_DIMS:
+        raise ValueError(f"a mesh of {len(m[0])} dimensions (at most {MAX_MESH_DIMS})")
+    kind, rest = m[1][0], m[1][1:]
+    if kind == "list" and not (len(rest) == 1 and ints(rest[0])):
+        raise ValueError("a mesh's rank list must hold integers")
+    if kind == "arange" and not (len(rest) == 1 and type(rest[0]) is int):
+        raise ValueError("a mesh's first rank must be an integer")
