@@ -35,7 +35,7 @@ import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist import free_port  # noqa: E402
+from dist import env_key, free_port  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 
@@ -121,7 +121,7 @@ _servers: dict[tuple[int, frozenset[tuple[str, str]]], _Server] = {}
 
 def _server_for(devices: int) -> _Server:
     env = _jax_env(devices, 1)
-    key = (devices, frozenset((k, v) for k, v in env.items() if not k.startswith("PYTEST_")))
+    key = (devices, env_key(env))
     server = _servers.pop(key, None)
     if server is not None and not server.alive():
         server.close()
