@@ -15,7 +15,7 @@ processes that import torch costs about 8 CPU-seconds, and the suite calls this 
 pool is only reused while nothing went wrong: a body that raised on any rank, a timeout, or a rank that died
 retires the whole pool (a rank may be stuck in a collective), and the next call spawns a fresh one. Each body
 runs with the caller's ``sys.path``, working directory and environment (a pool is keyed by the environment, so a
-test that sets a variable before the call gets workers spawned with it); what a body changes in ``os.environ``
+test that sets a variable before the call gets workers spawned with it; ``SIDE_EFFECT_VARS`` aside); what a body changes in ``os.environ``
 or the working directory is undone after it. ``ACP_TEST_POOL=0`` spawns fresh processes for every call.
 """
 
@@ -164,8 +164,27 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
+#: Variables a process sets in its own environment as a side effect (arraycheckpoint's S3 storage on first use,
+#: torch's inductor at import): a worker sets them alike, and every body gets the caller's environment anyway.
+#: Keyed on, the first S3 test of the suite orphaned every pool (all respawned, the old ones kept until evicted).
+SIDE_EFFECT_VARS = frozenset(
+    {
+        "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+        "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",
+        "TORCHINDUCTOR_CACHE_DIR",
+    }
+)
+
+
+def env_key(env: dict[str, str]) -> frozenset[tuple[str, str]]:
+    """What of ``env`` a kept worker process was started with must match to run a body under ``env``."""
+    return frozenset(
+        (k, v) for k, v in env.items() if not k.startswith("PYTEST_") and k not in SIDE_EFFECT_VARS
+    )
+
+
 def _pool_for(world: int) -> _Pool:
-    key = (world, frozenset((k, v) for k, v in os.environ.items() if not k.startswith("PYTEST_")))
+    key = (world, env_key(dict(os.environ)))
     pool = _pools.pop(key, None)
     if pool is not None and (not pool.alive() or pool.used >= JOBS_PER_POOL):
         pool.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from typing import Any
@@ -14,7 +15,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def cli(*args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m arraycheckpoint.cli ARGS``; assert the exit code when ``check`` is not None."""
+    """Run ``python -m arraycheckpoint.cli ARGS`` in its own process (forked from the suite's preloaded server:
+    tests/forked.py; ``cli_process`` starts a new interpreter); assert the exit code when ``check`` is not
+    None."""
+    from forked import run_forked
+
+    proc = run_forked(_as_module, *map(str, args), cwd=REPO)
+    return _checked(proc, args, check)
+
+
+def cli_process(*args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
+    """As :func:`cli`, in a new interpreter (``python -m arraycheckpoint.cli ARGS``)."""
     proc = subprocess.run(
         [sys.executable, "-m", "arraycheckpoint.cli", *map(str, args)],
         capture_output=True,
@@ -22,6 +33,18 @@ def cli(*args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
         timeout=300,
         cwd=REPO,
     )
+    return _checked(proc, args, check)
+
+
+def _as_module(*args: str) -> None:
+    """What ``python -m arraycheckpoint.cli ARGS`` runs."""
+    sys.argv = ["arraycheckpoint", *args]
+    runpy.run_module("arraycheckpoint.cli", run_name="__main__", alter_sys=True)
+
+
+def _checked(
+    proc: subprocess.CompletedProcess[str], args: tuple[str, ...], check: int | None
+) -> subprocess.CompletedProcess[str]:
     if check is not None:
         assert proc.returncode == check, (
             f"exit {proc.returncode} != {check} for {args}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from cli_helpers import REPO, chunk_span, cli, cli_json, flip_chunk_byte, remove_chunk
+from cli_helpers import REPO, chunk_span, cli, cli_json, cli_process, flip_chunk_byte, remove_chunk
 
 import arraycheckpoint as acp
 from arraycheckpoint.format.metadata import COMMIT_MARKER, FORMAT_VERSION, METADATA_FILE
@@ -76,11 +76,11 @@ def saved_in(request, tmp_path):
 
 
 def test_help_for_every_subcommand():
-    top = cli("--help").stdout
+    top = cli_process("--help").stdout  # a new interpreter, as a user starts it
     for sub in ("inspect", "verify", "export", "import", "rename", "diff", "metrics"):
         assert sub in top
         assert "usage: arraycheckpoint " + sub in cli(sub, "--help").stdout
-    assert cli(check=2).returncode == 2  # no subcommand
+    assert cli_process(check=2).returncode == 2  # no subcommand
     assert cli("frobnicate", check=2).returncode == 2
 
 

@@ -101,7 +101,10 @@ def _save(rank: int, world: int, root: str, odd_rank: int) -> dict[str, Any]:
         return payload
 
     coordinate.status_payload = spy
-    acp.save(root, {"dataloader": MetaLoader(rank, world, odd_rank)}, step=7)
+    try:
+        acp.save(root, {"dataloader": MetaLoader(rank, world, odd_rank)}, step=7)
+    finally:
+        coordinate.status_payload = inner  # the pool's worker runs later bodies
     return {"objects": [s.get("objects", {}) for s in sent]}  # what this rank sent the coordinator
 
 

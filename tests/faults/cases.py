@@ -2,7 +2,7 @@
 
 Each case saves a small checkpoint at ``url``, tampers with it the way an attacker (or damage) would, loads
 it and returns what happened: ``"RAISED <type> <message>"`` or ``"LOADED <equal|different>"``. The suite
-(test_backends.py) runs every case in a fresh interpreter, so a case that used to abort cannot kill pytest.
+(test_backends.py) runs every case in its own process, so a case that used to abort cannot kill pytest.
 """
 
 from __future__ import annotations
@@ -217,5 +217,9 @@ CASES = {
 }
 
 
+def main(name: str, url: str) -> None:
+    print("RESULT", CASES[name](url))
+
+
 if __name__ == "__main__":
-    print("RESULT", CASES[sys.argv[1]](sys.argv[2]))
+    main(sys.argv[1], sys.argv[2])

@@ -1,18 +1,18 @@
 """The hostile-checkpoint cases over every storage backend: local files, memory://, S3 (a moto server on
-loopback) and fsspec (``local://``). Each case runs in a fresh interpreter: one that used to abort the
-process (``std::bad_alloc``) fails its test instead of killing pytest."""
+loopback) and fsspec (``local://``). Each case runs in its own process (forked from the suite's preloaded
+server: tests/forked.py): one that used to abort the process (``std::bad_alloc``) fails its test instead of
+killing pytest."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import cases
 import pytest
 from flaky import S3Process
+from forked import run_forked
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -62,15 +62,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[s
 
 
 def run_case(name: str, url: str, env: dict[str, str]) -> str:
-    full = {**os.environ, **env, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "cases.py"), name, url],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=full,
-        cwd=str(ROOT),
-    )
+    proc = run_forked(cases.main, name, url, env=env, cwd=str(ROOT))
     assert proc.returncode == 0, (
         f"case {name} killed its process (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     )

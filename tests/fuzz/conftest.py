@@ -4,7 +4,6 @@ that drives every selected case in isolated worker processes, a few at a time.""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import threading
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import forked
 import pytest
 from fuzz.corpus import ITEMS, Item, build_bases, make_outside, snapshot
 from fuzz.entry import WRITERS
@@ -22,26 +22,6 @@ from fuzz.entry import WRITERS
 #: Seconds a case may take (a FIFO item: a reader that waits on the FIFO is a hang, found sooner).
 TIMEOUT_S = 90.0
 FIFO_TIMEOUT_S = 15.0
-#: Imported once by the forkserver, so that a case pays a fork, not the imports of the code it drives.
-PRELOAD = [
-    "numpy",
-    "torch",
-    "torch.distributed.checkpoint",
-    "tensorstore",
-    "zarr",
-    "safetensors.torch",
-    "arraycheckpoint",
-    "arraycheckpoint.api",
-    "arraycheckpoint.engine.load",
-    "arraycheckpoint.adapters.torch",
-    "arraycheckpoint.zarr",
-    "arraycheckpoint.cli",
-    *(f"arraycheckpoint.tools.{m}" for m in ("verify", "export", "importer", "diff", "metrics", "rename")),
-    "arraycheckpoint.sources.safetensors",
-    "arraycheckpoint.sources.dcp",
-    "arraycheckpoint.manager",
-    "fuzz.entry",
-]
 #: Cases run at once (each in its own process).
 PARALLEL = 4
 
@@ -59,18 +39,12 @@ class Sandbox:
         return snapshot(self.root, skip=("work",))
 
 
-def _forkserver() -> Any:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 class Runner:
     """Runs cases ``(item, entry)`` and keeps their outcomes."""
 
     def __init__(self, sandbox: Sandbox) -> None:
         self.sb = sandbox
-        self.ctx = _forkserver()
+        self.ctx = forked.context()  # a case pays a fork, not the imports of the code it drives
         self.outcomes: dict[tuple[str, str], dict[str, Any]] = {}
         self.state = sandbox.frozen()
         self._lock = threading.Lock()

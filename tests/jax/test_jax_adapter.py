@@ -1,6 +1,6 @@
 """The JAX adapter on one process with 8 CPU devices: shardings, names, load targets, errors.
 
-Each test body runs in a fresh interpreter (see ``jaxrun``); bodies return JSON and assert inside.
+Each test body runs in a JAX interpreter with 8 CPU devices (see ``jaxrun``); bodies return JSON and assert inside.
 """
 
 from __future__ import annotations
