@@ -178,6 +178,7 @@ class Coordinator:
                     # named at interpreter exit if the file system stalls here (runtime.workers)
                     with job.recorder.phase("commit"):
                         with busy(f"{job.staging}/.acp (the metadata)"):
+                            job.storage.verify_lease(job.final)  # a save taken over writes no metadata
                             meta = self._write_metadata(job, statuses)
                         with busy(f"{job.final} (its commit)", committing=True):
                             job.storage.commit(job.staging, job.final, job.options.overwrite)

@@ -286,6 +286,7 @@ class SavePipeline:
 
                 def make_room(nbytes: int) -> None:
                     nonlocal pending
+                    job.storage.check_lease(job.final)  # a save whose lock was taken over stops writing
                     if inflight and pending + nbytes > job.options.max_inflight_bytes:
                         writer.flush()
                     while inflight and pending + nbytes > job.options.max_inflight_bytes:
