@@ -465,7 +465,12 @@ class Storage(ABC):
             try:
                 holder = self._lock_token(final)
             except Exception as e:  # noqa: BLE001 - unknown holder: nothing is deleted
-                holder = f"unknown ({e})"
+                log.warning(
+                    "abort of save %s to %s deletes nothing: its lock could not be read (%s); the objects are "
+                    "an uncommitted leftover (the next save there, or a manager's cleanup, removes them)",
+                    token, final, e,
+                )  # fmt: skip
+                return
             if holder != token:
                 log.warning(
                     "abort of save %s to %s deletes nothing: its lock names %s now (another save took the "
