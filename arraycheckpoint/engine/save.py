@@ -251,6 +251,7 @@ class SavePipeline:
         import tensorstore as ts
 
         with job.recorder.phase("write") as rec:
+            job.storage.check_lease(job.final)  # and before each write batch (make_room)
             layouts = {layout.name: layout for layout in plan.layouts}
             writer = _writer(job)
             try:

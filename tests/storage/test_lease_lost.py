@@ -146,3 +146,19 @@ def test_an_ambiguous_refresh_keeps_a_live_saves_lease(url: str, mode: str) -> N
     holder.verify_lease(final)
     holder.release(final, "live-0")
     assert MemoryStorage().read(final, LOCK_KEY) is None
+
+
+def test_the_writers_of_a_save_whose_lease_was_lost_write_nothing(url: str, scheme: Any) -> None:
+    class LostBeforeWriting(MemoryStorage):
+        def open_flush(self, root: str) -> None:  # the lease thread found the lock taken over just now
+            if self._lease_token is not None:
+                lease.drop(self, root, self._lease_token)
+                MemoryStorage().write(root, LOCK_KEY, lease.body("other-1"))
+                lease._lost.add((id(self), root, self._lease_token))
+
+    scheme(LostBeforeWriting)
+    with pytest.raises(SaveFailedError, match="stopped: its lock .* was taken over"):
+        acp.save(url, {"w": np.arange(8.0), "b": np.ones(3)})
+    scheme(None)
+    store, final = storage_for(url)
+    assert store.list(final) == [LOCK_KEY]  # no array, pack or document of the lost save
