@@ -385,6 +385,11 @@ class Storage(ABC):
         if self._lock_token(final) == token:
             self.delete_key(final, LOCK_KEY)
 
+    def stalled(self) -> str | None:
+        """A request of this save that timed out but may still land (named), or None: the coordinator then
+        keeps the save's lock (:mod:`.stalls`). None here: tensorstore's requests are not left running."""
+        return None
+
     def open_flush(self, root: str) -> None:
         """Called on every rank before its first write under ``root``: a backend whose :meth:`flush` can only
         report errors that happened after some point (Linux ``syncfs(2)`` reports a write-back error only to a

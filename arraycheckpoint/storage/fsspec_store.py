@@ -281,6 +281,9 @@ class FsspecStorage(Storage):
         if self._stalls is None and staged is not None:
             self._stalls = StallTracker(staged[0], staged[1])  # a rank other than the coordinator
 
+    def stalled(self) -> str | None:
+        return self._stalls.alive() if self._stalls is not None else None
+
     def release(self, final: str, token: str) -> None:
         if self._stalls is not None and self._stalls.defer(lambda: self.release(final, token)):
             return  # kept until this save's stalled requests end (they may still land)

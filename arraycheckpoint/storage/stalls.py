@@ -50,6 +50,7 @@ class StallTracker:
     def __init__(self, final: str, token: str) -> None:
         self.final, self.token = final, token
         self._alive = 0
+        self.what = ""  # the last request that timed out
         self._pending: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
@@ -57,6 +58,7 @@ class StallTracker:
         """Record that ``what`` timed out and still runs; the callable to call when it ends."""
         with self._lock:
             self._alive += 1
+            self.what = what
         with _guard:
             _stalled[self.final] = (self.token, what)
         log.warning(
@@ -64,6 +66,11 @@ class StallTracker:
             what, self.token, self.final,
         )  # fmt: skip
         return self._ended
+
+    def alive(self) -> str | None:
+        """The last timed-out request, while any still runs; else None."""
+        with self._lock:
+            return self.what if self._alive else None
 
     def defer(self, fn: Callable[[], None]) -> bool:
         """Keep ``fn`` (an abort, a release) for when the last stalled request ends; False (``fn`` is the

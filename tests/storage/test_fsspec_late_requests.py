@@ -7,10 +7,12 @@ corrupted by it. A lock create that timed out and lands after its save failed is
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,8 @@ class _Gated(FsspecStorage):
 
         def gated_pipe(batch: Any, *a: Any, **k: Any) -> Any:
             if cls.stall == "pipe" and cls.armed[0]:
+                hold()
+            elif cls.stall == "rank 1" and cls.armed[0] and any("/packs/1." in p for p in batch):
                 hold()
             return pipe(batch, *a, **k)
 
@@ -102,3 +106,28 @@ def test_a_lock_create_that_lands_after_its_save_failed_is_removed(gated: Any) -
     back = {"w": np.zeros(8)}
     acp.load(url, back)
     assert np.array_equal(back["w"], np.arange(8.0) + 1)
+
+
+def test_a_ranks_stalled_upload_keeps_the_coordinators_lock(gated: Any, caplog: Any) -> None:
+    """Rank 1's stalled upload (its own process in a real job) may land after the coordinator's abort: the
+    coordinator keeps the lock, so a later save there is refused rather than given those bytes."""
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from simworld import run_ranks
+
+    gated.stall = "rank 1"
+    url = f"memory://late-{uuid.uuid4().hex[:8]}/ck"
+
+    def save(comm: Any) -> str:
+        try:
+            acp.save(url, {"w": acp.PerRank(np.arange(64.0) + comm.rank)}, comm=comm, timeout=1)
+        except ArrayCheckpointError as e:
+            return str(e)
+        return "committed"
+
+    outcome = run_ranks(2, save)
+    assert all("not committed" in o for o in outcome), outcome
+    assert "the lock of" in caplog.text and "a request of rank 1" in caplog.text and "is kept" in caplog.text
+    gated.gate.set()  # rank 1's upload lands after the save ended
+    _settled(url)
+    with pytest.raises(CheckpointExistsError, match="in progress"):
+        acp.save(url, {"w": np.arange(64.0) * 2}, timeout=30)
