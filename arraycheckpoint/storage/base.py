@@ -77,6 +77,9 @@ class Storage(ABC):
     _marker_in_doubt: bool = False
     #: The token of the save holding this backend's lock (:meth:`acquire`), checked again before the commit.
     _lease_token: str | None = None
+    #: The target a claim (:meth:`acquire`) of this instance was refused (another save's, the user's
+    #: objects): :meth:`abort` deletes nothing there (the other ranks' failure is reported through it).
+    _refused: str | None = None
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -231,6 +234,7 @@ class Storage(ABC):
     def check_target(self, final: str, overwrite: bool) -> None:
         """Refuse to save over a committed checkpoint unless ``overwrite``, and (marker strategy) over objects
         that are not a checkpoint of ours (see :meth:`target_state`)."""
+        self._refused = final  # until acquire claims it (a refused target is never this save's to delete)
         if self.commit_strategy == "marker":
             state = self.target_state(final)
             self._checked_target = (final, state)  # acquire, next, need not look again
@@ -254,6 +258,7 @@ class Storage(ABC):
         taken); objects of anyone else are refused, never deleted.
         """
         self._marker_in_doubt = False  # a new save: an earlier one's doubt is not its own
+        self._refused = final  # until this claim succeeds, nothing under final is this save's to delete
         body = lease.body(token)
         checked, self._checked_target = getattr(self, "_checked_target", None), None
         if self.commit_strategy != "marker":
@@ -297,6 +302,7 @@ class Storage(ABC):
             self._delete_markers(final)
             for key in keys:
                 self.delete_key(final, key)
+        self._refused = None
 
     def _leases(self) -> bool:
         """Whether this backend's lock is a lease (:mod:`.lease`): its lock object is created, refreshed and
@@ -463,6 +469,12 @@ class Storage(ABC):
             log.warning(
                 "the commit marker of %s was sent but not acknowledged and may still be stored: the save's "
                 "objects are kept whole (a manager's cleanup removes them if it never lands)", final,
+            )  # fmt: skip
+            return
+        if staging == final and self._refused == final:
+            log.warning(
+                "abort of the save to %s deletes nothing: its claim of the target was refused (what is there is "
+                "another save's, or not a checkpoint)", final,
             )  # fmt: skip
             return
         token = self._lease_token

@@ -162,3 +162,36 @@ def test_the_writers_of_a_save_whose_lease_was_lost_write_nothing(url: str, sche
     scheme(None)
     store, final = storage_for(url)
     assert store.list(final) == [LOCK_KEY]  # no array, pack or document of the lost save
+
+
+@pytest.mark.parametrize("held_by", ["live save", "committed", "user"])
+def test_a_refused_multi_rank_save_deletes_nothing_of_the_target(url: str, held_by: str) -> None:
+    """With several ranks a refused claim does not end the save at once: every rank reports through the
+    commit, and the coordinator aborts; that abort must not delete what made the claim fail."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from simworld import run_ranks
+
+    store, final = storage_for(url)
+    if held_by == "live save":
+        other, _ = _claim(url, "other-1")
+        store.write(final, "w/zarr.json", b"{}")
+    elif held_by == "committed":
+        acp.save(url, {"w": np.arange(4)})
+    else:
+        store.write(final, "notes.txt", b"the user's")
+    before = {k: store.read(final, k) for k in store.list(final) if k != ".acp/metrics.json"}
+
+    def save(comm: Any) -> str:
+        try:
+            acp.save(url, {"w": acp.PerRank(np.arange(4) + comm.rank)}, comm=comm)
+        except (SaveFailedError, CheckpointExistsError) as e:
+            return str(e)
+        return "committed"
+
+    assert all(o != "committed" for o in run_ranks(2, save))
+    assert {k: store.read(final, k) for k in store.list(final) if k != ".acp/metrics.json"} == before
+    if held_by == "live save":
+        other.release(final, "other-1")
