@@ -9,6 +9,11 @@ interval and the time of its last refresh (the holder's clock). Creating it is a
 writers racing for one lock object exactly one succeeds. The document is untrusted input (bounded, every
 field type-checked); one that cannot be read as one counts as refreshed never (its age is unknown: it is not
 taken over).
+
+A refresh refused (412) or unanswered is not proof of a takeover (a conditional write that landed but whose
+answer was lost, retried, is refused): the lock is read, and while it names the holder its generation is
+adopted. Only a lock naming another save, or none, marks the lease lost (:func:`lost`): the save's writers
+stop, its coordinator writes neither metadata nor marker, and its abort deletes nothing (docs/storage.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ over (with a warning), never refused for good.
 Some file systems have no ``flock`` (some NFS mounts, FUSE file systems), or one that only this host sees
 (NFS mounted with ``local_lock=flock``: set ``ARRAYCHECKPOINT_LOCK_NO_FLOCK=1`` there). Without it a lock is
 judged by what its file says of its owner, a small JSON document (:class:`Owner`: host name, boot id, pid
-namespace, pid, the process's start time, the save's token, its heartbeat interval), and by its age:
+namespace, pid, the process's start time, the save's token, its heartbeat interval, whether it holds the
+flock), and by its age (a free flock says nothing of a holder that runs without flock: its document decides):
 
 * on the same host and boot (and pid namespace), the lock is a crashed save's when its process is gone, or
   its pid now names another process (another start time);
@@ -20,8 +21,10 @@ namespace, pid, the process's start time, the save's token, its heartbeat interv
 
 A crashed lock is taken over by exactly one save: takers race for an ``O_EXCL`` marker
 ``<lock>.takeover``, and the winner replaces the lock only if it is still the very file judged (same inode,
-same mtime: not refreshed meanwhile). A save whose lock was taken over from it (its process stopped for longer
-than the lease) is refused at commit. The lock file is untrusted input: read with a bound, never through a
+same mtime: not refreshed meanwhile); a marker that is no regular file, or dated more than a lease ahead, is
+moved aside. A save whose lock was taken over from it (its process stopped for longer than the lease) is
+refused at commit: the file at the lock's path is another (inode), or names another token (a taker holding the
+flock rewrites it in place). The lock file is untrusted input: read with a bound, never through a
 link, and only when it is a regular file.
 """
 
