@@ -23,8 +23,10 @@ member by the pack's size (each member ends before the next one's header and the
 what its arrays can take: :func:`arraycheckpoint.checks.zipdir._parse_zip_directory`), and a span only covers
 the ranges it merges and the holes between them, so it never reaches past the last member it serves nor past
 ``limit`` (the pack's end as the checks found it) nor over :data:`SPAN_BYTES` (a single member larger than that
-is read alone, as before). A span read short or refused (the pack changed since the checks) serves nothing:
-each of its members is then read alone, and checked as before.
+is read alone, as before). A span read short (the pack changed since the checks) serves the members that lie
+wholly inside the bytes that came back (each checked by its CRC as any member is), and only those: each member
+reaching past them, and every member of a span refused (the object gone or a range past its end), is then read
+alone, and checked as before.
 """
 
 from __future__ import annotations

@@ -153,7 +153,9 @@ class Coordinator:
         comm = job.comm
         # did every rank succeed, and did all execute the same plan? (fixed size, beside each status)
         pid = job.cached.plan_hash if job.cached else -1
-        payload = status_payload(job.request, job.error, job.recorder.to_json(), comm.rank, comm.world_size)
+        payload = status_payload(
+            job.request, job.error, job.recorder.to_json(), comm.rank, comm.world_size, job.storage.stalled()
+        )
         try:
             gathered = comm.gather_with_values([int(job.error is None), pid], payload, dst=0)
         except StalledRankError as e:  # rank 0 commits only with every rank's status in hand
@@ -178,6 +180,7 @@ class Coordinator:
                     # named at interpreter exit if the file system stalls here (runtime.workers)
                     with job.recorder.phase("commit"):
                         with busy(f"{job.staging}/.acp (the metadata)"):
+                            job.storage.verify_lease(job.final)  # a save taken over writes no metadata
                             meta = self._write_metadata(job, statuses)
                         with busy(f"{job.final} (its commit)", committing=True):
                             job.storage.commit(job.staging, job.final, job.options.overwrite)
@@ -191,8 +194,17 @@ class Coordinator:
                 save = {str(r): s["metrics"] for r, s in enumerate(statuses) if "metrics" in s}
                 save["0"] = job.recorder.to_json()
                 write_sidecar(job.storage, job.final, METRICS_FILE, {"save": save})
-            # a failed release must not skip the broadcast: every rank waits for the outcome
-            _cleanup("release", lambda: job.storage.release(job.final, job.token), job.final)
+            stalled = [(r, s["stalled"]) for r, s in enumerate(statuses) if r and s.get("stalled")]
+            if (
+                stalled
+            ):  # it may land after this save ended: the lock stays, so no later save is corrupted by it
+                log.warning(
+                    "the lock of %s is kept: a request of rank %d (%s) timed out and may still land there; the "
+                    "next save there is refused until a manager's start-up cleanup (or a hand) removes the lock",
+                    job.final, *stalled[0],
+                )  # fmt: skip
+            else:  # a failed release must not skip the broadcast: every rank waits for the outcome
+                _cleanup("release", lambda: job.storage.release(job.final, job.token), job.final)
         try:
             outcome = comm.broadcast_bytes(error.encode() if comm.rank == 0 else None, src=0)
         except StalledRankError as e:
@@ -259,6 +271,7 @@ def _read_statuses(raw: list[bytes]) -> tuple[list[dict[str, Any]], list[str]]:
             and (s.get("error") is None or isinstance(s["error"], str))
             and isinstance(s.get("objects", {}), dict)
             and isinstance(s.get("metrics", {}), dict)
+            and (s.get("stalled") is None or isinstance(s["stalled"], str))
         ):
             errors.append(f"rank {rank} sent a malformed commit status ({len(b)} bytes: {bytes(b[:80])!r})")
             s = {}
@@ -269,15 +282,23 @@ def _read_statuses(raw: list[bytes]) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def status_payload(
-    request: SaveRequest, error: str | None, metrics: dict[str, Any], rank: int, world: int
+    request: SaveRequest,
+    error: str | None,
+    metrics: dict[str, Any],
+    rank: int,
+    world: int,
+    stalled: str | None = None,
 ) -> bytes:
     """This rank's commit status for the coordinator: text only from ranks with something to say (an error,
-    per-rank objects, or a metrics sample), else nothing. Per-rank objects in template form are agreed and
-    stored from the coordinator's own request (:mod:`arraycheckpoint.format.rankdoc`): they never travel."""
+    per-rank objects, a metrics sample, or a request that timed out and may still land: ``stalled``), else
+    nothing. Per-rank objects in template form are agreed and stored from the coordinator's own request
+    (:mod:`arraycheckpoint.format.rankdoc`): they never travel."""
     rank_objects = {o.name: o.value for o in request.objects if o.scope == "rank" and o.rows is None}
     sampled = rank % max(1, world // METRICS_SAMPLE) == 0
-    status = {"error": error, "objects": rank_objects, "metrics": metrics}
-    return _dumps(status) if error or rank_objects or sampled else b""
+    status: dict[str, Any] = {"error": error, "objects": rank_objects, "metrics": metrics}
+    if stalled:
+        status["stalled"] = stalled[:1000]
+    return _dumps(status) if error or rank_objects or sampled or stalled else b""
 
 
 def build_metadata(

@@ -251,6 +251,7 @@ class SavePipeline:
         import tensorstore as ts
 
         with job.recorder.phase("write") as rec:
+            job.storage.check_lease(job.final)  # and before each write batch (make_room)
             layouts = {layout.name: layout for layout in plan.layouts}
             writer = _writer(job)
             try:
@@ -286,6 +287,7 @@ class SavePipeline:
 
                 def make_room(nbytes: int) -> None:
                     nonlocal pending
+                    job.storage.check_lease(job.final)  # a save whose lock was taken over stops writing
                     if inflight and pending + nbytes > job.options.max_inflight_bytes:
                         writer.flush()
                     while inflight and pending + nbytes > job.options.max_inflight_bytes:

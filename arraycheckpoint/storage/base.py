@@ -77,6 +77,9 @@ class Storage(ABC):
     _marker_in_doubt: bool = False
     #: The token of the save holding this backend's lock (:meth:`acquire`), checked again before the commit.
     _lease_token: str | None = None
+    #: The target a claim (:meth:`acquire`) of this instance was refused (another save's, the user's
+    #: objects): :meth:`abort` deletes nothing there (the other ranks' failure is reported through it).
+    _refused: str | None = None
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -231,6 +234,7 @@ class Storage(ABC):
     def check_target(self, final: str, overwrite: bool) -> None:
         """Refuse to save over a committed checkpoint unless ``overwrite``, and (marker strategy) over objects
         that are not a checkpoint of ours (see :meth:`target_state`)."""
+        self._refused = final  # until acquire claims it (a refused target is never this save's to delete)
         if self.commit_strategy == "marker":
             state = self.target_state(final)
             self._checked_target = (final, state)  # acquire, next, need not look again
@@ -254,6 +258,7 @@ class Storage(ABC):
         taken); objects of anyone else are refused, never deleted.
         """
         self._marker_in_doubt = False  # a new save: an earlier one's doubt is not its own
+        self._refused = final  # until this claim succeeds, nothing under final is this save's to delete
         body = lease.body(token)
         checked, self._checked_target = getattr(self, "_checked_target", None), None
         if self.commit_strategy != "marker":
@@ -297,6 +302,7 @@ class Storage(ABC):
             self._delete_markers(final)
             for key in keys:
                 self.delete_key(final, key)
+        self._refused = None
 
     def _leases(self) -> bool:
         """Whether this backend's lock is a lease (:mod:`.lease`): its lock object is created, refreshed and
@@ -304,15 +310,16 @@ class Storage(ABC):
         lock creation (fsspec: check-then-write) has no lease."""
         return type(self)._create_lock is Storage._create_lock
 
-    def _lock_state(self, final: str) -> tuple[bytes | None, bytes]:
-        """The lock object's bytes (None when absent) and its storage generation."""
+    def _lock_state(self, final: str, retry: bool = True) -> tuple[bytes | None, bytes]:
+        """The lock object's bytes (None when absent) and its storage generation (one attempt unless
+        ``retry``: the lease thread must not wait out one store's retries)."""
 
         def op() -> tuple[bytes | None, bytes]:
             result = self._wait(self._kv(final).read(LOCK_KEY))
             value = bytes(result.value) if result.state == "value" else None
             return value, bytes(result.stamp.generation)
 
-        return self._retry("lock", f"{final}/{LOCK_KEY}", op)
+        return self._retry("lock", f"{final}/{LOCK_KEY}", op) if retry else op()
 
     def _refresh_lock(self, final: str, body: bytes, generation: bytes) -> bytes:
         """Replace the lock object with ``body`` only if it is still ``generation``: the new generation, or
@@ -384,6 +391,11 @@ class Storage(ABC):
         if self._lock_token(final) == token:
             self.delete_key(final, LOCK_KEY)
 
+    def stalled(self) -> str | None:
+        """A request of this save that timed out but may still land (named), or None: the coordinator then
+        keeps the save's lock (:mod:`.stalls`). None here: tensorstore's requests are not left running."""
+        return None
+
     def open_flush(self, root: str) -> None:
         """Called on every rank before its first write under ``root``: a backend whose :meth:`flush` can only
         report errors that happened after some point (Linux ``syncfs(2)`` reports a write-back error only to a
@@ -399,17 +411,36 @@ class Storage(ABC):
         """Make this rank's writes under ``root`` durable (one batched flush; a no-op where writes are)."""
         return None
 
+    def check_lease(self, final: str) -> None:
+        """Raise if this save's lease of ``final`` was found taken over (:func:`.lease.lost`): no I/O, the
+        writers call it before each write batch, so a save that lost its lock stops writing into a target
+        another save now owns within about one heartbeat interval."""
+        token = self._lease_token
+        if token is not None and lease.lost(self, final, token):
+            raise StorageError(
+                f"save {token} to {final} stopped: its lock {final}/{LOCK_KEY} was taken over by another save "
+                "(this save did not refresh it for its lease); it writes nothing more and does not commit"
+            )
+
+    def verify_lease(self, final: str) -> None:
+        """Raise unless the lock of ``final`` still names this save (one read): the coordinator calls it
+        before it writes the metadata, and :meth:`commit` before the marker (a save whose lease ran out, and
+        was taken over, writes neither)."""
+        token = self._lease_token
+        if token is None or not self._leases():
+            return
+        self.check_lease(final)
+        holder = self._lock_token(final)
+        if holder != token:
+            raise StorageError(
+                f"storage commit of {final} refused: this save's lock {final}/{LOCK_KEY} is held by save "
+                f"{holder} now (it was taken over: this save did not refresh it for its lease)"
+            )
+
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         """Make the checkpoint visible: the marker is written last, and only while this save still holds its
         lock (a save whose lease ran out, and was taken over, never commits)."""
-        token = self._lease_token
-        if token is not None and self._leases():
-            holder = self._lock_token(final)
-            if holder != token:
-                raise StorageError(
-                    f"storage commit of {final} refused: this save's lock {final}/{LOCK_KEY} is held by save "
-                    f"{holder} now (it was taken over: this save did not refresh it for its lease)"
-                )
+        self.verify_lease(final)
         self._write_marker(final)
 
     def _write_marker(self, final: str) -> None:
@@ -430,13 +461,39 @@ class Storage(ABC):
         abort (a server answering late), and a marker landing on a prefix whose objects were deleted made a
         committed checkpoint without its metadata (``latest_step()`` chose it, ``restore()`` failed). The
         complete objects are kept: a late marker commits a whole checkpoint; otherwise they are an uncommitted
-        leftover that the next save to the path, or a manager's start-up cleanup, removes."""
+        leftover that the next save to the path, or a manager's start-up cleanup, removes.
+
+        Nor (written in place) once the lock no longer names this save: another save took the target over,
+        and what is there may be its committed checkpoint."""
         if self._marker_in_doubt:
             log.warning(
                 "the commit marker of %s was sent but not acknowledged and may still be stored: the save's "
                 "objects are kept whole (a manager's cleanup removes them if it never lands)", final,
             )  # fmt: skip
             return
+        if staging == final and self._refused == final:
+            log.warning(
+                "abort of the save to %s deletes nothing: its claim of the target was refused (what is there is "
+                "another save's, or not a checkpoint)", final,
+            )  # fmt: skip
+            return
+        token = self._lease_token
+        if token is not None and staging == final:  # written in place: only while the target is still ours
+            try:
+                holder = self._lock_token(final)
+            except Exception as e:  # noqa: BLE001 - unknown holder: nothing is deleted
+                log.warning(
+                    "abort of save %s to %s deletes nothing: its lock could not be read (%s); the objects are "
+                    "an uncommitted leftover (the next save there, or a manager's cleanup, removes them)",
+                    token, final, e,
+                )  # fmt: skip
+                return
+            if holder != token:
+                log.warning(
+                    "abort of save %s to %s deletes nothing: its lock names %s now (another save took the "
+                    "target over and may have committed there)", token, final, holder or "no save",
+                )  # fmt: skip
+                return
         try:
             for key in self.list(staging):
                 if key != LOCK_KEY:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import uuid
 import weakref
 from typing import Any
@@ -41,6 +42,9 @@ from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_boun
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
 from .base import LOCK_KEY, Storage
 from .retry import call_within, is_transient
+from .stalls import StallTracker, refuse_if_stalled
+
+log = logging.getLogger("arraycheckpoint")
 
 _STAGING = "#acp-staging-"
 #: the most bytes one batched upload (``fs.pipe``) or download (``fs.cat``) moves
@@ -70,6 +74,7 @@ class FsspecStorage(Storage):
         self.scheme = scheme
         self._id = uuid.uuid4().hex
         self._hydrated: set[str] = set()
+        self._stalls: StallTracker | None = None  # the save this instance serves (:meth:`acquire`)
         weakref.finalize(self, _drop_memory, f"acp-fsspec/{self._id}/")
 
     # Paths -----------------------------------------------------------------------------------------
@@ -118,7 +123,8 @@ class FsspecStorage(Storage):
         """``fn()`` waited for at most the stall bound plus a second per MiB of ``nbytes`` (see the module
         docstring); a ``TimeoutError`` naming ``operation`` and ``path`` when it does not return by then."""
         bound = self.stall_bound() + nbytes / _MIN_BYTES_PER_SECOND
-        return call_within(bound, fn, f"{operation} of {path}")
+        on_stall = self._stalls.stalled if self._stalls is not None else None
+        return call_within(bound, fn, f"{operation} of {path}", on_stall)
 
     def _retry(self, operation: str, path: str, fn: Any, nbytes: int = 0) -> Any:
         return super()._retry(operation, path, lambda: self._bounded(operation, path, fn, nbytes))
@@ -257,11 +263,43 @@ class FsspecStorage(Storage):
         for path, data in batch.items():
             self._retry("upload", path, lambda p=path, d=data: self.fs.pipe_file(p, d), len(data))
 
+    # A save's requests that timed out but still run (:mod:`.stalls`) -----------------------------------
+    def acquire(self, final: str, token: str) -> None:
+        refuse_if_stalled(final, token)
+        self._stalls = StallTracker(final, token)
+        try:
+            super().acquire(final, token)
+        except BaseException:
+            # a lock create that timed out may land after this save failed: it is removed when it ends
+            self._stalls.defer(lambda: self.release(final, token))
+            raise
+
+    def open_flush(self, root: str) -> None:
+        staged = self._split_staging(root)
+        if staged is not None:  # every rank: an earlier save's stalled upload of this process may land here
+            refuse_if_stalled(staged[0], staged[1])
+        if self._stalls is None and staged is not None:
+            self._stalls = StallTracker(staged[0], staged[1])  # a rank other than the coordinator
+
+    def stalled(self) -> str | None:
+        return self._stalls.alive() if self._stalls is not None else None
+
+    def release(self, final: str, token: str) -> None:
+        if self._stalls is not None and self._stalls.defer(lambda: self.release(final, token)):
+            return  # kept until this save's stalled requests end (they may still land)
+        super().release(final, token)
+
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         self.flush(staging)  # anything the coordinator wrote after its last flush
         self._write_marker(final)
 
     def abort(self, staging: str, final: str) -> None:
+        if self._stalls is not None and self._stalls.defer(lambda: self.abort(staging, final)):
+            log.warning(
+                "abort of %s waits: a request of this save timed out and may still land; what it stored is "
+                "deleted once it ends, and the save's lock is kept until then", final,
+            )  # fmt: skip
+            return
         staged = self._split_staging(staging)
         if staged is not None:
             _drop_memory(self._memory_spec(f"stage-{staged[1]}", "")["path"])

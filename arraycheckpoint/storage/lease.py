@@ -9,6 +9,11 @@ interval and the time of its last refresh (the holder's clock). Creating it is a
 writers racing for one lock object exactly one succeeds. The document is untrusted input (bounded, every
 field type-checked); one that cannot be read as one counts as refreshed never (its age is unknown: it is not
 taken over).
+
+A refresh refused (412) or unanswered is not proof of a takeover (a conditional write that landed but whose
+answer was lost, retried, is refused): the lock is read, and while it names the holder its generation is
+adopted. Only a lock naming another save, or none, marks the lease lost (:func:`lost`): the save's writers
+stop, its coordinator writes neither metadata nor marker, and its abort deletes nothing (docs/storage.md).
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ _guard = threading.Lock()
 _thread: threading.Thread | None = None
 _wake = threading.Event()
 _sleeping = [0.0]  # the interval the thread sleeps for now
+#: the leases found taken over (held by another token, or gone) while their save ran: its writers stop
+_lost: set[tuple[int, str, str]] = set()
 
 
 def keep(storage: Any, final: str, token: str, generation: bytes) -> None:
@@ -95,6 +102,7 @@ def keep(storage: Any, final: str, token: str, generation: bytes) -> None:
     global _thread
     with _guard:
         _held[(id(storage), final, token)] = (weakref.ref(storage), generation)
+        _lost.discard((id(storage), final, token))
         if heartbeat_seconds() < _sleeping[0]:  # the thread sleeps for longer than the interval now is
             _wake.set()
         if _thread is None:
@@ -103,8 +111,17 @@ def keep(storage: Any, final: str, token: str, generation: bytes) -> None:
 
 
 def drop(storage: Any, final: str, token: str) -> None:
+    """Stop refreshing the lock (the save ended); forget that it was lost."""
     with _guard:
         _held.pop((id(storage), final, token), None)
+        _lost.discard((id(storage), final, token))
+
+
+def lost(storage: Any, final: str, token: str) -> bool:
+    """Whether the lease of the save ``token`` to ``final`` was found taken over by another save (or its lock
+    gone) while the save ran: no I/O, for the writers to check before each write batch."""
+    with _guard:
+        return (id(storage), final, token) in _lost
 
 
 def _refresh_all() -> None:
@@ -125,22 +142,38 @@ def _refresh_all() -> None:
                 continue
             try:
                 new = storage._refresh_lock(final, body(token), generation)
-            except Exception as e:  # noqa: BLE001 - a refresh that failed is tried again next interval
+            except Exception as e:  # noqa: BLE001 - its answer was lost: what is stored decides (below)
                 log.debug("could not refresh the lock of %s: %s", final, e)
-                continue
+                new = b""
+            holder = None
+            if not new:
+                # A refused refresh (412) or one without an answer is not proof of a takeover: a conditional
+                # PUT that landed but whose answer was lost, retried, is refused too. The lock as stored decides.
+                try:
+                    raw, stored = storage._lock_state(final, retry=False)
+                except Exception as e:  # noqa: BLE001 - the store does not answer: tried again next interval
+                    log.debug("could not read the lock of %s: %s", final, e)
+                    continue
+                doc = parse(raw)
+                holder = None if doc is None else doc["token"]
+                if holder == token:
+                    new = stored  # still ours (the refresh landed, or never did): its generation is adopted
             with _guard:
                 if key not in _held:
                     continue
                 if new:
                     _held[key] = (ref, new)
-                else:
-                    _held.pop(key, None)
-                    log.warning(
-                        "the lock of the save to %s was taken over by another save (this process did not refresh "
-                        "it for its lease); this save will not commit", final,
-                    )  # fmt: skip
+                    continue
+                _held.pop(key, None)
+                _lost.add(key)
+            log.warning(
+                "the lock %s/.acp-lock of save %s was taken over by another save (it names %s now: this process "
+                "did not refresh it for its lease); this save stops writing and will not commit",
+                final, token, holder or "no save, it was removed",
+            )  # fmt: skip
 
 
 def drop_key(key: tuple[int, str, str]) -> None:
     with _guard:
         _held.pop(key, None)
+        _lost.discard(key)

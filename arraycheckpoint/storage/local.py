@@ -110,7 +110,8 @@ class LocalStorage(Storage):
             )
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, locks.owner_document(locks.this_owner(token)), 0)
+            flocked = locks.flock_state(fd) == "taken"  # held already: taken again, no wait
+            os.pwrite(fd, locks.owner_document(locks.this_owner(token, flocked)), 0)
         except OSError as e:
             os.close(fd)
             raise StorageError(f"storage lock of {lock} failed: {e}") from e

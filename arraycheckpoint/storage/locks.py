@@ -7,7 +7,8 @@ over (with a warning), never refused for good.
 Some file systems have no ``flock`` (some NFS mounts, FUSE file systems), or one that only this host sees
 (NFS mounted with ``local_lock=flock``: set ``ARRAYCHECKPOINT_LOCK_NO_FLOCK=1`` there). Without it a lock is
 judged by what its file says of its owner, a small JSON document (:class:`Owner`: host name, boot id, pid
-namespace, pid, the process's start time, the save's token, its heartbeat interval), and by its age:
+namespace, pid, the process's start time, the save's token, its heartbeat interval, whether it holds the
+flock), and by its age (a free flock says nothing of a holder that runs without flock: its document decides):
 
 * on the same host and boot (and pid namespace), the lock is a crashed save's when its process is gone, or
   its pid now names another process (another start time);
@@ -20,8 +21,10 @@ namespace, pid, the process's start time, the save's token, its heartbeat interv
 
 A crashed lock is taken over by exactly one save: takers race for an ``O_EXCL`` marker
 ``<lock>.takeover``, and the winner replaces the lock only if it is still the very file judged (same inode,
-same mtime: not refreshed meanwhile). A save whose lock was taken over from it (its process stopped for longer
-than the lease) is refused at commit. The lock file is untrusted input: read with a bound, never through a
+same mtime: not refreshed meanwhile); a marker that is no regular file, or dated more than a lease ahead, is
+moved aside. A save whose lock was taken over from it (its process stopped for longer than the lease) is
+refused at commit: the file at the lock's path is another (inode), or names another token (a taker holding the
+flock rewrites it in place). The lock file is untrusted input: read with a bound, never through a
 link, and only when it is a regular file.
 """
 
@@ -88,6 +91,10 @@ class Owner:
     pid: int
     start: int  # the process's start time, clock ticks since boot (/proc/<pid>/stat field 22)
     heartbeat: float
+    #: whether the holder holds the lock's flock (False: its mount has none, or ``NO_FLOCK_ENV`` said not to
+    #: trust it; then a free flock tells nothing: its liveness is judged as without flock). An older
+    #: document without the field is taken as holding it.
+    flock: bool = True
 
     def same_machine(self, other: Owner) -> bool:
         """Whether ``other`` runs where this owner's pid means the same process (host, boot, pid namespace)."""
@@ -123,8 +130,9 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-def this_owner(token: str) -> Owner:
-    """The owner document of a lock this process takes now for the save ``token``."""
+def this_owner(token: str, flock: bool = True) -> Owner:
+    """The owner document of a lock this process takes now for the save ``token`` (``flock``: whether it
+    holds the lock's flock)."""
     try:
         pidns = os.readlink("/proc/self/ns/pid")
     except OSError:
@@ -138,6 +146,7 @@ def this_owner(token: str) -> Owner:
         pid=pid,
         start=process_start(pid) or 0,
         heartbeat=heartbeat_seconds(),
+        flock=flock,
     )
 
 
@@ -165,7 +174,10 @@ def parse_owner(raw: bytes) -> Owner | None:
     beat = doc.get("heartbeat")
     if type(beat) not in (int, float) or not 0 < beat < float("inf"):
         return None
-    return Owner(*(doc[k] for k in texts), doc["pid"], doc["start"], min(float(beat), _MAX_HEARTBEAT))
+    flock = doc.get("flock", True)
+    if type(flock) is not bool:
+        return None
+    return Owner(*(doc[k] for k in texts), doc["pid"], doc["start"], min(float(beat), _MAX_HEARTBEAT), flock)
 
 
 def token_of(raw: bytes) -> str:
@@ -262,7 +274,16 @@ def crashed_without_flock(lock: Path, st: os.stat_result, owner: Owner | None) -
     age = (_fs_now_ns(lock.parent) - st.st_mtime_ns) / 1e9
     if age > bound:
         return f"not refreshed for {age:.0f} s, its lease is {bound:.0f} s"
+    if age < -bound:
+        return _future(lock, age)
     return None
+
+
+def _future(path: Path, age: float) -> str:
+    """Why a file whose mtime lies ``-age`` seconds in the future (further than a lease: no refresh writes
+    that, a clock or a hand did) counts as stale: else it would never age."""
+    log.warning("%s has a modification time %.0f s in the future; it is judged stale", path, -age)
+    return f"its modification time is {-age:.0f} s in the future"
 
 
 @dataclass
@@ -295,7 +316,16 @@ def open_crashed(lock: str | Path) -> Crashed | None:
             now = os.stat(lock, follow_symlinks=False)
             same = (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)  # not released or replaced meanwhile
             if same and state == "taken":
-                return Crashed(fd, st, owner, "nobody holds its flock", True)
+                if owner is None or owner.flock:
+                    return Crashed(fd, st, owner, "nobody holds its flock", True)
+                # its holder runs without flock (its mount has none, or NO_FLOCK_ENV): a free flock tells
+                # nothing, its owner and lease do
+                why = crashed_without_flock(lock, st, owner)
+                if why is not None:
+                    return Crashed(fd, st, owner, why, True)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+                return None
             why = crashed_without_flock(lock, st, owner) if same else None
             if why is not None:
                 return Crashed(fd, st, owner, why, False)
@@ -315,12 +345,17 @@ def _marker(lock: Path) -> int | None:
             return os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
             try:
-                age = (_fs_now_ns(lock.parent) - os.stat(marker, follow_symlinks=False).st_mtime_ns) / 1e9
-                if age <= lease_intervals() * heartbeat_seconds():
+                st = os.stat(marker, follow_symlinks=False)
+                age = (_fs_now_ns(lock.parent) - st.st_mtime_ns) / 1e9
+                bound = lease_intervals() * heartbeat_seconds()
+                if age < -bound:
+                    _future(marker, age)
+                elif age <= bound and stat.S_ISREG(st.st_mode):
                     return None
+                # a marker no taker made (not a regular file) goes at once, by the same rename
                 aside = marker.with_name(f"{marker.name}-{uuid.uuid4().hex[:8]}")
                 os.rename(marker, aside)  # one taker wins; the others find it gone and race to create
-                os.unlink(aside)
+                _remove(aside)
             except FileNotFoundError:
                 continue
             except OSError:
@@ -328,6 +363,16 @@ def _marker(lock: Path) -> int | None:
         except OSError:
             return None
     return None
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path``, moved aside by this process: a file, a link, or a directory with what it holds."""
+    if stat.S_ISDIR(os.stat(path, follow_symlinks=False).st_mode):
+        import shutil
+
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def replace_crashed(lock: Path, crashed: Crashed, remove_only: bool = False) -> int | None:
@@ -410,9 +455,12 @@ def still_held(lock: Path, token: str) -> bool:
             return True  # not taken by this process's acquire (a caller of commit alone)
         try:
             mine, now = os.fstat(fd), os.stat(lock, follow_symlinks=False)
+            if (mine.st_ino, mine.st_dev) != (now.st_ino, now.st_dev):
+                return False
+            # the same file, but a taker holding its flock rewrites it in place: the token it names decides
+            return token_of(read_lock(fd)) == token
         except OSError:
             return False
-    return (mine.st_ino, mine.st_dev) == (now.st_ino, now.st_dev)
 
 
 # The heartbeat: one thread per process while it holds a lock ------------------------------------------------

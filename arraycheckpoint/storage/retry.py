@@ -154,10 +154,19 @@ def _storage_error(operation: str, path: str, error: BaseException, why: str) ->
     return out
 
 
-def call_within(seconds: float, fn: Callable[[], T], what: str) -> T:
+def call_within(
+    seconds: float,
+    fn: Callable[[], T],
+    what: str,
+    on_stall: Callable[[str], Callable[[], None]] | None = None,
+) -> T:
     """``fn()``, run on a daemon thread and waited for at most ``seconds``: a call into a library that has no
     timeout of its own (a Python file system of fsspec) cannot hang its caller on a store that stops
     answering. The call itself cannot be stopped: it is left to finish or fail on its thread.
+
+    ``on_stall(what)``, when given, is called once the wait timed out while ``fn`` still runs; the callable it
+    returns is called (on ``fn``'s thread) when ``fn`` ends after all: a save tracks its requests that may
+    still land (:mod:`.stalls`).
 
     Raises:
         TimeoutError: ``fn`` did not return within ``seconds`` (transient: :func:`retry_call` retries it while
@@ -166,6 +175,8 @@ def call_within(seconds: float, fn: Callable[[], T], what: str) -> T:
     """
     box: dict[str, Any] = {}
     done = threading.Event()
+    guard = threading.Lock()
+    late: list[Callable[[], None]] = []
 
     def run() -> None:
         try:
@@ -173,10 +184,20 @@ def call_within(seconds: float, fn: Callable[[], T], what: str) -> T:
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
-            done.set()
+            with guard:
+                done.set()
+            for ended in late:
+                try:
+                    ended()
+                except Exception:  # noqa: BLE001 - a daemon thread: logged, never raised
+                    log.warning("storage: handling the late end of %s failed", what, exc_info=True)
 
     threading.Thread(target=run, name=f"acp-store-call {what}"[:64], daemon=True).start()
     if not done.wait(seconds):
+        if on_stall is not None:
+            with guard:
+                if not done.is_set():  # still running: its end is reported (else it ended just now)
+                    late.append(on_stall(what))
         raise TimeoutError(f"no answer from the store within {seconds:.3g} s (it stalls)")
     if "error" in box:
         raise box["error"]

@@ -187,8 +187,9 @@ class S3Storage(Storage):
         first read then cost two GETs of the whole pack).
 
         Raises:
-            NotImplementedError: no botocore client (not installed, or a setup only tensorstore knows): read
-                it through tensorstore.
+            NotImplementedError: no botocore client (not installed, or a setup only tensorstore knows), or
+                the server did not answer the range asked for (a 200 without ``Content-Range``): read it
+                through tensorstore. Raised after the retried call, never wrapped as a ``StorageError``.
         """
         client = self._botocore()
         if client is None or want <= 0:
@@ -199,7 +200,7 @@ class S3Storage(Storage):
         if self.requester_pays:
             args["RequestPayer"] = "requester"
 
-        def get() -> tuple[bytes, int] | None:
+        def get() -> tuple[bytes, int] | str | None:
             try:
                 answer = client.get_object(**args)
             except client.exceptions.NoSuchKey:
@@ -215,12 +216,19 @@ class S3Storage(Storage):
                 data = body.read(want + 1)
             finally:
                 body.close()
-            size = int(total) if total.isdigit() else len(data)
-            if len(data) != min(want, size):  # not the answer asked for: tensorstore reads it
-                raise NotImplementedError(f"{len(data)} bytes of {size} for the last {want}")
+            if not total.isdigit():  # no Content-Range (200: a server ignoring the range): size unknown
+                return (
+                    f"an answer without a Content-Range ({len(data)} bytes read of the object, size unknown)"
+                )
+            size = int(total)
+            if len(data) != min(want, size):
+                return f"{len(data)} bytes of an object of {size} for its last {want}"
             return data, size
 
-        return self._retry("read", f"{root}/{key}", get)
+        got = self._retry("read", f"{root}/{key}", get)
+        if isinstance(got, str):  # not the answer asked for: the caller reads through tensorstore instead
+            raise NotImplementedError(f"suffix read of {root}/{key}: {got}")
+        return got
 
     def parent(self, root: str) -> tuple[str, str]:
         head, _, name = root.rstrip("/").rpartition("/")
