@@ -210,6 +210,8 @@ class SavePipeline:
                 if job.error is None and plan is not None and claimed:
                     # before the first write: a flush reports only errors from after this (syncfs)
                     job.storage.open_flush(job.staging)
+                    if comm.rank != 0:  # writes under rank 0's lock: stops when another save takes it over
+                        job.storage.follow_lease(job.staging, job.final, job.token)
                     self._write(job, plan.rank_plan, exchange.received)
                     with job.recorder.phase("flush"), busy(f"{job.staging} (its flush)"):
                         job.storage.flush(job.staging)  # a syncfs stalled at exit is named too

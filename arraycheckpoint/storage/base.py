@@ -404,8 +404,14 @@ class Storage(ABC):
 
     def close_flush(self, root: str) -> None:
         """Release what :meth:`open_flush` took for ``root`` (idempotent; called on every path once the save
-        ended, after the coordinator's last :meth:`flush`). No-op here."""
-        return None
+        ended, after the coordinator's last :meth:`flush`); here: stop following its lock (:meth:`follow_lease`)."""
+        lease.unfollow(self, root)
+
+    def follow_lease(self, staging: str, final: str, token: str) -> None:
+        """On a rank that did not take the lock: when it writes in place under a lease, :meth:`check_lease`
+        also reads the lock (before the first write, then at most once a heartbeat interval)."""
+        if staging == final and self._lease_token is None and self._leases():
+            lease.follow(self, final, token)
 
     def flush(self, root: str) -> None:
         """Make this rank's writes under ``root`` durable (one batched flush; a no-op where writes are)."""
@@ -416,6 +422,7 @@ class Storage(ABC):
         writers call it before each write batch, so a save that lost its lock stops writing into a target
         another save now owns within about one heartbeat interval."""
         token = self._lease_token
+        lease.check_follower(self, final)
         if token is not None and lease.lost(self, final, token):
             raise StorageError(
                 f"save {token} to {final} stopped: its lock {final}/{LOCK_KEY} was taken over by another save "

@@ -145,7 +145,7 @@ def _refresh_all() -> None:
             except Exception as e:  # noqa: BLE001 - its answer was lost: what is stored decides (below)
                 log.debug("could not refresh the lock of %s: %s", final, e)
                 new = b""
-            holder = None
+            holder, raw = None, None
             if not new:
                 # A refused refresh (412) or one without an answer is not proof of a takeover: a conditional
                 # PUT that landed but whose answer was lost, retried, is refused too. The lock as stored decides.
@@ -169,7 +169,7 @@ def _refresh_all() -> None:
             log.warning(
                 "the lock %s/.acp-lock of save %s was taken over by another save (it names %s now: this process "
                 "did not refresh it for its lease); this save stops writing and will not commit",
-                final, token, holder or "no save, it was removed",
+                final, token, holder or ("no save, it was removed" if raw is None else "no save: it was overwritten"),
             )  # fmt: skip
 
 
@@ -177,3 +177,46 @@ def drop_key(key: tuple[int, str, str]) -> None:
     with _guard:
         _held.pop(key, None)
         _lost.discard(key)
+
+
+# Ranks other than the coordinator ---------------------------------------------------------------------------
+# They write in place under a lock rank 0 took, and hold no lease of their own: each reads the lock itself
+# before its first write and then at most once a heartbeat interval, so a save whose lock was taken over stops
+# writing on every rank, not only on rank 0.
+_followed: dict[tuple[int, str], tuple[str, float]] = {}  # (id(storage), final) -> (token, last read)
+
+
+def follow(storage: Any, final: str, token: str) -> None:
+    """Make :func:`check_follower` read the lock of ``final`` for ``token`` (on this rank's ``storage``)."""
+    with _guard:
+        _followed[(id(storage), final)] = (token, -float("inf"))
+
+
+def unfollow(storage: Any, final: str) -> None:
+    with _guard:
+        _followed.pop((id(storage), final), None)
+
+
+def check_follower(storage: Any, final: str) -> None:
+    """Raise when a read of the lock of ``final`` (due at most once a heartbeat interval) names another save
+    than the one this rank writes for; an unanswered read decides nothing (rank 0's lease does)."""
+    from ..errors import StorageError
+
+    key = (id(storage), final)
+    now = time.monotonic()
+    with _guard:
+        entry = _followed.get(key)
+        if entry is None or now - entry[1] < heartbeat_seconds():
+            return
+        _followed[key] = (entry[0], now)
+    token = entry[0]
+    try:
+        holder = storage._lock_token(final)
+    except Exception as e:  # noqa: BLE001 - read again next interval
+        log.debug("could not read the lock of %s: %s", final, e)
+        return
+    if holder != token:
+        raise StorageError(
+            f"save {token} to {final} stopped: its lock {final}/.acp-lock names {holder or 'no save'} now (it was "
+            "taken over by another save); this rank writes nothing more there"
+        )

@@ -90,11 +90,20 @@ class StallTracker:
         if pending:
             log.warning("storage: the stalled requests of save %s to %s ended; its cleanup runs now",
                         self.token, self.final)  # fmt: skip
-        for fn in pending:
-            fn()  # may stall again: then deferred anew
-        with self._lock:
-            done = self._alive == 0 and not self._pending
-        if done:
-            with _guard:
-                if _stalled.get(self.final, ("",))[0] == self.token:
-                    del _stalled[self.final]
+        try:
+            for fn in pending:
+                try:
+                    fn()  # may stall again: then deferred anew
+                except Exception as e:  # noqa: BLE001 - one failed step must not skip the others
+                    log.warning(
+                        "storage: a cleanup step of save %s to %s failed after its stalled requests ended (%s); "
+                        "if its lock %s/.acp-lock is still there, remove it by hand or start a manager there "
+                        "(its start-up cleanup removes it)", self.token, self.final, e, self.final,
+                    )  # fmt: skip
+        finally:
+            with self._lock:
+                done = self._alive == 0 and not self._pending
+            if done:  # nothing of this save runs any more: later saves there are not refused by this process
+                with _guard:
+                    if _stalled.get(self.final, ("",))[0] == self.token:
+                        del _stalled[self.final]

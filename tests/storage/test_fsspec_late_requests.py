@@ -131,3 +131,24 @@ def test_a_ranks_stalled_upload_keeps_the_coordinators_lock(gated: Any, caplog: 
     _settled(url)
     with pytest.raises(CheckpointExistsError, match="in progress"):
         acp.save(url, {"w": np.arange(64.0) * 2}, timeout=30)
+
+
+def test_a_failed_deferred_cleanup_step_runs_the_others_and_frees_the_target() -> None:
+    """The deferred abort raising (the store still flaky when the stalled request ends) neither skips the
+    release nor leaves the target refused in this process."""
+    from arraycheckpoint.storage import stalls
+
+    final = "memory://late-cleanup/T"
+    tracker = stalls.StallTracker(final, "tokA")
+    ended = tracker.stalled(f"upload of {final}/a")
+    ran: list[str] = []
+
+    def abort() -> None:
+        ran.append("abort")
+        raise OSError("delete failed")
+
+    assert tracker.defer(abort) and tracker.defer(lambda: ran.append("release"))
+    ended()  # what call_within's thread does when the request ends
+    assert ran == ["abort", "release"]
+    assert tracker.alive() is None and final not in stalls._stalled
+    stalls.refuse_if_stalled(final, "tokB")  # not refused

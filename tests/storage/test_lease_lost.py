@@ -203,3 +203,46 @@ def test_a_refused_multi_rank_save_deletes_nothing_of_the_target(url: str, held_
     assert stored() == before
     if held_by == "live save":
         other.release(final, "other-1")
+
+
+def test_every_rank_of_a_save_whose_lease_was_lost_stops_writing(url: str, scheme: Any) -> None:
+    """Rank 0 holds the lease; rank 1 writes in place under it too: it reads the lock itself before its first
+    write, so it does not overwrite the new holder's objects (its pack keys are the same as the other save's)."""
+    import sys
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from simworld import run_ranks
+
+    taken = threading.Event()
+
+    class TakenOver(MemoryStorage):
+        def open_flush(self, root: str) -> None:
+            if self._lease_token is not None:  # rank 0: the lease thread found the lock taken over
+                lease.drop(self, root, self._lease_token)
+                MemoryStorage().write(root, LOCK_KEY, lease.body("other-1"))
+                MemoryStorage().write(root, ".acp/packs/1.0.zip", b"B pack")  # the new holder's rank 1
+                lease._lost.add((id(self), root, self._lease_token))
+                taken.set()
+            else:
+                assert taken.wait(30)
+
+    scheme(TakenOver)
+
+    def save(comm: Any) -> str:
+        try:
+            acp.save(
+                url, {"w": acp.PerRank(np.arange(1000.0) + comm.rank), "b": np.ones((64, 64))}, comm=comm
+            )
+        except SaveFailedError as e:
+            return str(e)
+        return "committed"
+
+    outcomes = run_ranks(2, save)
+    assert all(o != "committed" for o in outcomes), outcomes
+    assert any("rank 1" in o and "names other-1" in o for o in outcomes), outcomes
+    scheme(None)
+    store, final = storage_for(url)
+    assert store.read(final, ".acp/packs/1.0.zip") == b"B pack"
+    assert sorted(store.list(final)) == sorted([LOCK_KEY, ".acp/packs/1.0.zip"])
