@@ -3,6 +3,8 @@ writes fail transiently at a given rate (seeded), and an S3 server process that 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import socket
 import subprocess
@@ -45,6 +47,21 @@ class FlakyMemoryFS(MemoryFileSystem):
 
 
 fsspec.register_implementation("acpflaky", FlakyMemoryFS, clobber=True)
+
+
+@contextlib.contextmanager
+def environ_restored(*keys: str):  # noqa: ANN201 - a context manager
+    """Set what the body sets of ``keys`` in ``os.environ`` back to what it was on leaving (session and
+    module fixtures cannot use ``monkeypatch``)."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flaky import S3Process
+from flaky import S3Process, environ_restored
 
 import arraycheckpoint as acp
 from arraycheckpoint import storage
@@ -39,19 +39,14 @@ def _keys(server: S3Process, prefix: str) -> list[str]:
 
 @pytest.fixture
 def server() -> Any:
-    saved = {k: os.environ.get(k) for k in _ENV}
-    os.environ.update(_ENV)
-    s3 = S3Process()
-    try:
-        yield s3
-    finally:
-        os.kill(s3.proc.pid, signal.SIGCONT)
-        s3.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ_restored(*_ENV):
+        os.environ.update(_ENV)
+        s3 = S3Process()
+        try:
+            yield s3
+        finally:
+            os.kill(s3.proc.pid, signal.SIGCONT)
+            s3.stop()
 
 
 def test_a_save_to_a_stalled_store_fails_within_its_timeout_naming_the_path(server: S3Process) -> None:

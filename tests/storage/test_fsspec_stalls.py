@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("s3fs", reason="s3fs is not installed (the 'dev' extra lists it)")
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "faults"))
-from flaky import S3Process  # noqa: E402
+from flaky import S3Process, environ_restored  # noqa: E402
 
 import arraycheckpoint as acp  # noqa: E402
 from arraycheckpoint import storage  # noqa: E402
@@ -38,19 +38,14 @@ _ENV = {
 
 @pytest.fixture(scope="module")
 def process() -> Iterator[S3Process]:
-    saved = {k: os.environ.get(k) for k in (*_ENV, "ACP_LIVENESS_TIMEOUT")}
-    os.environ.update(_ENV)
-    os.environ.pop("ACP_LIVENESS_TIMEOUT", None)
-    s3 = S3Process(bucket="acp-fsspec-stalls")
-    try:
-        yield s3
-    finally:
-        s3.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ_restored(*_ENV, "ACP_LIVENESS_TIMEOUT"):
+        os.environ.update(_ENV)
+        os.environ.pop("ACP_LIVENESS_TIMEOUT", None)
+        s3 = S3Process(bucket="acp-fsspec-stalls")
+        try:
+            yield s3
+        finally:
+            s3.stop()
 
 
 @pytest.fixture
