@@ -32,6 +32,7 @@ def parse_layout_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
                 "all; the checkpoint is damaged or hostile"
             )
     out = []
+    listed = 0  # ranks over all groups: each rank made one declaration, so the groups share no rank
     for i, g in enumerate(raw):
         try:
             for m in g["meshes"]:
@@ -42,6 +43,12 @@ def parse_layout_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
             raise MetadataError(f"metadata: layout_groups[{i}] is malformed ({e})") from None
         if not ranks:  # every group is a declaration some rank made; its regions name their holders
             raise MetadataError(f"metadata: layout_groups[{i}] lists no rank")
+        listed += len(ranks)
+        if listed > world_size:  # 8 groups of 20 bytes each naming all 2^22 ranks took 1.3 GB (unbounded)
+            raise MetadataError(
+                f"metadata: layout_groups[{i}]: the groups up to it list {listed} ranks, more than the world of "
+                f"{world_size} (each rank is in one group); the checkpoint is damaged or hostile"
+            )
         out.append((decl, ranks))
     return tuple(out)
 

@@ -98,3 +98,34 @@ def test_the_bound_on_mesh_sizes_stops_at_the_limit() -> None:
     assert Mesh.json_size([[4, 0, 1 << 30], ["arange", 0]]) == 0  # empty: refused by the parse
     assert Mesh.json_size([[2, 3, 4], ["arange", 0]]) == 24
     assert Mesh.json_size([[2, float("inf")], ["arange", 0]]) == 0  # malformed: refused by the parse
+
+
+def test_layout_groups_sharing_ranks_are_refused_by_every_reader(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank makes one declaration, so the layout groups share no rank and list at most the world in all.
+    Groups repeating the world's ranks were each expanded to a tuple of every rank: 8 groups of 20 bytes in a
+    world of 2^22 ranks took 1.3 GB, 40 groups more memory than this machine has. Refused at the first group
+    past the world, naming it."""
+    import shutil
+
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    meta = path / ".acp" / "metadata.json"
+    doc = json.loads(meta.read_text())
+    doc["layout_groups"] += [{"meshes": [], "ranks": [[0, 1, 1]]}] * 3
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(MetadataError, match=r"layout_groups\[1\].*more than the world of 1"):
+        acp.read_metadata(path)
+    with pytest.raises(MetadataError, match=r"layout_groups\[1\]"):
+        acp.load(path, {"model": {"weight": np.zeros((4, 8), np.float32)}})
+    from arraycheckpoint.zarr import checkpoint_store
+
+    with pytest.raises(MetadataError, match=r"layout_groups\[1\]"):
+        checkpoint_store(path)
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 2
+    assert "layout_groups[1]" in capsys.readouterr().err
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr()
+    assert "layout_groups[1]" in out.out + out.err and "internal error" not in out.err
