@@ -116,10 +116,12 @@ class Cycle:
         self.flat = np.fromiter((r for k in keys for r in k), dtype=np.int64, count=int(self.sizes.sum()))
         n = len(choice)
         kind = next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if len(keys) <= np.iinfo(t).max + 1)
-        self.sid = np.asarray(set_of_region, dtype=kind)[choice] if n else np.zeros(0, dtype=kind)
-        counts = (
-            np.bincount(self.sid, minlength=len(self.sizes)) if n else np.zeros(len(self.sizes), np.int64)
-        )
+        if len(keys) == 1 or not n:  # one holder set (every chunk replicated on the same ranks): no gather
+            self.sid = np.zeros(n, dtype=kind)
+            counts = np.full(len(self.sizes), n, dtype=np.int64)
+        else:
+            self.sid = np.asarray(set_of_region, dtype=kind)[choice]
+            counts = np.bincount(self.sid, minlength=len(self.sizes))
         self.ordinal = np.empty(n, dtype=np.int32 if n < 1 << 31 else np.int64)
         if len(keys) == 1:
             self.ordinal[:] = np.arange(n, dtype=self.ordinal.dtype)
