@@ -85,7 +85,7 @@ def restore(state: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("not an RNG state captured by arraycheckpoint.rng.capture()")
     try:  # everything is checked on throwaway generators first: a damaged part leaves every generator as it was
         staged = _staged(state)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
         why = f"{e.args[0]!r} is missing" if isinstance(e, KeyError) and e.args else str(e).splitlines()[0]
         raise ValueError(f"the RNG state cannot be restored ({why}); no generator was changed") from None
     py_state, np_state, torch_state, cuda_states, cuda_seed, keys = staged
@@ -106,7 +106,10 @@ def restore(state: Mapping[str, Any]) -> dict[str, Any]:
 def _staged(state: Mapping[str, Any]) -> tuple[Any, Any, Any, Any, Any, dict[str, Any]]:
     """Every generator's new state of :func:`restore`, each tried on a throwaway generator of its kind."""
     py = state["python"]
-    py_state = (int(py["version"]), tuple(int(x) for x in _np(py["state"], np.uint32)), py["gauss"])
+    gauss = py["gauss"]  # what getstate() gives: None or a float (random.setstate takes anything, and
+    if gauss is not None and type(gauss) is not float:  # random.gauss() would then return it, or fail)
+        raise TypeError(f"python's cached gauss value must be a float or null, not {type(gauss).__name__}")
+    py_state = (int(py["version"]), tuple(int(x) for x in _np(py["state"], np.uint32)), gauss)
     random.Random().setstate(py_state)
     n = state["numpy"]
     np_state = (

@@ -70,6 +70,12 @@ def _base(key: str) -> str:
 def hierarchy_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
     """Every document the coordinator writes at commit, key (relative to the root) -> bytes: the metadata,
     the control node and a group ``zarr.json`` for the root and each directory above an entry."""
+    return {CONTROL.metadata: meta.to_json().encode(), **node_documents(meta)}
+
+
+def node_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
+    """The zarr documents of :func:`hierarchy_documents` that are not the metadata: the control node and
+    every group's ``zarr.json`` (what ``checkpoint_store`` serves in place of the stored ones)."""
     groups = {""}
     for names in (meta.tensors, meta.objects):
         for name in names:
@@ -88,9 +94,8 @@ def hierarchy_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
     packed = sum(1 for t in meta.tensors.values() if t.pack is not None)
     if packed:
         attrs["packed_arrays"] = packed_hint(packed)
-    docs = {CONTROL.metadata: meta.to_json().encode()}
     assert CONTROL.node is not None
-    docs[CONTROL.node] = json.dumps(control_node()).encode()
+    docs = {CONTROL.node: json.dumps(control_node()).encode()}
     for g in sorted(groups):
         doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs if g == "" else {}}
         docs[f"{g}/zarr.json" if g else "zarr.json"] = json.dumps(doc).encode()

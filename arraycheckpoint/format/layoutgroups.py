@@ -22,18 +22,17 @@ def parse_layout_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
     # every mesh is expanded to its rank list: bound the sum over all groups, not only each mesh, before any
     # is built (a few hundred bytes of JSON could otherwise ask for gigabytes); a valid checkpoint holds one
     # mesh per distinct declaration, each at most the world (Megatron at 10,000 ranks: about 1.3M in all)
-    total = sum(
-        Mesh.json_size(m)
-        for g in raw
-        if isinstance(g, dict) and isinstance(g.get("meshes"), list)
-        for m in g["meshes"]
-    )
-    if total > MAX_MESH_RANKS:
-        raise MetadataError(
-            f"metadata: layout_groups' meshes list {total} ranks in all, above the limit of {MAX_MESH_RANKS}; "
-            "the checkpoint is damaged or hostile"
-        )
+    total = 0
+    for i, g in enumerate(raw):
+        if isinstance(g, dict) and isinstance(g.get("meshes"), list):
+            total += sum(Mesh.json_size(m) for m in g["meshes"])  # each at most MAX_MESH_RANKS + 1
+        if total > MAX_MESH_RANKS:
+            raise MetadataError(
+                f"metadata: layout_groups[{i}]: the meshes up to it list more than {MAX_MESH_RANKS} ranks in "
+                "all; the checkpoint is damaged or hostile"
+            )
     out = []
+    listed = 0  # ranks over all groups: each rank made one declaration, so the groups share no rank
     for i, g in enumerate(raw):
         try:
             for m in g["meshes"]:
@@ -44,6 +43,12 @@ def parse_layout_groups(raw: Any, world_size: int) -> tuple[Any, ...]:
             raise MetadataError(f"metadata: layout_groups[{i}] is malformed ({e})") from None
         if not ranks:  # every group is a declaration some rank made; its regions name their holders
             raise MetadataError(f"metadata: layout_groups[{i}] lists no rank")
+        listed += len(ranks)
+        if listed > world_size:  # 8 groups of 20 bytes each naming all 2^22 ranks took 1.3 GB (unbounded)
+            raise MetadataError(
+                f"metadata: layout_groups[{i}]: the groups up to it list {listed} ranks, more than the world of "
+                f"{world_size} (each rank is in one group); the checkpoint is damaged or hostile"
+            )
         out.append((decl, ranks))
     return tuple(out)
 

@@ -313,10 +313,11 @@ def _regions(dest: Path, regions: list, writers: object = "held", **layout: obje
 
 def _column_split(dest: Path, world: int) -> None:
     """``model/w`` declared ``[1, 2 * world]``, split by columns over ``world`` ranks (a 40-byte mesh rule):
-    every region starts at row 0 (a pairwise overlap check sorted by rows compares 2 x 10^8 pairs)."""
+    every region starts at row 0 (a pairwise overlap check sorted by rows compares 2 x 10^8 pairs). The ranks
+    after the saving rank 0 (each rank is in one layout group: groups sharing a rank are refused first)."""
     doc = _meta(dest)
-    doc["world_size"] = world
-    doc["layout_groups"].append({"meshes": [[[world], ["arange", 0]]], "ranks": [[0, world, 1]]})
+    doc["world_size"] = world + 1
+    doc["layout_groups"].append({"meshes": [[[world], ["arange", 1]]], "ranks": [[1, world + 1, 1]]})
     shape = [1, 2 * world]
     doc["tensors"][W].update(
         shape=shape,
