@@ -118,6 +118,24 @@ class FsspecStorage(Storage):
             self._hydrated.add(root)
         return self._memory_spec(area, "")
 
+    def ranged_reads(self, root: str) -> Any:
+        """Ranged reads of the objects below ``root`` (a checkpoint's packs), shaped as tensorstore's key-value
+        store reads (:class:`~.ranged.FsspecRanges`): a load reads the members it needs, never a whole pack."""
+        from .ranged import FsspecRanges
+
+        return FsspecRanges(self, root)
+
+    def read_suffix(self, root: str, key: str, want: int) -> tuple[bytes, int | None] | None:
+        """The last ``want`` bytes of ``root/key`` (all of it when it is shorter) in one ranged read, and its
+        size where that read tells it (the object was shorter than ``want``; else None: the caller finds it in
+        the bytes, as a ZIP end record says it); None when the object is absent."""
+        from .ranged import fetch
+
+        got = fetch(self, self._rpath(root, key), -int(want), None)
+        if got.state != "value":
+            return None
+        return got.value, (len(got.value) if len(got.value) != want else None)
+
     # Every call into the file system, bounded in time ------------------------------------------------------
     def _bounded(self, operation: str, path: str, fn: Any, nbytes: int = 0) -> Any:
         """``fn()`` waited for at most the stall bound plus a second per MiB of ``nbytes`` (see the module
