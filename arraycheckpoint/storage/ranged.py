@@ -8,8 +8,9 @@ file system, so for every other fsspec URL :class:`FsspecRanges` answers the sam
 with ``fs.cat_file(path, start=, end=)``: one ranged GET per call on s3fs, gcsfs and HTTP, a ``seek`` and a
 ``read`` on a mounted file system. Before, an fsspec load downloaded every pack of the checkpoint whole.
 
-Each call runs on a thread of its own as soon as it is asked for (the spans issued ahead are fetched at once,
-as tensorstore fetches its futures), is bounded like every fsspec call of the backend (the stall bound, the
+Each call runs as soon as it is asked for, on one of at most :data:`_WORKERS` threads of the process (the
+spans issued ahead are fetched at once, as tensorstore fetches its futures; a check reading a thousand local
+headers queues them), is bounded like every fsspec call of the backend (the stall bound, the
 load's ``timeout=``, plus a second per MiB asked for: :meth:`~.fsspec_store.FsspecStorage._retry`) and
 retried on transient errors within that bound: a store that stops answering fails the read, naming the path,
 whatever the file system's own retries. A range past the object's end reads as what the object holds of it
@@ -20,7 +21,9 @@ pack readers handle both as they handle tensorstore's answers (a member cut shor
 from __future__ import annotations
 
 import errno
+import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -29,6 +32,39 @@ from .fsspec_store import _bounded_cat
 
 #: bytes assumed for the time bound of a read of a whole object of unknown size
 _WHOLE_GUESS = 64 << 20
+#: the most ranged reads running at once in a process (each waits on a bounded call of its own)
+_WORKERS = 32
+#: seconds an idle worker waits for a read before it ends
+_IDLE_SECONDS = 10.0
+
+_jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_workers = 0
+_guard = threading.Lock()
+
+
+def _submit(job: Callable[[], None]) -> None:
+    """Run ``job`` on a worker thread (daemon: a read never holds the interpreter's exit), starting one while
+    fewer than :data:`_WORKERS` run."""
+    global _workers
+    _jobs.put(job)
+    with _guard:
+        if _workers < _WORKERS:
+            _workers += 1
+            threading.Thread(target=_work, name="acp-ranged-read", daemon=True).start()
+
+
+def _work() -> None:
+    global _workers
+    while True:
+        try:
+            job = _jobs.get(timeout=_IDLE_SECONDS)
+        except queue.Empty:
+            with _guard:  # a job put meanwhile is seen here, or its submitter sees this worker gone
+                if _jobs.empty():
+                    _workers -= 1
+                    return
+            continue
+        job()  # never raises: it hands its outcome to its future
 
 
 class ReadResult(NamedTuple):
@@ -73,7 +109,7 @@ class FsspecRanges:
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 out.set_exception(e)
 
-        threading.Thread(target=run, name=f"acp-range {key}"[:64], daemon=True).start()
+        _submit(run)
         return out
 
 

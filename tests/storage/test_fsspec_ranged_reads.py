@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -29,7 +28,6 @@ import pytest
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (the 'dev' extra lists it)")
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
 from faults.packtools import flip_member_byte, set_local_header  # noqa: E402
 
 import arraycheckpoint as acp  # noqa: E402
@@ -164,7 +162,6 @@ def test_no_reader_probes_a_pack_past_the_last_one_each_rank_wrote(
     whole pack. On ``s3://`` it then asked for ``<rank>.1.zip`` (absent) of each rank: 4 GETs answered 404
     (through fsspec it listed the packs and downloaded each whole). Now neither asks for a pack past the last
     one each rank wrote; bit-exact."""
-    sys.path.insert(0, str(Path(__file__).parent.parent))
     from simworld import run_ranks
 
     rng = np.random.default_rng(1)
@@ -186,3 +183,40 @@ def test_no_reader_probes_a_pack_past_the_last_one_each_rank_wrote(
         packs = [p for m, p, _r, _n in s3a.requests if "/.acp/packs/" in p]
         assert packs and not [p for p in packs if p.endswith(".1.zip")], (scheme, packs)
         assert {p.rsplit("/", 1)[1] for p in packs} == {f"{r}.0.zip" for r in range(4)}, (scheme, packs)
+
+
+def test_ranged_reads_answer_as_tensorstore_does(s3_server: Any, s3a: Any) -> None:
+    """What the pack readers rely on, through s3fs against the server: a range within the object, one
+    reaching past its end (the bytes it holds), one starting past it (S3 answers 416: nothing), the last
+    bytes, the whole object, an empty range (no request: fsspec reads ``0-0`` as everything), a missing
+    object (``missing``); one GET each."""
+    from arraycheckpoint.storage import storage_for
+
+    prefix = f"raw-{uuid.uuid4().hex[:8]}"
+    s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/a", Body=b"0123456789")
+    backend, root = storage_for(f"s3a://{s3_server.bucket}/{prefix}")
+    reads = backend.ranged_reads(root)
+    s3a.requests.clear()
+    got = [
+        reads.read("a", byte_range=r).result()
+        for r in (slice(2, 5), slice(8, 20), slice(12, 20), slice(-4, None), None, slice(3, 3))
+    ]
+    assert [(g.state, g.value) for g in got] == [
+        ("value", b"234"),
+        ("value", b"89"),
+        ("value", b""),
+        ("value", b"6789"),
+        ("value", b"0123456789"),
+        ("value", b""),
+    ]
+    assert reads.read("gone", byte_range=slice(0, 4)).result().state == "missing"
+    assert [m for m, *_ in s3a.requests] == ["GET"] * 6, s3a.requests
+    assert backend.read_suffix(root, "a", 4) == (b"6789", None)
+    assert backend.read_suffix(root, "a", 64) == (b"0123456789", 10)
+    assert backend.read_suffix(root, "gone", 4) is None
+    # a check reading many local headers at once queues them on a bounded set of threads
+    from arraycheckpoint.storage import ranged
+
+    many = [reads.read("a", byte_range=slice(i % 10, i % 10 + 1)) for i in range(80)]
+    assert ranged._workers <= ranged._WORKERS
+    assert b"".join(f.result().value for f in many) == b"0123456789" * 8
