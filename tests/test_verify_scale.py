@@ -59,7 +59,7 @@ def test_verify_reads_each_pack_directory_once(many: Path, monkeypatch: pytest.M
     assert report.ok, report.problems[:3]
     assert (report.tensors, report.chunks) == (TENSORS, TENSORS)
     assert checks.calls == 1  # the load's own check; not again beforehand, never per tensor
-    assert directories.calls <= packs + 1  # each pack's directory once (plus the probe past the last)
+    assert directories.calls == packs  # each pack's directory once (no probe past the last one)
 
 
 def test_verify_no_data_checks_packs_once(many: Path, monkeypatch: pytest.MonkeyPatch) -> None:

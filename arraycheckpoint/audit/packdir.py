@@ -220,7 +220,7 @@ def _kv_ranges(storage: Any, base: str, key: str, want: int) -> RangesRead | Non
     from ..planning.packing import PACK_DIR
 
     path = f"{base}/{key}"
-    kv = _kvstore(storage, f"{base}/{PACK_DIR}")
+    kv = ranged_kvstore(storage, f"{base}/{PACK_DIR}")
     leaf = key[len(PACK_DIR) + 1 :]
     size: int | None = None
     value: bytes | None = None
@@ -250,13 +250,15 @@ def _kv_ranges(storage: Any, base: str, key: str, want: int) -> RangesRead | Non
     def read_remote(ranges: list[tuple[int, int | None]]) -> list[bytes]:
         futures = [kv.read(leaf, byte_range=slice(o, o + n) if n is not None else None) for o, n in ranges]
         out = []
-        for f in futures:
+        for f, (_o, n) in zip(futures, ranges):
             try:
                 r = f.result()
             except ValueError as e:  # OUT_OF_RANGE: shorter than its end records say
                 if "OUT_OF_RANGE" not in str(e):
                     raise
                 raise CorruptCheckpointError(f"{path} is shorter than its end records say") from None
+            if r.state == "value" and n is not None and len(r.value) < n:  # fsspec: the bytes it holds
+                raise CorruptCheckpointError(f"{path} is shorter than its end records say")
             if r.state != "value":
                 raise InconsistentCheckpointError(f"the pack {path} vanished while it was checked")
             out.append(bytes(r.value))
@@ -364,6 +366,15 @@ def _pack_kvstore(storage: Any, base: str, key: str) -> Any:
 
     spec = {"driver": "zip", "base": storage.object_kvstore_spec(base, key)}
     return ts.KvStore.open(spec, context=context()).result()
+
+
+def ranged_kvstore(storage: Any, root: str) -> Any:
+    """What a pack below ``root`` is read through in byte ranges (``read(key, byte_range=...)``):
+    tensorstore's key-value store, or the backend's own ranged reads where tensorstore cannot reach it
+    (fsspec: :meth:`arraycheckpoint.storage.fsspec_store.FsspecStorage.ranged_reads`, which never downloads a
+    pack whole)."""
+    ranged = getattr(storage, "ranged_reads", None)
+    return ranged(root) if ranged is not None else _kvstore(storage, root)
 
 
 def _kvstore(storage: Any, root: str) -> Any:

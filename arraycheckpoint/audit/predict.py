@@ -24,10 +24,23 @@ def predicted_packs(
     chunk or -1 for its zarr.json)``), as a save fills its packs (:class:`arraycheckpoint.planning.packing.PackFill`)
     from the arrays whose ``zarr.json`` the rank holds (``docs``) and its chunks of each (``chunks``); empty
     when the metadata records no fill target (``target`` 0: none, or not one for every array)."""
+    return predicted_fill(meta, rank, reading, docs, chunks, target)[0]
+
+
+def predicted_fill(
+    meta: Any,
+    rank: int,
+    reading: Mapping[str, tuple[str, int]],
+    docs: Collection[str],
+    chunks: Mapping[str, int],
+    target: int,
+) -> tuple[dict[str, int], int | None]:
+    """:func:`predicted_packs`, and how many packs ``rank``'s save wrote (the packs its members fill: a save
+    writes no other), or None when the metadata records no fill target."""
     from ..planning.packing import DOC_BYTES, PackFill
 
     if not target:
-        return {}
+        return {}, None
     fill = PackFill(target)
     by_array: dict[str, list[tuple[str, int]]] = {}
     for member, (name, flat) in reading.items():
@@ -62,7 +75,7 @@ def predicted_packs(
                 out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)
         fill.add(1, first)
         fill.add(count - 1, size)
-    return out
+    return out, fill.index + 1
 
 
 def _after_first(fill: Any, first: int, j: int, size: int) -> int:

@@ -26,7 +26,7 @@ from ..errors import (
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
 from .packdir import _chunk_grid, _longest_chunk_key, _packed_chunk_bytes
 from .packs import chunk_place, chunks_wanted
-from .predict import predicted_packs as _predicted_packs
+from .predict import predicted_fill as _predicted_fill
 
 
 def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
@@ -245,8 +245,8 @@ def check_rank_packs(
     ``zarr.json`` in a pack of its creator).
 
     For every rank whose packs hold a member read (the chunks meeting ``regions[name]``, every chunk when
-    absent, and the ``zarr.json``), its packs ``<rank>.0.zip``, ``<rank>.1.zip``, ... are read until the first
-    that does not exist, each with the checks of :func:`check_packs`: a regular file (no link, no FIFO), no
+    absent, and the ``zarr.json``), the packs ``<rank>.<k>.zip`` holding them are read (:class:`RankPacks`),
+    each with the checks of :func:`check_packs`: a regular file (no link, no FIFO), no
     larger than what that rank's packed members can take, a ZIP archive as a save writes it, every entry a
     member that rank holds (an array's ``zarr.json`` it created, a chunk key inside the grid of an array whose
     chunk it wrote; none twice across its packs), stored uncompressed, bounded, and, for each member read,
@@ -312,8 +312,10 @@ class RankPacks:
     :meth:`check` reads the packs of a rank that hold the members read (those the metadata predicts first,
     then every pack in order up to the first absent one while a member read is not found), each directory
     with the checks of :func:`_check_rank_pack_members`; when every member the rank holds is read (``verify``,
-    a whole load, the zarr store), every pack up to the first absent one is read, so that a pack after the
-    last one a save wrote (a member a second time, a foreign file) is refused by each of them alike.
+    a whole load, the zarr store), every pack its save wrote is read (how many follows from the metadata:
+    :func:`arraycheckpoint.audit.predict.predicted_fill`; without a recorded fill target, every pack up to the
+    first absent one), so that a member a second time or a foreign member in any of them is refused by each of
+    them alike, and a pack past the last one is opened by none.
     ``storage`` is a :class:`~arraycheckpoint.storage.Storage` or any object that
     :func:`arraycheckpoint.audit.packdir._pack_directory` reads packs through (``pack_ranges``). ``parsed``
     holds the directories an object store's capacity count read (:func:`rank_capacity`), which :meth:`check`
@@ -371,8 +373,8 @@ class RankPacks:
 
         A reader checking a rank pack by pack over several calls (the zarr store) passes the same ``seen``
         (members found in the packs read so far: none twice across them) and ``opened`` (the indices of those
-        packs, not read again) to each, and ``to_end`` with the last: the packs up to the first absent one
-        are read too, as when every member is read at once."""
+        packs, not read again) to each, and ``to_end`` with the last: the rank's other packs are read too (those
+        its save wrote), as when every member is read at once."""
         from ..planning.packing import pack_key
 
         meta, base = self.meta, self.base
@@ -380,7 +382,7 @@ class RankPacks:
         limits, grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks, self.per_layout)
         seen = set() if seen is None else seen
         wanted = set(reading)
-        # every member the rank holds: every pack up to the first absent
+        # every member the rank holds: every pack it wrote
         whole = to_end or len(wanted) >= members
         check = functools.partial(
             _check_rank_pack_members,
@@ -394,8 +396,11 @@ class RankPacks:
             separator=self.separator,
         )
         # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
-        # order up to the first absent one, only when a member read is not there (or every member is read)
-        where_of = _predicted_packs(meta, rank, reading, docs, chunks, self.target)
+        # order, only when a member read is not there, or every member is read: then up to the last one its
+        # save wrote (``written``, from the metadata), or, where the metadata records no fill target, up to the
+        # first absent one (one missing-object read per rank). A pack past the last one a save wrote is no
+        # part of the checkpoint: no reader opens it (all share this walk), as none opens any other file there.
+        where_of, written = _predicted_fill(meta, rank, reading, docs, chunks, self.target)
         probe = itertools.chain(  # lazily: the rank may hold millions of members of arrays not read
             ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
         )
@@ -404,7 +409,7 @@ class RankPacks:
         for k, probing in probe:
             if k in opened:
                 continue
-            if probing and not whole and not wanted - seen:
+            if probing and not wanted - seen and (not whole or (written is not None and k >= written)):
                 break
             opened.add(k)
             key = pack_key(rank, k)

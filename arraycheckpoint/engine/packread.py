@@ -356,10 +356,10 @@ class PackedReader:
     def _remote_kv(self) -> Any:
         """The object store's key-value store of the packs' directory (opened once per load)."""
         if self._kv is None:
-            from ..audit.packdir import _kvstore
+            from ..audit.packdir import ranged_kvstore
             from ..planning.packing import PACK_DIR
 
-            self._kv = _kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
+            self._kv = ranged_kvstore(self._storage, f"{self._root.rstrip('/')}/{PACK_DIR}")
         return self._kv
 
     def _ahead(self, reads: dict[str, list[tuple[Any, ...]]]) -> SpanReader:

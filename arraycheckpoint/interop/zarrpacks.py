@@ -294,8 +294,8 @@ class PackReading:
         left.discard(at)
         directories: dict[str, list[Any]] = {}
         deferred: dict[str, dict[str, int]] = {}
-        # the last pack of the rank read: on to the first absent one, as a reader of every member goes (a
-        # pack after the last one a save wrote, or a member in two packs, is refused by every reader alike)
+        # the last pack of the rank read: the rank's other packs too, as a reader of every member reads them
+        # (a member in two packs is refused by every reader alike)
         walk.check(rank, reading, directories, deferred, seen=seen, opened=opened, to_end=not left)
         self._keep(rank, directories, deferred)
         if key not in self._ranks[rank]:  # not where predicted, in a pack read before for another member:

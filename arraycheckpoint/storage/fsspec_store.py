@@ -7,12 +7,15 @@ kvstore that acts as a per-save buffer:
   with tensorstore exactly as for any other backend. :meth:`FsspecStorage.flush` (one per rank, after its
   writes, and once more by the coordinator after the metadata) uploads every buffered object with one
   batched ``fs.pipe`` and frees it. The commit marker is written last, straight through fsspec.
-* **load**: the first time the engine asks for the kvstore of an array (``kvstore_spec(<root>/<tensor>)``),
-  every stored object of that array is downloaded with one batched ``fs.cat`` into a memory area; the area
-  is freed when the storage object is dropped (at the end of the load).
+* **load**: packs (small arrays, small chunks) are read in ranged reads, the members a load needs merged into
+  few spans (:meth:`FsspecStorage.ranged_reads`, :mod:`.ranged`; :meth:`FsspecStorage.read_suffix` for a
+  pack's end): never downloaded whole. The first time the engine asks for the kvstore of an array stored
+  in its own directory (``kvstore_spec(<root>/<tensor>)``), every stored object of that array is downloaded
+  with one batched ``fs.cat`` into a memory area; the area is freed when the storage object is dropped (at
+  the end of the load).
 
-Trade-off: peak host memory of a rank grows by the encoded size of what it writes (save) or of the whole
-arrays it reads from (load), and a load fetches whole arrays even when the rank needs a slice of them.
+Trade-off: peak host memory of a rank grows by the encoded size of what it writes (save) or of the unpacked
+arrays it reads from (load), and a load fetches such arrays whole even when the rank needs a slice of them.
 Backends that tensorstore drives natively (local files, ``s3://``) avoid both and should be preferred; the
 fsspec path is for file systems nothing else reaches (HDFS through pyarrow, vendor object stores).
 
@@ -117,6 +120,24 @@ class FsspecStorage(Storage):
             self._download(root, self._memory_spec(area, ""))
             self._hydrated.add(root)
         return self._memory_spec(area, "")
+
+    def ranged_reads(self, root: str) -> Any:
+        """Ranged reads of the objects below ``root`` (a checkpoint's packs), shaped as tensorstore's key-value
+        store reads (:class:`~.ranged.FsspecRanges`): a load reads the members it needs, never a whole pack."""
+        from .ranged import FsspecRanges
+
+        return FsspecRanges(self, root)
+
+    def read_suffix(self, root: str, key: str, want: int) -> tuple[bytes, int | None] | None:
+        """The last ``want`` bytes of ``root/key`` (all of it when it is shorter) in one ranged read, and its
+        size where that read tells it (the object was shorter than ``want``; else None: the caller finds it in
+        the bytes, as a ZIP end record says it); None when the object is absent."""
+        from .ranged import fetch
+
+        got = fetch(self, self._rpath(root, key), -int(want), None)
+        if got.state != "value":
+            return None
+        return got.value, (len(got.value) if len(got.value) != want else None)
 
     # Every call into the file system, bounded in time ------------------------------------------------------
     def _bounded(self, operation: str, path: str, fn: Any, nbytes: int = 0) -> Any:

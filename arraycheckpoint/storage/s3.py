@@ -13,8 +13,12 @@ tensorstore cannot take keys inline, so keys given as options are written to a p
 file for the process.
 
 A stalled server (a request that is never answered) fails within bounds: every small-object request waits at
-most :meth:`~.base.Storage.stall_bound` seconds (the save's ``timeout=``), and tensorstore's transport aborts a
-bulk transfer that moves no byte for ``low_speed_seconds`` (60) seconds, then retries it as below.
+most :meth:`~.base.Storage.stall_bound` seconds (the save's ``timeout=``). A bulk transfer through tensorstore
+is not bounded by ``timeout=``: tensorstore 0.1.86's ``s3`` driver sets no timeout on its requests (neither
+its spec nor its context resources have one); its transport aborts a transfer slower than 1 byte/s for
+``low_speed_seconds`` (60) seconds (``TENSORSTORE_CURL_LOW_SPEED_*``, process-wide, read once at the process's
+first HTTP request), then retries it as below: ``max_retries + 1`` such attempts and the backoff bound it
+(docs/storage.md, "A store that stops answering", has what was measured).
 
 tensorstore retries each HTTP request itself (``s3_request_retries``: ``max_retries`` attempts with
 exponential backoff from ``initial_delay`` to ``max_delay``); the small-object operations (metadata,

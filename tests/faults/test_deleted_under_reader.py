@@ -24,7 +24,16 @@ from arraycheckpoint.errors import CheckpointNotFoundError
 from arraycheckpoint.storage import LocalStorage, MemoryStorage, storage_for
 from arraycheckpoint.storage.fsspec_store import FsspecStorage
 
-_HOOKED = ("is_committed", "exists", "read", "list", "list_sizes", "kvstore_spec")
+_HOOKED = (
+    "is_committed",
+    "exists",
+    "read",
+    "list",
+    "list_sizes",
+    "kvstore_spec",
+    "read_suffix",
+    "ranged_reads",
+)
 
 
 class _Points:

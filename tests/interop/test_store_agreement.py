@@ -65,14 +65,51 @@ def _memory_store(ck: Path) -> zarr.storage.MemoryStore:
     return zarr.storage.MemoryStore(data, read_only=True)
 
 
+@pytest.mark.parametrize("extra", ["duplicate", "foreign", "empty", "fifo", "directory"])
+def test_a_pack_past_the_last_one_a_save_wrote_is_opened_by_no_reader(ck: Path, extra: str) -> None:
+    """``.acp/packs/0.1.zip`` beside rank 0's only pack: a second, conflicting ``model/w/c.0.0``, a foreign
+    member, an empty ZIP file, a FIFO or a directory. The metadata says how many packs rank 0's save wrote
+    (one: its members and the fill target recorded in ``pack``), and verify, the load and the store (local and
+    object store) all stop there: none reads the extra file (they read on to the first absent pack, one
+    missing-object read per rank on an object store, and refused it), all read the checkpoint bit-exactly,
+    and nothing waits on the FIFO. A member twice within the packs the save wrote is refused by all of them
+    (below)."""
+    from faults.packtools import rescuing_fifo
+
+    path = ck / ".acp" / "packs" / "0.1.zip"
+    if extra in ("duplicate", "foreign", "empty"):
+        chunk = dict(members(ck / ".acp" / "packs" / "0.0.zip"))[f"{W}/c.0.0"]
+        with zipfile.ZipFile(path, "w") as zf:
+            if extra != "empty":
+                zf.writestr(f"{W}/c.0.0" if extra == "duplicate" else "notes.txt", bytes(len(chunk)))
+    elif extra == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    want = _state()
+    with rescuing_fifo(path, after=5.0) if extra == "fifo" else contextlib.nullcontext() as rescued:
+        assert verify(ck).ok
+        got = acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in want.items()}})
+        assert all(torch.equal(got["model"][k], v) for k, v in want.items())
+        stores = (ck,) if extra in ("fifo", "directory") else (ck, _memory_store(ck))
+        for base in stores:
+            root = zarr.open_group(checkpoint_store(base), mode="r")
+            assert all(np.array_equal(root[f"model/{k}"][...], v.numpy()) for k, v in want.items())
+    assert rescued is None or not rescued.is_set()  # nothing waited on the FIFO
+
+
 @pytest.mark.parametrize("extra", ["duplicate", "foreign"])
-def test_a_pack_after_a_ranks_last_is_refused_alike_by_verify_load_and_store(ck: Path, extra: str) -> None:
-    """``.acp/packs/0.1.zip`` beside rank 0's only pack: a second, conflicting ``model/w/c.0.0`` (a reader
-    would have to pick one) or a foreign member. verify and the load passed it (they stopped looking once
-    every member was found) while the store refused it; now all three refuse with the same message."""
+def test_a_member_twice_in_the_packs_a_save_wrote_is_refused_alike(tmp_path: Path, extra: str) -> None:
+    """Rank 0 wrote three packs; its second holds a second, conflicting ``model/w/c.0.0`` (a reader would
+    have to pick one) or a foreign member: verify, the load and the store (local and object store) refuse
+    it with the same message naming the pack."""
+    ck = tmp_path / "ck"
+    opts = acp.PlanOptions(min_chunk_bytes=4096, max_chunk_bytes=2048)
+    acp.save(ck, {"model": _state()}, plan_options=opts)
+    assert sorted(os.listdir(ck / ".acp" / "packs")) == ["0.0.zip", "0.1.zip", "0.2.zip"]
     chunk = dict(members(ck / ".acp" / "packs" / "0.0.zip"))[f"{W}/c.0.0"]
     name = f"{W}/c.0.0" if extra == "duplicate" else "notes.txt"
-    with zipfile.ZipFile(ck / ".acp" / "packs" / "0.1.zip", "w") as zf:
+    with zipfile.ZipFile(ck / ".acp" / "packs" / "0.1.zip", "a") as zf:
         zf.writestr(name, bytes(len(chunk)))
     why = "a second time" if extra == "duplicate" else "none of its arrays has"
     pattern = re.escape(f"/.acp/packs/0.1.zip holds the member {name!r}") + ".*" + why
@@ -80,26 +117,9 @@ def test_a_pack_after_a_ranks_last_is_refused_alike_by_verify_load_and_store(ck:
     assert not report.ok and all(re.search(str(ck) + pattern, p.message) for p in report.problems), report
     with pytest.raises(CorruptCheckpointError, match=str(ck) + pattern):
         acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in _state().items()}})
-    for base, where in (
-        (ck, str(ck)),
-        (_memory_store(ck), "memory://[0-9]+"),
-    ):  # a local path, an object store
+    for base, where in ((ck, str(ck)), (_memory_store(ck), "memory://[0-9]+")):
         with pytest.raises(CorruptCheckpointError, match=where + pattern):
             zarr.open_group(checkpoint_store(base), mode="r")[W][...]
-
-
-def test_the_readers_agree_on_the_undamaged_checkpoint(ck: Path) -> None:
-    """The baseline of the case above: an empty ZIP file after the last pack holds nothing a reader could
-    take; verify, the load and the store (local and object store) all read the checkpoint bit-exactly."""
-    with zipfile.ZipFile(ck / ".acp" / "packs" / "0.1.zip", "w"):
-        pass
-    assert verify(ck).ok
-    want = _state()
-    got = acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in want.items()}})
-    assert all(torch.equal(got["model"][k], v) for k, v in want.items())
-    for base in (ck, _memory_store(ck)):
-        root = zarr.open_group(checkpoint_store(base), mode="r")
-        assert all(np.array_equal(root[f"model/{k}"][...], v.numpy()) for k, v in want.items())
 
 
 def test_an_object_store_grid_the_packs_cannot_hold_is_refused_before_its_keys_are_built(
@@ -279,20 +299,3 @@ def _refused_alike(ck: Path, why: str) -> None:
         acp.load(ck, {"model": {k: torch.zeros_like(v) for k, v in _state().items()}})
     with pytest.raises(CorruptCheckpointError, match=why):
         zarr.open_group(checkpoint_store(ck), mode="r")[W][...]
-
-
-@pytest.mark.parametrize("kind", ["fifo", "directory"])
-def test_a_non_file_after_a_ranks_last_pack_is_refused_alike_without_blocking(ck: Path, kind: str) -> None:
-    """A FIFO (or a directory) named ``0.1.zip`` after rank 0's last pack: every reader that reads the whole
-    rank opens it without blocking (``O_NONBLOCK``) and refuses it; verify passed it."""
-    from faults.packtools import rescuing_fifo
-
-    extra = ck / ".acp" / "packs" / "0.1.zip"
-    if kind == "fifo":
-        os.mkfifo(extra)
-    else:
-        extra.mkdir()
-    why = re.escape(f"{extra} is not a regular file")
-    with rescuing_fifo(extra, after=5.0) if kind == "fifo" else contextlib.nullcontext() as rescued:
-        _refused_alike(ck, why)
-    assert rescued is None or not rescued.is_set()  # nothing waited on the FIFO

@@ -77,10 +77,16 @@ def _in_thread(fn: Any, seconds: float) -> dict[str, Any]:
     return outcome
 
 
-def test_a_load_whose_download_stalls_fails_within_its_timeout(server: S3Process, tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["download", "pack end", "members"])
+def test_a_load_whose_reads_stall_fails_within_its_timeout(
+    server: S3Process, tmp_path: Path, where: str
+) -> None:
+    """The server stops answering right before: the batched ``cat`` of an array's chunk files (``download``:
+    a checkpoint without packs), the ranged read of a pack's end (its directory), or the merged ranged reads
+    of the members before that end (a pack of 400 KiB): each fails the load within its ``timeout=``."""
     pid = server.proc.pid
 
-    class StallsAtDownload(FsspecStorage):
+    class Stalls(FsspecStorage):
         downloading = False
 
         def _download(self, root: str, spec: dict[str, Any]) -> None:
@@ -89,21 +95,43 @@ def test_a_load_whose_download_stalls_fails_within_its_timeout(server: S3Process
 
         def _find_sizes(self, base: str) -> dict[str, int | None]:
             found = super()._find_sizes(base)
-            if self.downloading:  # listed: the batched cat of the objects meets a stalled server
+            if self.downloading and where == "download":  # listed: the batched cat meets a stalled server
                 os.kill(pid, signal.SIGSTOP)
             return found
 
+        def read_suffix(self, root: str, key: str, want: int) -> Any:
+            if where == "pack end":
+                os.kill(pid, signal.SIGSTOP)
+            return super().read_suffix(root, key, want)
+
+        def ranged_reads(self, root: str) -> Any:
+            reads = super().ranged_reads(root)
+            real = reads.read
+
+            def read(key: str, byte_range: Any = None) -> Any:
+                if where == "members":  # the pack's end was read: its members before it meet a stall
+                    os.kill(pid, signal.SIGSTOP)
+                return real(key, byte_range)
+
+            reads.read = read
+            return reads
+
     local = tmp_path / "ck"
-    acp.save(local, {"w": np.arange(64.0), "b": np.ones(3)})
+    big = np.arange(96 * 1024, dtype=np.float32)
+    state = {"m": {"w": np.arange(64.0), "b": np.ones(3), "big": big}}
+    options = {"plan_options": acp.PlanOptions(pack_array_bytes=0)} if where == "download" else {}
+    acp.save(local, state, **options)
+    assert (local / ".acp" / "packs").exists() != (where == "download")
     for path in sorted(p for p in local.rglob("*") if p.is_file()):  # the same objects a save there writes
-        key = f"load/{path.relative_to(local).as_posix()}"
+        key = f"load/{where}/{path.relative_to(local).as_posix()}".replace(" ", "-")
         server.client.put_object(Bucket=server.bucket, Key=key, Body=path.read_bytes())
-    url = f"s3a://{server.bucket}/load"
-    storage.register_scheme("s3a", lambda: StallsAtDownload("s3a", {"endpoint_url": server.endpoint}))
-    outcome = _in_thread(lambda: acp.load(url, {"w": np.zeros(64), "b": np.zeros(3)}, timeout=2), 30)
+    url = f"s3a://{server.bucket}/load/{where}".replace(" ", "-")
+    storage.register_scheme("s3a", lambda: Stalls("s3a", {"endpoint_url": server.endpoint}))
+    target = {"m": {k: np.zeros_like(v) for k, v in state["m"].items()}}
+    outcome = _in_thread(lambda: acp.load(url, target, timeout=2), 30)
     error = outcome["error"]
     assert error is not None, "the load reported success from a store that never answered"
-    assert "stalls" in str(error) and f"{server.bucket}/load" in str(error), error
+    assert "stalls" in str(error) and f"s3a://{server.bucket}/load" in str(error), error
     assert outcome["seconds"] < 15, outcome
 
 
