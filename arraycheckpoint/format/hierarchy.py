@@ -83,6 +83,9 @@ def node_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
             while head not in groups:  # every directory above the entry, up to one already known
                 groups.add(head)
                 head = head.rpartition("/")[0]
+    # An object kept beside an array of the same name (a top-level numpy array ``w`` has the object ``w/~arrays``)
+    # lies in no zarr node: ``w`` is the array, not a group.
+    groups.difference_update(meta.tensors)
     attrs = {
         "format_version": meta.format_version,
         "framework": meta.framework,
