@@ -424,7 +424,7 @@ def build_compact_plan(
 
     # forced chunks (one holder) first, then the tensors with many replicated chunks by the cyclic rule
     # (largest first, each its best shift), then the other replicated chunks by worst fit: largest first,
-    # ties by (name, index) (arraycheckpoint.planning.owners)
+    # ties by (name, index) (arraycheckpoint.planning.owners), stored as the rule where a shift states them
     load = np.zeros(world, dtype=np.int64)
     cyclic: list[str] = []
     shifts: dict[str, int] = {}
@@ -459,6 +459,9 @@ def build_compact_plan(
     fit = WorstFit(load)
     for neg, name, ci in order:
         writers[name][ci] = fit.pick(-neg, classes[name].candidates(ci))
+    for name in sorted({n for _nb, n, _ci in order}):  # worst-fit writers that one shift states: stored as it
+        if classes[name].cyclable and (s := classes[name].cycle.shift_of(writers[name])) is not None:
+            shifts[name] = s
 
     files = [0] * world
     decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool, int | None]] = {}

@@ -18,7 +18,9 @@ at least one of its chunks per holder takes its writers from a rule instead (:cl
 ``"writers": ["cyclic", shift]``): the chunks of each holder set, in row-major order, go round its holders
 starting ``shift`` places on, so the metadata stores one number instead of one rank per chunk and a reader
 derives them (:func:`cyclic_writers`). The planner picks each such tensor's shift for balance, largest tensors
-first (:func:`best_shift`); listed tensors then fill in by worst fit.
+first (:func:`best_shift`); the other tensors then fill in by worst fit, and where one shift states a tensor's
+worst-fit writers (:meth:`Cycle.shift_of`; wide holder sets of symmetric layouts, where the least loaded holders
+come round in order) they are stored as that rule too: the plan is the worst fit's, only its encoding changes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ from .regions import Box
 #: few bytes per chunk) stays below a few hundred bytes per tensor, and the small tensors every test and
 #: small save has keep the worst fit.
 CYCLIC_MIN_CHUNKS = 64
+#: A tensor whose replicated chunks the worst fit placed, with more chunks than this, stores its writers as
+#: ``["cyclic", shift]`` where one shift states every one of them (:meth:`Cycle.shift_of`): the same plan in
+#: about 15 bytes instead of a few per chunk (symmetric layouts such as megatron's dense towers over
+#: data-parallel replicas: each (PP, TP) position's replicas carry the same load, so the worst fit goes
+#: round them in order).
+RULED_MIN_CHUNKS = int(
+    __import__("os").environ.get("ACP_RULED", "8")
+)  # TEMP A/B switch, removed before merge
 #: Shifts the planner tries per tensor (all of them when the largest holder set is no larger).
 SHIFT_CANDIDATES = 32
 
@@ -124,6 +134,20 @@ class Cycle:
         # the rule balances as well as a worst fit would: every shift is tried, or every holder set with a
         # choice has a chunk for each of its holders (a tensor spreads over all of them by itself)
         self.balances = self.widest <= SHIFT_CANDIDATES or bool((counts[multi] >= sizes[multi]).all())
+
+    def shift_of(self, writers: np.ndarray) -> int | None:
+        """The shift whose writers are ``writers`` (a plan's, chosen by worst fit), or None when no shift
+        states them or they are too few to be worth a rule (:data:`RULED_MIN_CHUNKS`): one shift is implied
+        by the first chunk with a choice, and checked against every chunk."""
+        if len(writers) <= RULED_MIN_CHUNKS or not len(self.free):
+            return None
+        first = int(self.free[0])
+        members = self.flat[self.base[first] : self.base[first] + self.size[first]]
+        at = np.flatnonzero(members == writers[first])
+        if not len(at):
+            return None
+        shift = int((int(at[0]) - self.ordinal[first]) % self.size[first])
+        return shift if np.array_equal(self.writers(shift), writers) else None
 
     def writers(self, shift: int, chunks: np.ndarray | None = None) -> np.ndarray:
         """The writer of every chunk (or of ``chunks``) under ``shift``."""
