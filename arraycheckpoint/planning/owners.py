@@ -43,9 +43,7 @@ CYCLIC_MIN_CHUNKS = 64
 #: about 15 bytes instead of a few per chunk (symmetric layouts such as megatron's dense towers over
 #: data-parallel replicas: each (PP, TP) position's replicas carry the same load, so the worst fit goes
 #: round them in order).
-RULED_MIN_CHUNKS = int(
-    __import__("os").environ.get("ACP_RULED", "8")
-)  # TEMP A/B switch, removed before merge
+RULED_MIN_CHUNKS = 8
 #: Shifts the planner tries per tensor (all of them when the largest holder set is no larger).
 SHIFT_CANDIDATES = 32
 
