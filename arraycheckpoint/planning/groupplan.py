@@ -459,9 +459,8 @@ def build_compact_plan(
     fit = WorstFit(load)
     for neg, name, ci in order:
         writers[name][ci] = fit.pick(-neg, classes[name].candidates(ci))
-    for name in sorted({n for _nb, n, _ci in order}):  # worst-fit writers that one shift states: stored as it
-        if classes[name].cyclable and (s := classes[name].cycle.shift_of(writers[name])) is not None:
-            shifts[name] = s
+    ruled = sorted({n for _nb, n, _ci in order if classes[n].cyclable})  # worst-fit writers a shift states
+    shifts.update(Cycle.stated([(n, classes[n].cycle, writers[n]) for n in ruled]))
 
     files = [0] * world
     decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool, int | None]] = {}

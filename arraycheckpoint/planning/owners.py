@@ -19,7 +19,7 @@ at least one of its chunks per holder takes its writers from a rule instead (:cl
 starting ``shift`` places on, so the metadata stores one number instead of one rank per chunk and a reader
 derives them (:func:`cyclic_writers`). The planner picks each such tensor's shift for balance, largest tensors
 first (:func:`best_shift`); the other tensors then fill in by worst fit, and where one shift states a tensor's
-worst-fit writers (:meth:`Cycle.shift_of`; wide holder sets of symmetric layouts, where the least loaded holders
+worst-fit writers (:meth:`Cycle.stated`; wide holder sets of symmetric layouts, where the least loaded holders
 come round in order) they are stored as that rule too: the plan is the worst fit's, only its encoding changes.
 """
 
@@ -40,7 +40,7 @@ from .regions import Box
 #: small save has keep the worst fit.
 CYCLIC_MIN_CHUNKS = 64
 #: A tensor whose replicated chunks the worst fit placed, with more chunks than this, stores its writers as
-#: ``["cyclic", shift]`` where one shift states every one of them (:meth:`Cycle.shift_of`): the same plan in
+#: ``["cyclic", shift]`` where one shift states every one of them (:meth:`Cycle.stated`): the same plan in
 #: about 15 bytes instead of a few per chunk (symmetric layouts such as megatron's dense towers over
 #: data-parallel replicas: each (PP, TP) position's replicas carry the same load, so the worst fit goes
 #: round them in order).
@@ -132,22 +132,38 @@ class Cycle:
         # choice has a chunk for each of its holders (a tensor spreads over all of them by itself)
         self.balances = self.widest <= SHIFT_CANDIDATES or bool((counts[multi] >= sizes[multi]).all())
 
-    def shift_of(self, writers: np.ndarray) -> int | None:
-        """The shift whose writers are ``writers`` (a plan's, chosen by worst fit), or None when no shift
-        states them or they are too few to be worth a rule (:data:`RULED_MIN_CHUNKS`): one shift is implied
-        by the first chunk with a choice, and checked against every chunk."""
-        if len(writers) <= RULED_MIN_CHUNKS or not len(self.free):
-            return None
+    def shifts_of(self, writers: np.ndarray) -> np.ndarray:
+        """Per row of ``writers`` (tensors of this layout, one row of writers each, chosen by worst fit): the
+        shift whose writers are that row, or -1 when none states them: the shift is implied by the first
+        chunk with a choice, then checked against every chunk (all rows at once)."""
+        out = np.full(len(writers), -1, dtype=np.int64)
+        if not len(self.free) or not len(writers):
+            return out
         first = int(self.free[0])
-        members = self.flat[self.base[first] : self.base[first] + self.size[first]]
-        at = np.flatnonzero(members == writers[first])
-        if not len(at):
-            return None
-        shift = int((int(at[0]) - self.ordinal[first]) % self.size[first])
-        head = self.free[:16]  # most tensors that no shift states differ early: checked first
-        if not np.array_equal(self.writers(shift, head), writers[head]):
-            return None
-        return shift if np.array_equal(self.writers(shift), writers) else None
+        members = self.flat[self.base[first] : self.base[first] + self.size[first]]  # sorted ranks
+        at = np.minimum(np.searchsorted(members, writers[:, first]), len(members) - 1)
+        held = members[at] == writers[:, first]
+        shift = (at - self.ordinal[first]) % self.size[first]
+        derived = self.flat[self.base + (self.ordinal + shift[:, None]) % self.size]
+        ok = held & (derived == writers).all(axis=1)
+        out[ok] = shift[ok]
+        return out
+
+    @staticmethod
+    def stated(tensors: Sequence[tuple[str, Cycle, np.ndarray]]) -> dict[str, int]:
+        """The shift of each tensor (name, its class's :class:`Cycle`, its worst-fit writers) whose writers one
+        shift of the cyclic rule states, for tensors of more than :data:`RULED_MIN_CHUNKS` chunks (fewer are
+        listed: a rule would save no bytes); the tensors of one class are checked together
+        (:meth:`shifts_of`)."""
+        groups: dict[int, list[tuple[str, Cycle, np.ndarray]]] = {}
+        for t in tensors:
+            if len(t[2]) > RULED_MIN_CHUNKS:
+                groups.setdefault(id(t[1]), []).append(t)
+        out = {}
+        for group in groups.values():
+            found = group[0][1].shifts_of(np.stack([w for _n, _c, w in group]))
+            out.update((name, int(s)) for (name, _c, _w), s in zip(group, found.tolist()) if s >= 0)
+        return out
 
     def writers(self, shift: int, chunks: np.ndarray | None = None) -> np.ndarray:
         """The writer of every chunk (or of ``chunks``) under ``shift``."""

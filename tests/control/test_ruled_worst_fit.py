@@ -113,12 +113,16 @@ def test_writers_no_shift_states_stay_listed() -> None:
     assert plan.tensors["model/b"].writers[:7].tolist() == [7, 8, 9, 7, 8, 9, 0]
     c = plan._classes["model/b"]
     rotation = c.cycle.writers(3)
-    assert c.cycle.shift_of(rotation) == 3
     swapped = rotation.copy()
     swapped[[5, 6]] = swapped[[6, 5]]
-    assert c.cycle.shift_of(swapped) is None
-    swapped[0] = world + 1  # the first writer outside the holder set
-    assert c.cycle.shift_of(swapped) is None
+    outside = rotation.copy()
+    outside[0] = world + 1  # the first writer outside the holder set
+    rows = np.stack([rotation, swapped, outside, plan.tensors["model/b"].writers])
+    assert c.cycle.shifts_of(rows).tolist() == [3, -1, -1, -1]
+    ruled = owners.Cycle.stated(
+        [("r", c.cycle, rotation), ("s", c.cycle, swapped), ("x", c.cycle, outside[:8])]
+    )
+    assert ruled == {"r": 3}  # ``x``: 8 chunks, too few to be worth a rule
 
 
 @pytest.mark.parametrize("shift", [-1, 80, True, "3", 1.5])
