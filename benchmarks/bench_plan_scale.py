@@ -785,6 +785,9 @@ def run(
         "metadata_bytes": len(text),
         "metadata_parse_s": round(parse_s, 3),
         "derived_writer_tensors": len(derived),
+        "cyclic_writer_tensors": sum(
+            getattr(t.writers, "shift", None) is not None for t in parsed.tensors.values()
+        ),
         "writers_derive_s": round(derive_s, 3),
         "files": files,
         "chunk_files": counted["chunk_files"],

@@ -343,14 +343,20 @@ def test_split_over_three_grid_dimensions_that_flatten() -> None:
 
 def test_wide_replica_sets_with_few_chunks_keep_the_worst_fit() -> None:
     """400 replicas of a tensor of 320 chunks: a shift cannot place each chunk on the least loaded of 400
-    holders as the worst fit does (and not every shift is tried), so its writers stay listed; with 40
-    replicas each holder gets eight chunks of it, and the rule keeps them balanced."""
+    holders as the worst fit does (and not every shift is tried), so the worst fit places them; here (the
+    first tensor, every holder unloaded) it goes round the holders in order, so the metadata stores its
+    writers as the rule that states them (``tests/control/test_ruled_worst_fit.py``). With 40 replicas each
+    holder gets eight chunks of it, and the rule places them, balanced."""
+    from arraycheckpoint.planning import owners
     from arraycheckpoint.planning.groupplan import Decl, TensorRule
 
     opts = PlanOptions(min_chunk_bytes=1 << 8, max_chunk_bytes=1 << 8, inner_chunk_bytes=1 << 6)
     for world, ruled in ((400, False), (40, True)):
         decl = Decl((), (TensorRule("model/w", (80, 64), "float32", 4, ("replica",)),))
-        d = build_compact_plan([(decl, tuple(range(world)))], world, opts).tensors["model/w"]
-        assert len(d.writers) == 320 and (d.shift is not None) == ruled, (world, d.shift)
+        plan = build_compact_plan([(decl, tuple(range(world)))], world, opts)
+        d = plan.tensors["model/w"]
+        assert len(d.writers) == 320 and plan._classes["model/w"].cycle.balances == ruled, world
+        assert d.shift == 0 and d.writers.tolist() == [r % world for r in range(320)], world
         counts = np.bincount(np.asarray(d.writers), minlength=world)
         assert counts.max() - counts.min() <= 1, counts
+    assert owners.SHIFT_CANDIDATES < 400

@@ -424,7 +424,7 @@ def build_compact_plan(
 
     # forced chunks (one holder) first, then the tensors with many replicated chunks by the cyclic rule
     # (largest first, each its best shift), then the other replicated chunks by worst fit: largest first,
-    # ties by (name, index) (arraycheckpoint.planning.owners)
+    # ties by (name, index) (arraycheckpoint.planning.owners), stored as the rule where a shift states them
     load = np.zeros(world, dtype=np.int64)
     cyclic: list[str] = []
     shifts: dict[str, int] = {}
@@ -459,6 +459,8 @@ def build_compact_plan(
     fit = WorstFit(load)
     for neg, name, ci in order:
         writers[name][ci] = fit.pick(-neg, classes[name].candidates(ci))
+    ruled = sorted({n for _nb, n, _ci in order if classes[n].cyclable})  # worst-fit writers a shift states
+    shifts.update(Cycle.stated([(n, classes[n].cycle, writers[n]) for n in ruled]))
 
     files = [0] * world
     decided: dict[str, tuple[ArrayLayout, np.ndarray, int, bool, int | None]] = {}

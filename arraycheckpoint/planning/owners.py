@@ -18,12 +18,15 @@ at least one of its chunks per holder takes its writers from a rule instead (:cl
 ``"writers": ["cyclic", shift]``): the chunks of each holder set, in row-major order, go round its holders
 starting ``shift`` places on, so the metadata stores one number instead of one rank per chunk and a reader
 derives them (:func:`cyclic_writers`). The planner picks each such tensor's shift for balance, largest tensors
-first (:func:`best_shift`); listed tensors then fill in by worst fit.
+first (:func:`best_shift`); the other tensors then fill in by worst fit, and where one shift states a tensor's
+worst-fit writers (:meth:`Cycle.stated`; wide holder sets of symmetric layouts, where the least loaded holders
+come round in order) they are stored as that rule too: the plan is the worst fit's, only its encoding changes.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 
@@ -37,6 +40,12 @@ from .regions import Box
 #: few bytes per chunk) stays below a few hundred bytes per tensor, and the small tensors every test and
 #: small save has keep the worst fit.
 CYCLIC_MIN_CHUNKS = 64
+#: A tensor whose replicated chunks the worst fit placed, with more chunks than this, stores its writers as
+#: ``["cyclic", shift]`` where one shift states every one of them (:meth:`Cycle.stated`): the same plan in
+#: about 15 bytes instead of a few per chunk (symmetric layouts such as megatron's dense towers over
+#: data-parallel replicas: each (PP, TP) position's replicas carry the same load, so the worst fit goes
+#: round them in order).
+RULED_MIN_CHUNKS = 8
 #: Shifts the planner tries per tensor (all of them when the largest holder set is no larger).
 SHIFT_CANDIDATES = 32
 
@@ -108,12 +117,14 @@ class Cycle:
 
     def __init__(self, choice: np.ndarray, holders: Sequence[Sequence[int]]) -> None:
         keys: dict[tuple[int, ...], int] = {}
-        set_of_region = [keys.setdefault(tuple(int(r) for r in h), len(keys)) for h in holders]
+        set_of_region = [keys.setdefault(tuple(h), len(keys)) for h in holders]
         #: holders of each set, and where they start in :attr:`flat`
         self.sizes = np.asarray([len(k) for k in keys], dtype=np.int64)
         self.offsets = np.zeros(len(self.sizes), dtype=np.int64)
         np.cumsum(self.sizes[:-1], out=self.offsets[1:])
-        self.flat = np.fromiter((r for k in keys for r in k), dtype=np.int64, count=int(self.sizes.sum()))
+        self.flat = np.fromiter(
+            itertools.chain.from_iterable(keys), dtype=np.int64, count=int(self.sizes.sum())
+        )
         n = len(choice)
         kind = next(t for t in (np.uint8, np.uint16, np.uint32, np.int64) if len(keys) <= np.iinfo(t).max + 1)
         if len(keys) == 1 or not n:  # one holder set (every chunk replicated on the same ranks): no gather
@@ -145,6 +156,41 @@ class Cycle:
     def free(self) -> np.ndarray:
         """The chunks with a choice of writer (their set has several holders; what the planner asks)."""
         return np.flatnonzero((self.sizes > 1)[self.sid])
+
+    def shifts_of(self, writers: np.ndarray) -> np.ndarray:
+        """Per row of ``writers`` (tensors of this layout, one row of writers each, chosen by worst fit): the
+        shift whose writers are that row, or -1 when none states them: the shift is implied by the first
+        chunk with a choice, then checked against every chunk (all rows at once)."""
+        out = np.full(len(writers), -1, dtype=np.int64)
+        if not len(self.free) or not len(writers):
+            return out
+        first = int(self.free[0])
+        size, base = int(self.sizes[self.sid[first]]), int(self.offsets[self.sid[first]])
+        members = self.flat[base : base + size]  # sorted ranks
+        at = np.minimum(np.searchsorted(members, writers[:, first]), len(members) - 1)
+        held = members[at] == writers[:, first]
+        shift = (at - int(self.ordinal[first])) % size
+        sizes = self.sizes[self.sid]
+        derived = self.flat[self.offsets[self.sid] + (self.ordinal.astype(np.int64) + shift[:, None]) % sizes]
+        ok = held & (derived == writers).all(axis=1)
+        out[ok] = shift[ok]
+        return out
+
+    @staticmethod
+    def stated(tensors: Sequence[tuple[str, Cycle, np.ndarray]]) -> dict[str, int]:
+        """The shift of each tensor (name, its class's :class:`Cycle`, its worst-fit writers) whose writers one
+        shift of the cyclic rule states, for tensors of more than :data:`RULED_MIN_CHUNKS` chunks (fewer are
+        listed: a rule would save no bytes); the tensors of one class are checked together
+        (:meth:`shifts_of`)."""
+        groups: dict[int, list[tuple[str, Cycle, np.ndarray]]] = {}
+        for t in tensors:
+            if len(t[2]) > RULED_MIN_CHUNKS:
+                groups.setdefault(id(t[1]), []).append(t)
+        out = {}
+        for group in groups.values():
+            found = group[0][1].shifts_of(np.stack([w for _n, _c, w in group]))
+            out.update((name, int(s)) for (name, _c, _w), s in zip(group, found.tolist()) if s >= 0)
+        return out
 
     def writers(self, shift: int, chunks: np.ndarray | None = None) -> np.ndarray:
         """The writer of every chunk (or of ``chunks``) under ``shift``."""

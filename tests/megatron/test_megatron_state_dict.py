@@ -110,3 +110,22 @@ def test_sharded_dict_round_trip_with_every_leaf_kind(tmp_path) -> None:
     assert set(meta.objects["model/rng/shard_1_2"].per_rank) == {1}
     assert "model/local" not in str(sorted(meta.objects)) and "model/local" not in meta.tensors
     assert meta.objects["model/~common"].value == {"iteration": 7}
+
+
+def test_megatron_core_refuses_flattened_range_tensors() -> None:
+    """megatron-core 0.16 cannot write ``flattened_range`` state: its ShardedTensor refuses one, so its
+    DistributedOptimizer's ``fully_sharded_model_space`` format (what ``sharded_state_dict`` still picks when
+    no ``distrib_optim_sharding_type`` is given) fails where it builds them, with ``dataclasses.replace`` as
+    here. The adapter's ``flattened_range`` support (the round trip above) serves older releases and
+    hand-built dicts; the formats 0.16 writes are tested with its real optimizer in
+    ``tests/cuda/test_cuda_megatron_distopt_dp.py`` (CUDA only). Should a release accept them again, this
+    fails: then test that release's optimizer too."""
+    import dataclasses
+
+    import torch
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    st = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))
+    with pytest.raises(CheckpointingException, match="flattened_range is not supported"):
+        dataclasses.replace(st, data=torch.zeros(5), flattened_range=slice(0, 5))
