@@ -259,7 +259,8 @@ class Storage(ABC):
         """
         self._marker_in_doubt = False  # a new save: an earlier one's doubt is not its own
         self._refused = final  # until this claim succeeds, nothing under final is this save's to delete
-        body = lease.body(token)
+        at, mono = lease.stamp()  # when the lock document is made: the lease's age counts from there
+        body = lease.body(token, at)
         checked, self._checked_target = getattr(self, "_checked_target", None), None
         if self.commit_strategy != "marker":
             state = "empty"
@@ -274,7 +275,7 @@ class Storage(ABC):
             generation = self._take_stale_lock(final, token, body, raw, generation)
         self._lease_token = token
         if self._leases():
-            lease.keep(self, final, token, generation)
+            lease.keep(self, final, token, generation, at, mono)
         if state != "committed" and self.is_committed(final):
             # another save committed here between the check and this claim (the target was empty, or held that
             # save's lock, which looked like a crashed save's): never write into it, nor delete it
@@ -407,27 +408,30 @@ class Storage(ABC):
         ended, after the coordinator's last :meth:`flush`); here: stop following its lock (:meth:`follow_lease`)."""
         lease.unfollow(self, root)
 
-    def follow_lease(self, staging: str, final: str, token: str) -> None:
-        """On a rank that did not take the lock: when it writes in place under a lease, :meth:`check_lease`
-        also reads the lock (before the first write, then at most once a heartbeat interval)."""
+    def lease_grant(self, final: str) -> tuple[int, int, int]:
+        """What the coordinator tells the other ranks of its lease of ``final`` (:func:`.lease.grant`)."""
+        return lease.grant(self, final, self._lease_token) if self._leases() else lease.NO_GRANT
+
+    def follow_lease(
+        self, staging: str, final: str, token: str, grant: Any = None, rank: int = 1, world: int = 2
+    ) -> None:
+        """On a rank (``rank`` of ``world``) that did not take the lock: when it writes in place under a
+        lease, :meth:`check_lease` stops it once the lease may be taken over, reading the lock about once a
+        lease period from the time the coordinator's ``grant`` (:meth:`lease_grant`) says (:mod:`.lease`)."""
         if staging == final and self._lease_token is None and self._leases():
-            lease.follow(self, final, token)
+            lease.follow(self, final, token, grant, rank, world)
 
     def flush(self, root: str) -> None:
         """Make this rank's writes under ``root`` durable (one batched flush; a no-op where writes are)."""
         return None
 
     def check_lease(self, final: str) -> None:
-        """Raise if this save's lease of ``final`` was found taken over (:func:`.lease.lost`): no I/O, the
-        writers call it before each write batch, so a save that lost its lock stops writing into a target
-        another save now owns within about one heartbeat interval."""
-        token = self._lease_token
+        """Raise if this save's lease of ``final`` was found taken over, or is old enough that it may be soon
+        (:func:`.lease.check_holder`, :class:`.lease.Follower`): the writers call it before each write batch
+        (no I/O but a follower's rare read), so a save stops writing before another save can own the target."""
         lease.check_follower(self, final)
-        if token is not None and lease.lost(self, final, token):
-            raise StorageError(
-                f"save {token} to {final} stopped: its lock {final}/{LOCK_KEY} was taken over by another save "
-                "(this save did not refresh it for its lease); it writes nothing more and does not commit"
-            )
+        if self._lease_token is not None:
+            lease.check_holder(self, final, self._lease_token)
 
     def verify_lease(self, final: str) -> None:
         """Raise unless the lock of ``final`` still names this save (one read): the coordinator calls it

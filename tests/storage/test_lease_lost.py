@@ -205,9 +205,12 @@ def test_a_refused_multi_rank_save_deletes_nothing_of_the_target(url: str, held_
         other.release(final, "other-1")
 
 
-def test_every_rank_of_a_save_whose_lease_was_lost_stops_writing(url: str, scheme: Any) -> None:
-    """Rank 0 holds the lease; rank 1 writes in place under it too: it reads the lock itself before its first
-    write, so it does not overwrite the new holder's objects (its pack keys are the same as the other save's)."""
+def test_every_rank_stops_writing_before_its_lease_can_be_taken_over(url: str, scheme: Any) -> None:
+    """Rank 0 holds the lease; rank 1 writes in place under it, trusting the lease time rank 0 granted it (no
+    read before its first write). Neither rank's refreshes or reads reach the store any more (a partition);
+    once the lease ran out another save takes the target over and writes its rank 1's pack. Neither rank of the
+    first save writes after that: both stopped once the lease could be taken over soon, without learning of
+    the takeover (their pack keys are the new holder's: a write would overwrite it)."""
     import sys
     import threading
     from pathlib import Path
@@ -216,19 +219,38 @@ def test_every_rank_of_a_save_whose_lease_was_lost_stops_writing(url: str, schem
     from simworld import run_ranks
 
     taken = threading.Event()
+    reads: list[int] = []
 
-    class TakenOver(MemoryStorage):
+    class Partitioned(MemoryStorage):
+        def _refresh_lock(self, final: str, body: bytes, generation: bytes) -> bytes:
+            raise ConnectionError("the store is out of reach")
+
+        def _lock_state(self, final: str, retry: bool = True) -> tuple[bytes | None, bytes]:
+            if retry:  # the claim (before the partition)
+                return super()._lock_state(final, retry)
+            if self._lease_token is None:
+                reads.append(1)  # rank 1's: unanswered too, so only the lease's age can stop it
+            raise ConnectionError("the store is out of reach")  # and rank 0's lease thread's
+
         def open_flush(self, root: str) -> None:
-            if self._lease_token is not None:  # rank 0: the lease thread found the lock taken over
-                lease.drop(self, root, self._lease_token)
-                MemoryStorage().write(root, LOCK_KEY, lease.body("other-1"))
+            if self._lease_token is not None:  # rank 0: another save takes the target over once it may
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        other = MemoryStorage()  # the other save's store is reachable
+                        other.check_target(root, overwrite=False)
+                        other.acquire(root, "other-1")
+                        break
+                    except CheckpointExistsError:
+                        assert time.monotonic() < deadline, "the lease never ran out"
+                        time.sleep(0.05)
                 MemoryStorage().write(root, ".acp/packs/1.0.zip", b"B pack")  # the new holder's rank 1
-                lease._lost.add((id(self), root, self._lease_token))
+                lease.drop(other, root, "other-1")
                 taken.set()
             else:
                 assert taken.wait(30)
 
-    scheme(TakenOver)
+    scheme(Partitioned)
 
     def save(comm: Any) -> str:
         try:
@@ -241,8 +263,10 @@ def test_every_rank_of_a_save_whose_lease_was_lost_stops_writing(url: str, schem
 
     outcomes = run_ranks(2, save)
     assert all(o != "committed" for o in outcomes), outcomes
-    assert any("rank 1" in o and "names other-1" in o for o in outcomes), outcomes
+    assert any("rank 1" in o and "last refreshed" in o for o in outcomes), outcomes
+    assert len(reads) <= 1, "rank 1 read the lock more than once"
     scheme(None)
     store, final = storage_for(url)
     assert store.read(final, ".acp/packs/1.0.zip") == b"B pack"
     assert sorted(store.list(final)) == sorted([LOCK_KEY, ".acp/packs/1.0.zip"])
+    assert lease.parse(store.read(final, LOCK_KEY))["token"] == "other-1"
