@@ -313,7 +313,8 @@ class Follower:
     first write (rank 0's grant says when the lease was refreshed), then about once a :attr:`Terms.period`,
     at a phase its rank sets (``phase`` in [0, 1): the ranks' reads spread evenly over the period), plus reads
     halfway to the end of its trust when a read found the lease refreshed late (while that end is more than a
-    heartbeat interval away: at most about three more a period). Its writers stop once the
+    heartbeat interval away: at most about three more a period), and one when its trust ran out while it did
+    not check (a long write): ranks that check all along stop at its end without a read (no burst). Its writers stop once the
     lease it knows of is older than :attr:`Terms.safe`, or a read finds the lock naming another save, or none.
     ``clock`` (wall time, what the lock document's time is compared with) is injectable for simulations."""
 
@@ -326,6 +327,7 @@ class Follower:
     ) -> None:
         self.token, self.phase, self.clock = token, phase, clock
         self.epoch = clock()
+        self.looked = -math.inf  # the last check
         self.reads = 0
         self.holder: str | None = None  # another save the lock named (the lease is lost for good)
         if grant is None:  # nothing known of the lease: read before the first write
@@ -338,8 +340,13 @@ class Follower:
         """Raise when this rank must write nothing more under the lease; ``read`` (the lock object's bytes)
         is called only when a read is due."""
         now = self.clock()
-        if self.holder is None and now >= self.due:
+        end = self.refreshed + self.terms.safe
+        # due; or the trust ran out while this rank did not look (a long write, a late start): one read decides
+        if self.holder is None and (
+            now >= self.due or (now > end and self.looked < end - self.terms.heartbeat)
+        ):
             self._read(now, read, final)
+        self.looked = now
         if self.holder is not None:
             raise StorageError(
                 f"save {self.token} to {final} stopped: its lock {final}/.acp-lock names {self.holder} now (it "

@@ -123,3 +123,20 @@ def test_a_follower_without_a_grant_reads_before_its_first_write_and_one_naming_
     sim.t = 40.0
     with pytest.raises(StorageError, match="names save job-0"):
         other.check(sim.read, "s3://b/step_1")
+
+
+def test_a_follower_that_did_not_check_through_its_trust_reads_once_before_it_decides() -> None:
+    sim = Sim()  # a healthy holder
+    (f,) = sim.followers(2, start=3.0)
+    sim.t = 3.0
+    f.check(sim.read, "s3://b/step_1")  # the first write: no read
+    sim.t = 120.0  # one write took two minutes: the trust granted ran out meanwhile
+    f.check(sim.read, "s3://b/step_1")  # read, found refreshed: writes on
+    assert f.reads == 1
+    stopped = Sim(refreshes=lambda t: t <= 10)
+    (g,) = stopped.followers(2, start=3.0)
+    g.check(stopped.read, "s3://b/step_1")
+    stopped.t = 120.0
+    with pytest.raises(StorageError, match="last refreshed 110.0 s ago"):
+        g.check(stopped.read, "s3://b/step_1")
+    assert g.reads == 1

@@ -270,3 +270,48 @@ def test_every_rank_stops_writing_before_its_lease_can_be_taken_over(url: str, s
     assert store.read(final, ".acp/packs/1.0.zip") == b"B pack"
     assert sorted(store.list(final)) == sorted([LOCK_KEY, ".acp/packs/1.0.zip"])
     assert lease.parse(store.read(final, LOCK_KEY))["token"] == "other-1"
+
+
+def test_a_holder_whose_refreshes_do_not_land_stops_before_its_lease_can_be_taken_over(url: str) -> None:
+    """Rank 0's own clock: once its last refresh the store took is older than the safe part of the lease,
+    its writers stop and it does not commit, before any save may take the lock over (nobody has yet: the
+    lock still names it), and a refresh landing later does not make it write again."""
+
+    class Unreachable(MemoryStorage):
+        cut = False
+
+        def _refresh_lock(self, final: str, body: bytes, generation: bytes) -> bytes:
+            if self.cut:
+                raise ConnectionError("the store is out of reach")
+            return super()._refresh_lock(final, body, generation)
+
+        def _lock_state(self, final: str, retry: bool = True) -> tuple[bytes | None, bytes]:
+            if self.cut and not retry:
+                raise ConnectionError("the store is out of reach")
+            return super()._lock_state(final, retry)
+
+    holder, final = Unreachable(), storage_for(url)[1]
+    holder.check_target(final, overwrite=False)
+    holder.acquire(final, "mine-0")
+    holder.check_lease(final)
+    holder.cut = True
+    _until(lambda: _stops(holder, final), "the holder never stopped")
+    assert not lease.lost(holder, final, "mine-0")
+    assert lease.parse(MemoryStorage().read(final, LOCK_KEY))["token"] == "mine-0"  # not taken over yet
+    with pytest.raises(StorageError, match="last refreshed"):
+        holder.verify_lease(final)
+    holder.cut = False
+    time.sleep(0.3)  # refreshes land again
+    with pytest.raises(StorageError, match="last refreshed"):
+        holder.check_lease(final)
+    assert lease.grant(holder, final, "mine-0") == lease.NO_GRANT  # nor does it grant a lease to its ranks
+    holder.release(final, "mine-0")
+
+
+def _stops(storage: Any, final: str) -> bool:
+    try:
+        storage.check_lease(final)
+    except StorageError as e:
+        assert "last refreshed" in str(e), e
+        return True
+    return False
