@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
-from . import lease
+from . import lease, leftovers
 from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
 
 log = logging.getLogger("arraycheckpoint")
@@ -526,20 +526,21 @@ class Storage(ABC):
     def cleanup_leftovers(self, parent: str) -> list[str]:
         """Remove what crashed saves of this backend's commit protocol left directly under ``parent``.
 
-        Marker strategy: stale lock objects inside uncommitted children. (Uncommitted step directories
-        themselves are removed by the checkpoint manager, which knows its naming.) Returns what was removed.
+        Marker strategy: crashed saves' lock objects inside children; a live lease (another job's save in
+        flight) stays (:mod:`.leftovers`). (Uncommitted step directories themselves are removed by the
+        checkpoint manager, which knows its naming: :meth:`remove_uncommitted`.) Returns what was removed.
         """
-        removed = []
-        for name in self.children(parent):
-            child = self.join(parent, name)
-            if self.exists(child, LOCK_KEY):
-                try:
-                    self.delete_key(child, LOCK_KEY)
-                except StorageError as e:  # read-only credentials: kept, as a local leftover is
-                    log.warning("cleanup: could not remove %s/%s (%s); it is kept", child, LOCK_KEY, e)
-                    continue
-                removed.append(f"{child}/{LOCK_KEY}")
-        return removed
+        return leftovers.clear_locks(self, parent)
+
+    def remove_uncommitted(self, root: str) -> bool:
+        """Delete the uncommitted checkpoint at ``root`` unless a save in flight holds its lock (a live
+        lease); whether it was deleted (:func:`.leftovers.remove_uncommitted`)."""
+        return leftovers.remove_uncommitted(self, root)
+
+    def _delete_lock_if(self, final: str, generation: bytes) -> bool:
+        """Delete the lock object of ``final`` only if it is still ``generation``; whether it was."""
+        stamp = self._wait(self._kv(final).write(LOCK_KEY, None, if_equal=generation))
+        return bool(stamp.generation)  # b"" when it was not (another generation now)
 
 
 #: a chunk file's name: ``c`` then a ``.``-separated index per dimension (format 3 on), ``c`` alone for 0-d
