@@ -80,6 +80,8 @@ class Storage(ABC):
     #: The target a claim (:meth:`acquire`) of this instance was refused (another save's, the user's
     #: objects): :meth:`abort` deletes nothing there (the other ranks' failure is reported through it).
     _refused: str | None = None
+    #: The target whose clearing failed part way (:func:`.leftovers.clear_target`): its lock stays.
+    _kept_lock: str | None = None
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -257,7 +259,7 @@ class Storage(ABC):
         being overwritten, or left by a crashed save: :meth:`target_state`, checked before the lock is
         taken); objects of anyone else are refused, never deleted.
         """
-        self._marker_in_doubt = False  # a new save: an earlier one's doubt is not its own
+        self._marker_in_doubt, self._kept_lock = False, None  # a new save: not an earlier one's state
         self._refused = final  # until this claim succeeds, nothing under final is this save's to delete
         at, mono = lease.stamp()  # when the lock document is made: the lease's age counts from there
         body = lease.body(token, at)
@@ -285,24 +287,7 @@ class Storage(ABC):
                 "path, or again with overwrite=True"
             )
         if state != "empty":
-            # Writing in place: start from an empty prefix, so nothing of an older checkpoint (committed and
-            # being overwritten, or left by a crashed save) mixes with this one. The markers go first. A
-            # committed checkpoint is replaced whole, as a rename replaces a directory (overwrite=True); of
-            # leftovers, only keys a save of ours writes are removed: one control file (or a stale lock)
-            # beside the user's objects does not make them ours (every key is looked at before any goes).
-            keys = [key for key in self.list(final) if key != LOCK_KEY]
-            foreign = [] if state == "committed" else [key for key in keys if not is_checkpoint_key(key)]
-            if foreign:
-                self.release(final, token)
-                shown = ", ".join(foreign[:SHOWN_KEYS]) + (" and more" if len(foreign) > SHOWN_KEYS else "")
-                raise CheckpointExistsError(
-                    f"cannot save to {final}: besides a checkpoint's files, objects a save never writes are "
-                    f"stored there ({shown}); a save never deletes other objects: choose a new path (e.g. a "
-                    "sub-prefix) or move those objects away"
-                )
-            self._delete_markers(final)
-            for key in keys:
-                self.delete_key(final, key)
+            leftovers.clear_target(self, final, token, state)  # never other objects; the markers first
         self._refused = None
 
     def _leases(self) -> bool:
@@ -389,7 +374,7 @@ class Storage(ABC):
         """Drop the claim taken by :meth:`acquire` (idempotent; a lock held by another token stays)."""
         lease.drop(self, final, token)
         self._lease_token = None
-        if self._lock_token(final) == token:
+        if self._lock_token(final) == token and self._kept_lock != final:
             self.delete_key(final, LOCK_KEY)
 
     def stalled(self) -> str | None:

@@ -17,7 +17,7 @@ import logging
 import uuid
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import CheckpointExistsError, StorageError
 from . import lease
 
 log = logging.getLogger("arraycheckpoint")
@@ -84,3 +84,48 @@ def remove_uncommitted(storage: Any, root: str) -> bool:
         if storage._lock_token(root) == token:
             storage.delete_key(root, LOCK_KEY)
     return True
+
+
+def clear_target(storage: Any, final: str, token: str, state: str) -> None:
+    """Empty ``final`` for the save ``token``, which holds its lock: writing in place starts from an empty
+    prefix, so nothing of an older checkpoint (``state`` "committed", being overwritten, or "leftover" of a
+    crashed save) mixes with this one. A committed checkpoint is replaced whole, as a rename replaces a
+    directory (overwrite=True); of leftovers, only keys a save of ours writes are removed: one control file (or
+    a stale lock) beside the user's objects does not make them ours (every key is looked at before any goes).
+    The commit markers go first, so a partial clearing never reads as committed.
+
+    A clearing that fails part way (the store refuses a delete) leaves part of the old checkpoint, uncommitted,
+    and keeps the lock, no longer refreshed (the save's release leaves it): the save's abort deletes nothing
+    there, and after one lease the next save to ``final`` takes the lock over as a crashed save's and clears
+    what remains (every key there was judged a save's), as a manager's start-up cleanup does. Releasing it
+    instead would leave remains that need not hold a control file, which the next save refuses as not a
+    checkpoint.
+
+    Raises:
+        CheckpointExistsError: objects a save never writes are there (nothing deleted; the lock released).
+    """
+    from .base import SHOWN_KEYS, is_checkpoint_key
+
+    keys = [key for key in storage.list(final) if key != LOCK_KEY]
+    foreign = [] if state == "committed" else [key for key in keys if not is_checkpoint_key(key)]
+    if foreign:
+        storage.release(final, token)
+        shown = ", ".join(foreign[:SHOWN_KEYS]) + (" and more" if len(foreign) > SHOWN_KEYS else "")
+        raise CheckpointExistsError(
+            f"cannot save to {final}: besides a checkpoint's files, objects a save never writes are stored "
+            f"there ({shown}); a save never deletes other objects: choose a new path (e.g. a sub-prefix) or "
+            "move those objects away"
+        )
+    try:
+        storage._delete_markers(final)
+        for key in keys:
+            storage.delete_key(final, key)
+    except BaseException as e:
+        storage._kept_lock = final
+        lease.drop(storage, final, token)
+        log.warning(
+            "save %s could not clear %s of the old checkpoint's objects (%s): what remains is uncommitted; its "
+            "lock %s/%s is kept, and the next save there takes it over once its lease ran out and clears them "
+            "(so does a manager's start-up cleanup)", token, final, e, final, LOCK_KEY,
+        )  # fmt: skip
+        raise
