@@ -30,8 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import socket
 import threading
 import time
 import weakref
@@ -41,7 +39,7 @@ from typing import Any
 
 from ..errors import StorageError
 from .heartbeat import Heartbeat
-from .locks import _MAX_HEARTBEAT, heartbeat_seconds, lease_intervals
+from .locks import _MAX_HEARTBEAT, heartbeat_seconds, lease_intervals, process_start, this_owner
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -82,14 +80,17 @@ def own_terms() -> Terms:
 
 def body(token: str, at: float | None = None) -> bytes:
     """The lock object of the save ``token``, as refreshed at ``at`` (wall clock; now by default)."""
-    terms = own_terms()
+    terms, me = own_terms(), this_owner(token)
     doc = {
         "token": token,
         "time": time.time() if at is None else at,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
+        "host": me.host,
+        "pid": me.pid,
         "heartbeat": terms.heartbeat,
         "lease": terms.bound,
+        "boot_id": me.boot_id,  # with the pid namespace and start time: a holder on the reader's machine
+        "pidns": me.pidns,  # whose process is gone is a crashed save's at once
+        "start": me.start,
     }
     return json.dumps(doc).encode()
 
@@ -126,12 +127,32 @@ def stale_reason(doc: dict[str, Any] | None, now: float | None = None) -> str | 
     one its holder announced), or None."""
     if doc is None or doc.get("time") is None:
         return None
+    gone = _holder_gone(doc)
+    if gone is not None:
+        return gone
     interval = max(heartbeat_seconds(), min(float(doc.get("heartbeat") or 0.0), _MAX_HEARTBEAT))
     bound = max(lease_intervals() * interval, min(float(doc.get("lease") or 0.0), _MAX_LEASE))
     age = (time.time() if now is None else now) - float(doc["time"])
     if age > bound:
         return f"not refreshed for {age:.0f} s, its lease is {bound:.0f} s"
     return None
+
+
+def _holder_gone(doc: dict[str, Any]) -> str | None:
+    """Why the holder of ``doc`` is known to be gone (it ran on this machine, and its process did not
+    survive), or None."""
+    fields = [doc.get(k) for k in ("host", "boot_id", "pidns", "pid", "start")]
+    if not all(isinstance(v, str) for v in fields[:3]) or not all(
+        type(v) is int and v > 0 for v in fields[3:]
+    ):
+        return None
+    me = this_owner("")
+    if not me.boot_id or fields[:3] != [me.host, me.boot_id, me.pidns]:
+        return None
+    start = process_start(fields[3])
+    if start is None:
+        return f"its process {fields[3]} on this host is gone"
+    return f"pid {fields[3]} is another process now" if start != fields[4] else None
 
 
 # Holders: one thread per process refreshes every lease it holds -----------------------------------------------
