@@ -335,8 +335,9 @@ class Follower:
     at a phase its rank sets (``phase`` in [0, 1): the ranks' reads spread evenly over the period), plus reads
     halfway to the end of its trust when a read found the lease refreshed late (while that end is more than a
     heartbeat interval away: at most about three more a period), and one when its trust ran out while it did
-    not check (a long write): ranks that check all along stop at its end without a read (no burst). Its writers stop once the
-    lease it knows of is older than :attr:`Terms.safe`, or a read finds the lock naming another save, or none.
+    not check (a long write): ranks that check all along stop at its end without a read (no burst). Its
+    writers stop once the lease it knows of is older than :attr:`Terms.safe`, or a read finds the lock naming
+    another save, or none.
     ``clock`` (wall time, what the lock document's time is compared with) is injectable for simulations."""
 
     def __init__(
