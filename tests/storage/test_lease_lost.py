@@ -315,3 +315,40 @@ def _stops(storage: Any, final: str) -> bool:
         assert "last refreshed" in str(e), e
         return True
     return False
+
+
+def test_no_rank_reads_the_lock_before_its_first_write(url: str, scheme: Any) -> None:
+    """Rank 0's grant (in the agreement before the writes) tells the other ranks when its lease was refreshed:
+    a save shorter than the read period reads the lock on no rank but rank 0 (before: one read per rank
+    before its first write, 9,999 at once at 10,000 ranks)."""
+    import sys
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from simworld import run_ranks
+
+    reads: list[str] = []
+    guard = threading.Lock()
+
+    class Counting(MemoryStorage):
+        def _lock_state(self, final: str, retry: bool = True) -> tuple[bytes | None, bytes]:
+            if (
+                self._lease_token is None and not retry
+            ):  # a follower's read (rank 0's claim reads with retries)
+                with guard:
+                    reads.append(final)
+            return super()._lock_state(final, retry)
+
+    scheme(Counting)
+
+    def save(comm: Any) -> str:
+        acp.save(url, {"w": acp.PerRank(np.arange(1000.0) + comm.rank), "b": np.ones((64, 64))}, comm=comm)
+        return "committed"
+
+    assert run_ranks(4, save) == ["committed"] * 4
+    assert reads == []
+    scheme(None)
+    back = {"w": acp.PerRank(np.zeros(1000)), "b": np.zeros((64, 64))}
+    acp.load(url, back)
+    assert np.array_equal(back["b"], np.ones((64, 64)))
