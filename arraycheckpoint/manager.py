@@ -25,8 +25,8 @@ Rules:
 * On start (``cleanup=True``) the coordinator removes staging directories, stale locks, half-deleted steps
   and step directories without a commit marker that hold only what a save writes (one holding anything
   else is kept, with a warning); the other ranks wait for it. On a local or network file system a save in flight of another
-  job (its lock's ``flock`` is held) is left alone; on object stores do not run two managers (two jobs) on one
-  root at the same time: each treats the other's saves in flight as leftovers.
+  job (its lock's ``flock`` is held) is left alone, and so is one on an object store (its lock's lease is
+  live); fsspec URLs cannot tell (no lease): run one job per root there.
 """
 
 from __future__ import annotations
@@ -353,8 +353,9 @@ class CheckpointManager:
 
     def cleanup(self) -> list[str]:
         """Remove uncommitted leftovers under ``root`` (staging directories, stale locks, step directories
-        without a commit marker holding only what a save writes, half-deleted steps). Call only while no save
-        to ``root`` runs; returns what was removed. What cannot be removed (a read-only mount or credentials)
+        without a commit marker holding only what a save writes, half-deleted steps). A save in flight (another
+        job's: its lock's flock held, its owner alive, or its lease live) keeps its lock and files; returns
+        what was removed. What cannot be removed (a read-only mount or credentials)
         is kept with a warning naming it: a manager that only restores works there."""
         with self._lock:
             removed = self.storage.cleanup_leftovers(self.root)
@@ -369,7 +370,9 @@ class CheckpointManager:
                         continue
                     log.info("cleanup: removing uncommitted checkpoint of step %d at %s", step, path)
                     try:
-                        self.storage.delete(path)
+                        if not self.storage.remove_uncommitted(path):  # a live lease: another job's save
+                            log.info("cleanup: kept %s: a save in flight holds its lock", path)
+                            continue
                     except StorageError as e:  # a read-only mount, read-only credentials: a reader's manager
                         log.warning("cleanup: could not remove %s (%s); it is kept", path, e)
                         continue

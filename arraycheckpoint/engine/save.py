@@ -33,7 +33,7 @@ from ..runtime.hostpool import HostBufferPool
 from ..runtime.monitoring import PhaseRecorder
 from ..runtime.tscontext import context
 from ..runtime.workers import busy
-from ..storage import storage_for
+from ..storage import lease, storage_for
 from . import shardfile
 from .common import array_spec, describe, wait_write
 from .coordinate import Coordinator, declaration_digest, declare, structure_key
@@ -201,7 +201,7 @@ class SavePipeline:
             job.future._set_staged()
         try:
             plan = job.cached if job.mode != "skip" else None  # planned before the snapshot
-            claimed = _target_claimed(job) if plan is not None else False
+            claimed, grant = _target_claimed(job) if plan is not None else (False, None)
             # every rank enters the exchange, a failed one too (it sends zeros): otherwise the others block in
             # the exchange while it waits in the commit gather (e.g. rank 0's CheckpointExistsError); it runs
             # beside the writes of the chunks this rank holds whole
@@ -210,8 +210,10 @@ class SavePipeline:
                 if job.error is None and plan is not None and claimed:
                     # before the first write: a flush reports only errors from after this (syncfs)
                     job.storage.open_flush(job.staging)
-                    if comm.rank != 0:  # writes under rank 0's lock: stops when another save takes it over
-                        job.storage.follow_lease(job.staging, job.final, job.token)
+                    if comm.rank != 0:  # writes under rank 0's lease: stops before another save may take it
+                        job.storage.follow_lease(
+                            job.staging, job.final, job.token, grant, comm.rank, comm.world_size
+                        )
                     self._write(job, plan.rank_plan, exchange.received)
                     with job.recorder.phase("flush"), busy(f"{job.staging} (its flush)"):
                         job.storage.flush(job.staging)  # a syncfs stalled at exit is named too
@@ -353,19 +355,24 @@ def _wait(job: SaveJob, fut: Any, name: str) -> None:
         wait_write(fut, name)
 
 
-def _target_claimed(job: SaveJob) -> bool:
+def _target_claimed(job: SaveJob) -> tuple[bool, list[int] | None]:
     """Whether every rank may write: storage that writes in place (the marker strategy: object stores,
     fsspec) needs rank 0 to have claimed the target and emptied its prefix (``acquire``) before any rank
     writes or uploads there, or the clearing deletes what a faster rank already wrote (the committed
     checkpoint then misses that rank's chunks), and a target another save holds must not be written at all.
     A cached or identical-declaration plan has no collective between rank 0's ``acquire`` and the writes,
     so one fixed-size agreement orders them (every rank calls it: the strategy is the same on all ranks).
-    Staged storage (local rename) writes into this save's own staging directory and needs none."""
+    Staged storage (local rename) writes into this save's own staging directory and needs none.
+
+    The agreement also carries rank 0's lease grant (when its lock document was stored, the lease's terms:
+    :meth:`~arraycheckpoint.storage.Storage.lease_grant`) to the ranks writing under it, so none reads the
+    lock before its first write; returned beside the verdict (None where there is no agreement)."""
     comm = job.comm
     if comm.world_size == 1 or job.storage.commit_strategy != "marker":
-        return True
-    (ok,) = comm.all_reduce_min([int(job.error is None)])
-    return bool(ok)
+        return True, None
+    grant = job.storage.lease_grant(job.final) if comm.rank == 0 else lease.NO_GRANT
+    ok, *granted = comm.all_reduce_min([int(job.error is None), *grant])
+    return bool(ok), granted
 
 
 def _writer(job: SaveJob) -> shardfile.KvWriter | shardfile.FileWriter:

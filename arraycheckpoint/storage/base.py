@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
-from . import lease
+from . import lease, leftovers
 from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
 
 log = logging.getLogger("arraycheckpoint")
@@ -80,6 +80,8 @@ class Storage(ABC):
     #: The target a claim (:meth:`acquire`) of this instance was refused (another save's, the user's
     #: objects): :meth:`abort` deletes nothing there (the other ranks' failure is reported through it).
     _refused: str | None = None
+    #: The target whose clearing failed part way (:func:`.leftovers.clear_target`): its lock stays.
+    _kept_lock: str | None = None
 
     @abstractmethod
     def kvstore_spec(self, root: str) -> dict[str, Any]:
@@ -257,9 +259,10 @@ class Storage(ABC):
         being overwritten, or left by a crashed save: :meth:`target_state`, checked before the lock is
         taken); objects of anyone else are refused, never deleted.
         """
-        self._marker_in_doubt = False  # a new save: an earlier one's doubt is not its own
+        self._marker_in_doubt, self._kept_lock = False, None  # a new save: not an earlier one's state
         self._refused = final  # until this claim succeeds, nothing under final is this save's to delete
-        body = lease.body(token)
+        at, mono = lease.stamp()  # when the lock document is made: the lease's age counts from there
+        body = lease.body(token, at)
         checked, self._checked_target = getattr(self, "_checked_target", None), None
         if self.commit_strategy != "marker":
             state = "empty"
@@ -274,7 +277,7 @@ class Storage(ABC):
             generation = self._take_stale_lock(final, token, body, raw, generation)
         self._lease_token = token
         if self._leases():
-            lease.keep(self, final, token, generation)
+            lease.keep(self, final, token, generation, at, mono)
         if state != "committed" and self.is_committed(final):
             # another save committed here between the check and this claim (the target was empty, or held that
             # save's lock, which looked like a crashed save's): never write into it, nor delete it
@@ -284,24 +287,7 @@ class Storage(ABC):
                 "path, or again with overwrite=True"
             )
         if state != "empty":
-            # Writing in place: start from an empty prefix, so nothing of an older checkpoint (committed and
-            # being overwritten, or left by a crashed save) mixes with this one. The markers go first. A
-            # committed checkpoint is replaced whole, as a rename replaces a directory (overwrite=True); of
-            # leftovers, only keys a save of ours writes are removed: one control file (or a stale lock)
-            # beside the user's objects does not make them ours (every key is looked at before any goes).
-            keys = [key for key in self.list(final) if key != LOCK_KEY]
-            foreign = [] if state == "committed" else [key for key in keys if not is_checkpoint_key(key)]
-            if foreign:
-                self.release(final, token)
-                shown = ", ".join(foreign[:SHOWN_KEYS]) + (" and more" if len(foreign) > SHOWN_KEYS else "")
-                raise CheckpointExistsError(
-                    f"cannot save to {final}: besides a checkpoint's files, objects a save never writes are "
-                    f"stored there ({shown}); a save never deletes other objects: choose a new path (e.g. a "
-                    "sub-prefix) or move those objects away"
-                )
-            self._delete_markers(final)
-            for key in keys:
-                self.delete_key(final, key)
+            leftovers.clear_target(self, final, token, state)  # never other objects; the markers first
         self._refused = None
 
     def _leases(self) -> bool:
@@ -388,7 +374,7 @@ class Storage(ABC):
         """Drop the claim taken by :meth:`acquire` (idempotent; a lock held by another token stays)."""
         lease.drop(self, final, token)
         self._lease_token = None
-        if self._lock_token(final) == token:
+        if self._lock_token(final) == token and self._kept_lock != final:
             self.delete_key(final, LOCK_KEY)
 
     def stalled(self) -> str | None:
@@ -407,27 +393,30 @@ class Storage(ABC):
         ended, after the coordinator's last :meth:`flush`); here: stop following its lock (:meth:`follow_lease`)."""
         lease.unfollow(self, root)
 
-    def follow_lease(self, staging: str, final: str, token: str) -> None:
-        """On a rank that did not take the lock: when it writes in place under a lease, :meth:`check_lease`
-        also reads the lock (before the first write, then at most once a heartbeat interval)."""
+    def lease_grant(self, final: str) -> tuple[int, int, int]:
+        """What the coordinator tells the other ranks of its lease of ``final`` (:func:`.lease.grant`)."""
+        return lease.grant(self, final, self._lease_token) if self._leases() else lease.NO_GRANT
+
+    def follow_lease(
+        self, staging: str, final: str, token: str, grant: Any = None, rank: int = 1, world: int = 2
+    ) -> None:
+        """On a rank (``rank`` of ``world``) that did not take the lock: when it writes in place under a
+        lease, :meth:`check_lease` stops it once the lease may be taken over, reading the lock about once a
+        lease period from the time the coordinator's ``grant`` (:meth:`lease_grant`) says (:mod:`.lease`)."""
         if staging == final and self._lease_token is None and self._leases():
-            lease.follow(self, final, token)
+            lease.follow(self, final, token, grant, rank, world)
 
     def flush(self, root: str) -> None:
         """Make this rank's writes under ``root`` durable (one batched flush; a no-op where writes are)."""
         return None
 
     def check_lease(self, final: str) -> None:
-        """Raise if this save's lease of ``final`` was found taken over (:func:`.lease.lost`): no I/O, the
-        writers call it before each write batch, so a save that lost its lock stops writing into a target
-        another save now owns within about one heartbeat interval."""
-        token = self._lease_token
+        """Raise if this save's lease of ``final`` was found taken over, or is old enough that it may be soon
+        (:func:`.lease.check_holder`, :class:`.lease.Follower`): the writers call it before each write batch
+        (no I/O but a follower's rare read), so a save stops writing before another save can own the target."""
         lease.check_follower(self, final)
-        if token is not None and lease.lost(self, final, token):
-            raise StorageError(
-                f"save {token} to {final} stopped: its lock {final}/{LOCK_KEY} was taken over by another save "
-                "(this save did not refresh it for its lease); it writes nothing more and does not commit"
-            )
+        if self._lease_token is not None:
+            lease.check_holder(self, final, self._lease_token)
 
     def verify_lease(self, final: str) -> None:
         """Raise unless the lock of ``final`` still names this save (one read): the coordinator calls it
@@ -522,20 +511,21 @@ class Storage(ABC):
     def cleanup_leftovers(self, parent: str) -> list[str]:
         """Remove what crashed saves of this backend's commit protocol left directly under ``parent``.
 
-        Marker strategy: stale lock objects inside uncommitted children. (Uncommitted step directories
-        themselves are removed by the checkpoint manager, which knows its naming.) Returns what was removed.
+        Marker strategy: crashed saves' lock objects inside children; a live lease (another job's save in
+        flight) stays (:mod:`.leftovers`). (Uncommitted step directories themselves are removed by the
+        checkpoint manager, which knows its naming: :meth:`remove_uncommitted`.) Returns what was removed.
         """
-        removed = []
-        for name in self.children(parent):
-            child = self.join(parent, name)
-            if self.exists(child, LOCK_KEY):
-                try:
-                    self.delete_key(child, LOCK_KEY)
-                except StorageError as e:  # read-only credentials: kept, as a local leftover is
-                    log.warning("cleanup: could not remove %s/%s (%s); it is kept", child, LOCK_KEY, e)
-                    continue
-                removed.append(f"{child}/{LOCK_KEY}")
-        return removed
+        return leftovers.clear_locks(self, parent)
+
+    def remove_uncommitted(self, root: str) -> bool:
+        """Delete the uncommitted checkpoint at ``root`` unless a save in flight holds its lock (a live
+        lease); whether it was deleted (:func:`.leftovers.remove_uncommitted`)."""
+        return leftovers.remove_uncommitted(self, root)
+
+    def _delete_lock_if(self, final: str, generation: bytes) -> bool:
+        """Delete the lock object of ``final`` only if it is still ``generation``; whether it was."""
+        stamp = self._wait(self._kv(final).write(LOCK_KEY, None, if_equal=generation))
+        return bool(stamp.generation)  # b"" when it was not (another generation now)
 
 
 #: a chunk file's name: ``c`` then a ``.``-separated index per dimension (format 3 on), ``c`` alone for 0-d

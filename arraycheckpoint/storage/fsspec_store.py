@@ -28,8 +28,11 @@ stall bound and about a minute, as curl's low-speed watchdog (60 s) bounds a bul
 stalled bulk batch is not retried object by object (a store that stops answering would make that one stall
 bound per object).
 
-Commit is the marker strategy. fsspec has no portable create-if-absent, so the save lock is
-check-write-verify (best effort: two saves starting within one round trip of each other may both proceed).
+Commit is the marker strategy. The save lock is created with ``open(path, "xb")`` where the file system has
+an exclusive create (local and memory; s3fs sends it as a ``PutObject`` with ``If-None-Match: *``: of
+several saves one wins); elsewhere it is check-write-verify (best effort: two saves starting within one round
+trip of each other may both proceed). It is no lease: fsspec has no conditional overwrite (``If-Match``) to
+refresh it or take it over safely, so it is never taken over, and a manager's cleanup removes it.
 """
 
 from __future__ import annotations

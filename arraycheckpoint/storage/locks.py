@@ -44,6 +44,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .heartbeat import Heartbeat
+
 log = logging.getLogger("arraycheckpoint")
 
 #: the most of a lock file that is read (its document is ~300 bytes)
@@ -464,43 +466,28 @@ def still_held(lock: Path, token: str) -> bool:
 
 
 # The heartbeat: one thread per process while it holds a lock ------------------------------------------------
-_beat: threading.Thread | None = None
-_wake = threading.Event()
-_sleeping = [0.0]  # the interval the thread sleeps for now
+def _refresh_held() -> None:
+    """Refresh every held lock's mtime (under the lock of the table, so a descriptor is never closed, and its
+    number reused, meanwhile)."""
+    with _HELD_LOCK:
+        for (path, _token), fd in _HELD.items():
+            try:
+                os.utime(fd)
+            except OSError as e:
+                log.debug("could not refresh the lock %s: %s", path, e)
+
+
+_BEAT = Heartbeat("acp-lock-heartbeat", _HELD_LOCK, lambda: bool(_HELD), _refresh_held, heartbeat_seconds)
 
 
 def hold(lock: Path, token: str, fd: int) -> None:
     """Record ``fd`` as this process's hold on ``lock`` for ``token`` and keep its lease fresh."""
-    global _beat
     with _HELD_LOCK:
         _HELD[(str(lock), token)] = fd
-        if heartbeat_seconds() < _sleeping[0]:  # the thread sleeps for longer than the interval now is
-            _wake.set()
-        if _beat is None:
-            _beat = threading.Thread(target=_heartbeat, name="acp-lock-heartbeat", daemon=True)
-            _beat.start()
+        _BEAT.ensure()
 
 
 def unhold(lock: Path, token: str) -> int | None:
     """Forget this process's hold on ``lock`` for ``token``; its descriptor (the caller closes it)."""
     with _HELD_LOCK:
         return _HELD.pop((str(lock), token), None)
-
-
-def _heartbeat() -> None:
-    """Refresh every held lock's mtime each interval (under the lock of the table, so a descriptor is never
-    closed, and its number reused, meanwhile); end when none is held."""
-    global _beat
-    while True:
-        _sleeping[0] = heartbeat_seconds()
-        _wake.wait(_sleeping[0])  # or woken by a holder whose interval is shorter
-        _wake.clear()
-        with _HELD_LOCK:
-            if not _HELD:
-                _beat = None
-                return
-            for (path, _token), fd in _HELD.items():
-                try:
-                    os.utime(fd)
-                except OSError as e:
-                    log.debug("could not refresh the lock %s: %s", path, e)

@@ -316,7 +316,10 @@ class StorageTests:
 
 def _crash(backend: Storage, final: str, token: str) -> None:
     """What a crash of the saving process does to its lock: a local file system's lock file stays, its flock
-    goes (the kernel drops it when the process ends); other backends' locks stay, no longer refreshed."""
+    goes (the kernel drops it when the process ends); other backends' locks stay, no longer refreshed (here:
+    last refreshed an hour ago, so a lease ran out: a live one is kept by a cleanup)."""
+    import time
+
     from ..storage import lease, local
 
     if isinstance(backend, local.LocalStorage):
@@ -325,3 +328,5 @@ def _crash(backend: Storage, final: str, token: str) -> None:
         os.close(fd)
         return
     lease.drop(backend, final, token)
+    if backend._leases():
+        backend.write(final, ".acp-lock", lease.body(token, time.time() - 3600))

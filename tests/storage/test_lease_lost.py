@@ -205,9 +205,12 @@ def test_a_refused_multi_rank_save_deletes_nothing_of_the_target(url: str, held_
         other.release(final, "other-1")
 
 
-def test_every_rank_of_a_save_whose_lease_was_lost_stops_writing(url: str, scheme: Any) -> None:
-    """Rank 0 holds the lease; rank 1 writes in place under it too: it reads the lock itself before its first
-    write, so it does not overwrite the new holder's objects (its pack keys are the same as the other save's)."""
+def test_every_rank_stops_writing_before_its_lease_can_be_taken_over(url: str, scheme: Any) -> None:
+    """Rank 0 holds the lease; rank 1 writes in place under it, trusting the lease time rank 0 granted it (no
+    read before its first write). Neither rank's refreshes or reads reach the store any more (a partition);
+    once the lease ran out another save takes the target over and writes its rank 1's pack. Neither rank of the
+    first save writes after that: both stopped once the lease could be taken over soon, without learning of
+    the takeover (their pack keys are the new holder's: a write would overwrite it)."""
     import sys
     import threading
     from pathlib import Path
@@ -216,19 +219,38 @@ def test_every_rank_of_a_save_whose_lease_was_lost_stops_writing(url: str, schem
     from simworld import run_ranks
 
     taken = threading.Event()
+    reads: list[int] = []
 
-    class TakenOver(MemoryStorage):
+    class Partitioned(MemoryStorage):
+        def _refresh_lock(self, final: str, body: bytes, generation: bytes) -> bytes:
+            raise ConnectionError("the store is out of reach")
+
+        def _lock_state(self, final: str, retry: bool = True) -> tuple[bytes | None, bytes]:
+            if retry:  # the claim (before the partition)
+                return super()._lock_state(final, retry)
+            if self._lease_token is None:
+                reads.append(1)  # rank 1's: unanswered too, so only the lease's age can stop it
+            raise ConnectionError("the store is out of reach")  # and rank 0's lease thread's
+
         def open_flush(self, root: str) -> None:
-            if self._lease_token is not None:  # rank 0: the lease thread found the lock taken over
-                lease.drop(self, root, self._lease_token)
-                MemoryStorage().write(root, LOCK_KEY, lease.body("other-1"))
+            if self._lease_token is not None:  # rank 0: another save takes the target over once it may
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        other = MemoryStorage()  # the other save's store is reachable
+                        other.check_target(root, overwrite=False)
+                        other.acquire(root, "other-1")
+                        break
+                    except CheckpointExistsError:
+                        assert time.monotonic() < deadline, "the lease never ran out"
+                        time.sleep(0.05)
                 MemoryStorage().write(root, ".acp/packs/1.0.zip", b"B pack")  # the new holder's rank 1
-                lease._lost.add((id(self), root, self._lease_token))
+                lease.drop(other, root, "other-1")
                 taken.set()
             else:
                 assert taken.wait(30)
 
-    scheme(TakenOver)
+    scheme(Partitioned)
 
     def save(comm: Any) -> str:
         try:
@@ -241,8 +263,92 @@ def test_every_rank_of_a_save_whose_lease_was_lost_stops_writing(url: str, schem
 
     outcomes = run_ranks(2, save)
     assert all(o != "committed" for o in outcomes), outcomes
-    assert any("rank 1" in o and "names other-1" in o for o in outcomes), outcomes
+    assert any("rank 1" in o and "last refreshed" in o for o in outcomes), outcomes
+    assert len(reads) <= 1, "rank 1 read the lock more than once"
     scheme(None)
     store, final = storage_for(url)
     assert store.read(final, ".acp/packs/1.0.zip") == b"B pack"
     assert sorted(store.list(final)) == sorted([LOCK_KEY, ".acp/packs/1.0.zip"])
+    assert lease.parse(store.read(final, LOCK_KEY))["token"] == "other-1"
+
+
+def test_a_holder_whose_refreshes_do_not_land_stops_before_its_lease_can_be_taken_over(url: str) -> None:
+    """Rank 0's own clock: once its last refresh the store took is older than the safe part of the lease,
+    its writers stop and it does not commit, before any save may take the lock over (nobody has yet: the
+    lock still names it), and a refresh landing later does not make it write again."""
+
+    class Unreachable(MemoryStorage):
+        cut = False
+
+        def _refresh_lock(self, final: str, body: bytes, generation: bytes) -> bytes:
+            if self.cut:
+                raise ConnectionError("the store is out of reach")
+            return super()._refresh_lock(final, body, generation)
+
+        def _lock_state(self, final: str, retry: bool = True) -> tuple[bytes | None, bytes]:
+            if self.cut and not retry:
+                raise ConnectionError("the store is out of reach")
+            return super()._lock_state(final, retry)
+
+    holder, final = Unreachable(), storage_for(url)[1]
+    holder.check_target(final, overwrite=False)
+    holder.acquire(final, "mine-0")
+    holder.check_lease(final)
+    holder.cut = True
+    _until(lambda: _stops(holder, final), "the holder never stopped")
+    assert not lease.lost(holder, final, "mine-0")
+    assert lease.parse(MemoryStorage().read(final, LOCK_KEY))["token"] == "mine-0"  # not taken over yet
+    with pytest.raises(StorageError, match="last refreshed"):
+        holder.verify_lease(final)
+    holder.cut = False
+    time.sleep(0.3)  # refreshes land again
+    with pytest.raises(StorageError, match="last refreshed"):
+        holder.check_lease(final)
+    assert lease.grant(holder, final, "mine-0") == lease.NO_GRANT  # nor does it grant a lease to its ranks
+    holder.release(final, "mine-0")
+
+
+def _stops(storage: Any, final: str) -> bool:
+    try:
+        storage.check_lease(final)
+    except StorageError as e:
+        assert "last refreshed" in str(e), e
+        return True
+    return False
+
+
+def test_no_rank_reads_the_lock_before_its_first_write(url: str, scheme: Any) -> None:
+    """Rank 0's grant (in the agreement before the writes) tells the other ranks when its lease was refreshed:
+    a save shorter than the read period reads the lock on no rank but rank 0 (before: one read per rank
+    before its first write, 9,999 at once at 10,000 ranks)."""
+    import sys
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from simworld import run_ranks
+
+    reads: list[str] = []
+    guard = threading.Lock()
+
+    class Counting(MemoryStorage):
+        def _lock_state(self, final: str, retry: bool = True) -> tuple[bytes | None, bytes]:
+            if (
+                self._lease_token is None and not retry
+            ):  # a follower's read (rank 0's claim reads with retries)
+                with guard:
+                    reads.append(final)
+            return super()._lock_state(final, retry)
+
+    scheme(Counting)
+
+    def save(comm: Any) -> str:
+        acp.save(url, {"w": acp.PerRank(np.arange(1000.0) + comm.rank), "b": np.ones((64, 64))}, comm=comm)
+        return "committed"
+
+    assert run_ranks(4, save) == ["committed"] * 4
+    assert reads == []
+    scheme(None)
+    back = {"w": acp.PerRank(np.zeros(1000)), "b": np.zeros((64, 64))}
+    acp.load(url, back)
+    assert np.array_equal(back["b"], np.ones((64, 64)))
