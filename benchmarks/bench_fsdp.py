@@ -309,10 +309,9 @@ def bcp_save(path: str, model: Model, opt: Optim) -> None:
 
 #: the bare writer's file size: the planner's target pack size
 FLOOR_FILE_BYTES = 16 * MiB
-#: bytes per ``pwritev`` of the bare writer (and per ``preadv`` of the bare reader): the save's own write size.
-#: One 16 MiB ``writev`` per file took 2x the wall time of 1 MiB writes of the same files on this 2-core VM
-#: (one process, 288 MiB until ``syncfs``; 4.8x with the machine loaded), so a floor written that way was not
-#: the floor
+#: bytes per ``pwritev`` of the bare writer (and per ``preadv`` of the bare reader): the save's own write size
+#: (one 16 MiB ``writev`` per file took 2x the wall time of 1 MiB writes of the same files in one process on
+#: this 2-core VM, 288 MiB until ``syncfs``, with other work running)
 FLOOR_IO_BYTES = 1 * MiB
 
 
