@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from .summed import pwritev_all
+
 #: offset, length and address alignment of every ``O_DIRECT`` write (the largest logical block size in use)
 ALIGN = 4096
 #: files below this many bytes are written buffered (their page-cache cost is small)
@@ -141,8 +143,6 @@ class Staged:
         head = self.nbytes // ALIGN * ALIGN
         done = _write_direct(fd, view[:head], self.path) if head else 0
         rest: list[Any] = [view[done : self.nbytes], *(tail or [])]
-        from .summed import pwritev_all
-
         return done + pwritev_all(fd, rest, done, self.path)
 
     def release(self) -> None:
