@@ -11,7 +11,8 @@ each method follows each other one once), and each time is the slowest rank's af
   ``FileSystemWriter``); ``bytecheckpoint.save(path, {"model": model, "optimizer": opt}, framework="fsdp2")``;
   the same ``dcp.save`` through ``acp.dcp.Writer`` (compared with DCP's own writer); and the disk's floor,
   each rank's local bytes written as bare 16 MiB files with nothing else (:func:`floor_save`: ``anchor / bare
-  write`` is the largest speed-up over that anchor any writer can show on this disk);
+  write`` is the largest speed-up over that anchor any writer can show on this disk; loaded back by
+  :func:`floor_load`, the bare read: the floor of a load);
 * async blocking / until durable: ``acp.save_async`` until ``fut.staged`` completes against
   ``get_state_dict`` + ``dcp.async_save`` until it returns;
 * load at the same world size: ``acp.load`` in place, ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``,
@@ -308,49 +309,88 @@ def bcp_save(path: str, model: Model, opt: Optim) -> None:
 
 #: the bare writer's file size: the planner's target pack size
 FLOOR_FILE_BYTES = 16 * MiB
+#: bytes per ``pwritev`` of the bare writer (and per ``preadv`` of the bare reader): the save's own write size
+#: (one 16 MiB ``writev`` per file took 2x the wall time of 1 MiB writes of the same files in one process on
+#: this 2-core VM, 288 MiB until ``syncfs``, with other work running)
+FLOOR_IO_BYTES = 1 * MiB
+
+
+def _floor_files(path: str, model: Model, opt: Optim) -> tuple[str, list[list[memoryview]]]:
+    """This rank's directory of the bare write/read, and its local shard bytes (as they lie in memory) cut
+    into the files of :data:`FLOOR_FILE_BYTES` and the ``pwritev``/``preadv`` calls of :data:`FLOOR_IO_BYTES`
+    within each file."""
+    import torch.distributed as dist
+
+    views = [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in _local_tensors(model, opt)]
+    files: list[list[memoryview]] = [[]]
+    size = 0
+    for v in views:
+        while len(v):
+            take = min(len(v), FLOOR_FILE_BYTES - size)
+            files[-1].append(v[:take])
+            size += take
+            v = v[take:]
+            if size == FLOOR_FILE_BYTES:
+                files.append([])
+                size = 0
+    return os.path.join(path, str(dist.get_rank())), [f for f in files if f]
+
+
+def _io_calls(parts: list[memoryview]) -> list[tuple[int, list[memoryview]]]:
+    """``parts`` (one file's bytes in order) as ``(offset, buffers)`` calls of about :data:`FLOOR_IO_BYTES`."""
+    calls: list[tuple[int, list[memoryview]]] = []
+    offset, held, bufs = 0, 0, []
+    for p in parts:
+        while len(p):
+            take = min(len(p), FLOOR_IO_BYTES - held)
+            bufs.append(p[:take])
+            held += take
+            p = p[take:]
+            if held == FLOOR_IO_BYTES:
+                calls.append((offset, bufs))
+                offset, held, bufs = offset + held, 0, []
+    if bufs:
+        calls.append((offset, bufs))
+    return calls
 
 
 def floor_save(path: str, model: Model, opt: Optim) -> None:
     """The disk's floor for this save: this rank's local shard bytes written as they lie in memory into files
-    of 16 MiB, each file's write-back started as soon as it is written, one ``syncfs`` at the end; no
-    checksum, metadata, plan or coordination. No checkpoint writer is durable sooner on this disk, so
-    ``anchor / bare write`` bounds the speed-up any writer can show over that anchor here."""
-    import torch.distributed as dist
-
+    of 16 MiB (``pwritev`` calls of 1 MiB), each file's write-back started as soon as it is written, one
+    ``syncfs`` at the end; no checksum, metadata, plan or coordination. No checkpoint writer is durable sooner
+    on this disk, so ``anchor / bare write`` bounds the speed-up any writer can show over that anchor here."""
     from arraycheckpoint.engine.shardfile import start_writeback
     from arraycheckpoint.storage.local import LocalStorage
 
-    where = os.path.join(path, str(dist.get_rank()))
+    where, files = _floor_files(path, model, opt)
     os.makedirs(where, exist_ok=True)
-    views = [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in _local_tensors(model, opt)]
-    batch: list[memoryview] = []
-    size = files = 0
-
-    def write_file() -> None:
-        nonlocal batch, size, files
-        fd = os.open(os.path.join(where, f"{files}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for i, parts in enumerate(files):
+        fd = os.open(os.path.join(where, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for i in range(0, len(batch), 512):
-                part = batch[i : i + 512]
-                if os.writev(fd, part) != sum(len(b) for b in part):  # a regular file: all, or an error
+            for offset, bufs in _io_calls(parts):
+                if os.pwritev(fd, bufs, offset) != sum(
+                    len(b) for b in bufs
+                ):  # a regular file: all, or an error
                     raise OSError(f"short write to {where}")
             start_writeback(fd)
         finally:
             os.close(fd)
-        batch, size, files = [], 0, files + 1
-
-    for v in views:
-        while len(v):
-            take = min(len(v), FLOOR_FILE_BYTES - size)
-            batch.append(v[:take])
-            size += take
-            v = v[take:]
-            if size == FLOOR_FILE_BYTES:
-                write_file()
-    if batch:
-        write_file()
     LocalStorage().flush(where)  # the syncfs a save's flush does
     sync()
+
+
+def floor_load(path: str, model: Model, opt: Optim) -> None:
+    """The floor of a load: the bare write's files read back into this rank's local shards with ``preadv``
+    calls of 1 MiB, straight into the tensors; no checksum, metadata, plan or coordination."""
+    where, files = _floor_files(path, model, opt)
+    for i, parts in enumerate(files):
+        fd = os.open(os.path.join(where, f"{i}.bin"), os.O_RDONLY)
+        try:
+            for offset, bufs in _io_calls(parts):
+                if os.preadv(fd, bufs, offset) != sum(len(b) for b in bufs):
+                    raise OSError(f"short read from {where}")
+        finally:
+            os.close(fd)
 
 
 def acp_load(path: str, model: Model, opt: Optim) -> None:
@@ -393,7 +433,7 @@ METHODS: dict[str, tuple[str, Verb, Verb | None]] = {
     "dcp": ("DCP", dcp_save, dcp_load),
     "bcp": ("ByteCheckpoint", bcp_save, bcp_load),
     "dcp_acpw": ("dcp.save + acp.dcp.Writer", dcp_acp_writer_save, None),
-    "floor": ("bare write", floor_save, None),
+    "floor": ("bare write/read", floor_save, floor_load),
 }
 #: methods kept after the last round and loaded again at the reshard world size
 RESHARDED = ("acp", "dcp", "bcp")
@@ -673,6 +713,8 @@ def report(
         ("async save: until durable", "async_total", "acp", "dcp", None),
         (f"load at {world} ranks", "load", "acp", "dcp", 1.5),
         (f"load at {world} ranks", "load", "acp", "bcp", None),
+        (f"load at {world} ranks", "load", "floor", "acp", None),
+        (f"load at {world} ranks", "load", "floor", "dcp", None),
         (f"load resharded {world} -> {reshard}", "load_reshard", "acp", "dcp", 1.5),
         (f"load resharded {world} -> {reshard}", "load_reshard", "acp", "bcp", None),
     ]

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveFailedError
-from . import summed
+from . import direct, summed
 from .packfile import Buffer, Member, _crc32, _flat, central_directory, header_parts, local_header
 
 #: A batch of small members is handed to the writer's threads once it holds this many bytes ...
@@ -67,6 +67,7 @@ class StreamedPack:
         release: Callable[[int, int], None],
         writeback: Callable[[int, int, int], None],
         writeback_bytes: int,
+        stage: Callable[[int, str], direct.Staged | None] | None = None,
     ) -> None:
         self.path = path
         self._submit, self._later, self._release = submit, later, release
@@ -85,6 +86,9 @@ class StreamedPack:
             self._header_bytes.append(header)
             offset += header + nbytes
         self.end = offset  # where the central directory starts
+        #: the pack's bytes gathered for one ``O_DIRECT`` write at its end (:mod:`.direct`), or None: written
+        #: in place as they arrive
+        self._staged = stage(offset, path) if stage is not None else None
         self._left = len(members)  # members not yet written (or failed)
         self._lock = threading.Lock()
         self._failed = False
@@ -189,7 +193,7 @@ class StreamedPack:
                     self._pwrite(run, offsets[start])
                     run = []
                 at = offsets[index] + self._header_bytes[index]
-                crc, nbytes = summed.write(self._open_fd(), parts, at, self.path, zip_crc=True)
+                crc, nbytes = summed.write(self._sink(), parts, at, self.path, zip_crc=True)
                 self._queue_writeback(at, nbytes)
                 flat: list[Buffer] = []
             elif len(parts) == 1 and type(parts[0]) is bytes:  # a document, a small chunk file: one buffer
@@ -233,14 +237,18 @@ class StreamedPack:
         assert fd is not None, "a pack written after it was closed"
         return fd
 
+    def _sink(self) -> Any:
+        """Where member bytes go: the staging buffer, or the file."""
+        return self._staged if self._staged is not None else self._open_fd()
+
     def _pwrite(self, buffers: list[Buffer], offset: int) -> None:
-        total = summed.pwritev_all(self._open_fd(), buffers, offset, self.path)
+        total = summed.pwritev_all(self._sink(), buffers, offset, self.path)
         self._queue_writeback(offset, total)
 
     def _queue_writeback(self, offset: int, nbytes: int) -> None:
         """Start the device write-back of ``nbytes`` written at ``offset``, on the write-back thread, where
-        they are at least ``writeback_bytes``."""
-        if nbytes >= self._writeback_bytes:
+        they are at least ``writeback_bytes`` (not for a staged pack: it is written at its end)."""
+        if nbytes >= self._writeback_bytes and self._staged is None:
             fd = self._open_fd()
             self._later(lambda: self._writeback(fd, offset, nbytes))
 
@@ -255,21 +263,33 @@ class StreamedPack:
         if self._failed:
             self._remove()
             return
+        staged = self._staged
         try:
             records = zip(self._members.keys, self._crcs, self._members.sizes, self._offsets)
             directory = central_directory([r for r in records if r[1] is not None], self.end)
-            self._pwrite([memoryview(directory)], self.end)
+            if staged is not None:  # the whole pack now: its aligned head direct, the rest buffered
+                staged.commit(self._open_fd(), [memoryview(directory)])
+            else:
+                self._pwrite([memoryview(directory)], self.end)
         except BaseException:
             self._remove()
             raise
         fd, self._fd = self._fd, None
         assert fd is not None
+        if staged is not None:
+            self._staged = None
+            staged.release()
+            self._release(fd, 0)  # on the device already but for its tail: closed now (syncfs does the rest)
+            return
         self._release(fd, self.end + len(directory))
 
     def _remove(self) -> None:
         """Close the file (after the write-back requests queued for it) and unlink it."""
         fd, self._fd = self._fd, None
         path = self.path
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.release()
 
         def run() -> None:
             if fd is not None:

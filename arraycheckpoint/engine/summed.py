@@ -56,6 +56,7 @@ def has_deferred(parts: list[Any]) -> bool:
 def pwritev_all(fd: int, buffers: list[Any], offset: int, path: str) -> int:
     """Write ``buffers`` (bytes-like; arrays as their bytes) at ``offset`` of ``fd``, however many calls it
     takes; the bytes written. A file system that writes nothing without an error raises instead of looping.
+    ``fd`` may also be a staging buffer (:class:`.direct.Staged`: its ``write_at`` copies them there).
     """
     views = [memoryview(b).cast("B") for b in buffers]
     views = [v for v in views if v.nbytes]
@@ -63,7 +64,7 @@ def pwritev_all(fd: int, buffers: list[Any], offset: int, path: str) -> int:
     i = 0
     while i < len(views):
         part = views[i : i + IOV_MAX]
-        n = os.pwritev(fd, part, offset)
+        n = os.pwritev(fd, part, offset) if type(fd) is int else fd.write_at(part, offset)
         if n <= 0:
             raise OSError(errno.EIO, f"pwritev(2) wrote nothing to {path}")
         offset += n

@@ -217,7 +217,6 @@ class Writer(StorageWriter):
 
     def _write(self, plan: Any, planner: Any, writes: list[tuple[str, Any]]) -> list[Any]:
 
-
         storage, _ = storage_for(self._require_path())
         staging = plan.storage_data["staging"]
         storage.open_flush(staging)  # before the first write: the flush then sees every write-back error
@@ -350,10 +349,11 @@ class Writer(StorageWriter):
         storage.open_flush(staging)
         try:
             write_documents(storage, staging, dict(sorted(docs.items())))
-            storage.flush(staging)
+            if not getattr(storage, "flushes_at_commit", False):  # else the commit's flush covers them
+                storage.flush(staging)
+            storage.commit(staging, final, self.overwrite)
         finally:
             storage.close_flush(staging)
-        storage.commit(staging, final, self.overwrite)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -47,6 +47,9 @@ class LocalStorage(Storage):
     """A local or shared POSIX file system (``/path`` or ``file:///path``)."""
 
     commit_strategy = "rename"
+    #: :meth:`commit` makes everything under the staging directory durable before publishing it, so the
+    #: coordinator's metadata needs no flush of its own first (:mod:`arraycheckpoint.engine.coordinate`)
+    flushes_at_commit = True
 
     @property
     def _sync_fds(self) -> dict[str, int]:
@@ -218,8 +221,10 @@ class LocalStorage(Storage):
             os.write(fd, b"committed\n")
         finally:
             os.close(fd)
-        fsync_path(marker)
-        fsync_path(os.path.dirname(marker))  # the control directory's entry of the marker
+        # one syncfs makes the marker, its directory entry and everything written under the staging
+        # directory since the last flush (the coordinator's metadata: :attr:`flushes_at_commit`) durable
+        # before the rename publishes them: one device flush instead of three (~4 ms each here)
+        self.flush(staging)
         old = None
         if os.path.lexists(final):
             if not overwrite and self.is_committed(final):

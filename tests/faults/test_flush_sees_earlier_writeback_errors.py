@@ -184,7 +184,7 @@ def test_the_dcp_writer_syncs_on_a_descriptor_opened_before_the_first_write(tmp_
     state = {"model": {"w": torch.arange(1 << 16, dtype=torch.float32)}}
     events = _recorded(lambda: dcp.save(state, storage_writer=acp.dcp.Writer(path), no_dist=True))
     syncs = [i for i, e in enumerate(events) if e[0] == "syncfs"]
-    assert len(syncs) == 2, events  # the rank's data, then the coordinator's metadata
+    assert len(syncs) == 2, events  # the rank's data, then the commit (the metadata and the marker)
     previous = -1
     for i in syncs:
         fd = events[i][2]

@@ -144,6 +144,10 @@ STALLED_COMMIT = textwrap.dedent(
     fifo, where = sys.argv[2], sys.argv[3]
 
     class StallAtCommit(LocalStorage):
+        # "metadata": the coordinator flushes the metadata itself before the commit (as storage whose commit
+        # does not flush does), and that flush stalls
+        flushes_at_commit = where != "metadata"
+
         def normalize(self, url):
             return super().normalize(url.removeprefix("stallcommit://"))
 
