@@ -2,8 +2,9 @@
 
 :func:`encode` turns nested Python values into a JSON document in which arrays and tensors are replaced by
 references to separately stored Zarr arrays; :func:`decode` inverts it. Tuples, non-string dict keys, bytes
-and non-finite floats are tagged so they come back as they went in. Anything else needs pickle, which is
-refused unless the caller opts in with ``allow_pickle=True`` on save *and* on load.
+and non-finite floats are tagged so they come back as they went in, and so are torch and numpy dtypes (by name:
+megatron's distributed optimizer keys its ``per_bucket_numel`` by ``(param dtype, grad dtype)``). Anything
+else needs pickle, which is refused unless the caller opts in with ``allow_pickle=True`` on save *and* on load.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _TAGS = (
     "__pickle__",
     "__module__",
     "__leaf__",
+    "__dtype__",
 )
 
 
@@ -69,6 +71,9 @@ def encode(
             return int(v)
         if isinstance(v, float):
             return v if math.isfinite(v) else {"__float__": repr(v)}
+        dtype = _dtype_name(v)
+        if dtype is not None:
+            return {"__dtype__": dtype}
         if is_array(v):
             name = name_for(path)
             arrays[name] = v
@@ -160,6 +165,8 @@ def decode(
                 return _b64(body, path, tag)
             if tag == "__float__":
                 return float(body)
+            if tag == "__dtype__":
+                return _dtype(body, path)
             if tag == "__array__":
                 if body not in arrays:
                     raise _malformed(path, tag, body, "no such stored array")
@@ -194,7 +201,46 @@ _TAG_BODIES: dict[str, Callable[[Any], bool]] = {
     "__float__": lambda b: isinstance(b, str) and b in ("nan", "inf", "-inf"),
     "__array__": lambda b: isinstance(b, str),
     "__pickle__": lambda b: isinstance(b, str),
+    "__dtype__": lambda b: isinstance(b, str) and len(b) <= 64,
 }
+
+#: the kinds of numpy dtype stored by name (numbers and booleans: no objects, records, strings or dates)
+_NUMPY_KINDS = "biufc"
+
+
+def _dtype_name(v: Any) -> str | None:
+    """``"torch.<name>"`` for a ``torch.dtype``, ``"numpy.<name>"`` for a numeric numpy dtype, else None
+    (types checked by module and name: this layer imports no framework)."""
+    t = type(v)
+    if t.__name__ == "dtype" and t.__module__ == "torch":
+        return str(v)  # "torch.float32"
+    kind, name = getattr(v, "kind", None), getattr(v, "name", None)
+    numeric = kind in tuple(_NUMPY_KINDS) and isinstance(name, str) and name.isidentifier()
+    if t.__module__.startswith("numpy") and numeric:
+        return f"numpy.{name}"
+    return None
+
+
+def _dtype(body: str, path: str) -> Any:
+    """The dtype stored as ``body`` (:func:`_dtype_name`): only a name that is one of torch's dtypes or a
+    numeric numpy dtype is taken (a stored name is untrusted: no attribute of another kind is returned)."""
+    module, _, name = body.partition(".")
+    if name.isidentifier() and module == "torch":
+        import torch
+
+        found = getattr(torch, name, None)
+        if isinstance(found, torch.dtype):
+            return found
+    elif name.isidentifier() and module == "numpy":
+        import numpy as np
+
+        try:
+            found = np.dtype(name)
+        except TypeError:
+            found = None
+        if found is not None and found.kind in _NUMPY_KINDS and found.name == name:
+            return found
+    raise _malformed(path, "__dtype__", body, "not a torch dtype or a numeric numpy dtype")
 
 
 def _malformed(path: str, tag: str, body: Any, why: str = "") -> InconsistentCheckpointError:

@@ -143,12 +143,6 @@ def _metadata(fmt: str) -> dict:
     return {"distrib_optim_sharding_type": fmt}
 
 
-def _pickle(fmt: str) -> bool:
-    """``dp_reshardable``'s ``per_bucket_numel`` objects are dicts keyed by ``(param dtype, grad dtype)``:
-    a ``torch.dtype`` is no JSON value, so they are stored only with ``allow_pickle=True``."""
-    return fmt == "dp_reshardable"
-
-
 def _save_dp2_body(rank: int, world: int, path: str, fmt: str) -> tuple[int, int]:
     import arraycheckpoint as acp
 
@@ -156,7 +150,7 @@ def _save_dp2_body(rank: int, world: int, path: str, fmt: str) -> tuple[int, int
     done = _state_of(gpt, opt, _fills(gpt), write=True)
     opt_sd = opt.sharded_state_dict(gpt.sharded_state_dict(), metadata=_metadata(fmt))
     assert opt_sd["param_state_sharding_type"] == fmt
-    acp.save(path, {"optimizer": opt_sd}, framework="megatron", allow_pickle=_pickle(fmt))
+    acp.save(path, {"optimizer": opt_sd}, framework="megatron")
     return done
 
 
@@ -173,9 +167,7 @@ def _load_dp_body(rank: int, world: int, path: str, fmt: str) -> tuple[int, int]
                 if state != "step":
                     t.fill_(float("nan"))
     opt_sd = opt.sharded_state_dict(gpt.sharded_state_dict(), is_loading=True, metadata=_metadata(fmt))
-    loaded = acp.load(path, {"optimizer": opt_sd}, framework="megatron", allow_pickle=_pickle(fmt))[
-        "optimizer"
-    ]
+    loaded = acp.load(path, {"optimizer": opt_sd}, framework="megatron")["optimizer"]
     if fmt == "fully_reshardable":
         # megatron-core 0.16.1's own loader of this format fails with torch's Adam (no Transformer Engine or
         # apex): ``_set_main_param_and_optimizer_states`` copies every key of the inner optimizer's
