@@ -1,4 +1,4 @@
-"""``O_DIRECT`` writes of large files (``engine/direct.py``, opt-in with ``ACP_DIRECT_WRITES=1``): the files hold
+"""``O_DIRECT`` writes of large files (``engine/direct.py``, opt-in with ``ARRAYCHECKPOINT_DIRECT_WRITES=1``): the files hold
 exactly the bytes of the buffered path (chunk files and streamed packs, unaligned sizes, staging buffers reused),
 a file system that refuses ``O_DIRECT`` gets the same bytes buffered, a failed direct write fails the save and
 leaves nothing, and every direct write of a save lands before its flush (``syncfs``) and commit."""
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT
 @pytest.fixture
 def direct_on(tmp_path: Path, monkeypatch) -> list[int]:
     """Direct writes on for ``tmp_path``'s file system, whatever it is; the bytes each direct write took."""
-    monkeypatch.setenv("ACP_DIRECT_WRITES", "1")
+    monkeypatch.setenv("ARRAYCHECKPOINT_DIRECT_WRITES", "1")
     monkeypatch.setattr(direct, "_DIRECT_FS", frozenset({direct._fs_type(str(tmp_path))}))
     monkeypatch.setattr(direct, "_refused", False)
     taken: list[int] = []
@@ -69,9 +69,9 @@ def _write(root: Path, seed: int) -> dict[str, bytes]:
 
 
 def test_direct_files_hold_the_buffered_paths_bytes(tmp_path: Path, monkeypatch, direct_on) -> None:
-    monkeypatch.setenv("ACP_DIRECT_WRITES", "0")
+    monkeypatch.setenv("ARRAYCHECKPOINT_DIRECT_WRITES", "0")
     want = [_write(tmp_path / f"buffered{s}", s) for s in (1, 2)]
-    monkeypatch.setenv("ACP_DIRECT_WRITES", "1")
+    monkeypatch.setenv("ARRAYCHECKPOINT_DIRECT_WRITES", "1")
     got = [_write(tmp_path / f"direct{s}", s) for s in (1, 2)]  # the second reuses the first's buffers
     assert got == want
     assert all(len(b) % direct.ALIGN for files in got for b in files.values())  # unaligned tails
@@ -81,9 +81,9 @@ def test_direct_files_hold_the_buffered_paths_bytes(tmp_path: Path, monkeypatch,
 def test_a_file_system_refusing_o_direct_gets_the_same_bytes_buffered(
     tmp_path: Path, monkeypatch, direct_on
 ) -> None:
-    monkeypatch.setenv("ACP_DIRECT_WRITES", "0")
+    monkeypatch.setenv("ARRAYCHECKPOINT_DIRECT_WRITES", "0")
     want = _write(tmp_path / "buffered", 3)
-    monkeypatch.setenv("ACP_DIRECT_WRITES", "1")
+    monkeypatch.setenv("ARRAYCHECKPOINT_DIRECT_WRITES", "1")
     real = direct.fcntl.fcntl
 
     def refusing(fd, cmd, arg=0):  # what an older tmpfs answers
@@ -97,9 +97,9 @@ def test_a_file_system_refusing_o_direct_gets_the_same_bytes_buffered(
 
 
 def test_staging_without_room_writes_buffered(tmp_path: Path, monkeypatch, direct_on) -> None:
-    monkeypatch.setenv("ACP_DIRECT_WRITES", "0")
+    monkeypatch.setenv("ARRAYCHECKPOINT_DIRECT_WRITES", "0")
     want = _write(tmp_path / "buffered", 4)
-    monkeypatch.setenv("ACP_DIRECT_WRITES", "1")
+    monkeypatch.setenv("ARRAYCHECKPOINT_DIRECT_WRITES", "1")
     monkeypatch.setattr(direct, "POOL", direct._Pool(1 << 20))  # smaller than any file here
     assert _write(tmp_path / "small-budget", 4) == want
     assert not direct_on

@@ -18,7 +18,7 @@ Only where it pays and is known to work: files of at least :data:`MIN_BYTES` on 
 staging buffers (:data:`STAGING_BYTES` in all, kept for the next save) have room; anything else is written
 buffered. A file system that refuses ``O_DIRECT`` (``EINVAL``) is written buffered from then on.
 
-Off unless ``ACP_DIRECT_WRITES=1``: measured at 2 FSDP2 ranks (288 MiB each, interleaved rounds on the
+Off unless ``ARRAYCHECKPOINT_DIRECT_WRITES=1``: measured at 2 FSDP2 ranks (288 MiB each, interleaved rounds on the
 loaded 2-core machine) it saved 5-8% of the save's CPU time but no wall time the noise could show (paired
 medians 0.96x-1.02x), the disk being the bound; and a checkpoint written so is not in the page cache, so a
 load right after the save reads it from the device.
@@ -49,8 +49,8 @@ _DIRECT_FS = frozenset({0xEF53, 0x58465342, 0x9123683E})
 
 
 def enabled() -> bool:
-    """Whether direct writes were asked for (``ACP_DIRECT_WRITES=1``; off by default)."""
-    return os.environ.get("ACP_DIRECT_WRITES") == "1" and hasattr(os, "O_DIRECT")
+    """Whether direct writes were asked for (``ARRAYCHECKPOINT_DIRECT_WRITES=1``; off by default)."""
+    return os.environ.get("ARRAYCHECKPOINT_DIRECT_WRITES") == "1" and hasattr(os, "O_DIRECT")
 
 
 def _fs_type(path: str) -> int | None:
