@@ -538,8 +538,14 @@ def _check_rank_pack_members(
                     "damaged or hostile"
                 )
             limit = limits[place[0]]
-        if e.compress_type or e.compress_size != e.file_size or e.file_size > limit:
-            _check_member(e, array, where, limit)  # raises, saying which
         if name in reading:
+            if e.compress_type or e.compress_size != e.file_size or e.file_size > limit:
+                try:
+                    _check_member(e, array, where, limit)  # raises, saying which
+                except CorruptCheckpointError as err:  # the damage is this array's, not the pack's others'
+                    err.tensors = {array: str(err)}  # type: ignore[attr-defined]
+                    raise
             checked.append(e)
+        # a member not read is never inflated nor sized from: a damaged entry of it (compressed, oversized)
+        # concerns its own array alone, as damaged bytes of it would; readers of every member refuse it
     return checked
