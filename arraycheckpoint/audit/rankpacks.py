@@ -531,11 +531,13 @@ def _check_rank_pack_members(
             place = chunk_place(name, grids, grids, separator)
             if place is None or tensors[place[0]].writers[place[1]] != rank:
                 near = next((n for n in grids if name.startswith(n + "/")), None)
-                about = f"tensor {near!r}: " if near is not None else ""
+                about = f"no chunk of tensor {near!r} that " if near is not None else ""
+                # the pack is refused for every array read from it: the error names the pack, and the caller
+                # the arrays it was read for (never only the tensor whose name the foreign member borrows)
                 raise CorruptCheckpointError(
-                    f"{about}{where} holds the member {name!r}, which none of its arrays has (rank {rank} "
-                    "wrote no such chunk: outside the grid, of another writer, or a foreign file); the pack is "
-                    "damaged or hostile"
+                    f"{where} holds the member {name!r}, which none of its arrays has ({about}rank {rank} "
+                    "wrote: outside the grid, of another writer, or a foreign file); the pack is damaged or "
+                    "hostile"
                 )
             limit = limits[place[0]]
         if name in reading:

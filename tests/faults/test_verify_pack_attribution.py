@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults.packtools import flip_member_byte, members, pack_of, replace_member, write_members
+from faults.packtools import flip_member_byte, members, pack_of, replace_member, rewrite_pack, write_members
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import CorruptCheckpointError
@@ -70,3 +70,16 @@ def test_a_damaged_member_is_reported_against_its_own_array(
     for n in NAMES:
         if n != "c":
             assert torch.equal(got["model"][n], want[n]), n
+
+
+def test_a_foreign_member_fails_the_whole_pack_naming_the_pack(tmp_path: Path) -> None:
+    """A member none of the pack's arrays has (here a chunk outside model/c's grid) makes the pack hostile:
+    every array read from it is refused, each reported with the pack's error, never as another tensor's."""
+    ck = tmp_path / "ck"
+    acp.save(ck, {"model": _state()})
+    pack = pack_of(ck, BAD)
+    rewrite_pack(pack, lambda ms: ms + [(f"{BAD}/c.7", b"\0" * 64)])
+    report = verify(ck)
+    assert {p.tensor for p in report.problems} == {f"model/{n}" for n in NAMES}
+    for p in report.problems:
+        assert p.message.startswith(f"stored in packs: {pack} holds the member '{BAD}/c.7'"), p.message
