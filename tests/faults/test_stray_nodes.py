@@ -5,6 +5,7 @@ never read it as part of the checkpoint, and ``verify`` warns about it (the chec
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,20 @@ def test_a_planted_array_is_neither_listed_nor_served(tmp_path: Path, layout: st
     for stray in (f"{EVIL}/zarr.json", "model/evilgroup/zarr.json", "rogue/zarr.json", "model/notes.txt"):
         assert stray in warning, warning
     assert "model/a/zarr.json" not in warning and ".acp" not in warning
+
+
+def test_the_verify_command_warns_and_succeeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from arraycheckpoint.cli import main
+
+    ck = tmp_path / "ck"
+    acp.save(ck, {"model": {"a": torch.arange(4.0)}})
+    zarr.create_array(ck / EVIL, shape=(4,), dtype="float32", dimension_names=["x"])
+    assert main(["verify", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert "WARN 1 stray key(s)" in out and f"{EVIL}/zarr.json" in out and "BAD" not in out, out
+    assert main(["verify", "--json", str(ck)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and len(doc["warnings"]) == 1 and EVIL in doc["warnings"][0], doc
 
 
 def test_verify_of_a_clean_checkpoint_warns_of_nothing(tmp_path: Path) -> None:
