@@ -536,15 +536,23 @@ def _check_rank_pack_members(
             place = chunk_place(name, grids, grids, separator)
             if place is None or tensors[place[0]].writers[place[1]] != rank:
                 near = next((n for n in grids if name.startswith(n + "/")), None)
-                about = f"tensor {near!r}: " if near is not None else ""
+                about = f"no chunk of tensor {near!r} that " if near is not None else ""
+                # the pack is refused for every array read from it: the error names the pack, and the caller
+                # the arrays it was read for (never only the tensor whose name the foreign member borrows)
                 raise CorruptCheckpointError(
-                    f"{about}{where} holds the member {name!r}, which none of its arrays has (rank {rank} "
-                    "wrote no such chunk: outside the grid, of another writer, or a foreign file); the pack is "
-                    "damaged or hostile"
+                    f"{where} holds the member {name!r}, which none of its arrays has ({about}rank {rank} "
+                    "wrote: outside the grid, of another writer, or a foreign file); the pack is damaged or "
+                    "hostile"
                 )
             limit = limits[place[0]]
-        if e.compress_type or e.compress_size != e.file_size or e.file_size > limit:
-            _check_member(e, array, where, limit)  # raises, saying which
         if name in reading:
+            if e.compress_type or e.compress_size != e.file_size or e.file_size > limit:
+                try:
+                    _check_member(e, array, where, limit)  # raises, saying which
+                except CorruptCheckpointError as err:  # the damage is this array's, not the pack's others'
+                    err.tensors = {array: str(err)}  # type: ignore[attr-defined]
+                    raise
             checked.append(e)
+        # a member not read is never inflated nor sized from: a damaged entry of it (compressed, oversized)
+        # concerns its own array alone, as damaged bytes of it would; readers of every member refuse it
     return checked

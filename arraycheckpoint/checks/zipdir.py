@@ -21,10 +21,15 @@ from ..errors import (
 
 def _check_member(e: Any, name: str, where: str, limit: int) -> None:
     """A pack member ``e`` of tensor ``name`` is stored uncompressed and at most ``limit`` bytes."""
-    if e.compress_type != 0 or e.compress_size != e.file_size:
+    if e.compress_type != 0:
         raise CorruptCheckpointError(
             f"tensor {name!r}: member {e.filename!r} of {where} is compressed (method "
             f"{e.compress_type}); packs store members uncompressed, nothing is inflated"
+        )
+    if e.compress_size != e.file_size:
+        raise CorruptCheckpointError(
+            f"tensor {name!r}: member {e.filename!r} of {where} is stored in {e.compress_size} bytes for "
+            f"{e.file_size}; packs store members uncompressed, nothing is inflated"
         )
     if e.file_size > limit:
         raise CorruptCheckpointError(

@@ -113,6 +113,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     "chunks": report.chunks,
                     "bytes": report.bytes,
                     "problems": [str(p) for p in report.problems],
+                    "warnings": report.warnings,
                 },
                 indent=2,
             )
@@ -120,6 +121,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         for p in report.problems:
             print(f"BAD  {p}")
+        for w in report.warnings:
+            print(f"WARN {w}")
         state = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
         checked = (
             "metadata, coverage and files checked (chunk data not read: --no-data)"

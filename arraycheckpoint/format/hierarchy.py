@@ -12,9 +12,10 @@ beside it (:data:`~arraycheckpoint.format.metadata.CONTROL`) raise no "not a zar
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from typing import Any
 
-from .metadata import CONTROL, CONTROL_DIR, CheckpointMetadata
+from .metadata import CONTROL, CONTROL_DIR, LEGACY_CONTROL, CheckpointMetadata, chunk_key_separator
 
 #: The dimension name of the control node (entries' dimensions are ``<name>.dim<axis>``: no clash).
 CONTROL_DIMENSION = "acp"
@@ -76,16 +77,7 @@ def hierarchy_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
 def node_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
     """The zarr documents of :func:`hierarchy_documents` that are not the metadata: the control node and
     every group's ``zarr.json`` (what ``checkpoint_store`` serves in place of the stored ones)."""
-    groups = {""}
-    for names in (meta.tensors, meta.objects):
-        for name in names:
-            head = name.rpartition("/")[0]
-            while head not in groups:  # every directory above the entry, up to one already known
-                groups.add(head)
-                head = head.rpartition("/")[0]
-    # An object kept beside an array of the same name (a top-level numpy array ``w`` has the object ``w/~arrays``)
-    # lies in no zarr node: ``w`` is the array, not a group.
-    groups.difference_update(meta.tensors)
+    groups = group_paths(meta)
     attrs = {
         "format_version": meta.format_version,
         "framework": meta.framework,
@@ -103,3 +95,86 @@ def node_documents(meta: CheckpointMetadata) -> dict[str, bytes]:
         doc = {"zarr_format": 3, "node_type": "group", "attributes": attrs if g == "" else {}}
         docs[f"{g}/zarr.json" if g else "zarr.json"] = json.dumps(doc).encode()
     return docs
+
+
+def group_paths(meta: CheckpointMetadata) -> set[str]:
+    """Every group of the hierarchy: the root (``""``) and each directory above an entry."""
+    groups = {""}
+    for names in (meta.tensors, meta.objects):
+        for name in names:
+            head = name.rpartition("/")[0]
+            while head not in groups:  # every directory above the entry, up to one already known
+                groups.add(head)
+                head = head.rpartition("/")[0]
+    # An object kept beside an array of the same name (a top-level numpy array ``w`` has the object ``w/~arrays``)
+    # lies in no zarr node: ``w`` is the array, not a group.
+    groups.difference_update(meta.tensors)
+    return groups
+
+
+def chunk_flat(leaf: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], separator: str) -> int | None:
+    """The flat (row-major) index of the chunk key ``leaf`` (``c.1.0``) in the grid, None when ``leaf`` is
+    no canonical chunk key inside it."""
+    grid = [-(-s // max(c, 1)) for s, c in zip(shape, chunk_shape)]
+    parts = leaf.split(separator)
+    if parts[0] != "c" or len(parts) != len(grid) + 1:
+        return None
+    flat = 0
+    for p, g in zip(parts[1:], grid):
+        if not p.isascii() or not p.isdigit() or p != str(int(p)) or int(p) >= g:
+            return None
+        flat = flat * g + int(p)
+    return flat
+
+
+def array_above(key: str, arrays: Container[str]) -> str | None:
+    """The array of ``arrays`` whose key ``key`` is (``model/w/c.0`` -> ``model/w``), else None."""
+    at = key.find("/")
+    while at >= 0:
+        if key[:at] in arrays:
+            return key[:at]
+        at = key.find("/", at + 1)
+    return None
+
+
+class NamedKeys:
+    """Which keys of a checkpoint's directory its metadata names: the control files (``.acp/...``, or an
+    older format's in the root), every group's ``zarr.json``, and each array's ``zarr.json`` and the chunk keys
+    of its grid. Anything else (a planted ``model/evil`` array or group, a file beside the arrays) is a stray:
+    no part of the checkpoint, never listed or served by ``checkpoint_store``, a warning of ``verify``."""
+
+    def __init__(self, meta: CheckpointMetadata) -> None:
+        self._tensors = meta.tensors
+        self._groups = group_paths(meta)
+        self._sep = chunk_key_separator(meta.format_version)
+        legacy = LEGACY_CONTROL
+        self._legacy = {legacy.metadata, legacy.committed, legacy.metrics, legacy.load_metrics}
+
+    def _array_of(self, path: str) -> str | None:
+        return array_above(path, self._tensors)
+
+    def key(self, key: str) -> bool:
+        """Whether the file ``key`` (relative to the root) is one the metadata names."""
+        if key.startswith(CONTROL_DIR + "/") or key in self._legacy:
+            return True
+        head, _, leaf = key.rpartition("/")
+        if leaf == "zarr.json" and (head in self._groups or head in self._tensors):
+            return True
+        name = self._array_of(key)
+        if name is None:
+            return False
+        t = self._tensors[name]
+        return chunk_flat(key[len(name) + 1 :], tuple(t.shape), tuple(t.chunk_shape), self._sep) is not None
+
+    def directory(self, path: str) -> bool:
+        """Whether the directory ``path`` is one the metadata names (a group, an array, the control node's,
+        or a directory of chunk keys ``c/<i>/...`` of an older format)."""
+        if path in self._groups or path in self._tensors or path == CONTROL_DIR:
+            return True
+        if path.startswith(CONTROL_DIR + "/"):
+            return True
+        name = self._array_of(path + "/")
+        if name is None or name == path or self._sep != "/":
+            return False
+        rel = path[len(name) + 1 :]
+        return rel == "c" or rel.startswith("c/")

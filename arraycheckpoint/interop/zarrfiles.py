@@ -79,23 +79,6 @@ def _grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> Iterable[tupl
     return itertools.product(*(range(-(-s // max(c, 1))) for s, c in zip(shape, chunk_shape)))
 
 
-def _chunk_flat(
-    leaf: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], separator: str
-) -> int | None:
-    """The flat (row-major) index of the chunk key ``leaf`` (``c.1.0``) in the grid, None when ``leaf`` is
-    no canonical chunk key inside it."""
-    grid = [-(-s // max(c, 1)) for s, c in zip(shape, chunk_shape)]
-    parts = leaf.split(separator)
-    if parts[0] != "c" or len(parts) != len(grid) + 1:
-        return None
-    flat = 0
-    for p, g in zip(parts[1:], grid):
-        if not p.isascii() or not p.isdigit() or p != str(int(p)) or int(p) >= g:
-            return None
-        flat = flat * g + int(p)
-    return flat
-
-
 async def _control_read(base: Store, local: str | None, key: str, limit: int | None) -> bytes | None:
     """A control file of the checkpoint, bounded (never through a link on a local path), or None if absent."""
     from ..checks.bounds import MAX_METADATA_BYTES

@@ -25,7 +25,9 @@ the archive before its directory, and be no larger than its encoding can be; any
 files nor a pack is read through a symbolic link (:func:`arraycheckpoint.storage.local._open_below`).
 
 The store lists the checkpoint's own keys too (the pack files under ``.acp/`` included: ``.acp`` is an empty
-array node, which zarr never walks into). ``list_prefix`` takes its prefix as a directory (``model/w`` lists
+array node, which zarr never walks into), and only those the metadata names
+(:class:`~arraycheckpoint.format.hierarchy.NamedKeys`): a planted ``model/evil`` array is neither listed nor
+served (``verify`` warns about it). ``list_prefix`` takes its prefix as a directory (``model/w`` lists
 ``model/w/...``, not ``model/w2/...``), like zarr's ``LocalStore`` and ``FsspecStore``.
 
 This module imports zarr, numpy and arraycheckpoint's light modules; never torch, jax or tensorstore.
@@ -47,6 +49,8 @@ from zarr.storage import FsspecStore, LocalStore
 
 from ..checks.limits import check_layouts
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError
+from ..format.hierarchy import NamedKeys, array_above
+from ..format.hierarchy import chunk_flat as _chunk_flat
 from ..format.metadata import CONTROL_LAYOUTS, CheckpointMetadata, chunk_key_separator
 from ..planning.packing import (
     PACK_DIR,
@@ -55,7 +59,6 @@ from ..planning.packing import (
 )
 from .zarrfiles import (
     ChunkChecksums,
-    _chunk_flat,
     _control_read,
     _exists_below,
     _grid,
@@ -219,12 +222,7 @@ class CheckpointStore(PackReading, Store):
     # Routing ----------------------------------------------------------------------------------------------
     def _array_of(self, key: str) -> str | None:
         """The packed array whose key ``key`` is (``model/w/c.0`` -> ``model/w``), else None."""
-        at = key.find("/")
-        while at >= 0:
-            if key[:at] in self._packed:
-                return key[:at]
-            at = key.find("/", at + 1)
-        return None
+        return array_above(key, self._packed)
 
     def _group_of(self, key: str) -> str | None:
         """The directory above packed arrays whose group document ``key`` is, else None."""
@@ -267,6 +265,8 @@ class CheckpointStore(PackReading, Store):
         self, key: str, prototype: BufferPrototype | None = None, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
         prototype = prototype or default_buffer_prototype()
+        if not self._names.key(key):  # a stray: no part of the checkpoint the metadata describes
+            return None
         implied = self._node_docs.get(key)
         if implied is not None or (byte_range is not None and self._array_doc(key)):
             # a group's (or the control node's) document as the metadata implies it, where the checkpoint has
@@ -409,6 +409,11 @@ class CheckpointStore(PackReading, Store):
         return index_bytes, check
 
     @cached_property
+    def _names(self) -> NamedKeys:
+        """The keys the metadata names: the store presents those alone (a planted array is no member)."""
+        return NamedKeys(self._meta)
+
+    @cached_property
     def _node_docs(self) -> dict[str, bytes]:
         """Group documents and the control node's, as the metadata implies them (served in place of the
         stored ones): key -> bytes."""
@@ -439,6 +444,8 @@ class CheckpointStore(PackReading, Store):
         return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
 
     async def exists(self, key: str) -> bool:
+        if not self._names.key(key):
+            return False
         if self._served_by_pack(key) or self._group_of(key) in self._group_pack:
             if await self._member(key) is not None:
                 return True
@@ -449,6 +456,8 @@ class CheckpointStore(PackReading, Store):
         return await self._base.exists(key)
 
     async def getsize(self, key: str) -> int:
+        if not self._names.key(key):
+            raise FileNotFoundError(key)
         if self._array_doc(key) or key in self._node_docs:  # the document served, not the stored one
             got = await self.get(key)
             if got is None:
@@ -470,7 +479,7 @@ class CheckpointStore(PackReading, Store):
     # Listing ----------------------------------------------------------------------------------------------
     async def list(self) -> AsyncIterator[str]:
         async for key in self._base.list():
-            if not self._served_by_pack(key):
+            if not self._served_by_pack(key) and self._names.key(key):
                 yield key
         async for key in self._virtual_keys(""):
             yield key
@@ -488,7 +497,7 @@ class CheckpointStore(PackReading, Store):
                     yield key
             return
         async for key in self._base.list_prefix(below):
-            if key.startswith(below) and not self._served_by_pack(key):
+            if key.startswith(below) and not self._served_by_pack(key) and self._names.key(key):
                 yield key
         async for key in self._virtual_keys(path):
             yield key
@@ -507,7 +516,7 @@ class CheckpointStore(PackReading, Store):
                         yield child
             return
         async for child in self._base.list_dir(prefix):
-            if child not in seen:
+            if child not in seen and (self._names.key(below + child) or self._names.directory(below + child)):
                 seen.add(child)
                 yield child
         for child in sorted(self._children.get(path, ())):

@@ -26,6 +26,7 @@ from ..audit import packdir, rankpacks
 from ..checks import limits
 from ..engine import engine
 from ..errors import ArrayCheckpointError, CorruptCheckpointError, MetadataError
+from ..format.hierarchy import NamedKeys
 from ..format.metadata import CONTROL_DIR, CheckpointMetadata, TensorMeta, chunk_key_separator
 from ..planning.items import LoadShard, LoadTensor
 from ..planning.regions import Box, chunk_boxes, intersect
@@ -57,6 +58,8 @@ class VerifyReport:
     chunks: int = 0
     bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
+    #: what is not wrong with the checkpoint but worth saying (keys its metadata does not name: strays)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -283,6 +286,7 @@ def _verify(
                 f"listings warn about the files in {CONTROL_DIR}/ (re-save it, or restore the file)",
             )
         )
+    report.warnings.extend(_strays(storage, root, meta))
     ckpt = Checkpoint(storage, root, meta)
     packs = _PackIndex(storage, root, meta)
     # format 6: reading the data checks every pack read (the load's own check_rank_packs, once); the packs are
@@ -499,6 +503,24 @@ def _chunk_file(tm: TensorMeta, key: str, root: str) -> str:
 
 def _is_chunk_key(key: str) -> bool:
     return key == "c" or key.startswith(("c/", "c."))
+
+
+def _strays(storage: Storage, root: str, meta: CheckpointMetadata) -> list[str]:
+    """A warning naming the keys of the checkpoint's directory its metadata does not name (a planted array
+    or group, a foreign file): no part of the checkpoint, which the load and ``checkpoint_store`` ignore."""
+    try:
+        keys = storage.list(root)
+    except Exception:  # noqa: BLE001 - an unlistable checkpoint shows up as its arrays' files missing
+        return []
+    names = NamedKeys(meta)
+    strays = [k for k in keys if not names.key(k)]
+    if not strays:
+        return []
+    more = f" (and {len(strays) - 10} more)" if len(strays) > 10 else ""
+    return [
+        f"{len(strays)} stray key(s) the metadata does not name, no part of the checkpoint (the load and "
+        f"checkpoint_store ignore them; remove them): {', '.join(strays[:10])}{more}"
+    ]
 
 
 def _stored_chunks(storage: Storage, root: str, name: str) -> set[str]:
