@@ -143,10 +143,13 @@ class FsspecStorage(Storage):
         return got.value, (len(got.value) if len(got.value) != want else None)
 
     # Every call into the file system, bounded in time ------------------------------------------------------
-    def _bounded(self, operation: str, path: str, fn: Any, nbytes: int = 0) -> Any:
+    def _bounded(
+        self, operation: str, path: str, fn: Any, nbytes: int = 0, seconds: float | None = None
+    ) -> Any:
         """``fn()`` waited for at most the stall bound plus a second per MiB of ``nbytes`` (see the module
-        docstring); a ``TimeoutError`` naming ``operation`` and ``path`` when it does not return by then."""
-        bound = self.stall_bound() + nbytes / _MIN_BYTES_PER_SECOND
+        docstring), or ``seconds`` when given (what is left of a ranged read's bound); a ``TimeoutError``
+        naming ``operation`` and ``path`` when it does not return by then."""
+        bound = self.stall_bound() + nbytes / _MIN_BYTES_PER_SECOND if seconds is None else seconds
         on_stall = self._stalls.stalled if self._stalls is not None else None
         return call_within(bound, fn, f"{operation} of {path}", on_stall)
 
