@@ -85,14 +85,23 @@ class FsspecStorage(Storage):
 
     # Paths -----------------------------------------------------------------------------------------
     def _strip(self, url: str) -> str:
-        """The file system's own path for ``url`` (``fs._strip_protocol``, also for subclassed protocols)."""
+        """The file system's own path for ``url`` (``fs._strip_protocol``, also for subclassed protocols; a
+        file system whose paths are URLs, as HTTP's, keeps them)."""
         path = self.fs._strip_protocol(url)
-        if path.startswith(f"{self.scheme}://"):
+        if path.startswith(f"{self.scheme}://") and not self._keeps_scheme:
             path = self.fs._strip_protocol(path[len(self.scheme) + 3 :])
         return path.rstrip("/")
 
+    @property
+    def _keeps_scheme(self) -> bool:
+        """Whether the file system's paths are whole URLs of this scheme (``http://``: ``_strip_protocol``
+        keeps a protocol the file system names as its own)."""
+        protocol = self.fs.protocol
+        return self.scheme in ((protocol,) if isinstance(protocol, str) else tuple(protocol))
+
     def normalize(self, url: str) -> str:
-        return f"{self.scheme}://{self._strip(url)}"
+        path = self._strip(url)
+        return path if path.startswith(f"{self.scheme}://") else f"{self.scheme}://{path}"
 
     def _rpath(self, root: str, key: str = "") -> str:
         path = self._strip(root)

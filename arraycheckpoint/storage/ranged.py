@@ -142,7 +142,7 @@ class FsspecRanges:
         start = None if byte_range is None else byte_range.start
         stop = None if byte_range is None else byte_range.stop
         bound = _bound(self._storage, start, stop)
-        out = _Read(time.monotonic() + bound, bound, f"{self._storage.scheme}://{path}")
+        out = _Read(time.monotonic() + bound, bound, self._storage.normalize(path))
         if start is not None and start >= 0 and stop is not None and stop <= start:
             out.set_result(ReadResult("value", b""))  # nothing to ask for (fsspec reads 0-0 as everything)
             return out
@@ -185,7 +185,7 @@ def fetch(
     bound = _bound(storage, start, stop)
     if deadline is None:
         deadline = time.monotonic() + bound
-    where = f"{storage.scheme}://{path}"
+    where = storage.normalize(path)
 
     def op() -> ReadResult:
         try:

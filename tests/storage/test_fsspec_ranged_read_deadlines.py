@@ -59,8 +59,10 @@ class _NoRangeFS(LocalFileSystem):
     def _strip_protocol(cls, path: Any) -> Any:
         return LocalFileSystem._strip_protocol(str(path).removeprefix("acpnorange://"))
 
+    extra = b""  # bytes sent besides: not the whole object then
+
     def cat_file(self, path: Any, start: Any = None, end: Any = None, **kw: Any) -> Any:
-        return super().cat_file(path, **kw)
+        return super().cat_file(path, **kw) + self.extra
 
 
 @pytest.fixture
@@ -156,5 +158,9 @@ def test_a_server_that_ignores_range_is_read_as_asked(tmp_path: Path) -> None:
         reads = backend.ranged_reads(root)
         assert reads.read("obj", byte_range=slice(10, 20)).result().value == bytes(range(10, 20))
         assert reads.read("obj", byte_range=slice(-6, None)).result().value == bytes(range(250, 256))
+        _NoRangeFS.extra = b"?"
+        with pytest.raises(StorageError, match="1025 bytes came back for a range of 10 bytes"):
+            reads.read("obj", byte_range=slice(10, 20)).result()
     finally:
+        _NoRangeFS.extra = b""
         storage.register_scheme("acpnorange", None)
