@@ -94,10 +94,9 @@ class FsspecStorage(Storage):
 
     @property
     def _keeps_scheme(self) -> bool:
-        """Whether the file system's paths are whole URLs of this scheme (``http://``: ``_strip_protocol``
-        keeps a protocol the file system names as its own)."""
-        protocol = self.fs.protocol
-        return self.scheme in ((protocol,) if isinstance(protocol, str) else tuple(protocol))
+        """Whether the file system's paths are whole URLs (fsspec's HTTP file system, or one built on it:
+        its ``_strip_protocol`` keeps the scheme by design, where another's only does not know it)."""
+        return any(c.__module__ == "fsspec.implementations.http" for c in type(self.fs).__mro__)
 
     def normalize(self, url: str) -> str:
         path = self._strip(url)
