@@ -221,7 +221,7 @@ def _as_asked(fs: Any, path: str, where: str, data: bytes, start: int | None, st
     """``data``, a reply to a read of ``[start, stop)``, cut to that range when it is longer: a server that
     ignores ``Range`` sends the whole object (its size, asked for then, says so); any other longer reply is
     refused."""
-    assert start is not None
+    start = start or 0
     asked = -start if start < 0 else (None if stop is None else stop - start)
     if asked is None or len(data) <= asked:
         return data
