@@ -249,22 +249,29 @@ def _kv_ranges(storage: Any, base: str, key: str, want: int) -> RangesRead | Non
 
     def read_remote(ranges: list[tuple[int, int | None]]) -> list[bytes]:
         futures = [kv.read(leaf, byte_range=slice(o, o + n) if n is not None else None) for o, n in ranges]
-        out = []
-        for f, (_o, n) in zip(futures, ranges):
-            try:
-                r = f.result()
-            except ValueError as e:  # OUT_OF_RANGE: shorter than its end records say
-                if "OUT_OF_RANGE" not in str(e):
-                    raise
-                raise CorruptCheckpointError(f"{path} is shorter than its end records say") from None
-            if r.state == "value" and n is not None and len(r.value) < n:  # fsspec: the bytes it holds
-                raise CorruptCheckpointError(f"{path} is shorter than its end records say")
-            if r.state != "value":
-                raise InconsistentCheckpointError(f"the pack {path} vanished while it was checked")
-            out.append(bytes(r.value))
-        return out
+        try:
+            return [_settled(path, f.result, n) for f, (_o, n) in zip(futures, ranges)]
+        except BaseException:
+            for f in futures:  # the check fails: its reads not yet started are not sent
+                f.cancel()
+            raise
 
     return value, size, read_remote
+
+
+def _settled(path: str, result: Callable[[], Any], n: int | None) -> bytes:
+    """The bytes of a ranged read of the pack ``path`` (``result``: its future's), ``n`` bytes asked for."""
+    try:
+        r = result()
+    except ValueError as e:  # OUT_OF_RANGE: shorter than its end records say
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        raise CorruptCheckpointError(f"{path} is shorter than its end records say") from None
+    if r.state == "value" and n is not None and len(r.value) < n:  # fsspec: the bytes it holds
+        raise CorruptCheckpointError(f"{path} is shorter than its end records say")
+    if r.state != "value":
+        raise InconsistentCheckpointError(f"the pack {path} vanished while it was checked")
+    return bytes(r.value)
 
 
 class _PackReader:

@@ -160,12 +160,26 @@ class SpanReader:
         self._issue(index)
         _, held = self._live[0]
         if not isinstance(held, np.ndarray):
-            held = self._settle(held)
+            try:
+                held = self._settle(held)
+            except BaseException:
+                self.cancel()  # the load fails with this read: the reads issued after it are not wanted
+                raise
             self._live[0] = (index, held)
         start = starts[k]
         if offset + nbytes - start > len(held):
             return None  # cut short: the pack is shorter than its checks found (read alone, refused there)
         return held[offset - start : offset - start + nbytes]
+
+    def cancel(self) -> None:
+        """Cancel the reads issued and not yet started, and drop every span held (the load failed: a stalled
+        store is not left with reads nobody waits for)."""
+        for _index, held in self._live:
+            if not isinstance(held, np.ndarray):
+                held.cancel()
+        self._live.clear()
+        self._live_bytes = 0
+        self._next = len(self._order)
 
     def _span_bytes(self, index: int) -> int:
         _leaf, start, end = self._order[index]

@@ -518,37 +518,45 @@ class PackedReader:
             members.sort(key=first)  # by offset (unique in a pack)
         # an object store: each pack's members in merged ranged reads, issued ahead (local files: pread)
         ahead = None if local else self._ahead(reads)
-        for key, members in reads.items():
-            pack: PackFile | None = None
-            for _at, i, member, origin, near, kind, tm, lay in members:
-                if left and i in left:
-                    continue
-                if pack is None:
-                    pack = self._open(tm, key)
-                    pack.ahead = ahead
-                if kind == doc_kind:  # a format-6 array's document
-                    raw = pack.doc(member)
-                    if raw is None:
-                        raise _corrupt(tm, pack, member, "its local header is not as a save writes it")
-                    self._docs.check(tm, raw, pack.path)
-                    continue
-                if kind == small_kind and pack.read_small_chunk(member, lay, near[0][1]):
-                    direct += near[0][1].nbytes
-                    continue
+        try:
+            for key, members in reads.items():
+                pack: PackFile | None = None
+                for _at, i, member, origin, near, kind, tm, lay in members:
+                    if left and i in left:
+                        continue
+                    if pack is None:
+                        pack = self._open(tm, key)
+                        pack.ahead = ahead
+                    if kind == doc_kind:  # a format-6 array's document
+                        raw = pack.doc(member)
+                        if raw is None:
+                            raise _corrupt(tm, pack, member, "its local header is not as a save writes it")
+                        self._docs.check(tm, raw, pack.path)
+                        continue
+                    if kind == small_kind and pack.read_small_chunk(member, lay, near[0][1]):
+                        direct += near[0][1].nbytes
+                        continue
 
-                def damaged(why: str, tm: Any = tm, pack: PackFile = pack, member: str = member) -> Exception:
-                    return _corrupt(tm, pack, member, why)
+                    def damaged(
+                        why: str, tm: Any = tm, pack: PackFile = pack, member: str = member
+                    ) -> Exception:
+                        return _corrupt(tm, pack, member, why)
 
-                got = pack.read_chunk(member, lay, origin, near, self._staging, damaged)
-                if got is None:
-                    if tm.pack_rank is not None:
-                        raise damaged("it is not the chunk file a save writes (size or layout)")
-                    left.add(i)
-                    continue
-                direct += got[0]
-                scratch += got[1]
-        for pack in self._packs.values():
-            pack.ahead = None  # the merged reads' bytes are freed with this batch
+                    got = pack.read_chunk(member, lay, origin, near, self._staging, damaged)
+                    if got is None:
+                        if tm.pack_rank is not None:
+                            raise damaged("it is not the chunk file a save writes (size or layout)")
+                        left.add(i)
+                        continue
+                    direct += got[0]
+                    scratch += got[1]
+        except BaseException:
+            if ahead is not None:  # the load fails: its merged reads not yet started are not sent
+                ahead.cancel()
+            raise
+        finally:
+            for pack in self._packs.values():
+                pack.ahead = None  # the merged reads' bytes are freed with this batch
         self.direct_bytes += direct
         self.scratch_bytes += scratch
         total = sum(small.values())

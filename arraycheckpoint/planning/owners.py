@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 
@@ -157,22 +158,53 @@ class Cycle:
         """The chunks with a choice of writer (their set has several holders; what the planner asks)."""
         return np.flatnonzero((self.sizes > 1)[self.sid])
 
+    @cached_property
+    def _firsts(self) -> tuple[list[int], int]:
+        """The first chunk of a holder set of each size with a choice, the widest first, those whose size
+        adds to the period of the sizes before it only (the shift modulo each of them fixes it within that
+        period), up to a period of :data:`SHIFT_CANDIDATES` times the widest; and that period."""
+        firsts = np.flatnonzero(self.ordinal == 0)  # one per holder set (a linear pass, no sort of chunks)
+        sizes, at = np.unique(self.sizes[self.sid[firsts]], return_index=True)
+        out: list[int] = []
+        period = 1
+        for size, chunk in zip(sizes[::-1].tolist(), firsts[at][::-1].tolist()):
+            if size < 2 or (out and period >= int(sizes[-1]) * SHIFT_CANDIDATES):
+                break
+            if period % size:
+                period = math.lcm(period, size)
+                out.append(chunk)
+        return out, period
+
     def shifts_of(self, writers: np.ndarray) -> np.ndarray:
         """Per row of ``writers`` (tensors of this layout, one row of writers each, chosen by worst fit): the
-        shift whose writers are that row, or -1 when none states them: the shift is implied by the first
-        chunk with a choice, then checked against every chunk (all rows at once)."""
+        shift whose writers are that row, or -1 when none states them. The writer of the first chunk of a
+        widest holder set fixes the shift modulo that set's size, the first chunk of sets of other sizes
+        modulo theirs: of the shifts up to the period of those sizes (at most :data:`SHIFT_CANDIDATES` times
+        the widest), one is left, then checked against every chunk (all rows at once)."""
         out = np.full(len(writers), -1, dtype=np.int64)
         if not len(self.free) or not len(writers):
             return out
-        first = int(self.free[0])
-        size, base = int(self.sizes[self.sid[first]]), int(self.offsets[self.sid[first]])
-        members = self.flat[base : base + size]  # sorted ranks
-        at = np.minimum(np.searchsorted(members, writers[:, first]), len(members) - 1)
-        held = members[at] == writers[:, first]
-        shift = (at - int(self.ordinal[first])) % size
+        firsts, period = self._firsts
+        widest = int(self.sizes[self.sid[firsts[0]]])
+        tries = min(SHIFT_CANDIDATES, -(-period // widest))
+        ok = np.ones(len(writers), dtype=bool)
+        shifts = np.zeros((len(writers), tries), dtype=np.int64)
+        fits = np.ones(shifts.shape, dtype=bool)
+        for k, chunk in enumerate(firsts):  # the shift modulo each size, from a set's first chunk
+            size, base = int(self.sizes[self.sid[chunk]]), int(self.offsets[self.sid[chunk]])
+            members = self.flat[base : base + size]  # sorted ranks
+            at = np.minimum(np.searchsorted(members, writers[:, chunk]), size - 1)
+            ok &= members[at] == writers[:, chunk]
+            residue = (at - int(self.ordinal[chunk])) % size
+            if k == 0:  # the widest: the shifts consistent with it
+                shifts = residue[:, None] + size * np.arange(tries, dtype=np.int64)
+            else:
+                fits &= shifts % size == residue[:, None]
+        ok &= fits.any(axis=1)
+        shift = shifts[np.arange(len(writers)), fits.argmax(axis=1)]
         sizes = self.sizes[self.sid]
         derived = self.flat[self.offsets[self.sid] + (self.ordinal.astype(np.int64) + shift[:, None]) % sizes]
-        ok = held & (derived == writers).all(axis=1)
+        ok &= (derived == writers).all(axis=1)
         out[ok] = shift[ok]
         return out
 

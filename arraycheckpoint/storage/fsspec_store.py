@@ -85,14 +85,22 @@ class FsspecStorage(Storage):
 
     # Paths -----------------------------------------------------------------------------------------
     def _strip(self, url: str) -> str:
-        """The file system's own path for ``url`` (``fs._strip_protocol``, also for subclassed protocols)."""
+        """The file system's own path for ``url`` (``fs._strip_protocol``, also for subclassed protocols; a
+        file system whose paths are URLs, as HTTP's, keeps them)."""
         path = self.fs._strip_protocol(url)
-        if path.startswith(f"{self.scheme}://"):
+        if path.startswith(f"{self.scheme}://") and not self._keeps_scheme:
             path = self.fs._strip_protocol(path[len(self.scheme) + 3 :])
         return path.rstrip("/")
 
+    @property
+    def _keeps_scheme(self) -> bool:
+        """Whether the file system's paths are whole URLs (fsspec's HTTP file system, or one built on it:
+        its ``_strip_protocol`` keeps the scheme by design, where another's only does not know it)."""
+        return any(c.__module__ == "fsspec.implementations.http" for c in type(self.fs).__mro__)
+
     def normalize(self, url: str) -> str:
-        return f"{self.scheme}://{self._strip(url)}"
+        path = self._strip(url)
+        return path if path.startswith(f"{self.scheme}://") else f"{self.scheme}://{path}"
 
     def _rpath(self, root: str, key: str = "") -> str:
         path = self._strip(root)
@@ -143,10 +151,13 @@ class FsspecStorage(Storage):
         return got.value, (len(got.value) if len(got.value) != want else None)
 
     # Every call into the file system, bounded in time ------------------------------------------------------
-    def _bounded(self, operation: str, path: str, fn: Any, nbytes: int = 0) -> Any:
+    def _bounded(
+        self, operation: str, path: str, fn: Any, nbytes: int = 0, seconds: float | None = None
+    ) -> Any:
         """``fn()`` waited for at most the stall bound plus a second per MiB of ``nbytes`` (see the module
-        docstring); a ``TimeoutError`` naming ``operation`` and ``path`` when it does not return by then."""
-        bound = self.stall_bound() + nbytes / _MIN_BYTES_PER_SECOND
+        docstring), or ``seconds`` when given (what is left of a ranged read's bound); a ``TimeoutError``
+        naming ``operation`` and ``path`` when it does not return by then."""
+        bound = self.stall_bound() + nbytes / _MIN_BYTES_PER_SECOND if seconds is None else seconds
         on_stall = self._stalls.stalled if self._stalls is not None else None
         return call_within(bound, fn, f"{operation} of {path}", on_stall)
 

@@ -8,12 +8,19 @@ file system, so for every other fsspec URL :class:`FsspecRanges` answers the sam
 with ``fs.cat_file(path, start=, end=)``: one ranged GET per call on s3fs, gcsfs and HTTP, a ``seek`` and a
 ``read`` on a mounted file system. Before, an fsspec load downloaded every pack of the checkpoint whole.
 
-Each call runs as soon as it is asked for, on one of at most :data:`_WORKERS` threads of the process (the
-spans issued ahead are fetched at once, as tensorstore fetches its futures; a check reading a thousand local
-headers queues them), is bounded like every fsspec call of the backend (the stall bound, the
-load's ``timeout=``, plus a second per MiB asked for: :meth:`~.fsspec_store.FsspecStorage._retry`) and
-retried on transient errors within that bound: a store that stops answering fails the read, naming the path,
-whatever the file system's own retries. A range past the object's end reads as what the object holds of it
+Each call runs on one of at most :data:`_WORKERS` threads of the process (the spans issued ahead are fetched
+at once, as tensorstore fetches its futures; a check reading a thousand local headers queues them) and is
+bounded like every fsspec call of the backend: the stall bound (the load's ``timeout=``) plus a second per MiB
+asked for (:meth:`~.fsspec_store.FsspecStorage._bounded`), counted from the call (its *deadline*), not from the
+moment a worker takes it: a read still queued at its deadline fails at once without reaching the store, a
+wait on its future (``result()``) ends by then, and a transient error is retried while the deadline allows. A
+store that stops answering thus fails each read within its own bound, naming the path, whatever the file
+system's own retries and however many reads of other loads wait: a load that fails cancels its reads not yet
+started (:class:`~arraycheckpoint.engine.coalesce.SpanReader`), and at most :data:`_CALLS` calls into the
+file system are left unanswered at once in a process (each on a thread that cannot be stopped: a read finding
+them all taken fails at its deadline instead of starting another). A reply longer than the range asked for
+(a server that ignores ``Range`` sends the whole object) is sliced when it is the whole object, refused
+otherwise. A range past the object's end reads as what the object holds of it
 (nothing, where it starts past the end: S3's ``416``), a missing object as ``state == "missing"``, so the
 pack readers handle both as they handle tensorstore's answers (a member cut short is read alone and refused).
 """
@@ -21,25 +28,37 @@ pack readers handle both as they handle tensorstore's answers (a member cut shor
 from __future__ import annotations
 
 import errno
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 from ..checks.bounds import MAX_OBJECT_BYTES
-from .fsspec_store import _bounded_cat
+from ..errors import StorageError
+from .fsspec_store import _MIN_BYTES_PER_SECOND, _bounded_cat
+from .retry import retry_call
+
+log = logging.getLogger("arraycheckpoint")
 
 #: bytes assumed for the time bound of a read of a whole object of unknown size
 _WHOLE_GUESS = 64 << 20
 #: the most ranged reads running at once in a process (each waits on a bounded call of its own)
 _WORKERS = 32
+#: the most calls into the file system unanswered at once in a process (running, or left on their threads by
+#: a read that timed out: a stalled store holds each until it answers)
+_CALLS = 2 * _WORKERS
 #: seconds an idle worker waits for a read before it ends
 _IDLE_SECONDS = 10.0
+#: seconds a wait on a read's future gives its worker past the read's deadline to report the read's own error
+_GRACE = 0.5
 
 _jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _workers = 0
 _guard = threading.Lock()
+_calls = threading.BoundedSemaphore(_CALLS)
 
 
 def _submit(job: Callable[[], None]) -> None:
@@ -64,7 +83,10 @@ def _work() -> None:
                     _workers -= 1
                     return
             continue
-        job()  # never raises: it hands its outcome to its future
+        try:
+            job()  # hands its outcome to its future
+        except BaseException:  # noqa: BLE001 - a worker outlives any job
+            log.warning("storage: a ranged read failed outside its future", exc_info=True)
 
 
 class ReadResult(NamedTuple):
@@ -72,6 +94,31 @@ class ReadResult(NamedTuple):
 
     state: str
     value: bytes
+
+
+class _Read(Future):  # type: ignore[type-arg]
+    """A read's future whose ``result()`` waits no longer than the read's deadline (and :data:`_GRACE`): a read
+    still queued then is cancelled and refused as a stall."""
+
+    def __init__(self, deadline: float, bound: float, where: str) -> None:
+        super().__init__()
+        self.deadline = deadline
+        self._bound = bound
+        self._where = where
+
+    def result(self, timeout: float | None = None) -> Any:
+        if timeout is not None:
+            return super().result(timeout)
+        try:
+            return super().result(max(0.0, self.deadline - time.monotonic()) + _GRACE)
+        except TimeoutError:
+            if self.done():  # the read's own error
+                raise
+            self.cancel()
+            raise StorageError(
+                f"storage read of {self._where} failed: no answer within its bound of {self._bound:.3g} s "
+                "(the store stalls)"
+            ) from None
 
 
 class FsspecRanges:
@@ -89,11 +136,13 @@ class FsspecRanges:
 
     def read(self, key: str, byte_range: slice | None = None) -> Future[ReadResult]:
         """Bytes ``byte_range`` of the object ``key`` (``slice(start, stop)``; ``slice(-n, None)``: its last
-        ``n`` bytes; None: all of it), fetched on a thread of its own from now on."""
+        ``n`` bytes; None: all of it), fetched on a worker thread, within its bound from now on (see the
+        module docstring)."""
         path = self._storage._rpath(self._root, key)
         start = None if byte_range is None else byte_range.start
         stop = None if byte_range is None else byte_range.stop
-        out: Future[ReadResult] = Future()
+        bound = _bound(self._storage, start, stop)
+        out = _Read(time.monotonic() + bound, bound, self._storage.normalize(path))
         if start is not None and start >= 0 and stop is not None and stop <= start:
             out.set_result(ReadResult("value", b""))  # nothing to ask for (fsspec reads 0-0 as everything)
             return out
@@ -104,8 +153,10 @@ class FsspecRanges:
             )
 
         def run() -> None:
+            if not out.set_running_or_notify_cancel():
+                return  # cancelled while queued: never sent
             try:
-                out.set_result(fetch(self._storage, path, start, stop))
+                out.set_result(fetch(self._storage, path, start, stop, out.deadline))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 out.set_exception(e)
 
@@ -113,31 +164,74 @@ class FsspecRanges:
         return out
 
 
-def fetch(storage: Any, path: str, start: int | None, stop: int | None) -> ReadResult:
-    """``[start, stop)`` of the object at the file system path ``path`` of the fsspec backend ``storage``
-    (see :meth:`FsspecRanges.read`), bounded in time and retried by the backend."""
-    fs = storage.fs
+def _bound(storage: Any, start: int | None, stop: int | None) -> float:
+    """Seconds a read of ``[start, stop)`` may take (the stall bound plus a second per MiB asked for)."""
     if start is None and stop is None:
         nbytes = _WHOLE_GUESS
     elif start is not None and stop is None:
         nbytes = -start if start < 0 else _WHOLE_GUESS
     else:
         nbytes = (stop or 0) - (start or 0)
+    return float(storage.stall_bound() + nbytes / _MIN_BYTES_PER_SECOND)
+
+
+def fetch(
+    storage: Any, path: str, start: int | None, stop: int | None, deadline: float | None = None
+) -> ReadResult:
+    """``[start, stop)`` of the object at the file system path ``path`` of the fsspec backend ``storage``
+    (see :meth:`FsspecRanges.read`), retried by the backend on transient errors and ended by ``deadline``
+    (``time.monotonic()``; None: the read's bound from now)."""
+    fs = storage.fs
+    bound = _bound(storage, start, stop)
+    if deadline is None:
+        deadline = time.monotonic() + bound
+    where = storage.normalize(path)
 
     def op() -> ReadResult:
         try:
             if start is None and stop is None:
                 return ReadResult("value", _bounded_cat(fs, path, MAX_OBJECT_BYTES))
-            return ReadResult("value", bytes(fs.cat_file(path, start=start, end=stop)))
+            data = bytes(fs.cat_file(path, start=start, end=stop))
         except FileNotFoundError:
             return ReadResult("missing", b"")
         except OSError as e:  # a range starting past the object's end (S3: 416 InvalidRange)
             if _past_the_end(e):
                 return ReadResult("value", b"")
             raise
+        finally:
+            _calls.release()
+        return ReadResult("value", _as_asked(fs, path, where, data, start, stop))
 
-    result: ReadResult = storage._retry("read", f"{storage.scheme}://{path}", op, nbytes)
+    def attempt() -> ReadResult:
+        left = deadline - time.monotonic()
+        if left <= 0 or not _calls.acquire(timeout=left):
+            raise TimeoutError(
+                f"no answer from the store within {bound:.3g} s (it stalls: the read was not started by then, "
+                f"behind other reads or {_CALLS} calls left unanswered)"
+            )
+        return storage._bounded("read", where, op, seconds=deadline - time.monotonic())  # type: ignore[no-any-return]
+
+    result: ReadResult = retry_call(
+        "read", where, attempt, storage.retry_policy, deadline=max(0.0, deadline - time.monotonic())
+    )
     return result
+
+
+def _as_asked(fs: Any, path: str, where: str, data: bytes, start: int | None, stop: int | None) -> bytes:
+    """``data``, a reply to a read of ``[start, stop)``, cut to that range when it is longer: a server that
+    ignores ``Range`` sends the whole object (its size, asked for then, says so); any other longer reply is
+    refused."""
+    start = start or 0
+    asked = -start if start < 0 else (None if stop is None else stop - start)
+    if asked is None or len(data) <= asked:
+        return data
+    size = fs.size(path)
+    if size != len(data):
+        raise StorageError(
+            f"storage read of {where} failed: {len(data)} bytes came back for a range of {asked} bytes, and "
+            f"the object is {size} bytes: the server's reply is not the range asked for"
+        )
+    return data[start:] if stop is None else data[start:stop]
 
 
 def _past_the_end(error: OSError) -> bool:

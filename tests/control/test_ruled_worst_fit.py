@@ -125,6 +125,27 @@ def test_writers_no_shift_states_stay_listed() -> None:
     assert ruled == {"r": 3}  # ``x``: 8 chunks, too few to be worth a rule
 
 
+@pytest.mark.parametrize(
+    ("choice", "holders"),
+    [
+        ([0, 1] * 10, [[0, 1], [0, 1, 2]]),  # the first chunk's set is not the widest
+        ([2, 0, 1] * 10, [[0, 1], [0, 1, 2], [3, 4, 5, 6]]),  # a period of 12, 3 times the widest set
+        ([0, 0, 1, 2] * 5, [[4], [0, 1, 2], [5, 6]]),  # a chunk with one holder first
+    ],
+)
+def test_every_shift_of_holder_sets_of_unequal_sizes_is_found(choice, holders) -> None:
+    """The writers under every shift up to the period of the holder sets' sizes are found, however the sets'
+    sizes differ (before, the shift was derived modulo the first chunk's set's size only: ``[0, 1, -1, ...]``
+    for the first case); a row no shift states (two writers swapped) is not."""
+    cycle = owners.Cycle(np.asarray(choice), holders)
+    period = int(np.lcm.reduce([len(h) for h in holders]))
+    rows = np.stack([cycle.writers(s) for s in range(period)])
+    swapped = rows[1].copy()
+    swapped[[-1, -2]] = swapped[[-2, -1]]
+    found = cycle.shifts_of(np.concatenate([rows, swapped[None]]))
+    assert found.tolist() == [*range(period), -1]
+
+
 @pytest.mark.parametrize("shift", [-1, 80, True, "3", 1.5])
 def test_a_hostile_shift_on_a_dense_tower_is_refused_naming_it(shift) -> None:
     from arraycheckpoint.errors import MetadataError
