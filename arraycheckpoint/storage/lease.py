@@ -143,7 +143,8 @@ def stale_reason(doc: dict[str, Any] | None, now: float | None = None) -> str | 
     None."""
     if doc is None or doc.get("time") is None:
         return None
-    gone = _holder_gone(doc) if doc.get("world") == 1 else None  # other ranks write under a wider save's lease
+    # only a one-rank save ends with its process: a wider save's other ranks write under its lease till it ends
+    gone = _holder_gone(doc) if doc.get("world") == 1 else None
     if gone is not None:
         return gone
     interval = max(heartbeat_seconds(), min(doc.get("heartbeat") or 0.0, _MAX_HEARTBEAT))

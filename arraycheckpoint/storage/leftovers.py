@@ -92,7 +92,8 @@ def remove_uncommitted(storage: Any, root: str) -> bool:
         return False
     lease.keep(storage, root, token, generation, at, mono)
     try:
-        if storage.is_committed(root):  # a save committed there (and released its lock) since the caller looked
+        # a save committed there (and released its lock) since the caller looked
+        if storage.is_committed(root):
             log.info("cleanup: kept %s: a save committed it meanwhile", root)
             return False
         for key in storage.list(root):
@@ -141,7 +142,7 @@ def clear_target(storage: Any, final: str, token: str, state: str) -> None:
         lease.check_holder(storage, final, token)
         storage._delete_markers(final)
         for key in keys:
-            lease.check_holder(storage, final, token)  # no I/O: a lease lost or run out (a frozen host) stops it
+            lease.check_holder(storage, final, token)  # no I/O: a lease lost or run out (a host frozen) stops
             storage.delete_key(final, key)
     except BaseException as e:
         storage._kept_lock = final

@@ -173,8 +173,7 @@ def test_a_lock_whose_process_is_gone_is_taken_over_at_once_only_for_a_one_rank_
     me = locks.this_owner("x")
     if not me.boot_id:
         pytest.skip("no boot id on this host: a holder's process is never known to be gone")
-    doc = json.loads(lease.body("crashed", world=world))
-    doc["pid"] = _dead_pid()
+    doc = {**json.loads(lease.body("crashed")), "world": world, "pid": _dead_pid()}
     raw = json.dumps(doc).encode()
     gone = lease.stale_reason(lease.parse(raw))
     storage, final = storage_for(fresh_url())
