@@ -464,7 +464,8 @@ class Storage(ABC):
         leftover that the next save to the path, or a manager's start-up cleanup, removes.
 
         Nor (written in place) once the lock no longer names this save: another save took the target over,
-        and what is there may be its committed checkpoint."""
+        and what is there may be its committed checkpoint; its lease is checked before each delete (no
+        request), so an abort resumed after its host was frozen past the lease stops there."""
         if self._marker_in_doubt:
             log.warning(
                 "the commit marker of %s was sent but not acknowledged and may still be stored: the save's "

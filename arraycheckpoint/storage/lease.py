@@ -4,7 +4,10 @@ holder, so that a crashed save's lock (not refreshed for ``ARRAYCHECKPOINT_LOCK_
 a live one and taken over.
 
 The lock object is a JSON document (:func:`body`): the save's token, the holder's host and pid, its heartbeat
-interval, its lease and the time of its last refresh (the holder's clock). Creating it is a conditional write
+interval, its lease, the time of its last refresh (the holder's clock) and the save's number of ranks (only a
+one-rank save's lock is a crashed save's as soon as its process, on the reader's machine, is gone: a wider
+save's other ranks write under the lease they were granted until it runs out). A lock dated more than its
+lease in the future is a crashed save's too (no refresh dates it so: a wrong clock did). Creating it is a conditional write
 (S3: ``If-None-Match: *``), and so are the refreshes and a takeover (``If-Match`` the generation read): of two
 writers racing for one lock object exactly one succeeds. The document is untrusted input (bounded, every
 field type-checked); one that cannot be read as one counts as refreshed never (its age is unknown: it is not
