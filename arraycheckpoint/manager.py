@@ -371,7 +371,7 @@ class CheckpointManager:
                     log.info("cleanup: removing uncommitted checkpoint of step %d at %s", step, path)
                     try:
                         if not self.storage.remove_uncommitted(path):  # a live lease: another job's save
-                            log.info("cleanup: kept %s: a save in flight holds its lock", path)
+                            log.info("cleanup: kept %s: a save in flight holds it, or committed it", path)
                             continue
                     except StorageError as e:  # a read-only mount, read-only credentials: a reader's manager
                         log.warning("cleanup: could not remove %s (%s); it is kept", path, e)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import arraycheckpoint as acp
-from arraycheckpoint.engine import direct, shardfile
+from arraycheckpoint.engine import direct, packstream, shardfile
 from arraycheckpoint.storage.local import LocalStorage
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
@@ -180,3 +180,25 @@ def test_a_failed_direct_write_fails_the_save_and_leaves_nothing(
         acp.save(tmp_path / "ck", {"model": _state()}, plan_options=_PLAN)
     assert not (tmp_path / "ck").exists()
     assert direct.POOL._held <= direct.STAGING_BYTES
+
+
+def test_a_file_whose_open_fails_gives_its_staging_budget_back(tmp_path: Path, monkeypatch) -> None:
+    """A direct write takes a staging buffer only once its file is open: a failed open (here EEXIST) keeps
+    none of the budget, so later files still get one (chunk files and streamed packs alike)."""
+    monkeypatch.setattr(direct, "POOL", direct._Pool(2 << 20))  # room for one 2 MiB file
+    blob = bytes(2 << 20)
+    for i in range(3):
+        taken = tmp_path / f"taken{i}"
+        taken.write_bytes(b"x")
+        with pytest.raises(FileExistsError):
+            shardfile._write_file(str(taken), [blob], None, staged=True)
+        with pytest.raises(FileExistsError):
+            packstream.StreamedPack(
+                str(taken), [("a", len(blob))], lambda t, _n: t(), lambda t: t(), lambda fd, _n: os.close(fd),
+                lambda _fd, _o, _n: None, 1 << 62, lambda n, p: direct.Staged.take(n, p),
+            )  # fmt: skip
+    staged = direct.Staged.take(len(blob), "after")
+    assert staged is not None, (
+        "failed opens kept the staging budget: no file is written with O_DIRECT any more"
+    )
+    staged.release()

@@ -86,9 +86,6 @@ class StreamedPack:
             self._header_bytes.append(header)
             offset += header + nbytes
         self.end = offset  # where the central directory starts
-        #: the pack's bytes gathered for one ``O_DIRECT`` write at its end (:mod:`.direct`), or None: written
-        #: in place as they arrive
-        self._staged = stage(offset, path) if stage is not None else None
         self._left = len(members)  # members not yet written (or failed)
         self._lock = threading.Lock()
         self._failed = False
@@ -102,6 +99,9 @@ class StreamedPack:
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         )
         self._fd: int | None = os.open(path, flags, 0o644)
+        #: the pack's bytes gathered for one ``O_DIRECT`` write at its end (:mod:`.direct`), or None: written
+        #: in place as they arrive (taken once the file is open: an open that fails holds no staging budget)
+        self._staged = stage(offset, path) if stage is not None else None
         if not members:  # an empty pack: just its end records
             self._left = 1
             self._finish(1)

@@ -122,6 +122,7 @@ class SavePipeline:
             self._coordinator.plan(job)
             if comm.rank == 0:
                 storage.check_target(final, options.overwrite)
+                storage.save_world = comm.world_size  # its lock says how many ranks write under it
                 storage.acquire(final, token)
             self._snapshot(job)
         except Exception as e:  # noqa: BLE001 - reported through the commit collective on every rank

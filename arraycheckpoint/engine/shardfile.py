@@ -461,9 +461,10 @@ def _write_file(path: str, parts: list[Any], release: Any = None, staged: bool =
     ``release(fd, nbytes)`` takes over closing the written file (else it is closed here). ``staged``: a large
     file is gathered in a staging buffer and written with ``O_DIRECT`` (:mod:`.direct`) where one is free."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    stage = direct.Staged.take(sum(map(_nbytes, parts)), path) if staged else None
     fd = os.open(path, flags, 0o644)
+    stage = None  # taken once the file is open: an open that fails holds no staging budget
     try:
+        stage = direct.Staged.take(sum(map(_nbytes, parts)), path) if staged else None
         sink: Any = stage if stage is not None else fd
         if summed.has_deferred(parts):
             nbytes = summed.write(sink, parts, 0, path, zip_crc=False)[1]

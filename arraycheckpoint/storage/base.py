@@ -71,6 +71,10 @@ class Storage(ABC):
     #: (so one operation ends within about twice this); a save sets it from its ``timeout=``. None: the
     #: liveness default (``ACP_LIVENESS_TIMEOUT``, else 300 s).
     stall_timeout: float | None = None
+    #: The ranks of the save that takes the next lock (a save sets it before :meth:`acquire`); its lock says
+    #: so: only a one-rank save's lock is a crashed save's at once when its process is gone (others write under
+    #: a wider save's lease until it runs out).
+    save_world: int = 1
     #: ``(final, state)`` found by the last :meth:`check_target` (marker strategy), for :meth:`acquire`.
     _checked_target: tuple[str, str] | None = None
     #: The commit marker's write failed without an answer (it may land later); :meth:`abort` keeps the objects.
@@ -262,7 +266,7 @@ class Storage(ABC):
         self._marker_in_doubt, self._kept_lock = False, None  # a new save: not an earlier one's state
         self._refused = final  # until this claim succeeds, nothing under final is this save's to delete
         at, mono = lease.stamp()  # when the lock document is made: the lease's age counts from there
-        body = lease.body(token, at)
+        body = lease.body(token, at, self.save_world)
         checked, self._checked_target = getattr(self, "_checked_target", None), None
         if self.commit_strategy != "marker":
             state = "empty"
@@ -460,7 +464,8 @@ class Storage(ABC):
         leftover that the next save to the path, or a manager's start-up cleanup, removes.
 
         Nor (written in place) once the lock no longer names this save: another save took the target over,
-        and what is there may be its committed checkpoint."""
+        and what is there may be its committed checkpoint; its lease is checked before each delete (no
+        request), so an abort resumed after its host was frozen past the lease stops there."""
         if self._marker_in_doubt:
             log.warning(
                 "the commit marker of %s was sent but not acknowledged and may still be stored: the save's "
@@ -493,9 +498,12 @@ class Storage(ABC):
         try:
             for key in self.list(staging):
                 if key != LOCK_KEY:
+                    if token is not None and staging == final:
+                        self.check_lease(final)  # no I/O: a lease lost or run out (a frozen host) stops it
                     self.delete_key(staging, key)
-        except Exception:  # noqa: BLE001 - cleanup must not mask the save's own error
-            pass
+        except Exception as e:  # noqa: BLE001 - cleanup must not mask the save's own error
+            log.warning("abort of the save to %s stopped deleting (%s); what remains is an uncommitted leftover",
+                        final, e)  # fmt: skip
 
     # Checkpoint manager support ---------------------------------------------------------------------
     def remove_checkpoint(self, root: str) -> None:

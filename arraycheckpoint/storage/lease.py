@@ -4,7 +4,10 @@ holder, so that a crashed save's lock (not refreshed for ``ARRAYCHECKPOINT_LOCK_
 a live one and taken over.
 
 The lock object is a JSON document (:func:`body`): the save's token, the holder's host and pid, its heartbeat
-interval, its lease and the time of its last refresh (the holder's clock). Creating it is a conditional write
+interval, its lease, the time of its last refresh (the holder's clock) and the save's number of ranks (only a
+one-rank save's lock is a crashed save's as soon as its process, on the reader's machine, is gone: a wider
+save's other ranks write under the lease they were granted until it runs out). A lock dated more than its
+lease in the future is a crashed save's too (no refresh dates it so: a wrong clock did). Creating it is a conditional write
 (S3: ``If-None-Match: *``), and so are the refreshes and a takeover (``If-Match`` the generation read): of two
 writers racing for one lock object exactly one succeeds. The document is untrusted input (bounded, every
 field type-checked); one that cannot be read as one counts as refreshed never (its age is unknown: it is not
@@ -78,12 +81,14 @@ def own_terms() -> Terms:
     return Terms(beat, lease_intervals() * beat)
 
 
-def body(token: str, at: float | None = None) -> bytes:
-    """The lock object of the save ``token``, as refreshed at ``at`` (wall clock; now by default)."""
+def body(token: str, at: float | None = None, world: int = 1) -> bytes:
+    """The lock object of the save ``token`` of ``world`` ranks, as refreshed at ``at`` (wall clock; now by
+    default)."""
     terms, me = own_terms(), this_owner(token)
     doc = {
         "token": token,
         "time": time.time() if at is None else at,
+        "world": world,  # its other ranks write under this lease: only a one-rank save's ends with its process
         "host": me.host,
         "pid": me.pid,
         "heartbeat": terms.heartbeat,
@@ -106,13 +111,25 @@ def parse(raw: bytes | None) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("token"), str):
         return None
     for key in ("time", "heartbeat", "lease"):
-        value = doc.get(key)
-        if type(value) not in (int, float) or not 0 <= value < float("inf"):
-            doc[key] = None
+        doc[key] = finite(doc.get(key))
+    if not (type(doc.get("world")) is int and 0 < doc["world"] < 1 << 31):
+        doc["world"] = None  # unknown: ranks elsewhere may write under it
     for key in ("host", "pid"):
         if not isinstance(doc.get(key), (str, int)) or len(str(doc[key])) > 256:
             doc[key] = "?"
     return doc
+
+
+def finite(value: Any) -> float | None:
+    """``value`` as a float when it is a finite non-negative JSON number (a 400-digit integer is not one:
+    it has no float), else None."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if 0 <= number < math.inf else None
 
 
 def describe(doc: dict[str, Any] | None, raw: bytes | None) -> str:
@@ -123,18 +140,23 @@ def describe(doc: dict[str, Any] | None, raw: bytes | None) -> str:
 
 
 def stale_reason(doc: dict[str, Any] | None, now: float | None = None) -> str | None:
-    """Why the lock ``doc`` is a crashed save's (not refreshed for its lease: this process's, or the longer
-    one its holder announced), or None."""
+    """Why the lock ``doc`` (as :func:`parse` returns it) is a crashed save's (not refreshed for its lease:
+    this process's, or the longer one its holder announced; or dated more than that lease in the future, which
+    no refresh does: a broken clock set it; or a one-rank save whose process on this machine is gone), or
+    None."""
     if doc is None or doc.get("time") is None:
         return None
-    gone = _holder_gone(doc)
+    # only a one-rank save ends with its process: a wider save's other ranks write under its lease till it ends
+    gone = _holder_gone(doc) if doc.get("world") == 1 else None
     if gone is not None:
         return gone
-    interval = max(heartbeat_seconds(), min(float(doc.get("heartbeat") or 0.0), _MAX_HEARTBEAT))
-    bound = max(lease_intervals() * interval, min(float(doc.get("lease") or 0.0), _MAX_LEASE))
-    age = (time.time() if now is None else now) - float(doc["time"])
+    interval = max(heartbeat_seconds(), min(doc.get("heartbeat") or 0.0, _MAX_HEARTBEAT))
+    bound = max(lease_intervals() * interval, min(doc.get("lease") or 0.0, _MAX_LEASE))
+    age = (time.time() if now is None else now) - doc["time"]
     if age > bound:
         return f"not refreshed for {age:.0f} s, its lease is {bound:.0f} s"
+    if -age > bound:
+        return f"dated {-age:.0f} s in the future, more than its lease ({bound:.0f} s): a wrong clock set it"
     return None
 
 
@@ -367,7 +389,7 @@ class Follower:
         if self.holder is None and (
             now >= self.due or (now > end and self.looked < end - self.terms.heartbeat)
         ):
-            self._read(now, read, final)
+            now = self._read(read, final)  # the lease's age counts to when the read returned (or timed out)
         self.looked = now
         if self.holder is not None:
             raise StorageError(
@@ -382,19 +404,22 @@ class Follower:
                 f"may take it over once it is {self.terms.bound:.0f} s old; this rank writes nothing more there"
             )
 
-    def _read(self, now: float, read: Callable[[], bytes | None], final: str) -> None:
+    def _read(self, read: Callable[[], bytes | None], final: str) -> float:
+        """Read the lock (its holder, its time and terms), schedule the next read; the time it returned."""
         self.reads += 1
         try:
             raw = read()
         except Exception as e:  # noqa: BLE001 - decides nothing: the lease known so far does
             log.debug("could not read the lock of %s: %s", final, e)
+            now = self.clock()
         else:
+            now = self.clock()
             doc = parse(raw)
             if doc is None or doc["token"] != self.token:
                 self.holder = "no save" if raw is None else describe(doc, raw)
-                return
+                return now
             if doc.get("time") is not None:
-                self.refreshed = max(self.refreshed, float(doc["time"]))
+                self.refreshed = max(self.refreshed, doc["time"])
             beat, bound = doc.get("heartbeat"), doc.get("lease")
             if beat and bound and beat <= _MAX_HEARTBEAT and beat < bound <= _MAX_LEASE:
                 self.terms = Terms(float(beat), float(bound))  # the holder's, as takers respect them
@@ -407,6 +432,7 @@ class Follower:
             self.due = slot
         else:  # refreshed late: one more read before the trust ends, halfway there (while a refresh may come)
             self.due = now + (deadline - now) / 2
+        return now
 
 
 def phase(rank: int, world: int) -> float:

@@ -6,7 +6,10 @@ lease) is a save in flight: it stays, and so does that save's step, objects and 
 is no lock document, or whose lease ran out, is a crashed save's: it is removed with a conditional delete
 (``If-Match`` the generation judged), so a save that took it over meanwhile keeps it. An uncommitted step is
 removed under a lock of the cleanup's own (created only if absent, or taken over from a crashed save), so a
-save starting there meanwhile is refused rather than emptied; it is kept when a live save holds it. Stores
+save starting there meanwhile is refused rather than emptied; it is kept when a live save holds it, or when
+a save committed it meanwhile (looked at again once the cleanup holds the lock). That lock is a lease like a
+save's, refreshed while the cleanup deletes, and each delete waits on it being neither lost nor near its
+end, so a save taking a stalled cleanup's lock over loses nothing. Stores
 without leases (fsspec: check-then-write locks) cannot tell a live save from a crashed one: there every lock
 and uncommitted step goes, as before (docs/storage.md: run one job per root there).
 """
@@ -64,25 +67,44 @@ def clear_locks(storage: Any, parent: str) -> list[str]:
 
 
 def remove_uncommitted(storage: Any, root: str) -> bool:
-    """Delete the uncommitted checkpoint at ``root`` unless a save in flight holds it; whether it was."""
+    """Delete the uncommitted checkpoint at ``root`` unless a save in flight holds it, or committed it since the
+    caller looked; whether it was deleted.
+
+    The cleanup's lock is a lease like a save's (refreshed by this process's heartbeat): each delete is made
+    only while it is neither lost nor old enough to be taken over (:func:`.lease.check_holder`), so a save
+    taking a stalled cleanup's lock over never has its objects deleted; a cleanup that stops so raises
+    :class:`StorageError` (the step is kept, the next cleanup removes the rest)."""
     if storage.commit_strategy != "marker" or not storage._leases():
         storage.delete(root)
         return True
     token = f"cleanup-{uuid.uuid4().hex[:12]}"
-    body = lease.body(token)
+    at, mono = lease.stamp()
+    body = lease.body(token, at)
     if not storage._retry("lock", f"{root}/{LOCK_KEY}", lambda: storage._create_lock(root, body)):
         raw, generation = storage._lock_state(root)
         if raw is None or crashed(raw) is None:  # a save in flight (or one just ending): not a leftover
             return False
         if not storage._refresh_lock(root, body, generation):  # another taker came first
             return False
+    raw, generation = storage._lock_state(root)
+    doc = lease.parse(raw)
+    if doc is None or doc["token"] != token:  # taken over meanwhile
+        return False
+    lease.keep(storage, root, token, generation, at, mono)
     try:
+        # a save committed there (and released its lock) since the caller looked
+        if storage.is_committed(root):
+            log.info("cleanup: kept %s: a save committed it meanwhile", root)
+            return False
         for key in storage.list(root):
             if key != LOCK_KEY:
+                lease.check_holder(storage, root, token)  # no I/O
                 storage.delete_key(root, key)
     finally:
-        if storage._lock_token(root) == token:
-            storage.delete_key(root, LOCK_KEY)
+        lease.drop(storage, root, token)
+        raw, generation = storage._lock_state(root)
+        if raw is not None and storage._token_in(root, raw) == token:
+            storage._delete_lock_if(root, generation)  # never a lock a save took over meanwhile
     return True
 
 
@@ -117,8 +139,10 @@ def clear_target(storage: Any, final: str, token: str, state: str) -> None:
             "move those objects away"
         )
     try:
+        lease.check_holder(storage, final, token)
         storage._delete_markers(final)
         for key in keys:
+            lease.check_holder(storage, final, token)  # no I/O: a lease lost or run out (a host frozen) stops
             storage.delete_key(final, key)
     except BaseException as e:
         storage._kept_lock = final

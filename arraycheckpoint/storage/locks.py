@@ -174,12 +174,16 @@ def parse_owner(raw: bytes) -> Owner | None:
     if not all(type(n) is int and 0 <= n < 1 << 63 for n in numbers):
         return None
     beat = doc.get("heartbeat")
-    if type(beat) not in (int, float) or not 0 < beat < float("inf"):
+    try:  # a 400-digit integer is valid JSON but has no float
+        beat = float(beat) if type(beat) in (int, float) else None
+    except OverflowError:
+        beat = None
+    if beat is None or not 0 < beat < float("inf"):
         return None
     flock = doc.get("flock", True)
     if type(flock) is not bool:
         return None
-    return Owner(*(doc[k] for k in texts), doc["pid"], doc["start"], min(float(beat), _MAX_HEARTBEAT), flock)
+    return Owner(*(doc[k] for k in texts), doc["pid"], doc["start"], min(beat, _MAX_HEARTBEAT), flock)
 
 
 def token_of(raw: bytes) -> str:

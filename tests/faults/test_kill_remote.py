@@ -23,6 +23,8 @@ from test_failures import assert_equal_state, state_for, zeros_like_state
 import arraycheckpoint as acp
 from arraycheckpoint import CheckpointManager, storage
 from arraycheckpoint.errors import CheckpointNotFoundError
+from arraycheckpoint.storage import leftovers, locks
+from arraycheckpoint.storage.base import LOCK_KEY
 
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "acp-test",
@@ -86,7 +88,9 @@ def test_kill_one_rank_mid_save_on_object_stores(
 ) -> None:
     server = S3Process() if backend == "s3" else None
     try:
-        env = {**S3_ENV, "AWS_ENDPOINT_URL": server.endpoint} if server else {}
+        # a lease of 6 s: the killed save's lock (of two ranks) is a crashed save's once it ran out
+        leases = {locks.HEARTBEAT_ENV: "2", locks.LEASE_ENV: "3"}
+        env = {**S3_ENV, **leases, "AWS_ENDPOINT_URL": server.endpoint} if server else {}
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         where = f"{server.bucket}/{uuid.uuid4().hex[:8]}/run" if server else str(tmp_path / "run")
@@ -104,6 +108,11 @@ def test_kill_one_rank_mid_save_on_object_stores(
         assert_equal_state(acp.load(f"{url}/step_00000001", zeros_like_state()), state_for(1))
         with pytest.raises(CheckpointNotFoundError):
             acp.load(f"{url}/step_00000002", zeros_like_state())
+        if server is not None:  # rank 0 exited holding its lock: a two-rank save's waits out its lease
+            (store, step), deadline = storage.storage_for(f"{url}/step_00000002"), time.monotonic() + 60
+            while leftovers.crashed(store.read(step, LOCK_KEY)) is None:
+                assert time.monotonic() < deadline, "the killed save's lock never ran out"
+                time.sleep(0.2)
         mgr = CheckpointManager(url)  # its start removes the killed save's leftovers
         assert mgr.all_steps() == [1]
         mgr.save(2, state_for(2)).result()
