@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import StorageError
 from .heartbeat import Heartbeat
-from .locks import _MAX_HEARTBEAT, heartbeat_seconds, lease_intervals, process_start, this_owner
+from .locks import _MAX_HEARTBEAT, HIDDEN, heartbeat_seconds, lease_intervals, process_start, this_owner
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -174,6 +174,8 @@ def _holder_gone(doc: dict[str, Any]) -> str | None:
     start = process_start(fields[3])
     if start is None:
         return f"its process {fields[3]} on this host is gone"
+    if start == HIDDEN:  # it exists, this process may not read its start (hidepid): its lease decides
+        return None
     return f"pid {fields[3]} is another process now" if start != fields[4] else None
 
 

@@ -118,13 +118,25 @@ def _read_small(path: str) -> str:
         return ""
 
 
+#: :func:`process_start` of a process that exists but whose start this process may not read (``/proc`` mounted
+#: with ``hidepid``, common on shared HPC nodes, hides other users' processes): never judged gone
+HIDDEN = -1
+
+
 def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), or None when there is no such process."""
+    """When process ``pid`` started (clock ticks since boot), None when there is no such process, or
+    :data:`HIDDEN` when it exists but its ``/proc`` entry cannot be read (``kill(pid, 0)`` decides)."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             raw = f.read(4096)
     except (OSError, ValueError):
-        return None
+        try:
+            os.kill(int(pid), 0)
+        except PermissionError:
+            return HIDDEN  # another user's process
+        except (OSError, ValueError, OverflowError):
+            return None
+        return HIDDEN  # it exists, and its entry is hidden (hidepid) or was unreadable
     fields = raw.rpartition(b")")[2].split()  # after the command name, which may hold spaces and ')'
     try:
         return int(fields[19])  # field 22 of the whole line
@@ -146,7 +158,7 @@ def this_owner(token: str, flock: bool = True) -> Owner:
         boot_id=_read_small("/proc/sys/kernel/random/boot_id"),
         pidns=pidns,
         pid=pid,
-        start=process_start(pid) or 0,
+        start=max(process_start(pid) or 0, 0),
         heartbeat=heartbeat_seconds(),
         flock=flock,
     )
@@ -268,13 +280,14 @@ def _fs_now_ns(directory: Path) -> int:
 def crashed_without_flock(lock: Path, st: os.stat_result, owner: Owner | None) -> str | None:
     """Why ``lock`` (stat ``st``, owner ``owner``) is a crashed save's on a file system without flock, or
     None when it may be live (module docstring)."""
-    if owner is not None and owner.same_machine(this_owner("")):
-        start = process_start(owner.pid)
+    start = process_start(owner.pid) if owner is not None and owner.same_machine(this_owner("")) else HIDDEN
+    if owner is not None and start != HIDDEN:
         if start is None:
             return f"its process {owner.pid} is gone"
         if start != owner.start:
             return f"pid {owner.pid} is another process now"
         return None
+    # another machine's save, or one whose process this one may not see: judged by its heartbeat
     interval = max(heartbeat_seconds(), owner.heartbeat if owner is not None else 0.0)
     bound = lease_intervals() * interval
     age = (_fs_now_ns(lock.parent) - st.st_mtime_ns) / 1e9
