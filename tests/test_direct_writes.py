@@ -202,3 +202,20 @@ def test_a_file_whose_open_fails_gives_its_staging_budget_back(tmp_path: Path, m
         "failed opens kept the staging budget: no file is written with O_DIRECT any more"
     )
     staged.release()
+
+
+def test_a_pack_whose_staging_fails_leaves_no_descriptor_and_no_file(tmp_path: Path) -> None:
+    """The staging buffer of a streamed pack cannot be had (its mmap fails: ENOMEM): the pack's file, opened
+    just before, is closed and removed (it leaked a descriptor and left an empty pack)."""
+
+    def no_memory(_n: int, _p: str) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    before = set(os.listdir("/proc/self/fd"))
+    path = tmp_path / "pack.zip"
+    with pytest.raises(OSError, match="Cannot allocate"):
+        packstream.StreamedPack(
+            str(path), [("a", 4096)], lambda t, _n: t(), lambda t: t(), lambda fd, _n: os.close(fd),
+            lambda _fd, _o, _n: None, 1 << 62, no_memory,
+        )  # fmt: skip
+    assert set(os.listdir("/proc/self/fd")) <= before and not path.exists()

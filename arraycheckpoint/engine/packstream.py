@@ -101,7 +101,13 @@ class StreamedPack:
         self._fd: int | None = os.open(path, flags, 0o644)
         #: the pack's bytes gathered for one ``O_DIRECT`` write at its end (:mod:`.direct`), or None: written
         #: in place as they arrive (taken once the file is open: an open that fails holds no staging budget)
-        self._staged = stage(offset, path) if stage is not None else None
+        try:
+            self._staged = stage(offset, path) if stage is not None else None
+        except BaseException:  # no staging memory: no descriptor and no empty file left behind
+            os.close(self._fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         if not members:  # an empty pack: just its end records
             self._left = 1
             self._finish(1)

@@ -35,7 +35,7 @@ import re
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -176,9 +176,16 @@ class Storage(ABC):
 
         self._retry("delete", root, lambda: self._wait(self._kv(root).delete_range(ts.KvStore.KeyRange())))
 
-    def delete_key(self, root: str, key: str) -> None:
-        """Remove the single object ``root/key`` (absent is fine)."""
-        self._retry("delete", f"{root}/{key}", lambda: self._wait(self._kv(root).write(key, None)))
+    def delete_key(self, root: str, key: str, guard: Callable[[], None] | None = None) -> None:
+        """Remove the single object ``root/key`` (absent is fine); ``guard`` (a lease check, no I/O) runs
+        before each attempt, so a delete retried after its lease may be taken over is not sent again."""
+
+        def attempt() -> None:
+            if guard is not None:
+                guard()
+            self._wait(self._kv(root).write(key, None))
+
+        self._retry("delete", f"{root}/{key}", attempt)
 
     def is_committed(self, root: str) -> bool:
         """Whether ``root`` holds a committed checkpoint (its commit marker exists, in any format's layout)."""
@@ -281,7 +288,7 @@ class Storage(ABC):
             generation = self._take_stale_lock(final, token, body, raw, generation)
         self._lease_token = token
         if self._leases():
-            lease.keep(self, final, token, generation, at, mono)
+            lease.keep(self, final, token, generation, at, mono, self.save_world)
         if state != "committed" and self.is_committed(final):
             # another save committed here between the check and this claim (the target was empty, or held that
             # save's lock, which looked like a crashed save's): never write into it, nor delete it
@@ -500,7 +507,9 @@ class Storage(ABC):
                 if key != LOCK_KEY:
                     if token is not None and staging == final:
                         self.check_lease(final)  # no I/O: a lease lost or run out (a frozen host) stops it
-                    self.delete_key(staging, key)
+                        self.delete_key(staging, key, lambda: self.check_lease(final))
+                    else:
+                        self.delete_key(staging, key)
         except Exception as e:  # noqa: BLE001 - cleanup must not mask the save's own error
             log.warning("abort of the save to %s stopped deleting (%s); what remains is an uncommitted leftover",
                         final, e)  # fmt: skip

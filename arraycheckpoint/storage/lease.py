@@ -191,6 +191,7 @@ class _Held:
     at: float
     mono: float
     terms: Terms
+    world: int = 1  # the save's ranks, in every refresh: only a one-rank save's lock ends with its process
     expired: bool = False  # its refreshes stopped for longer than its safe part: the save never writes again
 
 
@@ -213,14 +214,17 @@ def keep(
     generation: bytes,
     at: float | None = None,
     mono: float | None = None,
+    world: int = 1,
 ) -> None:
-    """Refresh ``storage``'s lock of ``final`` (held by ``token``, stored as ``generation``, its document made
-    at ``at``/``mono``: :func:`stamp`) until :func:`drop`: a conditional write each heartbeat interval, which
-    fails once another save took it over."""
+    """Refresh ``storage``'s lock of ``final`` (held by ``token`` for a save of ``world`` ranks, stored as
+    ``generation``, its document made at ``at``/``mono``: :func:`stamp`) until :func:`drop`: a conditional
+    write each heartbeat interval, which fails once another save took it over."""
     if at is None or mono is None:
         at, mono = stamp()
     with _guard:
-        _held[(id(storage), final, token)] = _Held(weakref.ref(storage), generation, at, mono, own_terms())
+        _held[(id(storage), final, token)] = _Held(
+            weakref.ref(storage), generation, at, mono, own_terms(), world
+        )
         _lost.discard((id(storage), final, token))
         _BEAT.ensure()
 
@@ -283,7 +287,7 @@ def _refresh_all() -> None:
         at, mono = stamp()
         landed = True
         try:
-            new = storage._refresh_lock(final, body(token, at), entry.generation)
+            new = storage._refresh_lock(final, body(token, at, entry.world), entry.generation)
         except Exception as e:  # noqa: BLE001 - its answer was lost: what is stored decides (below)
             log.debug("could not refresh the lock of %s: %s", final, e)
             new = b""

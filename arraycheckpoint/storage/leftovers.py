@@ -82,9 +82,12 @@ def remove_uncommitted(storage: Any, root: str) -> bool:
     body = lease.body(token, at)
     if not storage._retry("lock", f"{root}/{LOCK_KEY}", lambda: storage._create_lock(root, body)):
         raw, generation = storage._lock_state(root)
-        if raw is None or crashed(raw) is None:  # a save in flight (or one just ending): not a leftover
+        doc = lease.parse(raw)
+        if doc is not None and doc["token"] == token:  # its create landed, its answer was lost: it holds it
+            pass
+        elif raw is None or crashed(raw) is None:  # a save in flight (or one just ending): not a leftover
             return False
-        if not storage._refresh_lock(root, body, generation):  # another taker came first
+        elif not storage._refresh_lock(root, body, generation):  # another taker came first
             return False
     raw, generation = storage._lock_state(root)
     doc = lease.parse(raw)
@@ -99,7 +102,7 @@ def remove_uncommitted(storage: Any, root: str) -> bool:
         for key in storage.list(root):
             if key != LOCK_KEY:
                 lease.check_holder(storage, root, token)  # no I/O
-                storage.delete_key(root, key)
+                storage.delete_key(root, key, lambda: lease.check_holder(storage, root, token))
     finally:
         lease.drop(storage, root, token)
         raw, generation = storage._lock_state(root)
@@ -143,7 +146,7 @@ def clear_target(storage: Any, final: str, token: str, state: str) -> None:
         storage._delete_markers(final)
         for key in keys:
             lease.check_holder(storage, final, token)  # no I/O: a lease lost or run out (a host frozen) stops
-            storage.delete_key(final, key)
+            storage.delete_key(final, key, lambda: lease.check_holder(storage, final, token))
     except BaseException as e:
         storage._kept_lock = final
         lease.drop(storage, final, token)

@@ -57,8 +57,8 @@ def stalling_deletes(storage: Any, after: int, resume: threading.Event) -> list[
     there); the keys deleted."""
     real, done = storage.delete_key, []
 
-    def delete_key(root: str, key: str) -> None:
-        real(root, key)
+    def delete_key(root: str, key: str, guard: Any = None) -> None:
+        real(root, key, guard)
         done.append(key)
         if len(done) == after:
             resume.wait(30)

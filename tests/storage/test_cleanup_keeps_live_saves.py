@@ -97,10 +97,10 @@ def test_cleanup_takes_the_step_it_removes_so_a_save_starting_there_is_refused_n
     seen: list[str | None] = []
     delete_key = store.delete_key
 
-    def watching(root_: str, key: str) -> None:
+    def watching(root_: str, key: str, guard=None) -> None:
         if key != LOCK_KEY:
             seen.append(store._lock_token(final))
-        delete_key(root_, key)
+        delete_key(root_, key, guard)
 
     store.delete_key = watching  # type: ignore[method-assign]
     assert store.remove_uncommitted(final)

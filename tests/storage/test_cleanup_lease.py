@@ -94,3 +94,30 @@ def test_a_cleanup_whose_lock_may_be_taken_over_deletes_nothing_more() -> None:
     thread.join(30)
     assert len(deleted) == 2 and errors and isinstance(errors[0], StorageError)
     assert [taker.read(root, f"a/c.{i}") for i in range(4)] == [b"taker"] * 4 and taker.is_committed(root)
+
+
+@pytest.mark.usefixtures("short_leases")
+def test_a_cleanup_whose_lock_create_lost_its_answer_holds_the_lock_and_removes_the_leftover() -> None:
+    """The conditional create of the cleanup's lock lands but its answer is lost (the retry is refused: the
+    lock exists): the lock it finds is its own. It took it for another save in flight, kept the leftover and
+    left its lock unrefreshed: every save to the step was refused until the lease ran out."""
+    from arraycheckpoint.storage.base import CONTROL
+
+    storage, root = storage_for(f"memory://cleanup-{uuid.uuid4().hex[:8]}/step_3")
+    storage.write(root, CONTROL.metadata, b"{}")
+    storage.write(root, "a/c.0", b"a crashed save's chunk")
+    real, calls = storage._create_lock, []
+
+    def create_answer_lost(final: str, body: bytes) -> Any:
+        calls.append(real(final, body))
+        if len(calls) == 1:
+            raise TimeoutError("no answer from the store (it stalls)")  # it landed
+        return calls[-1]
+
+    storage._create_lock = create_answer_lost
+    assert storage.remove_uncommitted(root) is True
+    assert len(calls) == 2 and storage.list(root) == []
+    nxt, _ = storage_for(root)
+    nxt.check_target(root, False)
+    nxt.acquire(root, "next-save")
+    nxt.release(root, "next-save")

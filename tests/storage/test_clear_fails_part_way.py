@@ -40,10 +40,10 @@ def short_lease(monkeypatch: pytest.MonkeyPatch) -> None:
 class Refuses(MemoryStorage):
     """A store that refuses to delete the arrays' objects (the control files and the lock go)."""
 
-    def delete_key(self, root: str, key: str) -> None:
+    def delete_key(self, root: str, key: str, guard=None) -> None:
         if not key.startswith("."):
             raise StorageError(f"storage delete of {root}/{key} failed (permanent error): AccessDenied")
-        super().delete_key(root, key)
+        super().delete_key(root, key, guard)
 
 
 @pytest.fixture

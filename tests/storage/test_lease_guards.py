@@ -190,3 +190,49 @@ def test_a_lock_whose_process_is_gone_is_taken_over_at_once_only_for_a_one_rank_
             storage.acquire(final, "next")
         doc["time"] -= 3600  # its lease ran out
         assert "not refreshed" in (lease.stale_reason(lease.parse(json.dumps(doc).encode())) or "")
+
+
+@pytest.mark.usefixtures("short_leases")
+def test_a_multi_rank_saves_lock_says_its_world_after_every_refresh() -> None:
+    """The refreshes rewrote the lock as a one-rank save's (``world`` 1): after the first heartbeat a dead
+    rank 0's lock was taken over at once while its other ranks still wrote under their granted lease."""
+    storage, final = storage_for(fresh_url())
+    storage.check_target(final, False)
+    storage.save_world = 8
+    storage.acquire(final, "eight")
+    try:
+        first = json.loads(storage.read(final, LOCK_KEY))
+        deadline = time.monotonic() + 10
+        while json.loads(storage.read(final, LOCK_KEY))["time"] == first["time"]:  # a refresh landed
+            assert time.monotonic() < deadline, "the lease was never refreshed"
+            time.sleep(0.05)
+        assert first["world"] == 8 and json.loads(storage.read(final, LOCK_KEY))["world"] == 8
+    finally:
+        storage.release(final, "eight")
+
+
+def test_a_guarded_delete_is_not_sent_again_once_its_guard_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete under a lease (abort, clearing, cleanup) whose first attempt got no answer is retried only
+    while its lease holds: the retry checks it first (a retried DELETE landed after another save took the
+    step over and deleted that save's committed metadata)."""
+    storage, final = storage_for(fresh_url())
+    storage.write(final, "a/c.0", b"the next save's chunk")
+    real_wait, sent, lease_ok = storage._wait, [], [True]
+
+    def no_answer_once(future):  # the first DELETE is lost on its way; the lease runs out meanwhile
+        sent.append(1)
+        if len(sent) == 1:
+            lease_ok[0] = False
+            raise TimeoutError("no answer from the store")
+        return real_wait(future)
+
+    def guard() -> None:
+        if not lease_ok[0]:
+            raise StorageError("the lease may be taken over: this save deletes nothing more")
+
+    monkeypatch.setattr(storage, "_wait", no_answer_once)
+    with pytest.raises(StorageError, match="deletes nothing more"):
+        storage.delete_key(final, "a/c.0", guard)
+    assert len(sent) == 1
+    monkeypatch.setattr(storage, "_wait", real_wait)
+    assert storage.read(final, "a/c.0") == b"the next save's chunk"
