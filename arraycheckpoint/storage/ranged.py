@@ -11,14 +11,15 @@ with ``fs.cat_file(path, start=, end=)``: one ranged GET per call on s3fs, gcsfs
 Each call runs on one of at most :data:`_WORKERS` threads of the process (the spans issued ahead are fetched
 at once, as tensorstore fetches its futures; a check reading a thousand local headers queues them) and is
 bounded like every fsspec call of the backend: the stall bound (the load's ``timeout=``) plus a second per MiB
-asked for (:meth:`~.fsspec_store.FsspecStorage._bounded`), counted from the call (its *deadline*), not from the
-moment a worker takes it: a read still queued at its deadline fails at once without reaching the store, a
-wait on its future (``result()``) ends by then, and a transient error is retried while the deadline allows. A
-store that stops answering thus fails each read within its own bound, naming the path, whatever the file
-system's own retries and however many reads of other loads wait: a load that fails cancels its reads not yet
-started (:class:`~arraycheckpoint.engine.coalesce.SpanReader`), and at most :data:`_CALLS` calls into the
-file system are left unanswered at once in a process (each on a thread that cannot be stopped: a read finding
-them all taken fails at its deadline instead of starting another). A reply longer than the range asked for
+asked for (:meth:`~.fsspec_store.FsspecStorage._bounded`), counted from when a worker starts it. A read still
+queued fails once its store answered no call for the stall bound while it waited (a store that stops
+answering: its reads fail within about their bound, whatever the file system's own retries); reads queued
+behind a slow but live store's (or behind other loads') wait for it (each answer is progress). A wait on a
+read's future (``result()``) ends by then too, and a transient error is retried while the bound allows. A load
+that fails cancels its reads not yet started (:class:`~arraycheckpoint.engine.coalesce.SpanReader`), and at
+most :data:`_CALLS` calls into one file system are left unanswered at once (each on a thread that cannot be
+stopped: a read finding them all taken fails at its bound instead of starting another; another store's reads
+are not held up by them). A reply longer than the range asked for
 (a server that ignores ``Range`` sends the whole object) is sliced when it is the whole object, refused
 otherwise. A range past the object's end reads as what the object holds of it
 (nothing, where it starts past the end: S3's ``416``), a missing object as ``state == "missing"``, so the
@@ -33,7 +34,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, NamedTuple
 
 from ..checks.bounds import MAX_OBJECT_BYTES
@@ -58,7 +59,42 @@ _GRACE = 0.5
 _jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _workers = 0
 _guard = threading.Lock()
-_calls = threading.BoundedSemaphore(_CALLS)
+
+
+class _Store:
+    """What the reads of one file system share: its calls left unanswered (at most :data:`_CALLS`) and when
+    it last answered one (``time.monotonic()``: progress, which a queued read waits on)."""
+
+    def __init__(self, fs: Any) -> None:
+        self.calls = threading.BoundedSemaphore(_CALLS)
+        self.answered = time.monotonic()
+        #: whether a reply of this file system may be the whole object whatever range was asked (HTTP: a
+        #: server may ignore ``Range``; any other once it sent more than was asked for)
+        self.whole_replies = "http" in (getattr(fs, "protocol", ()) or ())
+        self._sizes: dict[
+            str, int
+        ] = {}  # objects' sizes, asked for once per path (where replies may be whole)
+
+    def size(self, fs: Any, path: str) -> int:
+        """The size of the object at ``path`` (asked for once while it is among the last few thousand)."""
+        size = self._sizes.get(path)
+        if size is None:
+            size = int(fs.size(path))
+            if len(self._sizes) >= 4096:
+                self._sizes.clear()
+            self._sizes[path] = size
+        return size
+
+
+_stores: dict[int, tuple[Any, _Store]] = {}  # id(fs) -> (a reference keeping the id unique, its state)
+
+
+def _store_of(fs: Any) -> _Store:
+    with _guard:
+        held = _stores.get(id(fs))
+        if held is None or held[0] is not fs:
+            held = _stores[id(fs)] = (fs, _Store(fs))
+        return held[1]
 
 
 def _submit(job: Callable[[], None]) -> None:
@@ -97,28 +133,47 @@ class ReadResult(NamedTuple):
 
 
 class _Read(Future):  # type: ignore[type-arg]
-    """A read's future whose ``result()`` waits no longer than the read's deadline (and :data:`_GRACE`): a read
-    still queued then is cancelled and refused as a stall."""
+    """A read's future whose ``result()`` ends once the read is past its bound (and :data:`_GRACE`), or, while
+    it is still queued, once its store answered nothing for the stall bound: it is cancelled then and refused
+    as a stall."""
 
-    def __init__(self, deadline: float, bound: float, where: str) -> None:
+    def __init__(self, store: _Store, stall: float, bound: float, where: str) -> None:
         super().__init__()
-        self.deadline = deadline
-        self._bound = bound
+        self.store = store
+        self.stall = stall  # seconds without an answer from the store after which a queued read fails
+        self.bound = bound  # seconds the read may take once started
+        self.asked = time.monotonic()
+        self.deadline: float | None = None  # once started: when it is past its bound
         self._where = where
+
+    def stalled(self, now: float) -> bool:
+        """Whether the read, not yet started, waited for the stall bound without its store answering."""
+        return now - max(self.asked, self.store.answered) > self.stall
 
     def result(self, timeout: float | None = None) -> Any:
         if timeout is not None:
             return super().result(timeout)
-        try:
-            return super().result(max(0.0, self.deadline - time.monotonic()) + _GRACE)
-        except TimeoutError:
-            if self.done():  # the read's own error
-                raise
-            self.cancel()
-            raise StorageError(
-                f"storage read of {self._where} failed: no answer within its bound of {self._bound:.3g} s "
-                "(the store stalls)"
-            ) from None
+        while True:
+            if self.deadline is not None:
+                end = self.deadline + _GRACE
+            else:
+                end = max(self.asked, self.store.answered) + self.stall + _GRACE
+            try:
+                return super().result(max(0.0, min(end - time.monotonic(), 1.0)))
+            except CancelledError:  # refused before it started: its store answered nothing while it waited
+                break
+            except TimeoutError:
+                if self.done():  # the read's own error
+                    raise
+                if time.monotonic() < end:
+                    continue  # the store answered meanwhile (queued), or the bound is not reached yet
+            if self.deadline is None and not self.cancel():
+                continue  # it started just now: its own bound decides
+            break
+        bound = self.bound if self.deadline is not None else self.stall
+        raise StorageError(
+            f"storage read of {self._where} failed: no answer within its bound of {bound:.3g} s (the store stalls)"
+        ) from None
 
 
 class FsspecRanges:
@@ -142,7 +197,8 @@ class FsspecRanges:
         start = None if byte_range is None else byte_range.start
         stop = None if byte_range is None else byte_range.stop
         bound = _bound(self._storage, start, stop)
-        out = _Read(time.monotonic() + bound, bound, self._storage.normalize(path))
+        store = _store_of(self._storage.fs)
+        out = _Read(store, float(self._storage.stall_bound()), bound, self._storage.normalize(path))
         if start is not None and start >= 0 and stop is not None and stop <= start:
             out.set_result(ReadResult("value", b""))  # nothing to ask for (fsspec reads 0-0 as everything)
             return out
@@ -153,8 +209,11 @@ class FsspecRanges:
             )
 
         def run() -> None:
+            if out.stalled(time.monotonic()):
+                out.cancel()  # its store answered nothing while it waited: refused by result() as a stall
             if not out.set_running_or_notify_cancel():
                 return  # cancelled while queued: never sent
+            out.deadline = time.monotonic() + bound
             try:
                 out.set_result(fetch(self._storage, path, start, stop, out.deadline))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
@@ -182,6 +241,7 @@ def fetch(
     (see :meth:`FsspecRanges.read`), retried by the backend on transient errors and ended by ``deadline``
     (``time.monotonic()``; None: the read's bound from now)."""
     fs = storage.fs
+    store = _store_of(fs)
     bound = _bound(storage, start, stop)
     if deadline is None:
         deadline = time.monotonic() + bound
@@ -192,6 +252,7 @@ def fetch(
             if start is None and stop is None:
                 return ReadResult("value", _bounded_cat(fs, path, MAX_OBJECT_BYTES))
             data = bytes(fs.cat_file(path, start=start, end=stop))
+            return ReadResult("value", _as_asked(fs, path, where, data, start, stop, store))
         except FileNotFoundError:
             return ReadResult("missing", b"")
         except OSError as e:  # a range starting past the object's end (S3: 416 InvalidRange)
@@ -199,15 +260,15 @@ def fetch(
                 return ReadResult("value", b"")
             raise
         finally:
-            _calls.release()
-        return ReadResult("value", _as_asked(fs, path, where, data, start, stop))
+            store.answered = time.monotonic()  # an answer, whatever it says: the store is alive
+            store.calls.release()
 
     def attempt() -> ReadResult:
         left = deadline - time.monotonic()
-        if left <= 0 or not _calls.acquire(timeout=left):
+        if left <= 0 or not store.calls.acquire(timeout=left):
             raise TimeoutError(
-                f"no answer from the store within {bound:.3g} s (it stalls: the read was not started by then, "
-                f"behind other reads or {_CALLS} calls left unanswered)"
+                f"no answer from the store within {bound:.3g} s (it stalls: {_CALLS} calls into it are left "
+                "unanswered)"
             )
         return storage._bounded("read", where, op, seconds=deadline - time.monotonic())  # type: ignore[no-any-return]
 
@@ -217,21 +278,49 @@ def fetch(
     return result
 
 
-def _as_asked(fs: Any, path: str, where: str, data: bytes, start: int | None, stop: int | None) -> bytes:
-    """``data``, a reply to a read of ``[start, stop)``, cut to that range when it is longer: a server that
-    ignores ``Range`` sends the whole object (its size, asked for then, says so); any other longer reply is
-    refused."""
+def _as_asked(
+    fs: Any,
+    path: str,
+    where: str,
+    data: bytes,
+    start: int | None,
+    stop: int | None,
+    store: _Store | None = None,
+) -> bytes:
+    """``data``, a reply to a read of ``[start, stop)``, as that range: a server that ignores ``Range`` sends
+    the whole object, which is cut to it. The object's size is asked for when the reply is longer than the
+    range, or, from a file system whose replies may be whole objects (``store.whole_replies``: once per
+    object), for a range at an offset (a whole object can be as long as the range, or shorter where the
+    range reaches past its end); any other reply of the wrong length is refused."""
     start = start or 0
-    asked = -start if start < 0 else (None if stop is None else stop - start)
-    if asked is None or len(data) <= asked:
-        return data
-    size = fs.size(path)
-    if size != len(data):
-        raise StorageError(
-            f"storage read of {where} failed: {len(data)} bytes came back for a range of {asked} bytes, and "
-            f"the object is {size} bytes: the server's reply is not the range asked for"
-        )
-    return data[start:] if stop is None else data[start:stop]
+    if start < 0:  # the last -start bytes: a whole object no longer than that is its own suffix
+        if len(data) <= -start:
+            return data
+        size = fs.size(path)
+        if size == len(data):
+            return data[start:]
+        raise _not_the_range(where, data, -start, size)
+    asked = None if stop is None else stop - start
+    longer = asked is not None and len(data) > asked
+    whole = store is None or store.whole_replies
+    if not longer and (start == 0 or not whole):
+        return data  # the range (or what the object holds of it), or the whole object from its start
+    if store is not None:
+        store.whole_replies = True
+    size = fs.size(path) if store is None else store.size(fs, path)
+    if len(data) == size and (longer or start > 0):  # the whole object (a range at an offset is shorter)
+        return data[start:stop]
+    if len(data) != max(0, min(size, size if stop is None else stop) - start):
+        raise _not_the_range(where, data, asked, size)
+    return data
+
+
+def _not_the_range(where: str, data: bytes, asked: int | None, size: int) -> StorageError:
+    return StorageError(
+        f"storage read of {where} failed: {len(data)} bytes came back for a range of "
+        f"{'the rest' if asked is None else asked} bytes, and the object is {size} bytes: the server's reply is "
+        "not the range asked for"
+    )
 
 
 def _past_the_end(error: OSError) -> bool:
