@@ -8,7 +8,8 @@ They are now issued ahead of the walk (:class:`arraycheckpoint.audit.ahead.EndRe
 Counted on the wire by the proxy in front of the loopback S3 server (moto), which holds every request 50 ms
 and records how many GETs of packs it answers at once: 4 simulated ranks wrote 16 small packs each. Through
 ``s3://`` (tensorstore and botocore's suffix GET) and ``s3a://`` (fsspec, s3fs): the same requests with the
-same ranges as the walk alone sends, more than one and at most the bound at once, bit-exact; a damaged
+same ranges as the walk alone sends, more than one and at most the bound at once, bit-exact (and the
+same for ``verify``); a damaged
 directory among them still fails naming its pack and tensor, and a store that stops answering still fails the
 load within its ``timeout=``.
 """
@@ -33,6 +34,7 @@ from arraycheckpoint.audit import ahead, rankpacks  # noqa: E402
 from arraycheckpoint.errors import CorruptCheckpointError  # noqa: E402
 from arraycheckpoint.storage import configure  # noqa: E402
 from arraycheckpoint.storage.fsspec_store import FsspecStorage  # noqa: E402
+from arraycheckpoint.tools.verify import verify  # noqa: E402
 
 RANKS, PACKS = 4, 16  # packs per rank: one tensor of 1 KiB each
 
@@ -108,6 +110,10 @@ def test_pack_ends_are_read_concurrently_within_the_bound(
     assert len(alone) == RANKS * PACKS and alone_peak == 1, runs["alone"]  # each pack's end, once, in a row
     assert ahead_gets == alone, (ahead_gets, alone)  # the same requests, the same ranges
     assert 1 < peak <= ahead.WORKERS, peak
+    proxied.requests.clear()
+    proxied.peak = 0
+    assert verify(url, read_data=False).ok  # verify walks the packs as the load does
+    assert _pack_gets(proxied) == alone and 1 < proxied.peak <= ahead.WORKERS, proxied.peak
 
 
 @pytest.mark.parametrize("scheme", ["s3", "s3a"])
