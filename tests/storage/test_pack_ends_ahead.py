@@ -9,7 +9,7 @@ Counted on the wire by the proxy in front of the loopback S3 server (moto), whic
 and records how many GETs of packs it answers at once: 4 simulated ranks wrote 16 small packs each. Through
 ``s3://`` (tensorstore and botocore's suffix GET) and ``s3a://`` (fsspec, s3fs): the same requests with the
 same ranges as the walk alone sends, more than one and at most the bound at once, bit-exact (and the
-same for ``verify``); a damaged
+same for ``verify``, and for a load of half the tensors: only their packs); a damaged
 directory among them still fails naming its pack and tensor, and a store that stops answering still fails the
 load within its ``timeout=``.
 """
@@ -114,6 +114,14 @@ def test_pack_ends_are_read_concurrently_within_the_bound(
     proxied.peak = 0
     assert verify(url, read_data=False).ok  # verify walks the packs as the load does
     assert _pack_gets(proxied) == alone and 1 < proxied.peak <= ahead.WORKERS, proxied.peak
+    proxied.requests.clear()
+    proxied.peak = 0
+    half = {"model": {k: np.zeros_like(v) for k, v in list(want.items())[::2]}}
+    acp.load(
+        url, half, strict=False
+    )  # a part of the tensors: only the packs predicted to hold them, read ahead
+    assert all(np.array_equal(v, want[k]) for k, v in half["model"].items())
+    assert len(_pack_gets(proxied)) == RANKS * PACKS // 2 and 1 < proxied.peak <= ahead.WORKERS, proxied.peak
 
 
 @pytest.mark.parametrize("scheme", ["s3", "s3a"])
