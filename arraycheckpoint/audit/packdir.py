@@ -98,6 +98,7 @@ def _pack_directory(
     missing_ok: bool = False,
     deferred: dict[str, int] | None = None,
     parsed: dict[Any, Any] | None = None,
+    ahead: Any = None,
 ) -> tuple[list[PackMember], int | None]:
     """The ZIP central directory of the pack ``key`` (its entries, in stored order, duplicates kept) and the
     pack's size, read and checked without ever inflating or allocating more than the directory.
@@ -121,7 +122,9 @@ def _pack_directory(
     ``check_members`` (counting a rank's members before its keys are built,
     :func:`arraycheckpoint.audit.rankpacks.rank_capacity`) keeps there what it read and parsed (or that the
     pack is absent); a later call with ``check_members`` takes it from there and checks it, as it would
-    have checked the bytes it read.
+    have checked the bytes it read. ``ahead`` (object stores): the reads of packs' ends issued ahead of the
+    walk (:class:`arraycheckpoint.audit.ahead.EndReads`): the end read there, with the same arguments, is
+    taken from it (then parsed and checked here as one read here would be); any other is read here.
 
     Raises:
         InconsistentCheckpointError: the pack is missing (with ``missing_ok``: ``([], None)`` is returned).
@@ -160,12 +163,9 @@ def _pack_directory(
             return entries, size
     else:
         want = min(bound + 1, _PACK_TAIL_BYTES)
-        ranges = getattr(storage, "pack_ranges", None)  # a reader of its own (checkpoint_store's zarr store)
-        if ranges is not None:  # it knows the pack's size: the end records and what the directory can take,
-            # as a local pack's first read (not 256 KiB of members besides a small directory)
-            got = ranges(base, key, min(want, (max_directory_bytes or want) + _TRAILER_MAX))
-        else:
-            got = _kv_ranges(storage, base, key, want)
+        got = ahead.take(key, want, max_directory_bytes) if ahead is not None else NOT_AHEAD
+        if got is NOT_AHEAD:
+            got = read_end(storage, base, key, want, max_directory_bytes)
     keep = parsed is not None and check_members is None
     if got is None:
         if keep:
@@ -190,6 +190,23 @@ def _pack_directory(
     if deferred is not None and cd_offset > start:  # a load: its members in the bytes read, served from them
         return PackDirectory(entries, start, memoryview(tail)[: cd_offset - start]), size
     return entries, size
+
+
+#: what :meth:`arraycheckpoint.audit.ahead.EndReads.take` answers for a read it did not issue
+NOT_AHEAD: Any = object()
+
+
+def read_end(
+    storage: Any, base: str, key: str, want: int, max_directory_bytes: int | None
+) -> RangesRead | None:
+    """The first read of the pack ``key`` on an object store (:func:`_pack_directory`): its last ``want``
+    bytes (fewer through a reader knowing the pack's size), its size when known, its ranged reader; None when
+    it is absent."""
+    ranges = getattr(storage, "pack_ranges", None)  # a reader of its own (checkpoint_store's zarr store)
+    if ranges is not None:  # it knows the pack's size: the end records and what the directory can take,
+        # as a local pack's first read (not 256 KiB of members besides a small directory)
+        return ranges(base, key, min(want, (max_directory_bytes or want) + _TRAILER_MAX))  # type: ignore[no-any-return]
+    return _kv_ranges(storage, base, key, want)
 
 
 class PackDirectory(list):  # type: ignore[type-arg]

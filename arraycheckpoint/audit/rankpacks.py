@@ -24,6 +24,7 @@ from ..errors import (
     InconsistentCheckpointError,
 )
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
+from .ahead import EndReads
 from .packdir import _chunk_grid, _longest_chunk_key, _packed_chunk_bytes
 from .packs import chunk_place, chunks_wanted
 from .predict import predicted_fill as _predicted_fill
@@ -299,8 +300,14 @@ def check_rank_packs(
             needed.setdefault(writers[flat], {})[key] = (name, flat)
     out: dict[str, int | None] = {}
     walk = RankPacks(storage, base, meta, holds, parsed)
-    for rank in sorted(needed):
-        out.update(walk.check(rank, needed[rank], directories, deferred))
+    if getattr(storage, "commit_strategy", "") != "rename":  # object stores: the packs' ends read ahead
+        walk.ahead = EndReads(storage, base, [j for r in sorted(needed) for j in walk.ends(r, needed[r])])
+    try:
+        for rank in sorted(needed):
+            out.update(walk.check(rank, needed[rank], directories, deferred))
+    finally:
+        if walk.ahead is not None:
+            walk.ahead.close()
     return out
 
 
@@ -336,6 +343,28 @@ class RankPacks:
         # chunk file bytes, grid, longest chunk key per distinct layout
         self.per_layout: dict[Any, tuple[int, tuple[int, ...], int]] = {}
         self.held_bytes = 0  # pack bytes kept for a load's reader (packdir.PackDirectory)
+        self.ahead: EndReads | None = None  # the packs' ends read ahead (object stores)
+        self._fills: dict[int, tuple[Any, tuple[dict[str, int], int | None]]] = {}  # rank -> (reading, fill)
+
+    def ends(self, rank: int, reading: Mapping[str, tuple[str, int]]) -> list[tuple[str, int, int | None]]:
+        """The reads of packs' ends (:class:`~arraycheckpoint.audit.ahead.EndReads` jobs) that :meth:`check`
+        of ``reading`` makes on a sound checkpoint, in its order: the packs predicted to hold ``reading``,
+        then, when it is every member of the rank, the other packs its save wrote."""
+        from ..planning.packing import pack_key
+
+        docs, chunks = self.holds.get(rank, ([], {}))
+        _l, _g, entries_bound, members, bound = _rank_bounds(self.meta, docs, chunks, self.per_layout)
+        fill = self._fills[rank] = (
+            reading,
+            _predicted_fill(self.meta, rank, reading, docs, chunks, self.target),
+        )
+        where_of, written = fill[1]
+        at = sorted(set(where_of.values()))
+        if len(reading) >= members and written is not None:
+            at += [k for k in range(min(written, members + 1)) if k not in set(at)]
+        want = min(bound + 1, packdir._PACK_TAIL_BYTES)
+        keys = (pack_key(rank, k) for k in at)
+        return [(key, want, entries_bound) for key in keys if (key, bound, entries_bound) not in self.parsed]
 
     def whole_rank(self, rank: int, chunks_of: Callable[[str], np.ndarray]) -> dict[str, tuple[str, int]]:
         """Every member of ``rank``'s packs (``member -> (array, chunk or -1 for its zarr.json)``), after its
@@ -400,7 +429,12 @@ class RankPacks:
         # save wrote (``written``, from the metadata), or, where the metadata records no fill target, up to the
         # first absent one (one missing-object read per rank). A pack past the last one a save wrote is no
         # part of the checkpoint: no reader opens it (all share this walk), as none opens any other file there.
-        where_of, written = _predicted_fill(meta, rank, reading, docs, chunks, self.target)
+        fill = self._fills.pop(rank, None)  # predicted by ends() for this reading
+        where_of, written = (
+            fill[1]
+            if fill is not None and fill[0] is reading
+            else _predicted_fill(meta, rank, reading, docs, chunks, self.target)
+        )
         probe = itertools.chain(  # lazily: the rank may hold millions of members of arrays not read
             ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
         )
@@ -424,6 +458,7 @@ class RankPacks:
                     missing_ok=True,
                     deferred=None if deferred is None else deferred.setdefault(key, {}),
                     parsed=self.parsed,
+                    ahead=self.ahead,
                 )
             except CorruptCheckpointError as e:  # name the tensors the pack was read for
                 if str(e).startswith("tensor '"):

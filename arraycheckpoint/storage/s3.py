@@ -30,10 +30,14 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 from typing import Any
 
 from ..errors import StorageError
 from .base import Storage
+
+#: one botocore client per backend, created by one thread
+_client_guard = threading.RLock()
 
 
 class S3Storage(Storage):
@@ -127,6 +131,10 @@ class S3Storage(Storage):
         """A botocore S3 client for bounded listings (timeouts of :meth:`stall_bound`, no retries of its own:
         :func:`~.retry.retry_call` retries), or None without botocore or a setup it can use (anonymous
         access, a profile only tensorstore knows): then tensorstore's own listing, unbounded but right."""
+        with _client_guard:  # created once: a second thread finds it, not False (reads ahead run on threads)
+            return self._create_client()
+
+    def _create_client(self) -> Any:
         if self._client is None:
             self._client = False
             try:
@@ -139,7 +147,12 @@ class S3Storage(Storage):
                 if not keys and session.get_credentials() is None:
                     raise LookupError("botocore finds no credentials")
                 bound = self.stall_bound()  # botocore's defaults: 60 s per read, 5 attempts, per call
-                config = Config(connect_timeout=bound, read_timeout=bound, retries={"max_attempts": 1})
+                config = Config(
+                    connect_timeout=bound,
+                    read_timeout=bound,
+                    retries={"max_attempts": 1},
+                    max_pool_connections=32,  # the packs' ends read ahead (audit.ahead.WORKERS) at once
+                )
                 self._client = session.create_client(
                     "s3", endpoint_url=self.endpoint, region_name=self.region, config=config, **keys
                 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,7 +89,11 @@ def s3_prefix(s3_server: S3Server) -> str:
 
 class FaultProxy:
     """An HTTP proxy to the S3 server that fails the next ``fail_next`` requests with ``status``, and logs
-    every request it forwards in ``requests``: ``(method, path, Range header or None, body bytes sent)``."""
+    every request it forwards in ``requests``: ``(method, path, Range header or None, body bytes sent)``.
+
+    ``delay``: seconds each request waits before it is forwarded (a far store's round trip); ``peak``: the
+    most GETs of packs (``/.acp/packs/``) answered at once; with ``stall`` set, those wait for ``release``
+    (a store that stops answering)."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
@@ -98,6 +103,9 @@ class FaultProxy:
         self.failed = 0
         self.forwarded = 0
         self.requests: list[tuple[str, str, str | None, int]] = []
+        self.delay = 0.0
+        self.in_flight = self.peak = 0
+        self.stall, self.release = threading.Event(), threading.Event()
         self._lock = threading.Lock()
         proxy = self
 
@@ -125,6 +133,21 @@ class FaultProxy:
                     if self.command != "HEAD":  # a HEAD response has no body (exists() sends HEAD)
                         self.wfile.write(proxy.body)
                     return
+                pack = self.command == "GET" and "/.acp/packs/" in self.path
+                with proxy._lock:
+                    proxy.in_flight += pack
+                    proxy.peak = max(proxy.peak, proxy.in_flight)
+                try:
+                    if pack and proxy.stall.is_set():
+                        proxy.release.wait(60)
+                    if proxy.delay:
+                        time.sleep(proxy.delay)
+                    self._forward(body)
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= pack
+
+            def _forward(self, body: bytes) -> None:
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
                 headers = {k: v for k, v in self.headers.items()}
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -152,6 +175,7 @@ class FaultProxy:
         self._thread.start()
 
     def stop(self) -> None:
+        self.release.set()
         self._server.shutdown()
         self._server.server_close()
 
