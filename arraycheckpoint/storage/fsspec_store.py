@@ -42,6 +42,7 @@ import json
 import logging
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
@@ -443,10 +444,12 @@ class FsspecStorage(Storage):
 
         self._retry("delete", base, op)
 
-    def delete_key(self, root: str, key: str) -> None:
+    def delete_key(self, root: str, key: str, guard: Callable[[], None] | None = None) -> None:
         path = self._rpath(root, key)
 
         def op() -> None:
+            if guard is not None:
+                guard()  # a lease check before each attempt (see Storage.delete_key)
             try:
                 self.fs.rm_file(path)
             except FileNotFoundError:

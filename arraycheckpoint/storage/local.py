@@ -25,6 +25,7 @@ import re
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -302,7 +303,9 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"storage delete of {root} failed: {e}") from e
 
-    def delete_key(self, root: str, key: str) -> None:
+    def delete_key(self, root: str, key: str, guard: Callable[[], None] | None = None) -> None:
+        if guard is not None:
+            guard()
         try:
             os.remove(os.path.join(root, key))
         except FileNotFoundError:

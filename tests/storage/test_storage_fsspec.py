@@ -112,3 +112,31 @@ def test_two_ranks_upload_their_own_chunks(tmp_path: Path) -> None:
     assert torch.equal(target["model"]["w"], torch.arange(60 * 7, dtype=torch.float64).reshape(60, 7))
     meta = acp.read_metadata(url)
     assert meta.world_size == 2 and set(meta.tensors["model/w"].writers) == {0, 1}
+
+
+def test_an_overwrite_and_an_aborted_save_on_fsspec_leave_one_committed_checkpoint(monkeypatch) -> None:
+    """``overwrite=True`` clears the old checkpoint and a failed save's abort deletes what it wrote, through
+    the fsspec backend's own ``delete_key`` (it lacked the lease guard's argument: every overwrite failed
+    after clearing the old commit marker, leaving nothing committed)."""
+    import numpy as np
+
+    import arraycheckpoint as acp
+    from arraycheckpoint.storage.fsspec_store import FsspecStorage
+
+    url = f"acpfsmem://overwrite-{uuid.uuid4().hex[:8]}/ck"
+    acp.save(url, {"w": np.arange(10.0)})
+    acp.save(url, {"w": np.arange(10.0) + 1}, overwrite=True)
+    out = {"w": np.zeros(10)}
+    acp.load(url, out)
+    assert np.array_equal(out["w"], np.arange(10.0) + 1)
+
+    def refused(self, *args, **kwargs):
+        raise OSError("injected: the commit marker could not be written")
+
+    fresh = f"acpfsmem://aborted-{uuid.uuid4().hex[:8]}/ck"
+    monkeypatch.setattr(FsspecStorage, "commit", refused)
+    with pytest.raises(Exception, match="injected"):
+        acp.save(fresh, {"w": np.arange(10.0)})
+    monkeypatch.undo()
+    storage, root = storage_for(fresh)
+    assert storage.list(root) == []  # the abort deleted everything the failed save wrote
