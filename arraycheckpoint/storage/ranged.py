@@ -8,7 +8,7 @@ file system, so for every other fsspec URL :class:`FsspecRanges` answers the sam
 with ``fs.cat_file(path, start=, end=)``: one ranged GET per call on s3fs, gcsfs and HTTP, a ``seek`` and a
 ``read`` on a mounted file system. Before, an fsspec load downloaded every pack of the checkpoint whole.
 
-Each call runs on one of at most :data:`_WORKERS` threads of the process (the spans issued ahead are fetched
+Each call runs on one of at most :data:`_WORKERS` threads of its file system (the spans issued ahead are fetched
 at once, as tensorstore fetches its futures; a check reading a thousand local headers queues them) and is
 bounded like every fsspec call of the backend: the stall bound (the load's ``timeout=``) plus a second per MiB
 asked for (:meth:`~.fsspec_store.FsspecStorage._bounded`), counted from when a worker starts it. A read still
@@ -56,73 +56,68 @@ _IDLE_SECONDS = 10.0
 #: seconds a wait on a read's future gives its worker past the read's deadline to report the read's own error
 _GRACE = 0.5
 
-_jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-_workers = 0
 _guard = threading.Lock()
 
 
 class _Store:
-    """What the reads of one file system share: its calls left unanswered (at most :data:`_CALLS`) and when
-    it last answered one (``time.monotonic()``: progress, which a queued read waits on)."""
+    """What the reads of one file system share: their workers (at most :data:`_WORKERS` threads, a queue of
+    their own: one store's hung calls never hold up another's reads), its calls left unanswered (at most
+    :data:`_CALLS`) and when it last answered a call (``time.monotonic()``: progress, which a queued read
+    waits on)."""
 
     def __init__(self, fs: Any) -> None:
         self.calls = threading.BoundedSemaphore(_CALLS)
         self.answered = time.monotonic()
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.workers = 0
         #: whether a reply of this file system may be the whole object whatever range was asked (HTTP: a
         #: server may ignore ``Range``; any other once it sent more than was asked for)
         self.whole_replies = "http" in (getattr(fs, "protocol", ()) or ())
-        self._sizes: dict[
-            str, int
-        ] = {}  # objects' sizes, asked for once per path (where replies may be whole)
 
-    def size(self, fs: Any, path: str) -> int:
-        """The size of the object at ``path`` (asked for once while it is among the last few thousand)."""
-        size = self._sizes.get(path)
-        if size is None:
-            size = int(fs.size(path))
-            if len(self._sizes) >= 4096:
-                self._sizes.clear()
-            self._sizes[path] = size
-        return size
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on one of this store's workers (daemons: a read never holds the interpreter's exit),
+        starting one while fewer than :data:`_WORKERS` run."""
+        self.jobs.put(job)
+        with _guard:
+            if self.workers < _WORKERS:
+                self.workers += 1
+                threading.Thread(target=self._work, name="acp-ranged-read", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get(timeout=_IDLE_SECONDS)
+            except queue.Empty:
+                with _guard:  # a job put meanwhile is seen here, or its submitter sees this worker gone
+                    if self.jobs.empty():
+                        self.workers -= 1
+                        return
+                continue
+            try:
+                job()  # hands its outcome to its future
+            except BaseException:  # noqa: BLE001 - a worker outlives any job
+                log.warning("storage: a ranged read failed outside its future", exc_info=True)
 
 
-_stores: dict[int, tuple[Any, _Store]] = {}  # id(fs) -> (a reference keeping the id unique, its state)
+#: the state of each file system, by its class and options (instances made with the same options share one:
+#: fsspec makes one per thread, each load may run on its own, and a hung store's calls must count against
+#: every load of it); small, and holds no file system
+_stores: dict[tuple[str, str], _Store] = {}
 
 
 def _store_of(fs: Any) -> _Store:
+    try:  # fsspec's own token names the thread that made the instance too (instances are per thread)
+        from fsspec.utils import tokenize
+
+        token = tokenize(type(fs).__module__, type(fs).__qualname__, getattr(fs, "storage_options", {}))
+    except Exception:  # noqa: BLE001 - options that cannot be tokenized: this instance alone
+        token = f"id-{id(fs)}"
+    key = (type(fs).__qualname__, token)
     with _guard:
-        held = _stores.get(id(fs))
-        if held is None or held[0] is not fs:
-            held = _stores[id(fs)] = (fs, _Store(fs))
-        return held[1]
-
-
-def _submit(job: Callable[[], None]) -> None:
-    """Run ``job`` on a worker thread (daemon: a read never holds the interpreter's exit), starting one while
-    fewer than :data:`_WORKERS` run."""
-    global _workers
-    _jobs.put(job)
-    with _guard:
-        if _workers < _WORKERS:
-            _workers += 1
-            threading.Thread(target=_work, name="acp-ranged-read", daemon=True).start()
-
-
-def _work() -> None:
-    global _workers
-    while True:
-        try:
-            job = _jobs.get(timeout=_IDLE_SECONDS)
-        except queue.Empty:
-            with _guard:  # a job put meanwhile is seen here, or its submitter sees this worker gone
-                if _jobs.empty():
-                    _workers -= 1
-                    return
-            continue
-        try:
-            job()  # hands its outcome to its future
-        except BaseException:  # noqa: BLE001 - a worker outlives any job
-            log.warning("storage: a ranged read failed outside its future", exc_info=True)
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = _Store(fs)
+        return store
 
 
 class ReadResult(NamedTuple):
@@ -146,9 +141,13 @@ class _Read(Future):  # type: ignore[type-arg]
         self.deadline: float | None = None  # once started: when it is past its bound
         self._where = where
 
+    def waited_since(self) -> float:
+        """Since when the read, not yet started, waited without its store answering a call."""
+        return max(self.asked, self.store.answered)
+
     def stalled(self, now: float) -> bool:
-        """Whether the read, not yet started, waited for the stall bound without its store answering."""
-        return now - max(self.asked, self.store.answered) > self.stall
+        """Whether the read, not yet started, waited for the stall bound without progress."""
+        return now - self.waited_since() > self.stall
 
     def result(self, timeout: float | None = None) -> Any:
         if timeout is not None:
@@ -157,14 +156,14 @@ class _Read(Future):  # type: ignore[type-arg]
             if self.deadline is not None:
                 end = self.deadline + _GRACE
             else:
-                end = max(self.asked, self.store.answered) + self.stall + _GRACE
+                end = self.waited_since() + self.stall + _GRACE
             try:
                 return super().result(max(0.0, min(end - time.monotonic(), 1.0)))
             except CancelledError:  # refused before it started: its store answered nothing while it waited
                 break
             except TimeoutError:
-                if self.done():  # the read's own error
-                    raise
+                if self.done():  # it ended just now (or its own error was a timeout): its outcome
+                    return super().result(0)
                 if time.monotonic() < end:
                     continue  # the store answered meanwhile (queued), or the bound is not reached yet
             if self.deadline is None and not self.cancel():
@@ -188,6 +187,7 @@ class FsspecRanges:
         self._guard = threading.Lock()
         self.requests = 0
         self.requested_bytes = 0
+        self._sizes: dict[str, int | None] = {}  # objects' sizes asked for by this reader (one load)
 
     def read(self, key: str, byte_range: slice | None = None) -> Future[ReadResult]:
         """Bytes ``byte_range`` of the object ``key`` (``slice(start, stop)``; ``slice(-n, None)``: its last
@@ -215,11 +215,11 @@ class FsspecRanges:
                 return  # cancelled while queued: never sent
             out.deadline = time.monotonic() + bound
             try:
-                out.set_result(fetch(self._storage, path, start, stop, out.deadline))
+                out.set_result(fetch(self._storage, path, start, stop, out.deadline, self._sizes))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 out.set_exception(e)
 
-        _submit(run)
+        store.submit(run)
         return out
 
 
@@ -235,7 +235,12 @@ def _bound(storage: Any, start: int | None, stop: int | None) -> float:
 
 
 def fetch(
-    storage: Any, path: str, start: int | None, stop: int | None, deadline: float | None = None
+    storage: Any,
+    path: str,
+    start: int | None,
+    stop: int | None,
+    deadline: float | None = None,
+    sizes: dict[str, int | None] | None = None,
 ) -> ReadResult:
     """``[start, stop)`` of the object at the file system path ``path`` of the fsspec backend ``storage``
     (see :meth:`FsspecRanges.read`), retried by the backend on transient errors and ended by ``deadline``
@@ -252,7 +257,7 @@ def fetch(
             if start is None and stop is None:
                 return ReadResult("value", _bounded_cat(fs, path, MAX_OBJECT_BYTES))
             data = bytes(fs.cat_file(path, start=start, end=stop))
-            return ReadResult("value", _as_asked(fs, path, where, data, start, stop, store))
+            return ReadResult("value", _as_asked(fs, path, where, data, start, stop, store, sizes))
         except FileNotFoundError:
             return ReadResult("missing", b"")
         except OSError as e:  # a range starting past the object's end (S3: 416 InvalidRange)
@@ -286,17 +291,19 @@ def _as_asked(
     start: int | None,
     stop: int | None,
     store: _Store | None = None,
+    sizes: dict[str, int | None] | None = None,
 ) -> bytes:
     """``data``, a reply to a read of ``[start, stop)``, as that range: a server that ignores ``Range`` sends
     the whole object, which is cut to it. The object's size is asked for when the reply is longer than the
-    range, or, from a file system whose replies may be whole objects (``store.whole_replies``: once per
-    object), for a range at an offset (a whole object can be as long as the range, or shorter where the
-    range reaches past its end); any other reply of the wrong length is refused."""
+    range, or, from a file system whose replies may be whole objects (``store.whole_replies``), for a range at
+    an offset (a whole object can be as long as the range, or shorter where the range reaches past its end):
+    once per object and reader (``sizes``: one load). Where the size is unknown (a server that sends none), a
+    reply no longer than the range is taken as it; any other reply of the wrong length is refused."""
     start = start or 0
     if start < 0:  # the last -start bytes: a whole object no longer than that is its own suffix
         if len(data) <= -start:
             return data
-        size = fs.size(path)
+        size = _size(fs, path, sizes)
         if size == len(data):
             return data[start:]
         raise _not_the_range(where, data, -start, size)
@@ -307,7 +314,11 @@ def _as_asked(
         return data  # the range (or what the object holds of it), or the whole object from its start
     if store is not None:
         store.whole_replies = True
-    size = fs.size(path) if store is None else store.size(fs, path)
+    size = _size(fs, path, sizes)
+    if size is None:
+        if longer:
+            raise _not_the_range(where, data, asked, size)
+        return data
     if len(data) == size and (longer or start > 0):  # the whole object (a range at an offset is shorter)
         return data[start:stop]
     if len(data) != max(0, min(size, size if stop is None else stop) - start):
@@ -315,10 +326,23 @@ def _as_asked(
     return data
 
 
-def _not_the_range(where: str, data: bytes, asked: int | None, size: int) -> StorageError:
+def _size(fs: Any, path: str, sizes: dict[str, int | None] | None) -> int | None:
+    """The size of the object at ``path`` (None where the file system does not know it), asked for once per
+    ``sizes``."""
+    if sizes is not None and path in sizes:
+        return sizes[path]
+    got = fs.size(path)
+    size = int(got) if isinstance(got, int) and got >= 0 else None
+    if sizes is not None:
+        sizes[path] = size
+    return size
+
+
+def _not_the_range(where: str, data: bytes, asked: int | None, size: int | None) -> StorageError:
     return StorageError(
         f"storage read of {where} failed: {len(data)} bytes came back for a range of "
-        f"{'the rest' if asked is None else asked} bytes, and the object is {size} bytes: the server's reply is "
+        f"{'the rest' if asked is None else asked} bytes, and the object is {'?' if size is None else size} bytes: "
+        "the server's reply is "
         "not the range asked for"
     )
 

@@ -1,8 +1,9 @@
 """fsspec ranged reads (:mod:`arraycheckpoint.storage.ranged`) of one store neither wait on nor fail because
 of another's, and a slow but live store's queued reads wait for it instead of failing as stalls.
 
-Before (review22c): the cap on calls left unanswered was one per process, so a hung mount's 64 calls made
-every later read of a healthy store fail as a stall; a read's bound started when it was asked, so reads queued
+Before (review22c, review22e): the cap on calls left unanswered and the workers were one per process, so a
+hung mount's 64 calls made every later read of a healthy store fail as a stall, and its reads in flight made
+a healthy store's reads wait behind them and fail; a read's bound started when it was asked, so reads queued
 behind a live store's answers (40 ms each, 1,200 reads at ``timeout=1``) failed as stalls (432 of them); and an
 HTTP server that ignores ``Range`` gave the object's first bytes for a range at an offset reaching past its
 end."""
@@ -66,7 +67,11 @@ def test_a_hung_store_does_not_stop_another_stores_reads(tmp_path: Path) -> None
             for f in reads:
                 with pytest.raises(StorageError, match="stalls"):
                     f.result()
+        running = [on_hung.read("obj", byte_range=slice(i, i + 4)) for i in range(64)]  # in flight now
         assert on_healthy.read("obj", byte_range=slice(3, 7)).result().value == bytes(range(3, 7))
+        for f in running:
+            with pytest.raises(StorageError, match="stalls"):
+                f.result()
         assert healthy.read_suffix(f"file://{tmp_path}", "obj", 16) == (bytes(range(240, 256)), None)
     finally:
         _HUNG.set()
