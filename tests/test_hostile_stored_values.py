@@ -39,7 +39,13 @@ def _saved_with(tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
         lambda v: v.__setitem__("d", {"__dict__": 7}),
         lambda v: v.__setitem__("f", {"__float__": "x"}),
     ],
-    ids=["tuple of a number", "array ref a number", "array ref not stored", "dict of a number", "float of a word"],
+    ids=[
+        "tuple of a number",
+        "array ref a number",
+        "array ref not stored",
+        "dict of a number",
+        "float of a word",
+    ],
 )
 def test_a_malformed_tag_in_extra_state_is_named(
     tmp_path: Path, edit: Callable[[dict[str, Any]], None]
