@@ -46,17 +46,21 @@ log = logging.getLogger("arraycheckpoint")
 
 #: bytes assumed for the time bound of a read of a whole object of unknown size
 _WHOLE_GUESS = 64 << 20
-#: the most ranged reads running at once in a process (each waits on a bounded call of its own)
+#: the most ranged reads running at once on one store (each waits on a bounded call of its own)
 _WORKERS = 32
-#: the most calls into the file system unanswered at once in a process (running, or left on their threads by
-#: a read that timed out: a stalled store holds each until it answers)
+#: the most calls into one store unanswered at once (running, or left on their threads by a read that timed
+#: out: a stalled store holds each until it answers)
 _CALLS = 2 * _WORKERS
+#: the most calls unanswered at once in the process, over all stores (stores keyed by options that differ on
+#: every load would otherwise each leave their own)
+_PROCESS_CALLS = 4 * _CALLS
 #: seconds an idle worker waits for a read before it ends
 _IDLE_SECONDS = 10.0
 #: seconds a wait on a read's future gives its worker past the read's deadline to report the read's own error
 _GRACE = 0.5
 
 _guard = threading.Lock()
+_process_calls = threading.BoundedSemaphore(_PROCESS_CALLS)
 
 
 class _Store:
@@ -72,7 +76,7 @@ class _Store:
         self.workers = 0
         #: whether a reply of this file system may be the whole object whatever range was asked (HTTP: a
         #: server may ignore ``Range``; any other once it sent more than was asked for)
-        self.whole_replies = "http" in (getattr(fs, "protocol", ()) or ())
+        self.whole_replies = _http(fs)
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on one of this store's workers (daemons: a read never holds the interpreter's exit),
@@ -81,7 +85,11 @@ class _Store:
         with _guard:
             if self.workers < _WORKERS:
                 self.workers += 1
-                threading.Thread(target=self._work, name="acp-ranged-read", daemon=True).start()
+                try:
+                    threading.Thread(target=self._work, name="acp-ranged-read", daemon=True).start()
+                except BaseException:  # no thread (a process at its limit): not counted
+                    self.workers -= 1
+                    raise
 
     def _work(self) -> None:
         while True:
@@ -105,13 +113,21 @@ class _Store:
 _stores: dict[tuple[str, str], _Store] = {}
 
 
-def _store_of(fs: Any) -> _Store:
+def _http(fs: Any) -> bool:
+    return "http" in (getattr(fs, "protocol", ()) or ())
+
+
+def _store_of(fs: Any, path: str = "") -> _Store:
     try:  # fsspec's own token names the thread that made the instance too (instances are per thread)
         from fsspec.utils import tokenize
 
         token = tokenize(type(fs).__module__, type(fs).__qualname__, getattr(fs, "storage_options", {}))
     except Exception:  # noqa: BLE001 - options that cannot be tokenized: this instance alone
         token = f"id-{id(fs)}"
+    if _http(fs):  # one HTTP file system serves every host: each host is a store of its own
+        from urllib.parse import urlsplit
+
+        token += "@" + urlsplit(path).netloc
     key = (type(fs).__qualname__, token)
     with _guard:
         store = _stores.get(key)
@@ -149,23 +165,26 @@ class _Read(Future):  # type: ignore[type-arg]
         """Whether the read, not yet started, waited for the stall bound without progress."""
         return now - self.waited_since() > self.stall
 
+    def _end(self) -> float:
+        """When a wait on the read gives up: its bound from its start, or, queued, the stall bound from its
+        store's last answer (plus :data:`_GRACE` for the worker to report the read's own error)."""
+        if self.deadline is not None:
+            return self.deadline + _GRACE
+        return self.waited_since() + self.stall + _GRACE
+
     def result(self, timeout: float | None = None) -> Any:
         if timeout is not None:
             return super().result(timeout)
         while True:
-            if self.deadline is not None:
-                end = self.deadline + _GRACE
-            else:
-                end = self.waited_since() + self.stall + _GRACE
             try:
-                return super().result(max(0.0, min(end - time.monotonic(), 1.0)))
+                return super().result(max(0.0, min(self._end() - time.monotonic(), 1.0)))
             except CancelledError:  # refused before it started: its store answered nothing while it waited
                 break
             except TimeoutError:
                 if self.done():  # it ended just now (or its own error was a timeout): its outcome
                     return super().result(0)
-                if time.monotonic() < end:
-                    continue  # the store answered meanwhile (queued), or the bound is not reached yet
+                if time.monotonic() < self._end():  # as of now: it started, or its store answered, meanwhile
+                    continue
             if self.deadline is None and not self.cancel():
                 continue  # it started just now: its own bound decides
             break
@@ -197,7 +216,7 @@ class FsspecRanges:
         start = None if byte_range is None else byte_range.start
         stop = None if byte_range is None else byte_range.stop
         bound = _bound(self._storage, start, stop)
-        store = _store_of(self._storage.fs)
+        store = _store_of(self._storage.fs, path)
         out = _Read(store, float(self._storage.stall_bound()), bound, self._storage.normalize(path))
         if start is not None and start >= 0 and stop is not None and stop <= start:
             out.set_result(ReadResult("value", b""))  # nothing to ask for (fsspec reads 0-0 as everything)
@@ -246,7 +265,7 @@ def fetch(
     (see :meth:`FsspecRanges.read`), retried by the backend on transient errors and ended by ``deadline``
     (``time.monotonic()``; None: the read's bound from now)."""
     fs = storage.fs
-    store = _store_of(fs)
+    store = _store_of(fs, path)
     bound = _bound(storage, start, stop)
     if deadline is None:
         deadline = time.monotonic() + bound
@@ -267,15 +286,18 @@ def fetch(
         finally:
             store.answered = time.monotonic()  # an answer, whatever it says: the store is alive
             store.calls.release()
+            _process_calls.release()
 
     def attempt() -> ReadResult:
         left = deadline - time.monotonic()
-        if left <= 0 or not store.calls.acquire(timeout=left):
-            raise TimeoutError(
-                f"no answer from the store within {bound:.3g} s (it stalls: {_CALLS} calls into it are left "
-                "unanswered)"
-            )
-        return storage._bounded("read", where, op, seconds=deadline - time.monotonic())  # type: ignore[no-any-return]
+        if left > 0 and store.calls.acquire(timeout=left):
+            if _process_calls.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return storage._bounded("read", where, op, seconds=deadline - time.monotonic())  # type: ignore[no-any-return]
+            store.calls.release()
+        raise TimeoutError(
+            f"no answer from the store within {bound:.3g} s (it stalls: {_CALLS} calls into it, or "
+            f"{_PROCESS_CALLS} in the process, are left unanswered)"
+        )
 
     result: ReadResult = retry_call(
         "read", where, attempt, storage.retry_policy, deadline=max(0.0, deadline - time.monotonic())

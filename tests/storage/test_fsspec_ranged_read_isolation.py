@@ -111,3 +111,31 @@ def test_an_http_server_ignoring_range_is_read_as_asked_past_the_end(tmp_path: P
             assert reads.read("obj", byte_range=r).result().value == data[r], r
     finally:
         server.shutdown()
+
+
+class _SteadyFS(LocalFileSystem):
+    protocol = ("acpsteady",)
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        return LocalFileSystem._strip_protocol(str(path).removeprefix("acpsteady://"))
+
+    def cat_file(self, path: Any, start: Any = None, end: Any = None, **kw: Any) -> Any:
+        time.sleep(1.1)  # every call answered, a little faster than the stall bound
+        return super().cat_file(path, start=start, end=end, **kw)
+
+
+def test_a_read_queued_on_a_store_that_answers_just_within_the_stall_bound_is_not_refused(
+    tmp_path: Path,
+) -> None:
+    """A wait on a queued read judged the store's last answer as of its previous wake-up: an answer landing
+    during its last short wait was not seen, and a live store's read was refused as a stall (review22f)."""
+    fsspec.register_implementation("acpsteady", _SteadyFS, clobber=True)
+    (tmp_path / "big").write_bytes(b"x" * (1 << 16))
+    steady = FsspecStorage("acpsteady", {})
+    steady.stall_timeout = 1.2
+    reads = steady.ranged_reads(f"acpsteady://{tmp_path}")
+    first = [reads.read("big", byte_range=slice(0, 1024)) for _ in range(64)]  # 32 run, 32 queue
+    late = reads.read("big", byte_range=slice(0, 1024))  # starts with the third wave, ~2.2 s from now
+    assert late.result().value == b"x" * 1024
+    assert all(f.result().value == b"x" * 1024 for f in first)
