@@ -314,7 +314,7 @@ class _PackReader:
             return self._read(list(ranges))
         cheaper = self._cheaper and len(ranges) * _PACK_TAIL_BYTES >= self.size > len(self._tail)
         if cheaper and self._whole is None:
-            (self._whole,) = self._read([(0, None)])
+            (self._whole,) = self._read([(0, self.size)])  # its size known: the read's time bound counts it
             if len(self._whole) != self.size:
                 raise CorruptCheckpointError(f"{self.path} is not the size its end records say (or changed)")
         held = self._whole if self._whole is not None else self._tail

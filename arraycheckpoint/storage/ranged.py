@@ -234,7 +234,7 @@ class FsspecRanges:
                 return  # cancelled while queued: never sent
             out.deadline = time.monotonic() + bound
             try:
-                out.set_result(fetch(self._storage, path, start, stop, out.deadline, self._sizes))
+                out.set_result(fetch(self._storage, path, start, stop, out.deadline, self._sizes, store))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 out.set_exception(e)
 
@@ -260,12 +260,14 @@ def fetch(
     stop: int | None,
     deadline: float | None = None,
     sizes: dict[str, int | None] | None = None,
+    store: _Store | None = None,
 ) -> ReadResult:
     """``[start, stop)`` of the object at the file system path ``path`` of the fsspec backend ``storage``
     (see :meth:`FsspecRanges.read`), retried by the backend on transient errors and ended by ``deadline``
     (``time.monotonic()``; None: the read's bound from now)."""
     fs = storage.fs
-    store = _store_of(fs, path)
+    if store is None:
+        store = _store_of(fs, path)
     bound = _bound(storage, start, stop)
     if deadline is None:
         deadline = time.monotonic() + bound
