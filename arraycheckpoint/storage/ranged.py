@@ -12,14 +12,16 @@ Each call runs on one of at most :data:`_WORKERS` threads of its file system (th
 at once, as tensorstore fetches its futures; a check reading a thousand local headers queues them) and is
 bounded like every fsspec call of the backend: the stall bound (the load's ``timeout=``) plus a second per MiB
 asked for (:meth:`~.fsspec_store.FsspecStorage._bounded`), counted from when a worker starts it. A read still
-queued fails once its store answered no call for the stall bound while it waited (a store that stops
-answering: its reads fail within about their bound, whatever the file system's own retries); reads queued
-behind a slow but live store's (or behind other loads') wait for it (each answer is progress). A wait on a
+queued fails once its store answered no call for the stall bound while it waited and the earliest of its calls
+in flight is past its own bound (a store that stops answering: its reads fail within about their bound,
+whatever the file system's own retries); reads queued behind a slow but live store's (or behind other loads')
+wait for it (each answer is progress, and so is a call still within its bound). A wait on a
 read's future (``result()``) ends by then too, and a transient error is retried while the bound allows. A load
 that fails cancels its reads not yet started (:class:`~arraycheckpoint.engine.coalesce.SpanReader`), and at
 most :data:`_CALLS` calls into one file system are left unanswered at once (each on a thread that cannot be
 stopped: a read finding them all taken fails at its bound instead of starting another; another store's reads
-are not held up by them). A reply longer than the range asked for
+are not held up by them; a call whose thread could not start gives its slot back at once). A reply longer
+than the range asked for
 (a server that ignores ``Range`` sends the whole object) is sliced when it is the whole object, refused
 otherwise. A range past the object's end reads as what the object holds of it
 (nothing, where it starts past the end: S3's ``416``), a missing object as ``state == "missing"``, so the
@@ -29,10 +31,12 @@ pack readers handle both as they handle tensorstore's answers (a member cut shor
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from typing import Any, NamedTuple
@@ -66,21 +70,29 @@ _process_calls = threading.BoundedSemaphore(_PROCESS_CALLS)
 class _Store:
     """What the reads of one file system share: their workers (at most :data:`_WORKERS` threads, a queue of
     their own: one store's hung calls never hold up another's reads), its calls left unanswered (at most
-    :data:`_CALLS`) and when it last answered a call (``time.monotonic()``: progress, which a queued read
-    waits on)."""
+    :data:`_CALLS`), when it last answered a call (``time.monotonic()``: progress, which a queued read
+    waits on) and the deadlines of its calls not answered yet (a call still within its own bound is a slow but
+    live store's, which a queued read waits for too)."""
 
     def __init__(self, fs: Any) -> None:
         self.calls = threading.BoundedSemaphore(_CALLS)
         self.answered = time.monotonic()
+        self.running: dict[int, float] = {}  # deadline of each call sent and not answered, by a number of its own
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.workers = 0
         #: whether a reply of this file system may be the whole object whatever range was asked (HTTP: a
         #: server may ignore ``Range``; any other once it sent more than was asked for)
         self.whole_replies = _http(fs)
 
+    def earliest(self) -> float | None:
+        """The earliest deadline of this store's calls not answered yet (None: none is in flight)."""
+        with _guard:
+            return min(self.running.values(), default=None)
+
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on one of this store's workers (daemons: a read never holds the interpreter's exit),
-        starting one while fewer than :data:`_WORKERS` run."""
+        starting one while fewer than :data:`_WORKERS` run. Raises when no worker runs and none can start (a
+        process at its thread limit): the caller cancels the job's future, so no later worker sends it."""
         self.jobs.put(job)
         with _guard:
             if self.workers < _WORKERS:
@@ -89,7 +101,9 @@ class _Store:
                     threading.Thread(target=self._work, name="acp-ranged-read", daemon=True).start()
                 except BaseException:  # no thread (a process at its limit): not counted
                     self.workers -= 1
-                    raise
+                    if self.workers == 0:
+                        raise
+                    log.debug("storage: no new ranged-read thread; %d running serve the read", self.workers)
 
     def _work(self) -> None:
         while True:
@@ -109,8 +123,12 @@ class _Store:
 
 #: the state of each file system, by its class and options (instances made with the same options share one:
 #: fsspec makes one per thread, each load may run on its own, and a hung store's calls must count against
-#: every load of it); small, and holds no file system
-_stores: dict[tuple[str, str], _Store] = {}
+#: every load of it); small, and holds no file system. Held weakly: an entry lives while a worker, a read's
+#: future or a call (hung ones too) holds it, so options that differ on every load (rotated credentials) do
+#: not pile up
+_stores: weakref.WeakValueDictionary[tuple[str, str], _Store] = weakref.WeakValueDictionary()
+#: numbers the calls of :attr:`_Store.running`
+_call_ids = itertools.count()
 
 
 def _http(fs: Any) -> bool:
@@ -161,16 +179,22 @@ class _Read(Future):  # type: ignore[type-arg]
         """Since when the read, not yet started, waited without its store answering a call."""
         return max(self.asked, self.store.answered)
 
+    def _stalls_at(self) -> float:
+        """When the read, not yet started, counts as waiting on a stalled store: the stall bound after its
+        store's last answer (or its own start), and not before the earliest call in flight there is past its
+        own bound (a slow but live store's calls, each within its bound, keep it waiting)."""
+        return max(self.waited_since() + self.stall, self.store.earliest() or 0.0)
+
     def stalled(self, now: float) -> bool:
         """Whether the read, not yet started, waited for the stall bound without progress."""
-        return now - self.waited_since() > self.stall
+        return now > self._stalls_at()
 
     def _end(self) -> float:
-        """When a wait on the read gives up: its bound from its start, or, queued, the stall bound from its
-        store's last answer (plus :data:`_GRACE` for the worker to report the read's own error)."""
+        """When a wait on the read gives up: its bound from its start, or, queued, when it counts as stalled
+        (:meth:`_stalls_at`) (plus :data:`_GRACE` for the worker to report the read's own error)."""
         if self.deadline is not None:
             return self.deadline + _GRACE
-        return self.waited_since() + self.stall + _GRACE
+        return self._stalls_at() + _GRACE
 
     def result(self, timeout: float | None = None) -> Any:
         if timeout is not None:
@@ -238,7 +262,11 @@ class FsspecRanges:
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 out.set_exception(e)
 
-        store.submit(run)
+        try:
+            store.submit(run)
+        except BaseException:
+            out.cancel()  # queued with no worker to run it: never sent by a later one
+            raise
         return out
 
 
@@ -273,7 +301,9 @@ def fetch(
         deadline = time.monotonic() + bound
     where = storage.normalize(path)
 
-    def op() -> ReadResult:
+    def op(call: _Call) -> ReadResult:
+        if not call.begin():
+            raise TimeoutError("abandoned before it began")  # its slots were given back: nobody waits on it
         try:
             if start is None and stop is None:
                 return ReadResult("value", _bounded_cat(fs, path, MAX_OBJECT_BYTES))
@@ -287,14 +317,18 @@ def fetch(
             raise
         finally:
             store.answered = time.monotonic()  # an answer, whatever it says: the store is alive
-            store.calls.release()
-            _process_calls.release()
+            call.end()
 
     def attempt() -> ReadResult:
         left = deadline - time.monotonic()
         if left > 0 and store.calls.acquire(timeout=left):
             if _process_calls.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                return storage._bounded("read", where, op, seconds=deadline - time.monotonic())  # type: ignore[no-any-return]
+                call = _Call(store, deadline)
+                try:
+                    return storage._bounded("read", where, lambda: op(call), seconds=deadline - time.monotonic())  # type: ignore[no-any-return]
+                except BaseException:
+                    call.abandon()  # its thread never ran it (none could start): its slots back now
+                    raise
             store.calls.release()
         raise TimeoutError(
             f"no answer from the store within {bound:.3g} s (it stalls: {_CALLS} calls into it, or "
@@ -305,6 +339,47 @@ def fetch(
         "read", where, attempt, storage.retry_policy, deadline=max(0.0, deadline - time.monotonic())
     )
     return result
+
+
+class _Call:
+    """One call into a store, holding one of its slots and one of the process's (taken by the caller) until
+    it ends, or until it is abandoned before it began (its thread could not start): whichever comes first
+    gives them back, once; a call abandoned so returns at once if its thread starts after all."""
+
+    def __init__(self, store: _Store, deadline: float) -> None:
+        self._store = store
+        self._id = next(_call_ids)
+        self._state = "waiting"  # then "running", "abandoned" or "ended"
+        with _guard:
+            store.running[self._id] = deadline
+
+    def begin(self) -> bool:
+        """Whether the call may run (it was not abandoned)."""
+        with _guard:
+            if self._state != "waiting":
+                return False
+            self._state = "running"
+            return True
+
+    def abandon(self) -> None:
+        """Give the slots back unless the call began (a call that began gives them back when it ends)."""
+        with _guard:
+            if self._state != "waiting":
+                return
+            self._state = "abandoned"
+        self._free()
+
+    def end(self) -> None:
+        """The call that began ended (answered or failed): its slots back."""
+        with _guard:
+            self._state = "ended"
+        self._free()
+
+    def _free(self) -> None:
+        with _guard:
+            self._store.running.pop(self._id, None)
+        self._store.calls.release()
+        _process_calls.release()
 
 
 def _as_asked(
