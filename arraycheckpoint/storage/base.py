@@ -382,11 +382,20 @@ class Storage(ABC):
             return raw.decode(errors="replace")
 
     def release(self, final: str, token: str) -> None:
-        """Drop the claim taken by :meth:`acquire` (idempotent; a lock held by another token stays)."""
+        """Drop the claim taken by :meth:`acquire` (idempotent; a lock held by another token stays). Under a
+        lease the delete is conditional on the lock's generation read with its token: a release delayed past
+        the lease (its host frozen) never deletes the lock of a save that took the target over meanwhile."""
         lease.drop(self, final, token)
         self._lease_token = None
-        if self._lock_token(final) == token and self._kept_lock != final:
-            self.delete_key(final, LOCK_KEY)
+        if self._kept_lock == final:
+            return
+        if not self._leases():
+            if self._lock_token(final) == token:
+                self.delete_key(final, LOCK_KEY)
+            return
+        raw, generation = self._lock_state(final)
+        if raw is not None and self._token_in(final, raw) == token:
+            self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._delete_lock_if(final, generation))
 
     def stalled(self) -> str | None:
         """A request of this save that timed out but may still land (named), or None: the coordinator then
@@ -443,6 +452,7 @@ class Storage(ABC):
                 f"storage commit of {final} refused: this save's lock {final}/{LOCK_KEY} is held by save "
                 f"{holder} now (it was taken over: this save did not refresh it for its lease)"
             )
+        self.check_lease(final)  # again: a slow read may have answered from before the lease ran out
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         """Make the checkpoint visible: the marker is written last, and only while this save still holds its
