@@ -157,8 +157,8 @@ def _pack_directory(
         if held is None:
             got = None
         else:
-            entries, size, cd_offset, read_remote = held
-            reader = _PackReader(path, read_remote, size, whole_when_cheaper=True)
+            entries, size, cd_offset, read_remote, exact = held
+            reader = _PackReader(path, read_remote, size, whole_when_cheaper=True, exact=exact)
             _check_entries(path, entries, cd_offset, reader, check_members, deferred)
             return entries, size
     else:
@@ -184,7 +184,7 @@ def _pack_directory(
     )
     reader.size = size
     if keep:
-        parsed[held_at] = (entries, size, cd_offset, read_remote)  # type: ignore[index]
+        parsed[held_at] = (entries, size, cd_offset, read_remote, reader.exact)  # type: ignore[index]
     _check_entries(path, entries, cd_offset, reader, check_members, deferred)
     start = size - len(tail)
     if deferred is not None and cd_offset > start:  # a load: its members in the bytes read, served from them
@@ -295,7 +295,9 @@ class _PackReader:
     """Reads of byte ranges of one pack (``read(ranges)``: ``pread`` on a local file, concurrent ranged reads
     on an object store), serving what the first read of its end (``tail``) holds from memory. With
     ``whole_when_cheaper``, a batch of more ranges than the pack's size in first reads (``n x``
-    :data:`_PACK_TAIL_BYTES` >= size: many members read from a small pack) fetches the pack once instead."""
+    :data:`_PACK_TAIL_BYTES` >= size: many members read from a small pack) fetches the pack once instead:
+    up to its size where the store told it (``exact``: the object's own size), else all of it (the size then
+    is what its end records say, and an object longer than that, bytes no record accounts for, is refused)."""
 
     def __init__(
         self,
@@ -304,8 +306,10 @@ class _PackReader:
         size: int | None,
         tail: bytes = b"",
         whole_when_cheaper: bool = False,
+        exact: bool | None = None,
     ) -> None:
         self.path, self._read, self.size, self._tail = path, read, size, tail
+        self.exact = size is not None if exact is None else exact  # ``size`` is the object's, from its store
         self._whole: bytes | None = None
         self._cheaper = whole_when_cheaper
 
@@ -314,7 +318,8 @@ class _PackReader:
             return self._read(list(ranges))
         cheaper = self._cheaper and len(ranges) * _PACK_TAIL_BYTES >= self.size > len(self._tail)
         if cheaper and self._whole is None:
-            (self._whole,) = self._read([(0, self.size)])  # its size known: the read's time bound counts it
+            # its own size known: the read's time bound counts it; else all of it, to compare with the records
+            (self._whole,) = self._read([(0, self.size if self.exact else None)])
             if len(self._whole) != self.size:
                 raise CorruptCheckpointError(f"{self.path} is not the size its end records say (or changed)")
         held = self._whole if self._whole is not None else self._tail
