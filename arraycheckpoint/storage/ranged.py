@@ -77,7 +77,8 @@ class _Store:
     def __init__(self, fs: Any) -> None:
         self.calls = threading.BoundedSemaphore(_CALLS)
         self.answered = time.monotonic()
-        self.running: dict[int, float] = {}  # deadline of each call sent and not answered, by a number of its own
+        #: the deadline of each call sent and not answered yet, by a number of its own (:class:`_Call`)
+        self.running: dict[int, float] = {}
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.workers = 0
         #: whether a reply of this file system may be the whole object whatever range was asked (HTTP: a
@@ -325,7 +326,8 @@ def fetch(
             if _process_calls.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 call = _Call(store, deadline)
                 try:
-                    return storage._bounded("read", where, lambda: op(call), seconds=deadline - time.monotonic())  # type: ignore[no-any-return]
+                    left = deadline - time.monotonic()
+                    return storage._bounded("read", where, lambda: op(call), seconds=left)  # type: ignore[no-any-return]
                 except BaseException:
                     call.abandon()  # its thread never ran it (none could start): its slots back now
                     raise

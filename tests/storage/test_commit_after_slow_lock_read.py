@@ -11,11 +11,10 @@ import time
 from typing import Any
 
 import pytest
+from lease_helpers import fresh_url, frozen, short_leases  # noqa: F401 - a fixture
 
 from arraycheckpoint.errors import StorageError
 from arraycheckpoint.storage import storage_for
-
-from lease_helpers import fresh_url, frozen, short_leases  # noqa: F401 - a fixture
 
 
 @pytest.mark.usefixtures("short_leases")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+from fsspec_helpers import LocalUnder
 
 from arraycheckpoint.storage import ranged
 from arraycheckpoint.storage.fsspec_store import FsspecStorage
@@ -21,12 +21,8 @@ from arraycheckpoint.storage.fsspec_store import FsspecStorage
 _BIG = 4 << 20  # bound 1 s + 4 s: a read of it taking 2 s is well within its bound
 
 
-class _SlowBigFS(LocalFileSystem):
+class _SlowBigFS(LocalUnder):
     protocol = ("acpslowbig",)
-
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> Any:
-        return LocalFileSystem._strip_protocol(str(path).removeprefix("acpslowbig://"))
 
     def cat_file(self, path: Any, start: Any = None, end: Any = None, **kw: Any) -> Any:
         if (end or 0) - (start or 0) >= _BIG:

@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 import pytest
-from fsspec.implementations.local import LocalFileSystem
+from fsspec_helpers import LocalUnder
 
 from arraycheckpoint.errors import StorageError
 from arraycheckpoint.storage import ranged
@@ -25,12 +25,8 @@ from arraycheckpoint.storage.fsspec_store import FsspecStorage
 _SENT: list[tuple[Any, Any]] = []  # the ranges the recording store was asked for
 
 
-class _RecordingFS(LocalFileSystem):
+class _RecordingFS(LocalUnder):
     protocol = ("acprecord",)
-
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> Any:
-        return LocalFileSystem._strip_protocol(str(path).removeprefix("acprecord://"))
 
     def cat_file(self, path: Any, start: Any = None, end: Any = None, **kw: Any) -> Any:
         _SENT.append((start, end))

@@ -13,13 +13,12 @@ import time
 from typing import Any
 
 import pytest
+from lease_helpers import fresh_url, short_leases  # noqa: F401 - a fixture
 
 from arraycheckpoint.errors import CheckpointExistsError
 from arraycheckpoint.storage import lease, storage_for
 from arraycheckpoint.storage.base import LOCK_KEY
 from arraycheckpoint.storage.memory import MemoryStorage
-
-from lease_helpers import fresh_url, short_leases  # noqa: F401 - a fixture
 
 
 def _claim(url: str, token: str) -> tuple[Any, str]:
