@@ -48,6 +48,7 @@ from typing import Any
 from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
 from .base import LOCK_KEY, Storage
+from .httpread import is_http, read_range
 from .retry import call_within, is_transient
 from .stalls import StallTracker, refuse_if_stalled
 
@@ -496,7 +497,10 @@ def _batches(sizes: dict[str, int | None]) -> list[list[str]]:
 
 def _bounded_cat(fs: Any, path: str, limit: int = MAX_OBJECT_BYTES) -> bytes:
     """The bytes of ``path``, refusing (without fetching more than ``limit + 1`` bytes) a larger object."""
-    data = bytes(fs.cat_file(path, start=0, end=limit + 1))
+    if is_http(fs):  # a server may send the whole object, whatever was asked: streamed, cut at the limit
+        data = read_range(fs, path, 0, limit + 1, limit + 1)
+    else:
+        data = bytes(fs.cat_file(path, start=0, end=limit + 1))
     if len(data) > limit:
         raise MetadataError(
             f"{path} is larger than {limit} bytes, more than a valid checkpoint stores in one object; the "
