@@ -33,7 +33,7 @@ from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
 from . import locks
-from .base import Storage
+from .base import Storage, check_read_size, read_limit
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -255,11 +255,10 @@ class LocalStorage(Storage):
             shutil.rmtree(staging, ignore_errors=True)
 
     # Small-object and manager operations with plain POSIX calls -----------------------------------------
-    def read(self, root: str, key: str) -> bytes | None:
-        """The regular file ``root/key`` (never through a symlink at or below ``root``, never a FIFO), or None
-        when absent."""
-        from ..checks.bounds import MAX_METADATA_BYTES
-
+    def read(self, root: str, key: str, limit: int | None = None) -> bytes | None:
+        """The regular file ``root/key`` (never through a symlink at or below ``root``, never a FIFO) of at most
+        ``limit`` bytes (:meth:`Storage.read`), or None when absent."""
+        limit = read_limit(limit)
         path = os.path.join(root, key)
         fd = _open_below(root, key)
         if fd is None:
@@ -270,12 +269,12 @@ class LocalStorage(Storage):
                 raise CorruptCheckpointError(
                     f"{path} is not a regular file; a checkpoint holds only regular files"
                 )
-            if st.st_size > MAX_METADATA_BYTES:
+            if st.st_size > limit:
                 raise MetadataError(
-                    f"{path} is {st.st_size} bytes, above the limit of {MAX_METADATA_BYTES} for a checkpoint's "
-                    "metadata file; the checkpoint is damaged or hostile"
+                    f"{path} is {st.st_size} bytes, above the limit of {limit} for that file of a checkpoint; "
+                    "the checkpoint is damaged or hostile"
                 )
-            return f.read(MAX_METADATA_BYTES + 1)
+            return check_read_size(path, f.read(limit + 1), limit)
 
     def exists(self, root: str, key: str) -> bool:
         """Whether ``root/key`` is a file, by a stat of the descriptor (never a read; links refused as in

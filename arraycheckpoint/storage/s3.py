@@ -34,7 +34,7 @@ import threading
 from typing import Any
 
 from ..errors import StorageError
-from .base import Storage
+from .base import Storage, check_read_size, read_limit
 
 #: one botocore client per backend, created by one thread
 _client_guard = threading.RLock()
@@ -197,6 +197,44 @@ class S3Storage(Storage):
                 return sorted(n for n in names if n)
             args["ContinuationToken"] = token
 
+    def read(self, root: str, key: str, limit: int | None = None) -> bytes | None:
+        """The object ``root/key`` of at most ``limit`` bytes (:meth:`Storage.read`), or None when absent: one
+        GET of its first ``limit + 1`` bytes through botocore, of which no more are read whatever the server
+        sends (tensorstore's read downloads the whole object, a hostile metadata file of any size, before its
+        size can be checked); through tensorstore without a botocore client."""
+        bound = read_limit(limit)
+        client = self._botocore()
+        if client is None:
+            return super().read(root, key, limit)
+        args = self._object_args(root, key)
+        args["Range"] = f"bytes=0-{bound}"
+
+        def get() -> bytes | None:
+            try:
+                answer = client.get_object(**args)
+            except client.exceptions.NoSuchKey:
+                return None
+            except client.exceptions.ClientError as e:  # an empty object has no first byte to range over
+                if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                    return b""
+                raise
+            body = answer["Body"]
+            try:
+                return bytes(body.read(bound + 1))  # a server ignoring the range: the rest is never read
+            finally:
+                body.close()
+
+        return check_read_size(f"{root}/{key}", self._retry("read", f"{root}/{key}", get), bound)
+
+    def _object_args(self, root: str, key: str) -> dict[str, Any]:
+        """botocore's ``Bucket`` and ``Key`` (and the requester-pays flag) of ``root/key``."""
+        bucket, _, prefix = root[len("s3://") :].partition("/")
+        name = f"{prefix.strip('/')}/{key}" if prefix.strip("/") else key
+        args: dict[str, Any] = {"Bucket": bucket, "Key": name}
+        if self.requester_pays:
+            args["RequestPayer"] = "requester"
+        return args
+
     def read_suffix(self, root: str, key: str, want: int) -> tuple[bytes, int] | None:
         """The last ``want`` bytes of ``root/key`` (all of it when it is shorter) and its size, in one ranged
         GET through botocore (bounded by :meth:`stall_bound`, retried by :func:`~.retry.retry_call`); None
@@ -211,11 +249,8 @@ class S3Storage(Storage):
         client = self._botocore()
         if client is None or want <= 0:
             raise NotImplementedError("no botocore client")
-        bucket, _, prefix = root[len("s3://") :].partition("/")
-        name = f"{prefix.strip('/')}/{key}" if prefix.strip("/") else key
-        args: dict[str, Any] = {"Bucket": bucket, "Key": name, "Range": f"bytes=-{int(want)}"}
-        if self.requester_pays:
-            args["RequestPayer"] = "requester"
+        args = self._object_args(root, key)
+        args["Range"] = f"bytes=-{int(want)}"
 
         def get() -> tuple[bytes, int] | str | None:
             try:
