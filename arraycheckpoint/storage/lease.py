@@ -364,7 +364,8 @@ class Follower:
     halfway to the end of its trust when a read found the lease refreshed late (while that end is more than a
     heartbeat interval away: at most about three more a period), and one when its trust ran out while it did
     not check (a long write): ranks that check all along stop at its end without a read (no burst). Its
-    writers stop once the lease it knows of is older than :attr:`Terms.safe`, or a read finds the lock naming
+    writers stop once the lease it knows of is older than :attr:`Terms.safe`, or dated further than that in
+    the future (a taker takes such a lock over at once: :func:`stale_reason`), or a read finds the lock naming
     another save, or none.
     ``clock`` (wall time, what the lock document's time is compared with) is injectable for simulations."""
 
@@ -403,6 +404,12 @@ class Follower:
                 "was taken over by another save); this rank writes nothing more there"
             )
         age = now - self.refreshed
+        if -age > self.terms.safe:  # a save starting now takes it over as a wrong clock's (stale_reason)
+            raise StorageError(
+                f"save {self.token} to {final} stopped: its lock {final}/.acp-lock is dated {-age:.1f} s in the "
+                "future by this host's clock, more than its lease's safe part (a clock on rank 0's host or on "
+                "this one is off), and a save starting now may take it over; this rank writes nothing more there"
+            )
         if age > self.terms.safe:
             known = f"was last refreshed {age:.1f} s ago" if age < math.inf else "could not be read"
             raise StorageError(
