@@ -107,6 +107,13 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"storage lock of {lock} failed: {e}") from e
         if fd is None:
+            odd = locks.not_a_lock_file(lock)
+            if odd is not None:  # no save holds it, none takes it over: waiting would never end
+                raise CheckpointExistsError(
+                    f"cannot save to {final}: its lock path {lock} is {odd}, not a lock file of ours; no save "
+                    "holds it and none takes it over or removes it: remove it yourself (nothing else there is "
+                    "touched)"
+                )
             raise CheckpointExistsError(
                 f"another save to {final} is in progress (lock {lock} held by {locks.holder(lock)}); wait for "
                 "it. A crashed save's lock is taken over: with flock at once, without flock once its process "
