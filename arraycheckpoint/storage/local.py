@@ -347,8 +347,9 @@ class LocalStorage(Storage):
 
         A committed ``<step>.acp-old-*`` whose ``<step>`` is gone is put back instead: a save replacing a
         committed step (``overwrite``) renames the old one aside before moving its own in, and a crash between
-        the two renames leaves the old one the step's only committed copy. What cannot be removed (another
-        user's directory) is kept, with a warning naming it, and not reported removed.
+        the two renames leaves the old one the step's only committed copy. Every copy of a step whose lock is
+        live stays (its save may be between those renames). What cannot be removed (another user's
+        directory) is kept, with a warning naming it, and not reported removed.
         """
         removed = []
         names = self.children(parent)
@@ -358,6 +359,8 @@ class LocalStorage(Storage):
             m = _LEFTOVER.match(name)
             if not m or _staging_token(name) in live or name in live.values():
                 continue
+            if m.group("c") and f".{m.group('c')}.acp-lock" in live.values():
+                continue  # a save of that step is in flight (it may be between its renames): its copies stay
             path = os.path.join(parent, name)
             if m.group("b"):  # a crashed save's lock: removed holding its flock (a newcomer may take it over)
                 if locks.remove_crashed(path):
