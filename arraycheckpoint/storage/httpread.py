@@ -89,15 +89,17 @@ async def _take(r: Any, n: int) -> bytes:
 async def _tail(r: Any, n: int, limit: int, url: str) -> bytes:
     """The last ``n`` bytes of the body of ``r``, keeping no more than about ``n`` + a step; a body past
     ``limit`` bytes is refused."""
-    kept, total = b"", 0
+    kept, total = bytearray(), 0
     while True:
         part = await r.content.read(_STEP)
         if not part:
-            return kept
+            return bytes(kept[-n:])
         total += len(part)
         if total > limit:
             raise _too_large(url, limit)
-        kept = (kept + part)[-n:]
+        kept += part
+        if len(kept) > 2 * n + _STEP:  # trimmed now and then: linear in what streams by
+            del kept[: len(kept) - n]
 
 
 def _too_large(url: str, limit: int) -> StorageError:
