@@ -210,19 +210,8 @@ class S3Storage(Storage):
         args["Range"] = f"bytes=0-{bound}"
 
         def get() -> bytes | None:
-            try:
-                answer = client.get_object(**args)
-            except client.exceptions.NoSuchKey:
-                return None
-            except client.exceptions.ClientError as e:  # an empty object has no first byte to range over
-                if e.response.get("Error", {}).get("Code") == "InvalidRange":
-                    return b""
-                raise
-            body = answer["Body"]
-            try:
-                return bytes(body.read(bound + 1))  # a server ignoring the range: the rest is never read
-            finally:
-                body.close()
+            got = _ranged_get(client, args, bound + 1)  # a server ignoring the range: no more is read
+            return None if got is None else got[0]
 
         return check_read_size(f"{root}/{key}", self._retry("read", f"{root}/{key}", get), bound)
 
@@ -253,21 +242,14 @@ class S3Storage(Storage):
         args["Range"] = f"bytes=-{int(want)}"
 
         def get() -> tuple[bytes, int] | str | None:
-            try:
-                answer = client.get_object(**args)
-            except client.exceptions.NoSuchKey:
+            got = _ranged_get(client, args, want + 1)
+            if got is None:
                 return None
-            except client.exceptions.ClientError as e:  # an empty object has no last bytes to range over
-                if e.response.get("Error", {}).get("Code") == "InvalidRange":
-                    return b"", 0
-                raise
+            data, ranged = got
+            if ranged is None:  # an empty object has no last bytes to range over
+                return b"", 0
             # "bytes <first>-<last>/<size>" (206), or no range at all (200: the whole object)
-            total = str(answer.get("ContentRange", "")).rpartition("/")[2]
-            body = answer["Body"]
-            try:
-                data = body.read(want + 1)
-            finally:
-                body.close()
+            total = ranged.rpartition("/")[2]
             if not total.isdigit():  # no Content-Range (200: a server ignoring the range): size unknown
                 return (
                     f"an answer without a Content-Range ({len(data)} bytes read of the object, size unknown)"
@@ -287,6 +269,25 @@ class S3Storage(Storage):
         if head in ("s3:", "s3:/"):
             raise StorageError(f"{root} is a bucket; checkpoints live under a prefix (s3://bucket/prefix)")
         return head, name
+
+
+def _ranged_get(client: Any, args: dict[str, Any], most: int) -> tuple[bytes, str | None] | None:
+    """One botocore GET of ``args`` (its ``Range`` set): at most ``most`` bytes of the body (the rest is never
+    read) and its ``Content-Range`` (``""`` when the answer has none; None when the range is past an empty
+    object's end: S3's ``InvalidRange``); None when the object is absent."""
+    try:
+        answer = client.get_object(**args)
+    except client.exceptions.NoSuchKey:
+        return None
+    except client.exceptions.ClientError as e:
+        if e.response.get("Error", {}).get("Code") == "InvalidRange":
+            return b"", None
+        raise
+    body = answer["Body"]
+    try:
+        return bytes(body.read(most)), str(answer.get("ContentRange", ""))
+    finally:
+        body.close()
 
 
 def _watch_stalled_transfers(seconds: int) -> None:
