@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import math
 import pickle  # only behind allow_pickle=True
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -235,8 +236,10 @@ def _dtype(body: str, path: str) -> Any:
         import numpy as np
 
         try:
-            found = np.dtype(name)
-        except TypeError:
+            with warnings.catch_warnings():  # a deprecated alias ("a") warns: refused below, never raised
+                warnings.simplefilter("ignore")
+                found = np.dtype(name)
+        except (TypeError, ValueError):
             found = None
         if found is not None and found.kind in _NUMPY_KINDS and found.name == name:
             return found

@@ -113,6 +113,7 @@ class Writer(StorageWriter):
         self._global: dict[str, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._release()  # a claim an earlier save took and never finished (it failed between plan and finish)
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._global = {}
@@ -125,7 +126,6 @@ class Writer(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        from torch.distributed.checkpoint.planner import WriteItemType
 
         storage, final = storage_for(self._require_path())
         try:
@@ -134,7 +134,22 @@ class Writer(StorageWriter):
             if self.overwrite or not storage.is_committed(final):  # the user's files there: said as it is
                 raise
             raise CheckpointExistsError(f"Checkpoint already exists and overwrite is False: {e}") from None
-        staging = storage.staging_root(final, uuid.uuid4().hex[:12])
+        token = uuid.uuid4().hex[:12]
+        staging = storage.staging_root(final, token)
+        # claimed as acp.save claims it, before any rank writes: the lock (a lease on object stores), and,
+        # written in place, the old checkpoint's marker and objects removed first (it never reads as committed
+        # over this save's files); released by finish
+        storage.save_world = len(plans)
+        storage.acquire(final, token)
+        try:
+            return self._plan(plans, storage, final, staging, token)
+        except BaseException:
+            storage.release(final, token)
+            raise
+
+    def _plan(self, plans: list[Any], storage: Any, final: str, staging: str, token: str) -> list[Any]:
+        from torch.distributed.checkpoint.planner import WriteItemType
+
         paths: dict[str, Any] = {}
         for p in plans:
             paths.update(p.planner_data or {})
@@ -172,6 +187,7 @@ class Writer(StorageWriter):
             t["chunk"] = split_chunk(per_item, itemsize, options.max_chunk_bytes) if per_item else ()
             t["inner"] = split_chunk(t["chunk"], itemsize, options.inner_chunk_bytes) if per_item else ()
         self._global = {
+            "claim": (storage, token),
             "staging": staging,
             "final": final,
             "names": names,
@@ -266,20 +282,30 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         """Coordinator: write the metadata and commit; if any rank failed, remove the staging and raise."""
-        storage, final = storage_for(self._require_path())
-        staging = self._global["staging"]
-        failed = [r.storage_data[FAILED] for rank in results for r in rank if _failure(r)]
-        if failed:
-            storage.abort(staging, final)
-            raise ArrayCheckpointError(
-                f"DCP save to {final} failed, nothing was committed and the staged files were removed: "
-                + "; ".join(failed)
-            )
+        storage, _token = self._global["claim"]
+        final, staging = self._global["final"], self._global["staging"]
         try:
-            self._commit(results, storage, final, staging)
-        except BaseException:
-            storage.abort(staging, final)
-            raise
+            failed = [r.storage_data[FAILED] for rank in results for r in rank if _failure(r)]
+            if failed:
+                storage.abort(staging, final)
+                raise ArrayCheckpointError(
+                    f"DCP save to {final} failed, nothing was committed and the staged files were removed: "
+                    + "; ".join(failed)
+                )
+            try:
+                self._commit(results, storage, final, staging)
+            except BaseException:
+                storage.abort(staging, final)
+                raise
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the claim of the target this save took in :meth:`prepare_global_plan` (once)."""
+        claim = self._global.pop("claim", None) if isinstance(getattr(self, "_global", None), dict) else None
+        if claim is not None:
+            storage, token = claim
+            storage.release(self._global["final"], token)
 
     def _commit(self, results: list[list[Any]], storage: Any, final: str, staging: str) -> None:
         from ..engine.shardfile import write_documents

@@ -76,7 +76,7 @@ class DcpSource(LoadSource):
 
         from ..codecs import zarr_dtype_name
 
-        raw = storage.read(root, DCP_METADATA)
+        raw = storage.read(root, DCP_METADATA, MAX_METADATA_BYTES)
         if raw is None or len(raw) > MAX_METADATA_BYTES:
             raise MetadataError(f"{root}/{DCP_METADATA} is missing or larger than {MAX_METADATA_BYTES} bytes")
         if raw.lstrip()[:1] == b"{":

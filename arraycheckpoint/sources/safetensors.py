@@ -75,7 +75,7 @@ DTYPES = {
 
 def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
     local = local_dir(storage, root)
-    raw = read_below(*locate(local, key), limit) if local is not None else storage.read(root, key)
+    raw = read_below(*locate(local, key), limit) if local is not None else storage.read(root, key, limit)
     if raw is None:
         raise MetadataError(f"{root}: {key} is missing")
     if len(raw) > limit:

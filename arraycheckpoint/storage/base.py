@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import CheckpointExistsError, StorageError
+from ..errors import CheckpointExistsError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOUTS, ControlFiles
 from . import lease, leftovers
 from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
@@ -139,14 +139,20 @@ class Storage(ABC):
     def _retry(self, operation: str, path: str, fn: Any) -> Any:
         return retry_call(operation, path, fn, self.retry_policy, deadline=self.stall_bound())
 
-    def read(self, root: str, key: str) -> bytes | None:
-        """The bytes stored at ``root/key``, or None when absent."""
+    def read(self, root: str, key: str, limit: int | None = None) -> bytes | None:
+        """The bytes stored at ``root/key``, or None when absent: a document (metadata, a control file, a
+        sidecar) of at most ``limit`` bytes (:data:`~arraycheckpoint.checks.bounds.MAX_METADATA_BYTES` by
+        default).
+
+        Raises:
+            MetadataError: the object is larger than ``limit`` (a damaged or hostile checkpoint), named."""
+        limit = read_limit(limit)
 
         def op() -> bytes | None:
             result = self._wait(self._kv(root).read(key))
             return bytes(result.value) if result.state == "value" else None
 
-        return self._retry("read", f"{root}/{key}", op)
+        return check_read_size(f"{root}/{key}", self._retry("read", f"{root}/{key}", op), limit)
 
     def write(self, root: str, key: str, data: bytes) -> None:
         """Store ``data`` at ``root/key`` (overwriting)."""
@@ -607,3 +613,20 @@ def being_read(storage: Storage, root: str) -> bool:
     """Whether a load in this process is reading ``root`` now."""
     with _reading_guard:
         return root.rstrip("/") in _reading
+
+
+def read_limit(limit: int | None) -> int:
+    """The most bytes :meth:`Storage.read` returns: ``limit``, or the metadata bound."""
+    from ..checks.bounds import MAX_METADATA_BYTES
+
+    return MAX_METADATA_BYTES if limit is None else limit
+
+
+def check_read_size(where: str, data: bytes | None, limit: int) -> bytes | None:
+    """``data`` (the object ``where`` as read), refused when it is larger than ``limit``."""
+    if data is not None and len(data) > limit:
+        raise MetadataError(
+            f"{where} is larger than {limit} bytes, more than a valid checkpoint stores in that file; the "
+            "checkpoint is damaged or hostile"
+        )
+    return data

@@ -45,9 +45,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..checks.bounds import MAX_METADATA_BYTES, MAX_OBJECT_BYTES, load_json_bounded
+from ..checks.bounds import MAX_OBJECT_BYTES, load_json_bounded
 from ..errors import CorruptCheckpointError, MetadataError, StorageError
-from .base import LOCK_KEY, Storage
+from .base import LOCK_KEY, Storage, read_limit
+from .httpread import is_http, read_range
 from .retry import call_within, is_transient
 from .stalls import StallTracker, refuse_if_stalled
 
@@ -363,14 +364,15 @@ class FsspecStorage(Storage):
             pass
 
     # Small objects straight through fsspec (staging roots: the memory buffer) ---------------------------
-    def read(self, root: str, key: str) -> bytes | None:
+    def read(self, root: str, key: str, limit: int | None = None) -> bytes | None:
         if self._split_staging(root):
-            return super().read(root, key)
+            return super().read(root, key, limit)
         path = self._rpath(root, key)
+        bound = read_limit(limit)
 
         def op() -> bytes | None:
             try:
-                return _bounded_cat(self.fs, path, MAX_METADATA_BYTES)
+                return _bounded_cat(self.fs, path, bound)
             except FileNotFoundError:
                 return None
 
@@ -496,7 +498,10 @@ def _batches(sizes: dict[str, int | None]) -> list[list[str]]:
 
 def _bounded_cat(fs: Any, path: str, limit: int = MAX_OBJECT_BYTES) -> bytes:
     """The bytes of ``path``, refusing (without fetching more than ``limit + 1`` bytes) a larger object."""
-    data = bytes(fs.cat_file(path, start=0, end=limit + 1))
+    if is_http(fs):  # a server may send the whole object, whatever was asked: streamed, cut at the limit
+        data = read_range(fs, path, 0, limit + 1, limit + 1)
+    else:
+        data = bytes(fs.cat_file(path, start=0, end=limit + 1))
     if len(data) > limit:
         raise MetadataError(
             f"{path} is larger than {limit} bytes, more than a valid checkpoint stores in one object; the "

@@ -276,51 +276,77 @@ def check_holder(storage: Any, final: str, token: str, clock: Callable[[], float
     )
 
 
+#: the leases whose refresh is on its way (one at a time per lease)
+_refreshing: set[tuple[int, str, str]] = set()
+
+
 def _refresh_all() -> None:
+    """Refresh every held lease, each on a thread of its own: a refresh waiting on a store that stops
+    answering (up to its stall bound) holds up no other lease; a lease whose last refresh still waits is
+    skipped this round."""
     with _guard:
-        held = list(_held.items())
-    for key, entry in held:
-        storage, (_id, final, token) = entry.ref(), key
-        if storage is None:
-            drop_key(key)
-            continue
-        at, mono = stamp()
-        landed = True
+        due = [(key, entry) for key, entry in _held.items() if key not in _refreshing]
+        _refreshing.update(key for key, _entry in due)
+    for key, entry in due:
         try:
-            new = storage._refresh_lock(final, body(token, at, entry.world), entry.generation)
-        except Exception as e:  # noqa: BLE001 - its answer was lost: what is stored decides (below)
-            log.debug("could not refresh the lock of %s: %s", final, e)
-            new = b""
-        holder, raw = None, None
-        if not new:
-            # A refused refresh (412) or one without an answer is not proof of a takeover: a conditional
-            # PUT that landed but whose answer was lost, retried, is refused too. The lock as stored decides.
-            try:
-                raw, stored = storage._lock_state(final, retry=False)
-            except Exception as e:  # noqa: BLE001 - the store does not answer: tried again next interval
-                log.debug("could not read the lock of %s: %s", final, e)
-                continue
-            doc = parse(raw)
-            holder = None if doc is None else doc["token"]
-            if holder == token:
-                new = stored  # still ours (the refresh landed, or never did): its generation is adopted
-                landed = doc is not None and doc.get("time") == at
+            threading.Thread(
+                target=_refresh_one, args=(key, entry), name="acp-lease-refresh", daemon=True
+            ).start()
+        except BaseException:  # no thread (a process at its limit): refreshed here, as before
+            _refresh_one(key, entry)
+
+
+def _refresh_one(key: tuple[int, str, str], entry: _Held) -> None:
+    try:
+        _refresh(key, entry)
+    finally:
         with _guard:
-            current = _held.get(key)
-            if current is None:
-                continue
-            if new:
-                current.generation = new
-                if landed and not current.expired:
-                    current.at, current.mono = at, mono
-                continue
-            _held.pop(key, None)
-            _lost.add(key)
-        log.warning(
-            "the lock %s/.acp-lock of save %s was taken over by another save (it names %s now: this process "
-            "did not refresh it for its lease); this save stops writing and will not commit",
-            final, token, holder or ("no save, it was removed" if raw is None else "no save: it was overwritten"),
-        )  # fmt: skip
+            _refreshing.discard(key)
+
+
+def _refresh(key: tuple[int, str, str], entry: _Held) -> None:
+    """One conditional refresh of the lease ``key``; marks it lost when the lock names another save, or none."""
+    storage, (_id, final, token) = entry.ref(), key
+    if storage is None:
+        drop_key(key)
+        return
+    at, mono = stamp()
+    landed = True
+    try:
+        new = storage._refresh_lock(final, body(token, at, entry.world), entry.generation)
+    except Exception as e:  # noqa: BLE001 - its answer was lost: what is stored decides (below)
+        log.debug("could not refresh the lock of %s: %s", final, e)
+        new = b""
+    holder, raw = None, None
+    if not new:
+        # A refused refresh (412) or one without an answer is not proof of a takeover: a conditional
+        # PUT that landed but whose answer was lost, retried, is refused too. The lock as stored decides.
+        try:
+            raw, stored = storage._lock_state(final, retry=False)
+        except Exception as e:  # noqa: BLE001 - the store does not answer: tried again next interval
+            log.debug("could not read the lock of %s: %s", final, e)
+            return
+        doc = parse(raw)
+        holder = None if doc is None else doc["token"]
+        if holder == token:
+            new = stored  # still ours (the refresh landed, or never did): its generation is adopted
+            landed = doc is not None and doc.get("time") == at
+    with _guard:
+        current = _held.get(key)
+        if current is None:
+            return
+        if new:
+            current.generation = new
+            if landed and not current.expired:
+                current.at, current.mono = at, mono
+            return
+        _held.pop(key, None)
+        _lost.add(key)
+    log.warning(
+        "the lock %s/.acp-lock of save %s was taken over by another save (it names %s now: this process "
+        "did not refresh it for its lease); this save stops writing and will not commit",
+        final, token, holder or ("no save, it was removed" if raw is None else "no save: it was overwritten"),
+    )  # fmt: skip
 
 
 _BEAT = Heartbeat("acp-lease-heartbeat", _guard, lambda: bool(_held), _refresh_all, heartbeat_seconds)
@@ -364,7 +390,8 @@ class Follower:
     halfway to the end of its trust when a read found the lease refreshed late (while that end is more than a
     heartbeat interval away: at most about three more a period), and one when its trust ran out while it did
     not check (a long write): ranks that check all along stop at its end without a read (no burst). Its
-    writers stop once the lease it knows of is older than :attr:`Terms.safe`, or a read finds the lock naming
+    writers stop once the lease it knows of is older than :attr:`Terms.safe`, or dated further than that in
+    the future (a taker takes such a lock over at once: :func:`stale_reason`), or a read finds the lock naming
     another save, or none.
     ``clock`` (wall time, what the lock document's time is compared with) is injectable for simulations."""
 
@@ -403,6 +430,12 @@ class Follower:
                 "was taken over by another save); this rank writes nothing more there"
             )
         age = now - self.refreshed
+        if -age > self.terms.safe:  # a save starting now takes it over as a wrong clock's (stale_reason)
+            raise StorageError(
+                f"save {self.token} to {final} stopped: its lock {final}/.acp-lock is dated {-age:.1f} s in the "
+                "future by this host's clock, more than its lease's safe part (a clock on rank 0's host or on "
+                "this one is off), and a save starting now may take it over; this rank writes nothing more there"
+            )
         if age > self.terms.safe:
             known = f"was last refreshed {age:.1f} s ago" if age < math.inf else "could not be read"
             raise StorageError(

@@ -33,7 +33,7 @@ from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
 from . import locks
-from .base import Storage
+from .base import Storage, check_read_size, read_limit
 
 log = logging.getLogger("arraycheckpoint")
 
@@ -107,6 +107,13 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"storage lock of {lock} failed: {e}") from e
         if fd is None:
+            odd = locks.not_a_lock_file(lock)
+            if odd is not None:  # no save holds it, none takes it over: waiting would never end
+                raise CheckpointExistsError(
+                    f"cannot save to {final}: its lock path {lock} is {odd}, not a lock file of ours; no save "
+                    "holds it and none takes it over or removes it: remove it yourself (nothing else there is "
+                    "touched)"
+                )
             raise CheckpointExistsError(
                 f"another save to {final} is in progress (lock {lock} held by {locks.holder(lock)}); wait for "
                 "it. A crashed save's lock is taken over: with flock at once, without flock once its process "
@@ -255,11 +262,10 @@ class LocalStorage(Storage):
             shutil.rmtree(staging, ignore_errors=True)
 
     # Small-object and manager operations with plain POSIX calls -----------------------------------------
-    def read(self, root: str, key: str) -> bytes | None:
-        """The regular file ``root/key`` (never through a symlink at or below ``root``, never a FIFO), or None
-        when absent."""
-        from ..checks.bounds import MAX_METADATA_BYTES
-
+    def read(self, root: str, key: str, limit: int | None = None) -> bytes | None:
+        """The regular file ``root/key`` (never through a symlink at or below ``root``, never a FIFO) of at most
+        ``limit`` bytes (:meth:`Storage.read`), or None when absent."""
+        limit = read_limit(limit)
         path = os.path.join(root, key)
         fd = _open_below(root, key)
         if fd is None:
@@ -270,12 +276,12 @@ class LocalStorage(Storage):
                 raise CorruptCheckpointError(
                     f"{path} is not a regular file; a checkpoint holds only regular files"
                 )
-            if st.st_size > MAX_METADATA_BYTES:
+            if st.st_size > limit:
                 raise MetadataError(
-                    f"{path} is {st.st_size} bytes, above the limit of {MAX_METADATA_BYTES} for a checkpoint's "
-                    "metadata file; the checkpoint is damaged or hostile"
+                    f"{path} is {st.st_size} bytes, above the limit of {limit} for that file of a checkpoint; "
+                    "the checkpoint is damaged or hostile"
                 )
-            return f.read(MAX_METADATA_BYTES + 1)
+            return check_read_size(path, f.read(limit + 1), limit)
 
     def exists(self, root: str, key: str) -> bool:
         """Whether ``root/key`` is a file, by a stat of the descriptor (never a read; links refused as in
@@ -341,8 +347,9 @@ class LocalStorage(Storage):
 
         A committed ``<step>.acp-old-*`` whose ``<step>`` is gone is put back instead: a save replacing a
         committed step (``overwrite``) renames the old one aside before moving its own in, and a crash between
-        the two renames leaves the old one the step's only committed copy. What cannot be removed (another
-        user's directory) is kept, with a warning naming it, and not reported removed.
+        the two renames leaves the old one the step's only committed copy. Every copy of a step whose lock is
+        live stays (its save may be between those renames). What cannot be removed (another user's
+        directory) is kept, with a warning naming it, and not reported removed.
         """
         removed = []
         names = self.children(parent)
@@ -352,6 +359,8 @@ class LocalStorage(Storage):
             m = _LEFTOVER.match(name)
             if not m or _staging_token(name) in live or name in live.values():
                 continue
+            if m.group("c") and f".{m.group('c')}.acp-lock" in live.values():
+                continue  # a save of that step is in flight (it may be between its renames): its copies stay
             path = os.path.join(parent, name)
             if m.group("b"):  # a crashed save's lock: removed holding its flock (a newcomer may take it over)
                 if locks.remove_crashed(path):

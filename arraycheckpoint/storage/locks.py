@@ -229,6 +229,22 @@ def open_lock(path: str | Path, flags: int = os.O_RDONLY) -> int | None:
     return None
 
 
+def not_a_lock_file(path: str | Path) -> str | None:
+    """What is at ``path`` when it is neither absent nor a regular file (a link, a FIFO, a directory, ...),
+    in words; None otherwise."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a FIFO" if stat.S_ISFIFO(mode) else "a special file (a socket or a device)"
+
+
 def holder(lock: str | Path) -> str:
     """Who holds ``lock``, for messages (its owner, else its first 200 characters, else ``?``)."""
     fd = open_lock(lock)

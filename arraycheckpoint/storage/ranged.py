@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 from ..checks.bounds import MAX_OBJECT_BYTES
 from ..errors import StorageError
 from .fsspec_store import _MIN_BYTES_PER_SECOND, _bounded_cat
+from .httpread import is_http, read_range
 from .retry import retry_call
 
 log = logging.getLogger("arraycheckpoint")
@@ -83,7 +84,7 @@ class _Store:
         self.workers = 0
         #: whether a reply of this file system may be the whole object whatever range was asked (HTTP: a
         #: server may ignore ``Range``; any other once it sent more than was asked for)
-        self.whole_replies = _http(fs)
+        self.whole_replies = is_http(fs)
 
     def earliest(self) -> float | None:
         """The earliest deadline of this store's calls not answered yet (None: none is in flight)."""
@@ -132,10 +133,6 @@ _stores: weakref.WeakValueDictionary[tuple[str, str], _Store] = weakref.WeakValu
 _call_ids = itertools.count()
 
 
-def _http(fs: Any) -> bool:
-    return "http" in (getattr(fs, "protocol", ()) or ())
-
-
 def _store_of(fs: Any, path: str = "") -> _Store:
     try:  # fsspec's own token names the thread that made the instance too (instances are per thread)
         from fsspec.utils import tokenize
@@ -143,7 +140,7 @@ def _store_of(fs: Any, path: str = "") -> _Store:
         token = tokenize(type(fs).__module__, type(fs).__qualname__, getattr(fs, "storage_options", {}))
     except Exception:  # noqa: BLE001 - options that cannot be tokenized: this instance alone
         token = f"id-{id(fs)}"
-    if _http(fs):  # one HTTP file system serves every host: each host is a store of its own
+    if is_http(fs):  # one HTTP file system serves every host: each host is a store of its own
         from urllib.parse import urlsplit
 
         token += "@" + urlsplit(path).netloc
@@ -308,6 +305,8 @@ def fetch(
         try:
             if start is None and stop is None:
                 return ReadResult("value", _bounded_cat(fs, path, MAX_OBJECT_BYTES))
+            if is_http(fs):  # streamed: never more of a reply than the range (httpread)
+                return ReadResult("value", read_range(fs, path, start, stop, MAX_OBJECT_BYTES))
             data = bytes(fs.cat_file(path, start=start, end=stop))
             return ReadResult("value", _as_asked(fs, path, where, data, start, stop, store, sizes))
         except FileNotFoundError:

@@ -34,7 +34,7 @@ import threading
 from typing import Any
 
 from ..errors import StorageError
-from .base import Storage
+from .base import Storage, check_read_size, read_limit
 
 #: one botocore client per backend, created by one thread
 _client_guard = threading.RLock()
@@ -197,6 +197,33 @@ class S3Storage(Storage):
                 return sorted(n for n in names if n)
             args["ContinuationToken"] = token
 
+    def read(self, root: str, key: str, limit: int | None = None) -> bytes | None:
+        """The object ``root/key`` of at most ``limit`` bytes (:meth:`Storage.read`), or None when absent: one
+        GET of its first ``limit + 1`` bytes through botocore, of which no more are read whatever the server
+        sends (tensorstore's read downloads the whole object, a hostile metadata file of any size, before its
+        size can be checked); through tensorstore without a botocore client."""
+        bound = read_limit(limit)
+        client = self._botocore()
+        if client is None:
+            return super().read(root, key, limit)
+        args = self._object_args(root, key)
+        args["Range"] = f"bytes=0-{bound}"
+
+        def get() -> bytes | None:
+            got = _ranged_get(client, args, bound + 1)  # a server ignoring the range: no more is read
+            return None if got is None else got[0]
+
+        return check_read_size(f"{root}/{key}", self._retry("read", f"{root}/{key}", get), bound)
+
+    def _object_args(self, root: str, key: str) -> dict[str, Any]:
+        """botocore's ``Bucket`` and ``Key`` (and the requester-pays flag) of ``root/key``."""
+        bucket, _, prefix = root[len("s3://") :].partition("/")
+        name = f"{prefix.strip('/')}/{key}" if prefix.strip("/") else key
+        args: dict[str, Any] = {"Bucket": bucket, "Key": name}
+        if self.requester_pays:
+            args["RequestPayer"] = "requester"
+        return args
+
     def read_suffix(self, root: str, key: str, want: int) -> tuple[bytes, int] | None:
         """The last ``want`` bytes of ``root/key`` (all of it when it is shorter) and its size, in one ranged
         GET through botocore (bounded by :meth:`stall_bound`, retried by :func:`~.retry.retry_call`); None
@@ -211,28 +238,18 @@ class S3Storage(Storage):
         client = self._botocore()
         if client is None or want <= 0:
             raise NotImplementedError("no botocore client")
-        bucket, _, prefix = root[len("s3://") :].partition("/")
-        name = f"{prefix.strip('/')}/{key}" if prefix.strip("/") else key
-        args: dict[str, Any] = {"Bucket": bucket, "Key": name, "Range": f"bytes=-{int(want)}"}
-        if self.requester_pays:
-            args["RequestPayer"] = "requester"
+        args = self._object_args(root, key)
+        args["Range"] = f"bytes=-{int(want)}"
 
         def get() -> tuple[bytes, int] | str | None:
-            try:
-                answer = client.get_object(**args)
-            except client.exceptions.NoSuchKey:
+            got = _ranged_get(client, args, want + 1)
+            if got is None:
                 return None
-            except client.exceptions.ClientError as e:  # an empty object has no last bytes to range over
-                if e.response.get("Error", {}).get("Code") == "InvalidRange":
-                    return b"", 0
-                raise
+            data, ranged = got
+            if ranged is None:  # an empty object has no last bytes to range over
+                return b"", 0
             # "bytes <first>-<last>/<size>" (206), or no range at all (200: the whole object)
-            total = str(answer.get("ContentRange", "")).rpartition("/")[2]
-            body = answer["Body"]
-            try:
-                data = body.read(want + 1)
-            finally:
-                body.close()
+            total = ranged.rpartition("/")[2]
             if not total.isdigit():  # no Content-Range (200: a server ignoring the range): size unknown
                 return (
                     f"an answer without a Content-Range ({len(data)} bytes read of the object, size unknown)"
@@ -252,6 +269,25 @@ class S3Storage(Storage):
         if head in ("s3:", "s3:/"):
             raise StorageError(f"{root} is a bucket; checkpoints live under a prefix (s3://bucket/prefix)")
         return head, name
+
+
+def _ranged_get(client: Any, args: dict[str, Any], most: int) -> tuple[bytes, str | None] | None:
+    """One botocore GET of ``args`` (its ``Range`` set): at most ``most`` bytes of the body (the rest is never
+    read) and its ``Content-Range`` (``""`` when the answer has none; None when the range is past an empty
+    object's end: S3's ``InvalidRange``); None when the object is absent."""
+    try:
+        answer = client.get_object(**args)
+    except client.exceptions.NoSuchKey:
+        return None
+    except client.exceptions.ClientError as e:
+        if e.response.get("Error", {}).get("Code") == "InvalidRange":
+            return b"", None
+        raise
+    body = answer["Body"]
+    try:
+        return bytes(body.read(most)), str(answer.get("ContentRange", ""))
+    finally:
+        body.close()
 
 
 def _watch_stalled_transfers(seconds: int) -> None:

@@ -1,0 +1,109 @@
+"""Ranged reads over HTTP that hold and fetch no more than the range asked for, whatever the server sends.
+
+fsspec's ``cat_file`` reads a reply's whole body into memory before anything looks at it: a server that
+ignores ``Range`` (Python's ``http.server`` does) sends the whole object for a read of 4 KiB, and a hostile
+one as much as it likes. :func:`read_range` streams the reply instead: a ``206`` is read up to one byte more
+than the range (a longer one is refused), a ``200`` (the whole object) up to the range's end and no further
+(for a suffix: only its last bytes are kept), then the connection is closed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import StorageError
+
+#: bytes read from a reply at once
+_STEP = 1 << 20
+
+
+def is_http(fs: Any) -> bool:
+    """Whether ``fs`` is fsspec's HTTP file system (whose replies may be whole objects, whatever was asked)."""
+    return "http" in (getattr(fs, "protocol", ()) or ())
+
+
+def read_range(fs: Any, url: str, start: int | None, stop: int | None, limit: int) -> bytes:
+    """Bytes ``[start, stop)`` of the object at ``url`` on fsspec's HTTP file system ``fs`` (``start`` < 0:
+    its last ``-start`` bytes; ``stop`` None: to its end); what the object holds of the range when it ends
+    first; ``b""`` for a range past its end (416). At most ``limit`` bytes of a reply are looked at beyond the
+    range's start (an object larger refused).
+
+    Raises:
+        FileNotFoundError: there is no such object (404).
+        StorageError: the server's reply is not the range asked for (a ``206`` longer than it), or a
+            reply to an open range is larger than ``limit``.
+    """
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, _read, fs, url, start or 0, stop, limit)  # type: ignore[no-any-return]
+
+
+async def _read(fs: Any, url: str, start: int, stop: int | None, limit: int) -> bytes:
+    if start < 0:
+        wanted = f"bytes={start}"
+    else:
+        wanted = f"bytes={start}-" + ("" if stop is None else str(stop - 1))
+    kw = dict(fs.kwargs)
+    headers = {**kw.pop("headers", {}), "Range": wanted}
+    session = await fs.set_session()
+    r = await session.get(fs.encode_url(url), headers=headers, **kw)
+    try:
+        if r.status == 404:
+            raise FileNotFoundError(url)
+        if r.status == 416:
+            return b""
+        r.raise_for_status()
+        if r.status == 206:
+            asked = -start if start < 0 else (limit if stop is None else stop - start)
+            data = await _take(r, asked + 1)
+            if len(data) > asked:
+                raise StorageError(
+                    f"storage read of {url} failed: the server answered a range of {asked} bytes with more: "
+                    "the server's reply is not the range asked for"
+                )
+            return data
+        # the whole object: read to the range's end, no further
+        if start < 0:
+            return await _tail(r, -start, limit, url)
+        end = start + limit if stop is None else stop
+        data = await _take(r, end if stop is not None else end + 1)
+        if stop is None and len(data) > end:
+            raise _too_large(url, limit)
+        return data[start:end]
+    finally:
+        r.close()  # never the rest of the body: the connection goes
+
+
+async def _take(r: Any, n: int) -> bytes:
+    """Up to ``n`` bytes of the body of ``r`` (fewer where it ends first)."""
+    parts, got = [], 0
+    while got < n:
+        part = await r.content.read(min(_STEP, n - got))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+async def _tail(r: Any, n: int, limit: int, url: str) -> bytes:
+    """The last ``n`` bytes of the body of ``r``, keeping no more than about ``n`` + a step; a body past
+    ``limit`` bytes is refused."""
+    kept, total = bytearray(), 0
+    while True:
+        part = await r.content.read(_STEP)
+        if not part:
+            return bytes(kept[-n:])
+        total += len(part)
+        if total > limit:
+            raise _too_large(url, limit)
+        kept += part
+        if len(kept) > 2 * n + _STEP:  # trimmed now and then: linear in what streams by
+            del kept[: len(kept) - n]
+
+
+def _too_large(url: str, limit: int) -> StorageError:
+    return StorageError(
+        f"storage read of {url} failed: the object is larger than {limit} bytes, more than a valid checkpoint "
+        "stores in one object; the checkpoint is damaged or hostile"
+    )
