@@ -24,7 +24,8 @@ from ..errors import (
     InconsistentCheckpointError,
 )
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
-from .ahead import EndReads
+from .ahead import EndReads, Job
+from .packcount import PackCounts
 from .packdir import _chunk_grid, _longest_chunk_key, _packed_chunk_bytes
 from .packs import chunk_place, chunks_wanted
 from .predict import predicted_fill as _predicted_fill
@@ -132,11 +133,14 @@ def _remote_capacity_problem(
     holds: Any,
     wanted: int,
     parsed: dict[Any, Any] | None = None,
+    ahead: EndReads | None = None,
+    written: int | None = None,
 ) -> str | None:
     """Object stores (no sizes without reads): the entries of ``rank``'s pack directories, counted (each read
     with its bounds) until they reach ``wanted``; why they do not, or None. Each directory read is kept in
     ``parsed`` for the walk that checks it next (:class:`RankPacks`): read once, not once to count and once
-    to check."""
+    to check. ``ahead``: the directories read ahead (:func:`_count_ranks`); ``written``: the packs the rank's
+    save wrote, when known, all counted (those read ahead are then all kept, none read for nothing)."""
     from ..planning.packing import pack_key
 
     docs, chunks = holds.get(rank, ([], {}))
@@ -151,16 +155,72 @@ def _remote_capacity_problem(
             max_directory_bytes=entries_bound,
             missing_ok=True,
             parsed=parsed,
+            ahead=ahead,
         )
         if size is None and not entries:
             break
         found += len(entries)
-        if found >= wanted:
+        if found >= wanted and (written is None or k + 1 >= written):
             return None
+    if found >= wanted:
+        return None
     return (
         f"rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip) hold {found} members in all, but the metadata "
         f"puts {wanted} chunks in them; the checkpoint is damaged or hostile"
     )
+
+
+def _fill_target(meta: Any) -> int:
+    """The fill target the metadata records for every rank's packs (0: none, or not one for all)."""
+    from ..planning.packing import packs_target
+
+    packs = {t.pack for t in meta.tensors.values() if t.pack_rank is not None}  # a few distinct entries
+    targets = {packs_target(pack) for pack in packs}
+    return targets.pop() if len(targets) == 1 else 0
+
+
+def _count_ranks(
+    storage: Any,
+    base: str,
+    meta: Any,
+    holds: Any,
+    per_rank: Mapping[int, Mapping[str, int]],
+    parsed: dict[Any, Any] | None,
+    counts: PackCounts | None = None,
+) -> None:
+    """:func:`rank_capacity` of each rank of ``per_rank`` (rank -> its chunks of arrays of several chunks).
+    On object stores the directories the counts read (ranks above :data:`REMOTE_CAPACITY_FREE` members) are
+    read ahead (:class:`~arraycheckpoint.audit.ahead.EndReads`), every pack each such rank's save wrote
+    (from the metadata's fill target, else ``counts``' listing; neither: one after another, as before)."""
+    from ..planning.packing import pack_key
+
+    ahead: EndReads | None = None
+    written: dict[int, int | None] = {}
+    if getattr(storage, "commit_strategy", "") != "rename":
+        jobs: list[Job] = []
+        target = 0
+        for rank, chunks in per_rank.items():
+            if sum(chunks.values()) <= REMOTE_CAPACITY_FREE:
+                continue
+            target = target or _fill_target(meta)
+            docs, held = holds.get(rank, ([], {}))
+            n = _predicted_fill(meta, rank, {}, docs, held, target)[1]
+            n = written[rank] = n if n is not None or counts is None else counts.written(rank)
+            _l, _g, entries_bound, members, bound = _rank_bounds(meta, docs, held)
+            want = min(bound + 1, packdir._PACK_TAIL_BYTES)
+            keys = (pack_key(rank, k) for k in range(min(n or 0, members + 1)))
+            jobs += [
+                (key, want, entries_bound)
+                for key in keys
+                if (key, bound, entries_bound) not in (parsed or {})
+            ]
+        ahead = EndReads(storage, base, jobs) if jobs else None
+    try:
+        for rank, chunks in per_rank.items():
+            rank_capacity(storage, base, meta, rank, chunks, holds, parsed, ahead, written.get(rank))
+    finally:
+        if ahead is not None:
+            ahead.close()
 
 
 #: inside :func:`counted_once`: the directories an object store's capacity counts read, kept for the checks
@@ -182,11 +242,17 @@ def counted_once() -> Iterator[None]:
 
 
 def check_capacity(
-    storage: Any, base: str, meta: Any, names: Collection[str], parsed: dict[Any, Any] | None = None
+    storage: Any,
+    base: str,
+    meta: Any,
+    names: Collection[str],
+    parsed: dict[Any, Any] | None = None,
+    counts: PackCounts | None = None,
 ) -> Any:
     """:func:`rank_capacity` for every rank writing chunks of the arrays ``names`` (the chunks per rank
     counted from the writers at once, not listed; ``parsed``: see :func:`rank_capacity`, by default the
-    directories kept by :func:`counted_once`). Returns what every rank holds (:func:`_rank_members`)."""
+    directories kept by :func:`counted_once`; object stores: read ahead, :func:`_count_ranks`). Returns what
+    every rank holds (:func:`_rank_members`)."""
     if parsed is None:
         parsed = _counted.get()
     holds = _rank_members(meta)
@@ -198,8 +264,7 @@ def check_capacity(
         counts = np.bincount(np.asarray(getattr(writers, "array", writers), dtype=np.int64))
         for r in np.flatnonzero(counts).tolist():
             per_rank.setdefault(r, {})[name] = int(counts[r])
-    for rank, chunks in per_rank.items():
-        rank_capacity(storage, base, meta, rank, chunks, holds, parsed)
+    _count_ranks(storage, base, meta, holds, per_rank, parsed, counts)
     return holds
 
 
@@ -211,6 +276,8 @@ def rank_capacity(
     chunks: Mapping[str, int],
     holds: Any,
     parsed: dict[Any, Any] | None = None,
+    ahead: EndReads | None = None,
+    written: int | None = None,
 ) -> None:
     """Before a key is built per chunk: ``rank``'s packs can hold ``chunks`` (array -> its chunks there, of
     arrays of more than one chunk): on a local file system their sizes (:func:`rank_capacity_problem`), on
@@ -225,7 +292,7 @@ def rank_capacity(
     if getattr(storage, "commit_strategy", "") == "rename":
         problem = rank_capacity_problem(base, rank, chunks)
     elif wanted > REMOTE_CAPACITY_FREE:
-        problem = _remote_capacity_problem(storage, base, meta, rank, holds, wanted, parsed)
+        problem = _remote_capacity_problem(storage, base, meta, rank, holds, wanted, parsed, ahead, written)
     else:
         problem = None
     if problem is not None:
@@ -277,7 +344,8 @@ def check_rank_packs(
     parsed = _counted.get()
     if parsed is None:
         parsed = {}
-    holds = check_capacity(storage, base, meta, names, parsed)  # before a key is built per chunk
+    counts = PackCounts(storage, base)  # for a checkpoint recording no fill target: one listing, no probes
+    holds = check_capacity(storage, base, meta, names, parsed, counts)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 under an array
     for name in names:
@@ -299,7 +367,7 @@ def check_rank_packs(
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
             needed.setdefault(writers[flat], {})[key] = (name, flat)
     out: dict[str, int | None] = {}
-    walk = RankPacks(storage, base, meta, holds, parsed)
+    walk = RankPacks(storage, base, meta, holds, parsed, counts)
     if getattr(storage, "commit_strategy", "") != "rename":  # object stores: the packs' ends read ahead
         walk.ahead = EndReads(storage, base, [j for r in sorted(needed) for j in walk.ends(r, needed[r])])
     try:
@@ -320,8 +388,9 @@ class RankPacks:
     then every pack in order up to the first absent one while a member read is not found), each directory
     with the checks of :func:`_check_rank_pack_members`; when every member the rank holds is read (``verify``,
     a whole load, the zarr store), every pack its save wrote is read (how many follows from the metadata:
-    :func:`arraycheckpoint.audit.predict.predicted_fill`; without a recorded fill target, every pack up to the
-    first absent one), so that a member a second time or a foreign member in any of them is refused by each of
+    :func:`arraycheckpoint.audit.predict.predicted_fill`; without a recorded fill target, on object stores
+    from one listing of the packs, :class:`~arraycheckpoint.audit.packcount.PackCounts`, elsewhere or where
+    the listing fails every pack up to the first absent one), so that a member a second time or a foreign member in any of them is refused by each of
     them alike, and a pack past the last one is opened by none.
     ``storage`` is a :class:`~arraycheckpoint.storage.Storage` or any object that
     :func:`arraycheckpoint.audit.packdir._pack_directory` reads packs through (``pack_ranges``). ``parsed``
@@ -329,48 +398,75 @@ class RankPacks:
     checks without reading them again."""
 
     def __init__(
-        self, storage: Any, base: str, meta: Any, holds: Any, parsed: dict[Any, Any] | None = None
+        self,
+        storage: Any,
+        base: str,
+        meta: Any,
+        holds: Any,
+        parsed: dict[Any, Any] | None = None,
+        counts: PackCounts | None = None,
     ) -> None:
         from ..format.metadata import chunk_key_separator
-        from ..planning.packing import packs_target
 
         self.storage, self.base, self.meta, self.holds = storage, base, meta, holds
         self.parsed: dict[Any, Any] = {} if parsed is None else parsed
+        # without a recorded fill target: how many packs each rank wrote, from one listing (object stores)
+        self.counts = PackCounts(storage, base) if counts is None else counts
         self.separator = chunk_key_separator(meta.format_version)
-        packs = {t.pack for t in meta.tensors.values() if t.pack_rank is not None}  # a few distinct entries
-        targets = {packs_target(pack) for pack in packs}
-        self.target = targets.pop() if len(targets) == 1 else 0
+        self.target = _fill_target(meta)
         # chunk file bytes, grid, longest chunk key per distinct layout
         self.per_layout: dict[Any, tuple[int, tuple[int, ...], int]] = {}
         self.held_bytes = 0  # pack bytes kept for a load's reader (packdir.PackDirectory)
         self.ahead: EndReads | None = None  # the packs' ends read ahead (object stores)
-        self._fills: dict[int, tuple[Any, tuple[dict[str, int], int | None]]] = {}  # rank -> (reading, fill)
+        # (rank, id(reading)) -> (reading, its fill), predicted by ends() for check()
+        self._fills: dict[tuple[int, int], tuple[Any, tuple[dict[str, int], int | None]]] = {}
 
-    def ends(self, rank: int, reading: Mapping[str, tuple[str, int]]) -> list[tuple[str, int, int | None]]:
+    def ends(
+        self,
+        rank: int,
+        reading: Mapping[str, tuple[str, int]],
+        *,
+        to_end: bool = False,
+        opened: set[int] | None = None,
+    ) -> list[Job]:
         """The reads of packs' ends (:class:`~arraycheckpoint.audit.ahead.EndReads` jobs) that :meth:`check`
-        of ``reading`` makes on a sound checkpoint, in its order: the packs predicted to hold ``reading``,
-        then, when it is every member of the rank, the other packs its save wrote."""
+        of ``reading`` (with ``to_end`` and ``opened``: the packs read before, to which those planned here are
+        added) makes on a sound checkpoint, in its order: the packs predicted to hold ``reading``, then, when
+        it is every member of the rank, the other packs its save wrote (without a recorded fill target: as
+        many as :attr:`counts` lists)."""
         from ..planning.packing import pack_key
 
         docs, chunks = self.holds.get(rank, ([], {}))
         _l, _g, entries_bound, members, bound = _rank_bounds(self.meta, docs, chunks, self.per_layout)
-        fill = self._fills[rank] = (
+        fill = self._fills[rank, id(reading)] = (
             reading,
             _predicted_fill(self.meta, rank, reading, docs, chunks, self.target),
         )
         where_of, written = fill[1]
         at = sorted(set(where_of.values()))
-        if len(reading) >= members and written is not None:
-            at += [k for k in range(min(written, members + 1)) if k not in set(at)]
+        if to_end or len(reading) >= members:
+            written = self._written(rank, written)
+            if written is not None:
+                at += [k for k in range(min(written, members + 1)) if k not in set(at)]
         want = min(bound + 1, packdir._PACK_TAIL_BYTES)
+        if opened is not None:
+            at = [k for k in at if k not in opened]
+            opened.update(at)
         keys = (pack_key(rank, k) for k in at)
         return [(key, want, entries_bound) for key in keys if (key, bound, entries_bound) not in self.parsed]
 
-    def whole_rank(self, rank: int, chunks_of: Callable[[str], np.ndarray]) -> dict[str, tuple[str, int]]:
+    def _written(self, rank: int, predicted: int | None) -> int | None:
+        """The packs ``rank``'s save wrote: ``predicted`` from the fill target, else :attr:`counts`' listing."""
+        return predicted if predicted is not None else self.counts.written(rank)
+
+    def whole_rank(
+        self, rank: int, chunks_of: Callable[[str], np.ndarray], counted: bool = False
+    ) -> dict[str, tuple[str, int]]:
         """Every member of ``rank``'s packs (``member -> (array, chunk or -1 for its zarr.json)``), after its
-        packs' capacity is checked (:func:`rank_capacity`); ``chunks_of(array)``: the chunks (flat indices)
-        of the array that ``rank`` wrote."""
-        self.capacity(rank)
+        packs' capacity is checked (:func:`rank_capacity`; ``counted``: already); ``chunks_of(array)``: the
+        chunks (flat indices) of the array that ``rank`` wrote."""
+        if not counted:
+            self.capacity(rank)
         docs, counts = self.holds.get(rank, ([], {}))
         out = {f"{n}/zarr.json": (n, -1) for n in docs}
         for name in counts:
@@ -380,11 +476,14 @@ class RankPacks:
                 out[f"{name}/" + self.separator.join(["c", *(str(int(i)) for i in idx)])] = (name, flat)
         return out
 
-    def capacity(self, rank: int) -> None:
-        """:func:`rank_capacity` of ``rank`` for every chunk its packs hold (of arrays of several chunks)."""
-        counts = self.holds.get(rank, ([], {}))[1]
-        multi = {n: k for n, k in counts.items() if len(self.meta.tensors[n].writers) > 1}
-        rank_capacity(self.storage, self.base, self.meta, rank, multi, self.holds, self.parsed)
+    def capacity(self, *ranks: int) -> None:
+        """:func:`rank_capacity` of each of ``ranks`` for every chunk its packs hold (of arrays of several
+        chunks), the directories counted read ahead on object stores (:func:`_count_ranks`)."""
+        per_rank = {}
+        for rank in ranks:
+            held = self.holds.get(rank, ([], {}))[1]
+            per_rank[rank] = {n: k for n, k in held.items() if len(self.meta.tensors[n].writers) > 1}
+        _count_ranks(self.storage, self.base, self.meta, self.holds, per_rank, self.parsed, self.counts)
 
     def check(
         self,
@@ -426,15 +525,18 @@ class RankPacks:
         )
         # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
         # order, only when a member read is not there, or every member is read: then up to the last one its
-        # save wrote (``written``, from the metadata), or, where the metadata records no fill target, up to the
-        # first absent one (one missing-object read per rank). A pack past the last one a save wrote is no
+        # save wrote (``written``, from the metadata), or, where the metadata records no fill target, from one
+        # listing of the packs (object stores: PackCounts), else up to the first absent one (one missing-object
+        # read per rank). A pack past the last one a save wrote is no
         # part of the checkpoint: no reader opens it (all share this walk), as none opens any other file there.
-        fill = self._fills.pop(rank, None)  # predicted by ends() for this reading
+        fill = self._fills.pop((rank, id(reading)), None)  # predicted by ends() for this reading
         where_of, written = (
             fill[1]
             if fill is not None and fill[0] is reading
             else _predicted_fill(meta, rank, reading, docs, chunks, self.target)
         )
+        if whole:
+            written = self._written(rank, written)
         probe = itertools.chain(  # lazily: the rank may hold millions of members of arrays not read
             ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
         )
