@@ -209,3 +209,19 @@ def fault_proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture
+def proxied(fault_proxy: FaultProxy) -> Iterator[FaultProxy]:
+    """``s3://`` and ``s3a://`` (fsspec: s3fs) to the loopback server through the counting proxy."""
+    from arraycheckpoint import storage
+    from arraycheckpoint.storage import configure
+    from arraycheckpoint.storage.fsspec_store import FsspecStorage
+
+    storage.register_scheme("s3a", lambda: FsspecStorage("s3a", {"endpoint_url": fault_proxy.endpoint}))
+    configure("s3", endpoint=fault_proxy.endpoint)
+    try:
+        yield fault_proxy
+    finally:
+        configure("s3", endpoint=None)
+        storage.register_scheme("s3a", None)
