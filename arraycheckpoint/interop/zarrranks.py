@@ -120,8 +120,9 @@ class RankWalks:
         default executor's threads, as fsspec's wrapped file systems do: walks there could take them all);
         ``done()``: whether a finished walk already did the work (:meth:`_rank_member`); ``prepare()``: run
         on the loop once the walk is this one's turn, what is passed to ``work`` after the walk."""
+        from ..audit.capacity import _rank_members
         from ..audit.packcount import PackCounts
-        from ..audit.rankpacks import RankPacks, _rank_members
+        from ..audit.rankpacks import RankPacks
         from ..storage.local import LocalStorage
 
         loop = asyncio.get_running_loop()

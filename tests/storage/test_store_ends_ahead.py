@@ -33,11 +33,11 @@ from ends_helpers import state as _state  # noqa: E402
 from ends_helpers import upload as _upload  # noqa: E402
 
 import arraycheckpoint as acp  # noqa: E402
-from arraycheckpoint.audit import ahead, rankpacks  # noqa: E402
+from arraycheckpoint.audit import ahead, capacity  # noqa: E402
 from arraycheckpoint.tools.verify import verify  # noqa: E402
 from arraycheckpoint.zarr import checkpoint_store  # noqa: E402
 
-N = 70_000  # chunks of one rank, above rankpacks.REMOTE_CAPACITY_FREE
+N = 70_000  # chunks of one rank, above capacity.REMOTE_CAPACITY_FREE
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def many(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _alone(m: pytest.MonkeyPatch) -> None:
     """Every pack's end read by the walk itself, one after another (what readers did before)."""
     m.setattr(ahead, "EndReads", lambda *a: None)
-    m.setattr(rankpacks, "EndReads", lambda *a: None)
+    m.setattr(capacity, "EndReads", lambda *a: None)
 
 
 def _alone_then_ahead(
@@ -182,3 +182,28 @@ def test_the_capacity_count_reads_directories_ahead(
     packs = len(list((many / ".acp" / "packs").iterdir()))
     assert len({p for m, p, _r in alone if m == "GET"}) == packs, sorted(alone)  # none past the last
     assert all(r is not None for m, _p, r in alone if m == "GET")  # ranged, never a pack whole
+
+
+def test_a_damaged_pack_among_those_read_together_fails_its_own_tensor(
+    s3_server: Any, proxied: Any, small: Path
+) -> None:
+    """The members zarr-python asks for at once are walked together: a pack whose end record is cut fails
+    the read of its own tensor, naming it and the pack, and no other; every other tensor still reads
+    bit-exactly through the same store."""
+    import zipfile
+
+    from arraycheckpoint.errors import CorruptCheckpointError
+
+    damaged = ".acp/packs/2.9.zip"
+    with zipfile.ZipFile(small / damaged) as zf:
+        (inside,) = {n.rpartition("/")[0] for n in zf.namelist()}
+    url = f"s3://{s3_server.bucket}/{_upload(s3_server, small, damage=damaged)}"
+    store = checkpoint_store(url, storage_options={"endpoint_url": proxied.endpoint})
+    with pytest.raises(CorruptCheckpointError, match=rf"{inside}.*2\.9\.zip|2\.9\.zip.*{inside}"):
+        zarr.open_group(store, mode="r").members(max_depth=None)
+    want = _state()["model"]
+    for name, value in want.items():
+        if f"model/{name}" != inside:
+            assert np.array_equal(zarr.open_array(store, path=f"model/{name}", mode="r")[...], value), name
+    with pytest.raises(CorruptCheckpointError, match=r"2\.9\.zip"):
+        zarr.open_array(store, path=inside, mode="r")[...]
