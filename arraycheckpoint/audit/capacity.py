@@ -228,12 +228,30 @@ def counted_once() -> Iterator[None]:
     """Inside, a pack directory an object store's capacity count read (:func:`check_capacity`) is checked by
     a later :func:`~arraycheckpoint.audit.rankpacks.check_rank_packs` (a load's) without being read again: ``verify`` counts before it builds
     a key per chunk, then reads the data through the load, which counted and read every big directory again
-    (9 MB read twice for one rank of 70,000 chunks). What a check takes is dropped; the rest when it ends."""
+    (9 MB read twice for one rank of 70,000 chunks). What a check takes is dropped; the rest when it ends. A
+    checkpoint recording no fill target has its packs listed once inside (:func:`pack_counts`)."""
     token = _counted.set({})
+    listed = _listings.set({})
     try:
         yield
     finally:
+        _listings.reset(listed)
         _counted.reset(token)
+
+
+#: inside :func:`counted_once`: the listings of packs made (:class:`PackCounts`), by checkpoint
+_listings: contextvars.ContextVar[dict[str, PackCounts] | None] = contextvars.ContextVar(
+    "acp_listings", default=None
+)
+
+
+def pack_counts(storage: Any, base: str) -> PackCounts:
+    """The :class:`~arraycheckpoint.audit.packcount.PackCounts` of the checkpoint ``base``: inside
+    :func:`counted_once`, one for every reader of it (one listing of its packs in all, where one is made)."""
+    shared = _listings.get()
+    if shared is None:
+        return PackCounts(storage, base)
+    return shared.setdefault(base.rstrip("/"), PackCounts(storage, base))
 
 
 def check_capacity(
@@ -256,10 +274,12 @@ def check_capacity(
         writers = meta.tensors[name].writers
         if len(writers) <= 1:
             continue  # one chunk (every small array): listing it costs what counting would
-        counts = np.bincount(np.asarray(getattr(writers, "array", writers), dtype=np.int64))
-        for r in np.flatnonzero(counts).tolist():
-            per_rank.setdefault(r, {})[name] = int(counts[r])
-    _count_ranks(storage, base, meta, holds, per_rank, parsed, counts)
+        per = np.bincount(np.asarray(getattr(writers, "array", writers), dtype=np.int64))
+        for r in np.flatnonzero(per).tolist():
+            per_rank.setdefault(r, {})[name] = int(per[r])
+    _count_ranks(
+        storage, base, meta, holds, per_rank, parsed, pack_counts(storage, base) if counts is None else counts
+    )
     return holds
 
 

@@ -30,6 +30,7 @@ from .capacity import (
     _naming,
     _rank_bounds,
     check_capacity,
+    pack_counts,
 )
 from .packcount import PackCounts
 from .packdir import _chunk_grid
@@ -82,7 +83,7 @@ def check_rank_packs(
     parsed = _counted.get()
     if parsed is None:
         parsed = {}
-    counts = PackCounts(storage, base)  # for a checkpoint recording no fill target: one listing, no probes
+    counts = pack_counts(storage, base)  # for a checkpoint recording no fill target: one listing, no probes
     holds = check_capacity(storage, base, meta, names, parsed, counts)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 under an array

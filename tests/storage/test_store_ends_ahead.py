@@ -98,7 +98,12 @@ def _pack_requests(proxy: Any) -> list[tuple[str, str, str | None]]:
 
 
 def _listings(proxy: Any) -> list[str]:
-    return [p for m, p, _r, _n in proxy.requests if m == "GET" and ("list-type" in p or "delimiter" in p)]
+    """The listings of the packs (``.acp/packs/``) sent."""
+    return [
+        p
+        for m, p, _r, _n in proxy.requests
+        if m == "GET" and ("list-type" in p or "delimiter" in p) and "packs" in p
+    ]
 
 
 def _read_store(url: str, endpoint: str) -> dict[str, np.ndarray]:
@@ -136,7 +141,7 @@ def test_an_untargeted_checkpoint_is_listed_once_not_probed_per_rank(
     s3_server: Any, proxied: Any, small: Path, scheme: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No fill target in the metadata: a whole load and ``verify`` ask for no pack past a rank's last one
-    (each asked for ``<rank>.16.zip`` before), list the packs once, and read every pack's end ahead;
+    (each asked for ``<rank>.16.zip`` before), list the packs once each, and read every pack's end ahead;
     bit-exact."""
     url = f"{scheme}://{s3_server.bucket}/{_upload(s3_server, small, untargeted=True)}"
     proxied.delay = 0.02
@@ -149,20 +154,24 @@ def test_an_untargeted_checkpoint_is_listed_once_not_probed_per_rank(
     assert asked == {f"{r}.{k}.zip" for r in range(RANKS) for k in range(PACKS)}, sorted(asked)
     assert len(_listings(proxied)) == 1, _listings(proxied)
     assert 1 < _ends_peak(proxied) <= ahead.WORKERS, _ends_peak(proxied)
-    _reset(proxied)
-    assert verify(url, read_data=False).ok
-    assert not any(f".{PACKS}.zip" in p for _m, p, _r in _pack_requests(proxied))
+    for read_data in (False, True):
+        _reset(proxied)
+        assert verify(url, read_data=read_data).ok
+        assert not any(f".{PACKS}.zip" in p for _m, p, _r in _pack_requests(proxied))
+        assert len(_listings(proxied)) == 1, (read_data, _listings(proxied))
     assert 1 < _ends_peak(proxied) <= ahead.WORKERS, _ends_peak(proxied)
 
 
-@pytest.mark.parametrize("reader", ["s3", "s3a", "store"])
+@pytest.mark.parametrize("reader", ["s3", "s3a", "store", "s3 no-target", "store no-target"])
 def test_the_capacity_count_reads_directories_ahead(
     s3_server: Any, proxied: Any, many: Path, reader: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank of 70,000 chunks over several packs: the count of their directories' entries (before a key is
     built per chunk) sends the same requests as when it read them one after another, several at once;
-    each directory read once; bit-exact."""
-    prefix = _upload(s3_server, many)
+    each directory read once; bit-exact. Without a recorded fill target too (the packs listed once)."""
+    untargeted = reader.endswith(" no-target")
+    reader = reader.removesuffix(" no-target")
+    prefix = _upload(s3_server, many, untargeted=untargeted)
     scheme = "s3" if reader == "store" else reader
     url = f"{scheme}://{s3_server.bucket}/{prefix}"
     proxied.delay = 0.02
