@@ -23,6 +23,7 @@ from ..errors import (
 )
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
 from .ahead import EndReads, Job
+from .capacity import REMOTE_CAPACITY_FREE as REMOTE_CAPACITY_FREE  # found here before capacity.py
 from .capacity import (
     _count_ranks,
     _counted,
@@ -32,6 +33,9 @@ from .capacity import (
     check_capacity,
     pack_counts,
 )
+from .capacity import _rank_members as _rank_members
+from .capacity import counted_once as counted_once
+from .capacity import rank_capacity as rank_capacity
 from .packcount import PackCounts
 from .packdir import _chunk_grid
 from .packs import chunk_place, chunks_wanted

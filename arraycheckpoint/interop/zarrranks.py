@@ -179,8 +179,15 @@ class RankWalks:
         checked = self.__dict__.setdefault("_capacity_checked", set())
         new = [r for r in dict.fromkeys(r for r, _k in batch) if r not in plans and r not in checked]
         if new:  # the ranks first read: their capacity counted (read ahead together) before keys are built
-            walk.capacity(*new)
-            checked.update(new)
+            try:
+                walk.capacity(*new)
+                checked.update(new)
+            except Exception:
+                if batch[0][0] in new:  # the caller's own rank counted alone: its own error raised
+                    walk.capacity(batch[0][0])
+                    checked.add(batch[0][0])
+                # the others' ranks are counted by their own requests (each then fails naming its arrays)
+                batch = [w for w in batch if w[0] in checked or w[0] in plans]
         steps: list[tuple[int, list[str], Any, dict[str, tuple[str, int]], bool]] = []
         taken: dict[
             int, tuple[set[Any], set[int]]
