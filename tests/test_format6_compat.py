@@ -81,3 +81,46 @@ def test_format6_readers(tmp_path, capsys, name) -> None:
         if k == "model/head.weight":  # tied: stored once, as the embedding
             k = "model/emb.weight"
         _same({k: root[k][...]}, {k: v})
+
+
+def test_format6_without_fill_target_loads_from_an_object_store(tmp_path, monkeypatch) -> None:
+    """The first format-6 code recorded no fill target in ``pack`` (``.acp/packs/<rank>``): such a checkpoint
+    (the fixture with its target taken out) loads bit-exactly from ``memory://`` (tensorstore: the
+    object-store branch of every reader) and reads every pack its ranks wrote and none past them: the packs
+    are listed once (``audit/packcount.py``); each rank's reader asked for the absent pack after its last."""
+    import uuid
+    from collections import Counter
+
+    import arraycheckpoint.storage.memory  # noqa: F401 - registers memory://
+    from arraycheckpoint.audit import packdir
+    from arraycheckpoint.storage import storage_for
+
+    path = _copy(tmp_path, "fsdp2")
+    doc_path = os.path.join(path, ".acp", "metadata.json")
+    with open(doc_path) as f:
+        doc = json.load(f)
+    for t in doc["tensors"].values():
+        if t.get("pack"):
+            t["pack"] = t["pack"].partition("@")[0]
+    with open(doc_path, "w") as f:
+        json.dump(doc, f)
+    url = f"memory://untargeted/{uuid.uuid4().hex[:8]}"
+    store, root = storage_for(url)
+    for d, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(d, name), "rb") as f:
+                store.write(root, os.path.relpath(os.path.join(d, name), path).replace(os.sep, "/"), f.read())
+    asked: Counter[str] = Counter()
+    real = packdir._kv_ranges
+
+    def counted(storage, base, key, want):  # every read of a pack's end, there or not
+        asked[key] += 1
+        return real(storage, base, key, want)
+
+    monkeypatch.setattr(packdir, "_kv_ranges", counted)
+    model = fsdp_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    out = acp.load(url, {"model": model, "optimizer": opt, "extra_state": {"step": 0}})
+    _same(full_state(model, opt), compat.expected(FIXTURES, "fsdp2"))
+    assert out["extra_state"]["step"] == 12
+    assert asked == {".acp/packs/0.0.zip": 1, ".acp/packs/1.0.zip": 1}, asked  # no 0.1.zip, no 1.1.zip

@@ -120,7 +120,7 @@ def _pack_directory(
 
     ``parsed`` (object stores) lets two calls with the same bounds read a directory once: a call without
     ``check_members`` (counting a rank's members before its keys are built,
-    :func:`arraycheckpoint.audit.rankpacks.rank_capacity`) keeps there what it read and parsed (or that the
+    :func:`arraycheckpoint.audit.capacity.rank_capacity`) keeps there what it read and parsed (or that the
     pack is absent); a later call with ``check_members`` takes it from there and checks it, as it would
     have checked the bytes it read. ``ahead`` (object stores): the reads of packs' ends issued ahead of the
     walk (:class:`arraycheckpoint.audit.ahead.EndReads`): the end read there, with the same arguments, is

@@ -7,229 +7,39 @@ sizes of a rank's packs must be those its save could have produced.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import itertools
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import numpy as np
 
-from ..checks.bounds import MAX_OBJECT_BYTES, MAX_PACKED_JSON_BYTES
-from ..checks.zipdir import _CD_ENTRY_BYTES, PackMember, _check_member
+from ..checks.bounds import MAX_PACKED_JSON_BYTES
+from ..checks.zipdir import PackMember, _check_member
 from ..errors import (
     CorruptCheckpointError,
     InconsistentCheckpointError,
 )
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
-from .ahead import EndReads
-from .packdir import _chunk_grid, _longest_chunk_key, _packed_chunk_bytes
+from .ahead import EndReads, Job
+from .capacity import REMOTE_CAPACITY_FREE as REMOTE_CAPACITY_FREE  # found here before capacity.py
+from .capacity import (
+    _count_ranks,
+    _counted,
+    _fill_target,
+    _naming,
+    _rank_bounds,
+    check_capacity,
+    pack_counts,
+)
+from .capacity import _rank_members as _rank_members
+from .capacity import counted_once as counted_once
+from .capacity import rank_capacity as rank_capacity
+from .packcount import PackCounts
+from .packdir import _chunk_grid
 from .packs import chunk_place, chunks_wanted
 from .predict import predicted_fill as _predicted_fill
-
-
-def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
-    """Format 6: what each rank's packs hold: ``rank -> (arrays whose zarr.json it holds, array -> number of
-    its chunks)`` over every packed array of ``meta``."""
-    out: dict[int, tuple[list[str], dict[str, int]]] = {}
-    for name, t in meta.tensors.items():
-        creator = t.pack_rank
-        if creator is None:
-            continue
-        out.setdefault(creator, ([], {}))[0].append(name)
-        writers = t.writers
-        if not writers:
-            continue
-        if len(writers) == 1:  # one chunk (every small array): no counting per rank
-            out.setdefault(writers[0], ([], {}))[1][name] = 1
-            continue
-        ranks, counts = np.unique(np.asarray(getattr(writers, "array", writers)), return_counts=True)
-        for r, n in zip(ranks.tolist(), counts.tolist()):
-            out.setdefault(r, ([], {}))[1][name] = n
-    return out
-
-
-#: Packed members of a rank whose packs are not looked at before its members are listed one by one.
-CAPACITY_FREE = 1 << 12
-
-
-def rank_capacity_problem(root: str, rank: int, chunks: Mapping[str, int]) -> str | None:
-    """Why ``rank``'s packs under the local checkpoint ``root`` cannot hold ``chunks`` (array -> number of
-    its chunks that rank wrote), or None. Every member takes at least a ZIP local header and directory record
-    and its name twice; the packs' sizes (``<rank>.0.zip``, ``<rank>.1.zip``, ... up to the first absent) must
-    add up to that before a reader lists the members one by one: a 40-byte change of shape in the metadata
-    declares 2^26 chunks (gigabytes of keys) that no pack holds. Only above :data:`CAPACITY_FREE` members."""
-    import os
-
-    from ..planning.packing import PACK_DIR, pack_key
-
-    members = sum(chunks.values())
-    if members <= CAPACITY_FREE:
-        return None
-    need = sum(k * (30 + 46 + 2 * (len(n.encode()) + 4)) for n, k in chunks.items())
-    have = 0
-    for k in range(members + 1):
-        try:
-            have += os.lstat(os.path.join(root, *pack_key(rank, k).split("/"))).st_size
-        except OSError:  # absent (or unreadable: the pack checks name it)
-            break
-        if have >= need:
-            return None
-    return (
-        f"rank {rank}'s packs ({root}/{PACK_DIR}/{rank}.<k>.zip) are {have} bytes in all, but the metadata "
-        f"puts {members} chunks in them, which take at least {need}; the checkpoint is damaged or hostile"
-    )
-
-
-def _rank_bounds(
-    meta: Any,
-    docs: Collection[str],
-    chunks: Mapping[str, int],
-    per_layout: dict[Any, tuple[int, tuple[int, ...], int]] | None = None,
-) -> tuple[dict[str, int], dict[str, tuple[int, ...]], int, int, int]:
-    """For a rank holding the documents of ``docs`` and ``chunks`` (array -> its chunks there): each array's
-    largest member, its grid, the most directory bytes of one of its packs, its members, the largest pack.
-    ``per_layout`` caches (chunk file bytes, grid, longest chunk key) per distinct layout across calls."""
-    from ..planning.packing import MEMBER_OVERHEAD, TRAILER_BYTES
-
-    per_layout = {} if per_layout is None else per_layout
-    limits: dict[str, int] = {}
-    grids: dict[str, tuple[int, ...]] = {}
-    entries_bound = bound = 0
-    for n in docs:
-        nb = len(n.encode())
-        entries_bound += _CD_ENTRY_BYTES + nb + 10
-        bound += MAX_PACKED_JSON_BYTES + MEMBER_OVERHEAD + 2 * (nb + 10)
-    for n in set(docs) | set(chunks):
-        t = meta.tensors[n]
-        lay = (t.dtype, t.shape, t.chunk_shape, t.inner_chunk_shape)
-        known = per_layout.get(lay)
-        if known is None:
-            grid = _chunk_grid(t)
-            known = per_layout[lay] = (_packed_chunk_bytes(t), grid, _longest_chunk_key(grid))
-        limits[n], grids[n] = known[0], known[1]
-        k = chunks.get(n, 0)
-        if k:
-            nb = len(n.encode())
-            entries_bound += k * (_CD_ENTRY_BYTES + nb + 1 + max(9, known[2]))
-            bound += k * (known[0] + MEMBER_OVERHEAD + 2 * (nb + 1 + known[2]))
-    members = len(docs) + sum(chunks.values())
-    bound = min(TRAILER_BYTES * (members + 1) + bound, MAX_OBJECT_BYTES * 4)
-    return limits, grids, entries_bound, members, bound
-
-
-#: Packed members of a rank whose packs' directories an object-store reader counts before listing them.
-REMOTE_CAPACITY_FREE = 1 << 16
-
-
-def _remote_capacity_problem(
-    storage: Any,
-    base: str,
-    meta: Any,
-    rank: int,
-    holds: Any,
-    wanted: int,
-    parsed: dict[Any, Any] | None = None,
-) -> str | None:
-    """Object stores (no sizes without reads): the entries of ``rank``'s pack directories, counted (each read
-    with its bounds) until they reach ``wanted``; why they do not, or None. Each directory read is kept in
-    ``parsed`` for the walk that checks it next (:class:`RankPacks`): read once, not once to count and once
-    to check."""
-    from ..planning.packing import pack_key
-
-    docs, chunks = holds.get(rank, ([], {}))
-    _limits, _grids, entries_bound, members, bound = _rank_bounds(meta, docs, chunks)
-    found = 0
-    for k in range(members + 1):
-        entries, size = packdir._pack_directory(
-            storage,
-            base,
-            pack_key(rank, k),
-            bound,
-            max_directory_bytes=entries_bound,
-            missing_ok=True,
-            parsed=parsed,
-        )
-        if size is None and not entries:
-            break
-        found += len(entries)
-        if found >= wanted:
-            return None
-    return (
-        f"rank {rank}'s packs ({base}/.acp/packs/{rank}.<k>.zip) hold {found} members in all, but the metadata "
-        f"puts {wanted} chunks in them; the checkpoint is damaged or hostile"
-    )
-
-
-#: inside :func:`counted_once`: the directories an object store's capacity counts read, kept for the checks
-#: that read them next (each is then read once, whichever call counts and whichever checks)
-_counted: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("acp_counted", default=None)
-
-
-@contextlib.contextmanager
-def counted_once() -> Iterator[None]:
-    """Inside, a pack directory an object store's capacity count read (:func:`check_capacity`) is checked by
-    a later :func:`check_rank_packs` (a load's) without being read again: ``verify`` counts before it builds
-    a key per chunk, then reads the data through the load, which counted and read every big directory again
-    (9 MB read twice for one rank of 70,000 chunks). What a check takes is dropped; the rest when it ends."""
-    token = _counted.set({})
-    try:
-        yield
-    finally:
-        _counted.reset(token)
-
-
-def check_capacity(
-    storage: Any, base: str, meta: Any, names: Collection[str], parsed: dict[Any, Any] | None = None
-) -> Any:
-    """:func:`rank_capacity` for every rank writing chunks of the arrays ``names`` (the chunks per rank
-    counted from the writers at once, not listed; ``parsed``: see :func:`rank_capacity`, by default the
-    directories kept by :func:`counted_once`). Returns what every rank holds (:func:`_rank_members`)."""
-    if parsed is None:
-        parsed = _counted.get()
-    holds = _rank_members(meta)
-    per_rank: dict[int, dict[str, int]] = {}
-    for name in names:
-        writers = meta.tensors[name].writers
-        if len(writers) <= 1:
-            continue  # one chunk (every small array): listing it costs what counting would
-        counts = np.bincount(np.asarray(getattr(writers, "array", writers), dtype=np.int64))
-        for r in np.flatnonzero(counts).tolist():
-            per_rank.setdefault(r, {})[name] = int(counts[r])
-    for rank, chunks in per_rank.items():
-        rank_capacity(storage, base, meta, rank, chunks, holds, parsed)
-    return holds
-
-
-def rank_capacity(
-    storage: Any,
-    base: str,
-    meta: Any,
-    rank: int,
-    chunks: Mapping[str, int],
-    holds: Any,
-    parsed: dict[Any, Any] | None = None,
-) -> None:
-    """Before a key is built per chunk: ``rank``'s packs can hold ``chunks`` (array -> its chunks there, of
-    arrays of more than one chunk): on a local file system their sizes (:func:`rank_capacity_problem`), on
-    object stores the entries of their directories, counted above :data:`REMOTE_CAPACITY_FREE` members
-    (:func:`_remote_capacity_problem`); ``holds`` is :func:`_rank_members`. ``parsed``: where the directories
-    counted are kept for the walk that checks them (:class:`RankPacks` ``parsed``), so that each is read once.
-
-    Raises:
-        InconsistentCheckpointError: naming the arrays of ``chunks``.
-    """
-    wanted = sum(chunks.values())
-    if getattr(storage, "commit_strategy", "") == "rename":
-        problem = rank_capacity_problem(base, rank, chunks)
-    elif wanted > REMOTE_CAPACITY_FREE:
-        problem = _remote_capacity_problem(storage, base, meta, rank, holds, wanted, parsed)
-    else:
-        problem = None
-    if problem is not None:
-        raise _naming(InconsistentCheckpointError, [f"{n}/c" for n in chunks], problem)
 
 
 def check_rank_packs(
@@ -277,7 +87,8 @@ def check_rank_packs(
     parsed = _counted.get()
     if parsed is None:
         parsed = {}
-    holds = check_capacity(storage, base, meta, names, parsed)  # before a key is built per chunk
+    counts = pack_counts(storage, base)  # for a checkpoint recording no fill target: one listing, no probes
+    holds = check_capacity(storage, base, meta, names, parsed, counts)  # before a key is built per chunk
     needed: dict[int, dict[str, tuple[str, int]]] = {}  # rank -> member read -> (array, chunk or -1)
     first_keys: dict[int, str] = {}  # ndim -> the key of chunk 0 under an array
     for name in names:
@@ -299,7 +110,7 @@ def check_rank_packs(
             key = f"{name}/" + separator.join(["c", *(str(int(i)) for i in idx)])
             needed.setdefault(writers[flat], {})[key] = (name, flat)
     out: dict[str, int | None] = {}
-    walk = RankPacks(storage, base, meta, holds, parsed)
+    walk = RankPacks(storage, base, meta, holds, parsed, counts)
     if getattr(storage, "commit_strategy", "") != "rename":  # object stores: the packs' ends read ahead
         walk.ahead = EndReads(storage, base, [j for r in sorted(needed) for j in walk.ends(r, needed[r])])
     try:
@@ -320,57 +131,85 @@ class RankPacks:
     then every pack in order up to the first absent one while a member read is not found), each directory
     with the checks of :func:`_check_rank_pack_members`; when every member the rank holds is read (``verify``,
     a whole load, the zarr store), every pack its save wrote is read (how many follows from the metadata:
-    :func:`arraycheckpoint.audit.predict.predicted_fill`; without a recorded fill target, every pack up to the
-    first absent one), so that a member a second time or a foreign member in any of them is refused by each of
+    :func:`arraycheckpoint.audit.predict.predicted_fill`; without a recorded fill target, on object stores
+    from one listing of the packs, :class:`~arraycheckpoint.audit.packcount.PackCounts`, elsewhere or where
+    the listing fails every pack up to the first absent one), so that a member a second time or a foreign member in any of them is refused by each of
     them alike, and a pack past the last one is opened by none.
     ``storage`` is a :class:`~arraycheckpoint.storage.Storage` or any object that
     :func:`arraycheckpoint.audit.packdir._pack_directory` reads packs through (``pack_ranges``). ``parsed``
-    holds the directories an object store's capacity count read (:func:`rank_capacity`), which :meth:`check`
+    holds the directories an object store's capacity count read (:func:`~arraycheckpoint.audit.capacity.rank_capacity`), which :meth:`check`
     checks without reading them again."""
 
     def __init__(
-        self, storage: Any, base: str, meta: Any, holds: Any, parsed: dict[Any, Any] | None = None
+        self,
+        storage: Any,
+        base: str,
+        meta: Any,
+        holds: Any,
+        parsed: dict[Any, Any] | None = None,
+        counts: PackCounts | None = None,
     ) -> None:
         from ..format.metadata import chunk_key_separator
-        from ..planning.packing import packs_target
 
         self.storage, self.base, self.meta, self.holds = storage, base, meta, holds
         self.parsed: dict[Any, Any] = {} if parsed is None else parsed
+        # without a recorded fill target: how many packs each rank wrote, from one listing (object stores)
+        self.counts = PackCounts(storage, base) if counts is None else counts
         self.separator = chunk_key_separator(meta.format_version)
-        packs = {t.pack for t in meta.tensors.values() if t.pack_rank is not None}  # a few distinct entries
-        targets = {packs_target(pack) for pack in packs}
-        self.target = targets.pop() if len(targets) == 1 else 0
+        self.target = _fill_target(meta)
         # chunk file bytes, grid, longest chunk key per distinct layout
         self.per_layout: dict[Any, tuple[int, tuple[int, ...], int]] = {}
         self.held_bytes = 0  # pack bytes kept for a load's reader (packdir.PackDirectory)
         self.ahead: EndReads | None = None  # the packs' ends read ahead (object stores)
-        self._fills: dict[int, tuple[Any, tuple[dict[str, int], int | None]]] = {}  # rank -> (reading, fill)
+        # (rank, id(reading)) -> (reading, its fill), predicted by ends() for check()
+        self._fills: dict[tuple[int, int], tuple[Any, tuple[dict[str, int], int | None]]] = {}
 
-    def ends(self, rank: int, reading: Mapping[str, tuple[str, int]]) -> list[tuple[str, int, int | None]]:
+    def ends(
+        self,
+        rank: int,
+        reading: Mapping[str, tuple[str, int]],
+        *,
+        to_end: bool = False,
+        opened: set[int] | None = None,
+    ) -> list[Job]:
         """The reads of packs' ends (:class:`~arraycheckpoint.audit.ahead.EndReads` jobs) that :meth:`check`
-        of ``reading`` makes on a sound checkpoint, in its order: the packs predicted to hold ``reading``,
-        then, when it is every member of the rank, the other packs its save wrote."""
+        of ``reading`` (with ``to_end`` and ``opened``: the packs read before, to which those planned here are
+        added) makes on a sound checkpoint, in its order: the packs predicted to hold ``reading``, then, when
+        it is every member of the rank, the other packs its save wrote (without a recorded fill target: as
+        many as :attr:`counts` lists)."""
         from ..planning.packing import pack_key
 
         docs, chunks = self.holds.get(rank, ([], {}))
         _l, _g, entries_bound, members, bound = _rank_bounds(self.meta, docs, chunks, self.per_layout)
-        fill = self._fills[rank] = (
+        fill = self._fills[rank, id(reading)] = (
             reading,
             _predicted_fill(self.meta, rank, reading, docs, chunks, self.target),
         )
         where_of, written = fill[1]
         at = sorted(set(where_of.values()))
-        if len(reading) >= members and written is not None:
-            at += [k for k in range(min(written, members + 1)) if k not in set(at)]
+        if to_end or len(reading) >= members:
+            written = self._written(rank, written)
+            if written is not None:
+                at += [k for k in range(min(written, members + 1)) if k not in set(at)]
         want = min(bound + 1, packdir._PACK_TAIL_BYTES)
+        if opened is not None:
+            at = [k for k in at if k not in opened]
+            opened.update(at)
         keys = (pack_key(rank, k) for k in at)
         return [(key, want, entries_bound) for key in keys if (key, bound, entries_bound) not in self.parsed]
 
-    def whole_rank(self, rank: int, chunks_of: Callable[[str], np.ndarray]) -> dict[str, tuple[str, int]]:
+    def _written(self, rank: int, predicted: int | None) -> int | None:
+        """The packs ``rank``'s save wrote: ``predicted`` from the fill target, else :attr:`counts`' listing."""
+        return predicted if predicted is not None else self.counts.written(rank)
+
+    def whole_rank(
+        self, rank: int, chunks_of: Callable[[str], np.ndarray], counted: bool = False
+    ) -> dict[str, tuple[str, int]]:
         """Every member of ``rank``'s packs (``member -> (array, chunk or -1 for its zarr.json)``), after its
-        packs' capacity is checked (:func:`rank_capacity`); ``chunks_of(array)``: the chunks (flat indices)
-        of the array that ``rank`` wrote."""
-        self.capacity(rank)
+        packs' capacity is checked (:func:`~arraycheckpoint.audit.capacity.rank_capacity`; ``counted``: already); ``chunks_of(array)``: the
+        chunks (flat indices) of the array that ``rank`` wrote."""
+        if not counted:
+            self.capacity(rank)
         docs, counts = self.holds.get(rank, ([], {}))
         out = {f"{n}/zarr.json": (n, -1) for n in docs}
         for name in counts:
@@ -380,11 +219,14 @@ class RankPacks:
                 out[f"{name}/" + self.separator.join(["c", *(str(int(i)) for i in idx)])] = (name, flat)
         return out
 
-    def capacity(self, rank: int) -> None:
-        """:func:`rank_capacity` of ``rank`` for every chunk its packs hold (of arrays of several chunks)."""
-        counts = self.holds.get(rank, ([], {}))[1]
-        multi = {n: k for n, k in counts.items() if len(self.meta.tensors[n].writers) > 1}
-        rank_capacity(self.storage, self.base, self.meta, rank, multi, self.holds, self.parsed)
+    def capacity(self, *ranks: int) -> None:
+        """:func:`~arraycheckpoint.audit.capacity.rank_capacity` of each of ``ranks`` for every chunk its packs hold (of arrays of several
+        chunks), the directories counted read ahead on object stores (:func:`~arraycheckpoint.audit.capacity._count_ranks`)."""
+        per_rank = {}
+        for rank in ranks:
+            held = self.holds.get(rank, ([], {}))[1]
+            per_rank[rank] = {n: k for n, k in held.items() if len(self.meta.tensors[n].writers) > 1}
+        _count_ranks(self.storage, self.base, self.meta, self.holds, per_rank, self.parsed, self.counts)
 
     def check(
         self,
@@ -426,15 +268,18 @@ class RankPacks:
         )
         # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
         # order, only when a member read is not there, or every member is read: then up to the last one its
-        # save wrote (``written``, from the metadata), or, where the metadata records no fill target, up to the
-        # first absent one (one missing-object read per rank). A pack past the last one a save wrote is no
+        # save wrote (``written``, from the metadata), or, where the metadata records no fill target, from one
+        # listing of the packs (object stores: PackCounts), else up to the first absent one (one missing-object
+        # read per rank). A pack past the last one a save wrote is no
         # part of the checkpoint: no reader opens it (all share this walk), as none opens any other file there.
-        fill = self._fills.pop(rank, None)  # predicted by ends() for this reading
+        fill = self._fills.pop((rank, id(reading)), None)  # predicted by ends() for this reading
         where_of, written = (
             fill[1]
             if fill is not None and fill[0] is reading
             else _predicted_fill(meta, rank, reading, docs, chunks, self.target)
         )
+        if whole:
+            written = self._written(rank, written)
         probe = itertools.chain(  # lazily: the rank may hold millions of members of arrays not read
             ((k, False) for k in sorted(set(where_of.values()))), ((k, True) for k in range(members + 1))
         )
@@ -502,26 +347,6 @@ class RankPacks:
                 )
             raise err
         return out
-
-
-#: an error type :func:`_naming` builds
-E = TypeVar("E", bound=Exception)
-
-
-def _naming(kind: type[E], members: Collection[str], detail: str) -> E:
-    """An error of ``kind`` about the arrays of the pack members ``members``: its message names them
-    (:func:`_tensors_named`); its ``tensors`` attribute maps every one of them to what is wrong (``detail``),
-    so a tool reports each array without checking them one by one (``arraycheckpoint verify``)."""
-    err = kind(f"{_tensors_named(members)}: {detail}")
-    err.tensors = dict.fromkeys(sorted({m.rpartition("/")[0] for m in members}), detail)  # type: ignore[attr-defined]
-    return err
-
-
-def _tensors_named(members: Collection[str]) -> str:
-    """``tensor 'a'`` / ``tensors 'a', 'b', 'c' (and 4 more)``: the arrays of the pack members ``members``."""
-    names = sorted({m.rpartition("/")[0] for m in members})
-    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
-    return f"tensor{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names[:3])}{more}"
 
 
 def _check_rank_pack_members(

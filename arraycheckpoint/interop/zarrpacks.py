@@ -5,11 +5,7 @@ Every pack is read as the native load reads it, by the same code, so that the st
 ranged) and parsed by :func:`arraycheckpoint.checks.zipdir._parse_zip_directory` (the layout a save writes),
 and each member's local header is checked on first use by
 :func:`arraycheckpoint.checks.zipdir.check_local_header`. Format 6: a member is looked for in the pack of
-its rank that the metadata predicts holds it, as the load looks for it, and only that pack's directory is read
-(:class:`arraycheckpoint.audit.rankpacks.RankPacks`: each entry a member that rank holds, none twice, the
-packs' capacity counted before a key is built per chunk; the rank's packs in order only when a member is not
-where predicted), on a thread of its own (object stores: each read run on the store's event loop,
-:class:`_StoreRanges`). Format 5: the members
+its rank that the metadata predicts holds it, as the load looks for it (:mod:`.zarrranks`). Format 5: the members
 the metadata puts in the pack, and nothing else. A member's bytes are read by range, and on a local path
 through one descriptor per pack (:class:`_PackFiles`, opened below the root without following links, at most
 :data:`MAX_OPEN_PACKS` at once)"""
@@ -20,15 +16,12 @@ import asyncio
 import os
 import struct
 import threading
-import weakref
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from zarr.abc.store import ByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
@@ -44,6 +37,7 @@ from ..planning.packing import (
 from ..runtime.descriptors import descriptor_share
 from . import zarrfiles
 from .zarrfiles import _grid, _pread_fd, _span
+from .zarrranks import RankWalks
 
 #: Bytes per central-directory record allowed beyond the member's name (46 fixed, zip64 extra, slack).
 _RECORD_BYTES = 46 + 32 + 1024
@@ -185,7 +179,7 @@ def _directory_span(tail: bytes, size: int) -> tuple[int, int]:
 TAIL_BYTES = 64 << 10
 
 
-class PackReading:
+class PackReading(RankWalks):
     """The pack-reading half of :class:`~arraycheckpoint.interop.zarrstore.CheckpointStore`: a pack's central
     directory read, checked and cached, and its members' bytes read by range (see that module's docstring)."""
 
@@ -195,128 +189,8 @@ class PackReading:
     _name: str  # how errors name the checkpoint (:func:`arraycheckpoint.interop.zarrstore._display`)
     _sep: str
     _packs: dict[str, _Pack]
-    _ranks: dict[int, dict[str, tuple[_Pack, _Member]]]
     _in_pack: dict[str, list[str]]
     _fds: _PackFiles | None
-
-    def _chunks_of(self, name: str, rank: int) -> np.ndarray:
-        """The chunks (flat indices, ascending) of the packed array ``name`` that ``rank`` wrote: its writers
-        grouped by rank once per array (a store reads every rank's packs: a scan of every writer per rank
-        would cost ranks x chunks)."""
-        cache = self.__dict__.setdefault("_by_writer", {})
-        grouped = cache.get(name)
-        if grouped is None:
-            writers = self._meta.tensors[name].writers
-            ranks = np.asarray(getattr(writers, "array", writers), dtype=np.int64)
-            order = np.argsort(ranks, kind="stable")
-            grouped = cache[name] = (order, ranks[order])
-        order, ranks = grouped
-        return order[np.searchsorted(ranks, rank, "left") : np.searchsorted(ranks, rank, "right")]
-
-    async def _rank_member(self, rank: int, key: str) -> tuple[_Pack, _Member] | None:
-        """Format 6: the member ``key`` of ``rank``'s packs, with the other members of the pack holding it:
-        only that pack's directory is read and checked (the pack the metadata predicts, as a save fills its
-        packs: :func:`arraycheckpoint.audit.predict.predicted_packs`, as the load finds it), by the
-        enumeration every reader shares (:class:`arraycheckpoint.audit.rankpacks.RankPacks`: the load and
-        ``verify`` accept and refuse what this store does), after the packs' capacity is checked (before a
-        key is built per chunk). A member not where predicted, or a checkpoint that records no fill target:
-        the rank's packs in order, up to the one holding it (every pack when none predicts a member)."""
-        found = self._ranks.get(rank, {}).get(key)
-        if found is None:
-            await self._walking(
-                lambda walk: self._walk_pack(walk, rank, key), lambda: key in self._ranks.get(rank, {})
-            )
-            found = self._ranks.get(rank, {}).get(key)
-        return found
-
-    async def _capacity(self, name: str) -> None:
-        """Format 6: the packs of the ranks writing chunks of ``name`` can hold what they hold
-        (:meth:`arraycheckpoint.audit.rankpacks.RankPacks.capacity`: a local path's file sizes, an object
-        store's directory entries, counted only for a rank of very many members and kept for the check that
-        reads them next), before its keys are listed one per chunk; each rank checked once."""
-        writers = self._meta.tensors[name].writers
-        checked = self.__dict__.setdefault("_capacity_checked", set())
-        if len(writers) <= 1:
-            return
-        ranks = [
-            r for r in np.unique(np.asarray(getattr(writers, "array", writers))).tolist() if r not in checked
-        ]
-        if ranks:
-            await self._walking(lambda walk: [walk.capacity(r) for r in ranks], None)
-        checked.update(ranks)
-
-    async def _walking(self, work: Callable[[Any], Any], done: Callable[[], bool] | None) -> Any:
-        """``work(walk)`` with a :class:`arraycheckpoint.audit.rankpacks.RankPacks` of the checkpoint, run on
-        a thread of its own, one at a time (a walk waits on reads run on this loop, which may need the
-        default executor's threads, as fsspec's wrapped file systems do: walks there could take them all);
-        ``done()``: whether a finished walk already did the work (:meth:`_rank_member`)."""
-        from ..audit.rankpacks import RankPacks, _rank_members
-        from ..storage.local import LocalStorage
-
-        loop = asyncio.get_running_loop()
-        locks = self.__dict__.setdefault("_walk_locks", weakref.WeakKeyDictionary())
-        lock = locks.setdefault(loop, asyncio.Lock())  # a lock belongs to one event loop
-        async with lock:
-            if done is not None and done():
-                return None
-            pool = self.__dict__.get("_walk_pool")
-            if pool is None:
-                pool = self.__dict__["_walk_pool"] = ThreadPoolExecutor(1, thread_name_prefix="acp-store")
-            holds = self.__dict__.get("_holds")
-            if holds is None:
-                holds = self.__dict__["_holds"] = _rank_members(self._meta)
-            # directories an object store's capacity count read, checked later without a second read
-            parsed = self.__dict__.setdefault("_parsed", {})
-            if self._local is not None:
-                walk = RankPacks(LocalStorage(), self._local, self._meta, holds, parsed)
-            else:
-                walk = RankPacks(_StoreRanges(self, loop), self._name, self._meta, holds, parsed)
-            return await loop.run_in_executor(pool, work, walk)
-
-    def _walk_pack(self, walk: Any, rank: int, key: str) -> None:
-        """:meth:`_rank_member` in the walks' thread: the members of ``rank``'s pack predicted to hold
-        ``key`` read and checked, and kept."""
-        from ..audit.predict import predicted_packs
-
-        plans = self.__dict__.setdefault("_rank_plans", {})
-        plan = plans.get(rank)
-        if plan is None:  # every member of the rank, by the pack predicted to hold it (None: no prediction)
-            whole = walk.whole_rank(rank, lambda name: self._chunks_of(name, rank))
-            docs, chunks = walk.holds.get(rank, ([], {}))
-            where = predicted_packs(self._meta, rank, whole, docs, chunks, walk.target)
-            groups: dict[int | None, dict[str, tuple[str, int]]] = {}
-            for member, place in whole.items():
-                groups.setdefault(where.get(member), {})[member] = place
-            plan = plans[rank] = (whole, where, groups, set(groups), set(), set())
-        whole, where, groups, left, seen, opened = plan
-        at = where.get(key)
-        reading = groups[at] if at is not None else whole
-        left.discard(at)
-        directories: dict[str, list[Any]] = {}
-        deferred: dict[str, dict[str, int]] = {}
-        # the last pack of the rank read: the rank's other packs too, as a reader of every member reads them
-        # (a member in two packs is refused by every reader alike)
-        walk.check(rank, reading, directories, deferred, seen=seen, opened=opened, to_end=not left)
-        self._keep(rank, directories, deferred)
-        if key not in self._ranks[rank]:  # not where predicted, in a pack read before for another member:
-            directories, deferred = {}, {}  # every pack of the rank read again (a damaged or foreign layout)
-            walk.check(rank, whole, directories, deferred)
-            self._keep(rank, directories, deferred)
-
-    def _keep(
-        self, rank: int, directories: dict[str, list[Any]], deferred: dict[str, dict[str, int]]
-    ) -> None:
-        """The members of ``rank``'s packs just checked (:meth:`_walk_pack`), exposed."""
-        found = self._ranks.setdefault(rank, {})
-        for pkey, entries in directories.items():
-            following = deferred.get(pkey, {})
-            members = {
-                e.filename: _Member(e, e.file_size, following[e.filename])
-                for e in entries
-                if e.filename in following
-            }
-            pack = _Pack(pkey, members)
-            found.update((name, (pack, m)) for name, m in members.items() if name not in found)
 
     # Packs ------------------------------------------------------------------------------------------------
     async def _pack(self, key: str) -> _Pack:
@@ -538,48 +412,3 @@ def _header_reads(member: _Member) -> tuple[int, Callable[[bytes], int]]:
         return need if len(head) < need <= room else len(head)
 
     return first, whole
-
-
-class _StoreRanges:
-    """The reads of an object store's packs for :class:`arraycheckpoint.audit.rankpacks.RankPacks`, through
-    the store's zarr store (``pack_ranges``, what :func:`arraycheckpoint.audit.packdir._pack_directory` reads
-    a pack with), from a worker thread, each read run on the store's event loop ``loop``."""
-
-    commit_strategy = "marker"
-
-    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.store, self.loop = store, loop
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def pack_ranges(
-        self, base: str, key: str, want: int
-    ) -> tuple[bytes, int | None, Callable[[list[tuple[int, int | None]]], list[bytes]]] | None:
-        """The last ``want`` bytes of the pack ``key``, its size and a reader of its byte ranges; None when
-        it is absent."""
-        store = self.store
-
-        async def tail() -> tuple[int, bytes] | None:
-            try:  # its size says it is there: one request, not two
-                size = int(await store._base.getsize(key))
-            except FileNotFoundError:
-                return None
-            return size, await store._read(key, max(0, size - want), size)
-
-        got = self._run(tail())
-        if got is None:
-            return None
-        size, last = got
-
-        def read(ranges: list[tuple[int, int | None]]) -> list[bytes]:
-            async def every() -> list[bytes]:
-                return list(
-                    await asyncio.gather(
-                        *(store._read(key, o, size if n is None else o + n) for o, n in ranges)
-                    )
-                )
-
-            return self._run(every())
-
-        return last, size, read

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..audit import packdir, rankpacks
+from ..audit import capacity, packdir, rankpacks
 from ..checks import limits
 from ..engine import engine
 from ..errors import ArrayCheckpointError, CorruptCheckpointError, MetadataError
@@ -229,7 +229,7 @@ def verify(
     Raises :class:`CheckpointNotFoundError` when nothing (neither metadata nor marker) is at ``path``; every
     other defect is reported in the returned :class:`VerifyReport`.
     """
-    with rankpacks.counted_once():  # the packs' capacity counted here, their directories read once
+    with capacity.counted_once():  # the packs' capacity counted here, their directories read once
         return _verify(path, progress, read_data)
 
 
@@ -297,7 +297,7 @@ def _verify(
     by_rank = packed if read_data else _check_rank_packs(storage, root, meta, report, packed)
     try:
         if read_data:
-            rankpacks.check_capacity(storage, root, meta, sorted(by_rank))
+            capacity.check_capacity(storage, root, meta, sorted(by_rank))
     except ArrayCheckpointError as e:
         named = getattr(e, "tensors", {})
         report.problems.extend(Problem(n, None, f"stored in packs: {named[n]}") for n in sorted(named))

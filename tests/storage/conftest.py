@@ -92,7 +92,8 @@ class FaultProxy:
     every request it forwards in ``requests``: ``(method, path, Range header or None, body bytes sent)``.
 
     ``delay``: seconds each request waits before it is forwarded (a far store's round trip); ``peak``: the
-    most GETs of packs (``/.acp/packs/``) answered at once; with ``stall`` set, those wait for ``release``
+    most GETs of packs (``/.acp/packs/``) answered at once (``timed``: when each request was received and
+    answered, to count other sets of requests at once: :meth:`peak_of`); with ``stall`` set, those wait for ``release``
     (a store that stops answering)."""
 
     def __init__(self, upstream: str) -> None:
@@ -105,6 +106,7 @@ class FaultProxy:
         self.requests: list[tuple[str, str, str | None, int]] = []
         self.delay = 0.0
         self.in_flight = self.peak = 0
+        self.timed: list[tuple[str, str, float, float]] = []  # (method, path, received, answered)
         self.stall, self.release = threading.Event(), threading.Event()
         self._lock = threading.Lock()
         proxy = self
@@ -134,6 +136,7 @@ class FaultProxy:
                         self.wfile.write(proxy.body)
                     return
                 pack = self.command == "GET" and "/.acp/packs/" in self.path
+                started = time.monotonic()
                 with proxy._lock:
                     proxy.in_flight += pack
                     proxy.peak = max(proxy.peak, proxy.in_flight)
@@ -146,6 +149,7 @@ class FaultProxy:
                 finally:
                     with proxy._lock:
                         proxy.in_flight -= pack
+                        proxy.timed.append((self.command, self.path, started, time.monotonic()))
 
             def _forward(self, body: bytes) -> None:
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
@@ -174,6 +178,24 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
+    def peak_of(self, spans: list[tuple[float, float]]) -> int:
+        """The most of the requests answered in ``spans`` (``(received, answered)`` of each, from ``timed``)
+        in progress at once."""
+        events = sorted([(t0, 1) for t0, _t1 in spans] + [(t1, -1) for _t0, t1 in spans])
+        peak = now = 0
+        for _t, step in events:
+            now += step
+            peak = max(peak, now)
+        return peak
+
+    def first_pack_gets(self) -> list[tuple[float, float]]:
+        """``(received, answered)`` of the first GET of each pack (its end: its directory's read)."""
+        first: dict[str, tuple[float, float]] = {}
+        for method, path, t0, t1 in sorted(self.timed, key=lambda r: r[2]):
+            if method == "GET" and "/.acp/packs/" in path:
+                first.setdefault(path.partition("?")[0], (t0, t1))
+        return list(first.values())
+
     def stop(self) -> None:
         self.release.set()
         self._server.shutdown()
@@ -187,3 +209,19 @@ def fault_proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture
+def proxied(fault_proxy: FaultProxy) -> Iterator[FaultProxy]:
+    """``s3://`` and ``s3a://`` (fsspec: s3fs) to the loopback server through the counting proxy."""
+    from arraycheckpoint import storage
+    from arraycheckpoint.storage import configure
+    from arraycheckpoint.storage.fsspec_store import FsspecStorage
+
+    storage.register_scheme("s3a", lambda: FsspecStorage("s3a", {"endpoint_url": fault_proxy.endpoint}))
+    configure("s3", endpoint=fault_proxy.endpoint)
+    try:
+        yield fault_proxy
+    finally:
+        configure("s3", endpoint=None)
+        storage.register_scheme("s3a", None)

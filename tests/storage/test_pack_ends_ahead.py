@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,55 +26,19 @@ import pytest
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (the 'dev' extra lists it)")
 
+from ends_helpers import PACKS, RANKS, save_packs  # noqa: E402
+from ends_helpers import state as _state  # noqa: E402
+from ends_helpers import upload as _upload  # noqa: E402
+
 import arraycheckpoint as acp  # noqa: E402
-from arraycheckpoint import storage  # noqa: E402
 from arraycheckpoint.audit import ahead, rankpacks  # noqa: E402
 from arraycheckpoint.errors import CorruptCheckpointError  # noqa: E402
-from arraycheckpoint.storage import configure  # noqa: E402
-from arraycheckpoint.storage.fsspec_store import FsspecStorage  # noqa: E402
 from arraycheckpoint.tools.verify import verify  # noqa: E402
-
-RANKS, PACKS = 4, 16  # packs per rank: one tensor of 1 KiB each
-
-
-def _state() -> dict[str, Any]:
-    rng = np.random.default_rng(11)
-    return {"model": {f"t{i:02d}": rng.standard_normal(256).astype(np.float32) for i in range(RANKS * PACKS)}}
 
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from simworld import run_ranks
-
-    path = tmp_path_factory.mktemp("ends") / "ck"
-    options = acp.PlanOptions(min_chunk_bytes=2048)  # a pack per tensor
-    run_ranks(RANKS, lambda c: acp.save(path, _state(), comm=c, plan_options=options))
-    assert len(list((path / ".acp" / "packs").iterdir())) == RANKS * PACKS
-    return path
-
-
-def _upload(s3_server: Any, local: Path, damage: str | None = None) -> str:
-    """The checkpoint ``local`` under a fresh prefix; ``damage``: a pack whose end record is cut."""
-    prefix = f"ends-{uuid.uuid4().hex[:8]}"
-    for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        rel = path.relative_to(local).as_posix()
-        body = path.read_bytes()
-        if rel == damage:
-            body = body[:-30]
-        s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{rel}", Body=body)
-    return prefix
-
-
-@pytest.fixture
-def proxied(fault_proxy: Any) -> Iterator[Any]:
-    """``s3://`` and ``s3a://`` (fsspec: s3fs) to the loopback server through the counting proxy."""
-    storage.register_scheme("s3a", lambda: FsspecStorage("s3a", {"endpoint_url": fault_proxy.endpoint}))
-    configure("s3", endpoint=fault_proxy.endpoint)
-    try:
-        yield fault_proxy
-    finally:
-        configure("s3", endpoint=None)
-        storage.register_scheme("s3a", None)
+    return save_packs(tmp_path_factory.mktemp("ends") / "ck")
 
 
 def _load(url: str, **kw: Any) -> dict[str, np.ndarray]:

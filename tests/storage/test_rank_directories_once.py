@@ -1,6 +1,6 @@
 """A rank holding more than 65,536 packed members on an object store: its pack directories are read once.
 
-Above :data:`arraycheckpoint.audit.rankpacks.REMOTE_CAPACITY_FREE` members, a reader of an object store counts
+Above :data:`arraycheckpoint.audit.capacity.REMOTE_CAPACITY_FREE` members, a reader of an object store counts
 the entries of a rank's pack directories before it builds a key per chunk (a 40-byte change of shape in the
 metadata could declare 2^26 chunks no pack holds). That count read every directory, and the walk that checks
 the members read them all again (the zarr store's listing a third time). The count now keeps what it read
@@ -24,7 +24,7 @@ zarr = pytest.importorskip("zarr")
 
 import arraycheckpoint as acp  # noqa: E402
 from arraycheckpoint.audit import packdir  # noqa: E402
-from arraycheckpoint.audit.rankpacks import REMOTE_CAPACITY_FREE  # noqa: E402
+from arraycheckpoint.audit.capacity import REMOTE_CAPACITY_FREE  # noqa: E402
 from arraycheckpoint.zarr import checkpoint_store  # noqa: E402
 
 N = 70_000
