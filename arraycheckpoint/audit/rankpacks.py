@@ -23,6 +23,7 @@ from ..errors import (
     CorruptCheckpointError,
     InconsistentCheckpointError,
 )
+from ..format.writers import rank_counts
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
 from .ahead import EndReads
 from .packdir import _chunk_grid, _longest_chunk_key, _packed_chunk_bytes
@@ -45,8 +46,7 @@ def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
         if len(writers) == 1:  # one chunk (every small array): no counting per rank
             out.setdefault(writers[0], ([], {}))[1][name] = 1
             continue
-        ranks, counts = np.unique(np.asarray(getattr(writers, "array", writers)), return_counts=True)
-        for r, n in zip(ranks.tolist(), counts.tolist()):
+        for r, n in rank_counts(writers).items():
             out.setdefault(r, ([], {}))[1][name] = n
     return out
 
@@ -195,9 +195,8 @@ def check_capacity(
         writers = meta.tensors[name].writers
         if len(writers) <= 1:
             continue  # one chunk (every small array): listing it costs what counting would
-        counts = np.bincount(np.asarray(getattr(writers, "array", writers), dtype=np.int64))
-        for r in np.flatnonzero(counts).tolist():
-            per_rank.setdefault(r, {})[name] = int(counts[r])
+        for r, n in rank_counts(writers).items():
+            per_rank.setdefault(r, {})[name] = n
     for rank, chunks in per_rank.items():
         rank_capacity(storage, base, meta, rank, chunks, holds, parsed)
     return holds
