@@ -158,3 +158,38 @@ def test_layout_checks_tell_packed_from_unpacked() -> None:
     with pytest.raises(MetadataError, match="'model/b'.*more than any pack holds"):
         limits.check_layouts(meta)
     limits.check_layouts(CheckpointMetadata("torch", 1, {"model/a": tensors["model/a"]}, {}))
+
+
+def test_each_distinct_writers_is_counted_once_per_rank(tmp_path: Path, monkeypatch) -> None:
+    """The pack checks ask every packed array for its chunks per rank (capacity, what each rank holds, the
+    pack each member is predicted in); the arrays of one layout share one parsed ``Writers``, which counts
+    once (``rank_counts``, ``rank_chunks``: the same answers as for a plain list, read-only), and a load of
+    a checkpoint whose packed arrays span two writers reads bit-exactly through them."""
+    import numpy as np
+
+    from arraycheckpoint.format import writers as wmod
+
+    listed = [2, 0, 2, 1, 2]
+    w = wmod.Writers(np.array(listed, dtype=np.int64))
+    assert wmod.rank_counts(w) == {0: 1, 1: 1, 2: 3} == wmod.rank_counts(listed)
+    assert wmod.rank_counts(w) is wmod.rank_counts(w)
+    assert wmod.rank_chunks(w, 2).tolist() == [0, 2, 4] == wmod.rank_chunks(listed, 2).tolist()
+    assert wmod.rank_chunks(w, 2) is wmod.rank_chunks(w, 2) and wmod.rank_chunks(w, 3).tolist() == []
+    with pytest.raises(ValueError):
+        wmod.rank_chunks(w, 2)[0] = 1
+
+    rng = np.random.default_rng(0)
+    state = {f"l{i}": rng.standard_normal((48, 40)).astype(np.float32) for i in range(4)}  # one layout
+    ck = str(tmp_path / "ck")
+    opts = acp.PlanOptions(min_chunk_bytes=1 << 11, max_chunk_bytes=1 << 11, inner_chunk_bytes=1 << 9)
+    acp.save(ck, {"extra_state": state}, plan_options=opts)
+    meta = acp.read_metadata(ck)
+    assert all(t.pack is not None and len(t.writers) > 1 for t in meta.tensors.values())
+    distinct = {id(t.writers) for t in meta.tensors.values()}
+    counted: list[int] = []
+    real = wmod._counts
+    monkeypatch.setattr(wmod, "_counts", lambda a: counted.append(len(a)) or real(a))
+    target = {k: np.zeros_like(v) for k, v in state.items()}
+    acp.load(ck, {"extra_state": target})
+    assert all(target[k].tobytes() == v.tobytes() for k, v in state.items())
+    assert len(counted) == len(distinct) == 1  # four arrays, one count

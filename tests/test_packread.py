@@ -294,6 +294,41 @@ def test_read_shard_checksums_each_block_right_after_it_lands(source, monkeypatc
     assert (strided[:, 1::2] == -1).all()
 
 
+def test_a_chunk_inside_one_region_lands_whole_and_is_still_checked(source) -> None:
+    """A chunk lying wholly inside one destination's region (an FSDP2 shard of whole chunks) takes the fast
+    path (:func:`chunkread._within_one`: no box per inner chunk): every inner chunk straight into its place in
+    the larger destination, nothing else touched, every checksum still compared (a flipped byte of any inner
+    chunk or of the index is refused); a strided destination or two regions take the general path."""
+    make, value = source
+    raw = _chunk_file(value)
+    lay = chunkread.ShardLayout(_T)
+    out = np.full((24, 6), -1, np.float32)
+    dests = [(Box((4, 0), (24, 6)), out)]  # the chunk [8, 16) x [0, 6) lies at rows [4, 12) of ``out``
+    items = chunkread._within_one(lay, (8, 0), dests)
+    assert [i[0] for i in items] == [0, 1, 2, 3] and all(i[3] is not None for i in items)
+    assert items[1][3].ctypes.data == out[6:8].ctypes.data  # each inner chunk's place in ``out``
+    src, at = make(raw)
+    assert _read(src, at, raw, dests) == (value.nbytes, 0)
+    assert np.array_equal(out[4:12], value) and (out[:4] == -1).all() and (out[12:] == -1).all()
+    wide = [(Box((8, 0), (8, 12)), np.zeros((8, 12), np.float32))]  # inside, but no inner chunk contiguous
+    assert not chunkread._within_one(lay, (8, 0), wide)
+    strided = np.zeros((8, 12), np.float32)[:, ::2]
+    assert not chunkread._within_one(lay, (8, 0), [(Box((8, 0), (8, 6)), strided)])
+    assert not chunkread._within_one(lay, (8, 0), [(Box((8, 0), (7, 6)), np.zeros((7, 6), np.float32))])
+    two = [(Box((8, 0), (4, 6)), np.zeros((4, 6), np.float32)), (Box((12, 0), (4, 6)), np.zeros((4, 6)))]
+    assert not chunkread._within_one(lay, (8, 0), two)
+    for at_byte, why in (
+        (5, r"inner chunk \[0, 0\]"),
+        (3 * 52 + 1, r"inner chunk \[3, 0\]"),
+        (48, r"\[0, 0\]"),
+    ):
+        bad = bytearray(raw)
+        bad[at_byte] ^= 0x10
+        src, at = make(bytes(bad))
+        with pytest.raises(CorruptCheckpointError, match=why):
+            _read(src, at, bytes(bad), [(Box((4, 0), (24, 6)), np.zeros((24, 6), np.float32))])
+
+
 def test_read_shard_finds_every_flipped_byte(source) -> None:
     make, value = source
     raw = _chunk_file(value)

@@ -14,11 +14,10 @@ import contextvars
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any, TypeVar
 
-import numpy as np
-
 from ..checks.bounds import MAX_OBJECT_BYTES, MAX_PACKED_JSON_BYTES
 from ..checks.zipdir import _CD_ENTRY_BYTES
 from ..errors import InconsistentCheckpointError
+from ..format.writers import rank_counts
 from . import packdir  # packdir._pack_directory: looked up at call time (tests count its calls)
 from .ahead import EndReads, Job
 from .packcount import PackCounts
@@ -41,8 +40,7 @@ def _rank_members(meta: Any) -> dict[int, tuple[list[str], dict[str, int]]]:
         if len(writers) == 1:  # one chunk (every small array): no counting per rank
             out.setdefault(writers[0], ([], {}))[1][name] = 1
             continue
-        ranks, counts = np.unique(np.asarray(getattr(writers, "array", writers)), return_counts=True)
-        for r, n in zip(ranks.tolist(), counts.tolist()):
+        for r, n in rank_counts(writers).items():
             out.setdefault(r, ([], {}))[1][name] = n
     return out
 
@@ -274,9 +272,8 @@ def check_capacity(
         writers = meta.tensors[name].writers
         if len(writers) <= 1:
             continue  # one chunk (every small array): listing it costs what counting would
-        per = np.bincount(np.asarray(getattr(writers, "array", writers), dtype=np.int64))
-        for r in np.flatnonzero(per).tolist():
-            per_rank.setdefault(r, {})[name] = int(per[r])
+        for r, n in rank_counts(writers).items():
+            per_rank.setdefault(r, {})[name] = n
     _count_ranks(
         storage, base, meta, holds, per_rank, parsed, pack_counts(storage, base) if counts is None else counts
     )

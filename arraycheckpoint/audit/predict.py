@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..format.writers import rank_chunks
 from .packdir import _packed_chunk_bytes
 
 
@@ -69,7 +70,7 @@ def predicted_fill(
                 fill.add(1, first)
                 fill.add(count - 1, size)
                 continue
-            mine = np.flatnonzero(np.asarray(getattr(writers, "array", writers)) == rank)
+            mine = rank_chunks(writers, rank)
             for member, flat in reads:
                 j = int(np.searchsorted(mine, flat))  # this rank's chunks of the array before ``flat``
                 out[member] = fill.where(0, first) if j == 0 else _after_first(fill, first, j - 1, size)

@@ -144,7 +144,7 @@ def _parse_zip_directory(
         (directory,) = read_many([(cd_offset, cd_size)])
     if len(directory) != cd_size:
         raise bad("its central directory is cut short")
-    plain = _plain_entries(directory, n, cd_offset)
+    plain = _plain_entries(directory, n, cd_offset) if n >= VECTOR_ENTRIES else None
     if plain is not None:
         return plain, size, cd_offset
     entries: list[PackMember] = []
@@ -192,6 +192,11 @@ def _parse_zip_directory(
             raise bad(f"member {e.filename!r} overlaps the next one or the central directory")
     return entries, size, cd_offset
 
+
+#: entries from which a directory is first checked all at once (:func:`_plain_entries`); fewer are parsed one
+#: by one straight away (the numpy check costs about 40 us whatever the count, the exact parse about 2 us an
+#: entry: a pack of a few large chunks, the FSDP2 case, pays 3x less)
+VECTOR_ENTRIES = 24
 
 #: a central directory entry's fixed part (:data:`_CENTRAL`) as a numpy record, to check thousands at once
 _CENTRAL_RECORD = np.dtype(

@@ -139,9 +139,9 @@ def read_shard(
     file is not in the layout a save writes (or ``lead`` refuses its bytes); ``damaged(why)`` is raised on a
     checksum that does not match (the destinations may then hold some of the file's bytes).
     """
-    wanted: list[_Item] = []
+    wanted = _within_one(lay, origin, dests)
     staged = 0
-    for k, start in enumerate(lay.starts()):
+    for k, start in enumerate(lay.starts() if not wanted else ()):
         block = Box(tuple(o + s for o, s in zip(origin, start)), lay.inner)
         hits = []
         for box, out in dests:
@@ -232,8 +232,31 @@ def _read_by_index(
 
 
 #: an inner chunk to read: its index in the chunk file, its box, ``(part, region, destination)`` of every
-#: destination region it meets, and where it is read straight into (None: the staging buffer)
-_Item = tuple[int, Box, list[tuple[Box, Box, np.ndarray]], "np.ndarray | None"]
+#: destination region it meets, and where it is read straight into (None: the staging buffer); an inner
+#: chunk of :func:`_within_one` has neither box nor hits (it lands whole in its one destination, nothing to
+#: copy afterwards)
+_Item = tuple[int, "Box | None", list[tuple[Box, Box, np.ndarray]], "np.ndarray | None"]
+
+
+def _within_one(lay: ShardLayout, origin: tuple[int, ...], dests: Sequence[Dest]) -> list[_Item]:
+    """The inner chunks of the chunk at ``origin`` when it lies wholly inside one destination's region and
+    every inner chunk is a contiguous part of that destination (a shard holding whole chunks: FSDP2, DDP, a
+    plain model), each read straight into it; else ``[]`` (then :func:`read_shard` intersects every inner
+    chunk with every region). The same landings as the general path, without a box per inner chunk."""
+    if len(dests) != 1:
+        return []
+    box, out = dests[0]
+    rel = [o - b for o, b in zip(origin, box.offsets)]
+    if len(rel) != len(lay.chunk) or any(r < 0 or r + c > n for r, c, n in zip(rel, lay.chunk, box.lengths)):
+        return []
+    inner = lay.inner
+    items: list[_Item] = []
+    for k, start in enumerate(lay.starts()):
+        dest = out[(*(slice(r + s, r + s + i) for r, s, i in zip(rel, start, inner)), ...)]
+        if not dest.flags.c_contiguous:
+            return []
+        items.append((k, None, [], dest.reshape(-1).view(np.uint8)))
+    return items
 
 
 def _landing(block: Box, hits: list[tuple[Box, Box, np.ndarray]]) -> np.ndarray | None:
@@ -313,38 +336,42 @@ class _Reads:
 
     def _read_file(self, fd: int, head: bytearray, tail: bytearray) -> bool:
         """:meth:`read` from a file: ``preadv`` calls of about :data:`_BLOCK` bytes each (a block of a large
-        inner chunk, or several small inner chunks with their checksums)."""
-        ib, last = self.lay.inner_bytes, len(self.items) - 1
+        inner chunk, or several small inner chunks with their checksums). The blocks are memoryviews (a
+        slice costs less than an array's), summed into :attr:`sums` right after the call that fills them."""
+        ib, last, step = self.lay.inner_bytes, len(self.items) - 1, _BLOCK
+        room = _MAX_IOV - 3
         at = self.at - len(head)
         bufs: list[Any] = [head] if head else []
         want = len(head)
-        blocks: list[tuple[int, np.ndarray]] = []  # (inner chunk, block) the pending call reads
+        blocks: list[tuple[int, memoryview]] = []  # (inner chunk, block) the pending call reads
         ended: list[int] = []  # inner chunks whose last block (and checksum) it reads
+        sums, crc, spread = self.sums, self.crc, self._spread
         for j, d in enumerate(self.data):
-            for s in range(0, ib, _BLOCK):
-                block = d[s : s + _BLOCK]
+            view = memoryview(d).cast("B")
+            for s in range(0, ib, step):
+                block = view[s : s + step]
                 bufs.append(block)
                 blocks.append((j, block))
                 want += len(block)
-                if s + _BLOCK < ib:
-                    if want < _BLOCK and len(bufs) < _MAX_IOV - 3:
+                if s + step < ib:
+                    if want < step and len(bufs) < room:
                         continue
                 else:
-                    bufs.append(self.crc[4 * j : 4 * j + 4])
+                    bufs.append(crc[4 * j : 4 * j + 4])
                     want += 4
                     ended.append(j)
                     if j == last:
                         if tail:
                             bufs.append(tail)
                             want += len(tail)
-                    elif want < _BLOCK and len(bufs) < _MAX_IOV - 3:
+                    elif want < step and len(bufs) < room:
                         continue
                 if os.preadv(fd, bufs, at) != want:
                     return False
                 for k, b in blocks:
-                    self.sums[k] = crc_extend(self.sums[k], b)
+                    sums[k] = crc_extend(sums[k], b)
                 for k in ended:
-                    self._spread(k)
+                    spread(k)
                 at += want
                 bufs, blocks, ended, want = [], [], [], 0
         return True
@@ -352,9 +379,10 @@ class _Reads:
     def _spread(self, j: int) -> None:
         """Copy inner chunk ``j`` (just read) into every destination it meets that does not hold it yet."""
         hits, landed = self.items[j][2], self.direct[j] is not None
-        if landed and len(hits) == 1:
+        if landed and len(hits) <= 1:  # (none: an inner chunk of _within_one)
             return
         block = self.items[j][1]
+        assert block is not None
         block_data = self.data[j].view(self.lay.dtype).reshape(self.lay.inner)
         for part, box, out in hits[1:] if landed else hits:
             out[(*part.slices(box), ...)] = block_data[part.slices(block)]

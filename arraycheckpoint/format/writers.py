@@ -40,6 +40,9 @@ class Writers(Sequence):
         self._array, self.derived, self._derive = array, derived, derive
         self.shift = shift  # derived by the cyclic rule with this shift (format 8); None: "held"
         self._len = len(array) if array is not None else int(length or 0)
+        # what the readers ask of every tensor of a layout (which share one Writers), computed once
+        self._counts: dict[int, int] | None = None
+        self._of_rank: dict[int, Any] = {}
 
     @property
     def json(self) -> Any:
@@ -105,6 +108,22 @@ class Writers(Sequence):
 
     def __len__(self) -> int:
         return self._len
+
+    def counts(self) -> dict[int, int]:
+        """``rank -> how many chunks it writes``, ranks ascending (computed once)."""
+        if self._counts is None:
+            self._counts = _counts(self.array)
+        return self._counts
+
+    def of_rank(self, rank: int) -> Any:
+        """The chunks (flat indices, ascending, a read-only int array) ``rank`` writes (computed once)."""
+        mine = self._of_rank.get(rank)
+        if mine is None:
+            import numpy as np
+
+            mine = self._of_rank[rank] = np.flatnonzero(self.array == rank)
+            mine.flags.writeable = False
+        return mine
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
@@ -213,3 +232,25 @@ class ReaderBudget:
                 f"{MAX_DERIVED_RANK_VISITS} ranks of its layout rules in all (a save lists the writers beyond "
                 "that)"
             )
+
+
+def _counts(writers: Any) -> dict[int, int]:
+    import numpy as np
+
+    ranks, counts = np.unique(np.asarray(writers, dtype=np.int64), return_counts=True)
+    return dict(zip(ranks.tolist(), counts.tolist()))
+
+
+def rank_counts(writers: Sequence[int]) -> dict[int, int]:
+    """``rank -> how many chunks it writes`` of a tensor's ``writers`` (a :class:`Writers`, kept there: the
+    tensors of one layout share theirs, so a load counts each distinct one once; or a plain sequence)."""
+    return writers.counts() if isinstance(writers, Writers) else _counts(writers)
+
+
+def rank_chunks(writers: Sequence[int], rank: int) -> Any:
+    """The chunks (flat indices, ascending) of a tensor that ``rank`` writes (see :func:`rank_counts`)."""
+    if isinstance(writers, Writers):
+        return writers.of_rank(rank)
+    import numpy as np
+
+    return np.flatnonzero(np.asarray(writers, dtype=np.int64) == rank)

@@ -58,6 +58,7 @@ def _parse(raw: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> object:
             return got
 
         m.setattr(zipdir, "_plain_entries", recorded)
+        m.setattr(zipdir, "VECTOR_ENTRIES", 1)  # these archives are small: the fast path taken all the same
         if not fast:
             m.setattr(zipdir, "_plain_entries", lambda *a: None)
 
@@ -135,3 +136,22 @@ def test_forged_entry_fields_are_refused_alike(
     fast = _parse(bytes(raw), True, monkeypatch)
     assert fast == _parse(bytes(raw), False, monkeypatch)
     assert fast[0] == "refused", (field, fast)  # type: ignore[index]
+
+
+def test_a_small_directory_is_parsed_entry_by_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory of fewer than ``VECTOR_ENTRIES`` entries (a pack of a few large chunks) goes straight to
+    the exact parse (cheaper there than the check all at once), with the same result; a larger one takes the
+    fast path first."""
+    raw = _saved_pack(tmp_path)
+    calls: list[int] = []
+    real = zipdir._plain_entries
+    monkeypatch.setattr(zipdir, "_plain_entries", lambda d, n, o: calls.append(n) or real(d, n, o))
+
+    def parse() -> object:
+        got = zipdir._parse_zip_directory("p.zip", raw, len(raw), 1 << 30, lambda r: [], None)
+        return [tuple(e) for e in got[0]], got[1:]
+
+    small = parse()
+    assert calls == [] and len(small[0]) < zipdir.VECTOR_ENTRIES  # type: ignore[arg-type]
+    monkeypatch.setattr(zipdir, "VECTOR_ENTRIES", 1)
+    assert parse() == small and len(calls) == 1
