@@ -39,7 +39,7 @@ import asyncio
 import math
 import os
 import struct
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from functools import cached_property
 from typing import Any
 
@@ -49,11 +49,9 @@ from zarr.storage import FsspecStore, LocalStore
 
 from ..checks.limits import check_layouts
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MetadataError
-from ..format.hierarchy import NamedKeys, array_above
 from ..format.hierarchy import chunk_flat as _chunk_flat
 from ..format.metadata import CONTROL_LAYOUTS, CheckpointMetadata, chunk_key_separator
 from ..planning.packing import (
-    PACK_DIR,
     PACK_KEY,
     chunk_file_bytes,
 )
@@ -61,13 +59,13 @@ from .zarrfiles import (
     ChunkChecksums,
     _control_read,
     _exists_below,
-    _grid,
     _read_file_below,
     _size_below,
     _span,
     too_large,
 )
-from .zarrpacks import PackReading, _Member, _Pack, _PackFiles
+from .zarrkeys import KeyRouting
+from .zarrpacks import _Member, _Pack, _PackFiles
 
 __all__ = ["CheckpointStore", "checkpoint_store"]
 
@@ -115,7 +113,7 @@ def _display(base: Store) -> str:
     return str(base).rstrip("/")
 
 
-class CheckpointStore(PackReading, Store):
+class CheckpointStore(KeyRouting, Store):
     """The read-only store :func:`checkpoint_store` returns (see the module docstring)."""
 
     supports_writes = False
@@ -218,47 +216,6 @@ class CheckpointStore(PackReading, Store):
             pool.shutdown(wait=False)
         self._base.close()
         super().close()
-
-    # Routing ----------------------------------------------------------------------------------------------
-    def _array_of(self, key: str) -> str | None:
-        """The packed array whose key ``key`` is (``model/w/c.0`` -> ``model/w``), else None."""
-        return array_above(key, self._packed)
-
-    def _group_of(self, key: str) -> str | None:
-        """The directory above packed arrays whose group document ``key`` is, else None."""
-        if key == "zarr.json":
-            return ""
-        if key.endswith("/zarr.json") and key[: -len("/zarr.json")] in self._group_pack:
-            return key[: -len("/zarr.json")]
-        return None
-
-    async def _member(self, key: str) -> tuple[_Pack, _Member] | None:
-        """The pack member serving ``key`` (a packed array's key, or a group document only a pack holds)."""
-        name = self._array_of(key)
-        if name is not None and self._meta.tensors[name].pack_rank is not None:
-            rank = self._rank_of(name, key)
-            if rank is None:
-                return None
-            found = await self._rank_member(rank, key)
-            if found is None:  # every chunk has its member (all-zero ones too): a missing one is damage
-                raise CorruptCheckpointError(
-                    f"tensor {name!r}: {key} is in none of rank {rank}'s packs ({self._where(PACK_DIR)}/"
-                    f"{rank}.<k>.zip); the checkpoint is damaged"
-                )
-            return found
-        if name is not None:
-            pack = await self._pack(self._packed[name])
-            member = pack.members.get(key)
-            return None if member is None else (pack, member)
-        group = self._group_of(key)
-        if group is not None and group in self._group_pack and not await self._base.exists(key):
-            pack = await self._pack(self._group_pack[group])
-            member = pack.members.get(key)
-            return None if member is None else (pack, member)
-        return None
-
-    def _served_by_pack(self, key: str) -> bool:
-        return self._array_of(key) is not None
 
     # Reads ------------------------------------------------------------------------------------------------
     async def get(
@@ -409,11 +366,6 @@ class CheckpointStore(PackReading, Store):
         return index_bytes, check
 
     @cached_property
-    def _names(self) -> NamedKeys:
-        """The keys the metadata names: the store presents those alone (a planted array is no member)."""
-        return NamedKeys(self._meta)
-
-    @cached_property
     def _node_docs(self) -> dict[str, bytes]:
         """Group documents and the control node's, as the metadata implies them (served in place of the
         stored ones): key -> bytes."""
@@ -475,101 +427,6 @@ class CheckpointStore(PackReading, Store):
                 raise FileNotFoundError(key)
             return size
         return await self._base.getsize(key)
-
-    # Listing ----------------------------------------------------------------------------------------------
-    async def list(self) -> AsyncIterator[str]:
-        async for key in self._base.list():
-            if not self._served_by_pack(key) and self._names.key(key):
-                yield key
-        async for key in self._virtual_keys(""):
-            yield key
-
-    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        path = prefix.strip("/")
-        if not path:
-            async for key in self.list():
-                yield key
-            return
-        below = path + "/"
-        if self._array_of(below) is not None:  # a packed array or a key inside one
-            for key in await self._array_keys(self._array_of(below)):  # type: ignore[arg-type]
-                if key.startswith(below):
-                    yield key
-            return
-        async for key in self._base.list_prefix(below):
-            if key.startswith(below) and not self._served_by_pack(key) and self._names.key(key):
-                yield key
-        async for key in self._virtual_keys(path):
-            yield key
-
-    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
-        path = prefix.strip("/")
-        below = path + "/" if path else ""
-        name = self._array_of(below) if path else None
-        seen: set[str] = set()
-        if name is not None:  # inside a packed array: its pack's members
-            for key in await self._array_keys(name):
-                if key.startswith(below):
-                    child = key[len(below) :].split("/", 1)[0]
-                    if child not in seen:
-                        seen.add(child)
-                        yield child
-            return
-        async for child in self._base.list_dir(prefix):
-            if child not in seen and (self._names.key(below + child) or self._names.directory(below + child)):
-                seen.add(child)
-                yield child
-        for child in sorted(self._children.get(path, ())):
-            if child not in seen:
-                seen.add(child)
-                yield child
-        if path in self._group_pack and "zarr.json" not in seen and await self.exists(below + "zarr.json"):
-            yield "zarr.json"
-
-    async def _virtual_keys(self, path: str) -> AsyncIterator[str]:
-        """Keys served from packs at or below the directory ``path`` ("" for all): packed arrays' members,
-        and the group documents the checkpoint itself lacks."""
-        below = path + "/" if path else ""
-        for group in sorted(self._group_pack):
-            if group == path or group.startswith(below):
-                key = f"{group}/zarr.json" if group else "zarr.json"
-                if not await self._base.exists(key) and await self._member(key) is not None:
-                    yield key
-        for name in sorted(self._packed):
-            if self._meta.tensors[name].pack_rank is not None and name.startswith(below):
-                for key in await self._array_keys(name):
-                    yield key
-        for pkey, names in sorted(self._in_pack.items()):
-            wanted = [n for n in names if n.startswith(below)]
-            if not wanted:
-                continue
-            pack = await self._pack(pkey)
-            for key in pack.members:
-                name = self._array_of(key)
-                if name is not None and name.startswith(below) and self._packed[name] == pkey:
-                    yield key
-
-    async def _array_keys(self, name: str) -> list[str]:
-        """The keys of the packed array ``name``: format 6, its ``zarr.json`` and every chunk of its grid (each
-        has its member, checked when read); format 5, its pack's members."""
-        t = self._meta.tensors[name]
-        if t.pack_rank is None:
-            pack = await self._pack(self._packed[name])
-            return [k for k in pack.members if k.startswith(name + "/")]
-        await self._capacity(name)  # the packs can hold the grid declared, before a key is built per chunk
-        return [f"{name}/zarr.json"] + [
-            f"{name}/{self._sep.join(['c', *map(str, index)])}" for index in _grid(t.shape, t.chunk_shape)
-        ]
-
-    def _rank_of(self, name: str, key: str) -> int | None:
-        """Format 6: the rank whose packs hold ``key`` of the packed array ``name`` (its creator for its
-        ``zarr.json``, a chunk's writer for the chunk), None for a key the array does not have."""
-        t = self._meta.tensors[name]
-        leaf = key[len(name) + 1 :]
-        if leaf == "zarr.json":
-            return t.pack_rank
-        flat = _chunk_flat(leaf, t.shape, t.chunk_shape, self._sep)
-        return None if flat is None else t.writers[flat]
 
     # Writes -----------------------------------------------------------------------------------------------
     async def set(self, key: str, value: Buffer) -> None:
