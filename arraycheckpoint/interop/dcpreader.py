@@ -54,7 +54,9 @@ class Reader(StorageReader):
             self._opened = engine().read_metadata(self.path, allow_pickle=self.allow_pickle)
         return self._opened
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+    def read_metadata(self, *args: Any) -> Any:
+        """DCP's ``Metadata`` of the checkpoint. It takes no keyword arguments on purpose: DCP then reads it once
+        (every rank the same), with no per-rank retry repeating a failure in its error message."""
         import torch
         from torch.distributed.checkpoint.metadata import (
             BytesStorageMetadata,

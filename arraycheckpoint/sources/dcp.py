@@ -61,7 +61,9 @@ class DcpSource(LoadSource):
         if not allow_pickle:
             raise PickleNotAllowedError(
                 f"{root} is a torch.distributed.checkpoint directory: its {DCP_METADATA} is a pickle, which "
-                "can run code when loaded; pass allow_pickle=True to acp.load if you trust this checkpoint"
+                "can run code when loaded; if you trust this checkpoint, pass allow_pickle=True: "
+                "acp.load(path, state, allow_pickle=True), acp.dcp.Reader(path, allow_pickle=True) or "
+                "arraycheckpoint import --allow-pickle"
             )
         import pickle
 
