@@ -29,6 +29,7 @@ _EOCD64 = b"PK\x06\x06"
 _CENTRAL = b"PK\x01\x02"
 _LOCAL = b"PK\x03\x04"
 MAX_RECORD_BYTES = 1 << 20  # a tensor's data.pkl is a few hundred bytes
+_HEADER_SLACK = 1024  # a local header's name and extra field (torch pads entries to 64 bytes) fit in this
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,14 @@ def _zip_layout(kv: Any, root: str, name: str, c: ChunkItem, dtype: np.dtype[Any
         return Layout(c.offset, identity)  # DCP's raw (safetensors-style) serialization
     where = f"{root}/{c.key}: tensor {name!r} chunk {list(c.box.offsets)}"
     tail_len = min(c.length, (1 << 16) + 22)
-    tail = read_range(kv, c.key, c.offset + c.length - tail_len, tail_len, where)
+    tail_at = c.length - tail_len
+    tail = read_range(kv, c.key, c.offset + tail_at, tail_len, where)
+
+    def item(begin: int, n: int) -> bytes:  # bytes [begin, begin + n) of the item: from the tail when there
+        if begin >= tail_at and begin + n <= c.length:
+            return tail[begin - tail_at : begin - tail_at + n]
+        return read_range(kv, c.key, c.offset + begin, n, where)
+
     at = tail.rfind(_EOCD)
     if at < 0:
         raise CorruptCheckpointError(f"{where}: neither raw bytes nor a zip archive (no end record)")
@@ -86,7 +94,7 @@ def _zip_layout(kv: Any, root: str, name: str, c: ChunkItem, dtype: np.dtype[Any
         entries, cd_size, cd_offset = struct.unpack_from("<QQQ", tail, z64 + 32)
     if cd_offset + cd_size > c.length or cd_size > (64 << 20):
         raise CorruptCheckpointError(f"{where}: zip central directory outside the item")
-    cd = read_range(kv, c.key, c.offset + cd_offset, cd_size, where)
+    cd = item(cd_offset, cd_size)
     found: dict[str, tuple[int, int]] = {}  # "data" / "record" -> (size, local header offset)
     pos = 0
     for _ in range(entries):
@@ -121,16 +129,19 @@ def _zip_layout(kv: Any, root: str, name: str, c: ChunkItem, dtype: np.dtype[Any
         raise MetadataError(
             f"{where}: the stored storage holds {usize} bytes, the chunk {nbytes}: not a dense chunk"
         )
-    start = _entry_start(kv, c, local, where)
+    start = local + _entry_start(item(local, 30), where)
     if start + nbytes > c.length:
         raise CorruptCheckpointError(f"{where}: tensor data runs past the item")
     rsize, rlocal = found["record"]
     if rsize > MAX_RECORD_BYTES:
         raise MetadataError(f"{where}: its data.pkl is {rsize} bytes, not a plain tensor's record")
-    rstart = _entry_start(kv, c, rlocal, where)
+    head = item(rlocal, max(30, min(_HEADER_SLACK + rsize, c.length - rlocal)))  # header and record at once
+    rstart = rlocal + _entry_start(head, where)
     if rstart + rsize > c.length:
         raise CorruptCheckpointError(f"{where}: data.pkl runs past the item")
-    offset, size, stride = tensor_record(read_range(kv, c.key, c.offset + rstart, rsize, where), where)
+    within = rstart - rlocal + rsize <= len(head)
+    record = head[rstart - rlocal : rstart - rlocal + rsize] if within else item(rstart, rsize)
+    offset, size, stride = tensor_record(record, where)
     if size != tuple(c.box.lengths):
         raise MetadataError(
             f"{where}: data.pkl records shape {list(size)}, the metadata {list(c.box.lengths)}"
@@ -138,13 +149,13 @@ def _zip_layout(kv: Any, root: str, name: str, c: ChunkItem, dtype: np.dtype[Any
     return Layout(c.offset + start, dense_order(size, stride, offset, where))
 
 
-def _entry_start(kv: Any, c: ChunkItem, local: int, where: str) -> int:
-    """Offset in the item of the bytes of the zip entry whose local header is at ``local``."""
-    head = read_range(kv, c.key, c.offset + local, 30, where)
+def _entry_start(head: bytes, where: str) -> int:
+    """Where a zip entry's bytes start, from its local header ``head`` (at least its first 30 bytes), relative
+    to the header."""
     if head[:4] != _LOCAL:
         raise CorruptCheckpointError(f"{where}: damaged zip local header")
     hn, hx = struct.unpack_from("<HH", head, 26)
-    return int(local + 30 + hn + hx)
+    return int(30 + hn + hx)
 
 
 class _Rebuild:

@@ -167,3 +167,20 @@ def test_dense_orders() -> None:
     assert dense_order((2, 1, 3, 1), (3, 1, 1, 3), 0, "w") == (0, 1, 2, 3)
     assert dense_order((0, 3), (1, 0), 0, "w") == (0, 1)
     assert dense_order((), (), 0, "w") == ()
+
+
+def test_a_permuted_tensor_larger_than_the_zip_tail_read(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    big = torch.randn(40, 33, 17, 9).to(
+        memory_format=torch.channels_last
+    )  # ~800 KiB: data.pkl not in the tail
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"big": big, "bt": big[:, :, 0, 0].t()}, storage_writer=FileSystemWriter(str(tmp_path)))
+    want = {"big": torch.zeros(big.shape), "bt": torch.zeros(33, 40)}
+    dcp.load(want, storage_reader=FileSystemReader(str(tmp_path)))
+    got = acp.load(
+        str(tmp_path), {"big": torch.zeros(big.shape), "bt": torch.zeros(33, 40)}, allow_pickle=True
+    )
+    assert torch.equal(want["big"], big) and torch.equal(got["big"], big)
+    assert torch.equal(got["bt"], want["bt"])
