@@ -116,25 +116,44 @@ def unexpected_names(
 
 def _kind_hints(missing: list[str], unexpected: list[str], meta: CheckpointMetadata) -> list[str]:
     """Why a name is missing while entries below it are unexpected (or the reverse): one side stores that
-    name as one object (a dict holding a plain value among its tensors) and the other as separate tensors."""
+    name as one object (a dict holding a plain value among its tensors) and the other as separate entries,
+    named by what the checkpoint stores there (tensors, plain values)."""
     hints = []
     for name in missing:
         below = [u for u in unexpected if u.startswith(name + "/")]
-        if below:
+        if not below:
+            continue
+        tensors = [u for u in below if u in meta.tensors]
+        start = (
+            f"hint: {name} holds a plain (non-tensor) value in the target, so it is loaded as one object, "
+        )
+        if len(tensors) == len(below):
             hints.append(
-                f"hint: {name} holds a plain (non-tensor) value in the target, so it is loaded as one object, "
-                f"but the checkpoint stores it as tensors ({', '.join(below[:5])}{' ...' if len(below) > 5 else ''}): "
-                "make the target's entries tensors too (strict=False would leave all of it unloaded)"
+                f"{start}but the checkpoint stores it as tensors ({_some(below)}): make the target's entries "
+                "tensors too (strict=False would leave all of it unloaded)"
             )
+            continue
+        values = [u for u in below if u not in meta.tensors]
+        stored = f"plain values ({_some(values)})" + (f" and tensors ({_some(tensors)})" if tensors else "")
+        hints.append(
+            f"{start}but the checkpoint stores its entries one by one, as {stored} (as DCP saves a dict): load "
+            "them into a dict (an empty dict in the object's place comes back holding each entry) and hand them "
+            "to the object yourself (strict=False would leave all of it unloaded)"
+        )
     for name in unexpected:
         below = [m for m in missing if m.startswith(name + "/")]
         if below and name in meta.objects:
             hints.append(
                 f"hint: the checkpoint stores {name} as one object (it held a plain value among its tensors when "
-                f"saved), but the target holds its entries as tensors ({', '.join(below[:5])}"
-                f"{' ...' if len(below) > 5 else ''}): load it into the same kind of values"
+                f"saved), but the target holds its entries as tensors ({_some(below)}): load it into the same kind "
+                "of values"
             )
     return hints
+
+
+def _some(names: list[str]) -> str:
+    """Up to five of ``names``, comma-separated, ``...`` when there are more."""
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 def check_expected(meta: CheckpointMetadata, job: LoadJob, options: AdapterOptions) -> dict[str, list[str]]:

@@ -13,6 +13,7 @@ from ..errors import ArrayCheckpointError, CorruptCheckpointError, PickleNotAllo
 from ..format.metadata import CheckpointMetadata
 from ..planning.regions import Box
 from ..sources.dcpkeys import DCP_OBJECT, dcp_key
+from .dcpvalues import aliases, native_values
 
 try:  # the plug-in needs torch; importing arraycheckpoint does not
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -25,7 +26,9 @@ class Reader(StorageReader):
 
     ``read_metadata`` describes every stored tensor as one DCP chunk of its global shape, so DCP's planner
     asks for exactly the regions each rank needs; ``read_data`` reads them through the engine (only those
-    regions) and copies them into DCP's destination tensors.
+    regions) and copies them into DCP's destination tensors. Non-tensor values (DCP's own bytes in a checkpoint
+    of :class:`Writer`, else the checkpoint's JSON objects: ``param_groups``, ``extra_state``) and tied weights'
+    other names are served under the keys DCP asks for (:mod:`.dcpvalues`).
 
     Args:
         path: checkpoint path or URL; a Hugging Face safetensors directory works too.
@@ -39,6 +42,7 @@ class Reader(StorageReader):
         self._opened: Any = None
         self._keys: dict[str, str] = {}
         self._bytes: dict[str, str] = {}
+        self._native: dict[str, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -54,7 +58,9 @@ class Reader(StorageReader):
             self._opened = engine().read_metadata(self.path, allow_pickle=self.allow_pickle)
         return self._opened
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+    def read_metadata(self, *args: Any) -> Any:
+        """DCP's ``Metadata`` of the checkpoint. It takes no keyword arguments on purpose: DCP then reads it once
+        (every rank the same), with no per-rank retry repeating a failure in its error message."""
         import torch
         from torch.distributed.checkpoint.metadata import (
             BytesStorageMetadata,
@@ -86,14 +92,23 @@ class Reader(StorageReader):
                 torch.Size(tm.shape),
                 [ChunkStorageMetadata(offsets=torch.Size([0] * len(tm.shape)), sizes=torch.Size(tm.shape))],
             )
+        for key, entry in aliases(meta).items():  # tied weights: the alias reads the stored tensor
+            if key not in md:
+                md[key] = md[by_entry.get(entry) or dcp_key(entry)]
+                self._keys[key] = entry
         self._bytes = {k: v for k, v in (doc.get("bytes") or {}).items() if isinstance(v, str)}
         for key in self._bytes:
             md[key] = BytesStorageMetadata()
-        paths = {k: tuple(v) for k, v in (doc.get("paths") or {}).items()} or None
-        return Metadata(state_dict_metadata=md, planner_data=paths)
+        paths = {k: tuple(v) for k, v in (doc.get("paths") or {}).items()}
+        natives, native_paths = native_values(meta, self.allow_pickle)
+        self._native = {k: v for k, v in natives.items() if k not in md}
+        for key in self._native:
+            md[key] = BytesStorageMetadata()
+            paths.setdefault(key, native_paths[key])
+        return Metadata(state_dict_metadata=md, planner_data=paths or None)
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if not self._keys and not self._bytes:
+        if not self._keys and not self._bytes and not self._native:
             self.read_metadata()
 
     def prepare_local_plan(self, plan: Any) -> Any:
@@ -150,6 +165,11 @@ class Reader(StorageReader):
 
         import torch
 
+        if key in self._native:  # a JSON object of the checkpoint, decoded (pickles only with allow_pickle)
+            out = io.BytesIO()
+            torch.save(self._native[key], out)
+            out.seek(0)
+            return out
         where = f"non-tensor value {key!r} of {self.path}"
         try:
             raw = base64.b64decode(self._bytes[key], validate=True)

@@ -7,10 +7,12 @@ chunks, and where each chunk is stored) and ``*.distcp`` files. ``.metadata`` is
 hands them back to DCP, and :func:`arraycheckpoint.load` restores an optimizer's ``param_groups``.
 
 Tensor chunks are stored either as a ``torch.save`` zip archive each (DCP's default) or as raw bytes (DCP's
-safetensors serialization). From a zip only the stored (uncompressed) ``data/0`` entry is used: its bytes are
-the chunk C-order, found through the zip's central directory without unpickling ``data.pkl``; a compressed
-entry, a storage larger than the chunk, or a DCP storage extension (e.g. compression) is refused naming the
-tensor. Each rank then reads only the byte ranges of its regions (:mod:`arraycheckpoint.sources.ranges`).
+safetensors serialization). From a zip only the stored (uncompressed) ``data/0`` entry is read, found
+through the zip's central directory; its ``data.pkl`` (the tensor's storage offset, size and stride: DCP
+keeps a channels_last or transposed tensor's strides) is read with a restricted unpickler and the storage
+re-laid to the tensor's shape (:mod:`.dcpzip`). A compressed entry, a layout that is not dense, or a DCP
+storage extension (e.g. compression) is refused naming the tensor. Each rank then reads only the byte
+ranges of its regions (:mod:`arraycheckpoint.sources.ranges`).
 
 Names: DCP's flattened keys map to entries through the key paths DCP records (``planner_data``), as
 :func:`arraycheckpoint.dcp.entry_name` does: ``model.layers.0.w`` saved from ``{"model": {...}}`` is
@@ -19,9 +21,7 @@ Names: DCP's flattened keys map to entries through the key paths DCP records (``
 
 from __future__ import annotations
 
-import math
 import os
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,22 +35,13 @@ from ..planning.regions import Box, intersect
 from ..runtime.monitoring import PhaseRecorder
 from . import LoadSource
 from .dcpkeys import DCP_OBJECT, MAX_BYTE_IO, entry_names, json_value, native_objects
+from .dcpzip import ChunkItem as _Chunk
+from .dcpzip import Layout, data_layout
+from .dcpzip import read_range as _read
 from .ranges import RangeReader, StoredTensor
 
 DCP_METADATA = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
-_EOCD = b"PK\x05\x06"
-_EOCD64 = b"PK\x06\x06"
-_CENTRAL = b"PK\x01\x02"
-_LOCAL = b"PK\x03\x04"
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    box: Box
-    key: str  # relative path of the .distcp file
-    offset: int  # item start in the file
-    length: int  # item bytes
 
 
 class DcpSource(LoadSource):
@@ -70,7 +61,9 @@ class DcpSource(LoadSource):
         if not allow_pickle:
             raise PickleNotAllowedError(
                 f"{root} is a torch.distributed.checkpoint directory: its {DCP_METADATA} is a pickle, which "
-                "can run code when loaded; pass allow_pickle=True to acp.load if you trust this checkpoint"
+                "can run code when loaded; if you trust this checkpoint, pass allow_pickle=True: "
+                "acp.load(path, state, allow_pickle=True), acp.dcp.Reader(path, allow_pickle=True) or "
+                "arraycheckpoint import --allow-pickle"
             )
         import pickle
 
@@ -150,7 +143,7 @@ class DcpSource(LoadSource):
         with recorder.phase("read") as rec:
             kv = ts.KvStore.open(self.storage.kvstore_spec(self.root), context=context()).result()
             reader = RangeReader(self.storage, self.root, max_inflight_bytes)
-            located: dict[tuple[str, int], int] = {}
+            located: dict[tuple[str, int], Layout] = {}
             outputs = []
             for t in targets:
                 dtype = numpy_dtype(self._meta.tensors[t.name].dtype)
@@ -161,12 +154,16 @@ class DcpSource(LoadSource):
                         part = intersect(shard.box, c.box)
                         if part is None or part.volume == 0:
                             continue
-                        begin = located.get((c.key, c.offset))
-                        if begin is None:
-                            begin = located[(c.key, c.offset)] = _data_start(kv, self.root, t.name, c, dtype)
-                        stored = StoredTensor(t.name, c.key, begin, c.box.lengths, dtype)
-                        local = Box(tuple(p - o for p, o in zip(part.offsets, c.box.offsets)), part.lengths)
-                        dest = out[(*part.slices(shard.box), ...)]  # a view, also for 0-d
+                        lay = located.get((c.key, c.offset))
+                        if lay is None:
+                            lay = located[(c.key, c.offset)] = data_layout(kv, self.root, t.name, c, dtype)
+                        stored = StoredTensor(
+                            t.name, c.key, lay.begin, lay.stored_shape(c.box.lengths), dtype
+                        )
+                        at = tuple(p - o for p, o in zip(part.offsets, c.box.offsets))
+                        local = Box(lay.stored_shape(at), lay.stored_shape(part.lengths))
+                        # a view in storage order, also for 0-d
+                        dest = out[(*part.slices(shard.box), ...)].transpose(lay.order)
                         reader.submit(stored, LoadShard(local, lambda a, d=dest: np.copyto(d, a)))
             reader.finish()
             for shard, out in outputs:
@@ -253,83 +250,6 @@ def _byte_objects(
     return objects
 
 
-def _data_start(kv: Any, root: str, name: str, c: _Chunk, dtype: np.dtype[Any]) -> int:
-    """Absolute file offset of a chunk's C-order bytes: raw items as they are, zip items through the zip
-    (a zip whose records run past their bytes is damage, naming the tensor and the file)."""
-    try:
-        return _zip_data_start(kv, root, name, c, dtype)
-    except (struct.error, StopIteration):
-        raise CorruptCheckpointError(
-            f"{root}/{c.key}: tensor {name!r} chunk {list(c.box.offsets)}: a damaged zip record (it runs past "
-            "its bytes)"
-        ) from None
-
-
-def _zip_data_start(kv: Any, root: str, name: str, c: _Chunk, dtype: np.dtype[Any]) -> int:
-    nbytes = math.prod(c.box.lengths) * dtype.itemsize
-    if c.length == nbytes:
-        return c.offset  # DCP's raw (safetensors-style) serialization
-    where = f"{root}/{c.key}: tensor {name!r} chunk {list(c.box.offsets)}"
-    tail_len = min(c.length, (1 << 16) + 22)
-    tail = _read(kv, c.key, c.offset + c.length - tail_len, tail_len, where)
-    at = tail.rfind(_EOCD)
-    if at < 0:
-        raise CorruptCheckpointError(f"{where}: neither raw bytes nor a zip archive (no end record)")
-    entries, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
-    if cd_offset == 0xFFFFFFFF or entries == 0xFFFF:  # zip64: the locator sits right before the end record
-        z64 = tail.rfind(_EOCD64, 0, at)
-        if z64 < 0:
-            raise CorruptCheckpointError(f"{where}: zip64 archive without its zip64 end record")
-        entries, cd_size, cd_offset = struct.unpack_from("<QQQ", tail, z64 + 32)
-    if cd_offset + cd_size > c.length or cd_size > (64 << 20):
-        raise CorruptCheckpointError(f"{where}: zip central directory outside the item")
-    cd = _read(kv, c.key, c.offset + cd_offset, cd_size, where)
-    pos = 0
-    for _ in range(entries):
-        if cd[pos : pos + 4] != _CENTRAL:
-            raise CorruptCheckpointError(f"{where}: damaged zip central directory")
-        (method,) = struct.unpack_from("<H", cd, pos + 10)
-        csize, usize = struct.unpack_from("<II", cd, pos + 20)
-        nlen, xlen, clen = struct.unpack_from("<HHH", cd, pos + 28)
-        (local,) = struct.unpack_from("<I", cd, pos + 42)
-        fname = cd[pos + 46 : pos + 46 + nlen].decode(errors="replace")
-        extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
-        pos += 46 + nlen + xlen + clen
-        if not fname.endswith("/data/0"):
-            continue
-        csize, usize, local = _zip64_sizes(extra, csize, usize, local)
-        if method != 0:
-            raise MetadataError(
-                f"{where}: the tensor's zip entry is compressed (method {method}); not supported"
-            )
-        if usize != nbytes or csize != nbytes:
-            raise MetadataError(
-                f"{where}: the stored storage holds {usize} bytes, the chunk {nbytes}: not a plain C-order chunk"
-            )
-        head = _read(kv, c.key, c.offset + local, 30, where)
-        if head[:4] != _LOCAL:
-            raise CorruptCheckpointError(f"{where}: damaged zip local header")
-        hn, hx = struct.unpack_from("<HH", head, 26)
-        start = local + 30 + hn + hx
-        if start + nbytes > c.length:
-            raise CorruptCheckpointError(f"{where}: tensor data runs past the item")
-        return c.offset + start
-    raise MetadataError(f"{where}: the zip archive has no data/0 entry (not a torch.save'd tensor)")
-
-
-def _zip64_sizes(extra: bytes, csize: int, usize: int, local: int) -> tuple[int, int, int]:
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, size = struct.unpack_from("<HH", extra, pos)
-        if tag == 1:
-            vals = iter(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
-            usize = next(vals) if usize == 0xFFFFFFFF else usize
-            csize = next(vals) if csize == 0xFFFFFFFF else csize
-            local = next(vals) if local == 0xFFFFFFFF else local
-        pos += 4 + size
-    return csize, usize, local
-
-
 def _check_files(storage: Any, root: str, spans: list[tuple[str, int, str]]) -> None:
     """On a local file system, every ``.distcp`` file the metadata names (``spans``: file, the end of a
     tensor chunk or value stored in it, what is stored there) is a regular file (no link, never a FIFO:
@@ -354,17 +274,3 @@ def _check_files(storage: Any, root: str, spans: list[tuple[str, int, str]]) -> 
                 f"{what}: {root}/{key} is {opened[1]} bytes, but the {what.split()[0]} is stored up to byte "
                 f"{end}; the file is truncated"
             )
-
-
-def _read(kv: Any, key: str, begin: int, n: int, where: str) -> bytes:
-    try:
-        res = kv.read(key, byte_range=slice(begin, begin + n)).result()
-    except ValueError as e:  # tensorstore: OUT_OF_RANGE for a range starting past the end of the value
-        if "OUT_OF_RANGE" not in str(e):
-            raise
-        raise CorruptCheckpointError(
-            f"{where}: {key} is truncated (bytes [{begin}, {begin + n}) asked)"
-        ) from None
-    if res.state != "value" or len(res.value) != n:
-        raise CorruptCheckpointError(f"{where}: {key} is missing or truncated")
-    return bytes(res.value)

@@ -106,7 +106,7 @@ def acp_save_body(rank: int, world: int, path: str) -> dict:
     return _full(model, opt)
 
 
-def dcp_load_body(rank: int, world: int, path: str, with_groups: bool = False) -> dict:
+def dcp_load_body(rank: int, world: int, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -114,14 +114,10 @@ def dcp_load_body(rank: int, world: int, path: str, with_groups: bool = False) -
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
     _train_step(model, opt)  # creates the optimizer state DCP loads into
     msd, osd = get_state_dict(model, opt)
-    # in place: FSDP2's state dicts hold the parameters' and the optimizer's own DTensors. param_groups
-    # come back from a checkpoint DCP wrote (kept as DCP's bytes); acp.save stores them as JSON instead
-    optim = osd if with_groups else {"state": osd["state"]}
-    dcp.load({"model": msd, "optimizer": optim}, storage_reader=acp.dcp.Reader(path))
-    out = _full(model, opt)
-    if with_groups:
-        out["lr"] = optim["param_groups"][0]["lr"]
-    return out
+    # in place: FSDP2's state dicts hold the parameters' and the optimizer's own DTensors. param_groups come
+    # back from either kind of checkpoint: DCP's bytes (Writer) or acp.save's JSON object, served as DCP keys
+    dcp.load({"model": msd, "optimizer": osd}, storage_reader=acp.dcp.Reader(path))
+    return {**_full(model, opt), "lr": osd["param_groups"][0]["lr"]}
 
 
 def _same(got: dict, want: dict, names) -> None:
@@ -150,12 +146,13 @@ def test_acp_saves_at_3_and_dcp_loads_through_reader_at_4(tmp_path: Path) -> Non
     loaded = run_distributed(dcp_load_body, 4, (path,))
     for r in loaded:
         _same(r, saved, sorted(saved))
+        assert r["lr"] == 1e-2  # param_groups: acp.save's JSON object, served under DCP's keys
 
 
 def test_dcp_round_trip_through_writer_at_3_and_reader_at_4(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     saved = run_distributed(dcp_save_body, 3, (path,))[0]
-    loaded = run_distributed(dcp_load_body, 4, (path, True))
+    loaded = run_distributed(dcp_load_body, 4, (path,))
     for r in loaded:
         _same(r, saved, sorted(saved))
         assert r["lr"] == 1e-2  # param_groups: DCP's pickled value, returned to DCP as it was
