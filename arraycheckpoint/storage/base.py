@@ -48,6 +48,8 @@ log = logging.getLogger("arraycheckpoint")
 
 #: No request counts as stalled sooner (a tiny ``timeout=`` must not fail a healthy store's requests).
 _MIN_STALL_SECONDS = 1.0
+#: how many times :meth:`Storage.release` reads the lock it deletes (a refresh landing between read and delete)
+_RELEASE_READS = 4
 #: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
 LOCK_KEY = ".acp-lock"
 #: tensorstore's storage generation meaning "no value": a conditional write with it creates only if absent.
@@ -399,9 +401,15 @@ class Storage(ABC):
             if self._lock_token(final) == token:
                 self.delete_key(final, LOCK_KEY)
             return
-        raw, generation = self._lock_state(final)
-        if raw is not None and self._token_in(final, raw) == token:
-            self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._delete_lock_if(final, generation))
+        for _attempt in range(_RELEASE_READS):
+            raw, generation = self._lock_state(final)
+            if raw is None or self._token_in(final, raw) != token:
+                return
+            if self._retry("lock", f"{final}/{LOCK_KEY}", lambda g=generation: self._delete_lock_if(final, g)):
+                return
+            # refused: another generation is stored now. A refresh of ours that landed after the read (it was
+            # on its way) stored it, while the lock still names this save: read it again and delete that one
+        log.warning("could not release %s/%s: it kept changing while named by save %s", final, LOCK_KEY, token)
 
     def stalled(self) -> str | None:
         """A request of this save that timed out but may still land (named), or None: the coordinator then

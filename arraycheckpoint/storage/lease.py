@@ -230,8 +230,14 @@ def keep(
 
 
 def drop(storage: Any, final: str, token: str) -> None:
-    """Stop refreshing the lock (the save ended); forget that it was lost."""
-    drop_key((id(storage), final, token))
+    """Stop refreshing the lock (the save ended); forget that it was lost. A refresh of it already on its way
+    (its conditional write in flight on the refresh thread) is waited for, up to what it may take (two of
+    ``storage``'s stall bounds: its write and its read of the lock): the lock read after this is the last one
+    the refresh stored, and a conditional delete of that generation is not undone by the refresh landing."""
+    key = (id(storage), final, token)
+    drop_key(key)
+    with _settled:
+        _settled.wait_for(lambda: key not in _refreshing, timeout=2 * storage.stall_bound())
 
 
 def drop_key(key: tuple[int, str, str]) -> None:
@@ -278,6 +284,8 @@ def check_holder(storage: Any, final: str, token: str, clock: Callable[[], float
 
 #: the leases whose refresh is on its way (one at a time per lease)
 _refreshing: set[tuple[int, str, str]] = set()
+#: notified when a refresh ended (:func:`drop` waits for one in flight)
+_settled = threading.Condition(_guard)
 
 
 def _refresh_all() -> None:
@@ -302,6 +310,7 @@ def _refresh_one(key: tuple[int, str, str], entry: _Held) -> None:
     finally:
         with _guard:
             _refreshing.discard(key)
+            _settled.notify_all()
 
 
 def _refresh(key: tuple[int, str, str], entry: _Held) -> None:
