@@ -358,6 +358,12 @@ class Storage(ABC):
                 )
                 return new
             who = "another save taking over a crashed one's lock"
+        elif not self._leases() and raw is not None:
+            gone = lease.holder_gone(doc)
+            if gone is not None and self._replace_dead_lock(final, token, body, raw):
+                log.warning("taking over %s/%s, left by a save that is no longer running (%s: %s)",
+                            final, LOCK_KEY, who, gone)  # fmt: skip
+                return b""
         bound = lease.lease_intervals() * lease.heartbeat_seconds()
         raise CheckpointExistsError(
             f"another save to {final} is in progress (lock {final}/{LOCK_KEY} held by {who}); wait for it, or "
@@ -365,10 +371,22 @@ class Storage(ABC):
             + (
                 f"A crashed save's lock is taken over once it was not refreshed for its lease ({bound:.0f} s)"
                 if self._leases()
-                else "If no save is running, a crashed run left the lock: remove it or let CheckpointManager "
-                "clean up on start"
+                else "If no save is running, a crashed run left the lock (one on another host, or a save of "
+                "several ranks, is never taken over here: its other ranks may still write): remove the object "
+                f"{final}/{LOCK_KEY} (from Python: arraycheckpoint.storage.storage_for(path), then "
+                f"storage.delete_key(root, {LOCK_KEY!r})), or let CheckpointManager clean up on start"
             )
         )
+
+    def _replace_dead_lock(self, final: str, token: str, body: bytes, raw: bytes) -> bool:
+        """Replace the lock ``raw`` of a save whose process is gone (a backend without leases) with this save's
+        ``body``: deleted only while it is still ``raw``, then created as :meth:`acquire` creates it (of
+        several takers, one wins where the store creates exclusively); whether this save holds it now."""
+        if self.read(final, LOCK_KEY) != raw:
+            return False
+        self.delete_key(final, LOCK_KEY)
+        self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
+        return self._lock_token(final) == token
 
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""

@@ -147,7 +147,7 @@ def stale_reason(doc: dict[str, Any] | None, now: float | None = None) -> str | 
     if doc is None or doc.get("time") is None:
         return None
     # only a one-rank save ends with its process: a wider save's other ranks write under its lease till it ends
-    gone = _holder_gone(doc) if doc.get("world") == 1 else None
+    gone = holder_gone(doc)
     if gone is not None:
         return gone
     interval = max(heartbeat_seconds(), min(doc.get("heartbeat") or 0.0, _MAX_HEARTBEAT))
@@ -160,9 +160,11 @@ def stale_reason(doc: dict[str, Any] | None, now: float | None = None) -> str | 
     return None
 
 
-def _holder_gone(doc: dict[str, Any]) -> str | None:
-    """Why the holder of ``doc`` is known to be gone (it ran on this machine, and its process did not
-    survive), or None."""
+def holder_gone(doc: dict[str, Any] | None) -> str | None:
+    """Why the one-rank save holding the lock ``doc`` is known to be gone (it ran on this machine, and its
+    process did not survive), or None (a wider save's other ranks may still write under it)."""
+    if doc is None or doc.get("world") != 1:
+        return None
     fields = [doc.get(k) for k in ("host", "boot_id", "pidns", "pid", "start")]
     if not all(isinstance(v, str) for v in fields[:3]) or not all(
         type(v) is int and v > 0 for v in fields[3:]
