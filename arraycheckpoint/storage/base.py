@@ -423,11 +423,15 @@ class Storage(ABC):
             raw, generation = self._lock_state(final)
             if raw is None or self._token_in(final, raw) != token:
                 return
-            if self._retry("lock", f"{final}/{LOCK_KEY}", lambda g=generation: self._delete_lock_if(final, g)):
+            if self._retry(
+                "lock", f"{final}/{LOCK_KEY}", lambda g=generation: self._delete_lock_if(final, g)
+            ):
                 return
             # refused: another generation is stored now. A refresh of ours that landed after the read (it was
             # on its way) stored it, while the lock still names this save: read it again and delete that one
-        log.warning("could not release %s/%s: it kept changing while named by save %s", final, LOCK_KEY, token)
+        log.warning(
+            "could not release %s/%s: it kept changing while named by save %s", final, LOCK_KEY, token
+        )
 
     def stalled(self) -> str | None:
         """A request of this save that timed out but may still land (named), or None: the coordinator then

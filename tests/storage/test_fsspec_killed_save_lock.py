@@ -46,7 +46,9 @@ class Lfs(LocalFileSystem):
 fsspec.register_implementation("lfskill", Lfs, clobber=True)
 """
 
-KILLED = PRELUDE + """
+KILLED = (
+    PRELUDE
+    + """
 import arraycheckpoint as acp
 
 
@@ -57,6 +59,7 @@ class Killed(DefaultSavePlanner):
 
 dcp.save({"w": torch.arange(4.0)}, storage_writer=acp.dcp.Writer(sys.argv[1]), planner=Killed())
 """
+)
 
 
 @pytest.fixture
