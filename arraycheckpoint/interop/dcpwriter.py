@@ -248,7 +248,7 @@ class Writer(StorageWriter):
         storage.open_flush(staging)  # before the first write: the flush then sees every write-back error
         try:
             if claim is None:
-                follow(storage, staging, plan.storage_data.get("lease"), self.rank)
+                final = follow(storage, staging, plan.storage_data.get("lease"), self.rank) or final
             return self._write_items(plan, planner, writes, storage, staging, final)
         finally:
             storage.close_flush(staging)
