@@ -22,11 +22,12 @@ from ..format.hierarchy import hierarchy_documents
 from ..format.metadata import CheckpointMetadata, ObjectMeta, ShardMeta, TensorMeta
 from ..format.version import __version__
 from ..planning.plan import PlanOptions, split_chunk
-from ..planning.regions import Box, chunk_boxes, chunks_overlapping
+from ..planning.regions import Box, chunk_boxes
 from ..planning.rules import encode_ranks
-from ..runtime.tscontext import context
 from ..sources.dcpkeys import DCP_OBJECT, DISCOVERY_FILE, MAX_BYTE_IO, entry_names, json_value, native_objects
 from ..storage import storage_for
+from .dcpchunks import ChunkWriter
+from .dcpclaim import Claim, follow
 
 try:  # the plug-in needs torch; importing arraycheckpoint does not
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -111,6 +112,7 @@ class Writer(StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self._global: dict[str, Any] = {}
+        self._claim: Claim | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._release()  # a claim an earlier save took and never finished (it failed between plan and finish)
@@ -119,6 +121,9 @@ class Writer(StorageWriter):
         self._global = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP calls reset only with a checkpoint_id: a Writer given its path once, whose last save failed after
+        # its plan (DCP then calls no finish), gives that save's claim back here
+        self._release()
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0))
 
@@ -126,7 +131,7 @@ class Writer(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-
+        self._release()  # whatever an earlier save of this Writer left (any call order)
         storage, final = storage_for(self._require_path())
         try:
             storage.check_target(final, self.overwrite)
@@ -138,16 +143,18 @@ class Writer(StorageWriter):
         staging = storage.staging_root(final, token)
         # claimed as acp.save claims it, before any rank writes: the lock (a lease on object stores), and,
         # written in place, the old checkpoint's marker and objects removed first (it never reads as committed
-        # over this save's files); released by finish
+        # over this save's files); released by finish, or by this Writer's next save or its collection when
+        # the save failed before its finish (dcpclaim)
         storage.save_world = len(plans)
         storage.acquire(final, token)
+        self._claim = Claim(self, storage, final, token, staging)
         try:
-            return self._plan(plans, storage, final, staging, token)
+            return self._plan(plans, self._claim)
         except BaseException:
-            storage.release(final, token)
+            self._release()
             raise
 
-    def _plan(self, plans: list[Any], storage: Any, final: str, staging: str, token: str) -> list[Any]:
+    def _plan(self, plans: list[Any], claim: Claim) -> list[Any]:
         from torch.distributed.checkpoint.planner import WriteItemType
 
         paths: dict[str, Any] = {}
@@ -187,14 +194,12 @@ class Writer(StorageWriter):
             t["chunk"] = split_chunk(per_item, itemsize, options.max_chunk_bytes) if per_item else ()
             t["inner"] = split_chunk(t["chunk"], itemsize, options.inner_chunk_bytes) if per_item else ()
         self._global = {
-            "claim": (storage, token),
-            "staging": staging,
-            "final": final,
             "names": names,
             "tensors": tensors,
             "paths": paths,
         }
         out = []
+        held = claim.lease_data(len(plans))  # the ranks write under the coordinator's lease (in place)
         for p in plans:
             mine = {i.index.fqn for i in p.items}
             arrays = {
@@ -202,7 +207,8 @@ class Writer(StorageWriter):
                 for fqn, t in tensors.items()
                 if fqn in mine
             }
-            out.append(dataclasses.replace(p, storage_data={"staging": staging, "arrays": arrays}))
+            data = {"staging": claim.staging, "arrays": arrays, "lease": held}
+            out.append(dataclasses.replace(p, storage_data=data))
         return out
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -232,17 +238,23 @@ class Writer(StorageWriter):
         return fut
 
     def _write(self, plan: Any, planner: Any, writes: list[tuple[str, Any]]) -> list[Any]:
-
-        storage, _ = storage_for(self._require_path())
         staging = plan.storage_data["staging"]
+        claim = self._claim if self.is_coordinator else None
+        # the coordinator writes on the storage holding the lease (its own expiry stops it); the other ranks
+        # follow it, as acp.save's ranks do: a rank frozen past the lease never writes into another save's
+        storage, final = (
+            (claim.storage, claim.final) if claim is not None else storage_for(self._require_path())
+        )
         storage.open_flush(staging)  # before the first write: the flush then sees every write-back error
         try:
-            return self._write_items(plan, planner, writes, storage, staging)
+            if claim is None:
+                final = follow(storage, staging, plan.storage_data.get("lease"), self.rank) or final
+            return self._write_items(plan, planner, writes, storage, staging, final)
         finally:
             storage.close_flush(staging)
 
     def _write_items(
-        self, plan: Any, planner: Any, writes: list[tuple[str, Any]], storage: Any, staging: str
+        self, plan: Any, planner: Any, writes: list[tuple[str, Any]], storage: Any, staging: str, final: str
     ) -> list[Any]:
         from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
@@ -250,10 +262,11 @@ class Writer(StorageWriter):
         from ..engine.shardfile import file_writer
 
         writer = file_writer(storage, staging)
-        chunks = _ChunkWriter(storage, staging, plan.storage_data["arrays"], writer, writes)
+        chunks = ChunkWriter(storage, staging, plan.storage_data["arrays"], writer, writes)
         results = []
         try:
             for item in plan.items:
+                storage.check_lease(final)  # before each write: a save whose lease may be taken over stops
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
@@ -282,8 +295,10 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         """Coordinator: write the metadata and commit; if any rank failed, remove the staging and raise."""
-        storage, _token = self._global["claim"]
-        final, staging = self._global["final"], self._global["staging"]
+        claim = self._claim
+        if claim is None:
+            raise ArrayCheckpointError(f"acp.dcp.Writer.finish without a plan of this Writer ({self.path})")
+        storage, final, staging = claim.storage, claim.final, claim.staging
         try:
             failed = [r.storage_data[FAILED] for rank in results for r in rank if _failure(r)]
             if failed:
@@ -301,11 +316,11 @@ class Writer(StorageWriter):
             self._release()
 
     def _release(self) -> None:
-        """Drop the claim of the target this save took in :meth:`prepare_global_plan` (once)."""
-        claim = self._global.pop("claim", None) if isinstance(getattr(self, "_global", None), dict) else None
+        """Give back the claim of the target this save took in :meth:`prepare_global_plan` (once; a failure is
+        logged, never raised: the save's own outcome, committed or its error, is what the caller hears)."""
+        claim, self._claim = getattr(self, "_claim", None), None
         if claim is not None:
-            storage, token = claim
-            storage.release(self._global["final"], token)
+            claim.release()
 
     def _commit(self, results: list[list[Any]], storage: Any, final: str, staging: str) -> None:
         from ..engine.shardfile import write_documents
@@ -374,6 +389,8 @@ class Writer(StorageWriter):
         ).encode()
         storage.open_flush(staging)
         try:
+            # a save whose lease was (or may soon be) taken over writes no metadata
+            storage.verify_lease(final)
             write_documents(storage, staging, dict(sorted(docs.items())))
             if not getattr(storage, "flushes_at_commit", False):  # else the commit's flush covers them
                 storage.flush(staging)
@@ -389,73 +406,3 @@ class Writer(StorageWriter):
         if self.path is None:
             raise ArrayCheckpointError("acp.dcp.Writer needs a path (Writer(path) or checkpoint_id=...)")
         return self.path
-
-
-class _ChunkWriter:
-    """Writes a rank's DCP items as the chunk files of their arrays.
-
-    DCP waits in ``write_data`` until the writes are done, so a CPU tensor's own memory is written from
-    without a copy. Whole chunks of the default preset are encoded by :mod:`.engine.shardfile` (hardware
-    CRC32C, ``writev`` from the tensor, device write-back started per file); edge chunks cut by the array's
-    end and anything else go through a tensorstore array opened with the metadata assumed.
-    """
-
-    def __init__(
-        self, storage: Any, staging: str, arrays: dict[str, Any], writer: Any, writes: list[tuple[str, Any]]
-    ) -> None:
-        self._storage = storage
-        self._staging = staging
-        self._arrays = arrays
-        self._writer = writer
-        self._writes = writes
-        self._stores: dict[str, Any] = {}
-
-    def _store(self, fqn: str) -> Any:
-        import tensorstore as ts
-
-        if fqn not in self._stores:
-            entry, shape, dtype, chunk, inner = self._arrays[fqn]
-            self._stores[fqn] = ts.open(
-                {
-                    "driver": "zarr3",
-                    "kvstore": self._storage.kvstore_spec(f"{self._staging.rstrip('/')}/{entry}"),
-                    "metadata": array_metadata(shape, numpy_dtype(dtype), chunk, inner, name=entry),
-                    "store_data_equal_to_fill_value": True,
-                },
-                assume_metadata=True,  # the coordinator writes zarr.json once, in finish()
-                context=context(),
-            ).result()
-        return self._stores[fqn]
-
-    def write(self, fqn: str, box: Box, data: Any) -> int:
-        """Start writing item ``box`` of ``fqn`` from the tensor ``data``; returns its bytes."""
-        from ..adapters.torch.tensors import TorchSource
-        from ..engine import shardfile
-
-        entry, shape, dtype, chunk, inner = self._arrays[fqn]
-        np_dtype = numpy_dtype(dtype)
-        source = TorchSource(data.detach())
-        host = source.borrowed_view()
-        if host is None or tuple(host.shape) != box.lengths or host.dtype != np_dtype:
-            host = np.empty(box.lengths, np_dtype)
-            fence = source.copy_into(host)
-            if fence is not None:
-                fence.wait()
-        layout = _ChunkLayout(tuple(chunk), None)
-        for c in chunks_overlapping(box, shape, chunk) if box.volume else ():
-            part = host[c.slices(box)]
-            if shardfile.can_encode(layout, c, np_dtype):
-                key = f"{entry}/{shardfile.chunk_key(layout, c)}"
-                parts = shardfile.encode(part, tuple(inner), self._writer.summing)
-                self._writes.append((fqn, self._writer.write(key, parts)))
-            else:
-                self._writes.append((fqn, self._store(fqn)[c.slices()].write(part)))
-        return int(host.nbytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ChunkLayout:
-    """What :mod:`.engine.shardfile` reads of an array's layout."""
-
-    chunk_shape: tuple[int, ...]
-    compression: str | None

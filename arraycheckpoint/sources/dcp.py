@@ -68,8 +68,9 @@ class DcpSource(LoadSource):
         import pickle
 
         from ..codecs import zarr_dtype_name
+        from ..storage.reads import read_bounded
 
-        raw = storage.read(root, DCP_METADATA, MAX_METADATA_BYTES)
+        raw = read_bounded(storage, root, DCP_METADATA, MAX_METADATA_BYTES)
         if raw is None or len(raw) > MAX_METADATA_BYTES:
             raise MetadataError(f"{root}/{DCP_METADATA} is missing or larger than {MAX_METADATA_BYTES} bytes")
         if raw.lstrip()[:1] == b"{":

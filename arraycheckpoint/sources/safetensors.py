@@ -36,6 +36,7 @@ from ..format.metadata import (
 )
 from ..planning.items import LoadTensor
 from ..runtime.monitoring import PhaseRecorder
+from ..storage.reads import read_bounded
 from . import LoadSource, _has, local_dir
 from .hubcache import locate
 from .ranges import RangeReader, StoredTensor
@@ -75,7 +76,11 @@ DTYPES = {
 
 def _read_bounded(storage: Any, root: str, key: str, limit: int) -> bytes:
     local = local_dir(storage, root)
-    raw = read_below(*locate(local, key), limit) if local is not None else storage.read(root, key, limit)
+    raw = (
+        read_below(*locate(local, key), limit)
+        if local is not None
+        else read_bounded(storage, root, key, limit)
+    )
     if raw is None:
         raise MetadataError(f"{root}: {key} is missing")
     if len(raw) > limit:

@@ -48,6 +48,8 @@ log = logging.getLogger("arraycheckpoint")
 
 #: No request counts as stalled sooner (a tiny ``timeout=`` must not fail a healthy store's requests).
 _MIN_STALL_SECONDS = 1.0
+#: how many times :meth:`Storage.release` reads the lock it deletes (a refresh landing between read and delete)
+_RELEASE_READS = 4
 #: Object-store lock key, inside the checkpoint root (only present while a save runs or after a crash).
 LOCK_KEY = ".acp-lock"
 #: tensorstore's storage generation meaning "no value": a conditional write with it creates only if absent.
@@ -356,6 +358,12 @@ class Storage(ABC):
                 )
                 return new
             who = "another save taking over a crashed one's lock"
+        elif not self._leases() and raw is not None:
+            gone = lease.holder_gone(doc)
+            if gone is not None and self._replace_dead_lock(final, token, body, raw):
+                log.warning("taking over %s/%s, left by a save that is no longer running (%s: %s)",
+                            final, LOCK_KEY, who, gone)  # fmt: skip
+                return b""
         bound = lease.lease_intervals() * lease.heartbeat_seconds()
         raise CheckpointExistsError(
             f"another save to {final} is in progress (lock {final}/{LOCK_KEY} held by {who}); wait for it, or "
@@ -363,10 +371,22 @@ class Storage(ABC):
             + (
                 f"A crashed save's lock is taken over once it was not refreshed for its lease ({bound:.0f} s)"
                 if self._leases()
-                else "If no save is running, a crashed run left the lock: remove it or let CheckpointManager "
-                "clean up on start"
+                else "If no save is running, a crashed run left the lock (one on another host, or a save of "
+                "several ranks, is never taken over here: its other ranks may still write): remove the object "
+                f"{final}/{LOCK_KEY} (from Python: arraycheckpoint.storage.storage_for(path), then "
+                f"storage.delete_key(root, {LOCK_KEY!r})), or let CheckpointManager clean up on start"
             )
         )
+
+    def _replace_dead_lock(self, final: str, token: str, body: bytes, raw: bytes) -> bool:
+        """Replace the lock ``raw`` of a save whose process is gone (a backend without leases) with this save's
+        ``body``: deleted only while it is still ``raw``, then created as :meth:`acquire` creates it (of
+        several takers, one wins where the store creates exclusively); whether this save holds it now."""
+        if self.read(final, LOCK_KEY) != raw:
+            return False
+        self.delete_key(final, LOCK_KEY)
+        self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
+        return self._lock_token(final) == token
 
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
@@ -399,9 +419,19 @@ class Storage(ABC):
             if self._lock_token(final) == token:
                 self.delete_key(final, LOCK_KEY)
             return
-        raw, generation = self._lock_state(final)
-        if raw is not None and self._token_in(final, raw) == token:
-            self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._delete_lock_if(final, generation))
+        for _attempt in range(_RELEASE_READS):
+            raw, generation = self._lock_state(final)
+            if raw is None or self._token_in(final, raw) != token:
+                return
+            if self._retry(
+                "lock", f"{final}/{LOCK_KEY}", lambda g=generation: self._delete_lock_if(final, g)
+            ):
+                return
+            # refused: another generation is stored now. A refresh of ours that landed after the read (it was
+            # on its way) stored it, while the lock still names this save: read it again and delete that one
+        log.warning(
+            "could not release %s/%s: it kept changing while named by save %s", final, LOCK_KEY, token
+        )
 
     def stalled(self) -> str | None:
         """A request of this save that timed out but may still land (named), or None: the coordinator then

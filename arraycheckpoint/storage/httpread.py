@@ -3,18 +3,22 @@
 fsspec's ``cat_file`` reads a reply's whole body into memory before anything looks at it: a server that
 ignores ``Range`` (Python's ``http.server`` does) sends the whole object for a read of 4 KiB, and a hostile
 one as much as it likes. :func:`read_range` streams the reply instead: a ``206`` is read up to one byte more
-than the range (a longer one is refused), a ``200`` (the whole object) up to the range's end and no further
+than the range (a longer one is refused, and so is one whose ``Content-Range`` is not the range asked for),
+a ``200`` (the whole object) up to the range's end and no further
 (for a suffix: only its last bytes are kept), then the connection is closed.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import StorageError
 
 #: bytes read from a reply at once
 _STEP = 1 << 20
+#: a ``206`` reply's ``Content-Range``: ``bytes <first>-<last>/<length or *>``
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 
 
 def is_http(fs: Any) -> bool:
@@ -30,7 +34,8 @@ def read_range(fs: Any, url: str, start: int | None, stop: int | None, limit: in
 
     Raises:
         FileNotFoundError: there is no such object (404).
-        StorageError: the server's reply is not the range asked for (a ``206`` longer than it), or a
+        StorageError: the server's reply is not the range asked for (a ``206`` longer than it, or whose
+            ``Content-Range`` names another range or another length than its body's), or a
             reply to an open range is larger than ``limit``.
     """
     from fsspec.asyn import sync
@@ -61,6 +66,7 @@ async def _read(fs: Any, url: str, start: int, stop: int | None, limit: int) -> 
                     f"storage read of {url} failed: the server answered a range of {asked} bytes with more: "
                     "the server's reply is not the range asked for"
                 )
+            _check_content_range(r.headers.get("Content-Range"), url, start, stop, len(data))
             return data
         # the whole object: read to the range's end, no further
         if start < 0:
@@ -100,6 +106,37 @@ async def _tail(r: Any, n: int, limit: int, url: str) -> bytes:
         kept += part
         if len(kept) > 2 * n + _STEP:  # trimmed now and then: linear in what streams by
             del kept[: len(kept) - n]
+
+
+def _check_content_range(header: str | None, url: str, start: int, stop: int | None, got: int) -> None:
+    """Refuse a ``206`` reply whose ``Content-Range`` (``header``) is not the range asked for (``start``,
+    ``stop`` as :func:`read_range` takes them) or not the ``got`` bytes its body held: a server answering
+    another range would have its bytes read as the ones asked for (at the wrong offset)."""
+    m = _CONTENT_RANGE.fullmatch((header or "").strip())
+    why = None
+    if m is None:
+        why = f"its Content-Range is {header!r}, not 'bytes <first>-<last>/<length>'"
+    else:
+        first, last = int(m[1]), int(m[2])
+        total = None if m[3] == "*" else int(m[3])
+        if start >= 0:
+            want_first, want_last = start, None if stop is None else stop - 1
+        else:  # a suffix: the object's last bytes
+            want_first = None if total is None else max(0, total + start)
+            want_last = None if total is None else total - 1
+        if want_first is not None and first != want_first:
+            why = f"it starts at byte {first}, not {want_first}"
+        elif want_last is not None and last > want_last:
+            why = f"it ends at byte {last}, past {want_last}"
+        elif total is not None and last + 1 < total and want_last is not None and last < want_last:
+            why = f"it ends at byte {last}, short of {want_last} (the object holds {total})"
+        elif last - first + 1 != got:
+            why = f"it says {last - first + 1} bytes, its body held {got}"
+    if why is not None:
+        raise StorageError(
+            f"storage read of {url} failed: the server answered the range asked for with another one ({why}): "
+            "the server's reply is not the range asked for"
+        )
 
 
 def _too_large(url: str, limit: int) -> StorageError:

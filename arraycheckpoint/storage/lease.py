@@ -147,7 +147,7 @@ def stale_reason(doc: dict[str, Any] | None, now: float | None = None) -> str | 
     if doc is None or doc.get("time") is None:
         return None
     # only a one-rank save ends with its process: a wider save's other ranks write under its lease till it ends
-    gone = _holder_gone(doc) if doc.get("world") == 1 else None
+    gone = holder_gone(doc)
     if gone is not None:
         return gone
     interval = max(heartbeat_seconds(), min(doc.get("heartbeat") or 0.0, _MAX_HEARTBEAT))
@@ -160,9 +160,11 @@ def stale_reason(doc: dict[str, Any] | None, now: float | None = None) -> str | 
     return None
 
 
-def _holder_gone(doc: dict[str, Any]) -> str | None:
-    """Why the holder of ``doc`` is known to be gone (it ran on this machine, and its process did not
-    survive), or None."""
+def holder_gone(doc: dict[str, Any] | None) -> str | None:
+    """Why the one-rank save holding the lock ``doc`` is known to be gone (it ran on this machine, and its
+    process did not survive), or None (a wider save's other ranks may still write under it)."""
+    if doc is None or doc.get("world") != 1:
+        return None
     fields = [doc.get(k) for k in ("host", "boot_id", "pidns", "pid", "start")]
     if not all(isinstance(v, str) for v in fields[:3]) or not all(
         type(v) is int and v > 0 for v in fields[3:]
@@ -230,8 +232,14 @@ def keep(
 
 
 def drop(storage: Any, final: str, token: str) -> None:
-    """Stop refreshing the lock (the save ended); forget that it was lost."""
-    drop_key((id(storage), final, token))
+    """Stop refreshing the lock (the save ended); forget that it was lost. A refresh of it already on its way
+    (its conditional write in flight on the refresh thread) is waited for, up to what it may take (two of
+    ``storage``'s stall bounds: its write and its read of the lock): the lock read after this is the last one
+    the refresh stored, and a conditional delete of that generation is not undone by the refresh landing."""
+    key = (id(storage), final, token)
+    drop_key(key)
+    with _settled:
+        _settled.wait_for(lambda: key not in _refreshing, timeout=2 * storage.stall_bound())
 
 
 def drop_key(key: tuple[int, str, str]) -> None:
@@ -278,6 +286,8 @@ def check_holder(storage: Any, final: str, token: str, clock: Callable[[], float
 
 #: the leases whose refresh is on its way (one at a time per lease)
 _refreshing: set[tuple[int, str, str]] = set()
+#: notified when a refresh ended (:func:`drop` waits for one in flight)
+_settled = threading.Condition(_guard)
 
 
 def _refresh_all() -> None:
@@ -302,6 +312,7 @@ def _refresh_one(key: tuple[int, str, str], entry: _Held) -> None:
     finally:
         with _guard:
             _refreshing.discard(key)
+            _settled.notify_all()
 
 
 def _refresh(key: tuple[int, str, str], entry: _Held) -> None:

@@ -3,6 +3,10 @@ slows, stops or records, with a state of its own in :mod:`arraycheckpoint.storag
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -15,3 +19,15 @@ class LocalUnder(LocalFileSystem):
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
         return LocalFileSystem._strip_protocol(str(path).removeprefix(f"{cls.protocol[0]}://"))
+
+
+@contextmanager
+def http_server(handler: type) -> Iterator[str]:
+    """A stdlib HTTP server on loopback answering with ``handler`` (a ``BaseHTTPRequestHandler``), its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
