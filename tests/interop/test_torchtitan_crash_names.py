@@ -38,17 +38,19 @@ folder, flag = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{folder}/pg", rank=0, world_size=1)
 import test_torchtitan as tt
 from torchtitan.components.checkpoint import AsyncMode
+from arraycheckpoint.storage.fsspec_store import FsspecStorage
 from arraycheckpoint.storage.local import LocalStorage
 
 def hang(self, staging, final, overwrite):
     open(flag, "w").close()
     time.sleep(600)
 
-model, opts, lrs, mgr = tt._build(0, folder, 1)
+remote = sys.argv[3] == "1"  # torchtitan's fsspec path (local://): our fsspec backend, written in place
+model, opts, lrs, mgr = tt._build(0, "local://" + folder if remote else folder, 1)
 for step in (1, 2, 3):
     model(torch.ones(2, 4)).sum().backward(); opts.step(); lrs.step(); opts.zero_grad()
     if step == 3:
-        LocalStorage.commit = hang
+        setattr(FsspecStorage if remote else LocalStorage, "commit", hang)
     mgr.dcp_save(mgr._flattened_model_states_sd(), mgr._create_checkpoint_id(step), AsyncMode.DISABLED)
 """
 
@@ -96,9 +98,14 @@ def purge_body(rank: int, world: int, folder: str) -> list[str]:
 
 
 @pytest.mark.multiprocess
-def test_a_job_killed_inside_the_commit_resumes_from_the_last_committed_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "fsspec"])
+def test_a_job_killed_inside_the_commit_resumes_from_the_last_committed_step(tmp_path: Path, remote: bool) -> None:
+    """Local: the staging directory holds ``.metadata`` but is named after no step. fsspec (written in place,
+    ``local://``: torchtitan's remote path): ``step-3/`` is there, uncommitted, without ``.metadata`` (the
+    Writer adds it after the commit marker; before, step 3 was found and failed to load on every restart)."""
     flag = tmp_path / "in-commit"
-    proc = subprocess.Popen([sys.executable, "-c", SAVE_THEN_HANG, str(tmp_path), str(flag)], env=_env())
+    argv = [sys.executable, "-c", SAVE_THEN_HANG, str(tmp_path), str(flag), str(int(remote))]
+    proc = subprocess.Popen(argv, env=_env())
     try:
         deadline = time.monotonic() + 240
         while not flag.exists():
@@ -111,6 +118,12 @@ def test_a_job_killed_inside_the_commit_resumes_from_the_last_committed_step(tmp
         proc.wait()
     ckpt = tmp_path / "ckpt"
     left = sorted(os.listdir(ckpt))
+    if remote:
+        assert left == ["step-1", "step-2", "step-3"] and (ckpt / "step-3" / "0.weight").is_dir(), left
+        resumed = run_distributed(resume_body, 1, ("local://" + str(tmp_path),))
+        assert resumed == [(2, True)]  # was: step 3, whose .metadata the load refused
+        assert not (ckpt / "step-3" / ".metadata").exists()
+        return
     staged = [n for n in left if ".acp-staging-" in n]
     # the crashed save's staging is there, DCP's discovery file in it: the scan skips it by its name
     assert len(staged) == 1 and (ckpt / staged[0] / ".metadata").is_file(), left
