@@ -58,14 +58,19 @@ def rename(src, dst, *a, **k):
         time.sleep(600)
     return real(src, dst, *a, **k)
 os.rename = rename
-acp.save(os.path.join(root, "step-5"), {"w": np.full(3, 9)}, overwrite=True)
+acp.save(os.path.join(root, sys.argv[3]), {"w": np.full(3, 9)}, overwrite=True)
 """
 
 
-def test_an_overwrite_killed_between_its_renames_is_put_back(tmp_path: Path) -> None:
-    acp.save(str(tmp_path / "step-5"), {"w": np.full(3, 5)})
+@pytest.mark.parametrize("step", ["step-5", "checkpoint-5"])
+def test_an_overwrite_killed_between_its_renames_is_put_back(tmp_path: Path, step: str) -> None:
+    """torchtitan's scan and HF Trainer's (``get_last_checkpoint``, and ``sort_checkpoints``, which its
+    ``save_total_limit`` rotation deletes from) see no step while the old copy is aside."""
+    from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
+
+    acp.save(str(tmp_path / step), {"w": np.full(3, 5)})
     flag = tmp_path.parent / f"{tmp_path.name}-flag"
-    proc = subprocess.Popen([sys.executable, "-c", OVERWRITE_THEN_HANG, str(tmp_path), str(flag)])
+    proc = subprocess.Popen([sys.executable, "-c", OVERWRITE_THEN_HANG, str(tmp_path), str(flag), step])
     try:
         deadline = time.monotonic() + 120
         while not flag.exists():
@@ -76,13 +81,16 @@ def test_an_overwrite_killed_between_its_renames_is_put_back(tmp_path: Path) -> 
         proc.kill()
         proc.wait()
     left = sorted(os.listdir(tmp_path))
-    assert not any(p.search(n) for n in left for p in PATTERNS), left  # step-5 is aside, under no step name
+    assert sort_checkpoints(str(tmp_path)) == [] and get_last_checkpoint(str(tmp_path)) is None, left
+    assert not any(p.search(n) for n in left for p in PATTERNS), left  # the step is aside, under no step name
     holders = [n for n in left if n.startswith(names.OLD)]
-    assert len(holders) == 1 and os.listdir(tmp_path / holders[0]) == ["step-5"], left
-    mgr = acp.CheckpointManager(str(tmp_path), step_prefix="step-")
-    assert sorted(os.listdir(tmp_path)) == ["step-5"], (os.listdir(tmp_path), mgr.removed)
+    assert len(holders) == 1 and os.listdir(tmp_path / holders[0]) == [step], left
+    mgr = acp.CheckpointManager(str(tmp_path), step_prefix=step[:-1])
+    assert sorted(os.listdir(tmp_path)) == [step], (os.listdir(tmp_path), mgr.removed)
+    if step.startswith("checkpoint-"):
+        assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / step)
     back = {"w": np.zeros(3, dtype=np.int64)}
-    acp.load(str(tmp_path / "step-5"), back)
+    acp.load(str(tmp_path / step), back)
     assert np.array_equal(back["w"], np.full(3, 5))  # the committed copy, put back
 
 
