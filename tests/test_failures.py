@@ -146,7 +146,7 @@ def test_kill_one_rank_mid_async_save(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError):
         acp.load(root / "step_00000002", zeros_like_state())
     leftovers = sorted(n for n in os.listdir(root) if n != "step_00000001")
-    ours = (".acp-staging-", lock_path(root / "step_00000002").name)  # its staging and lock, named after no step
+    ours = (".acp-staging-", lock_path(root / "step_00000002").name)  # its staging, its lock: no step name
     assert leftovers and all(n.startswith(ours) for n in leftovers), leftovers
     # The next start cleans up; a new save of step 2 then succeeds.
     mgr = CheckpointManager(root)

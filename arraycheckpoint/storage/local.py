@@ -32,8 +32,8 @@ from typing import Any
 from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
-from . import locks
 from . import localnames as names
+from . import locks
 from .base import Storage, check_read_size, read_limit
 
 log = logging.getLogger("arraycheckpoint")
@@ -96,7 +96,7 @@ class LocalStorage(Storage):
             )
         legacy = names.legacy_lock_path(final)  # an older version's save (its lock named after the target)
         if os.path.isfile(legacy) and not os.path.islink(legacy) and locks.is_live(str(legacy)):
-            raise CheckpointExistsError(f"another save to {final} is in progress (lock {legacy}); wait for it")
+            raise CheckpointExistsError(f"another save to {final} is in progress (lock {legacy}); wait")
         fd: int | None
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
@@ -364,7 +364,7 @@ class LocalStorage(Storage):
             if found is None or names.in_flight(found, name, live):
                 continue
             path = os.path.join(parent, name)
-            if found.kind == "lock":  # a crashed save's lock: removed holding its flock (a newcomer may take it)
+            if found.kind == "lock":  # a crashed save's: removed holding its flock (a newcomer may take it)
                 if locks.remove_crashed(path):
                     removed.append(path)
                 continue

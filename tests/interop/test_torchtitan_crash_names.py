@@ -99,7 +99,9 @@ def purge_body(rank: int, world: int, folder: str) -> list[str]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "fsspec"])
-def test_a_job_killed_inside_the_commit_resumes_from_the_last_committed_step(tmp_path: Path, remote: bool) -> None:
+def test_a_job_killed_inside_the_commit_resumes_from_the_last_committed_step(
+    tmp_path: Path, remote: bool
+) -> None:
     """Local: the staging directory holds ``.metadata`` but is named after no step. fsspec (written in place,
     ``local://``: torchtitan's remote path): ``step-3/`` is there, uncommitted, without ``.metadata`` (the
     Writer adds it after the commit marker; before, step 3 was found and failed to load on every restart)."""

@@ -105,7 +105,8 @@ def test_a_killed_holder_on_this_host_is_taken_over_at_once(tmp_path: Path, monk
         with pytest.raises(acp.CheckpointExistsError, match=r"in progress .*save inflight pid"):
             _save(target)
         assert acp.CheckpointManager(str(tmp_path)).removed == []  # a live save's lock and staging stay
-        assert sorted(os.listdir(tmp_path)) == sorted([".acp-staging-inflight", lock_path(tmp_path / "step_1").name])
+        left = sorted(os.listdir(tmp_path))
+        assert left == sorted([".acp-staging-inflight", lock_path(tmp_path / "step_1").name])
         pid = proc.pid
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -217,7 +218,8 @@ def test_of_several_takers_exactly_one_wins(tmp_path: Path) -> None:
     go.touch()
     answers = [r.communicate(timeout=120)[0].split()[0] for r in racers]
     assert sorted(answers) == ["lost", "lost", "lost", "won"], answers
-    assert not lock_path(tmp_path / "step_1").with_name(lock_path(tmp_path / "step_1").name + ".takeover").exists()
+    lock = lock_path(tmp_path / "step_1")
+    assert not lock.with_name(lock.name + ".takeover").exists()
 
 
 def test_the_lock_file_is_untrusted_input(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ import pytest
 import arraycheckpoint as acp
 from arraycheckpoint.errors import CheckpointExistsError, StorageError
 from arraycheckpoint.storage import LocalStorage, storage_for
-from arraycheckpoint.testing.storage import StorageTests
 from arraycheckpoint.storage.localnames import lock_path
+from arraycheckpoint.testing.storage import StorageTests
 
 
 class TestLocal(StorageTests):
