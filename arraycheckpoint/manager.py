@@ -9,7 +9,8 @@ Layout under ``root`` (any storage URL)::
 
     root/step_00000100/    one committed checkpoint per step (``.acp/committed`` inside)
     root/step_00000200/
-    root/.step_00000300.acp-staging-<token>/   (local file systems: a save in flight or a crashed one)
+    root/.acp-staging-<token>/   (local file systems: a save in flight or a crashed one; no name of ours
+                                 beside the steps holds a step's name: storage/localnames.py)
 
 Rules:
 

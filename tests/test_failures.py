@@ -45,6 +45,7 @@ from arraycheckpoint.errors import (
 from arraycheckpoint.format.metadata import METADATA_FILE
 from arraycheckpoint.manager import CheckpointManager
 from arraycheckpoint.storage import LocalStorage, register_scheme
+from arraycheckpoint.storage.localnames import lock_path
 from arraycheckpoint.testing import chunk_files
 
 
@@ -67,15 +68,31 @@ def files_under(root: Path) -> dict[str, bytes]:
 
 
 # ------------------------------------------------------------------------------------ kill -9 mid-save
-class HangingFlush(LocalStorage):
+class _StepStaging(LocalStorage):
+    """Local storage that knows the staging roots of the saves to targets named ``STEP`` (a staging directory
+    is named after no step: storage/localnames.py)."""
+
+    STEP = ""
+    staged: set[str] = set()
+
+    def staging_root(self, final: str, token: str) -> str:
+        staging = super().staging_root(final, token)
+        if os.path.basename(final) == self.STEP:
+            self.staged.add(staging)
+        return staging
+
+
+class HangingFlush(_StepStaging):
     """Local storage; on the rank named in ACP_HANG_RANK, flushing a step-2 save announces itself in a file
     and then blocks until the process is killed."""
+
+    STEP, staged = "step_00000002", set()
 
     def normalize(self, url: str) -> str:
         return super().normalize(url.removeprefix("hang://"))
 
     def flush(self, root: str) -> None:
-        if "step_00000002" in root and os.environ.get("RANK") == os.environ.get("ACP_HANG_RANK"):
+        if root in self.staged and os.environ.get("RANK") == os.environ.get("ACP_HANG_RANK"):
             Path(os.environ["ACP_SIGNAL_DIR"], f"rank{os.environ['RANK']}-in-flush").touch()
             while True:
                 time.sleep(1)
@@ -129,7 +146,8 @@ def test_kill_one_rank_mid_async_save(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError):
         acp.load(root / "step_00000002", zeros_like_state())
     leftovers = sorted(n for n in os.listdir(root) if n != "step_00000001")
-    assert leftovers and all(".step_00000002.acp-" in n for n in leftovers), leftovers
+    ours = (".acp-staging-", lock_path(root / "step_00000002").name)  # its staging, its lock: no step name
+    assert leftovers and all(n.startswith(ours) for n in leftovers), leftovers
     # The next start cleans up; a new save of step 2 then succeeds.
     mgr = CheckpointManager(root)
     assert len(mgr.removed) == len(leftovers)
@@ -141,14 +159,16 @@ def test_kill_one_rank_mid_async_save(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- disk full
-class FullDisk(LocalStorage):
+class FullDisk(_StepStaging):
     """Local storage whose flush fails with ENOSPC on rank 1 for step-2 saves (the injected disk-full seam)."""
+
+    STEP, staged = "step_2", set()
 
     def normalize(self, url: str) -> str:
         return super().normalize(url.removeprefix("fulldisk://"))
 
     def flush(self, root: str) -> None:
-        if "step_2" in root and os.environ.get("RANK") == "1":
+        if root in self.staged and os.environ.get("RANK") == "1":
             raise OSError(errno.ENOSPC, "No space left on device", root)
         super().flush(root)
 

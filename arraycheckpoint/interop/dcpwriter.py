@@ -387,6 +387,9 @@ class Writer(StorageWriter):
                 "read it with arraycheckpoint.dcp.Reader or arraycheckpoint.load, not FileSystemReader",
             }
         ).encode()
+        # written in place (marker stores): DCP's discovery file follows the commit marker, so a save killed
+        # before it leaves no step-N/.metadata that a step scan (torchtitan's _find_load_step) takes for a step
+        late = {DISCOVERY_FILE: docs.pop(DISCOVERY_FILE)} if storage.commit_strategy == "marker" else {}
         storage.open_flush(staging)
         try:
             # a save whose lease was (or may soon be) taken over writes no metadata
@@ -395,6 +398,8 @@ class Writer(StorageWriter):
             if not getattr(storage, "flushes_at_commit", False):  # else the commit's flush covers them
                 storage.flush(staging)
             storage.commit(staging, final, self.overwrite)
+            for key, data in late.items():
+                storage.write(final, key, data)
         finally:
             storage.close_flush(staging)
 

@@ -1,30 +1,30 @@
 """POSIX file systems: tensorstore's ``file`` kvstore, atomic rename commit, a lock file per target, syncfs.
 
-Layout of one save of ``<dir>/<name>``:
+Layout of one save of ``<dir>/<name>`` (:mod:`.localnames`: no name of ours beside the target holds its name,
+so no framework scanning ``<dir>`` for ``step-N`` takes one for a step):
 
-* ``<dir>/.<name>.acp-lock``: created with ``O_EXCL`` by the coordinator, held until the save ends; names its
+* ``<dir>/.acp-lock-<h>``: created with ``O_EXCL`` by the coordinator, held until the save ends; names its
   owner (the save's token, host, pid, ...: :mod:`.locks`, which also says when a crashed save's is taken over);
-* ``<dir>/.<name>.acp-lock.takeover``: while a crashed save's lock is taken over without ``flock``;
-* ``<dir>/.<name>.acp-staging-<token>/``: every rank writes here; the coordinator adds the metadata and the
-  commit marker (``.acp/metadata.json``, ``.acp/committed``) and renames it onto ``<dir>/<name>`` (one
-  atomic ``rename(2)``);
-* ``<dir>/<name>.acp-old-<...>``: the replaced checkpoint during an ``overwrite=True`` commit (removed after);
-* ``<dir>/.<name>.acp-trash-<...>``: a checkpoint being deleted by retention (renamed first, so a partial
-  delete is never visible under the step's name).
+* ``<dir>/.acp-staging-<token>/``: every rank writes here; the coordinator adds the metadata and the commit
+  marker (``.acp/metadata.json``, ``.acp/committed``) and renames it onto ``<dir>/<name>`` (one atomic
+  ``rename(2)``);
+* ``<dir>/.acp-old-<token>/<name>``: the replaced checkpoint during an ``overwrite=True`` commit (removed after);
+* ``<dir>/.acp-trash-<hex>/``: a checkpoint being deleted by retention (renamed first, so a partial delete is
+  never visible under the step's name).
 
-Anything of these left by a crash is invisible to readers and removed by :meth:`cleanup_leftovers`.
+Anything of these left by a crash (or an older version's, named after the target) is invisible to readers and
+removed by :meth:`cleanup_leftovers`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import os
-import re
 import shutil
 import stat
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
 from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
+from . import localnames as names
 from . import locks
 from .base import Storage, check_read_size, read_limit
 
@@ -40,8 +41,8 @@ log = logging.getLogger("arraycheckpoint")
 _open_below = open_below  # the shared check of every reader (arraycheckpoint.checks.files)
 #: Root entries that only a checkpoint (committed or left by a crashed save) holds: its control files.
 _CONTROL_NAMES = frozenset(files.metadata.split("/")[0] for files in CONTROL_LAYOUTS)
-
-_LEFTOVER = re.compile(r"^(\.(?P<a>.+)\.acp-(staging|trash)-.+|\.(?P<b>.+)\.acp-lock|(?P<c>.+)\.acp-old-.+)$")
+_live_tokens = names.live_tokens  # the saves in flight in a directory (module global: the tests' probe)
+_staging_token = names.staging_token
 
 
 class LocalStorage(Storage):
@@ -75,12 +76,10 @@ class LocalStorage(Storage):
         return str(p.parent), p.name
 
     def staging_root(self, final: str, token: str) -> str:
-        p = Path(final)
-        return str(p.parent / f".{p.name}.acp-staging-{token}")
+        return names.staging_path(final, token)
 
     def _lock(self, final: str) -> Path:
-        p = Path(final)
-        return p.parent / f".{p.name}.acp-lock"
+        return names.lock_path(final)
 
     def acquire(self, final: str, token: str) -> None:
         """Take ``final``'s lock file for this save (``O_EXCL``), and hold it until :meth:`release`: an
@@ -95,6 +94,9 @@ class LocalStorage(Storage):
             raise CheckpointExistsError(
                 f"another save to {final} is in progress in this process (lock {lock}); wait for it"
             )
+        legacy = names.legacy_lock_path(final)  # an older version's save (its lock named after the target)
+        if os.path.isfile(legacy) and not os.path.islink(legacy) and locks.is_live(str(legacy)):
+            raise CheckpointExistsError(f"another save to {final} is in progress (lock {legacy}); wait")
         fd: int | None
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
@@ -239,14 +241,17 @@ class LocalStorage(Storage):
                 raise CheckpointExistsError(f"{final} was committed by someone else during this save")
             if _refuse_foreign(final, self.is_committed):  # appeared during this save: refused, kept
                 os.rmdir(final)  # empty: nothing of anyone's is lost
-            else:
-                old = final + f".acp-old-{os.path.basename(staging)}"
+            else:  # aside, in a holder named after this save (the entry in it says where it goes back)
+                holder = names.old_holder(final, token)
+                os.mkdir(holder)
+                old = os.path.join(holder, os.path.basename(final))
                 os.rename(final, old)
         try:
             os.rename(staging, final)
         except OSError as e:
             if old is not None:
                 os.rename(old, final)
+                os.rmdir(os.path.dirname(old))
             raise StorageError(f"storage commit (rename {staging} -> {final}) failed: {e}") from e
         try:  # committed now: a failure from here on must not report it as not committed
             fsync_path(os.path.dirname(final))
@@ -255,7 +260,7 @@ class LocalStorage(Storage):
                 "%s is committed, but its parent could not be opened to make that durable: %s", final, e
             )
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(os.path.dirname(old), ignore_errors=True)
 
     def abort(self, staging: str, final: str) -> None:
         if staging != final:
@@ -329,8 +334,7 @@ class LocalStorage(Storage):
 
     def remove_checkpoint(self, root: str) -> None:
         """Rename ``root`` aside (atomic: the step disappears at once), then delete it."""
-        parent, name = self.parent(root)
-        trash = os.path.join(parent, f".{name}.acp-trash-{uuid.uuid4().hex[:8]}")
+        trash = names.trash_path(root)
         try:
             os.rename(root, trash)
         except FileNotFoundError:
@@ -342,33 +346,34 @@ class LocalStorage(Storage):
         shutil.rmtree(trash, ignore_errors=True)
 
     def cleanup_leftovers(self, parent: str) -> list[str]:
-        """Remove staging directories, lock files, ``.acp-old-`` and ``.acp-trash-`` leftovers in ``parent``;
-        returns what was removed.
+        """Remove staging directories, lock files, replaced (``.acp-old-``) and ``.acp-trash-`` leftovers in
+        ``parent``, an older version's too (:mod:`.localnames`); returns what was removed.
 
-        A committed ``<step>.acp-old-*`` whose ``<step>`` is gone is put back instead: a save replacing a
-        committed step (``overwrite``) renames the old one aside before moving its own in, and a crash between
-        the two renames leaves the old one the step's only committed copy. Every copy of a step whose lock is
-        live stays (its save may be between those renames). What cannot be removed (another user's
-        directory) is kept, with a warning naming it, and not reported removed.
+        A committed replaced copy whose step is gone is put back instead: a save replacing a committed step
+        (``overwrite``) moves the old one aside before moving its own in, and a crash between the two renames
+        leaves the old one the step's only committed copy. Every copy of a save whose lock is live stays (it
+        may be between those renames). What cannot be removed (another user's directory) is kept, with a
+        warning naming it, and not reported removed.
         """
         removed = []
-        names = self.children(parent)
-        live = _live_tokens(parent, names)  # saves in flight (another job's): their lock and staging stay
+        entries = self.children(parent)
+        live = _live_tokens(parent, entries)  # saves in flight (another job's): their lock and staging stay
         # a step's replaced copies newest first: the newest committed one is put back, the older are removed
-        for name in sorted(names, key=lambda n: -_replaced_time(parent, n)):
-            m = _LEFTOVER.match(name)
-            if not m or _staging_token(name) in live or name in live.values():
+        for name in sorted(entries, key=lambda n: -names.replaced_time(parent, n)):
+            found = names.classify(name)
+            if found is None or names.in_flight(found, name, live):
                 continue
-            if m.group("c") and f".{m.group('c')}.acp-lock" in live.values():
-                continue  # a save of that step is in flight (it may be between its renames): its copies stay
             path = os.path.join(parent, name)
-            if m.group("b"):  # a crashed save's lock: removed holding its flock (a newcomer may take it over)
+            if found.kind == "lock":  # a crashed save's: removed holding its flock (a newcomer may take it)
                 if locks.remove_crashed(path):
                     removed.append(path)
                 continue
             if os.path.isdir(path) and not os.path.islink(path):
-                if m.group("c") and self._restored(path, os.path.join(parent, m.group("c"))):
-                    continue
+                if any(self._restored(old, final) for old, final in names.replaced_copies(parent, name)):
+                    if found.step is None:  # restored out of its holder (gone), or kept in it
+                        with contextlib.suppress(OSError):
+                            os.rmdir(path)
+                    continue  # restored, or kept as maybe the step's one copy: not removed
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 try:
@@ -400,52 +405,6 @@ class LocalStorage(Storage):
 
 
 _HELD, _HELD_LOCK = locks._HELD, locks._HELD_LOCK  # this process's held locks (for the conformance suite)
-
-
-def _staging_token(name: str) -> str | None:
-    """The save token in a staging directory's name (``.<step>.acp-staging-<token>``), also inside a
-    replaced copy's (``<step>.acp-old-.<step>.acp-staging-<token>``); None for other names."""
-    return name.split(".acp-staging-", 1)[1] if ".acp-staging-" in name else None
-
-
-def _live_tokens(parent: str, names: list[str]) -> dict[str, str]:
-    """The tokens of the saves in flight under ``parent`` (a lock file not judged crashed: :mod:`.locks`, or
-    that this process may not open), mapped to their lock file's name: their staging and replaced copies
-    stay."""
-    live = {}
-    for name in names:
-        m = _LEFTOVER.match(name)
-        if not m or not m.group("b"):
-            continue
-        path = os.path.join(parent, name)
-        if not locks.is_live(path):
-            continue  # a crashed save's: its lock and staging are leftovers
-        fd = locks.open_lock(path)
-        raw = b""
-        if fd is not None:
-            try:
-                raw = locks.read_lock(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        live[locks.token_of(raw)] = name
-    return live
-
-
-def _replaced_time(parent: str, name: str) -> int:
-    """When the replaced step copy ``name`` (``<step>.acp-old-...``) was committed (its marker's mtime, ns);
-    0 for anything else or an uncommitted copy."""
-    m = _LEFTOVER.match(name)
-    if not m or not m.group("c"):
-        return 0
-    path = os.path.join(parent, name)
-    for files in CONTROL_LAYOUTS:
-        try:
-            return os.stat(os.path.join(path, files.committed)).st_mtime_ns
-        except OSError:
-            continue
-    return 0
 
 
 def _refuse_foreign(final: str, is_committed: Any) -> bool:

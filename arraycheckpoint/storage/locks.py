@@ -1,4 +1,5 @@
-"""Save locks on POSIX file systems: one lock file per target, ``<dir>/.<name>.acp-lock``.
+"""Save locks on POSIX file systems: one lock file per target, ``<dir>/.acp-lock-<h>``
+(:func:`.localnames.lock_path`).
 
 The coordinator creates it with ``O_EXCL`` and holds an ``flock`` on it until the save ends: the kernel drops
 that lock when the process ends however it ends, so a lock file nobody holds is a crashed save's and is taken

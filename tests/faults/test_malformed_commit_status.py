@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from simworld import SimCommunicator, SimWorld, run_ranks  # noqa: E402
 
 import arraycheckpoint as acp  # noqa: E402
+from arraycheckpoint.storage.localnames import lock_path
 
 
 class _LyingRank(SimCommunicator):
@@ -67,5 +68,5 @@ def test_malformed_status_fails_every_rank_naming_it(tmp_path: Path, bad: bytes)
         assert "rank 1 sent a malformed commit status" in m and "was not committed" in m, m
         assert "lost contact" not in m, m  # rank 0 broadcast the outcome: nobody waited for a timeout
     assert not path.exists()
-    assert not (tmp_path / ".ck.acp-lock").exists()  # the save's lock was released
+    assert not lock_path(tmp_path / "ck").exists()  # the save's lock was released
     assert sorted(os.listdir(tmp_path)) == []  # and its staging removed

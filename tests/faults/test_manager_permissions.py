@@ -24,6 +24,7 @@ import pytest
 
 import arraycheckpoint as acp
 from arraycheckpoint.storage import LocalStorage
+from arraycheckpoint.storage.localnames import lock_path
 
 SCRIPT = textwrap.dedent(
     """
@@ -160,7 +161,7 @@ def test_manager_on_a_root_it_may_only_partly_read_or_write(tmp_path: Path) -> N
             "warnings": [r["unreadable root: save"]["warnings"][0]],
         }, r["unreadable root: save"]
         assert f"{root}/step_00000004 is committed" in r["unreadable root: save"]["warnings"][0]
-        assert f"{root}/.step_00000005.acp-lock" in r["unwritable root: save"]["error"]
+        assert str(lock_path(f"{root}/step_00000005")) in r["unwritable root: save"]["error"]
         assert "StorageError" in r["unwritable root: retention"]["error"]
         assert f"{root}/step_00000002" in r["unwritable root: retention"]["error"]
         assert r["unwritable root: intact"]["value"] == [

@@ -14,6 +14,7 @@ import numpy as np
 import arraycheckpoint as acp
 from arraycheckpoint.storage import local, locks
 from arraycheckpoint.storage.local import LocalStorage
+from arraycheckpoint.storage.localnames import lock_path
 
 
 def test_cleanup_keeps_staging_of_live_save_with_real_token(tmp_path: Path) -> None:
@@ -60,7 +61,7 @@ def test_acquire_refuses_when_its_own_flock_is_taken(tmp_path: Path, monkeypatch
 def test_cleanup_never_deletes_a_lock_taken_over_after_its_probe(tmp_path: Path, monkeypatch) -> None:
     """A crashed save's lock: cleanup probes it (not live), a new save takes it over, cleanup removes it."""
     final = str(tmp_path / "step")
-    Path(tmp_path / ".step.acp-lock").write_text("dead-0 pid 1 on x")  # crashed save, nobody holds it
+    lock_path(tmp_path / "step").write_text("dead-0 pid 1 on x")  # crashed save, nobody holds it
     saver, manager = LocalStorage(), LocalStorage()
     real = local._live_tokens
 
@@ -72,7 +73,7 @@ def test_cleanup_never_deletes_a_lock_taken_over_after_its_probe(tmp_path: Path,
     monkeypatch.setattr(local, "_live_tokens", probe_then_save)
     manager.cleanup_leftovers(str(tmp_path))
     try:
-        assert (tmp_path / ".step.acp-lock").exists(), "cleanup deleted the lock of a save in flight"
+        assert lock_path(tmp_path / "step").exists(), "cleanup deleted the lock of a save in flight"
     finally:
         saver.release(final, "new-0")
 
@@ -83,7 +84,7 @@ def test_cleanup_probe_on_nfs_style_flock(tmp_path: Path, monkeypatch) -> None:
     import errno
     import fcntl
 
-    Path(tmp_path / ".step.acp-lock").write_text("dead-0 pid 1 on x")
+    lock_path(tmp_path / "step").write_text("dead-0 pid 1 on x")
     real = fcntl.flock
 
     def nfs_flock(fd, op):
@@ -106,7 +107,7 @@ def test_acquire_on_a_lock_path_that_is_a_directory_is_a_clear_error(tmp_path: P
 
     from arraycheckpoint.errors import ArrayCheckpointError
 
-    (tmp_path / ".step.acp-lock").mkdir()
+    lock_path(tmp_path / "step").mkdir()
     with pytest.raises(ArrayCheckpointError):
         LocalStorage().acquire(str(tmp_path / "step"), "t-0")
 

@@ -22,6 +22,7 @@ import pytest
 from arraycheckpoint.errors import CheckpointExistsError
 from arraycheckpoint.storage import locks
 from arraycheckpoint.storage.local import LocalStorage
+from arraycheckpoint.storage.localnames import lock_path
 
 HOLD = """
 import sys
@@ -73,7 +74,7 @@ def test_a_lock_rewritten_in_place_by_another_save_is_not_still_held(tmp_path: P
 
 def _stale_lock(tmp_path: Path, lock_age: float) -> tuple[str, Path]:
     final = tmp_path / "step_1"
-    lock = tmp_path / ".step_1.acp-lock"
+    lock = lock_path(tmp_path / "step_1")
     doc = {"arraycheckpoint_lock": 1, "token": "old", "host": "otherhost", "boot_id": "x", "pidns": "y"}
     lock.write_text(json.dumps({**doc, "pid": 1, "start": 1, "heartbeat": 10.0}))
     os.utime(lock, (time.time() - lock_age,) * 2)

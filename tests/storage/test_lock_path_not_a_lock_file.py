@@ -1,4 +1,4 @@
-"""Something other than a lock file at a target's lock path (``.<name>.acp-lock``: a FIFO, a directory, a link)
+"""Something other than a lock file at a target's lock path (``.acp-lock-<h>``: a FIFO, a directory, a link)
 refuses the save with an error that says so, naming it; nothing is committed, and what is there is kept.
 
 Before: the save was refused as "another save to ... is in progress (lock ... held by ?); wait for it", which no
@@ -14,11 +14,12 @@ import pytest
 
 import arraycheckpoint as acp
 from arraycheckpoint.errors import CheckpointExistsError
+from arraycheckpoint.storage.localnames import lock_path
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "link", "dangling link"])
 def test_a_lock_path_that_is_no_lock_file_is_named_not_waited_for(tmp_path: Path, kind: str) -> None:
-    lock = tmp_path / ".ck.acp-lock"
+    lock = lock_path(tmp_path / "ck")
     kept = tmp_path / "notes.txt"
     kept.write_text("mine")
     if kind == "fifo":

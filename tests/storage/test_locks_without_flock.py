@@ -25,6 +25,7 @@ import pytest
 import arraycheckpoint as acp
 from arraycheckpoint.storage import locks
 from arraycheckpoint.storage.local import LocalStorage
+from arraycheckpoint.storage.localnames import lock_path
 
 BEAT = 0.2  # seconds between a holder's refreshes, in these tests
 
@@ -104,13 +105,14 @@ def test_a_killed_holder_on_this_host_is_taken_over_at_once(tmp_path: Path, monk
         with pytest.raises(acp.CheckpointExistsError, match=r"in progress .*save inflight pid"):
             _save(target)
         assert acp.CheckpointManager(str(tmp_path)).removed == []  # a live save's lock and staging stay
-        assert sorted(os.listdir(tmp_path)) == [".step_1.acp-lock", ".step_1.acp-staging-inflight"]
+        left = sorted(os.listdir(tmp_path))
+        assert left == sorted([".acp-staging-inflight", lock_path(tmp_path / "step_1").name])
         pid = proc.pid
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         with caplog.at_level(logging.WARNING, logger="arraycheckpoint"):
             _save(target)
-        assert f"taking over {tmp_path / '.step_1.acp-lock'}" in caplog.text
+        assert f"taking over {lock_path(tmp_path / 'step_1')}" in caplog.text
         assert f"save inflight pid {pid}" in caplog.text and f"its process {pid} is gone" in caplog.text
         assert _loads(target)
         acp.CheckpointManager(str(tmp_path))  # the crashed save's staging goes now
@@ -154,7 +156,7 @@ def test_another_hosts_lock_is_a_lease(tmp_path: Path, monkeypatch, caplog) -> N
     holder's own commit is then refused."""
     monkeypatch.setenv(locks.LEASE_ENV, "4")  # 0.8 s
     target = tmp_path / "step_1"
-    lock = tmp_path / ".step_1.acp-lock"
+    lock = lock_path(tmp_path / "step_1")
     proc = _holder(target, 4)
     try:
         _as_another_host(lock)
@@ -216,7 +218,8 @@ def test_of_several_takers_exactly_one_wins(tmp_path: Path) -> None:
     go.touch()
     answers = [r.communicate(timeout=120)[0].split()[0] for r in racers]
     assert sorted(answers) == ["lost", "lost", "lost", "won"], answers
-    assert not (tmp_path / ".step_1.acp-lock.takeover").exists()
+    lock = lock_path(tmp_path / "step_1")
+    assert not lock.with_name(lock.name + ".takeover").exists()
 
 
 def test_the_lock_file_is_untrusted_input(tmp_path: Path) -> None:
@@ -224,10 +227,10 @@ def test_the_lock_file_is_untrusted_input(tmp_path: Path) -> None:
     at is untouched); an oversized or malformed owner document names nobody and is judged by its age only."""
     victim = tmp_path / "victim"
     victim.write_text("keep me")
-    (tmp_path / ".step_1.acp-lock").symlink_to(victim)
+    lock_path(tmp_path / "step_1").symlink_to(victim)
     with pytest.raises(acp.CheckpointExistsError):
         _save(tmp_path / "step_1")
-    assert victim.read_text() == "keep me" and (tmp_path / ".step_1.acp-lock").is_symlink()
+    assert victim.read_text() == "keep me" and lock_path(tmp_path / "step_1").is_symlink()
 
     doc = json.loads(locks.owner_document(locks.this_owner("t")))
     assert locks.parse_owner(json.dumps(doc).encode()) == locks.this_owner("t")
@@ -244,6 +247,6 @@ def test_the_lock_file_is_untrusted_input(tmp_path: Path) -> None:
     for raw in hostile:
         assert locks.parse_owner(raw) is None, raw[:80]
     # a fresh lock whose document is not written yet (empty) is live: too young to be a crashed save's
-    (tmp_path / ".step_2.acp-lock").write_bytes(b"")
+    lock_path(tmp_path / "step_2").write_bytes(b"")
     with pytest.raises(acp.CheckpointExistsError):
         _save(tmp_path / "step_2")
