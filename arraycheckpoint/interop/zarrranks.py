@@ -67,8 +67,9 @@ class RankWalks:
         key is built per chunk). A member not where predicted, or a checkpoint that records no fill target:
         the rank's packs in order, up to the one holding it (every pack when none predicts a member). The
         members other requests ask for meanwhile are walked with it, their packs' ends read ahead."""
+        damaged = self._damaged
         found = self._ranks.get(rank, {}).get(key)
-        if found is None:
+        if found is None and key not in damaged:
             me = (rank, key)
             wanted: dict[Wanted, None] = self.__dict__.setdefault("_wanted", {})
             errors: dict[Wanted, BaseException] = self.__dict__.setdefault("_walk_errors", {})
@@ -76,12 +77,16 @@ class RankWalks:
 
             async def batch() -> list[Wanted]:
                 await _settled(wanted)  # the other requests issued with this one have queued their members
-                out = [me] + [w for w in wanted if w != me and w[1] not in self._ranks.get(w[0], {})]
+                out = [me] + [
+                    w
+                    for w in wanted
+                    if w != me and w[1] not in self._ranks.get(w[0], {}) and w[1] not in damaged
+                ]
                 wanted.clear()
                 return out
 
             def done() -> bool:
-                return key in self._ranks.get(rank, {}) or me in errors
+                return key in self._ranks.get(rank, {}) or key in damaged or me in errors
 
             try:
                 await self._walking(self._walk_members, done, batch)
@@ -91,7 +96,16 @@ class RankWalks:
             if error is not None:  # its pack failed in another request's walk
                 raise error
             found = self._ranks.get(rank, {}).get(key)
+        if found is None and key in damaged:  # its own entry is damaged: this array's requests fail alone
+            raise damaged[key]
         return found
+
+    @property
+    def _damaged(self) -> dict[str, BaseException]:
+        """Members whose own directory entry is damaged (compressed, oversized), each with the error naming
+        its array: the walk serves the pack's other members (:meth:`RankPacks.check
+        <arraycheckpoint.audit.rankpacks.RankPacks.check>`), and every request for one of these fails."""
+        return self.__dict__.setdefault("_damaged_members", {})  # type: ignore[no-any-return]
 
     async def _capacity(self, name: str) -> None:
         """Format 6: the packs of the ranks writing chunks of ``name`` can hold what they hold
@@ -232,11 +246,14 @@ class RankWalks:
         deferred: dict[str, dict[str, int]] = {}
         # the last pack of the rank read: the rank's other packs too, as a reader of every member reads them
         # (a member in two packs is refused by every reader alike)
-        walk.check(rank, reading, directories, deferred, seen=seen, opened=opened, to_end=to_end)
+        damaged = self._damaged
+        walk.check(
+            rank, reading, directories, deferred, seen=seen, opened=opened, to_end=to_end, damaged=damaged
+        )
         self._keep(rank, directories, deferred)
-        if key not in self._ranks[rank]:  # not where predicted, in a pack read before for another member:
-            directories, deferred = {}, {}  # every pack of the rank read again (a damaged or foreign layout)
-            walk.check(rank, whole, directories, deferred)
+        if key not in self._ranks[rank] and key not in damaged:  # not where predicted, in a pack read before
+            directories, deferred = {}, {}  # for another member: every pack of the rank read again
+            walk.check(rank, whole, directories, deferred, damaged=damaged)  # (a damaged or foreign layout)
             self._keep(rank, directories, deferred)
 
     def _keep(
@@ -319,3 +336,4 @@ class _StoreRanges:
             return [k async for k in self.store._base.list_dir(PACK_DIR)]
 
         return self._run(names())  # type: ignore[no-any-return]
+
