@@ -337,3 +337,23 @@ class _StoreRanges:
 
         return self._run(names())  # type: ignore[no-any-return]
 
+def forget_listings(base: Any) -> None:
+    """Drop what the file system of the zarr store ``base`` (an ``FsspecStore``) cached of its root and
+    everything below: opened again on a checkpoint since overwritten at the same URL, a store took the sizes
+    of its packs from the listing an earlier store made (s3fs keeps listings on a file system object reused
+    for the same options, for the life of the process) and refused the new packs as damaged. A store sees the
+    checkpoint as it is when it opens; any other store: nothing to drop."""
+    fs, path = getattr(base, "fs", None), getattr(base, "path", None)
+    if fs is None or not isinstance(path, str):
+        return
+    root = path.rstrip("/")
+    for each in (fs, getattr(fs, "sync_fs", None)):  # zarr wraps a synchronous file system
+        cache = getattr(each, "dircache", None)
+        if cache is None:
+            continue
+        try:
+            each.invalidate_cache(root)  # the root and its parents
+            for key in [k for k in list(cache) if isinstance(k, str) and k.startswith(root + "/")]:
+                cache.pop(key, None)
+        except Exception:  # noqa: BLE001 - a file system without a cache, or one that cannot drop it
+            pass
