@@ -39,9 +39,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     from simworld import run_ranks
 
     out = {}
+    opts = acp.PlanOptions(min_chunk_bytes=2048)
     for seed, n in ((1, 256), (2, 300)):
         path = tmp_path_factory.mktemp(f"overwritten-{seed}") / "ck"
-        opts = acp.PlanOptions(min_chunk_bytes=2048)
         run_ranks(RANKS, lambda c, p=path, s=seed, m=n: acp.save(p, _state(s, m), comm=c, plan_options=opts))
         out[n] = path
     return out
