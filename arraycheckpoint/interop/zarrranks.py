@@ -72,10 +72,14 @@ class RankWalks:
         if found is None and key not in damaged:
             me = (rank, key)
             wanted: dict[Wanted, None] = self.__dict__.setdefault("_wanted", {})
-            errors: dict[Wanted, BaseException] = self.__dict__.setdefault("_walk_errors", {})
+            # (walk number, error) of a member whose pack failed in another request's walk: only an error of
+            # a walk begun after this request counts (one kept for a request cancelled since is not served to
+            # a later one: that walks again)
+            errors: dict[Wanted, tuple[int, BaseException]] = self.__dict__.setdefault("_walk_errors", {})
+            begun = self.__dict__.get("_walks_begun", 0)
             wanted[me] = None
 
-            async def batch() -> list[Wanted]:
+            async def batch() -> tuple[int, list[Wanted]]:
                 await _settled(wanted)  # the other requests issued with this one have queued their members
                 out = [me] + [
                     w
@@ -83,16 +87,21 @@ class RankWalks:
                     if w != me and w[1] not in self._ranks.get(w[0], {}) and w[1] not in damaged
                 ]
                 wanted.clear()
-                return out
+                number = self.__dict__["_walks_begun"] = self.__dict__.get("_walks_begun", 0) + 1
+                return number, out
+
+            def failed() -> BaseException | None:
+                got = errors.get(me)
+                return got[1] if got is not None and got[0] > begun else None
 
             def done() -> bool:
-                return key in self._ranks.get(rank, {}) or key in damaged or me in errors
+                return key in self._ranks.get(rank, {}) or key in damaged or failed() is not None
 
             try:
                 await self._walking(self._walk_members, done, batch)
             finally:
                 wanted.pop(me, None)
-            error = errors.pop(me, None)
+            error = failed()
             if error is not None:  # its pack failed in another request's walk
                 raise error
             found = self._ranks.get(rank, {}).get(key)
@@ -183,12 +192,14 @@ class RankWalks:
             plan = plans[rank] = (whole, where, groups, set(groups), set(), set())
         return plan  # type: ignore[no-any-return]
 
-    def _walk_members(self, walk: Any, batch: list[Wanted]) -> None:
-        """:meth:`_rank_member` in the walks' thread, for every member of ``batch`` (its caller's first): the
+    def _walk_members(self, walk: Any, numbered: tuple[int, list[Wanted]]) -> None:
+        """:meth:`_rank_member` in the walks' thread, for every member of the batch (its caller's first) of
+        the walk ``numbered`` (``(walk number, batch)``): the
         members of each pack predicted to hold one read and checked, and kept, the packs' ends read ahead
         (object stores). The caller's failure is raised; another's is kept for its own request."""
         from ..audit.ahead import EndReads
 
+        number, batch = numbered
         plans = self.__dict__.setdefault("_rank_plans", {})
         checked = self.__dict__.setdefault("_capacity_checked", set())
         new = [r for r in dict.fromkeys(r for r, _k in batch) if r not in plans and r not in checked]
@@ -229,7 +240,7 @@ class RankWalks:
                 except Exception as e:
                     if i == 0:
                         raise
-                    errors.update(dict.fromkeys(((rank, k) for k in keys), e))
+                    errors.update(dict.fromkeys(((rank, k) for k in keys), (number, e)))
                     break  # the others walk on their own
         finally:
             if walk.ahead is not None:
@@ -247,9 +258,13 @@ class RankWalks:
         # the last pack of the rank read: the rank's other packs too, as a reader of every member reads them
         # (a member in two packs is refused by every reader alike)
         damaged = self._damaged
-        walk.check(
-            rank, reading, directories, deferred, seen=seen, opened=opened, to_end=to_end, damaged=damaged
-        )
+        try:
+            walk.check(
+                rank, reading, directories, deferred, seen=seen, opened=opened, to_end=to_end, damaged=damaged
+            )
+        except BaseException:  # the packs it opened count as read: the rank planned afresh by the next walk,
+            self.__dict__.get("_rank_plans", {}).pop(rank, None)  # which reads them again (never "missing")
+            raise
         self._keep(rank, directories, deferred)
         if key not in self._ranks[rank] and key not in damaged:  # not where predicted, in a pack read before
             directories, deferred = {}, {}  # for another member: every pack of the rank read again
@@ -336,6 +351,7 @@ class _StoreRanges:
             return [k async for k in self.store._base.list_dir(PACK_DIR)]
 
         return self._run(names())  # type: ignore[no-any-return]
+
 
 def forget_listings(base: Any) -> None:
     """Drop what the file system of the zarr store ``base`` (an ``FsspecStore``) cached of its root and
