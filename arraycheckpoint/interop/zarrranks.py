@@ -171,7 +171,7 @@ class RankWalks:
                 if (
                     loop not in counts
                 ):  # one listing of the packs per store (a checkpoint without fill target)
-                    counts[loop] = PackCounts(storage, self._name)
+                    counts[loop] = PackCounts(storage, self._name, self._meta.world_size)
                 walk = RankPacks(storage, self._name, self._meta, holds, parsed, counts[loop])
             return await loop.run_in_executor(pool, work, walk, *args)
 
@@ -342,13 +342,33 @@ class _StoreRanges:
 
         return last, size, read
 
-    def list_packs(self, base: str) -> list[str]:
+    def list_packs(self, base: str, limit: int | None = None) -> list[str] | None:
         """The names in the checkpoint's ``.acp/packs/`` (one listing:
-        :class:`arraycheckpoint.audit.packcount.PackCounts`)."""
+        :class:`arraycheckpoint.audit.packcount.PackCounts`), or None where there are more than ``limit``: an
+        S3 file system (s3fs) is asked for pages up to the one holding the ``limit + 1``-th name, and nothing it
+        lists is cached (a cached listing answered later stores' sizes: :func:`forget_listings`); another file
+        system is listed through zarr's store."""
         from ..planning.packing import PACK_DIR
 
-        async def names() -> list[str]:
-            return [k async for k in self.store._base.list_dir(PACK_DIR)]
+        base_store = self.store._base
+        fs = getattr(base_store, "fs", None)
+        paged = getattr(fs, "_iterdir", None)
+
+        async def names() -> list[str] | None:
+            if paged is not None and limit is not None and hasattr(fs, "split_path"):
+                bucket, key, _ = fs.split_path(f"{base_store.path}/{PACK_DIR}")
+                out: list[str] = []
+                pages = paged(bucket, prefix=key.strip("/") + "/")  # a page is asked for as it is reached
+                try:
+                    async for info in pages:
+                        out.append(str(info.get("name") or info.get("Key", "")))
+                        if len(out) > limit:
+                            return None
+                finally:
+                    await pages.aclose()
+                return out
+            got = [k async for k in base_store.list_dir(PACK_DIR)]
+            return None if limit is not None and len(got) > limit else got
 
         return self._run(names())  # type: ignore[no-any-return]
 
