@@ -11,7 +11,6 @@ Real processes' saves, a real S3 server on loopback (moto), zarr-python reading;
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,8 @@ import pytest
 
 zarr = pytest.importorskip("zarr")
 pytest.importorskip("s3fs", reason="s3fs is not installed (the 'dev' extra lists it)")
+
+from ends_helpers import upload  # noqa: E402
 
 import arraycheckpoint as acp  # noqa: E402
 from arraycheckpoint.zarr import checkpoint_store  # noqa: E402
@@ -51,16 +52,7 @@ def _upload(s3: Any, local: Path, prefix: str, untargeted: bool) -> None:
     """``local`` at ``prefix``, replacing what was there; ``untargeted``: no fill target in the metadata."""
     for key in s3.keys(prefix + "/"):
         s3.client.delete_object(Bucket=s3.bucket, Key=key)
-    for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        rel = path.relative_to(local).as_posix()
-        body = path.read_bytes()
-        if untargeted and rel == ".acp/metadata.json":
-            doc = json.loads(body)
-            for t in doc["tensors"].values():
-                if t.get("pack"):
-                    t["pack"] = t["pack"].partition("@")[0]
-            body = json.dumps(doc).encode()
-        s3.client.put_object(Bucket=s3.bucket, Key=f"{prefix}/{rel}", Body=body)
+    upload(s3, local, untargeted=untargeted, prefix=prefix)
 
 
 def _read(url: str, endpoint: str) -> dict[str, np.ndarray]:
