@@ -238,6 +238,7 @@ class RankPacks:
         seen: set[str] | None = None,
         opened: set[int] | None = None,
         to_end: bool = False,
+        damaged: dict[str, CorruptCheckpointError] | None = None,
     ) -> dict[str, int | None]:
         """Read and check ``rank``'s packs holding the members ``reading`` (see the class docstring and
         :func:`check_rank_packs` for ``directories`` and ``deferred``); ``pack key -> size`` of those read.
@@ -245,7 +246,11 @@ class RankPacks:
         A reader checking a rank pack by pack over several calls (the zarr store) passes the same ``seen``
         (members found in the packs read so far: none twice across them) and ``opened`` (the indices of those
         packs, not read again) to each, and ``to_end`` with the last: the rank's other packs are read too (those
-        its save wrote), as when every member is read at once."""
+        its save wrote), as when every member is read at once. With ``damaged``, a member read whose own entry
+        is damaged (compressed, oversized: :func:`_check_rank_pack_members`) is put there (member -> the error
+        naming its array) and left out, and the pack's other members are still served: a reader of several
+        arrays at once (the zarr store reads every member of a pack together) refuses an array for its own
+        damage only, as the load of that array alone does."""
         from ..planning.packing import pack_key
 
         meta, base = self.meta, self.base
@@ -265,6 +270,7 @@ class RankPacks:
             reading=wanted,
             seen=seen,
             separator=self.separator,
+            damaged=damaged,
         )
         # the packs the metadata says hold what is read (packing.PackFill) first; every pack of the rank, in
         # order, only when a member read is not there, or every member is read: then up to the last one its
@@ -360,10 +366,12 @@ def _check_rank_pack_members(
     seen: set[str],
     separator: str,
     where: str,
+    damaged: dict[str, CorruptCheckpointError] | None = None,
 ) -> list[PackMember]:
     """Check the directory ``entries`` of one of ``rank``'s packs (``where``) against the metadata (see
     :func:`check_rank_packs`); ``seen`` collects the member names over all of that rank's packs. Returns the
-    entries read, whose local headers the caller checks next."""
+    entries read, whose local headers the caller checks next. A member read whose entry is damaged
+    (compressed, oversized) raises, naming its array, or with ``damaged`` is put there and left out."""
     checked: list[PackMember] = []
     tensors = meta.tensors
     # the chunk key of a one-chunk array (every small tensor), per grid: its only member besides zarr.json,
@@ -411,7 +419,10 @@ def _check_rank_pack_members(
                     _check_member(e, array, where, limit)  # raises, saying which
                 except CorruptCheckpointError as err:  # the damage is this array's, not the pack's others'
                     err.tensors = {array: str(err)}  # type: ignore[attr-defined]
-                    raise
+                    if damaged is None:
+                        raise
+                    damaged[name] = err
+                    continue
             checked.append(e)
         # a member not read is never inflated nor sized from: a damaged entry of it (compressed, oversized)
         # concerns its own array alone, as damaged bytes of it would; readers of every member refuse it

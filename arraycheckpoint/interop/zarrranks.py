@@ -67,31 +67,54 @@ class RankWalks:
         key is built per chunk). A member not where predicted, or a checkpoint that records no fill target:
         the rank's packs in order, up to the one holding it (every pack when none predicts a member). The
         members other requests ask for meanwhile are walked with it, their packs' ends read ahead."""
+        damaged = self._damaged
         found = self._ranks.get(rank, {}).get(key)
-        if found is None:
+        if found is None and key not in damaged:
             me = (rank, key)
             wanted: dict[Wanted, None] = self.__dict__.setdefault("_wanted", {})
-            errors: dict[Wanted, BaseException] = self.__dict__.setdefault("_walk_errors", {})
+            # (walk number, error) of a member whose pack failed in another request's walk: only an error of
+            # a walk begun after this request counts (one kept for a request cancelled since is not served to
+            # a later one: that walks again)
+            errors: dict[Wanted, tuple[int, BaseException]] = self.__dict__.setdefault("_walk_errors", {})
+            begun = self.__dict__.get("_walks_begun", 0)
             wanted[me] = None
 
-            async def batch() -> list[Wanted]:
+            async def batch() -> tuple[int, list[Wanted]]:
                 await _settled(wanted)  # the other requests issued with this one have queued their members
-                out = [me] + [w for w in wanted if w != me and w[1] not in self._ranks.get(w[0], {})]
+                out = [me] + [
+                    w
+                    for w in wanted
+                    if w != me and w[1] not in self._ranks.get(w[0], {}) and w[1] not in damaged
+                ]
                 wanted.clear()
-                return out
+                number = self.__dict__["_walks_begun"] = self.__dict__.get("_walks_begun", 0) + 1
+                return number, out
+
+            def failed() -> BaseException | None:
+                got = errors.get(me)
+                return got[1] if got is not None and got[0] > begun else None
 
             def done() -> bool:
-                return key in self._ranks.get(rank, {}) or me in errors
+                return key in self._ranks.get(rank, {}) or key in damaged or failed() is not None
 
             try:
                 await self._walking(self._walk_members, done, batch)
             finally:
                 wanted.pop(me, None)
-            error = errors.pop(me, None)
+            error = failed()
             if error is not None:  # its pack failed in another request's walk
                 raise error
             found = self._ranks.get(rank, {}).get(key)
+        if found is None and key in damaged:  # its own entry is damaged: this array's requests fail alone
+            raise damaged[key]
         return found
+
+    @property
+    def _damaged(self) -> dict[str, BaseException]:
+        """Members whose own directory entry is damaged (compressed, oversized), each with the error naming
+        its array: the walk serves the pack's other members (:meth:`RankPacks.check
+        <arraycheckpoint.audit.rankpacks.RankPacks.check>`), and every request for one of these fails."""
+        return self.__dict__.setdefault("_damaged_members", {})  # type: ignore[no-any-return]
 
     async def _capacity(self, name: str) -> None:
         """Format 6: the packs of the ranks writing chunks of ``name`` can hold what they hold
@@ -148,7 +171,7 @@ class RankWalks:
                 if (
                     loop not in counts
                 ):  # one listing of the packs per store (a checkpoint without fill target)
-                    counts[loop] = PackCounts(storage, self._name)
+                    counts[loop] = PackCounts(storage, self._name, self._meta.world_size)
                 walk = RankPacks(storage, self._name, self._meta, holds, parsed, counts[loop])
             return await loop.run_in_executor(pool, work, walk, *args)
 
@@ -169,12 +192,14 @@ class RankWalks:
             plan = plans[rank] = (whole, where, groups, set(groups), set(), set())
         return plan  # type: ignore[no-any-return]
 
-    def _walk_members(self, walk: Any, batch: list[Wanted]) -> None:
-        """:meth:`_rank_member` in the walks' thread, for every member of ``batch`` (its caller's first): the
+    def _walk_members(self, walk: Any, numbered: tuple[int, list[Wanted]]) -> None:
+        """:meth:`_rank_member` in the walks' thread, for every member of the batch (its caller's first) of
+        the walk ``numbered`` (``(walk number, batch)``): the
         members of each pack predicted to hold one read and checked, and kept, the packs' ends read ahead
         (object stores). The caller's failure is raised; another's is kept for its own request."""
         from ..audit.ahead import EndReads
 
+        number, batch = numbered
         plans = self.__dict__.setdefault("_rank_plans", {})
         checked = self.__dict__.setdefault("_capacity_checked", set())
         new = [r for r in dict.fromkeys(r for r, _k in batch) if r not in plans and r not in checked]
@@ -215,7 +240,7 @@ class RankWalks:
                 except Exception as e:
                     if i == 0:
                         raise
-                    errors.update(dict.fromkeys(((rank, k) for k in keys), e))
+                    errors.update(dict.fromkeys(((rank, k) for k in keys), (number, e)))
                     break  # the others walk on their own
         finally:
             if walk.ahead is not None:
@@ -232,11 +257,18 @@ class RankWalks:
         deferred: dict[str, dict[str, int]] = {}
         # the last pack of the rank read: the rank's other packs too, as a reader of every member reads them
         # (a member in two packs is refused by every reader alike)
-        walk.check(rank, reading, directories, deferred, seen=seen, opened=opened, to_end=to_end)
+        damaged = self._damaged
+        try:
+            walk.check(
+                rank, reading, directories, deferred, seen=seen, opened=opened, to_end=to_end, damaged=damaged
+            )
+        except BaseException:  # the packs it opened count as read: the rank planned afresh by the next walk,
+            self.__dict__.get("_rank_plans", {}).pop(rank, None)  # which reads them again (never "missing")
+            raise
         self._keep(rank, directories, deferred)
-        if key not in self._ranks[rank]:  # not where predicted, in a pack read before for another member:
-            directories, deferred = {}, {}  # every pack of the rank read again (a damaged or foreign layout)
-            walk.check(rank, whole, directories, deferred)
+        if key not in self._ranks[rank] and key not in damaged:  # not where predicted, in a pack read before
+            directories, deferred = {}, {}  # for another member: every pack of the rank read again
+            walk.check(rank, whole, directories, deferred, damaged=damaged)  # (a damaged or foreign layout)
             self._keep(rank, directories, deferred)
 
     def _keep(
@@ -310,12 +342,54 @@ class _StoreRanges:
 
         return last, size, read
 
-    def list_packs(self, base: str) -> list[str]:
+    def list_packs(self, base: str, limit: int | None = None) -> list[str] | None:
         """The names in the checkpoint's ``.acp/packs/`` (one listing:
-        :class:`arraycheckpoint.audit.packcount.PackCounts`)."""
+        :class:`arraycheckpoint.audit.packcount.PackCounts`), or None where there are more than ``limit``: an
+        S3 file system (s3fs) is asked for pages up to the one holding the ``limit + 1``-th name, and nothing it
+        lists is cached (a cached listing answered later stores' sizes: :func:`forget_listings`); another file
+        system is listed through zarr's store."""
         from ..planning.packing import PACK_DIR
 
-        async def names() -> list[str]:
-            return [k async for k in self.store._base.list_dir(PACK_DIR)]
+        base_store = self.store._base
+        fs = getattr(base_store, "fs", None)
+        paged = getattr(fs, "_iterdir", None)
+
+        async def names() -> list[str] | None:
+            if paged is not None and limit is not None and hasattr(fs, "split_path"):
+                bucket, key, _ = fs.split_path(f"{base_store.path}/{PACK_DIR}")
+                out: list[str] = []
+                pages = paged(bucket, prefix=key.strip("/") + "/")  # a page is asked for as it is reached
+                try:
+                    async for info in pages:
+                        out.append(str(info.get("name") or info.get("Key", "")))
+                        if len(out) > limit:
+                            return None
+                finally:
+                    await pages.aclose()
+                return out
+            got = [k async for k in base_store.list_dir(PACK_DIR)]
+            return None if limit is not None and len(got) > limit else got
 
         return self._run(names())  # type: ignore[no-any-return]
+
+
+def forget_listings(base: Any) -> None:
+    """Drop what the file system of the zarr store ``base`` (an ``FsspecStore``) cached of its root and
+    everything below: opened again on a checkpoint since overwritten at the same URL, a store took the sizes
+    of its packs from the listing an earlier store made (s3fs keeps listings on a file system object reused
+    for the same options, for the life of the process) and refused the new packs as damaged. A store sees the
+    checkpoint as it is when it opens; any other store: nothing to drop."""
+    fs, path = getattr(base, "fs", None), getattr(base, "path", None)
+    if fs is None or not isinstance(path, str):
+        return
+    root = path.rstrip("/")
+    for each in (fs, getattr(fs, "sync_fs", None)):  # zarr wraps a synchronous file system
+        cache = getattr(each, "dircache", None)
+        if cache is None:
+            continue
+        try:
+            each.invalidate_cache(root)  # the root and its parents
+            for key in [k for k in list(cache) if isinstance(k, str) and k.startswith(root + "/")]:
+                cache.pop(key, None)
+        except Exception:  # noqa: BLE001 - a file system without a cache, or one that cannot drop it
+            pass

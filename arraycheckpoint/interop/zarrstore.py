@@ -66,6 +66,7 @@ from .zarrfiles import (
 )
 from .zarrkeys import KeyRouting
 from .zarrpacks import _Member, _Pack, _PackFiles
+from .zarrranks import forget_listings
 
 __all__ = ["CheckpointStore", "checkpoint_store"]
 
@@ -163,6 +164,7 @@ class CheckpointStore(KeyRouting, Store):
         """Open ``base`` (a zarr store rooted at a checkpoint), read and validate the checkpoint's metadata."""
         if not base._is_open:
             await base._open()
+        forget_listings(base)  # nothing cached of an earlier checkpoint at this URL
         where = local_root or _display(base)
         for files in CONTROL_LAYOUTS:
             if await _control_read(base, local_root, files.committed, 1 << 20) is not None:

@@ -32,11 +32,17 @@ def save_packs(path: Path) -> Path:
     return path
 
 
-def upload(s3_server: Any, local: Path, damage: str | None = None, untargeted: bool = False) -> str:
-    """The checkpoint ``local`` under a fresh prefix; ``damage``: a pack whose end record is cut;
-    ``untargeted``: its metadata records no fill target (``.acp/packs/<rank>``, as the first format-6 code
-    wrote it)."""
-    prefix = f"ends-{uuid.uuid4().hex[:8]}"
+def upload(
+    s3_server: Any,
+    local: Path,
+    damage: str | None = None,
+    untargeted: bool = False,
+    prefix: str | None = None,
+) -> str:
+    """The checkpoint ``local`` under ``prefix`` (a fresh one when None); ``damage``: a pack whose end record is
+    cut; ``untargeted``: its metadata records no fill target (``.acp/packs/<rank>``, as the first format-6
+    code wrote it)."""
+    prefix = prefix or f"ends-{uuid.uuid4().hex[:8]}"
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         rel = path.relative_to(local).as_posix()
         body = path.read_bytes()
