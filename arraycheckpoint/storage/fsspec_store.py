@@ -216,9 +216,12 @@ class FsspecStorage(Storage):
     def _find_sizes(self, base: str) -> dict[str, int | None]:
         """Every file below ``base`` (fsspec paths) with its listed size (None where the file system has none)."""
         self._forget(base)
-        if not self.fs.exists(base):
-            return {}
-        found = self.fs.find(base, detail=True)
+        try:
+            if not self.fs.exists(base):
+                return {}
+            found = self.fs.find(base, detail=True)
+        finally:  # nor is this listing left for another reader of the process to trust later
+            self._forget(base)
         for p, info in found.items():
             # file systems with links (local://, sftp, hdfs): only regular files are read, links never followed
             if isinstance(info, dict) and (info.get("islink") or info.get("type", "file") != "file"):
@@ -430,9 +433,12 @@ class FsspecStorage(Storage):
 
         def op() -> list[str]:
             self._forget(base)
-            if not self.fs.isdir(base):
-                return []
-            return sorted(self._strip(p).rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
+            try:
+                if not self.fs.isdir(base):
+                    return []
+                return sorted(self._strip(p).rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
+            finally:  # nor is this listing left for another reader of the process to trust later
+                self._forget(base)
 
         return self._retry("list", base, op)
 
