@@ -119,17 +119,16 @@ def _check_content_range(header: str | None, url: str, start: int, stop: int | N
     else:
         first, last = int(m[1]), int(m[2])
         total = None if m[3] == "*" else int(m[3])
-        if start >= 0:
-            want_first, want_last = start, None if stop is None else stop - 1
-        else:  # a suffix: the object's last bytes
-            want_first = None if total is None else max(0, total + start)
-            want_last = None if total is None else total - 1
-        if want_first is not None and first != want_first:
+        want_first, want_last = _wanted(start, stop, total)
+        if want_first is None or want_last is None:  # a reply short of the range could not be told apart
+            why = f"its Content-Range is {header!r}: the object's length is not said, the range cannot be checked"
+        elif first != want_first:
             why = f"it starts at byte {first}, not {want_first}"
-        elif want_last is not None and last > want_last:
+        elif last > want_last:
             why = f"it ends at byte {last}, past {want_last}"
-        elif total is not None and last + 1 < total and want_last is not None and last < want_last:
-            why = f"it ends at byte {last}, short of {want_last} (the object holds {total})"
+        elif last < want_last:
+            held = "" if total is None else f" (the object holds {total})"
+            why = f"it ends at byte {last}, short of {want_last}{held}"
         elif last - first + 1 != got:
             why = f"it says {last - first + 1} bytes, its body held {got}"
     if why is not None:
@@ -137,6 +136,17 @@ def _check_content_range(header: str | None, url: str, start: int, stop: int | N
             f"storage read of {url} failed: the server answered the range asked for with another one ({why}): "
             "the server's reply is not the range asked for"
         )
+
+
+def _wanted(start: int, stop: int | None, total: int | None) -> tuple[int | None, int | None]:
+    """The first and last byte a ``206`` for ``start``, ``stop`` (as :func:`read_range` takes them) must hold,
+    ``total`` the object's length its ``Content-Range`` says (None: ``*``): the range asked for, ended at the
+    object's end where that is known; None where it depends on a length the server did not say."""
+    if start < 0:  # a suffix: the object's last bytes
+        return (None, None) if total is None else (max(0, total + start), total - 1)
+    if total is None:
+        return start, None if stop is None else stop - 1
+    return start, total - 1 if stop is None else min(stop, total) - 1
 
 
 def _too_large(url: str, limit: int) -> StorageError:
