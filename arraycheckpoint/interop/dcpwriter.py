@@ -90,6 +90,18 @@ def _np_dtype(torch_dtype: Any) -> np.dtype[Any]:
     return torch_to_numpy(torch_dtype)
 
 
+def discovery_document() -> bytes:
+    """The content of the DCP discovery file (``.metadata``) a Writer's checkpoint holds: not DCP's pickle, a
+    note naming the format (DCP-style resume discovery only checks that the file exists)."""
+    return json.dumps(
+        {
+            "format": "arraycheckpoint",
+            "note": "an arraycheckpoint checkpoint (this file lets DCP-style resume discovery find it); "
+            "read it with arraycheckpoint.dcp.Reader or arraycheckpoint.load, not FileSystemReader",
+        }
+    ).encode()
+
+
 class Writer(StorageWriter):
     """DCP ``StorageWriter`` that stores arraycheckpoint's format at ``path`` (see the module docstring).
 
@@ -113,6 +125,7 @@ class Writer(StorageWriter):
         self.rank = 0
         self._global: dict[str, Any] = {}
         self._claim: Claim | None = None
+        self._committed = False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._release()  # a claim an earlier save took and never finished (it failed between plan and finish)
@@ -307,10 +320,13 @@ class Writer(StorageWriter):
                     f"DCP save to {final} failed, nothing was committed and the staged files were removed: "
                     + "; ".join(failed)
                 )
+            self._committed = False
             try:
                 self._commit(results, storage, final, staging)
             except BaseException:
-                storage.abort(staging, final)
+                # once committed nothing is removed (written in place, staging is final: abort deletes it all)
+                if not self._committed:
+                    storage.abort(staging, final)
                 raise
         finally:
             self._release()
@@ -380,13 +396,7 @@ class Writer(StorageWriter):
                     tm.shape, numpy_dtype(tm.dtype), tm.chunk_shape, tm.inner_chunk_shape, name=entry
                 )
             ).encode()
-        docs[DISCOVERY_FILE] = json.dumps(
-            {
-                "format": "arraycheckpoint",
-                "note": "an arraycheckpoint checkpoint (this file lets DCP-style resume discovery find it); "
-                "read it with arraycheckpoint.dcp.Reader or arraycheckpoint.load, not FileSystemReader",
-            }
-        ).encode()
+        docs[DISCOVERY_FILE] = discovery_document()
         # written in place (marker stores): DCP's discovery file follows the commit marker, so a save killed
         # before it leaves no step-N/.metadata that a step scan (torchtitan's _find_load_step) takes for a step
         late = {DISCOVERY_FILE: docs.pop(DISCOVERY_FILE)} if storage.commit_strategy == "marker" else {}
@@ -398,10 +408,36 @@ class Writer(StorageWriter):
             if not getattr(storage, "flushes_at_commit", False):  # else the commit's flush covers them
                 storage.flush(staging)
             storage.commit(staging, final, self.overwrite)
+            self._committed = True  # from here on a failure removes nothing (finish)
             for key, data in late.items():
-                storage.write(final, key, data)
+                try:
+                    storage.write(final, key, data)
+                except Exception as e:
+                    raise ArrayCheckpointError(
+                        f"DCP save to {final} is committed (arraycheckpoint.load and acp.dcp.Reader read it) but "
+                        f"its DCP discovery file {key} was not written ({e}): DCP's and torchtitan's step scans "
+                        f"do not find it until it is; write it with "
+                        f"arraycheckpoint.dcp.Writer.write_discovery_file({final!r}), or save the step again"
+                    ) from e
         finally:
-            storage.close_flush(staging)
+            if self._committed:  # the outcome is decided: a failure to let go is logged, never raised
+                from ..engine.coordinate import _cleanup
+
+                _cleanup("close_flush", lambda: storage.close_flush(staging), final)
+            else:
+                storage.close_flush(staging)
+
+    @staticmethod
+    def write_discovery_file(path: str | os.PathLike[str]) -> None:
+        """Write the DCP discovery file (``.metadata``) of the committed checkpoint at ``path`` again: the one
+        a save whose late write of it failed left out (its error names this call). Refuses a path that holds
+        no committed checkpoint (a step scan must never find an uncommitted step)."""
+        storage, final = storage_for(os.fspath(path))
+        if not storage.is_committed(final):
+            raise ArrayCheckpointError(
+                f"{final} holds no committed checkpoint: its {DISCOVERY_FILE} is not written"
+            )
+        storage.write(final, DISCOVERY_FILE, discovery_document())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
