@@ -28,6 +28,7 @@ from ..sources.dcpkeys import DCP_OBJECT, DISCOVERY_FILE, MAX_BYTE_IO, entry_nam
 from ..storage import storage_for
 from .dcpchunks import ChunkWriter
 from .dcpclaim import Claim, follow
+from .dcpdiscovery import discovery_document, write_discovery_file, write_late
 
 try:  # the plug-in needs torch; importing arraycheckpoint does not
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -88,18 +89,6 @@ def _np_dtype(torch_dtype: Any) -> np.dtype[Any]:
     from ..adapters.torch.tensors import numpy_dtype as torch_to_numpy
 
     return torch_to_numpy(torch_dtype)
-
-
-def discovery_document() -> bytes:
-    """The content of the DCP discovery file (``.metadata``) a Writer's checkpoint holds: not DCP's pickle, a
-    note naming the format (DCP-style resume discovery only checks that the file exists)."""
-    return json.dumps(
-        {
-            "format": "arraycheckpoint",
-            "note": "an arraycheckpoint checkpoint (this file lets DCP-style resume discovery find it); "
-            "read it with arraycheckpoint.dcp.Reader or arraycheckpoint.load, not FileSystemReader",
-        }
-    ).encode()
 
 
 class Writer(StorageWriter):
@@ -409,16 +398,7 @@ class Writer(StorageWriter):
                 storage.flush(staging)
             storage.commit(staging, final, self.overwrite)
             self._committed = True  # from here on a failure removes nothing (finish)
-            for key, data in late.items():
-                try:
-                    storage.write(final, key, data)
-                except Exception as e:
-                    raise ArrayCheckpointError(
-                        f"DCP save to {final} is committed (arraycheckpoint.load and acp.dcp.Reader read it) but "
-                        f"its DCP discovery file {key} was not written ({e}): DCP's and torchtitan's step scans "
-                        f"do not find it until it is; write it with "
-                        f"arraycheckpoint.dcp.Writer.write_discovery_file({final!r}), or save the step again"
-                    ) from e
+            write_late(storage, final, late)
         finally:
             if self._committed:  # the outcome is decided: a failure to let go is logged, never raised
                 from ..engine.coordinate import _cleanup
@@ -429,15 +409,9 @@ class Writer(StorageWriter):
 
     @staticmethod
     def write_discovery_file(path: str | os.PathLike[str]) -> None:
-        """Write the DCP discovery file (``.metadata``) of the committed checkpoint at ``path`` again: the one
-        a save whose late write of it failed left out (its error names this call). Refuses a path that holds
-        no committed checkpoint (a step scan must never find an uncommitted step)."""
-        storage, final = storage_for(os.fspath(path))
-        if not storage.is_committed(final):
-            raise ArrayCheckpointError(
-                f"{final} holds no committed checkpoint: its {DISCOVERY_FILE} is not written"
-            )
-        storage.write(final, DISCOVERY_FILE, discovery_document())
+        """Write the DCP discovery file (``.metadata``) of the committed checkpoint at ``path`` again (see
+        :func:`~arraycheckpoint.interop.dcpdiscovery.write_discovery_file`)."""
+        write_discovery_file(path)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
