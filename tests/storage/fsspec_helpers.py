@@ -31,3 +31,14 @@ def http_server(handler: type) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def send_206(handler: Any, whole: bytes, first: int, last: int, total: str) -> None:
+    """Answer on ``handler`` (a ``BaseHTTPRequestHandler``) with a ``206`` of bytes ``first..last`` of
+    ``whole``, its ``Content-Range`` saying that range and ``total`` as the object's length (``*``: unknown)."""
+    body = whole[first : last + 1]
+    handler.send_response(206)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("Content-Range", f"bytes {first}-{last}/{total}")
+    handler.end_headers()
+    handler.wfile.write(body)

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="fsspec's HTTP file system needs aiohttp (s3fs brings it)")
 
-from fsspec_helpers import http_server  # noqa: E402
+from fsspec_helpers import http_server, send_206  # noqa: E402
 
 from arraycheckpoint.errors import StorageError  # noqa: E402
 from arraycheckpoint.storage.fsspec_store import FsspecStorage  # noqa: E402
@@ -49,12 +49,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             first, last = int(m[1]), min(int(m[2] or len(OBJECT) - 1), len(OBJECT) - 1)
         if self.path == "/shifted":
             first, last = max(0, first - 50), max(0, first - 50) + (last - first)
-        body = OBJECT[first : last + 1]
-        self.send_response(206)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Content-Range", f"bytes {first}-{last}/{len(OBJECT)}")
-        self.end_headers()
-        self.wfile.write(body)
+        send_206(self, OBJECT, first, last, str(len(OBJECT)))
 
 
 @pytest.fixture

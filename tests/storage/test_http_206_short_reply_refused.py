@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("aiohttp", reason="fsspec's HTTP file system needs aiohttp (s3fs brings it)")
 
 import fsspec  # noqa: E402
-from fsspec_helpers import http_server  # noqa: E402
+from fsspec_helpers import http_server, send_206  # noqa: E402
 
 from arraycheckpoint.errors import StorageError  # noqa: E402
 from arraycheckpoint.storage.httpread import read_range  # noqa: E402
@@ -44,13 +44,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         last = min(int(m[2] or len(OBJECT) - 1), len(OBJECT) - 1)
         if self.path.startswith("/short"):
             last = min(last, first + 9)
-        body = OBJECT[first : last + 1]
-        total = "*" if self.path.endswith("star") else str(len(OBJECT))
-        self.send_response(206)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Content-Range", f"bytes {first}-{last}/{total}")
-        self.end_headers()
-        self.wfile.write(body)
+        send_206(self, OBJECT, first, last, "*" if self.path.endswith("star") else str(len(OBJECT)))
 
 
 @pytest.fixture
