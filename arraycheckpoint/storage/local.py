@@ -250,8 +250,7 @@ class LocalStorage(Storage):
             os.rename(staging, final)
         except OSError as e:
             if old is not None:
-                os.rename(old, final)
-                os.rmdir(os.path.dirname(old))
+                _put_back(old, final, e)
             raise StorageError(f"storage commit (rename {staging} -> {final}) failed: {e}") from e
         try:  # committed now: a failure from here on must not report it as not committed
             fsync_path(os.path.dirname(final))
@@ -361,7 +360,7 @@ class LocalStorage(Storage):
         # a step's replaced copies newest first: the newest committed one is put back, the older are removed
         for name in sorted(entries, key=lambda n: -names.replaced_time(parent, n)):
             found = names.classify(name)
-            if found is None or names.in_flight(found, name, live):
+            if found is None or names.in_flight(found, name, live, parent):
                 continue
             path = os.path.join(parent, name)
             if found.kind == "lock":  # a crashed save's: removed holding its flock (a newcomer may take it)
@@ -395,6 +394,9 @@ class LocalStorage(Storage):
         try:
             if os.path.lexists(final) or not self.is_committed(old):
                 return False
+            if names.step_locked(final):  # a save in flight (started since the cleanup looked) replaces it
+                log.info("cleanup: kept %s: a save of %s is in flight", old, final)
+                return True
             os.rename(old, final)
         except (OSError, StorageError, CorruptCheckpointError) as e:
             log.warning("cleanup: kept %s, which may be the only committed copy of %s: %s", old, final, e)
@@ -434,6 +436,25 @@ def _refuse_foreign(final: str, is_committed: Any) -> bool:
         "a save replaces only a committed checkpoint (with overwrite=True) and never deletes other files: "
         "choose a new path (e.g. a subdirectory) or move those files away"
     )
+
+
+def _put_back(old: str, final: str, why: OSError) -> None:
+    """Put the checkpoint an overwrite commit moved aside (``old``) back at ``final`` after the commit's own
+    rename failed (``why``).
+
+    Raises:
+        StorageError: it could not go back (something else is at ``final`` now); the message says where it
+            is kept, so it is never lost silently.
+    """
+    try:
+        os.rename(old, final)
+    except OSError as e:
+        raise StorageError(
+            f"storage commit of {final} failed ({why}), and the checkpoint it was replacing could not be put "
+            f"back ({e}): it is kept at {old}; move it back yourself if {final} is not the copy you want"
+        ) from why
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(old))
 
 
 def _check_parents(directory: Path) -> None:

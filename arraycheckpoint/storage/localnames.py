@@ -138,14 +138,27 @@ def live_tokens(parent: str, names: list[str]) -> dict[str, str]:
     return live
 
 
-def in_flight(found: Leftover, name: str, live: dict[str, str]) -> bool:
-    """Whether the leftover ``name`` (``found``) belongs to a save in flight (``live``: :func:`live_tokens`):
-    its lock, its staging, a copy it replaced, or an older version's copy of a step a live save targets."""
+def in_flight(found: Leftover, name: str, live: dict[str, str], parent: str = "") -> bool:
+    """Whether the leftover ``name`` of ``parent`` (``found``) belongs to a save in flight (``live``:
+    :func:`live_tokens`): its lock, its staging, a copy it replaced, or any replaced copy (in a holder
+    ``.acp-old-<token>/<step>``, or an older version's ``<step>.acp-old-...``) of a step a live save targets:
+    that save may be between its two renames, the step absent, and a copy put back there would make its
+    second rename fail."""
     if name in live.values() or (found.token is not None and found.token in live):
         return True
-    if found.step is None:
+    if found.kind != "old":
         return False
-    return {legacy_lock_path(found.step).name, lock_path(found.step).name} & set(live.values()) != set()
+    held = set(live.values())
+    steps = [os.path.basename(final) for _path, final in replaced_copies(parent, name)]
+    return any({legacy_lock_path(step).name, lock_path(step).name} & held for step in steps)
+
+
+def step_locked(final: str) -> bool:
+    """Whether a save in flight (this version's or an older one's) holds the lock of the target ``final``."""
+    return any(
+        os.path.isfile(p) and not os.path.islink(p) and locks.is_live(str(p))
+        for p in (lock_path(final), legacy_lock_path(final))
+    )
 
 
 def replaced_copies(parent: str, name: str) -> list[tuple[str, str]]:
