@@ -86,6 +86,7 @@ class LocalStorage(Storage):
         ``flock`` the kernel drops when the process ends however it ends, so a lock nobody holds is a crashed
         save's and is taken over with a warning naming it and its owner; where the file system has no flock,
         the owner its file names and its lease decide (:mod:`.locks`)."""
+        names.refuse_ours(final)
         lock = self._lock(final)
         _check_parents(lock.parent)
         with locks._HELD_LOCK:
@@ -206,6 +207,7 @@ class LocalStorage(Storage):
         Only a committed checkpoint is ever replaced (and only with ``overwrite``): a directory of the user's
         (``notes.txt``, ``tb_logs/``) is refused, naming what is in it, and kept as it is.
         """
+        names.refuse_ours(final)
         super().check_target(final, overwrite)
         _refuse_foreign(final, self.is_committed)
 

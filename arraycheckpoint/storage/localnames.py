@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UnsafeNameError
 from ..format.metadata import CONTROL_LAYOUTS
 from . import locks
 
@@ -111,6 +112,22 @@ def classify(name: str) -> Leftover | None:
     if m.group("c"):
         return Leftover("old", staging_token(name), m.group("c"))
     return Leftover("lock", None)
+
+
+def refuse_ours(final: str) -> None:
+    """Refuse ``final`` as a save's target when its name is one of ours (:func:`classify`): cleanup would take
+    the checkpoint saved there for a crashed save's leftover, and delete it or put it back elsewhere.
+
+    Raises:
+        UnsafeNameError: naming the path and the names that are reserved.
+    """
+    if classify(os.path.basename(final.rstrip("/"))) is not None:
+        raise UnsafeNameError(
+            f"cannot save to {final}: its name is one arraycheckpoint gives to a save's lock, staging or replaced "
+            f"copies ({LOCK}*, {STAGING}*, {OLD}*, {TRASH}*, and an older version's .<name>.acp-lock, "
+            ".<name>.acp-staging-*, <name>.acp-old-*), which a manager's cleanup removes as a crashed save's "
+            "leftover: choose another name"
+        )
 
 
 def live_tokens(parent: str, names: list[str]) -> dict[str, str]:
