@@ -240,7 +240,7 @@ class TargetClaims:
             for key in reversed(held):
                 try:
                     self.delete_key(final, key)
-                except StorageError as e:  # a leftover of ours (target_state knows it), aged out by the next taker
+                except StorageError as e:  # kept: ours (target_state knows it), the next taker passes it
                     log.warning("could not remove the takeover sentinel %s/%s: %s", final, key, e)
 
     def _take_sentinel(self, final: str, token: str) -> list[str]:

@@ -32,7 +32,10 @@ Commit is the marker strategy. The save lock is created with ``open(path, "xb")`
 an exclusive create (local and memory; s3fs sends it as a ``PutObject`` with ``If-None-Match: *``: of
 several saves one wins); elsewhere it is check-write-verify (best effort: two saves starting within one round
 trip of each other may both proceed). It is no lease: fsspec has no conditional overwrite (``If-Match``) to
-refresh it or take it over safely, so it is never taken over, and a manager's cleanup removes it.
+refresh it, so only the lock of a one-rank save whose process on this host is gone is taken over, by one
+taker at a time: it holds a sentinel ``<final>/.acp-lock.takeover``, created the same exclusive way, while it
+reads the lock again and replaces it (:meth:`~.claims.TargetClaims._replace_dead_lock`); a manager's cleanup
+removes any other.
 """
 
 from __future__ import annotations

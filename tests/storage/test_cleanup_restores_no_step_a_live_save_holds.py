@@ -103,7 +103,9 @@ def test_cleanup_leaves_a_crashed_overwrites_holder_while_a_live_save_overwrites
     assert sorted(os.listdir(tmp_path)) == ["step_5"]
 
 
-def test_an_overwrite_that_cannot_put_the_old_copy_back_says_where_it_is(tmp_path: Path, monkeypatch: Any) -> None:
+def test_an_overwrite_that_cannot_put_the_old_copy_back_says_where_it_is(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
     """When an overwrite's own rename fails and the copy it moved aside cannot go back (something took the
     step meanwhile), the error names where that copy is kept (before: a bare OSError of the put-back)."""
     from arraycheckpoint.storage import local

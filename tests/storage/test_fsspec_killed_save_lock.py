@@ -97,7 +97,9 @@ def test_a_multi_rank_saves_lock_is_refused_naming_how_to_remove_it(url: str) ->
         acp.save(url, {"w": torch.arange(4.0)})
 
 
-def test_of_two_takers_of_a_killed_saves_lock_only_one_holds_it(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_of_two_takers_of_a_killed_saves_lock_only_one_holds_it(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Review23e D3: a taker that read the dead lock and paused, while another took it over, then deleted that
     one's live lock and created its own: both saves held the target. Now a takeover holds a sentinel while it
     reads the lock again and replaces it."""

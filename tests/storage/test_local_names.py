@@ -164,7 +164,14 @@ def test_a_replaced_copy_of_a_save_in_flight_stays_until_that_save_is_gone(tmp_p
 
 
 @pytest.mark.parametrize(
-    "name", [".acp-staging-mine", ".acp-old-mine", ".acp-trash-mine", "step_5.acp-old-x", ".acp-lock-0123456789abcdef"]
+    "name",
+    [
+        ".acp-staging-mine",
+        ".acp-old-mine",
+        ".acp-trash-mine",
+        "step_5.acp-old-x",
+        ".acp-lock-0123456789abcdef",
+    ],
 )
 def test_a_target_named_as_a_leftover_of_ours_is_refused(tmp_path: Path, name: str) -> None:
     """Review23e S2: a checkpoint saved under one of our names was taken by a manager's cleanup for a crashed
