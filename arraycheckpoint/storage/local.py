@@ -392,9 +392,17 @@ class LocalStorage(Storage):
 
     def _restored(self, old: str, final: str) -> bool:
         """Put the committed ``old`` back at ``final`` when nothing is there (a save that replaced it crashed
-        between its two renames); whether it was."""
+        between its two renames); whether it was, or is kept: while a save of ``final`` is in flight, or when
+        ``old`` was committed after what ``final`` holds now (an overwrite whose put-back failed: its error
+        named this copy)."""
         try:
-            if os.path.lexists(final) or not self.is_committed(old):
+            if os.path.lexists(final):
+                if names.committed_time(old) <= names.committed_time(final):
+                    return False  # older than the step's copy: removed
+                log.warning("cleanup: kept %s: it was committed after what %s holds now; move it back "
+                            "yourself if it is the copy you want", old, final)  # fmt: skip
+                return True
+            if not self.is_committed(old):
                 return False
             if names.step_locked(final):  # a save in flight (started since the cleanup looked) replaces it
                 log.info("cleanup: kept %s: a save of %s is in flight", old, final)

@@ -198,12 +198,14 @@ def replaced_copies(parent: str, name: str) -> list[tuple[str, str]]:
 def replaced_time(parent: str, name: str) -> int:
     """When the newest replaced copy in ``name`` was committed (its marker's mtime, ns); 0 for anything
     else or an uncommitted copy."""
-    newest = 0
-    for path, _final in replaced_copies(parent, name):
-        for files in CONTROL_LAYOUTS:
-            try:
-                newest = max(newest, os.stat(os.path.join(path, files.committed)).st_mtime_ns)
-                break
-            except OSError:
-                continue
-    return newest
+    return max((committed_time(path) for path, _final in replaced_copies(parent, name)), default=0)
+
+
+def committed_time(path: str) -> int:
+    """When the checkpoint at ``path`` was committed (its marker's mtime, ns); 0 when it is none."""
+    for files in CONTROL_LAYOUTS:
+        try:
+            return os.stat(os.path.join(path, files.committed)).st_mtime_ns
+        except OSError:
+            continue
+    return 0

@@ -123,6 +123,9 @@ def test_an_overwrite_that_cannot_put_the_old_copy_back_says_where_it_is(
     with pytest.raises(acp.errors.SaveFailedError, match=r"it is kept at .*\.acp-old-[^/]+/step_5"):
         acp.save(str(tmp_path / "step_5"), {"w": np.full(4, 2.0)}, overwrite=True)
     monkeypatch.setattr(local.os, "rename", real)
+    LocalStorage().cleanup_leftovers(
+        str(tmp_path)
+    )  # before: deleted it (a replaced copy of a step that exists)
     (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith(".acp-old-")]
     back = {"w": np.zeros(4)}
     acp.load(str(kept / "step_5"), back)
