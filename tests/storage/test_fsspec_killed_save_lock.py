@@ -161,3 +161,14 @@ def test_a_sentinel_left_by_a_crashed_taker_does_not_block_the_takeover(url: str
     acp.load(url, back)
     assert torch.equal(back["w"], torch.arange(4.0) + 2)
     assert [k for k in storage.children(final) if k.startswith(".acp")] == [".acp"]
+
+
+def test_a_target_holding_only_a_crashed_takers_sentinel_is_saved_to(url: str) -> None:
+    """A sentinel is ours: a target holding one (its taker crashed) is a leftover the next save clears, not
+    the user's objects it refuses."""
+    from arraycheckpoint.storage import lease
+
+    storage, final = storage_for(url)
+    storage.write(final, ".acp-lock.takeover-0123456789abcdef", lease.body("crashed", at=1.0))
+    acp.save(url, {"w": torch.arange(4.0)})
+    assert [k for k in storage.children(final) if k.startswith(".acp-lock")] == []
