@@ -44,7 +44,7 @@ from ..format.metadata import COMMIT_MARKER, CONTROL, CONTROL_DIR, CONTROL_LAYOU
 from . import lease, leftovers
 from .claims import LOCK_KEY as LOCK_KEY
 from .claims import SHOWN_KEYS as SHOWN_KEYS
-from .claims import TargetClaims
+from .claims import TAKEOVER_KEY, TargetClaims
 from .retry import DEFAULT_POLICY, RetryPolicy, is_transient, retry_call
 
 log = logging.getLogger("arraycheckpoint")
@@ -330,7 +330,7 @@ def is_checkpoint_key(key: str) -> bool:
     file (``<name>/c.0.1``; formats 1 and 2: ``<name>/c/0/1``). Entry names never start with ``.``, so a
     user's dot file is never one; a user's own zarr arrays cannot be told apart (never save into a prefix
     holding them)."""
-    if key in _CONTROL_KEYS or key.startswith(CONTROL_DIR + "/"):
+    if key in _CONTROL_KEYS or key.startswith((CONTROL_DIR + "/", TAKEOVER_KEY)):
         return True
     parts = key.split("/")
     if len(parts) < 2 or any(p == "" or p.startswith(".") for p in parts):

@@ -10,6 +10,7 @@ deleted at its own generation on release. File systems override :meth:`TargetCla
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,11 @@ LOCK_KEY = ".acp-lock"
 _NO_VALUE = b"\x02"
 #: How many keys of a save's target a refusal names (the target check lists one more, in one bounded listing).
 SHOWN_KEYS = 10
+#: The sentinel a taker of a crashed save's lock holds (stores without leases), and the prefix of the next
+#: ones made when one is left stale (:meth:`TargetClaims._take_sentinel`).
+TAKEOVER_KEY = LOCK_KEY + ".takeover"
+#: How many stale sentinels a takeover passes before it gives up (each was left by a taker that crashed).
+_TAKEOVER_LINKS = 4
 #: Keys only a checkpoint of ours holds (committed, or left by a crashed save): control files and the lock.
 _OUR_KEYS = frozenset(
     {LOCK_KEY, *(f.metadata for f in CONTROL_LAYOUTS), *(f.committed for f in CONTROL_LAYOUTS)}
@@ -80,7 +86,7 @@ class TargetClaims:
         keys = self.sample(final, SHOWN_KEYS + 1)
         if not keys:
             return "empty"
-        if any(k in _OUR_KEYS or k.startswith(CONTROL_DIR + "/") for k in keys):
+        if any(k in _OUR_KEYS or k.startswith((CONTROL_DIR + "/", TAKEOVER_KEY)) for k in keys):
             return "leftover"
         shown = ", ".join(keys[:SHOWN_KEYS]) + (" and more" if len(keys) > SHOWN_KEYS else "")
         raise CheckpointExistsError(
@@ -217,17 +223,53 @@ class TargetClaims:
 
     def _replace_dead_lock(self, final: str, token: str, body: bytes, raw: bytes) -> bool:
         """Replace the lock ``raw`` of a save whose process is gone (a backend without leases) with this save's
-        ``body``: deleted only while it is still ``raw``, then created as :meth:`acquire` creates it (of
-        several takers, one wins where the store creates exclusively); whether this save holds it now."""
-        if self.read(final, LOCK_KEY) != raw:
+        ``body``, holding a takeover sentinel meanwhile (:meth:`_take_sentinel`: of several takers one holds
+        it, where the store creates exclusively): the lock is read again under it and deleted only while it is
+        still ``raw``, so a taker that judged it dead before another took it over never deletes that one's
+        live lock; whether this save holds it now."""
+        held = self._take_sentinel(final, token)
+        if not held:
             return False
-        self.delete_key(final, LOCK_KEY)
-        self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
-        return self._lock_token(final) == token
+        try:
+            if self.read(final, LOCK_KEY) != raw:
+                return False
+            self.delete_key(final, LOCK_KEY)
+            self._retry("lock", f"{final}/{LOCK_KEY}", lambda: self._create_lock(final, body))
+            return self._lock_token(final) == token
+        finally:
+            for key in reversed(held):
+                try:
+                    self.delete_key(final, key)
+                except StorageError as e:  # kept: ours (target_state knows it), the next taker passes it
+                    log.warning("could not remove the takeover sentinel %s/%s: %s", final, key, e)
+
+    def _take_sentinel(self, final: str, token: str) -> list[str]:
+        """Create the takeover sentinel of ``final``'s lock for the save ``token``; the keys to remove once the
+        takeover is done (the sentinel, and the stale ones passed on the way), or [] when another taker holds
+        it. A stale sentinel (its taker's process gone, or older than a lease: :func:`.leftovers.crashed`) is
+        not deleted (two takers judging it at once would each delete the other's): the next one's name is made
+        from its contents, so every taker that judged the same one races for the same exclusive create."""
+        key, passed = TAKEOVER_KEY, []
+        for _link in range(_TAKEOVER_LINKS):
+            mine = lease.body(token)
+            if self._retry("lock", f"{final}/{key}", lambda k=key, b=mine: self._create_key(final, k, b)):
+                return [*passed, key]
+            seen = self.read(final, key)
+            if seen is None:
+                continue  # removed meanwhile (its takeover is done): create it again
+            if leftovers.crashed(seen) is None:
+                return []  # another taker is at it
+            passed.append(key)
+            key = f"{TAKEOVER_KEY}-{hashlib.sha256(seen).hexdigest()[:16]}"
+        return []
 
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""
-        stamp = self._wait(self._kv(final).write(LOCK_KEY, body, if_equal=_NO_VALUE))
+        return self._create_key(final, LOCK_KEY, body)
+
+    def _create_key(self, final: str, key: str, body: bytes) -> bool:
+        """Create ``<final>/<key>`` only if it is absent; True if this call created it."""
+        stamp = self._wait(self._kv(final).write(key, body, if_equal=_NO_VALUE))
         return bool(stamp.generation)
 
     def _lock_token(self, final: str) -> str | None:

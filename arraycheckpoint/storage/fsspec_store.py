@@ -32,7 +32,10 @@ Commit is the marker strategy. The save lock is created with ``open(path, "xb")`
 an exclusive create (local and memory; s3fs sends it as a ``PutObject`` with ``If-None-Match: *``: of
 several saves one wins); elsewhere it is check-write-verify (best effort: two saves starting within one round
 trip of each other may both proceed). It is no lease: fsspec has no conditional overwrite (``If-Match``) to
-refresh it or take it over safely, so it is never taken over, and a manager's cleanup removes it.
+refresh it, so only the lock of a one-rank save whose process on this host is gone is taken over, by one
+taker at a time: it holds a sentinel ``<final>/.acp-lock.takeover``, created the same exclusive way, while it
+reads the lock again and replaces it (:meth:`~.claims.TargetClaims._replace_dead_lock`); a manager's cleanup
+removes any other.
 """
 
 from __future__ import annotations
@@ -466,9 +469,12 @@ class FsspecStorage(Storage):
         self._retry("delete", path, op)
 
     def _create_lock(self, final: str, body: bytes) -> bool:
+        return self._create_key(final, LOCK_KEY, body)  # no lease (see TargetClaims._leases)
+
+    def _create_key(self, final: str, key: str, body: bytes) -> bool:
         # an exclusive create where the file system has one (local, memory: mode "xb"): a look, then a write,
         # let two saves that looked at once both write and both read their own lock back
-        path = self._rpath(final, LOCK_KEY)
+        path = self._rpath(final, key)
         for _attempt in range(2):
             try:
                 with self.fs.open(path, "xb") as f:
@@ -480,11 +486,11 @@ class FsspecStorage(Storage):
                 self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             except (ValueError, NotImplementedError, TypeError, OSError):  # no exclusive create here
                 break
-        if self.exists(final, LOCK_KEY):
+        if self.exists(final, key):
             return False
-        self.write(final, LOCK_KEY, body)
-        stored = self.read(final, LOCK_KEY) or b"{}"
-        return load_json_bounded(stored, max_bytes=1 << 16, what=f"{final}/{LOCK_KEY}") == json.loads(body)
+        self.write(final, key, body)
+        stored = self.read(final, key) or b"{}"
+        return load_json_bounded(stored, max_bytes=1 << 16, what=f"{final}/{key}") == json.loads(body)
 
 
 def _batches(sizes: dict[str, int | None]) -> list[list[str]]:

@@ -31,16 +31,16 @@ from typing import Any
 
 from ..checks.files import open_below
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MetadataError, StorageError
-from ..format.metadata import COMMIT_MARKER, CONTROL_LAYOUTS
+from ..format.metadata import COMMIT_MARKER
 from . import localnames as names
 from . import locks
 from .base import Storage, check_read_size, read_limit
+from .localtarget import check_parents, put_back, refuse_foreign
+from .localtarget import fsync_path as fsync_path
 
 log = logging.getLogger("arraycheckpoint")
 
 _open_below = open_below  # the shared check of every reader (arraycheckpoint.checks.files)
-#: Root entries that only a checkpoint (committed or left by a crashed save) holds: its control files.
-_CONTROL_NAMES = frozenset(files.metadata.split("/")[0] for files in CONTROL_LAYOUTS)
 _live_tokens = names.live_tokens  # the saves in flight in a directory (module global: the tests' probe)
 _staging_token = names.staging_token
 
@@ -86,8 +86,9 @@ class LocalStorage(Storage):
         ``flock`` the kernel drops when the process ends however it ends, so a lock nobody holds is a crashed
         save's and is taken over with a warning naming it and its owner; where the file system has no flock,
         the owner its file names and its lease decide (:mod:`.locks`)."""
+        names.refuse_ours(final)
         lock = self._lock(final)
-        _check_parents(lock.parent)
+        check_parents(lock.parent)
         with locks._HELD_LOCK:
             held_here = any(path == str(lock) for path, _t in locks._HELD)
         if held_here:  # a save of this process holds it (an async save in flight): never a takeover
@@ -206,8 +207,9 @@ class LocalStorage(Storage):
         Only a committed checkpoint is ever replaced (and only with ``overwrite``): a directory of the user's
         (``notes.txt``, ``tb_logs/``) is refused, naming what is in it, and kept as it is.
         """
+        names.refuse_ours(final)
         super().check_target(final, overwrite)
-        _refuse_foreign(final, self.is_committed)
+        refuse_foreign(final, self.is_committed)
 
     def commit(self, staging: str, final: str, overwrite: bool) -> None:
         token = _staging_token(os.path.basename(staging))
@@ -239,7 +241,7 @@ class LocalStorage(Storage):
         if os.path.lexists(final):
             if not overwrite and self.is_committed(final):
                 raise CheckpointExistsError(f"{final} was committed by someone else during this save")
-            if _refuse_foreign(final, self.is_committed):  # appeared during this save: refused, kept
+            if refuse_foreign(final, self.is_committed):  # appeared during this save: refused, kept
                 os.rmdir(final)  # empty: nothing of anyone's is lost
             else:  # aside, in a holder named after this save (the entry in it says where it goes back)
                 holder = names.old_holder(final, token)
@@ -250,8 +252,7 @@ class LocalStorage(Storage):
             os.rename(staging, final)
         except OSError as e:
             if old is not None:
-                os.rename(old, final)
-                os.rmdir(os.path.dirname(old))
+                put_back(old, final, e)
             raise StorageError(f"storage commit (rename {staging} -> {final}) failed: {e}") from e
         try:  # committed now: a failure from here on must not report it as not committed
             fsync_path(os.path.dirname(final))
@@ -361,7 +362,7 @@ class LocalStorage(Storage):
         # a step's replaced copies newest first: the newest committed one is put back, the older are removed
         for name in sorted(entries, key=lambda n: -names.replaced_time(parent, n)):
             found = names.classify(name)
-            if found is None or names.in_flight(found, name, live):
+            if found is None or names.in_flight(found, name, live, parent):
                 continue
             path = os.path.join(parent, name)
             if found.kind == "lock":  # a crashed save's: removed holding its flock (a newcomer may take it)
@@ -391,10 +392,21 @@ class LocalStorage(Storage):
 
     def _restored(self, old: str, final: str) -> bool:
         """Put the committed ``old`` back at ``final`` when nothing is there (a save that replaced it crashed
-        between its two renames); whether it was."""
+        between its two renames); whether it was, or is kept: while a save of ``final`` is in flight, or when
+        ``old`` was committed after what ``final`` holds now (an overwrite whose put-back failed: its error
+        named this copy)."""
         try:
-            if os.path.lexists(final) or not self.is_committed(old):
+            if os.path.lexists(final):
+                if names.committed_time(old) <= names.committed_time(final):
+                    return False  # older than the step's copy: removed
+                log.warning("cleanup: kept %s: it was committed after what %s holds now; move it back "
+                            "yourself if it is the copy you want", old, final)  # fmt: skip
+                return True
+            if not self.is_committed(old):
                 return False
+            if names.step_locked(final):  # a save in flight (started since the cleanup looked) replaces it
+                log.info("cleanup: kept %s: a save of %s is in flight", old, final)
+                return True
             os.rename(old, final)
         except (OSError, StorageError, CorruptCheckpointError) as e:
             log.warning("cleanup: kept %s, which may be the only committed copy of %s: %s", old, final, e)
@@ -405,57 +417,6 @@ class LocalStorage(Storage):
 
 
 _HELD, _HELD_LOCK = locks._HELD, locks._HELD_LOCK  # this process's held locks (for the conformance suite)
-
-
-def _refuse_foreign(final: str, is_committed: Any) -> bool:
-    """Whether ``final`` is an empty directory; raise if it is anything but that, absent, or a checkpoint
-    (``is_committed(final)``, or an uncommitted one: its control files are there).
-
-    Raises:
-        CheckpointExistsError: ``final`` is a file, a link, or a directory holding what is not a checkpoint
-            (the message lists the first entries).
-    """
-    if not os.path.lexists(final):
-        return False
-    if os.path.islink(final) or not os.path.isdir(final):
-        raise CheckpointExistsError(
-            f"cannot save to {final}: it exists and is not a directory (a file or a link); a save replaces only "
-            "a committed checkpoint: choose another path or remove it"
-        )
-    entries = sorted(os.listdir(final))
-    if not entries:
-        return True
-    if is_committed(final) or any(e in _CONTROL_NAMES for e in entries):
-        return False  # a checkpoint: committed, or an uncommitted save's leftover (its control files show it)
-    shown = [e + ("/" if os.path.isdir(os.path.join(final, e)) else "") for e in entries[:10]]
-    more = f" and {len(entries) - 10} more" if len(entries) > 10 else ""
-    raise CheckpointExistsError(
-        f"cannot save to {final}: the directory exists and is not a checkpoint (it holds {', '.join(shown)}{more}); "
-        "a save replaces only a committed checkpoint (with overwrite=True) and never deletes other files: "
-        "choose a new path (e.g. a subdirectory) or move those files away"
-    )
-
-
-def _check_parents(directory: Path) -> None:
-    """The nearest existing ancestor of ``directory`` (itself included) must be a directory."""
-    for p in (directory, *directory.parents):
-        if os.path.lexists(p):
-            if not os.path.isdir(p):
-                kind = "a regular file" if os.path.isfile(p) else "not a directory"
-                raise StorageError(
-                    f"cannot save under {directory}: {p} is {kind}, not a directory; choose another path or "
-                    "remove that file"
-                )
-            return
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or directory by path (directories: makes renames and creations in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _libc: Any = None

@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UnsafeNameError
 from ..format.metadata import CONTROL_LAYOUTS
 from . import locks
 
@@ -113,6 +114,22 @@ def classify(name: str) -> Leftover | None:
     return Leftover("lock", None)
 
 
+def refuse_ours(final: str) -> None:
+    """Refuse ``final`` as a save's target when its name is one of ours (:func:`classify`): cleanup would take
+    the checkpoint saved there for a crashed save's leftover, and delete it or put it back elsewhere.
+
+    Raises:
+        UnsafeNameError: naming the path and the names that are reserved.
+    """
+    if classify(os.path.basename(final.rstrip("/"))) is not None:
+        raise UnsafeNameError(
+            f"cannot save to {final}: its name is one arraycheckpoint gives to a save's lock, staging or replaced "
+            f"copies ({LOCK}*, {STAGING}*, {OLD}*, {TRASH}*, and an older version's .<name>.acp-lock, "
+            ".<name>.acp-staging-*, <name>.acp-old-*), which a manager's cleanup removes as a crashed save's "
+            "leftover: choose another name"
+        )
+
+
 def live_tokens(parent: str, names: list[str]) -> dict[str, str]:
     """The tokens of the saves in flight under ``parent`` (a lock file not judged crashed: :mod:`.locks`, or
     that this process may not open), mapped to their lock file's name: their staging and replaced copies
@@ -138,14 +155,27 @@ def live_tokens(parent: str, names: list[str]) -> dict[str, str]:
     return live
 
 
-def in_flight(found: Leftover, name: str, live: dict[str, str]) -> bool:
-    """Whether the leftover ``name`` (``found``) belongs to a save in flight (``live``: :func:`live_tokens`):
-    its lock, its staging, a copy it replaced, or an older version's copy of a step a live save targets."""
+def in_flight(found: Leftover, name: str, live: dict[str, str], parent: str = "") -> bool:
+    """Whether the leftover ``name`` of ``parent`` (``found``) belongs to a save in flight (``live``:
+    :func:`live_tokens`): its lock, its staging, a copy it replaced, or any replaced copy (in a holder
+    ``.acp-old-<token>/<step>``, or an older version's ``<step>.acp-old-...``) of a step a live save targets:
+    that save may be between its two renames, the step absent, and a copy put back there would make its
+    second rename fail."""
     if name in live.values() or (found.token is not None and found.token in live):
         return True
-    if found.step is None:
+    if found.kind != "old":
         return False
-    return {legacy_lock_path(found.step).name, lock_path(found.step).name} & set(live.values()) != set()
+    held = set(live.values())
+    steps = [os.path.basename(final) for _path, final in replaced_copies(parent, name)]
+    return any({legacy_lock_path(step).name, lock_path(step).name} & held for step in steps)
+
+
+def step_locked(final: str) -> bool:
+    """Whether a save in flight (this version's or an older one's) holds the lock of the target ``final``."""
+    return any(
+        os.path.isfile(p) and not os.path.islink(p) and locks.is_live(str(p))
+        for p in (lock_path(final), legacy_lock_path(final))
+    )
 
 
 def replaced_copies(parent: str, name: str) -> list[tuple[str, str]]:
@@ -168,12 +198,14 @@ def replaced_copies(parent: str, name: str) -> list[tuple[str, str]]:
 def replaced_time(parent: str, name: str) -> int:
     """When the newest replaced copy in ``name`` was committed (its marker's mtime, ns); 0 for anything
     else or an uncommitted copy."""
-    newest = 0
-    for path, _final in replaced_copies(parent, name):
-        for files in CONTROL_LAYOUTS:
-            try:
-                newest = max(newest, os.stat(os.path.join(path, files.committed)).st_mtime_ns)
-                break
-            except OSError:
-                continue
-    return newest
+    return max((committed_time(path) for path, _final in replaced_copies(parent, name)), default=0)
+
+
+def committed_time(path: str) -> int:
+    """When the checkpoint at ``path`` was committed (its marker's mtime, ns); 0 when it is none."""
+    for files in CONTROL_LAYOUTS:
+        try:
+            return os.stat(os.path.join(path, files.committed)).st_mtime_ns
+        except OSError:
+            continue
+    return 0

@@ -95,3 +95,80 @@ def test_a_multi_rank_saves_lock_is_refused_naming_how_to_remove_it(url: str) ->
     storage.write(final, ".acp-lock", json.dumps(doc).encode())
     with pytest.raises(CheckpointExistsError, match=r"delete_key\(root, '\.acp-lock'\)"):
         acp.save(url, {"w": torch.arange(4.0)})
+
+
+def test_of_two_takers_of_a_killed_saves_lock_only_one_holds_it(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review23e D3: a taker that read the dead lock and paused, while another took it over, then deleted that
+    one's live lock and created its own: both saves held the target. Now a takeover holds a sentinel while it
+    reads the lock again and replaces it."""
+    import inspect
+    import threading
+
+    _killed_save(url)
+    sa, final = storage_for(url)
+    sb, _ = storage_for(url)
+    a_done, b_paused = threading.Event(), threading.Event()
+    real_read = type(sb).read
+
+    def read(self: object, root: str, key: str, *a: object, **k: object) -> object:
+        out = real_read(self, root, key, *a, **k)
+        if self is sb and key == ".acp-lock" and inspect.stack()[1].function == "_replace_dead_lock":
+            b_paused.set()
+            a_done.wait(30)  # B read the dead lock again; A takes it over meanwhile
+        return out
+
+    monkeypatch.setattr(type(sb), "read", read)
+    results: dict[str, str] = {}
+
+    def take(token: str, storage: object) -> None:
+        try:
+            storage.acquire(final, token)  # type: ignore[attr-defined]
+            results[token] = "acquired"
+        except CheckpointExistsError:
+            results[token] = "refused"
+        finally:
+            if token == "tokA":
+                a_done.set()
+
+    b = threading.Thread(target=take, args=("tokB", sb))
+    b.start()
+    assert b_paused.wait(60)
+    take("tokA", sa)
+    b.join()
+    assert sorted(results.values()) == ["acquired", "refused"]  # before: both acquired
+    winner = [t for t, r in results.items() if r == "acquired"][0]
+    assert sa._lock_token(final) == winner
+    assert [k for k in sa.children(final) if k.startswith(".acp-lock.takeover")] == []
+
+
+def test_a_sentinel_left_by_a_crashed_taker_does_not_block_the_takeover(url: str) -> None:
+    """A taker that crashed holding the sentinel: once it is stale (older than a lease) the next taker makes
+    the next one and takes the lock over; a fresh one (a taker at it) refuses."""
+    import time
+
+    from arraycheckpoint.storage import lease
+
+    _killed_save(url)
+    storage, final = storage_for(url)
+    storage.write(final, ".acp-lock.takeover", lease.body("busy"))
+    with pytest.raises(CheckpointExistsError):
+        acp.save(url, {"w": torch.arange(4.0)})
+    storage.write(final, ".acp-lock.takeover", lease.body("crashed", at=time.time() - 10_000))
+    acp.save(url, {"w": torch.arange(4.0) + 2})
+    back = {"w": torch.zeros(4)}
+    acp.load(url, back)
+    assert torch.equal(back["w"], torch.arange(4.0) + 2)
+    assert [k for k in storage.children(final) if k.startswith(".acp")] == [".acp"]
+
+
+def test_a_target_holding_only_a_crashed_takers_sentinel_is_saved_to(url: str) -> None:
+    """A sentinel is ours: a target holding one (its taker crashed) is a leftover the next save clears, not
+    the user's objects it refuses."""
+    from arraycheckpoint.storage import lease
+
+    storage, final = storage_for(url)
+    storage.write(final, ".acp-lock.takeover-0123456789abcdef", lease.body("crashed", at=1.0))
+    acp.save(url, {"w": torch.arange(4.0)})
+    assert [k for k in storage.children(final) if k.startswith(".acp-lock")] == []

@@ -161,3 +161,23 @@ def test_a_replaced_copy_of_a_save_in_flight_stays_until_that_save_is_gone(tmp_p
     back = {"w": np.zeros(3, dtype=np.int64)}
     acp.load(str(tmp_path / "step-7"), back)
     assert np.array_equal(back["w"], np.full(3, 7))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        ".acp-staging-mine",
+        ".acp-old-mine",
+        ".acp-trash-mine",
+        "step_5.acp-old-x",
+        ".acp-lock-0123456789abcdef",
+    ],
+)
+def test_a_target_named_as_a_leftover_of_ours_is_refused(tmp_path: Path, name: str) -> None:
+    """Review23e S2: a checkpoint saved under one of our names was taken by a manager's cleanup for a crashed
+    save's leftover and deleted (or "restored" to another step). Such a target is refused, naming it, and
+    nothing is written."""
+    with pytest.raises(acp.errors.UnsafeNameError, match=re.escape(str(tmp_path / name))):
+        acp.save(str(tmp_path / name), {"w": np.ones(3)})
+    assert os.listdir(tmp_path) == []
+    assert LocalStorage().cleanup_leftovers(str(tmp_path)) == []
