@@ -261,7 +261,13 @@ class TargetClaims:
                 return []  # another taker is at it
             passed.append(key)
             key = f"{TAKEOVER_KEY}-{hashlib.sha256(seen).hexdigest()[:16]}"
-        return []
+        stale = ", ".join(f"{final}/{k}" for k in passed)
+        raise CheckpointExistsError(
+            f"cannot take over the lock of {final}: its holder is gone, but {len(passed)} takers of it crashed "
+            f"in turn and left their takeover sentinels ({stale}); no live save holds them. Delete them and "
+            f"{final}/{LOCK_KEY} (storage, root = arraycheckpoint.storage.storage_for(path); "
+            "storage.delete_key(root, key) for each), then save again"
+        )
 
     def _create_lock(self, final: str, body: bytes) -> bool:
         """Create ``<final>/.acp-lock`` only if it is absent; True if this call created it."""

@@ -66,7 +66,13 @@ async def _read(fs: Any, url: str, start: int, stop: int | None, limit: int) -> 
                     f"storage read of {url} failed: the server answered a range of {asked} bytes with more: "
                     "the server's reply is not the range asked for"
                 )
-            _check_content_range(r.headers.get("Content-Range"), url, start, stop, len(data))
+            end = _check_content_range(r.headers.get("Content-Range"), url, start, stop, len(data))
+            if end is not None and not await _ends_at(session, fs, url, end, kw, headers):
+                raise StorageError(
+                    f"storage read of {url} failed: the server answered the range asked for with a shorter one "
+                    f"(it ends at byte {end - 1} and the object goes on): the server's reply is not the range "
+                    "asked for"
+                )
             return data
         # the whole object: read to the range's end, no further
         if start < 0:
@@ -108,10 +114,24 @@ async def _tail(r: Any, n: int, limit: int, url: str) -> bytes:
             del kept[: len(kept) - n]
 
 
-def _check_content_range(header: str | None, url: str, start: int, stop: int | None, got: int) -> None:
+async def _ends_at(
+    session: Any, fs: Any, url: str, end: int, kw: dict[str, Any], headers: dict[str, Any]
+) -> bool:
+    """Whether the object at ``url`` ends at byte ``end`` (exclusive): a range starting there is refused as
+    past its end (416). Asked once, where a ``206`` said no length (``*``) and held less than the range."""
+    r = await session.get(fs.encode_url(url), headers={**headers, "Range": f"bytes={end}-"}, **kw)
+    try:
+        return bool(r.status == 416)
+    finally:
+        r.close()
+
+
+def _check_content_range(header: str | None, url: str, start: int, stop: int | None, got: int) -> int | None:
     """Refuse a ``206`` reply whose ``Content-Range`` (``header``) is not the range asked for (``start``,
     ``stop`` as :func:`read_range` takes them) or not the ``got`` bytes its body held: a server answering
-    another range would have its bytes read as the ones asked for (at the wrong offset)."""
+    another range would have its bytes read as the ones asked for (at the wrong offset). Returns None, or,
+    where the server said no length (``*``) and the reply holds less than the range (or the range is open),
+    the byte after the reply's last: the reply is the range only if the object ends there (the caller asks)."""
     m = _CONTENT_RANGE.fullmatch((header or "").strip())
     why = None
     if m is None:
@@ -120,22 +140,26 @@ def _check_content_range(header: str | None, url: str, start: int, stop: int | N
         first, last = int(m[1]), int(m[2])
         total = None if m[3] == "*" else int(m[3])
         want_first, want_last = _wanted(start, stop, total)
-        if want_first is None or want_last is None:  # a reply short of the range could not be told apart
-            why = f"its Content-Range is {header!r}: the object's length is not said, the range cannot be checked"
+        if (
+            total is None and start < 0
+        ):  # a suffix of an object of unsaid length: its last bytes, if it ends here
+            want_first = max(0, last + 1 + start)
+        if last - first + 1 != got:
+            why = f"it says {last - first + 1} bytes, its body held {got}"
         elif first != want_first:
             why = f"it starts at byte {first}, not {want_first}"
-        elif last > want_last:
+        elif want_last is not None and last > want_last:
             why = f"it ends at byte {last}, past {want_last}"
-        elif last < want_last:
-            held = "" if total is None else f" (the object holds {total})"
-            why = f"it ends at byte {last}, short of {want_last}{held}"
-        elif last - first + 1 != got:
-            why = f"it says {last - first + 1} bytes, its body held {got}"
+        elif total is None and (want_last is None or last < want_last):
+            return last + 1  # the object's length unsaid: the reply is the range only if the object ends here
+        elif want_last is not None and last < want_last:
+            why = f"it ends at byte {last}, short of {want_last} (the object holds {total})"
     if why is not None:
         raise StorageError(
             f"storage read of {url} failed: the server answered the range asked for with another one ({why}): "
             "the server's reply is not the range asked for"
         )
+    return None
 
 
 def _wanted(start: int, stop: int | None, total: int | None) -> tuple[int | None, int | None]:

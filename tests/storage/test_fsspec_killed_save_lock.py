@@ -11,6 +11,7 @@ refusal says how to remove it.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,31 @@ def test_a_target_holding_only_a_crashed_takers_sentinel_is_saved_to(url: str) -
     storage.write(final, ".acp-lock.takeover-0123456789abcdef", lease.body("crashed", at=1.0))
     acp.save(url, {"w": torch.arange(4.0)})
     assert [k for k in storage.children(final) if k.startswith(".acp-lock")] == []
+
+
+def test_a_chain_of_crashed_takers_is_refused_naming_their_sentinels(url: str) -> None:
+    """As many crashed takers in a row as a takeover passes: the save is refused naming the stale sentinels and
+    how to remove them (before, review23f D2: "another save is in progress", naming only the dead lock), and
+    once they and the lock are deleted as it says, the save goes through."""
+    import hashlib
+    import time
+
+    from arraycheckpoint.storage import lease
+    from arraycheckpoint.storage.claims import _TAKEOVER_LINKS, TAKEOVER_KEY
+
+    _killed_save(url)
+    storage, final = storage_for(url)
+    key, keys = TAKEOVER_KEY, []
+    for i in range(_TAKEOVER_LINKS):
+        body = lease.body(f"crashed{i}", at=time.time() - 10_000)
+        storage.write(final, key, body)
+        keys.append(key)
+        key = f"{TAKEOVER_KEY}-{hashlib.sha256(body).hexdigest()[:16]}"
+    with pytest.raises(CheckpointExistsError, match=r"crashed in turn.*" + re.escape(keys[-1])):
+        acp.save(url, {"w": torch.arange(4.0)})
+    for k in [*keys, ".acp-lock"]:
+        storage.delete_key(final, k)
+    acp.save(url, {"w": torch.arange(4.0) + 1})
+    back = {"w": torch.zeros(4)}
+    acp.load(url, back)
+    assert torch.equal(back["w"], torch.arange(4.0) + 1)
