@@ -3,9 +3,13 @@ whose lock refreshes stop, deletes that stall, a save taking a lock over once it
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -65,3 +69,25 @@ def stalling_deletes(storage: Any, after: int, resume: threading.Event) -> list[
 
     storage.delete_key = delete_key
     return done
+
+
+_HOLD = """
+import sys, time
+from arraycheckpoint.storage import storage_for
+backend, final = storage_for(sys.argv[1])
+backend.acquire(final, sys.argv[2])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def lock_held(path: str, token: str) -> Iterator[None]:
+    """Another process holds the save lock of ``path`` as the save ``token`` (a live save) while inside."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, path, token], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        yield
+    finally:
+        proc.kill()
+        proc.wait()

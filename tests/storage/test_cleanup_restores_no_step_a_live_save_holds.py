@@ -20,18 +20,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from lease_helpers import lock_held
 
 import arraycheckpoint as acp
 from arraycheckpoint.storage import LocalStorage
-
-HOLD = """
-import sys, time
-from arraycheckpoint.storage import storage_for
-backend, final = storage_for(sys.argv[1])
-backend.acquire(final, "live")
-print("held", flush=True)
-time.sleep(120)
-"""
 
 
 def test_cleanup_leaves_the_copies_of_a_step_a_live_save_replaces(tmp_path: Path) -> None:
@@ -41,20 +33,13 @@ def test_cleanup_leaves_the_copies_of_a_step_a_live_save_replaces(tmp_path: Path
     time.sleep(0.01)  # distinct commit times
     acp.save(str(tmp_path / "step_5"), {"w": np.full(3, 2)})  # the step as committed now
 
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(tmp_path / "step_5")], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with lock_held(str(tmp_path / "step_5"), "live"):
         # the live save's commit: its first rename moved the committed step aside; its second is next
         newest = tmp_path / "step_5.acp-old-.step_5.acp-staging-live"
         os.rename(tmp_path / "step_5", newest)
         LocalStorage().cleanup_leftovers(str(tmp_path))
         assert not (tmp_path / "step_5").exists()  # before: the older copy, put back under the live save
         assert older.is_dir() and newest.is_dir()
-    finally:
-        holder.kill()
-        holder.wait()
     # that save is gone (crashed between its renames): the newest copy is the step's
     LocalStorage().cleanup_leftovers(str(tmp_path))
     back = {"w": np.zeros(3, dtype=np.int64)}

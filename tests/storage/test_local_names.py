@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lease_helpers import lock_held
 
 import arraycheckpoint as acp
 from arraycheckpoint.storage import localnames as names
@@ -128,16 +129,6 @@ def test_a_live_lock_of_an_older_version_is_respected_and_its_leftovers_removed(
     assert sorted(os.listdir(tmp_path)) == ["step-1"]
 
 
-HOLD = """
-import sys, time
-from arraycheckpoint.storage import storage_for
-backend, final = storage_for(sys.argv[1])
-backend.acquire(final, "live-1")
-print("held", flush=True)
-time.sleep(120)
-"""
-
-
 def test_a_replaced_copy_of_a_save_in_flight_stays_until_that_save_is_gone(tmp_path: Path) -> None:
     """A save between its two renames (its lock live): the copy it moved aside (``.acp-old-<its token>``) is
     neither put back nor removed by another job's cleanup; once that save is gone, it is put back."""
@@ -145,16 +136,9 @@ def test_a_replaced_copy_of_a_save_in_flight_stays_until_that_save_is_gone(tmp_p
     holder_dir = tmp_path / f"{names.OLD}live-1"
     holder_dir.mkdir()
     os.rename(tmp_path / "s", holder_dir / "step-7")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(tmp_path / "step-7")], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    with lock_held(str(tmp_path / "step-7"), "live-1"):
         assert LocalStorage().cleanup_leftovers(str(tmp_path)) == []
         assert os.listdir(holder_dir) == ["step-7"] and not (tmp_path / "step-7").exists()
-    finally:
-        proc.kill()
-        proc.wait()
     removed = LocalStorage().cleanup_leftovers(str(tmp_path))
     assert removed == [str(names.lock_path(tmp_path / "step-7"))]  # the holder is put back, not removed
     assert sorted(os.listdir(tmp_path)) == ["step-7"]
